@@ -1,0 +1,20 @@
+"""TokenSpeed's Triton kernels; the runtime imports kernels only through this package."""
+
+from tokenspeed_kernels.activation import silu_and_mul
+from tokenspeed_kernels.decode_attention import default_num_splits, paged_decode_attention
+from tokenspeed_kernels.extend_attention import paged_extend_attention
+from tokenspeed_kernels.kv_cache import write_kv_to_pages
+from tokenspeed_kernels.norm import fused_add_rmsnorm, rmsnorm
+from tokenspeed_kernels.rotary import build_cos_sin_cache, rotary_embedding
+
+__all__ = [
+    "build_cos_sin_cache",
+    "default_num_splits",
+    "fused_add_rmsnorm",
+    "paged_decode_attention",
+    "paged_extend_attention",
+    "rmsnorm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv_to_pages",
+]

@@ -1,0 +1,272 @@
+"""Flag table, part 1: model, HTTP/API, dtype, memory and scheduling, runtime, logging, launcher.
+
+Help text is TokenSpeed's own. The first sentence of each help string is reused in the
+"not supported yet: --flag (...)" message, so it is kept short and self-contained.
+"""
+
+from __future__ import annotations
+
+from tokenspeed.config.flag import (
+    G_API,
+    G_HTTP,
+    G_LAUNCH,
+    G_LOGGING,
+    G_MEMORY,
+    G_MODEL,
+    G_QUANT,
+    G_RUNTIME,
+    Flag,
+    b,
+    c,
+    f,
+    i,
+    j,
+    lst,
+    s,
+)
+
+# The table is laid out by hand, one flag per few lines.
+# fmt: off
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+LOAD_FORMATS = (
+    "auto", "pt", "safetensors", "npcache", "dummy", "gguf", "bitsandbytes", "layered",
+    "sharded_state", "remote", "remote_instance",
+)
+
+MODEL_FLAGS: list[Flag] = [
+    s("--model-path", "Model to serve: a local directory or a Hugging Face style repo ID. "
+      f"It may also be given as the first positional argument. Default: {DEFAULT_MODEL}.",
+      G_MODEL, aliases=("--model",), component="both", implemented=True, metavar="PATH"),
+    s("--tokenizer-path", "Where to load the tokenizer from. Default: the model directory.",
+      G_MODEL, aliases=("--tokenizer",), implemented=True, metavar="PATH"),
+    c("--tokenizer-mode", "Tokenizer flavour: 'auto' prefers a fast tokenizer, 'slow' forces the "
+      "pure-Python one.", G_MODEL, ("auto", "slow"), "auto"),
+    i("--tokenizer-worker-num", "Number of tokenizer worker processes.", G_MODEL, 1, minimum=1),
+    b("--skip-tokenizer-init", "Run without a tokenizer: requests carry token IDs and responses "
+      "return token IDs.", G_MODEL),
+    c("--load-format", "How weights are read from disk. Available now: auto (detect from the "
+      "files), safetensors, gguf, and dummy (random weights, for benchmarking).", G_MODEL,
+      LOAD_FORMATS, "auto", supported=("auto", "safetensors", "gguf", "dummy"),
+      component="worker", implemented=True, metavar="FORMAT"),
+    j("--model-loader-extra-config", "Extra JSON options handed to the weight loader.", G_MODEL,
+      component="worker"),
+    b("--trust-remote-code", "Accepted for compatibility with vLLM and SGLang recipes. TokenSpeed "
+      "never runs Python code shipped inside a model repository, so this switch has no effect.",
+      G_MODEL, component="worker", implemented=True),
+    i("--context-length", "Longest sequence, prompt plus output, in tokens. Default: the maximum "
+      "from the model's config.", G_MODEL, aliases=("--max-model-len",), minimum=1,
+      component="both", implemented=True),
+    b("--is-embedding", "Serve a causal language model as an embedding model.", G_MODEL,
+      component="both"),
+    b("--enable-multimodal", "Turn on image/video/audio inputs for multimodal models.", G_MODEL,
+      component="both"),
+    s("--revision", "Model revision to fetch: a branch, tag or commit. TokenSpeed loads "
+      "local files only, so only the default is accepted.", G_MODEL, component="worker"),
+    c("--model-impl", "Which model implementation to run: TokenSpeed's own or a fallback.",
+      G_MODEL, ("auto", "sglang", "transformers"), "auto", component="worker"),
+    s("--download-dir", "Directory for downloaded weights. TokenSpeed has no hub download yet.",
+      G_MODEL, component="worker", metavar="DIR"),
+]
+
+HTTP_FLAGS: list[Flag] = [
+    s("--host", "Address the HTTP server binds to. Use 0.0.0.0 to listen on all interfaces.",
+      G_HTTP, "127.0.0.1", implemented=True),
+    i("--port", "TCP port of the HTTP server.", G_HTTP, 30000, minimum=1, maximum=65535,
+      implemented=True),
+    b("--skip-server-warmup", "Start serving without first running a warm-up request.", G_HTTP,
+      implemented=True),
+    s("--warmups", "Comma-separated names of custom warm-up routines to run before serving.",
+      G_HTTP),
+    i("--nccl-port", "Port for the NCCL rendezvous between workers. Default: a free port.", G_HTTP,
+      minimum=1, maximum=65535, component="worker"),
+]
+
+API_FLAGS: list[Flag] = [
+    s("--api-key", "Require this key as a bearer token on every API request.", G_API,
+      implemented=True, metavar="KEY"),
+    s("--served-model-name", "Model name reported by /v1/models and expected in requests. "
+      "Default: the model path.", G_API, implemented=True, metavar="NAME"),
+    s("--weight-version", "Free-form version label for the loaded weights.", G_API, "default"),
+    s("--chat-template", "Chat template to use instead of the tokenizer's own: a file path or "
+      "a built-in template name.", G_API, implemented=True, metavar="TEMPLATE"),
+    s("--completion-template", "Template for code-completion (fill-in-the-middle) prompts.",
+      G_API),
+    b("--enable-cache-report", "Report the number of prefix-cached prompt tokens in each "
+      "response's usage block.", G_API),
+    s("--reasoning-parser", "Parser that separates reasoning text from the final answer.",
+      G_API, metavar="NAME"),
+    s("--tool-call-parser", "Parser that extracts OpenAI-style tool calls from model output.",
+      G_API, metavar="NAME"),
+    c("--sampling-defaults", "Where default sampling parameters come from: the model's "
+      "generation config or OpenAI's defaults.", G_API, ("openai", "model"), "model"),
+    s("--tool-server", "Tool server(s) to attach for built-in tool use.", G_API),
+    b("--return-token-ids", "Include token IDs in every response.", G_API),
+    s("--file-storage-pth", "Directory for files uploaded through the API.", G_API),
+]
+
+QUANT_FLAGS: list[Flag] = [
+    c("--dtype", "Precision of weights and activations. 'auto' lets the worker follow the "
+      "checkpoint's dtype. 'half' and 'float' are accepted as float16 and float32.", G_QUANT, ("auto", "float16", "bfloat16", "float32"), "auto",
+      value_aliases={"half": "float16", "float": "float32"}, component="worker",
+      implemented=True),
+    s("--quantization", "Weight quantization method (fp8, awq, gptq, ...).", G_QUANT,
+      component="worker", metavar="METHOD"),
+    s("--quantization-param-path", "JSON file with KV cache scaling factors for FP8 KV cache.",
+      G_QUANT, component="worker", metavar="PATH"),
+    s("--modelopt-quant", "Quantize with NVIDIA ModelOpt using this scheme at load time.",
+      G_QUANT, component="worker"),
+    s("--modelopt-checkpoint-restore-path", "Load an already ModelOpt-quantized checkpoint from "
+      "here.", G_QUANT, component="worker", metavar="PATH"),
+    s("--modelopt-checkpoint-save-path", "Save the ModelOpt-quantized model here.", G_QUANT,
+      component="worker", metavar="PATH"),
+    c("--kv-cache-dtype", "Storage type of the KV cache. 'auto' uses the model dtype.", G_QUANT,
+      ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16"), "auto", component="worker"),
+    b("--enable-fp32-lm-head", "Compute the output logits in float32.", G_QUANT,
+      component="worker"),
+    s("--torchao-config", "Quantize with torchao using this recipe (int8dq, int4wo-128, ...).",
+      G_QUANT, component="worker"),
+]
+
+MEMORY_FLAGS: list[Flag] = [
+    f("--mem-fraction-static", "Fraction of GPU memory TokenSpeed may take for weights plus KV "
+      "cache, between 0 and 1. Default: chosen from the GPU size.", G_MEMORY,
+      aliases=("--gpu-memory-utilization",), minimum=0.0, min_exclusive=True, maximum=1.0,
+      component="worker", implemented=True, metavar="FRACTION"),
+    i("--max-running-requests", "Most requests decoded at the same time. Default: derived from "
+      "the KV cache size.", G_MEMORY, aliases=("--max-num-seqs",), minimum=1, component="both",
+      implemented=True),
+    i("--prefill-max-requests", "Most new requests admitted in one prefill batch.", G_MEMORY,
+      minimum=1),
+    i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected.",
+      G_MEMORY, minimum=1),
+    i("--max-total-tokens", "Size of the KV cache pool in tokens, overriding the size worked out "
+      "from --mem-fraction-static. Mostly for testing.", G_MEMORY, minimum=1, component="both",
+      implemented=True),
+    i("--chunked-prefill-size", "Token budget of one scheduler iteration: long prompts are "
+      "prefilled in chunks of at most this many tokens. vLLM's --max-num-batched-tokens maps "
+      "here. The value -1 (no chunking) is not available yet.", G_MEMORY, 8192,
+      aliases=("--max-num-batched-tokens",), minimum=1, allowed_special=(-1,),
+      unsupported_values=(-1,), implemented=True),
+    i("--max-prefill-tokens", "Most prompt tokens in one prefill batch; a single prompt longer "
+      "than this still runs alone.", G_MEMORY, 16384, minimum=1, implemented=True),
+    c("--schedule-policy", "Order in which waiting requests are admitted: fcfs (arrival order) "
+      "or lpm (longest cached prefix first).", G_MEMORY,
+      ("fcfs", "lpm", "random", "dfs-weight", "lof"), "fcfs", supported=("fcfs", "lpm"),
+      implemented=True),
+    b("--enable-priority-scheduling", "Admit requests by their priority field rather than by "
+      "policy order.", G_MEMORY),
+    b("--schedule-low-priority-values-first", "With priority scheduling, treat smaller priority "
+      "numbers as more urgent.", G_MEMORY),
+    i("--priority-scheduling-preemption-threshold", "Priority gap needed before a new request "
+      "may preempt a running one.", G_MEMORY, 10, minimum=0),
+    f("--schedule-conservativeness", "How cautiously the scheduler admits requests; larger means "
+      "fewer retractions.", G_MEMORY, 1.0, minimum=0.0),
+    i("--page-size", "Tokens per KV cache page (block). Default 16; note SGLang defaults to 1.",
+      G_MEMORY, 16, aliases=("--block-size",), minimum=1, component="both", implemented=True),
+    f("--hybrid-kvcache-ratio", "Split between uniform and hybrid KV buffers for models mixing "
+      "sliding-window and full attention, from 0 to 1.", G_MEMORY, minimum=0.0, maximum=1.0),
+    f("--swa-full-tokens-ratio", "KV tokens kept per sliding-window layer relative to a full "
+      "attention layer.", G_MEMORY, 0.8, minimum=0.0, min_exclusive=True, maximum=1.0),
+    b("--disable-hybrid-swa-memory", "Use one KV layout for sliding-window and full layers.",
+      G_MEMORY),
+    b("--disable-radix-cache", "Turn off prefix caching, the reuse of KV cache between "
+      "requests that share a prompt prefix. vLLM's --no-enable-prefix-caching does the same; "
+      "--enable-prefix-caching keeps it on.", G_MEMORY, aliases=("--no-enable-prefix-caching",),
+      negated=("--enable-prefix-caching",), implemented=True),
+    b("--prefill-only-one-req", "Put at most one request in each prefill batch. Takes a value: "
+      "true or false.", G_MEMORY, takes_value=True),
+]
+
+RUNTIME_FLAGS: list[Flag] = [
+    c("--device", "Where the model runs. 'auto' picks CUDA when a GPU is visible, else CPU.",
+      G_RUNTIME, ("auto", "cuda", "cpu", "xpu", "hpu", "npu", "mps"), "auto",
+      supported=("auto", "cuda", "cpu"), component="worker", implemented=True),
+    i("--stream-interval", "Send streamed output every this many tokens.", G_RUNTIME, 1,
+      minimum=1),
+    b("--stream-output", "Stream output as disjoint segments instead of cumulative text.",
+      G_RUNTIME),
+    i("--random-seed", "Seed for all random number generators, for reproducible sampling.",
+      G_RUNTIME, aliases=("--seed",), minimum=0, component="both", implemented=True),
+    s("--constrained-json-whitespace-pattern", "Regex of whitespace allowed between tokens of "
+      "JSON-constrained output.", G_RUNTIME),
+    b("--constrained-json-disable-any-whitespace", "Force compact JSON in JSON-constrained "
+      "output.", G_RUNTIME),
+    f("--watchdog-timeout", "Abort the server when one forward step takes longer than this many "
+      "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="both"),
+    f("--soft-watchdog-timeout", "Dump debugging state when one forward step takes longer than "
+      "this many seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="both"),
+    i("--dist-timeout", "Timeout in seconds for setting up the distributed process group.",
+      G_RUNTIME, minimum=1, component="worker"),
+    i("--base-gpu-id", "First GPU index to use, for running several servers on one machine.",
+      G_RUNTIME, 0, minimum=0, component="worker"),
+    i("--gpu-id-step", "Stride between the GPU indices used by consecutive workers.", G_RUNTIME,
+      1, minimum=1, component="worker"),
+    b("--sleep-on-idle", "Lower CPU use while no requests are running.", G_RUNTIME),
+    j("--mm-process-config", "JSON options for multimodal preprocessing (image, video, audio).",
+      G_RUNTIME),
+]
+
+LOGGING_FLAGS: list[Flag] = [
+    c("--log-level", "Verbosity of all logs.", G_LOGGING, LOG_LEVELS, "info", casefold=True,
+      component="both", implemented=True),
+    c("--log-level-http", "Verbosity of the HTTP access log. Default: same as --log-level.",
+      G_LOGGING, LOG_LEVELS, casefold=True),
+    b("--log-requests", "Log every request and its response.", G_LOGGING, implemented=True),
+    c("--log-requests-level", "How much of each request --log-requests writes, from 0 "
+      "(metadata) to 3 (full input and output).", G_LOGGING, (0, 1, 2, 3), 2),
+    s("--crash-dump-folder", "Folder for a dump of recent requests when the server crashes.",
+      G_LOGGING, metavar="DIR"),
+    b("--crash-on-nan", "Stop the server when a NaN log-probability appears.", G_LOGGING),
+    b("--show-time-cost", "Log the time spent in instrumented code sections.", G_LOGGING),
+    b("--enable-metrics", "Expose Prometheus metrics at /metrics.", G_LOGGING, implemented=True),
+    b("--enable-metrics-for-all-schedulers", "Record request metrics on every tensor-parallel "
+      "rank, not only rank 0.", G_LOGGING),
+    s("--tokenizer-metrics-custom-labels-header", "HTTP header carrying custom metric labels.",
+      G_LOGGING, "x-custom-labels"),
+    lst("--tokenizer-metrics-allowed-custom-labels", "Custom metric label names that requests "
+        "may set.", G_LOGGING),
+    lst("--bucket-time-to-first-token", "Histogram buckets (seconds) for time to first token.",
+        G_LOGGING, item="float"),
+    lst("--bucket-inter-token-latency", "Histogram buckets (seconds) for inter-token latency.",
+        G_LOGGING, item="float"),
+    lst("--bucket-e2e-request-latency", "Histogram buckets (seconds) for end-to-end latency.",
+        G_LOGGING, item="float"),
+    b("--collect-tokens-histogram", "Record histograms of prompt and generated token counts.",
+      G_LOGGING),
+    lst("--prompt-tokens-buckets", "Bucket rule for the prompt-token histogram.", G_LOGGING),
+    lst("--generation-tokens-buckets", "Bucket rule for the generated-token histogram.",
+        G_LOGGING),
+    f("--gc-warning-threshold-secs", "Warn when a Python garbage collection pause is longer "
+      "than this; 0 turns the warning off.", G_LOGGING, 0.0, minimum=0.0),
+    i("--decode-log-interval", "Write a decode progress line every this many steps.", G_LOGGING,
+      40, minimum=1),
+    b("--enable-request-time-stats-logging", "Log per-request timing breakdowns.", G_LOGGING),
+    j("--kv-events-config", "JSON settings for publishing KV cache events (NVIDIA Dynamo).",
+      G_LOGGING),
+    b("--enable-trace", "Export OpenTelemetry traces.", G_LOGGING),
+    s("--oltp-traces-endpoint", "OpenTelemetry collector address (host:port) for --enable-trace.",
+      G_LOGGING, "localhost:4317"),
+]
+
+LAUNCH_FLAGS: list[Flag] = [
+    s("--config", "Read flags from this YAML file. Keys are flag names without the leading "
+      "dashes, in any accepted spelling; flags on the command line win over the file.",
+      G_LAUNCH, component="cli", implemented=True, metavar="FILE", dest="config_file"),
+    b("--dry-run", "Print the resolved configuration as JSON and exit without serving.",
+      G_LAUNCH, component="cli", implemented=True),
+]
+
+CORE_FLAGS: list[Flag] = [
+    *MODEL_FLAGS,
+    *HTTP_FLAGS,
+    *API_FLAGS,
+    *QUANT_FLAGS,
+    *MEMORY_FLAGS,
+    *RUNTIME_FLAGS,
+    *LOGGING_FLAGS,
+    *LAUNCH_FLAGS,
+]
+# fmt: on

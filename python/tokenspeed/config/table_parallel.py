@@ -1,0 +1,147 @@
+"""Flag table, part 2: parallelism (split TP, DP, PP, EP), multi-node, PD disaggregation.
+
+TokenSpeed splits tensor parallelism by layer family: attention (`--attn-tp-size`, which the
+familiar `--tensor-parallel-size` / `--tp` / `--tp-size` map to), dense MLP (`--dense-tp-size`)
+and MoE (`--moe-tp-size`). Only single-GPU serving (all sizes 1) is built so far.
+"""
+
+from __future__ import annotations
+
+from tokenspeed.config.flag import (
+    G_EP,
+    G_MULTINODE,
+    G_PARALLEL,
+    G_PD,
+    Flag,
+    b,
+    c,
+    f,
+    i,
+    s,
+)
+
+# The table is laid out by hand, one flag per few lines.
+# fmt: off
+PARALLEL_FLAGS: list[Flag] = [
+    i("--tp-size", "Attention tensor-parallel size: GPUs that split each attention layer. "
+      "--tensor-parallel-size, --tp and --attn-tp-size are the same setting; give only one. "
+      "Only 1 works for now.", G_PARALLEL, 1,
+      aliases=("--tensor-parallel-size", "--tp", "--attn-tp-size"), minimum=1, max_supported=1,
+      component="both", implemented=True, metavar="N"),
+    i("--dense-tp-size", "Tensor-parallel size of dense MLP layers, when it differs from "
+      "attention TP.", G_PARALLEL, minimum=1, component="both", metavar="N"),
+    i("--moe-tp-size", "Tensor-parallel size of MoE expert layers, when it differs from "
+      "attention TP.", G_PARALLEL, minimum=1, component="both", metavar="N"),
+    i("--world-size", "Total number of worker processes across all nodes.", G_PARALLEL,
+      minimum=1, component="both", metavar="N"),
+    i("--nprocs-per-node", "Worker processes started on each node.", G_PARALLEL, minimum=1,
+      component="both", metavar="N"),
+    i("--dp-size", "Data-parallel size: number of independent model replicas behind one "
+      "endpoint.", G_PARALLEL, 1, aliases=("--data-parallel-size", "--dp"), minimum=1,
+      component="both", metavar="N"),
+    c("--load-balance-method", "How requests are spread over data-parallel replicas.",
+      G_PARALLEL, ("round_robin", "shortest_queue", "minimum_tokens"), "round_robin"),
+    f("--load-watch-interval", "Seconds between load checks of data-parallel replicas.",
+      G_PARALLEL, 0.1, minimum=0.0, min_exclusive=True),
+    b("--prefill-round-robin-balance", "Balance prefill servers round-robin so decode servers "
+      "can infer the data-parallel rank.", G_PARALLEL),
+    b("--enable-dp-attention", "Run attention data-parallel and the MLP tensor-parallel.",
+      G_PARALLEL, component="both"),
+    b("--enable-dp-lm-head", "Keep the output head data-parallel under DP attention, avoiding "
+      "an all-gather.", G_PARALLEL, component="worker"),
+    i("--pp-size", "Pipeline-parallel size: number of stages the layers are split into.",
+      G_PARALLEL, 1, aliases=("--pipeline-parallel-size",), minimum=1, component="both",
+      metavar="N"),
+    i("--pp-max-micro-batch-size", "Largest micro-batch in pipeline parallelism.", G_PARALLEL,
+      minimum=1, component="both"),
+]
+
+MULTINODE_FLAGS: list[Flag] = [
+    s("--dist-init-addr", "Address (host:port) of rank 0, where all nodes meet to form the process group.",
+      G_MULTINODE, aliases=("--nccl-init-addr",), component="both", metavar="HOST:PORT"),
+    i("--nnodes", "Number of nodes the deployment spans.", G_MULTINODE, 1, minimum=1,
+      component="both"),
+    i("--node-rank", "Index of this node, from 0. Only this differs between nodes.",
+      G_MULTINODE, 0, minimum=0, component="both"),
+]
+
+EP_FLAGS: list[Flag] = [
+    i("--ep-size", "Expert-parallel size: ranks the MoE experts are spread over.", G_EP, 1,
+      aliases=("--expert-parallel-size", "--ep"), minimum=1, component="both", metavar="N"),
+    b("--enable-expert-parallel", "Spread MoE experts over all ranks of the deployment.", G_EP,
+      component="both"),
+    s("--moe-backend", "TokenSpeed MoE kernel family.", G_EP, component="worker"),
+    s("--all2all-backend", "Communication backend for MoE token dispatch across ranks.", G_EP,
+      component="worker"),
+    c("--moe-a2a-backend", "All-to-all backend for expert parallelism.", G_EP,
+      ("none", "deepep", "mooncake", "ascend_fuseep"), "none", component="worker"),
+    s("--moe-runner-backend", "Kernel runner for MoE layers.", G_EP, "auto", component="worker"),
+    c("--flashinfer-mxfp4-moe-precision", "Compute precision of FlashInfer MXFP4 MoE kernels.",
+      G_EP, ("default", "bf16"), "default", component="worker"),
+    b("--enable-flashinfer-allreduce-fusion", "Fuse all-reduce with residual RMSNorm.", G_EP,
+      component="worker"),
+    c("--deepep-mode", "DeepEP dispatch mode: normal, low_latency, or auto (choose per batch).",
+      G_EP, ("normal", "low_latency", "auto"), "auto", component="worker"),
+    i("--ep-num-redundant-experts", "Extra expert replicas placed for load balancing.", G_EP, 0,
+      minimum=0, component="worker"),
+    s("--ep-dispatch-algorithm", "How a rank is picked among an expert's replicas.", G_EP,
+      component="worker"),
+    s("--init-expert-location", "Initial placement of experts on ranks.", G_EP, "trivial",
+      component="worker"),
+    b("--enable-eplb", "Turn on expert-parallel load balancing (moving experts at run time).",
+      G_EP, component="worker"),
+    s("--eplb-algorithm", "Algorithm used by the expert load balancer.", G_EP, "auto",
+      component="worker"),
+    i("--eplb-rebalance-num-iterations", "Forward steps between expert rebalances.", G_EP, 1000,
+      minimum=1, component="worker"),
+    i("--eplb-rebalance-layers-per-chunk", "Layers moved per rebalancing step.", G_EP, minimum=1,
+      component="worker"),
+    f("--eplb-min-rebalancing-utilization-threshold", "Rebalance only when GPU utilization is "
+      "below this fraction.", G_EP, 1.0, minimum=0.0, maximum=1.0, component="worker"),
+    s("--expert-distribution-recorder-mode", "What the expert-usage recorder collects.", G_EP,
+      component="worker"),
+    i("--expert-distribution-recorder-buffer-size", "Steps of history the expert-usage recorder "
+      "keeps.", G_EP, minimum=1, component="worker"),
+    b("--enable-expert-distribution-metrics", "Export expert-usage balance metrics.", G_EP,
+      component="worker"),
+    s("--deepep-config", "DeepEP tuning file or JSON string.", G_EP, component="worker"),
+    i("--moe-dense-tp-size", "Tensor-parallel size of dense MLP layers in MoE models.", G_EP,
+      minimum=1, component="both"),
+    s("--elastic-ep-backend", "Collective backend for elastic expert parallelism.", G_EP,
+      component="worker"),
+    s("--mooncake-ib-device", "InfiniBand device(s) for Mooncake elastic EP.", G_EP,
+      component="worker"),
+]
+
+PD_FLAGS: list[Flag] = [
+    c("--disaggregation-mode", "Role in prefill/decode disaggregation: prefill, decode, or null "
+      "(a normal combined server).", G_PD, ("null", "prefill", "decode"), "null",
+      component="both"),
+    c("--disaggregation-transfer-backend", "Transport that moves KV cache from prefill to decode "
+      "servers.", G_PD, ("mooncake", "nixl", "ascend", "fake"), "mooncake", component="both"),
+    i("--disaggregation-bootstrap-port", "Port of the prefill server's bootstrap service.", G_PD,
+      8998, minimum=1, maximum=65535),
+    i("--disaggregation-decode-tp", "Tensor-parallel size of the decode servers (set on prefill "
+      "servers).", G_PD, minimum=1),
+    i("--disaggregation-decode-dp", "Data-parallel size of the decode servers (set on prefill "
+      "servers).", G_PD, minimum=1),
+    i("--disaggregation-prefill-pp", "Pipeline-parallel size of the prefill servers (set on "
+      "decode servers).", G_PD, 1, minimum=1),
+    s("--disaggregation-ib-device", "InfiniBand device(s) for KV transfer, comma-separated.",
+      G_PD),
+    b("--disaggregation-decode-enable-offload-kvcache", "Offload KV cache to host memory on "
+      "decode servers.", G_PD),
+    i("--num-reserved-decode-tokens", "KV tokens reserved per running request when admitting new "
+      "ones on decode servers.", G_PD, 512, minimum=0),
+    i("--disaggregation-decode-polling-interval", "Poll for incoming requests every this many "
+      "decode steps.", G_PD, 1, minimum=1),
+    b("--enable-pdmux", "Multiplex prefill and decode on one GPU with green contexts.", G_PD,
+      component="both"),
+    s("--pdmux-config-path", "Configuration file for prefill/decode multiplexing.", G_PD,
+      metavar="PATH"),
+    i("--sm-group-num", "Number of SM partitions for prefill/decode multiplexing.", G_PD, 8,
+      minimum=1, component="worker"),
+]
+
+PARALLEL_TABLE: list[Flag] = [*PARALLEL_FLAGS, *MULTINODE_FLAGS, *EP_FLAGS, *PD_FLAGS]
+# fmt: on

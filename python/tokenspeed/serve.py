@@ -1,0 +1,162 @@
+"""`tokenspeed serve`: resolve the model, start the workers, learn the KV capacity, then hand
+the process to the Rust core (`tokenspeed._core.serve`), which never calls back into Python."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenspeed.worker import WorkerSpec, run_worker
+
+logger = logging.getLogger("tokenspeed.serve")
+
+
+class LaunchError(RuntimeError):
+    """The server could not start (bad model dir, worker failed to load, ...)."""
+
+
+def resolve_model(model_path: str | None) -> Path:
+    if model_path is None:
+        from tokenspeed.assets import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(model_path).expanduser()
+    if not (path / "config.json").exists():
+        raise LaunchError(
+            f"model {model_path!r}: no config.json there. TokenSpeed loads local model directories "
+            "(there is no model hub access); pass a directory with config.json and weights."
+        )
+    return path
+
+
+def model_context_length(model_dir: Path) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
+
+
+def resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def plan_slot_bytes(max_running: int, chunk: int, context: int, page_size: int) -> int:
+    """Upper bound of one encoded plan: per-request records, input ids and page-table updates."""
+    pages_per_request = context // page_size + 2
+    words = 64 + 32 * max_running + (chunk + max_running) + 2 * max_running * pages_per_request
+    return max(1 << 20, 4 * words + (64 << 10))
+
+
+def launch(cfg: Any) -> int:
+    """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
+    from tokenspeed import _core
+
+    model_dir = resolve_model(cfg.model_path)
+    tokenizer_dir = Path(cfg.tokenizer_path).expanduser() if cfg.tokenizer_path else model_dir
+    context = cfg.context_length or model_context_length(model_dir)
+    device = resolve_device(cfg.device)
+    world = int(cfg.tp_size or 1)
+    max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
+    chunk = int(cfg.chunked_prefill_size or 8192)
+    page_size = int(cfg.page_size or 16)
+
+    channel_name = f"/tokenspeed-{os.getpid()}"
+    channel = _core.ServerChannel.create(
+        channel_name, world, 4, plan_slot_bytes(max_running, chunk, context, page_size)
+    )
+    num_pages = None
+    if cfg.max_total_tokens:
+        num_pages = max(1, int(cfg.max_total_tokens) // page_size)
+    ctx = mp.get_context("spawn")
+    workers, links = [], []
+    for rank in range(world):
+        spec = WorkerSpec(
+            rank=rank,
+            world_size=world,
+            model_path=str(model_dir),
+            channel_name=channel_name,
+            device=device,
+            dtype=cfg.dtype or "auto",
+            load_format=cfg.load_format or "auto",
+            page_size=page_size,
+            num_pages=num_pages,
+            max_slots=max_running,
+            context_length=context,
+            seed=int(cfg.random_seed or 0),
+            mem_fraction_static=cfg.mem_fraction_static,
+            attention_backend=cfg.attention_backend or "torch_native",
+            log_level=cfg.log_level or "info",
+        )
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)
+        proc.start()
+        child_end.close()
+        workers.append(proc)
+        links.append(parent_end)
+
+    try:
+        capacities = [_wait_ready(rank, proc, link) for rank, (proc, link) in enumerate(zip(workers, links))]
+        pages = min(c["num_pages"] for c in capacities)
+        server_config = {
+            "host": cfg.host,
+            "port": int(cfg.port),
+            "model_path": str(cfg.model_path or model_dir),
+            "tokenizer_path": str(tokenizer_dir),
+            "served_model_name": cfg.served_model_name or (cfg.model_path or model_dir.name),
+            "api_key": cfg.api_key,
+            "chat_template": cfg.chat_template,
+            "context_length": context,
+            "page_size": page_size,
+            "num_pages": pages,
+            "max_running_requests": max_running,
+            "chunked_prefill_size": chunk,
+            "max_prefill_tokens": int(cfg.max_prefill_tokens or chunk),
+            "schedule_policy": cfg.schedule_policy or "fcfs",
+            "disable_radix_cache": bool(cfg.disable_radix_cache),
+            "log_requests": bool(cfg.log_requests),
+            "worker_pids": [p.pid for p in workers],
+            "server_info": {
+                "device": capacities[0]["device"],
+                "tp_size": world,
+                "model_dir": str(model_dir),
+                "worker_pids": [p.pid for p in workers],
+            },
+        }
+        logger.info(
+            "workers ready on %s: %d KV pages x %d tokens; starting HTTP on %s:%s",
+            device, pages, page_size, cfg.host, cfg.port,
+        )
+        _core.serve(json.dumps(server_config), channel, cfg.log_level or "info")
+        return 0
+    finally:
+        channel.close()
+        for proc in workers:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
+def _wait_ready(rank: int, proc: Any, link: Any, timeout_s: float = 900.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if link.poll(0.5):
+            try:
+                msg = link.recv()
+            except EOFError:
+                msg = {"ok": False, "error": "worker exited during start-up"}
+            if not msg.get("ok"):
+                sys.stderr.write(msg.get("traceback", ""))
+                raise LaunchError(f"worker {rank} failed to start: {msg.get('error')}")
+            return msg
+        if not proc.is_alive():
+            raise LaunchError(f"worker {rank} exited during start-up (exit code {proc.exitcode})")
+    raise LaunchError(f"worker {rank} did not become ready within {timeout_s:.0f}s")

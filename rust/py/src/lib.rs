@@ -1,0 +1,15 @@
+//! `tokenspeed._core`: the Python face of the Rust core — `serve(config)` for the server
+//! process and the worker side of the shared-memory plan channel.
+
+use pyo3::prelude::*;
+
+mod channel;
+mod server;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    channel::register(m)?;
+    server::register(m)?;
+    Ok(())
+}

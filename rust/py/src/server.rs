@@ -1,0 +1,63 @@
+//! Server-side bindings: create the plan channel before spawning workers, then `serve`.
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use tokenspeed_ipc::PlanChannel;
+use tokenspeed_server::worker_link::ShmWorkerLink;
+use tokenspeed_server::ServerConfig;
+
+/// The server's end of the shared-memory channel. Created by the launcher so that workers can
+/// attach while they load the model; `serve` takes it over.
+#[pyclass(module = "tokenspeed._core")]
+pub struct ServerChannel {
+    inner: Mutex<Option<PlanChannel>>,
+    name: String,
+}
+
+#[pymethods]
+impl ServerChannel {
+    #[staticmethod]
+    fn create(name: &str, n_readers: u32, slots: u32, slot_bytes: u32) -> PyResult<Self> {
+        let channel = PlanChannel::create(name, slots, slot_bytes, n_readers)
+            .map_err(|e| PyRuntimeError::new_err(format!("creating channel {name}: {e}")))?;
+        Ok(ServerChannel { name: channel.name().to_string(), inner: Mutex::new(Some(channel)) })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Shuts the channel down (workers waiting on it exit) and unlinks it. Idempotent.
+    fn close(&self) {
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.take();
+        }
+    }
+}
+
+/// Serves HTTP until SIGINT/SIGTERM. Releases the GIL for the whole run.
+#[pyfunction]
+#[pyo3(signature = (config_json, channel, log_level = "info"))]
+fn serve(py: Python<'_>, config_json: &str, channel: &ServerChannel, log_level: &str) -> PyResult<()> {
+    let config: ServerConfig =
+        serde_json::from_str(config_json).map_err(|e| PyValueError::new_err(format!("server config: {e}")))?;
+    let plan_channel = channel
+        .inner
+        .lock()
+        .map_err(|_| PyRuntimeError::new_err("channel lock poisoned"))?
+        .take()
+        .ok_or_else(|| PyRuntimeError::new_err("the channel was already used or closed"))?;
+    tokenspeed_server::init_logging(log_level);
+    let link = Box::new(ShmWorkerLink::new(plan_channel, config.worker_pids.clone()));
+    py.allow_threads(|| tokenspeed_server::serve(config, link))
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ServerChannel>()?;
+    m.add_function(wrap_pyfunction!(serve, m)?)?;
+    Ok(())
+}

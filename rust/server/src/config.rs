@@ -1,0 +1,53 @@
+//! The server's configuration, handed over from Python's resolved flag table as JSON.
+
+use serde::{Deserialize, Serialize};
+
+/// Everything the Rust core needs to serve. Python resolves flags, spawns the workers and
+/// learns the KV capacity (`num_pages`) from them before building this.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    pub model_path: String,
+    pub tokenizer_path: String,
+    pub served_model_name: String,
+    #[serde(default)]
+    pub api_key: Option<String>,
+    #[serde(default)]
+    pub chat_template: Option<String>,
+    pub context_length: u32,
+    pub page_size: u32,
+    pub num_pages: u32,
+    pub max_running_requests: u32,
+    pub chunked_prefill_size: u32,
+    pub max_prefill_tokens: u32,
+    #[serde(default = "default_policy")]
+    pub schedule_policy: String,
+    #[serde(default)]
+    pub disable_radix_cache: bool,
+    #[serde(default)]
+    pub log_requests: bool,
+    /// Requests waiting beyond this are refused with 503 (overload), not queued forever.
+    #[serde(default = "default_max_queued")]
+    pub max_queued_requests: u32,
+    /// Process ids of the worker ranks, watched for liveness.
+    #[serde(default)]
+    pub worker_pids: Vec<i32>,
+    /// Log a step line every this many steps (0 = never).
+    #[serde(default = "default_step_log_interval")]
+    pub step_log_interval: u64,
+    /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
+    #[serde(default)]
+    pub server_info: serde_json::Value,
+}
+
+fn default_policy() -> String {
+    "fcfs".to_string()
+}
+fn default_max_queued() -> u32 {
+    4096
+}
+fn default_step_log_interval() -> u64 {
+    50
+}

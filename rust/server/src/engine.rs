@@ -1,0 +1,461 @@
+//! The engine thread: the single owner of the scheduler. HTTP tasks talk to it through
+//! `EngineHandle` (a command channel); it talks to the worker group through a `WorkerLink`.
+//!
+//! One loop: take commands → schedule a plan → send it → wait for the step result →
+//! advance the scheduler → route each token to its request's event channel.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokenspeed_engine::scheduler::{
+    FinishReason, Request, RequestOutput, Scheduler, SchedulerConfig, SchedulerStats,
+};
+use tokenspeed_engine::{Plan, SamplingParams, StepResult};
+use tokio::sync::{mpsc as tokio_mpsc, oneshot};
+
+use crate::metrics::Metrics;
+
+/// Why the worker group cannot serve any more.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("worker process {pid} exited")]
+    WorkerDied { pid: i32 },
+    #[error("worker channel failed: {0}")]
+    Channel(String),
+}
+
+/// The engine's view of its worker group (shared memory in production, a fake in tests).
+pub trait WorkerLink: Send + 'static {
+    fn send_plan(&mut self, plan: &Plan) -> Result<(), LinkError>;
+    /// Waits up to `timeout` for the result of the last plan.
+    fn recv_result(&mut self, timeout: Duration) -> Result<Option<StepResult>, LinkError>;
+    /// Err if any worker is gone.
+    fn check_alive(&mut self) -> Result<(), LinkError>;
+}
+
+/// A request as the engine receives it: already tokenized and validated.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    pub prompt_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_new_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// Token counts of a request so far.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct TokenUsage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// One sampled token for a request, possibly its last.
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    pub token: u32,
+    pub logprob: f32,
+    pub top_logprobs: Vec<(u32, f32)>,
+    pub finish: Option<FinishReason>,
+    pub usage: TokenUsage,
+}
+
+#[derive(Debug, Clone)]
+pub enum EngineEvent {
+    Token(TokenEvent),
+    /// The request cannot complete (rejected by the scheduler, or the worker group died).
+    Error { message: String, kind: EngineErrorKind },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineErrorKind {
+    BadRequest,
+    Overloaded,
+    Unavailable,
+}
+
+/// What the HTTP side can read about the engine without a round trip.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EngineStats {
+    pub total_pages: usize,
+    pub free_pages: usize,
+    pub used_pages: usize,
+    pub cached_pages: usize,
+    pub evictable_pages: usize,
+    pub running_requests: usize,
+    pub waiting_requests: usize,
+    pub steps: u64,
+    /// The largest number of requests that shared one step so far.
+    pub max_batch_size: usize,
+    pub last_batch_size: usize,
+    pub last_step_tokens: usize,
+}
+
+enum Command {
+    Submit {
+        id: u64,
+        request: EngineRequest,
+        events: tokio_mpsc::UnboundedSender<EngineEvent>,
+    },
+    Abort {
+        id: u64,
+    },
+    FlushCache {
+        reply: oneshot::Sender<bool>,
+    },
+    Shutdown,
+}
+
+/// Cheap to clone; every HTTP task holds one.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: mpsc::Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    healthy: Arc<AtomicBool>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+impl EngineHandle {
+    /// Queues a request; its tokens arrive on the returned channel.
+    pub fn submit(&self, request: EngineRequest) -> (u64, tokio_mpsc::UnboundedReceiver<EngineEvent>) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, rx) = tokio_mpsc::unbounded_channel();
+        let sent = self.commands.send(Command::Submit { id, request, events: events.clone() });
+        if sent.is_err() {
+            let _ = events.send(EngineEvent::Error {
+                message: "the engine has stopped".into(),
+                kind: EngineErrorKind::Unavailable,
+            });
+        }
+        (id, rx)
+    }
+
+    pub fn abort(&self, id: u64) {
+        let _ = self.commands.send(Command::Abort { id });
+    }
+
+    /// Drops every cached prefix; false when requests are running (as in SGLang).
+    pub async fn flush_cache(&self) -> bool {
+        let (reply, rx) = oneshot::channel();
+        if self.commands.send(Command::FlushCache { reply }).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+    }
+}
+
+/// Tunables of the loop itself (not of scheduling).
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub max_queued_requests: usize,
+    pub step_log_interval: u64,
+    /// How often an idle or waiting engine checks that its workers are alive.
+    pub liveness_interval: Duration,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            max_queued_requests: 4096,
+            step_log_interval: 0,
+            liveness_interval: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Starts the engine thread.
+pub fn spawn_engine(
+    config: SchedulerConfig,
+    link: Box<dyn WorkerLink>,
+    options: EngineOptions,
+    metrics: Arc<Metrics>,
+) -> Result<(EngineHandle, JoinHandle<()>), String> {
+    let (tx, rx) = mpsc::channel();
+    let handle = EngineHandle {
+        commands: tx,
+        next_id: Arc::new(AtomicU64::new(1)),
+        healthy: Arc::new(AtomicBool::new(true)),
+        stats: Arc::new(Mutex::new(EngineStats::default())),
+    };
+    let (healthy, stats) = (handle.healthy.clone(), handle.stats.clone());
+    // The scheduler is single-threaded by design (it shares pages through Rc), so it is built
+    // on the engine thread and never leaves it.
+    let (started_tx, started_rx) = mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("tokenspeed-engine".into())
+        .spawn(move || {
+            let scheduler = match Scheduler::new(config) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = started_tx.send(Err(e.to_string()));
+                    return;
+                }
+            };
+            let _ = started_tx.send(Ok(()));
+            let mut engine = EngineLoop {
+                scheduler,
+                link,
+                commands: rx,
+                requests: HashMap::new(),
+                healthy,
+                stats,
+                options,
+                metrics,
+                steps: 0,
+                max_batch: 0,
+            };
+            engine.publish_stats(0, 0);
+            engine.run();
+        })
+        .map_err(|e| format!("spawning the engine thread: {e}"))?;
+    started_rx.recv().map_err(|_| "the engine thread died at start".to_string())??;
+    Ok((handle, thread))
+}
+
+struct LiveRequest {
+    events: tokio_mpsc::UnboundedSender<EngineEvent>,
+    submitted: Instant,
+    first_token: bool,
+}
+
+struct EngineLoop {
+    scheduler: Scheduler,
+    link: Box<dyn WorkerLink>,
+    commands: mpsc::Receiver<Command>,
+    requests: HashMap<u64, LiveRequest>,
+    healthy: Arc<AtomicBool>,
+    stats: Arc<Mutex<EngineStats>>,
+    options: EngineOptions,
+    metrics: Arc<Metrics>,
+    steps: u64,
+    max_batch: usize,
+}
+
+impl EngineLoop {
+    fn run(&mut self) {
+        loop {
+            // Block only when there is nothing to schedule.
+            if self.requests.is_empty() {
+                match self.commands.recv_timeout(self.options.liveness_interval) {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            return;
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {
+                        if let Err(e) = self.link.check_alive() {
+                            self.fail_all(&e);
+                        }
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            while let Ok(cmd) = self.commands.try_recv() {
+                if !self.handle(cmd) {
+                    return;
+                }
+            }
+            if !self.healthy.load(Ordering::Acquire) {
+                continue;
+            }
+            let plan = match self.scheduler.schedule() {
+                Some(plan) if !plan.is_empty() => plan,
+                // Nothing runnable right now: wait for a command rather than spin.
+                _ => {
+                    match self.commands.recv_timeout(self.options.liveness_interval) {
+                        Ok(cmd) => {
+                            if !self.handle(cmd) {
+                                return;
+                            }
+                        }
+                        Err(RecvTimeoutError::Timeout) => {}
+                        Err(RecvTimeoutError::Disconnected) => return,
+                    }
+                    continue;
+                }
+            };
+            match self.run_step(&plan) {
+                Ok(result) => self.deliver(&plan, result),
+                Err(e) => self.fail_all(&e),
+            }
+        }
+    }
+
+    /// Returns false on shutdown.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit { id, request, events } => self.submit(id, request, events),
+            Command::Abort { id } => {
+                if self.requests.remove(&id).is_some() {
+                    self.scheduler.abort(id);
+                    self.metrics.requests_aborted.inc();
+                }
+            }
+            Command::FlushCache { reply } => {
+                let _ = reply.send(self.scheduler.flush_cache());
+                self.publish_stats(0, 0);
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn submit(&mut self, id: u64, request: EngineRequest, events: tokio_mpsc::UnboundedSender<EngineEvent>) {
+        let reject = |message: String, kind| {
+            let _ = events.send(EngineEvent::Error { message, kind });
+        };
+        if !self.healthy.load(Ordering::Acquire) {
+            return reject("the model worker is not running".into(), EngineErrorKind::Unavailable);
+        }
+        if self.scheduler.stats().waiting >= self.options.max_queued_requests {
+            return reject(
+                format!("server overloaded: {} requests already waiting", self.options.max_queued_requests),
+                EngineErrorKind::Overloaded,
+            );
+        }
+        let req = Request {
+            id,
+            prompt: request.prompt_ids,
+            sampling: request.sampling,
+            max_new_tokens: request.max_new_tokens,
+            min_new_tokens: 0,
+            stop_token_ids: request.stop_token_ids,
+            ignore_eos: request.ignore_eos,
+        };
+        match self.scheduler.submit(req) {
+            Ok(()) => {
+                self.requests
+                    .insert(id, LiveRequest { events, submitted: Instant::now(), first_token: true });
+            }
+            Err(e) => reject(e.to_string(), EngineErrorKind::BadRequest),
+        }
+    }
+
+    fn run_step(&mut self, plan: &Plan) -> Result<StepResult, LinkError> {
+        self.link.send_plan(plan)?;
+        loop {
+            if let Some(result) = self.link.recv_result(self.options.liveness_interval)? {
+                if result.step_id == plan.step_id {
+                    return Ok(result);
+                }
+                tracing::warn!(expected = plan.step_id, got = result.step_id, "stale step result dropped");
+                continue;
+            }
+            self.link.check_alive()?;
+        }
+    }
+
+    fn deliver(&mut self, plan: &Plan, result: StepResult) {
+        let started = Instant::now();
+        let outputs = self.scheduler.advance(&result);
+        for out in outputs {
+            self.route(out);
+        }
+        self.steps += 1;
+        let batch = plan.scheduled.len();
+        self.max_batch = self.max_batch.max(batch);
+        self.metrics.observe_step(batch, plan.num_tokens(), started.elapsed());
+        self.publish_stats(batch, plan.num_tokens());
+        if self.options.step_log_interval > 0 && self.steps % self.options.step_log_interval == 1 {
+            let s = self.scheduler.stats();
+            tracing::info!(
+                step = plan.step_id,
+                batch,
+                tokens = plan.num_tokens(),
+                running = s.running,
+                waiting = s.waiting,
+                free_pages = s.free_pages,
+                cached_pages = s.cached_pages,
+                "step"
+            );
+        }
+    }
+
+    fn route(&mut self, out: RequestOutput) {
+        let id = out.id;
+        let Some(live) = self.requests.get_mut(&id) else {
+            return;
+        };
+        if live.first_token {
+            live.first_token = false;
+            self.metrics.ttft.observe(live.submitted.elapsed().as_secs_f64());
+        }
+        let finished = out.finished.is_some();
+        let event = EngineEvent::Token(TokenEvent {
+            token: out.token,
+            logprob: out.logprob,
+            top_logprobs: out.top_logprobs,
+            finish: out.finished,
+            usage: TokenUsage {
+                prompt_tokens: out.prompt_tokens,
+                completion_tokens: out.completion_tokens,
+                cached_tokens: out.cached_tokens,
+            },
+        });
+        self.metrics.generation_tokens.inc();
+        let delivered = live.events.send(event).is_ok();
+        if finished {
+            if let Some(live) = self.requests.remove(&id) {
+                self.metrics.e2e.observe(live.submitted.elapsed().as_secs_f64());
+            }
+        } else if !delivered {
+            // The client went away: free its slot and pages now.
+            self.requests.remove(&id);
+            self.scheduler.abort(id);
+            self.metrics.requests_aborted.inc();
+        }
+    }
+
+    /// The worker group is gone: every request ends with an error and /health fails.
+    fn fail_all(&mut self, error: &LinkError) {
+        if self.healthy.swap(false, Ordering::AcqRel) {
+            tracing::error!(%error, "worker group failed; failing all requests");
+        }
+        for (id, live) in self.requests.drain() {
+            self.scheduler.abort(id);
+            let _ = live.events.send(EngineEvent::Error {
+                message: format!("the model worker failed: {error}"),
+                kind: EngineErrorKind::Unavailable,
+            });
+        }
+    }
+
+    fn publish_stats(&mut self, batch: usize, tokens: usize) {
+        let s: SchedulerStats = self.scheduler.stats();
+        self.metrics.observe_pool(&s);
+        if let Ok(mut stats) = self.stats.lock() {
+            *stats = EngineStats {
+                total_pages: s.total_pages,
+                free_pages: s.free_pages,
+                used_pages: s.used_pages,
+                cached_pages: s.cached_pages,
+                evictable_pages: s.evictable_pages,
+                running_requests: s.running,
+                waiting_requests: s.waiting,
+                steps: self.steps,
+                max_batch_size: self.max_batch,
+                last_batch_size: batch,
+                last_step_tokens: tokens,
+            };
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! A request's journey, shared by every generating endpoint:
+//! prepare (tokenize, validate) → submit to the engine → stream back text chunks
+//! (incremental detokenization, stop strings held back until they can't match).
+
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+use tokenspeed_engine::scheduler::FinishReason;
+use tokenspeed_engine::SamplingParams;
+use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, TextTokenizer};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle, EngineRequest, TokenUsage};
+use crate::http::error::ApiError;
+use crate::http::AppState;
+
+/// What the model is asked to continue.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Raw text; the tokenizer adds its special tokens (e.g. BOS).
+    Text(String),
+    Ids(Vec<u32>),
+    /// Chat messages rendered by the chat template, which writes any BOS itself.
+    Chat { messages: Vec<Map<String, Value>>, template_vars: Option<Value> },
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerationSpec {
+    pub prompt: Prompt,
+    pub sampling: SamplingParams,
+    /// None: up to the context length.
+    pub max_new_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finish {
+    /// "stop" or "length" (OpenAI's values).
+    pub reason: &'static str,
+    /// The stop string or stop token that ended it, if any.
+    pub matched: Option<Value>,
+}
+
+/// A piece of the answer: new text and the tokens behind it.
+#[derive(Debug, Clone, Default)]
+pub struct Chunk {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Option<Finish>,
+    pub usage: TokenUsage,
+}
+
+/// Aborts the engine request if the generation is dropped before it finished
+/// (client disconnect, stop string matched): its slot and KV pages are freed.
+struct AbortGuard {
+    engine: EngineHandle,
+    id: u64,
+    done: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.engine.abort(self.id);
+        }
+    }
+}
+
+pub struct Generation {
+    pub prompt_ids: Vec<u32>,
+    tokenizer: Arc<TextTokenizer>,
+    events: UnboundedReceiver<EngineEvent>,
+    detok: IncrementalDetokenizer,
+    stops: StopMatcher,
+    guard: AbortGuard,
+    finished: bool,
+}
+
+/// Tokenizes and validates, then hands the request to the engine.
+pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation, ApiError> {
+    let prompt_ids = tokenize_prompt(state, spec.prompt.clone()).await?;
+    let context = state.config.context_length;
+    crate::validate::check_prompt(&prompt_ids, state.tokenizer.vocab_size() as u32, context)?;
+    let room = context - prompt_ids.len() as u32;
+    let max_new_tokens = match spec.max_new_tokens {
+        Some(m) if m > room => {
+            return Err(ApiError::bad_param(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {context} tokens. However, you requested {} tokens \
+                     ({} in the prompt, {m} for the completion). Reduce the prompt or max_tokens.",
+                    prompt_ids.len() as u32 + m,
+                    prompt_ids.len()
+                ),
+            ))
+        }
+        Some(m) => m,
+        None => room,
+    };
+    let mut stop_token_ids = spec.stop_token_ids.clone();
+    if !spec.ignore_eos {
+        stop_token_ids.extend_from_slice(state.tokenizer.eos_token_ids());
+    }
+    let request = EngineRequest {
+        prompt_ids: prompt_ids.clone(),
+        sampling: spec.sampling,
+        max_new_tokens,
+        stop_token_ids,
+        ignore_eos: spec.ignore_eos,
+    };
+    state.metrics.requests_total.inc();
+    state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
+    let (id, events) = state.engine.submit(request);
+    if state.config.log_requests {
+        tracing::info!(id, prompt_tokens = prompt_ids.len(), max_new_tokens, "request");
+    }
+    Ok(Generation {
+        prompt_ids,
+        tokenizer: state.tokenizer.clone(),
+        events,
+        detok: IncrementalDetokenizer::new(spec.skip_special_tokens),
+        stops: StopMatcher::new(spec.stop),
+        guard: AbortGuard { engine: state.engine.clone(), id, done: false },
+        finished: false,
+    })
+}
+
+pub async fn tokenize_prompt(state: &AppState, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = state.tokenizer.clone();
+    let ids = tokio::task::spawn_blocking(move || match prompt {
+        Prompt::Ids(ids) => Ok(ids),
+        Prompt::Text(text) => tokenizer.encode(&text, true).map_err(|e| ApiError::bad_param("prompt", e.to_string())),
+        Prompt::Chat { messages, template_vars } => {
+            let messages = Value::Array(messages.into_iter().map(Value::Object).collect());
+            let text = tokenizer
+                .apply_chat_template(&messages, true, template_vars.as_ref())
+                .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+            tokenizer.encode(&text, false).map_err(|e| ApiError::bad_param("messages", e.to_string()))
+        }
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    Ok(ids)
+}
+
+impl Generation {
+    pub fn id(&self) -> u64 {
+        self.guard.id
+    }
+
+    /// The next chunk of the answer; None after the finishing chunk.
+    pub async fn next(&mut self) -> Option<Result<Chunk, ApiError>> {
+        if self.finished {
+            return None;
+        }
+        loop {
+            let event = match self.events.recv().await {
+                Some(e) => e,
+                None => {
+                    self.finished = true;
+                    return Some(Err(ApiError::unavailable("the engine dropped the request")));
+                }
+            };
+            let token = match event {
+                EngineEvent::Token(t) => t,
+                EngineEvent::Error { message, kind } => {
+                    self.finished = true;
+                    self.guard.done = true;
+                    return Some(Err(match kind {
+                        EngineErrorKind::BadRequest => ApiError::bad_request(message),
+                        EngineErrorKind::Overloaded => ApiError::overloaded(message),
+                        EngineErrorKind::Unavailable => ApiError::unavailable(message),
+                    }));
+                }
+            };
+            let mut chunk = Chunk {
+                token_ids: vec![token.token],
+                logprobs: vec![TokenLogprob { token: token.token, logprob: token.logprob, top: token.top_logprobs }],
+                usage: token.usage,
+                ..Chunk::default()
+            };
+            let piece = match self.detok.push(&self.tokenizer, token.token) {
+                Ok(p) => p,
+                Err(e) => return Some(Err(ApiError::internal(format!("detokenizer: {e}")))),
+            };
+            let step = self.stops.push(&piece);
+            chunk.text = step.emit;
+            if step.stopped {
+                self.finished = true;
+                // The engine would keep generating: end the request now.
+                self.guard.engine.abort(self.guard.id);
+                self.guard.done = true;
+                chunk.finish = Some(Finish { reason: "stop", matched: None });
+                return Some(Ok(chunk));
+            }
+            if let Some(reason) = token.finish {
+                self.finished = true;
+                self.guard.done = true;
+                if let Ok(rest) = self.detok.finish(&self.tokenizer) {
+                    let step = self.stops.push(&rest);
+                    chunk.text.push_str(&step.emit);
+                    if step.stopped {
+                        chunk.finish = Some(Finish { reason: "stop", matched: None });
+                        return Some(Ok(chunk));
+                    }
+                }
+                chunk.text.push_str(&self.stops.finish());
+                chunk.finish = Some(match reason {
+                    FinishReason::Length => Finish { reason: "length", matched: None },
+                    FinishReason::Stop => Finish { reason: "stop", matched: Some(Value::from(token.token)) },
+                });
+                return Some(Ok(chunk));
+            }
+            return Some(Ok(chunk));
+        }
+    }
+
+    /// Runs to the end and gathers every chunk into one.
+    pub async fn collect(mut self) -> Result<Chunk, ApiError> {
+        let mut all = Chunk::default();
+        while let Some(chunk) = self.next().await {
+            let chunk = chunk?;
+            all.text.push_str(&chunk.text);
+            all.token_ids.extend(chunk.token_ids);
+            all.logprobs.extend(chunk.logprobs);
+            all.usage = chunk.usage;
+            all.finish = chunk.finish;
+        }
+        if all.usage.prompt_tokens == 0 {
+            all.usage.prompt_tokens = self.prompt_ids.len() as u32;
+        }
+        Ok(all)
+    }
+}

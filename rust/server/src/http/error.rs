@@ -1,0 +1,72 @@
+//! Errors in the OpenAI error schema: `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: None }
+    }
+    pub fn bad_param(param: &str, message: impl Into<String>) -> Self {
+        ApiError { param: Some(param.to_string()), ..Self::bad_request(message) }
+    }
+    pub fn unauthorized() -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "invalid or missing API key".into(),
+            kind: "authentication_error",
+            param: None,
+        }
+    }
+    pub fn model_not_found(model: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist."),
+            kind: "not_found_error",
+            param: Some("model".into()),
+        }
+    }
+    pub fn not_found(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::NOT_FOUND, message: message.into(), kind: "not_found_error", param: None }
+    }
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), kind: "overloaded_error", param: None }
+    }
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), kind: "service_unavailable", param: None }
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "internal_error", param: None }
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.status.as_u16(),
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.status)
+    }
+}

@@ -1,0 +1,218 @@
+//! SGLang-native endpoints: /generate, /tokenize, /detokenize, /get_model_info,
+//! /get_server_info, /flush_cache, /health, /health_generate, /metrics.
+
+use std::convert::Infallible;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+
+use super::error::ApiError;
+use super::protocol::{parse_body, DetokenizeRequest, GenerateRequest, TokenizeRequest};
+use super::{ok_json, AppState};
+use crate::generate::{self, Chunk, GenerationSpec, Prompt};
+use crate::validate;
+
+fn meta_info(id: &str, chunk: &Chunk, started: Instant) -> Value {
+    let finish = chunk.finish.as_ref().map(|f| match f.reason {
+        "length" => json!({"type": "length", "length": chunk.usage.completion_tokens}),
+        reason => json!({"type": reason, "matched": f.matched}),
+    });
+    json!({
+        "id": id,
+        "prompt_tokens": chunk.usage.prompt_tokens,
+        "completion_tokens": chunk.usage.completion_tokens,
+        "cached_tokens": chunk.usage.cached_tokens,
+        "finish_reason": finish,
+        "e2e_latency": started.elapsed().as_secs_f64(),
+    })
+}
+
+pub async fn generate(State(state): State<AppState>, body: Bytes) -> Response {
+    match generate_inner(state, &body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let req: GenerateRequest = parse_body(body)?;
+    super::protocol::log_unknown_fields("/generate", &req.extra);
+    super::protocol::log_unknown_fields("/generate sampling_params", &req.sampling_params.extra);
+    let prompt = match (req.text, req.input_ids) {
+        (Some(t), None) => Prompt::Text(t),
+        (None, Some(ids)) => Prompt::Ids(ids),
+        _ => return Err(ApiError::bad_request("give exactly one of 'text' or 'input_ids'")),
+    };
+    let sp = &req.sampling_params;
+    let top = if req.return_logprob.unwrap_or(false) { validate::top_logprobs("top_logprobs_num", req.top_logprobs_num)? } else { 0 };
+    let spec = GenerationSpec {
+        prompt,
+        sampling: validate::sampling_params(&sp.sampling, top)?,
+        max_new_tokens: validate::max_tokens("max_new_tokens", Some(sp.max_new_tokens.unwrap_or(128)))?,
+        stop: sp.sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
+        stop_token_ids: sp.sampling.stop_token_ids.clone().unwrap_or_default(),
+        ignore_eos: sp.sampling.ignore_eos.unwrap_or(false),
+        skip_special_tokens: sp.sampling.skip_special_tokens.unwrap_or(true),
+    };
+    let mut gen = generate::start(&state, spec).await?;
+    let id = format!("{:x}", gen.id());
+    if req.stream.unwrap_or(false) {
+        // SGLang streams the cumulative text and ids so far in every event.
+        let first = match gen.next().await {
+            Some(c) => c?,
+            None => return Err(ApiError::internal("the request ended without output")),
+        };
+        let stream = async_stream::stream! {
+            let mut acc = Chunk::default();
+            let mut pending = Some(Ok(first));
+            loop {
+                let item = match pending.take() { Some(c) => Some(c), None => gen.next().await };
+                let Some(item) = item else { break };
+                match item {
+                    Ok(c) => {
+                        acc.text.push_str(&c.text);
+                        acc.token_ids.extend(c.token_ids);
+                        acc.usage = c.usage;
+                        acc.finish = c.finish;
+                        yield Ok::<_, Infallible>(Event::default().data(json!({
+                            "text": acc.text, "output_ids": acc.token_ids, "meta_info": meta_info(&id, &acc, started),
+                        }).to_string()));
+                    }
+                    Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
+                }
+            }
+            yield Ok(Event::default().data("[DONE]"));
+        };
+        return Ok(Sse::new(stream).into_response());
+    }
+    let all = gen.collect().await?;
+    Ok(ok_json(json!({"text": all.text, "output_ids": all.token_ids, "meta_info": meta_info(&id, &all, started)})))
+}
+
+pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = async {
+        let req: TokenizeRequest = parse_body(&body)?;
+        state.check_model(req.model.as_deref())?;
+        let prompt = match (req.prompt.or(req.text), req.messages) {
+            (Some(t), None) if req.add_special_tokens == Some(false) => {
+                let ids = state.tokenizer.encode(&t, false).map_err(|e| ApiError::bad_param("prompt", e.to_string()))?;
+                Prompt::Ids(ids)
+            }
+            (Some(t), None) => Prompt::Text(t),
+            (None, Some(messages)) => Prompt::Chat { messages, template_vars: None },
+            _ => return Err(ApiError::bad_request("give exactly one of 'prompt' or 'messages'")),
+        };
+        let ids = generate::tokenize_prompt(&state, prompt).await?;
+        Ok::<_, ApiError>(ok_json(json!({
+            "tokens": ids, "count": ids.len(), "max_model_len": state.config.context_length,
+        })))
+    };
+    run.await.unwrap_or_else(|e| e.into_response())
+}
+
+pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = async {
+        let req: DetokenizeRequest = parse_body(&body)?;
+        state.check_model(req.model.as_deref())?;
+        let vocab = state.tokenizer.vocab_size() as u32;
+        if let Some(bad) = req.tokens.iter().find(|&&t| t >= vocab) {
+            return Err(ApiError::bad_param("tokens", format!("token id {bad} is out of range (vocabulary size {vocab})")));
+        }
+        let text = state
+            .tokenizer
+            .decode(&req.tokens, req.skip_special_tokens.unwrap_or(false))
+            .map_err(|e| ApiError::bad_param("tokens", e.to_string()))?;
+        Ok::<_, ApiError>(ok_json(json!({"prompt": text, "text": text})))
+    };
+    run.await.unwrap_or_else(|e| e.into_response())
+}
+
+pub async fn model_info(State(state): State<AppState>) -> Response {
+    ok_json(json!({
+        "model_path": state.config.model_path,
+        "tokenizer_path": state.config.tokenizer_path,
+        "served_model_name": state.config.served_model_name,
+        "is_generation": true,
+        "context_length": state.config.context_length,
+        "vocab_size": state.tokenizer.vocab_size(),
+        "eos_token_ids": state.tokenizer.eos_token_ids(),
+    }))
+}
+
+pub async fn server_info(State(state): State<AppState>) -> Response {
+    let stats = state.engine.stats();
+    let mut info = json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "healthy": state.engine.is_healthy(),
+        "uptime_s": state.started.elapsed().as_secs_f64(),
+        "page_size": state.config.page_size,
+        "num_pages": state.config.num_pages,
+        "context_length": state.config.context_length,
+        "max_running_requests": state.config.max_running_requests,
+        "chunked_prefill_size": state.config.chunked_prefill_size,
+        "schedule_policy": state.config.schedule_policy,
+        "disable_radix_cache": state.config.disable_radix_cache,
+        "kv_pages": {
+            "total": stats.total_pages, "free": stats.free_pages, "used": stats.used_pages,
+            "cached": stats.cached_pages, "evictable": stats.evictable_pages,
+        },
+        "engine": stats,
+    });
+    if let (Value::Object(extra), Value::Object(out)) = (&state.config.server_info, &mut info) {
+        for (k, v) in extra {
+            out.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+    ok_json(info)
+}
+
+pub async fn flush_cache(State(state): State<AppState>) -> Response {
+    if state.engine.flush_cache().await {
+        (StatusCode::OK, "Cache flushed.\n").into_response()
+    } else {
+        (StatusCode::BAD_REQUEST, "Cache not flushed: requests are running.\n").into_response()
+    }
+}
+
+pub async fn health(State(state): State<AppState>) -> Response {
+    if state.engine.is_healthy() {
+        StatusCode::OK.into_response()
+    } else {
+        ApiError::unavailable("the model worker is not running").into_response()
+    }
+}
+
+/// Health that proves the whole path works: generates one token.
+pub async fn health_generate(State(state): State<AppState>) -> Response {
+    if !state.engine.is_healthy() {
+        return ApiError::unavailable("the model worker is not running").into_response();
+    }
+    let spec = GenerationSpec {
+        prompt: Prompt::Ids(vec![state.tokenizer.bos_token_id().unwrap_or(0)]),
+        sampling: tokenspeed_engine::SamplingParams { temperature: 0.0, ..Default::default() },
+        max_new_tokens: Some(1),
+        stop: vec![],
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        skip_special_tokens: true,
+    };
+    let run = async {
+        let gen = generate::start(&state, spec).await?;
+        gen.collect().await
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(20), run).await {
+        Ok(Ok(_)) => StatusCode::OK.into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(_) => ApiError::unavailable("health generation timed out").into_response(),
+    }
+}
+
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+}

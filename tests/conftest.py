@@ -1,0 +1,78 @@
+"""Shared fixtures: a real `tokenspeed serve` process on CPU with the default model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def info(self) -> dict:
+        return httpx.get(f"{self.url}/get_server_info", timeout=10).json()
+
+
+def start_server(tmp_dir: str, *args: str, timeout_s: float = 300) -> Server:
+    port = free_port()
+    log_path = os.path.join(tmp_dir, f"server-{port}.log")
+    cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--device", "cpu", *args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return Server(url, proc, log_path)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(Server(url, proc, log_path))
+    raise RuntimeError(f"server did not become healthy in {timeout_s}s:\n{open(log_path).read()}")
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the e2e suite: default model, small pages so sharing is visible."""
+    srv = start_server(str(tmp_path_factory.mktemp("server")), "--page-size", "4", "--max-running-requests", "32",
+                       "--max-total-tokens", "16384")
+    try:
+        yield srv
+    finally:
+        stop_server(srv)

@@ -1,0 +1,407 @@
+"""`tokenspeed serve` argument resolution: aliases, conflicts, YAML config, bad values,
+--help groups, --dry-run, and the ServeConfig split between server and worker."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from tokenspeed.config import (
+    BY_DEST,
+    FLAGS,
+    GROUPS,
+    ConfigError,
+    NotSupportedError,
+    ServeConfig,
+    build_serve_parser,
+    counts,
+    load_serve_config,
+    parse_serve_args,
+)
+
+# ---- aliases ------------------------------------------------------------------------------
+
+ALIASES = [
+    # (spellings, value words, attribute, expected)
+    (["--max-model-len", "--context-length"], ["4096"], "context_length", 4096),
+    (["--gpu-memory-utilization", "--mem-fraction-static"], ["0.7"], "mem_fraction_static", 0.7),
+    (["--max-num-seqs", "--max-running-requests"], ["64"], "max_running_requests", 64),
+    (["--block-size", "--page-size"], ["32"], "page_size", 32),
+    (["--enforce-eager", "--disable-cuda-graph"], [], "disable_cuda_graph", True),
+    (["--no-enable-prefix-caching", "--disable-radix-cache"], [], "disable_radix_cache", True),
+    (["--enable-prefix-caching"], [], "disable_radix_cache", False),
+    (["--tensor-parallel-size", "--tp", "--tp-size", "--attn-tp-size"], ["1"], "tp_size", 1),
+    (["--model", "--model-path"], ["org/some-model"], "model_path", "org/some-model"),
+    (["--max-num-batched-tokens", "--chunked-prefill-size"], ["2048"], "chunked_prefill_size", 2048),
+    (["--tokenizer", "--tokenizer-path"], ["/tok"], "tokenizer_path", "/tok"),
+    (["--seed", "--random-seed"], ["7"], "random_seed", 7),
+    (["--max-cudagraph-capture-size", "--cuda-graph-max-bs"], ["48"], "cuda_graph_max_bs", 48),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("spellings", "words", "attr", "expected"), ALIASES)
+def test_alias_resolves_to_one_setting(spellings: list[str], words: list[str], attr: str, expected) -> None:
+    for spelling in spellings:
+        cfg = parse_serve_args([spelling, *words])
+        assert getattr(cfg, attr) == expected, spelling
+
+
+def test_positional_model() -> None:
+    assert parse_serve_args(["org/m"]).model_path == "org/m"
+    assert parse_serve_args(["--port", "1234", "org/m", "--seed", "1"]).model_path == "org/m"
+    assert parse_serve_args([]).model_path is None  # the default model
+
+
+def test_default_values() -> None:
+    cfg = parse_serve_args([])
+    assert (cfg.host, cfg.port, cfg.page_size, cfg.chunked_prefill_size) == ("127.0.0.1", 30000, 16, 8192)
+    assert cfg.tp_size == 1 and cfg.schedule_policy == "fcfs" and cfg.device == "auto"
+    assert cfg.dtype == "auto" and cfg.load_format == "auto" and not cfg.disable_radix_cache
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+        (["--tp", "4"], "--tp"),
+        (["--attn-tp-size", "8"], "--attn-tp-size"),
+        (["--expert-parallel-size", "2"], "--expert-parallel-size"),
+        (["--ep-size", "2"], "--ep-size"),
+        (["--dp", "2"], "--dp"),
+    ],
+)
+def test_parallel_sizes_above_one_are_not_supported_yet(argv: list[str], name: str) -> None:
+    with pytest.raises(NotSupportedError, match=f"^not supported yet: {name} \\("):
+        parse_serve_args(argv)
+
+
+def test_parallel_sizes_of_one_are_fine() -> None:
+    parse_serve_args(["--expert-parallel-size", "1", "--dp-size", "1", "--nnodes", "1", "--node-rank", "0"])
+
+
+@pytest.mark.parametrize("flag", [f for f in FLAGS if f.aliases], ids=lambda f: f.name)
+def test_every_alias_maps_to_its_flag(flag) -> None:
+    for a, b in itertools.combinations((flag.name, *flag.aliases), 2):
+        with pytest.raises(ConfigError, match="conflicting flags") as info:
+            parse_serve_args(_words(flag, a) + _words(flag, b))
+        assert a in str(info.value) and b in str(info.value)
+
+
+def _words(flag, spelling: str) -> list[str]:
+    if flag.kind == "bool":
+        return [spelling]
+    default = flag.default if flag.default is not None else (1 if flag.kind in ("int", "float") else "x")
+    return [spelling, str(default) if flag.kind != "json" else "{}"]
+
+
+# ---- conflicts --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tensor-parallel-size", "1", "--attn-tp-size", "1"],
+        ["--tp", "1", "--tp-size", "1"],
+        ["--max-model-len", "100", "--context-length", "100"],
+        ["--enable-prefix-caching", "--disable-radix-cache"],
+        ["--enable-prefix-caching", "--no-enable-prefix-caching"],
+        ["--gpu-memory-utilization", "0.5", "--mem-fraction-static", "0.6"],
+        ["org/a", "--model", "org/b"],
+    ],
+)
+def test_conflicting_spellings_name_both(argv: list[str]) -> None:
+    with pytest.raises(ConfigError, match="conflicting flags") as info:
+        parse_serve_args(argv)
+    assert not isinstance(info.value, NotSupportedError)
+    named = [a for a in argv if a.startswith("--")]
+    for a in named:
+        assert a in str(info.value)
+    if len(named) == 1:
+        assert "positional model" in str(info.value)
+
+
+def test_repeating_one_spelling_keeps_the_last() -> None:
+    assert parse_serve_args(["--port", "1", "--port", "2"]).port == 2
+
+
+# ---- bad values ---------------------------------------------------------------------------------
+
+BAD = [
+    (["--port", "abc"], "--port", "integer"),
+    (["--port", "0"], "--port", "at least 1"),
+    (["--port", "70000"], "--port", "at most 65535"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization", "at most 1"),
+    (["--mem-fraction-static", "0"], "--mem-fraction-static", "greater than 0"),
+    (["--mem-fraction-static", "nan"], "--mem-fraction-static", "finite"),
+    (["--context-length", "0"], "--context-length", "at least 1"),
+    (["--max-model-len", "4k"], "--max-model-len", "integer"),
+    (["--page-size", "-16"], "--page-size", "at least 1"),
+    (["--max-num-seqs", "-3"], "--max-num-seqs", "at least 1"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size", "at least 1"),
+    (["--random-seed", "-1"], "--random-seed", "at least 0"),
+    (["--schedule-policy", "fastest"], "--schedule-policy", "invalid choice"),
+    (["--dtype", "int8"], "--dtype", "invalid choice"),
+    (["--device", "tpu"], "--device", "invalid choice"),
+    (["--log-level", "loud"], "--log-level", "invalid choice"),
+    (["--attention-backend", "magic"], "--attention-backend", "invalid choice"),
+    (["--load-format", "zip"], "--load-format", "invalid choice"),
+    (["--hf-overrides", "{oops"], "--hf-overrides", "invalid JSON"),
+    (["--cuda-graph-bs", "1", "x"], "--cuda-graph-bs", "integer"),
+    (["--speculative-num-steps", "0"], "--speculative-num-steps", "at least 1"),
+    (["--port"], "--port", "expected one argument"),
+]
+
+
+@pytest.mark.parametrize(("argv", "name", "fragment"), BAD)
+def test_bad_values_name_the_flag(argv: list[str], name: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_serve_args(argv)
+    assert not isinstance(info.value, NotSupportedError)
+    assert name in str(info.value) and fragment in str(info.value), str(info.value)
+
+
+def test_unknown_flag_suggests_a_spelling() -> None:
+    with pytest.raises(
+        ConfigError, match=r"unknown flag: --max-model-lenn \(did you mean --max-model-len\?\)"
+    ):
+        parse_serve_args(["--max-model-lenn", "5"])
+    with pytest.raises(ConfigError, match="unknown flag: --mdl"):
+        parse_serve_args(["--mdl", "x"])
+    with pytest.raises(ConfigError, match="only one positional model"):
+        parse_serve_args(["a", "b"])
+    with pytest.raises(ConfigError, match="unknown flag: --cont"):  # no prefix abbreviations
+        parse_serve_args(["--cont", "5"])
+
+
+def test_value_normalisation() -> None:
+    cfg = parse_serve_args(["--dtype", "half", "--log-level", "WARNING"])
+    assert cfg.dtype == "float16" and cfg.log_level == "warning"
+    assert parse_serve_args(["--dtype", "float"]).dtype == "float32"
+    assert parse_serve_args(["--port=8080"]).port == 8080
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["--attention-backend", "flashinfer"], "--attention-backend"),
+        (["--schedule-policy", "dfs-weight"], "--schedule-policy"),
+        (["--load-format", "pt"], "--load-format"),
+        (["--device", "xpu"], "--device"),
+        (["--chunked-prefill-size", "-1"], "--chunked-prefill-size"),
+        (["--revision", "main"], "--revision"),
+        (["--download-dir", "/tmp/hf"], "--download-dir"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
+        (["--enable-lora"], "--enable-lora"),
+        (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
+    ],
+)
+def test_values_not_built_yet(argv: list[str], name: str) -> None:
+    with pytest.raises(NotSupportedError, match=f"^not supported yet: {name} \\(") as info:
+        parse_serve_args(argv)
+    assert info.value.exit_code == 2
+
+
+def test_supported_choices_work() -> None:
+    for policy in ("fcfs", "lpm"):
+        assert parse_serve_args(["--schedule-policy", policy]).schedule_policy == policy
+    for backend in ("triton", "torch_native"):
+        assert parse_serve_args(["--attention-backend", backend]).attention_backend == backend
+    for fmt in ("auto", "safetensors", "gguf", "dummy"):
+        assert parse_serve_args(["--load-format", fmt]).load_format == fmt
+    assert parse_serve_args(["--trust-remote-code"]).trust_remote_code is True
+
+
+# ---- --config YAML ----------------------------------------------------------------------------------
+
+
+def _yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_yaml_config_either_spelling(tmp_path: Path) -> None:
+    path = _yaml(
+        tmp_path,
+        "model: org/m\nmax-model-len: 4096\ngpu_memory_utilization: 0.5\nenable-metrics: true\n"
+        "port: 8080\nblock-size: 32\nenable-prefix-caching: false\nschedule-policy: lpm\n",
+    )
+    cfg = parse_serve_args(["--config", path])
+    assert cfg.model_path == "org/m" and cfg.context_length == 4096 and cfg.mem_fraction_static == 0.5
+    assert cfg.enable_metrics is True and cfg.port == 8080 and cfg.page_size == 32
+    assert cfg.disable_radix_cache is True and cfg.schedule_policy == "lpm"
+    assert cfg.config_file == path
+
+
+def test_sglang_style_config_file(tmp_path: Path) -> None:
+    # The example from SGLang's documentation, with a TP size TokenSpeed can run.
+    path = _yaml(
+        tmp_path,
+        "model-path: meta-llama/Meta-Llama-3-8B-Instruct\nhost: 0.0.0.0\nport: 30000\n"
+        "tensor-parallel-size: 1\nenable-metrics: true\nlog-requests: true\n",
+    )
+    cfg = parse_serve_args(["--config", path])
+    assert cfg.host == "0.0.0.0" and cfg.tp_size == 1 and cfg.log_requests
+
+
+def test_command_line_overrides_the_file(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "port: 8080\nmax-model-len: 1024\nhost: 0.0.0.0\n")
+    cfg = parse_serve_args(["--port", "9000", "--context-length", "2048", f"--config={path}"])
+    assert (cfg.port, cfg.context_length, cfg.host) == (9000, 2048, "0.0.0.0")
+    assert (
+        parse_serve_args(["org/cli", "--config", _yaml(tmp_path, "model: org/file\n")]).model_path
+        == "org/cli"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        (
+            "max-model-len: 10\nbogus-key: 1\nother_thing: 2\n",
+            ["unknown keys", "'bogus-key'", "'other_thing'"],
+        ),
+        ("max-modle-len: 10\n", ["unknown key", "did you mean 'max-model-len'"]),
+        (
+            "max-model-len: 10\ncontext-length: 20\n",
+            ["conflicting flags", "--max-model-len", "--context-length"],
+        ),
+        ("port: abc\n", ["--port", "integer", "serve.yaml"]),
+        ("port: 0\n", ["--port", "at least 1", "serve.yaml"]),
+        ("enable-metrics: maybe\n", ["--enable-metrics", "true or false"]),
+        ("- port\n- 80\n", ["mapping"]),
+        ("port: [1\n", ["not valid YAML"]),
+        ("config: other.yaml\n", ["another config file"]),
+    ],
+)
+def test_bad_config_files(tmp_path: Path, text: str, fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_serve_args(["--config", _yaml(tmp_path, text)])
+    assert not isinstance(info.value, NotSupportedError)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_config_file_missing(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        parse_serve_args(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_config_file_unsupported_and_empty(tmp_path: Path) -> None:
+    with pytest.raises(NotSupportedError, match=r"^not supported yet: --enable-lora \(.*serve.yaml"):
+        parse_serve_args(["--config", _yaml(tmp_path, "enable-lora: true\n")])
+    assert parse_serve_args(["--config", _yaml(tmp_path, "")]).port == 30000
+    assert parse_serve_args(["--config", _yaml(tmp_path, "api-key:\n")]).api_key is None
+    cfg = parse_serve_args(["--config", _yaml(tmp_path, "lora-paths: []\nhf-overrides: {}\nnnodes: 1\n")])
+    assert isinstance(cfg, ServeConfig)
+
+
+# ---- --help and --dry-run ---------------------------------------------------------------------------
+
+
+def test_help_is_grouped_and_lists_every_spelling(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for heading in ("Model and tokenizer:", "HTTP server:", "Quantization and data type:",
+                    "Memory and scheduling:", "Parallelism:", "Logging and metrics:", "LoRA:",
+                    "Speculative decoding:", "PD disaggregation:", "Hierarchical cache and KV store:"):  # fmt: skip
+        assert heading in out
+    for flag in FLAGS:
+        for spelling in flag.spellings:
+            assert spelling in out
+    assert "[not supported yet]" in out
+
+
+def test_parser_groups_follow_the_table() -> None:
+    parser = build_serve_parser()
+    titles = [g.title for g in parser._action_groups]
+    assert [t for t in titles if t in GROUPS] == list(GROUPS)
+
+
+def test_dry_run_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        load_serve_config(["org/m", "--dry-run", "--max-model-len", "2048", "--api-key", "secret"])
+    assert info.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_path"] == "org/m" and out["context_length"] == 2048 and out["dry_run"] is True
+    assert out["api_key"] != "secret"
+    assert set(out) == {f.name for f in fields(ServeConfig)}
+
+
+def test_errors_exit_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--port", "x"], ["--enable-lora"]):
+        with pytest.raises(SystemExit) as info:
+            load_serve_config(argv)
+        assert info.value.code == 2
+    assert "not supported yet: --enable-lora (" in capsys.readouterr().err
+    assert load_serve_config(["--port", "1"]).port == 1
+
+
+# ---- ServeConfig and the table ------------------------------------------------------------------------
+
+
+def test_serve_config_fields_are_the_implemented_flags() -> None:
+    implemented = {f.dest for f in FLAGS if f.implemented}
+    assert {f.name for f in fields(ServeConfig)} == implemented
+    for f in fields(ServeConfig):
+        assert f.default == BY_DEST[f.name].default, f.name
+
+
+def test_exactly_these_flags_are_implemented() -> None:
+    expected = {
+        "--model-path", "--tokenizer-path", "--host", "--port", "--served-model-name", "--api-key",
+        "--chat-template", "--context-length", "--page-size", "--max-running-requests",
+        "--chunked-prefill-size", "--max-prefill-tokens", "--max-total-tokens", "--schedule-policy",
+        "--disable-radix-cache", "--mem-fraction-static", "--device", "--dtype", "--load-format",
+        "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
+        "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
+        "--enable-metrics", "--dry-run", "--config",
+    }  # fmt: skip
+    assert {f.name for f in FLAGS if f.implemented} == expected
+    c = counts()
+    assert c["implemented"] == len(expected) and c["flags"] == len(FLAGS) > 250
+
+
+def test_server_and_worker_split() -> None:
+    cfg = parse_serve_args(["org/m", "--api-key", "k", "--dtype", "bfloat16", "--dry-run"])
+    server, worker = cfg.server_dict(), cfg.worker_dict()
+    assert server["api_key"] == "k" and "dtype" not in server and server["model_path"] == "org/m"
+    assert worker["dtype"] == "bfloat16" and "api_key" not in worker and worker["model_path"] == "org/m"
+    for both in ("model_path", "page_size", "random_seed", "context_length", "tp_size"):
+        assert both in server and both in worker
+    assert "dry_run" not in server and "dry_run" not in worker
+    assert set(server) | set(worker) | {"dry_run", "config_file"} == set(cfg.to_dict())
+
+
+def test_table_is_well_formed() -> None:
+    for flag in FLAGS:
+        assert flag.help[:1].isupper() and flag.help.endswith("."), flag.name
+        assert flag.component in ("server", "worker", "both", "cli")
+        assert flag.default is None or flag.check(flag.default) is None
+        if flag.supported is not None:
+            assert set(flag.supported) <= set(flag.choices or ()), flag.name
+            if flag.default is not None:
+                assert flag.default in flag.supported, flag.name
+
+
+def test_config_package_does_not_import_torch() -> None:
+    pkg = Path(__file__).resolve().parents[1] / "python" / "tokenspeed" / "config"
+    for src in pkg.glob("*.py"):
+        for node in ast.walk(ast.parse(src.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                root = name.split(".")[0]
+                assert root not in ("torch", "numpy", "transformers"), f"{src.name} imports {name}"
+                if root == "tokenspeed":
+                    assert name.startswith("tokenspeed.config"), f"{src.name} imports {name}"
