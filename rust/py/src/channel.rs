@@ -3,21 +3,24 @@
 //! `WorkerChannel.recv()` hands out numpy views of the slot (zero copy), built with
 //! `numpy.frombuffer` over a read-only memoryview of the shared memory: the payload layout
 //! stays private to Rust, and no numpy crate is needed. Views are valid until the next
-//! `recv()` (which gives the slot back to the server). The mapping itself is never unmapped
-//! while the process lives, so a stale view reads stale data but cannot crash.
+//! `recv()` (which gives the slot back to the server). The mapping itself stays until the
+//! process exits, so a stale view reads stale data but cannot crash.
 
-use std::mem::ManuallyDrop;
 use std::os::raw::{c_char, c_int};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
-use pyo3::exceptions::{PyConnectionError, PyOSError, PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::exceptions::{
+    PyConnectionError, PyOSError, PyRuntimeError, PyTimeoutError, PyValueError,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use serde_json::Value;
 use tokenspeed_engine::plan::{NewRequestPlan, PageTableUpdate, ScheduledRequest};
 use tokenspeed_engine::{Plan, SamplingParams};
-use tokenspeed_ipc::{codec, IpcError, PlanChannel, ResultBytes, WorkerChannel as Channel};
+use tokenspeed_ipc::{
+    codec, ChannelStatus, IpcError, PlanChannel, ResultBytes, WorkerChannel as Channel,
+};
 
 pyo3::create_exception!(
     _core,
@@ -39,7 +42,9 @@ fn to_py(e: IpcError) -> PyErr {
         IpcError::InvalidName(_) | IpcError::BadRank { .. } | IpcError::NotRankZero(_) => {
             PyValueError::new_err(e.to_string())
         }
-        IpcError::Os { .. } | IpcError::NotFound(_) | IpcError::NotReady(_) => PyOSError::new_err(e.to_string()),
+        IpcError::Os { .. } | IpcError::NotFound(_) | IpcError::NotReady(_) => {
+            PyOSError::new_err(e.to_string())
+        }
         _ => PyRuntimeError::new_err(e.to_string()),
     }
 }
@@ -52,12 +57,25 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Locks without blocking: blocking here while holding the GIL could deadlock with a thread
+/// that waits (GIL released) while holding the lock. Concurrent use is a caller bug.
+fn try_lock<T>(m: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Ok(g),
+        Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+        Err(TryLockError::WouldBlock) => {
+            Err(PyRuntimeError::new_err("channel in use by another thread"))
+        }
+    }
+}
+
 /// One worker rank's end of the channel (rank 0 also sends results).
 #[pyclass(module = "tokenspeed._core")]
 pub struct WorkerChannel {
-    // Never dropped: numpy views may outlive this object and must keep pointing at mapped
-    // memory (one small mapping per worker process).
-    inner: ManuallyDrop<Mutex<Channel>>,
+    // Its mapping is kept until the process exits (`keep_mapped_forever`): numpy views may
+    // outlive this object and must keep pointing at mapped memory.
+    inner: Mutex<Channel>,
+    status: ChannelStatus,
     frombuffer: Py<PyAny>,
     rank: u32,
 }
@@ -71,8 +89,17 @@ impl WorkerChannel {
     fn attach(py: Python<'_>, name: &str, rank: u32, timeout_ms: u64) -> PyResult<WorkerChannel> {
         let frombuffer = py.import("numpy")?.getattr("frombuffer")?.unbind();
         let timeout = Duration::from_millis(timeout_ms);
-        let inner = py.allow_threads(|| Channel::attach_wait(name, rank, timeout)).map_err(to_py)?;
-        Ok(WorkerChannel { inner: ManuallyDrop::new(Mutex::new(inner)), frombuffer, rank })
+        let inner = py
+            .allow_threads(|| Channel::attach_wait(name, rank, timeout))
+            .map_err(to_py)?;
+        inner.keep_mapped_forever();
+        let status = inner.status();
+        Ok(WorkerChannel {
+            inner: Mutex::new(inner),
+            status,
+            frombuffer,
+            rank,
+        })
     }
 
     #[getter]
@@ -85,17 +112,25 @@ impl WorkerChannel {
     /// `timeout_ms` (None: wait until a plan or shutdown). Raises ChannelShutdown.
     /// The views are valid until the next `recv()`/`release()`.
     #[pyo3(signature = (timeout_ms=None))]
-    fn recv<'py>(&self, py: Python<'py>, timeout_ms: Option<u64>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let mut ch = lock(&self.inner);
+    fn recv<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_ms: Option<u64>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let mut guard = try_lock(&self.inner)?;
+        let ch: &mut Channel = &mut guard;
         let timeout = ms(timeout_ms);
-        let got = py.allow_threads(|| ch.recv_raw(timeout).map(|p| p.is_some())).map_err(to_py)?;
+        let got = py
+            .allow_threads(|| ch.recv_raw(timeout).map(|p| p.is_some()))
+            .map_err(to_py)?;
         if !got {
             return Ok(None);
         }
         let payload = ch.held().expect("a plan was just received");
         let lay = codec::plan_layout_of(payload).map_err(to_py)?;
-        // SAFETY: the payload lies in our shared mapping, which is never unmapped (see the
-        // struct); the memoryview is read-only, so Python cannot write into the slot.
+        // SAFETY: the payload lies in our shared mapping, which stays mapped until the process
+        // exits (`keep_mapped_forever` in `attach`); the memoryview is read-only, so Python
+        // cannot write into the slot.
         let mv = unsafe {
             let ptr = pyo3::ffi::PyMemoryView_FromMemory(
                 payload.as_ptr() as *mut c_char,
@@ -118,8 +153,9 @@ impl WorkerChannel {
     }
 
     /// Gives the current plan's slot back now (instead of at the next `recv`).
-    fn release(&self) {
-        lock(&self.inner).release();
+    fn release(&self) -> PyResult<()> {
+        try_lock(&self.inner)?.release();
+        Ok(())
     }
 
     /// Sends one step's results (rank 0 only): little-endian arrays as from numpy
@@ -140,18 +176,28 @@ impl WorkerChannel {
         top_k: u32,
         timeout_ms: Option<u64>,
     ) -> PyResult<()> {
-        let r = ResultBytes { step_id, top_k, slots, tokens, logprobs, top_ids, top_logprobs };
-        let mut ch = lock(&self.inner);
-        py.allow_threads(|| ch.send_result_bytes(&r, ms(timeout_ms))).map_err(to_py)
+        let r = ResultBytes {
+            step_id,
+            top_k,
+            slots,
+            tokens,
+            logprobs,
+            top_ids,
+            top_logprobs,
+        };
+        let mut guard = try_lock(&self.inner)?;
+        let ch: &mut Channel = &mut guard;
+        py.allow_threads(|| ch.send_result_bytes(&r, ms(timeout_ms)))
+            .map_err(to_py)
     }
 
     /// Whether the server process that created the channel is alive.
     fn server_alive(&self) -> bool {
-        lock(&self.inner).server_alive()
+        self.status.server_alive()
     }
 
     fn is_shutdown(&self) -> bool {
-        lock(&self.inner).is_shutdown()
+        self.status.is_shutdown()
     }
 }
 
@@ -162,7 +208,7 @@ pub struct TestWriter {
 }
 
 fn with_writer<R>(w: &TestWriter, f: impl FnOnce(&mut PlanChannel) -> PyResult<R>) -> PyResult<R> {
-    match lock(&w.inner).as_mut() {
+    match try_lock(&w.inner)?.as_mut() {
         Some(ch) => f(ch),
         None => Err(ChannelShutdown::new_err("test writer closed")),
     }
@@ -181,7 +227,12 @@ fn ints(v: &Value, key: &str, fill: Option<(usize, i64)>) -> PyResult<Vec<i64>> 
     let bad = || PyValueError::new_err(format!("{key}: expected integers"));
     let out: Vec<i64> = items(v, key)?
         .iter()
-        .map(|x| x.as_bool().map(i64::from).or_else(|| x.as_i64()).ok_or_else(bad))
+        .map(|x| {
+            x.as_bool()
+                .map(i64::from)
+                .or_else(|| x.as_i64())
+                .ok_or_else(bad)
+        })
         .collect::<PyResult<_>>()?;
     Ok(match fill {
         Some((n, d)) if out.is_empty() => vec![d; n],
@@ -191,13 +242,18 @@ fn ints(v: &Value, key: &str, fill: Option<(usize, i64)>) -> PyResult<Vec<i64>> 
 
 fn u32s(v: &Value, key: &str) -> PyResult<Vec<u32>> {
     let bad = || PyValueError::new_err(format!("{key}: value out of u32 range"));
-    ints(v, key, None)?.into_iter().map(|x| u32::try_from(x).map_err(|_| bad())).collect()
+    ints(v, key, None)?
+        .into_iter()
+        .map(|x| u32::try_from(x).map_err(|_| bad()))
+        .collect()
 }
 
 fn floats(v: &Value, key: &str, n: usize, dflt: f32) -> PyResult<Vec<f32>> {
     let bad = || PyValueError::new_err(format!("{key}: expected numbers"));
-    let out: Vec<f32> =
-        items(v, key)?.iter().map(|x| x.as_f64().map(|f| f as f32).ok_or_else(bad)).collect::<PyResult<_>>()?;
+    let out: Vec<f32> = items(v, key)?
+        .iter()
+        .map(|x| x.as_f64().map(|f| f as f32).ok_or_else(bad))
+        .collect::<PyResult<_>>()?;
     Ok(if out.is_empty() { vec![dflt; n] } else { out })
 }
 
@@ -217,8 +273,19 @@ fn plan_from_json(json: &str) -> PyResult<Plan> {
     let top_k = ints(&v, "new_top_k", Some((n, -1)))?;
     let seed = ints(&v, "new_seed", Some((n, -1)))?;
     let top_lp = ints(&v, "new_top_logprobs", Some((n, 0)))?;
-    let lens = [temp.len(), top_p.len(), min_p.len(), rep.len(), freq.len(), pres.len()];
-    if lens.iter().chain(&[top_k.len(), seed.len(), top_lp.len()]).any(|&l| l != n) {
+    let lens = [
+        temp.len(),
+        top_p.len(),
+        min_p.len(),
+        rep.len(),
+        freq.len(),
+        pres.len(),
+    ];
+    if lens
+        .iter()
+        .chain(&[top_k.len(), seed.len(), top_lp.len()])
+        .any(|&l| l != n)
+    {
         return Err(PyValueError::new_err("new_* arrays differ in length"));
     }
     let new_requests = (0..n)
@@ -237,13 +304,19 @@ fn plan_from_json(json: &str) -> PyResult<Plan> {
             },
         })
         .collect();
-    let (pt_slots, pt_first, pt_count) = (u32s(&v, "pt_slots")?, u32s(&v, "pt_first")?, u32s(&v, "pt_count")?);
+    let (pt_slots, pt_first, pt_count) = (
+        u32s(&v, "pt_slots")?,
+        u32s(&v, "pt_first")?,
+        u32s(&v, "pt_count")?,
+    );
     let pages = u32s(&v, "pt_pages")?;
     if pt_first.len() != pt_slots.len() || pt_count.len() != pt_slots.len() {
         return Err(PyValueError::new_err("pt_* arrays differ in length"));
     }
     if pt_count.iter().map(|&c| c as usize).sum::<usize>() != pages.len() {
-        return Err(PyValueError::new_err("pt_count does not add up to len(pt_pages)"));
+        return Err(PyValueError::new_err(
+            "pt_count does not add up to len(pt_pages)",
+        ));
     }
     let mut pages = pages.into_iter();
     let page_table_updates = (0..pt_slots.len())
@@ -254,10 +327,16 @@ fn plan_from_json(json: &str) -> PyResult<Plan> {
         })
         .collect();
     let slots = u32s(&v, "slots")?;
-    let (ntok, start, cached) = (u32s(&v, "num_tokens")?, u32s(&v, "start_pos")?, u32s(&v, "cached_len")?);
+    let (ntok, start, cached) = (
+        u32s(&v, "num_tokens")?,
+        u32s(&v, "start_pos")?,
+        u32s(&v, "cached_len")?,
+    );
     let sample = ints(&v, "sample", None)?;
     if ntok.len() != slots.len() || start.len() != slots.len() || sample.len() != slots.len() {
-        return Err(PyValueError::new_err("slots/num_tokens/start_pos/sample differ in length"));
+        return Err(PyValueError::new_err(
+            "slots/num_tokens/start_pos/sample differ in length",
+        ));
     }
     let scheduled = (0..slots.len())
         .map(|i| ScheduledRequest {
@@ -284,14 +363,24 @@ impl TestWriter {
     #[pyo3(signature = (json, timeout_ms=Some(10_000)))]
     fn send_plan_json(&self, py: Python<'_>, json: &str, timeout_ms: Option<u64>) -> PyResult<()> {
         let plan = plan_from_json(json)?;
-        with_writer(self, |ch| py.allow_threads(|| ch.send_plan(&plan, ms(timeout_ms))).map_err(to_py))
+        with_writer(self, |ch| {
+            py.allow_threads(|| ch.send_plan(&plan, ms(timeout_ms)))
+                .map_err(to_py)
+        })
     }
 
     /// The next result as a dict (step_id, slots, tokens, logprobs, top_ids, top_logprobs;
     /// the top_* as lists of lists, padding dropped), or None after `timeout_ms`.
     #[pyo3(signature = (timeout_ms=Some(10_000)))]
-    fn recv_result<'py>(&self, py: Python<'py>, timeout_ms: Option<u64>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let r = with_writer(self, |ch| py.allow_threads(|| ch.recv_result(ms(timeout_ms))).map_err(to_py))?;
+    fn recv_result<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_ms: Option<u64>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let r = with_writer(self, |ch| {
+            py.allow_threads(|| ch.recv_result(ms(timeout_ms)))
+                .map_err(to_py)
+        })?;
         let Some(r) = r else { return Ok(None) };
         let d = PyDict::new(py);
         let s = &r.sampled;
@@ -299,9 +388,13 @@ impl TestWriter {
         d.set_item("slots", s.iter().map(|e| e.slot).collect::<Vec<_>>())?;
         d.set_item("tokens", s.iter().map(|e| e.token).collect::<Vec<_>>())?;
         d.set_item("logprobs", s.iter().map(|e| e.logprob).collect::<Vec<_>>())?;
-        let ids = s.iter().map(|e| e.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>());
+        let ids = s
+            .iter()
+            .map(|e| e.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>());
         d.set_item("top_ids", PyList::new(py, ids)?)?;
-        let lps = s.iter().map(|e| e.top_logprobs.iter().map(|t| t.1).collect::<Vec<_>>());
+        let lps = s
+            .iter()
+            .map(|e| e.top_logprobs.iter().map(|t| t.1).collect::<Vec<_>>());
         d.set_item("top_logprobs", PyList::new(py, lps)?)?;
         Ok(Some(d))
     }
@@ -320,17 +413,25 @@ impl TestWriter {
     }
 
     /// Shuts down and unlinks the segment (also done when the object is collected).
-    fn close(&self) {
-        lock(&self.inner).take();
+    fn close(&self, py: Python<'_>) {
+        let ch = py.allow_threads(|| lock(&self.inner).take());
+        drop(ch);
     }
 }
 
 /// Creates a channel `name` for `n_readers` ranks and returns its writing end (tests only).
 #[pyfunction]
 #[pyo3(signature = (name, n_readers=1, slots=8, slot_bytes=1 << 20))]
-fn create_test_writer(name: &str, n_readers: u32, slots: u32, slot_bytes: u32) -> PyResult<TestWriter> {
+fn create_test_writer(
+    name: &str,
+    n_readers: u32,
+    slots: u32,
+    slot_bytes: u32,
+) -> PyResult<TestWriter> {
     let ch = PlanChannel::create(name, slots, slot_bytes, n_readers).map_err(to_py)?;
-    Ok(TestWriter { inner: Mutex::new(Some(ch)) })
+    Ok(TestWriter {
+        inner: Mutex::new(Some(ch)),
+    })
 }
 
 /// Adds the channel classes, `create_test_writer` and `ChannelShutdown` to `m`.

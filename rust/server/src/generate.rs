@@ -201,7 +201,7 @@ impl Generation {
                 // The engine would keep generating: end the request now.
                 self.guard.engine.abort(self.guard.id);
                 self.guard.done = true;
-                chunk.finish = Some(Finish { reason: "stop", matched: None });
+                chunk.finish = Some(Finish { reason: "stop", matched: step.matched.map(Value::String) });
                 return Some(Ok(chunk));
             }
             if let Some(reason) = token.finish {
@@ -211,7 +211,7 @@ impl Generation {
                     let step = self.stops.push(&rest);
                     chunk.text.push_str(&step.emit);
                     if step.stopped {
-                        chunk.finish = Some(Finish { reason: "stop", matched: None });
+                        chunk.finish = Some(Finish { reason: "stop", matched: step.matched.map(Value::String) });
                         return Some(Ok(chunk));
                     }
                 }

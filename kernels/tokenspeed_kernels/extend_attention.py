@@ -1,0 +1,235 @@
+"""Paged extend (prefill over a cached prefix) attention: tiled flash-attention Triton kernel."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed_kernels._utils import dot_precision, upcast_dot
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_ptr,
+    v_ptr,
+    pt_row,
+    kvh,
+    n0,
+    qpos,
+    seq_len,
+    qk_scale,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    offs_n,
+    offs_d,
+    mask_d,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One online-softmax step over keys [n0, n0 + BLOCK_N) of the paged cache."""
+    pos = n0 + offs_n
+    if MASKED:
+        mask_n = pos < seq_len
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    else:
+        page = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64)
+    in_page = pos % PAGE_SIZE
+    k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
+    v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
+    if MASKED:
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        s = tl.where((pos[None, :] <= qpos[:, None]) & mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    page_table_ptr,
+    q_start_loc_ptr,
+    prefix_lens_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    group,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One program = one (request, q head, BLOCK_M new tokens)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.num_programs(2) - 1 - tl.program_id(2)  # longest (most keys) tiles launch first
+    q_start = tl.load(q_start_loc_ptr + b)
+    n_new = tl.load(q_start_loc_ptr + b + 1) - q_start
+    if mblk * BLOCK_M >= n_new:
+        return
+    prefix = tl.load(prefix_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    kvh = h // group
+
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < n_new
+    mask_d = offs_d < HEAD_DIM
+    qpos = prefix + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    pt_row = page_table_ptr + b * stride_pt
+
+    # Keys before the tile's first query position are visible to every row: no masks.
+    full_end = (prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST,
+        )  # fmt: skip
+    # Diagonal tiles: causal + sequence-end masks.
+    diag_end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
+    for n0 in range(full_end, diag_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST,
+        )  # fmt: skip
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_new_tokens: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Attention of new tokens over their request's paged cache (their own K/V already written).
+
+    q: [T, Hq, D], requests' new tokens concatenated; q_start_loc: [B+1] int32 cumulative offsets;
+    prefix_lens: [B] int32 cached tokens before the new ones; seq_lens: [B] int32 = prefix + new.
+    Causal within the new tokens, full over the prefix. Returns out [T, Hq, D] in q.dtype.
+    max_new_tokens bounds the grid (read from q_start_loc, a host sync, when not given); pass it
+    under CUDA graphs. config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override for tuning.
+    """
+    total, hq, head_dim = q.shape
+    _, page_size, hkv, _ = k_cache.shape
+    assert hq % hkv == 0, "Hq must be a multiple of Hkv"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    batch = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if total == 0 or batch == 0:
+        return out
+    if max_new_tokens is None:
+        max_new_tokens = int((q_start_loc[1:] - q_start_loc[:-1]).max().item())
+    block_d = triton.next_power_of_2(head_dim)
+    if config is not None:
+        block_m, block_n, warps, stages = config
+    elif q.dtype == torch.float32:
+        block_m, block_n, warps, stages = 64, 32, 4, 2
+    elif block_d <= 64:
+        block_m, block_n, warps, stages = 128, 64, 4, 3
+    else:  # D=128 bf16/fp16: best average over the bench shapes on H200 (bench --sweep)
+        block_m, block_n, warps, stages = 128, 128, 8, 2
+    grid = (batch, hq, triton.cdiv(max_new_tokens, block_m))
+    _extend_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        page_table,
+        q_start_loc,
+        prefix_lens,
+        seq_lens,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        page_table.stride(0),
+        hq // hkv,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        DOT_PREC=dot_precision(q.dtype),
+        UPCAST=upcast_dot(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out

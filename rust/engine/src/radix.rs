@@ -1,0 +1,398 @@
+//! The radix prefix cache: a tree over token ids, one edge page-aligned, whose nodes own KV pages.
+//!
+//! Only full pages are cached: a node's key is a multiple of `page_size` tokens and it holds one
+//! page per `page_size` tokens. A request that reuses a prefix *locks* the node it matched; locks
+//! count on the node and all its ancestors, so an unlocked node has an unlocked subtree and
+//! eviction (LRU over unlocked leaves) never touches a page a running request reads. Time is a
+//! logical tick bumped on every match and insert: nothing here reads a clock.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use crate::pages::{PagePool, Pages};
+
+/// A node of the tree. Valid as long as the node is locked (or until the next mutation if not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NodeId(u32);
+
+impl NodeId {
+    /// The root: holds no tokens. Locking it is a no-op, so "no match" needs no special case.
+    pub const ROOT: NodeId = NodeId(0);
+}
+
+/// The result of `match_prefix`: the longest cached page-aligned prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Matched tokens; a multiple of `page_size`.
+    pub len: usize,
+    /// One page per `page_size` matched tokens, in order. Owned by the tree: valid while `node`
+    /// is locked.
+    pub pages: Vec<u32>,
+    /// The node ending exactly at `len` (the tree is split there if needed); lock it to keep
+    /// the pages.
+    pub node: NodeId,
+}
+
+struct Node {
+    parent: Option<NodeId>,
+    /// Children keyed by the first page of their edge: siblings differ within their first page.
+    children: HashMap<Vec<u32>, NodeId>,
+    /// Tokens on the edge from the parent; a multiple of `page_size`.
+    key: Vec<u32>,
+    /// One page per `page_size` tokens of `key`.
+    pages: Pages,
+    /// Requests using this node or a descendant.
+    lock: u32,
+    last_access: u64,
+}
+
+/// The prefix cache. With `enabled == false` it caches nothing (`--disable-radix-cache`):
+/// matches are empty and inserted pages go straight back to the pool.
+pub struct RadixCache {
+    pool: PagePool,
+    page_size: usize,
+    enabled: bool,
+    /// Arena of nodes; `None` marks a reusable id.
+    nodes: Vec<Option<Node>>,
+    vacant: Vec<u32>,
+    tick: u64,
+    cached_pages: usize,
+    /// Pages of nodes with `lock > 0`.
+    locked_pages: usize,
+}
+
+impl RadixCache {
+    pub fn new(pool: PagePool, page_size: usize, enabled: bool) -> Self {
+        assert!(page_size > 0, "page_size must be positive");
+        let root = Node {
+            parent: None,
+            children: HashMap::new(),
+            key: Vec::new(),
+            pages: pool.empty(),
+            lock: 0,
+            last_access: 0,
+        };
+        RadixCache {
+            pool,
+            page_size,
+            enabled,
+            nodes: vec![Some(root)],
+            vacant: Vec::new(),
+            tick: 0,
+            cached_pages: 0,
+            locked_pages: 0,
+        }
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Pages owned by the tree.
+    pub fn cached_pages(&self) -> usize {
+        self.cached_pages
+    }
+
+    /// Pages `evict` could free now: those of unlocked nodes.
+    pub fn evictable_pages(&self) -> usize {
+        self.cached_pages - self.locked_pages
+    }
+
+    /// Finds the longest cached page-aligned prefix of `tokens`, splitting the node it ends in
+    /// so the returned node covers exactly the match, and marks the path as recently used.
+    pub fn match_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
+        let mut found = PrefixMatch {
+            len: 0,
+            pages: Vec::new(),
+            node: NodeId::ROOT,
+        };
+        if !self.enabled {
+            return found;
+        }
+        self.tick += 1;
+        let ps = self.page_size;
+        let full = tokens.len() / ps * ps;
+        while found.len < full {
+            let Some(child) = self.child(found.node, &tokens[found.len..found.len + ps]) else {
+                break;
+            };
+            let common = self.common_pages(child, &tokens[found.len..full]);
+            let child = if common < self.node(child).pages.len() {
+                self.split(child, common)
+            } else {
+                child
+            };
+            let tick = self.tick;
+            let node = self.node_mut(child);
+            node.last_access = tick;
+            found.pages.extend_from_slice(node.pages.ids());
+            found.len += common * ps;
+            found.node = child;
+        }
+        found
+    }
+
+    /// Length of the longest cached page-aligned prefix, without touching the tree (for ranking
+    /// waiting requests and for a router asking which replica has a prefix).
+    pub fn peek_prefix_len(&self, tokens: &[u32]) -> usize {
+        if !self.enabled {
+            return 0;
+        }
+        let ps = self.page_size;
+        let full = tokens.len() / ps * ps;
+        let (mut len, mut node) = (0, NodeId::ROOT);
+        while len < full {
+            let Some(child) = self.child(node, &tokens[len..len + ps]) else {
+                break;
+            };
+            let common = self.common_pages(child, &tokens[len..full]);
+            len += common * ps;
+            if common < self.node(child).pages.len() {
+                break;
+            }
+            node = child;
+        }
+        len
+    }
+
+    /// Pins `node` and its ancestors against eviction.
+    pub fn lock(&mut self, node: NodeId) {
+        let mut cur = Some(node);
+        while let Some(id) = cur.filter(|&id| id != NodeId::ROOT) {
+            let n = self.node_mut(id);
+            n.lock += 1;
+            let (first, pages, parent) = (n.lock == 1, n.pages.len(), n.parent);
+            if first {
+                self.locked_pages += pages;
+            }
+            cur = parent;
+        }
+    }
+
+    /// Undoes one `lock(node)`.
+    pub fn unlock(&mut self, node: NodeId) {
+        let mut cur = Some(node);
+        while let Some(id) = cur.filter(|&id| id != NodeId::ROOT) {
+            let n = self.node_mut(id);
+            debug_assert!(n.lock > 0, "unlock of an unlocked node");
+            n.lock = n.lock.saturating_sub(1);
+            let (last, pages, parent) = (n.lock == 0, n.pages.len(), n.parent);
+            if last {
+                self.locked_pages -= pages;
+            }
+            cur = parent;
+        }
+    }
+
+    /// Caches the full pages of `tokens`. `pages` holds the *last* `pages.len()` pages of
+    /// `tokens` (page-aligned part); the pages before them must already be in the tree, which
+    /// holds when the caller locked the prefix it started from. Pages whose tokens the tree
+    /// already has are dropped (freed) and counted in the return value. If the tree lacks a
+    /// page in front of `pages` (a caller bug), nothing is inserted and `pages` are freed.
+    pub fn insert(&mut self, tokens: &[u32], mut pages: Pages) -> usize {
+        if !self.enabled {
+            return 0;
+        }
+        self.tick += 1;
+        let ps = self.page_size;
+        let n = tokens.len() / ps;
+        if pages.len() > n {
+            drop(pages.split_off(n));
+        }
+        let first_own = n - pages.len();
+        let (mut pos, mut node) = (0, NodeId::ROOT);
+        while pos < n {
+            let Some(child) = self.child(node, &tokens[pos * ps..(pos + 1) * ps]) else {
+                break;
+            };
+            let common = self.common_pages(child, &tokens[pos * ps..n * ps]);
+            let child = if common < self.node(child).pages.len() {
+                self.split(child, common)
+            } else {
+                child
+            };
+            let tick = self.tick;
+            self.node_mut(child).last_access = tick;
+            pos += common;
+            node = child;
+        }
+        if pos < first_own {
+            return 0;
+        }
+        let duplicates = pos - first_own;
+        let new_pages = pages.split_off(duplicates);
+        drop(pages);
+        if !new_pages.is_empty() {
+            let key = tokens[pos * ps..n * ps].to_vec();
+            self.add_child(node, key, new_pages);
+        }
+        duplicates
+    }
+
+    /// Frees at least `n` pages by dropping least-recently-used unlocked leaves (fewer if not
+    /// enough are evictable). Returns the pages freed.
+    pub fn evict(&mut self, n: usize) -> usize {
+        let mut heap: BinaryHeap<Reverse<(u64, u32)>> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
+            .filter(|&(i, n)| i != 0 && n.lock == 0 && n.children.is_empty())
+            .map(|(i, n)| Reverse((n.last_access, i as u32)))
+            .collect();
+        let mut freed = 0;
+        while freed < n {
+            let Some(Reverse((_, id))) = heap.pop() else {
+                break;
+            };
+            let Some(node) = self.nodes[id as usize].take() else {
+                continue;
+            };
+            self.vacant.push(id);
+            freed += node.pages.len();
+            self.cached_pages -= node.pages.len();
+            let first_page = node.key[..self.page_size].to_vec();
+            if let Some(parent_id) = node.parent {
+                let parent = self.node_mut(parent_id);
+                parent.children.remove(&first_page);
+                if parent_id != NodeId::ROOT && parent.children.is_empty() && parent.lock == 0 {
+                    heap.push(Reverse((parent.last_access, parent_id.0)));
+                }
+            }
+            // `node.pages` drops here: the pages go back to the pool.
+        }
+        freed
+    }
+
+    /// Drops every unlocked node. Returns the pages freed.
+    pub fn flush(&mut self) -> usize {
+        self.evict(usize::MAX)
+    }
+
+    fn node(&self, id: NodeId) -> &Node {
+        self.nodes[id.0 as usize]
+            .as_ref()
+            .expect("NodeId refers to a live node")
+    }
+
+    fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        self.nodes[id.0 as usize]
+            .as_mut()
+            .expect("NodeId refers to a live node")
+    }
+
+    fn child(&self, node: NodeId, first_page: &[u32]) -> Option<NodeId> {
+        self.node(node).children.get(first_page).copied()
+    }
+
+    /// Whole pages shared by `child`'s key and `tokens`.
+    fn common_pages(&self, child: NodeId, tokens: &[u32]) -> usize {
+        let key = &self.node(child).key;
+        key.chunks(self.page_size)
+            .zip(tokens.chunks_exact(self.page_size))
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
+    /// Splits `id` after `at` pages (0 < at < its pages): a new node takes the front part and
+    /// becomes `id`'s parent. `id` keeps its suffix, so a `NodeId` a request locked stays valid.
+    fn split(&mut self, id: NodeId, at: usize) -> NodeId {
+        let ps = self.page_size;
+        let new_id = self.vacant_id();
+        let child = self.node_mut(id);
+        let tail_pages = child.pages.split_off(at);
+        let front_pages = std::mem::replace(&mut child.pages, tail_pages);
+        let tail_key = child.key.split_off(at * ps);
+        let front_key = std::mem::replace(&mut child.key, tail_key);
+        let parent = child.parent.replace(new_id);
+        let (lock, last_access) = (child.lock, child.last_access);
+        let tail_first = child.key[..ps].to_vec();
+        let front_first = front_key[..ps].to_vec();
+        self.nodes[new_id.0 as usize] = Some(Node {
+            parent,
+            children: HashMap::from([(tail_first, id)]),
+            key: front_key,
+            pages: front_pages,
+            // Same lockers as the suffix: they hold the whole path, so `locked_pages` is unchanged.
+            lock,
+            last_access,
+        });
+        if let Some(parent) = parent {
+            self.node_mut(parent).children.insert(front_first, new_id);
+        }
+        new_id
+    }
+
+    fn add_child(&mut self, parent: NodeId, key: Vec<u32>, pages: Pages) -> NodeId {
+        let id = self.vacant_id();
+        self.cached_pages += pages.len();
+        let first = key[..self.page_size].to_vec();
+        self.nodes[id.0 as usize] = Some(Node {
+            parent: Some(parent),
+            children: HashMap::new(),
+            key,
+            pages,
+            lock: 0,
+            last_access: self.tick,
+        });
+        self.node_mut(parent).children.insert(first, id);
+        id
+    }
+
+    fn vacant_id(&mut self) -> NodeId {
+        match self.vacant.pop() {
+            Some(id) => NodeId(id),
+            None => {
+                self.nodes.push(None);
+                NodeId((self.nodes.len() - 1) as u32)
+            }
+        }
+    }
+
+    /// Checks the tree's bookkeeping; used by tests. Returns a description of the first fault.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let ps = self.page_size;
+        let (mut cached, mut locked) = (0, 0);
+        for (i, node) in self.nodes.iter().enumerate() {
+            let Some(node) = node else { continue };
+            if node.key.len() != node.pages.len() * ps {
+                return Err(format!("node {i}: key/pages length mismatch"));
+            }
+            if i != 0 && node.pages.is_empty() {
+                return Err(format!("node {i}: empty non-root node"));
+            }
+            let child_locks: u32 = node.children.values().map(|c| self.node(*c).lock).sum();
+            if i != 0 && node.lock < child_locks {
+                return Err(format!("node {i}: lock below its children's locks"));
+            }
+            for (first, c) in &node.children {
+                let child = self.node(*c);
+                if child.parent != Some(NodeId(i as u32)) || &child.key[..ps] != first.as_slice() {
+                    return Err(format!("node {i}: child {} mis-linked", c.0));
+                }
+            }
+            cached += node.pages.len();
+            if node.lock > 0 {
+                locked += node.pages.len();
+            }
+            if node.pages.ids().iter().any(|&p| self.pool.is_free(p)) {
+                return Err(format!("node {i}: holds a page the pool thinks is free"));
+            }
+        }
+        if cached != self.cached_pages || locked != self.locked_pages {
+            return Err(format!(
+                "counters: cached {} (counted {cached}), locked {} (counted {locked})",
+                self.cached_pages, self.locked_pages
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "radix_tests.rs"]
+mod tests;

@@ -1,0 +1,580 @@
+//! The scheduler: a synchronous state machine turning submitted requests into step plans.
+//!
+//! Each `schedule()` builds one continuous-batching step: every running decode feeds one token,
+//! then prefill chunks (of running, then newly admitted requests) fill the rest of the token
+//! budget. `advance()` takes the worker's sampled tokens back. KV pages come from the radix
+//! cache's pool; when they run short the scheduler evicts cached pages and then retracts the
+//! youngest running request (its KV is cached and it is recomputed later), so the oldest
+//! request always progresses and the system never deadlocks.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use crate::pages::{PagePool, Pages};
+use crate::plan::{
+    NewRequestPlan, PageTableUpdate, Plan, SampledToken, ScheduledRequest, StepResult,
+};
+use crate::radix::{NodeId, RadixCache};
+
+mod request;
+
+pub use request::{
+    ConfigError, FinishReason, Request, RequestOutput, SchedulePolicy, SchedulerConfig,
+    SchedulerStats, SubmitError,
+};
+
+/// Above this many waiting requests `lpm` falls back to arrival order: ranking costs a tree walk
+/// per waiting request per step (SGLang makes the same trade).
+const LPM_MAX_WAITING: usize = 128;
+
+/// Where a request is in its life. Resources live in the variants that need them, so a state
+/// change moves or drops them and no state can hold pages it should not.
+enum Phase {
+    /// Submitted, never admitted.
+    Waiting,
+    /// Was running, gave its pages back under memory pressure; recomputes `tokens` when readmitted.
+    Retracted,
+    /// Has a slot; the prompt's KV is being computed in chunks.
+    Prefilling(Active),
+    /// Has a slot; feeds one token per step.
+    Decoding(Active),
+    /// Done (the reason went out in its last output); it leaves the scheduler right after.
+    Finished,
+}
+
+/// A request's hold on a worker slot and KV pages.
+struct Active {
+    slot: u32,
+    /// The cached prefix it started from, locked in the radix tree (`ROOT` when none).
+    prefix_node: NodeId,
+    /// Pages of that prefix: owned by the tree, valid while `prefix_node` stays locked.
+    prefix_pages: Vec<u32>,
+    /// Pages for the positions after the prefix.
+    own: Pages,
+    /// Tokens whose KV is computed or is being computed by a plan already sent.
+    computed: usize,
+    /// Prefix tokens served from the cache at this admission.
+    cached_len: u32,
+    /// Scheduled in a plan whose result has not come back: not scheduled again until it does.
+    in_flight: bool,
+}
+
+impl Active {
+    fn num_pages(&self) -> usize {
+        self.prefix_pages.len() + self.own.len()
+    }
+}
+
+struct Sequence {
+    req: Request,
+    /// Prompt, then every generated token. A retracted request recomputes all of it.
+    tokens: Vec<u32>,
+    /// Prompt tokens served from the cache at first admission (what usage reports).
+    cached_tokens: Option<u32>,
+    phase: Phase,
+}
+
+impl Sequence {
+    fn completion_tokens(&self) -> usize {
+        self.tokens.len() - self.req.prompt.len()
+    }
+
+    fn active(&self) -> Option<&Active> {
+        match &self.phase {
+            Phase::Prefilling(a) | Phase::Decoding(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    fn active_mut(&mut self) -> Option<&mut Active> {
+        match &mut self.phase {
+            Phase::Prefilling(a) | Phase::Decoding(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// What a step expects back for one scheduled request.
+struct Expected {
+    id: u64,
+    slot: u32,
+    sample: bool,
+}
+
+/// The plan being built by one `schedule()` call.
+#[derive(Default)]
+struct StepBuilder {
+    plan: Plan,
+    expected: Vec<Expected>,
+}
+
+impl StepBuilder {
+    fn add_pages(&mut self, slot: u32, first_index: usize, pages: &[u32]) {
+        if !pages.is_empty() {
+            self.plan.page_table_updates.push(PageTableUpdate {
+                slot,
+                first_index: first_index as u32,
+                pages: pages.to_vec(),
+            });
+        }
+    }
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    pool: PagePool,
+    cache: RadixCache,
+    requests: HashMap<u64, Sequence>,
+    /// Ids not admitted yet, in arrival order (retracted ones pushed to the front).
+    waiting: VecDeque<u64>,
+    /// Ids holding a slot, oldest admission first: retraction takes from the back.
+    running: Vec<u64>,
+    free_slots: BTreeSet<u32>,
+    /// Slots released since the last plan.
+    released_slots: Vec<u32>,
+    next_step: u64,
+    in_flight: VecDeque<(u64, Vec<Expected>)>,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let pool = PagePool::new(config.num_pages);
+        let cache = RadixCache::new(
+            pool.clone(),
+            config.page_size as usize,
+            config.enable_radix_cache,
+        );
+        Ok(Scheduler {
+            free_slots: (0..config.max_running_requests).collect(),
+            config,
+            pool,
+            cache,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            released_slots: Vec::new(),
+            next_step: 0,
+            in_flight: VecDeque::new(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request, or says why it can never be served.
+    pub fn submit(&mut self, req: Request) -> Result<(), SubmitError> {
+        let id = req.id;
+        if self.requests.contains_key(&id) {
+            return Err(SubmitError::DuplicateId { id });
+        }
+        if req.prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt { id });
+        }
+        if req.max_new_tokens == 0 {
+            return Err(SubmitError::ZeroMaxNewTokens { id });
+        }
+        let total = req.prompt.len() as u64 + u64::from(req.max_new_tokens);
+        if total > u64::from(self.config.max_context_len) {
+            return Err(SubmitError::ContextTooLong {
+                id,
+                prompt_tokens: req.prompt.len(),
+                max_new_tokens: req.max_new_tokens,
+                max_context_len: self.config.max_context_len,
+            });
+        }
+        // The last sampled token is never fed back, so it needs no KV.
+        let pages = (total - 1).div_ceil(u64::from(self.config.page_size));
+        if pages > u64::from(self.config.num_pages) {
+            return Err(SubmitError::ExceedsKvPool {
+                id,
+                tokens: total - 1,
+                pages_needed: pages,
+                total_pages: self.config.num_pages,
+            });
+        }
+        let tokens = req.prompt.clone();
+        self.requests.insert(
+            id,
+            Sequence {
+                req,
+                tokens,
+                cached_tokens: None,
+                phase: Phase::Waiting,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Drops a request wherever it is; a running one's slot is reported in the next plan.
+    /// Returns false for an unknown (or already finished) id.
+    pub fn abort(&mut self, id: u64) -> bool {
+        let Some(mut seq) = self.requests.remove(&id) else {
+            return false;
+        };
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        if let Phase::Prefilling(active) | Phase::Decoding(active) =
+            std::mem::replace(&mut seq.phase, Phase::Waiting)
+        {
+            self.release(&seq.tokens, active);
+        }
+        true
+    }
+
+    /// Builds the next step, or `None` when there is nothing to run or report.
+    pub fn schedule(&mut self) -> Option<Plan> {
+        let mut step = StepBuilder::default();
+        let decodes = self
+            .running
+            .iter()
+            .filter(|id| matches!(&self.requests[*id].phase, Phase::Decoding(a) if !a.in_flight))
+            .count();
+        // Decodes always run (one token is the least progress a request can make); prefill
+        // chunks get what is left of the budget.
+        let mut budget = (self.config.chunked_prefill_size as usize)
+            .saturating_sub(decodes)
+            .min(self.config.max_prefill_tokens as usize);
+        let mut retracted = false;
+
+        let mut i = 0;
+        while i < self.running.len() {
+            let id = self.running[i];
+            let seq = &self.requests[&id];
+            let want = match &seq.phase {
+                Phase::Decoding(a) if !a.in_flight => 1,
+                Phase::Prefilling(a) if !a.in_flight => (seq.tokens.len() - a.computed).min(budget),
+                _ => 0,
+            };
+            if want == 0 {
+                i += 1;
+                continue;
+            }
+            let fit = self.fit_tokens(id, want);
+            if fit == 0 {
+                // Out of pages even after eviction: free the youngest other request's.
+                if let Some(victim) = self.youngest_retractable(i) {
+                    self.retract(victim);
+                    retracted = true;
+                    continue;
+                }
+                // This one is the youngest: a decode gives way itself, a prefill chunk waits.
+                if i > 0 && matches!(self.requests[&id].phase, Phase::Decoding(_)) {
+                    self.retract(id);
+                    retracted = true;
+                    continue;
+                }
+                i += 1;
+                continue;
+            }
+            if matches!(self.requests[&id].phase, Phase::Prefilling(_)) {
+                budget -= fit;
+            }
+            self.schedule_chunk(id, fit, &mut step);
+            i += 1;
+        }
+
+        // Readmitting what was just retracted would only thrash; wait for a step with room.
+        if !retracted {
+            self.admit(&mut budget, &mut step);
+        }
+
+        step.plan.finished_slots = std::mem::take(&mut self.released_slots);
+        if step.plan.is_empty() {
+            return None;
+        }
+        step.plan.step_id = self.next_step;
+        self.next_step += 1;
+        self.in_flight.push_back((step.plan.step_id, step.expected));
+        Some(step.plan)
+    }
+
+    /// Applies a step's sampled tokens. Tokens for requests aborted since the plan are ignored.
+    pub fn advance(&mut self, result: &StepResult) -> Vec<RequestOutput> {
+        let mut outputs = Vec::new();
+        // Steps are answered in order; an older unanswered step counts as answered with nothing.
+        while self
+            .in_flight
+            .front()
+            .is_some_and(|(step_id, _)| *step_id <= result.step_id)
+        {
+            let Some((step_id, expected)) = self.in_flight.pop_front() else {
+                break;
+            };
+            let sampled: HashMap<u32, &SampledToken> = if step_id == result.step_id {
+                result.sampled.iter().map(|s| (s.slot, s)).collect()
+            } else {
+                HashMap::new()
+            };
+            for e in &expected {
+                if let Some(out) = self.apply(e, sampled.get(&e.slot).copied()) {
+                    outputs.push(out);
+                }
+            }
+        }
+        outputs
+    }
+
+    /// Drops every unlocked cached page. Only when idle (nothing waiting or running), as SGLang.
+    pub fn flush_cache(&mut self) -> bool {
+        if !self.running.is_empty() || !self.waiting.is_empty() {
+            return false;
+        }
+        self.cache.flush();
+        true
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let free = self.pool.free_count();
+        let cached = self.cache.cached_pages();
+        SchedulerStats {
+            total_pages: self.pool.total(),
+            free_pages: free,
+            used_pages: self.pool.total() - free - cached,
+            cached_pages: cached,
+            evictable_pages: self.cache.evictable_pages(),
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+        }
+    }
+
+    /// True when no request is waiting or running and no plan awaits its result.
+    pub fn is_idle(&self) -> bool {
+        self.requests.is_empty() && self.in_flight.is_empty() && self.released_slots.is_empty()
+    }
+
+    /// Length of the longest cached prefix of `tokens` (for a cache-aware router).
+    pub fn cached_prefix_len(&self, tokens: &[u32]) -> usize {
+        self.cache.peek_prefix_len(tokens)
+    }
+
+    /// How many of `want` next tokens of `id` can get KV pages now (evicting cache if needed).
+    fn fit_tokens(&mut self, id: u64, want: usize) -> usize {
+        let ps = self.config.page_size as usize;
+        let Some(a) = self.requests[&id].active() else {
+            return 0;
+        };
+        let have = a.num_pages() * ps - a.computed;
+        let spare = self.pool.free_count() + self.cache.evictable_pages();
+        want.min(have + spare * ps)
+    }
+
+    /// Makes `n` pages free, evicting cached ones if needed, and takes them.
+    fn take_pages(&mut self, n: usize) -> Option<Pages> {
+        let free = self.pool.free_count();
+        if free < n {
+            self.cache.evict(n - free);
+        }
+        self.pool.alloc(n)
+    }
+
+    /// Allocates pages for `n` more tokens of running request `id`, emits its share of the step.
+    fn schedule_chunk(&mut self, id: u64, n: usize, step: &mut StepBuilder) {
+        let ps = self.config.page_size as usize;
+        let Some(a) = self.requests[&id].active() else {
+            return;
+        };
+        let need = (a.computed + n).div_ceil(ps).saturating_sub(a.num_pages());
+        let Some(new_pages) = self.take_pages(need) else {
+            // `fit_tokens` counted these pages as free or evictable; nothing to do but skip.
+            return;
+        };
+        let Some(seq) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let tokens = &seq.tokens;
+        let Some(a) = (match &mut seq.phase {
+            Phase::Prefilling(a) | Phase::Decoding(a) => Some(a),
+            _ => None,
+        }) else {
+            return;
+        };
+        step.add_pages(a.slot, a.num_pages(), new_pages.ids());
+        a.own.append(new_pages);
+        let sample = a.computed + n == tokens.len();
+        step.plan.scheduled.push(ScheduledRequest {
+            slot: a.slot,
+            num_tokens: n as u32,
+            start_pos: a.computed as u32,
+            cached_len: a.cached_len,
+            sample,
+        });
+        step.plan
+            .input_ids
+            .extend_from_slice(&tokens[a.computed..a.computed + n]);
+        step.expected.push(Expected {
+            id,
+            slot: a.slot,
+            sample,
+        });
+        a.computed += n;
+        a.in_flight = true;
+    }
+
+    /// Admits waiting requests in policy order while slots, budget and pages last.
+    fn admit(&mut self, budget: &mut usize, step: &mut StepBuilder) {
+        let ps = self.config.page_size as usize;
+        for id in self.admission_order() {
+            if *budget == 0 || self.free_slots.is_empty() {
+                break;
+            }
+            let Some(seq) = self.requests.get(&id) else {
+                continue;
+            };
+            // Never match the whole sequence: the last token must be computed to get logits.
+            let m = self.cache.match_prefix(&seq.tokens[..seq.tokens.len() - 1]);
+            self.cache.lock(m.node);
+            let spare = self.pool.free_count() + self.cache.evictable_pages();
+            let n = (seq.tokens.len() - m.len).min(*budget).min(spare * ps);
+            if n == 0 {
+                // Head-of-line blocking is deliberate: skipping ahead would starve long prompts.
+                self.cache.unlock(m.node);
+                break;
+            }
+            let Some(slot) = self.free_slots.pop_first() else {
+                self.cache.unlock(m.node);
+                break;
+            };
+            let own = self.pool.empty();
+            let Some(seq) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            seq.cached_tokens
+                .get_or_insert(m.len.min(seq.req.prompt.len()) as u32);
+            step.plan.new_requests.push(NewRequestPlan {
+                slot,
+                sampling: seq.req.sampling,
+            });
+            step.add_pages(slot, 0, &m.pages);
+            seq.phase = Phase::Prefilling(Active {
+                slot,
+                prefix_node: m.node,
+                prefix_pages: m.pages,
+                own,
+                computed: m.len,
+                cached_len: m.len as u32,
+                in_flight: false,
+            });
+            self.waiting.retain(|&w| w != id);
+            self.running.push(id);
+            self.schedule_chunk(id, n, step);
+            *budget -= n;
+        }
+    }
+
+    fn admission_order(&self) -> Vec<u64> {
+        let mut order: Vec<u64> = self.waiting.iter().copied().collect();
+        if self.config.policy == SchedulePolicy::Lpm && order.len() <= LPM_MAX_WAITING {
+            let mut keyed: Vec<(bool, usize, u64)> = order
+                .iter()
+                .map(|id| {
+                    let seq = &self.requests[id];
+                    let tokens = &seq.tokens[..seq.tokens.len() - 1];
+                    let retracted = matches!(seq.phase, Phase::Retracted);
+                    (retracted, self.cache.peek_prefix_len(tokens), *id)
+                })
+                .collect();
+            // Stable: ties keep arrival order. Retracted requests keep their place at the front.
+            keyed.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+            order = keyed.into_iter().map(|k| k.2).collect();
+        }
+        order
+    }
+
+    /// The youngest running request after position `i` that can give its pages back now.
+    fn youngest_retractable(&self, i: usize) -> Option<u64> {
+        self.running[i + 1..]
+            .iter()
+            .rev()
+            .copied()
+            .find(|id| self.requests[id].active().is_some_and(|a| !a.in_flight))
+    }
+
+    /// Sends a running request back to the front of the queue; its computed KV goes to the
+    /// cache (evictable), so readmission may find part of it still there.
+    fn retract(&mut self, id: u64) {
+        let Some(mut seq) = self.requests.remove(&id) else {
+            return;
+        };
+        if let Phase::Prefilling(active) | Phase::Decoding(active) =
+            std::mem::replace(&mut seq.phase, Phase::Retracted)
+        {
+            self.release(&seq.tokens, active);
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        self.requests.insert(id, seq);
+    }
+
+    /// Gives up a slot and pages: full pages of computed KV go to the cache, the rest are freed.
+    fn release(&mut self, tokens: &[u32], active: Active) {
+        let ps = self.config.page_size as usize;
+        let full = active.computed / ps;
+        let mut own = active.own;
+        drop(own.split_off(full.saturating_sub(active.prefix_pages.len())));
+        self.cache.insert(&tokens[..full * ps], own);
+        self.cache.unlock(active.prefix_node);
+        self.free_slots.insert(active.slot);
+        self.released_slots.push(active.slot);
+    }
+
+    /// Applies one expected result; returns the output if a token was sampled for a live request.
+    fn apply(&mut self, e: &Expected, sampled: Option<&SampledToken>) -> Option<RequestOutput> {
+        let seq = self.requests.get_mut(&e.id)?;
+        let a = seq.active_mut().filter(|a| a.slot == e.slot)?;
+        a.in_flight = false;
+        if !e.sample {
+            return None;
+        }
+        let Some(s) = sampled else {
+            // The worker sent no token: feed the last position again (its KV is rewritten as is).
+            a.computed -= 1;
+            return None;
+        };
+        seq.tokens.push(s.token);
+        if let Phase::Prefilling(_) = seq.phase {
+            if let Phase::Prefilling(a) = std::mem::replace(&mut seq.phase, Phase::Waiting) {
+                seq.phase = Phase::Decoding(a);
+            }
+        }
+        let completion = seq.completion_tokens();
+        let req = &seq.req;
+        let finished = if !req.ignore_eos
+            && completion >= req.min_new_tokens as usize
+            && req.stop_token_ids.contains(&s.token)
+        {
+            Some(FinishReason::Stop)
+        } else if completion >= req.max_new_tokens as usize {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        let out = RequestOutput {
+            id: e.id,
+            token: s.token,
+            logprob: s.logprob,
+            top_logprobs: s.top_logprobs.clone(),
+            finished,
+            prompt_tokens: req.prompt.len() as u32,
+            cached_tokens: seq.cached_tokens.unwrap_or(0),
+            completion_tokens: completion as u32,
+        };
+        if finished.is_some() {
+            self.finish(e.id);
+        }
+        Some(out)
+    }
+
+    fn finish(&mut self, id: u64) {
+        let Some(mut seq) = self.requests.remove(&id) else {
+            return;
+        };
+        self.running.retain(|&r| r != id);
+        if let Phase::Prefilling(active) | Phase::Decoding(active) =
+            std::mem::replace(&mut seq.phase, Phase::Finished)
+        {
+            self.release(&seq.tokens, active);
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! The scheduler's vocabulary: its configuration, requests in, outputs out, stats and errors.
+
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::plan::SamplingParams;
+
+/// Which waiting request is admitted first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedulePolicy {
+    /// First come, first served.
+    #[default]
+    Fcfs,
+    /// Longest prefix match in the radix cache first (ties in arrival order).
+    Lpm,
+}
+
+impl FromStr for SchedulePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fcfs" => Ok(SchedulePolicy::Fcfs),
+            "lpm" => Ok(SchedulePolicy::Lpm),
+            other => Err(format!(
+                "unknown schedule policy {other:?} (expected \"fcfs\" or \"lpm\")"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SchedulerConfig {
+    /// Tokens per KV page (`--page-size`).
+    pub page_size: u32,
+    /// KV pages the workers allocated (reported by the worker at start).
+    pub num_pages: u32,
+    /// Worker slots; at most this many requests hold KV at once (`--max-running-requests`).
+    pub max_running_requests: u32,
+    /// Tokens per step, decodes included (`--chunked-prefill-size`). Decodes always run, so a
+    /// step can exceed it only when more requests decode than this many.
+    pub chunked_prefill_size: u32,
+    /// Prefill tokens per step (`--max-prefill-tokens`).
+    pub max_prefill_tokens: u32,
+    pub policy: SchedulePolicy,
+    /// False for `--disable-radix-cache`.
+    pub enable_radix_cache: bool,
+    /// Prompt plus generated tokens of one request (`--context-length`).
+    pub max_context_len: u32,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            page_size: 1,
+            num_pages: 4096,
+            max_running_requests: 256,
+            chunked_prefill_size: 8192,
+            max_prefill_tokens: 16384,
+            policy: SchedulePolicy::Fcfs,
+            enable_radix_cache: true,
+            max_context_len: 4096,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("page_size", self.page_size),
+            ("num_pages", self.num_pages),
+            ("max_running_requests", self.max_running_requests),
+            ("chunked_prefill_size", self.chunked_prefill_size),
+            ("max_prefill_tokens", self.max_prefill_tokens),
+            ("max_context_len", self.max_context_len),
+        ];
+        match positive.into_iter().find(|(_, v)| *v == 0) {
+            Some((field, _)) => Err(ConfigError::Zero { field }),
+            None => Ok(()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ConfigError {
+    #[error("scheduler config: {field} must be positive")]
+    Zero { field: &'static str },
+}
+
+/// A tokenized, validated request as the engine sees it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Request {
+    /// Unique among requests in the scheduler.
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// At least 1.
+    pub max_new_tokens: u32,
+    /// No stop token ends the request before this many tokens.
+    pub min_new_tokens: u32,
+    /// Tokens that end generation (the model's EOS ids and the user's stop_token_ids); the
+    /// stop token itself is the last output.
+    pub stop_token_ids: Vec<u32>,
+    /// Generate until `max_new_tokens`, ignoring `stop_token_ids`.
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token was sampled (it is the output's `token`).
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+/// One sampled token of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutput {
+    pub id: u64,
+    pub token: u32,
+    pub logprob: f32,
+    pub top_logprobs: Vec<(u32, f32)>,
+    /// Set on the request's last output; the request is gone from the scheduler afterwards.
+    pub finished: Option<FinishReason>,
+    pub prompt_tokens: u32,
+    /// Prompt tokens served from the prefix cache (at first admission).
+    pub cached_tokens: u32,
+    /// Tokens generated so far, this one included.
+    pub completion_tokens: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SchedulerStats {
+    pub total_pages: usize,
+    pub free_pages: usize,
+    /// Held by running requests (not counting cached prefixes they lock).
+    pub used_pages: usize,
+    /// Owned by the radix cache, locked or not.
+    pub cached_pages: usize,
+    /// Cached pages no running request locks.
+    pub evictable_pages: usize,
+    pub running: usize,
+    pub waiting: usize,
+}
+
+/// Why `submit` refused a request. Each names the request and the numbers involved.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum SubmitError {
+    #[error("request {id}: a request with this id is already queued or running")]
+    DuplicateId { id: u64 },
+    #[error("request {id}: the prompt is empty")]
+    EmptyPrompt { id: u64 },
+    #[error("request {id}: max_new_tokens must be at least 1")]
+    ZeroMaxNewTokens { id: u64 },
+    #[error(
+        "request {id}: prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) \
+         exceeds the context length ({max_context_len})"
+    )]
+    ContextTooLong {
+        id: u64,
+        prompt_tokens: usize,
+        max_new_tokens: u32,
+        max_context_len: u32,
+    },
+    #[error(
+        "request {id}: {tokens} tokens need {pages_needed} KV pages but the pool has only \
+         {total_pages}"
+    )]
+    ExceedsKvPool {
+        id: u64,
+        tokens: u64,
+        pages_needed: u64,
+        total_pages: u32,
+    },
+}

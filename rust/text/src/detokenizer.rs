@@ -1,0 +1,96 @@
+//! Incremental detokenizing: turns a stream of token ids into text deltas without splitting a character.
+
+use crate::{TextError, TextTokenizer};
+
+const REPLACEMENT: char = '\u{FFFD}';
+
+/// Per-request streaming decoder (the prefix_offset/read_offset algorithm of TGI and vLLM).
+///
+/// Each step decodes two windows that start at the same token, `ids[prefix_offset..read_offset]`
+/// (text already emitted) and `ids[prefix_offset..]`, and emits the difference. Starting both at
+/// the same token makes decoder context (sentencepiece's stripped leading space, byte-level
+/// merges) identical on both sides. A window ending in U+FFFD is an unfinished UTF-8 character
+/// (byte-level or byte-fallback tokens) and is held back until a later token completes it.
+#[derive(Debug, Clone)]
+pub struct IncrementalDetokenizer {
+    skip_special_tokens: bool,
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl IncrementalDetokenizer {
+    pub fn new(skip_special_tokens: bool) -> Self {
+        Self {
+            skip_special_tokens,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
+    }
+
+    /// All token ids pushed so far.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Adds one generated token; returns the text it completes (possibly empty).
+    pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String, TextError> {
+        self.ids.push(id);
+        self.emit(tok, false)
+    }
+
+    /// Flushes held-back text at the end of the stream, even an unfinished character.
+    pub fn finish(&mut self, tok: &TextTokenizer) -> Result<String, TextError> {
+        if self.read_offset == self.ids.len() {
+            return Ok(String::new());
+        }
+        self.emit(tok, true)
+    }
+
+    fn emit(&mut self, tok: &TextTokenizer, flush: bool) -> Result<String, TextError> {
+        let skip = self.skip_special_tokens;
+        let prefix_text = tok.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
+        let new_text = tok.decode(&self.ids[self.prefix_offset..], skip)?;
+        let complete = !new_text.ends_with(REPLACEMENT);
+        if !flush && (new_text.len() <= prefix_text.len() || !complete) {
+            return Ok(String::new());
+        }
+        let delta = suffix_after(&new_text, &prefix_text).to_owned();
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        Ok(delta)
+    }
+}
+
+/// The part of `new_text` after `prefix_text`. Normally `prefix_text` is a prefix; if a decoder
+/// rewrote earlier text (an invalid byte sequence turned into U+FFFD), fall back to the part after
+/// the longest common prefix so we never panic on a char boundary.
+fn suffix_after<'a>(new_text: &'a str, prefix_text: &str) -> &'a str {
+    if let Some(rest) = new_text.strip_prefix(prefix_text) {
+        return rest;
+    }
+    let common = new_text
+        .char_indices()
+        .zip(prefix_text.chars())
+        .find(|((_, a), b)| a != b)
+        .map(|((i, _), _)| i)
+        .unwrap_or_else(|| prefix_text.len().min(new_text.len()));
+    new_text.get(common..).unwrap_or("")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::suffix_after;
+
+    #[test]
+    fn suffix_after_strips_a_true_prefix() {
+        assert_eq!(suffix_after("hello world", "hello"), " world");
+    }
+
+    #[test]
+    fn suffix_after_survives_rewritten_prefix() {
+        assert_eq!(suffix_after("中\u{FFFD}x", "中文"), "\u{FFFD}x");
+        assert_eq!(suffix_after("ab", "abc"), "");
+    }
+}

@@ -1,0 +1,216 @@
+//! Stop-string matching over streamed text: holds back ("jails") any tail that could begin a stop string.
+
+/// The result of feeding one chunk of text to a [`StopMatcher`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StopStep {
+    /// Text that is safe to send to the client now.
+    pub emit: String,
+    /// True once a stop string has completed; `emit` then ends right before it.
+    pub stopped: bool,
+    /// The stop string that matched (reported to clients as `matched_stop`).
+    pub matched: Option<String>,
+}
+
+/// Per-request stop-string matcher.
+///
+/// Invariant: `held` is the longest suffix of the text seen so far that is a proper prefix of some
+/// stop string. Everything before it can never be part of a stop string, so it is emitted; a partial
+/// stop string is therefore never sent to the client.
+#[derive(Debug, Clone)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    max_stop_len: usize,
+    held: String,
+    stopped: bool,
+}
+
+impl StopMatcher {
+    /// Empty stop strings are ignored (they would match everywhere).
+    pub fn new(stop_strings: Vec<String>) -> Self {
+        let stops: Vec<String> = stop_strings.into_iter().filter(|s| !s.is_empty()).collect();
+        let max_stop_len = stops.iter().map(String::len).max().unwrap_or(0);
+        Self {
+            stops,
+            max_stop_len,
+            held: String::new(),
+            stopped: false,
+        }
+    }
+
+    /// Whether a stop string has already been matched.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Feeds newly decoded text; returns what may be emitted and whether generation should stop.
+    pub fn push(&mut self, text: &str) -> StopStep {
+        if self.stopped {
+            return StopStep {
+                emit: String::new(),
+                stopped: true,
+                matched: None,
+            };
+        }
+        if self.stops.is_empty() {
+            return StopStep {
+                emit: text.to_owned(),
+                stopped: false,
+                matched: None,
+            };
+        }
+        let mut buf = std::mem::take(&mut self.held);
+        buf.push_str(text);
+
+        // Any stop string must start inside `buf` (see the invariant), so the earliest match wins.
+        let earliest = self
+            .stops
+            .iter()
+            .filter_map(|s| buf.find(s.as_str()).map(|pos| (pos, s)))
+            .min_by_key(|&(pos, _)| pos);
+        if let Some((pos, stop)) = earliest {
+            let matched = Some(stop.clone());
+            buf.truncate(pos);
+            self.stopped = true;
+            return StopStep {
+                emit: buf,
+                stopped: true,
+                matched,
+            };
+        }
+
+        let hold_from = self.longest_partial_suffix(&buf);
+        self.held = buf.split_off(hold_from);
+        StopStep {
+            emit: buf,
+            stopped: false,
+            matched: None,
+        }
+    }
+
+    /// Releases the held-back text at the end of generation (nothing if a stop string matched).
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+
+    /// Byte index where the longest suffix of `buf` that is a proper prefix of a stop string
+    /// begins, or `buf.len()` when there is none.
+    fn longest_partial_suffix(&self, buf: &str) -> usize {
+        // A partial match is shorter than the longest stop string, so only the tail is scanned.
+        let window_start = buf
+            .len()
+            .saturating_sub(self.max_stop_len.saturating_sub(1));
+        buf.char_indices()
+            .map(|(i, _)| i)
+            .filter(|&i| i >= window_start)
+            .find(|&i| {
+                let tail = &buf[i..];
+                self.stops.iter().any(|s| s.starts_with(tail))
+            })
+            .unwrap_or(buf.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], chunks: &[&str]) -> (String, bool, String) {
+        let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        for c in chunks {
+            let step = m.push(c);
+            out.push_str(&step.emit);
+            if step.stopped {
+                return (out, true, m.finish());
+            }
+        }
+        (out, false, m.finish())
+    }
+
+    #[test]
+    fn text_without_stop_strings_passes_through() {
+        assert_eq!(
+            run(&[], &["hello", " world"]),
+            ("hello world".into(), false, String::new())
+        );
+    }
+
+    #[test]
+    fn stop_string_in_one_chunk_cuts_before_it() {
+        assert_eq!(
+            run(&["STOP"], &["abcSTOPdef"]),
+            ("abc".into(), true, String::new())
+        );
+    }
+
+    #[test]
+    fn stop_string_split_across_many_chunks_is_matched() {
+        assert_eq!(
+            run(&["<|end|>"], &["hi <", "|", "en", "d", "|> tail"]),
+            ("hi ".into(), true, String::new())
+        );
+    }
+
+    #[test]
+    fn partial_stop_string_is_held_back_not_emitted() {
+        let mut m = StopMatcher::new(vec!["###".into()]);
+        assert_eq!(m.push("a#").emit, "a");
+        assert_eq!(m.push("#").emit, "");
+        let step = m.push("b");
+        assert_eq!(step.emit, "##b");
+        assert!(!step.stopped);
+    }
+
+    #[test]
+    fn held_text_is_released_by_finish() {
+        assert_eq!(
+            run(&["STOP"], &["abc", "ST"]),
+            ("abc".into(), false, "ST".into())
+        );
+    }
+
+    #[test]
+    fn overlapping_candidates_pick_the_earliest_match() {
+        // "abcd" is still possible when "bc" completes: the earliest complete match wins.
+        assert_eq!(run(&["abcd", "bc"], &["xa", "b", "c"]).0, "xa");
+        // A longer candidate that fails does not swallow a later, shorter one.
+        assert_eq!(run(&["abcd", "bcx"], &["a", "bc", "x"]).0, "a");
+    }
+
+    #[test]
+    fn self_overlapping_stop_string_is_found_after_false_start() {
+        assert_eq!(run(&["aab"], &["a", "a", "a", "b"]).0, "a");
+    }
+
+    #[test]
+    fn multibyte_stop_strings_hold_on_char_boundaries() {
+        let mut m = StopMatcher::new(vec!["停止".into()]);
+        assert_eq!(m.push("你好停").emit, "你好");
+        let step = m.push("止了");
+        assert_eq!(step.emit, "");
+        assert!(step.stopped);
+    }
+
+    #[test]
+    fn after_stopping_everything_is_dropped() {
+        let mut m = StopMatcher::new(vec!["x".into()]);
+        let first = m.push("ax");
+        assert!(first.stopped);
+        assert_eq!(first.matched.as_deref(), Some("x"));
+        assert_eq!(
+            m.push("more"),
+            StopStep {
+                emit: String::new(),
+                stopped: true,
+                matched: None,
+            }
+        );
+        assert!(m.is_stopped());
+        assert_eq!(m.finish(), "");
+    }
+
+    #[test]
+    fn empty_stop_strings_are_ignored() {
+        assert_eq!(run(&[""], &["abc"]).0, "abc");
+    }
+}
