@@ -22,7 +22,10 @@ impl ServerChannel {
     fn create(name: &str, n_readers: u32, slots: u32, slot_bytes: u32) -> PyResult<Self> {
         let channel = PlanChannel::create(name, slots, slot_bytes, n_readers)
             .map_err(|e| PyRuntimeError::new_err(format!("creating channel {name}: {e}")))?;
-        Ok(ServerChannel { name: channel.name().to_string(), inner: Mutex::new(Some(channel)) })
+        Ok(ServerChannel {
+            name: channel.name().to_string(),
+            inner: Mutex::new(Some(channel)),
+        })
     }
 
     #[getter]
@@ -41,9 +44,14 @@ impl ServerChannel {
 /// Serves HTTP until SIGINT/SIGTERM. Releases the GIL for the whole run.
 #[pyfunction]
 #[pyo3(signature = (config_json, channel, log_level = "info"))]
-fn serve(py: Python<'_>, config_json: &str, channel: &ServerChannel, log_level: &str) -> PyResult<()> {
-    let config: ServerConfig =
-        serde_json::from_str(config_json).map_err(|e| PyValueError::new_err(format!("server config: {e}")))?;
+fn serve(
+    py: Python<'_>,
+    config_json: &str,
+    channel: &ServerChannel,
+    log_level: &str,
+) -> PyResult<()> {
+    let config: ServerConfig = serde_json::from_str(config_json)
+        .map_err(|e| PyValueError::new_err(format!("server config: {e}")))?;
     let plan_channel = channel
         .inner
         .lock()

@@ -70,7 +70,10 @@ pub struct TokenEvent {
 pub enum EngineEvent {
     Token(TokenEvent),
     /// The request cannot complete (rejected by the scheduler, or the worker group died).
-    Error { message: String, kind: EngineErrorKind },
+    Error {
+        message: String,
+        kind: EngineErrorKind,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,10 +126,17 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Queues a request; its tokens arrive on the returned channel.
-    pub fn submit(&self, request: EngineRequest) -> (u64, tokio_mpsc::UnboundedReceiver<EngineEvent>) {
+    pub fn submit(
+        &self,
+        request: EngineRequest,
+    ) -> (u64, tokio_mpsc::UnboundedReceiver<EngineEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = tokio_mpsc::unbounded_channel();
-        let sent = self.commands.send(Command::Submit { id, request, events: events.clone() });
+        let sent = self.commands.send(Command::Submit {
+            id,
+            request,
+            events: events.clone(),
+        });
         if sent.is_err() {
             let _ = events.send(EngineEvent::Error {
                 message: "the engine has stopped".into(),
@@ -226,7 +236,9 @@ pub fn spawn_engine(
             engine.run();
         })
         .map_err(|e| format!("spawning the engine thread: {e}"))?;
-    started_rx.recv().map_err(|_| "the engine thread died at start".to_string())??;
+    started_rx
+        .recv()
+        .map_err(|_| "the engine thread died at start".to_string())??;
     Ok((handle, thread))
 }
 
@@ -303,7 +315,11 @@ impl EngineLoop {
     /// Returns false on shutdown.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit { id, request, events } => self.submit(id, request, events),
+            Command::Submit {
+                id,
+                request,
+                events,
+            } => self.submit(id, request, events),
             Command::Abort { id } => {
                 if self.requests.remove(&id).is_some() {
                     self.scheduler.abort(id);
@@ -319,16 +335,27 @@ impl EngineLoop {
         true
     }
 
-    fn submit(&mut self, id: u64, request: EngineRequest, events: tokio_mpsc::UnboundedSender<EngineEvent>) {
+    fn submit(
+        &mut self,
+        id: u64,
+        request: EngineRequest,
+        events: tokio_mpsc::UnboundedSender<EngineEvent>,
+    ) {
         let reject = |message: String, kind| {
             let _ = events.send(EngineEvent::Error { message, kind });
         };
         if !self.healthy.load(Ordering::Acquire) {
-            return reject("the model worker is not running".into(), EngineErrorKind::Unavailable);
+            return reject(
+                "the model worker is not running".into(),
+                EngineErrorKind::Unavailable,
+            );
         }
         if self.scheduler.stats().waiting >= self.options.max_queued_requests {
             return reject(
-                format!("server overloaded: {} requests already waiting", self.options.max_queued_requests),
+                format!(
+                    "server overloaded: {} requests already waiting",
+                    self.options.max_queued_requests
+                ),
                 EngineErrorKind::Overloaded,
             );
         }
@@ -343,8 +370,14 @@ impl EngineLoop {
         };
         match self.scheduler.submit(req) {
             Ok(()) => {
-                self.requests
-                    .insert(id, LiveRequest { events, submitted: Instant::now(), first_token: true });
+                self.requests.insert(
+                    id,
+                    LiveRequest {
+                        events,
+                        submitted: Instant::now(),
+                        first_token: true,
+                    },
+                );
             }
             Err(e) => reject(e.to_string(), EngineErrorKind::BadRequest),
         }
@@ -357,7 +390,11 @@ impl EngineLoop {
                 if result.step_id == plan.step_id {
                     return Ok(result);
                 }
-                tracing::warn!(expected = plan.step_id, got = result.step_id, "stale step result dropped");
+                tracing::warn!(
+                    expected = plan.step_id,
+                    got = result.step_id,
+                    "stale step result dropped"
+                );
                 continue;
             }
             self.link.check_alive()?;
@@ -373,7 +410,8 @@ impl EngineLoop {
         self.steps += 1;
         let batch = plan.scheduled.len();
         self.max_batch = self.max_batch.max(batch);
-        self.metrics.observe_step(batch, plan.num_tokens(), started.elapsed());
+        self.metrics
+            .observe_step(batch, plan.num_tokens(), started.elapsed());
         self.publish_stats(batch, plan.num_tokens());
         if self.options.step_log_interval > 0 && self.steps % self.options.step_log_interval == 1 {
             let s = self.scheduler.stats();
@@ -397,7 +435,9 @@ impl EngineLoop {
         };
         if live.first_token {
             live.first_token = false;
-            self.metrics.ttft.observe(live.submitted.elapsed().as_secs_f64());
+            self.metrics
+                .ttft
+                .observe(live.submitted.elapsed().as_secs_f64());
         }
         let finished = out.finished.is_some();
         let event = EngineEvent::Token(TokenEvent {
@@ -415,7 +455,9 @@ impl EngineLoop {
         let delivered = live.events.send(event).is_ok();
         if finished {
             if let Some(live) = self.requests.remove(&id) {
-                self.metrics.e2e.observe(live.submitted.elapsed().as_secs_f64());
+                self.metrics
+                    .e2e
+                    .observe(live.submitted.elapsed().as_secs_f64());
             }
         } else if !delivered {
             // The client went away: free its slot and pages now.

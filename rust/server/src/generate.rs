@@ -21,7 +21,10 @@ pub enum Prompt {
     Text(String),
     Ids(Vec<u32>),
     /// Chat messages rendered by the chat template, which writes any BOS itself.
-    Chat { messages: Vec<Map<String, Value>>, template_vars: Option<Value> },
+    Chat {
+        messages: Vec<Map<String, Value>>,
+        template_vars: Option<Value>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -123,7 +126,12 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
     state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
     let (id, events) = state.engine.submit(request);
     if state.config.log_requests {
-        tracing::info!(id, prompt_tokens = prompt_ids.len(), max_new_tokens, "request");
+        tracing::info!(
+            id,
+            prompt_tokens = prompt_ids.len(),
+            max_new_tokens,
+            "request"
+        );
     }
     Ok(Generation {
         prompt_ids,
@@ -131,7 +139,11 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
         events,
         detok: IncrementalDetokenizer::new(spec.skip_special_tokens),
         stops: StopMatcher::new(spec.stop),
-        guard: AbortGuard { engine: state.engine.clone(), id, done: false },
+        guard: AbortGuard {
+            engine: state.engine.clone(),
+            id,
+            done: false,
+        },
         finished: false,
     })
 }
@@ -140,13 +152,20 @@ pub async fn tokenize_prompt(state: &AppState, prompt: Prompt) -> Result<Vec<u32
     let tokenizer = state.tokenizer.clone();
     let ids = tokio::task::spawn_blocking(move || match prompt {
         Prompt::Ids(ids) => Ok(ids),
-        Prompt::Text(text) => tokenizer.encode(&text, true).map_err(|e| ApiError::bad_param("prompt", e.to_string())),
-        Prompt::Chat { messages, template_vars } => {
+        Prompt::Text(text) => tokenizer
+            .encode(&text, true)
+            .map_err(|e| ApiError::bad_param("prompt", e.to_string())),
+        Prompt::Chat {
+            messages,
+            template_vars,
+        } => {
             let messages = Value::Array(messages.into_iter().map(Value::Object).collect());
             let text = tokenizer
                 .apply_chat_template(&messages, true, template_vars.as_ref())
                 .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
-            tokenizer.encode(&text, false).map_err(|e| ApiError::bad_param("messages", e.to_string()))
+            tokenizer
+                .encode(&text, false)
+                .map_err(|e| ApiError::bad_param("messages", e.to_string()))
         }
     })
     .await
@@ -164,66 +183,80 @@ impl Generation {
         if self.finished {
             return None;
         }
-        loop {
-            let event = match self.events.recv().await {
-                Some(e) => e,
-                None => {
-                    self.finished = true;
-                    return Some(Err(ApiError::unavailable("the engine dropped the request")));
-                }
-            };
-            let token = match event {
-                EngineEvent::Token(t) => t,
-                EngineEvent::Error { message, kind } => {
-                    self.finished = true;
-                    self.guard.done = true;
-                    return Some(Err(match kind {
-                        EngineErrorKind::BadRequest => ApiError::bad_request(message),
-                        EngineErrorKind::Overloaded => ApiError::overloaded(message),
-                        EngineErrorKind::Unavailable => ApiError::unavailable(message),
-                    }));
-                }
-            };
-            let mut chunk = Chunk {
-                token_ids: vec![token.token],
-                logprobs: vec![TokenLogprob { token: token.token, logprob: token.logprob, top: token.top_logprobs }],
-                usage: token.usage,
-                ..Chunk::default()
-            };
-            let piece = match self.detok.push(&self.tokenizer, token.token) {
-                Ok(p) => p,
-                Err(e) => return Some(Err(ApiError::internal(format!("detokenizer: {e}")))),
-            };
-            let step = self.stops.push(&piece);
-            chunk.text = step.emit;
-            if step.stopped {
+        let event = match self.events.recv().await {
+            Some(e) => e,
+            None => {
                 self.finished = true;
-                // The engine would keep generating: end the request now.
-                self.guard.engine.abort(self.guard.id);
-                self.guard.done = true;
-                chunk.finish = Some(Finish { reason: "stop", matched: step.matched.map(Value::String) });
-                return Some(Ok(chunk));
+                return Some(Err(ApiError::unavailable("the engine dropped the request")));
             }
-            if let Some(reason) = token.finish {
+        };
+        let token = match event {
+            EngineEvent::Token(t) => t,
+            EngineEvent::Error { message, kind } => {
                 self.finished = true;
                 self.guard.done = true;
-                if let Ok(rest) = self.detok.finish(&self.tokenizer) {
-                    let step = self.stops.push(&rest);
-                    chunk.text.push_str(&step.emit);
-                    if step.stopped {
-                        chunk.finish = Some(Finish { reason: "stop", matched: step.matched.map(Value::String) });
-                        return Some(Ok(chunk));
-                    }
-                }
-                chunk.text.push_str(&self.stops.finish());
-                chunk.finish = Some(match reason {
-                    FinishReason::Length => Finish { reason: "length", matched: None },
-                    FinishReason::Stop => Finish { reason: "stop", matched: Some(Value::from(token.token)) },
-                });
-                return Some(Ok(chunk));
+                return Some(Err(match kind {
+                    EngineErrorKind::BadRequest => ApiError::bad_request(message),
+                    EngineErrorKind::Overloaded => ApiError::overloaded(message),
+                    EngineErrorKind::Unavailable => ApiError::unavailable(message),
+                }));
             }
+        };
+        let mut chunk = Chunk {
+            token_ids: vec![token.token],
+            logprobs: vec![TokenLogprob {
+                token: token.token,
+                logprob: token.logprob,
+                top: token.top_logprobs,
+            }],
+            usage: token.usage,
+            ..Chunk::default()
+        };
+        let piece = match self.detok.push(&self.tokenizer, token.token) {
+            Ok(p) => p,
+            Err(e) => return Some(Err(ApiError::internal(format!("detokenizer: {e}")))),
+        };
+        let step = self.stops.push(&piece);
+        chunk.text = step.emit;
+        if step.stopped {
+            self.finished = true;
+            // The engine would keep generating: end the request now.
+            self.guard.engine.abort(self.guard.id);
+            self.guard.done = true;
+            chunk.finish = Some(Finish {
+                reason: "stop",
+                matched: step.matched.map(Value::String),
+            });
             return Some(Ok(chunk));
         }
+        if let Some(reason) = token.finish {
+            self.finished = true;
+            self.guard.done = true;
+            if let Ok(rest) = self.detok.finish(&self.tokenizer) {
+                let step = self.stops.push(&rest);
+                chunk.text.push_str(&step.emit);
+                if step.stopped {
+                    chunk.finish = Some(Finish {
+                        reason: "stop",
+                        matched: step.matched.map(Value::String),
+                    });
+                    return Some(Ok(chunk));
+                }
+            }
+            chunk.text.push_str(&self.stops.finish());
+            chunk.finish = Some(match reason {
+                FinishReason::Length => Finish {
+                    reason: "length",
+                    matched: None,
+                },
+                FinishReason::Stop => Finish {
+                    reason: "stop",
+                    matched: Some(Value::from(token.token)),
+                },
+            });
+            return Some(Ok(chunk));
+        }
+        Some(Ok(chunk))
     }
 
     /// Runs to the end and gathers every chunk into one.

@@ -27,22 +27,33 @@ pub enum ServeError {
     #[error("loading the tokenizer from {path}: {message}")]
     Tokenizer { path: String, message: String },
     #[error("binding {addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
     #[error("server I/O: {0}")]
     Io(#[from] std::io::Error),
 }
 
 pub fn init_logging(level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("tokenspeed={level},{level}")));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(format!("tokenspeed={level},{level}"))
+    });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .try_init();
 }
 
 pub fn scheduler_config(c: &ServerConfig) -> Result<SchedulerConfig, ServeError> {
     let policy = match c.schedule_policy.as_str() {
         "fcfs" => SchedulePolicy::Fcfs,
         "lpm" => SchedulePolicy::Lpm,
-        other => return Err(ServeError::Config(format!("unknown schedule policy {other:?} (fcfs, lpm)"))),
+        other => {
+            return Err(ServeError::Config(format!(
+                "unknown schedule policy {other:?} (fcfs, lpm)"
+            )))
+        }
     };
     Ok(SchedulerConfig {
         page_size: c.page_size,
@@ -57,9 +68,18 @@ pub fn scheduler_config(c: &ServerConfig) -> Result<SchedulerConfig, ServeError>
 }
 
 /// Everything needed to answer HTTP, with the engine thread already running.
-pub fn build_state(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<http::AppState, ServeError> {
-    let tokenizer = TextTokenizer::from_dir(Path::new(&config.tokenizer_path), config.chat_template.as_deref())
-        .map_err(|e| ServeError::Tokenizer { path: config.tokenizer_path.clone(), message: e.to_string() })?;
+pub fn build_state(
+    config: ServerConfig,
+    link: Box<dyn WorkerLink>,
+) -> Result<http::AppState, ServeError> {
+    let tokenizer = TextTokenizer::from_dir(
+        Path::new(&config.tokenizer_path),
+        config.chat_template.as_deref(),
+    )
+    .map_err(|e| ServeError::Tokenizer {
+        path: config.tokenizer_path.clone(),
+        message: e.to_string(),
+    })?;
     let metrics = Arc::new(metrics::Metrics::new());
     let options = EngineOptions {
         max_queued_requests: config.max_queued_requests as usize,
@@ -67,7 +87,8 @@ pub fn build_state(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<ht
         ..EngineOptions::default()
     };
     let (engine, _thread) =
-        engine::spawn_engine(scheduler_config(&config)?, link, options, metrics.clone()).map_err(ServeError::Config)?;
+        engine::spawn_engine(scheduler_config(&config)?, link, options, metrics.clone())
+            .map_err(ServeError::Config)?;
     Ok(http::AppState {
         config: Arc::new(config),
         tokenizer: Arc::new(tokenizer),
@@ -80,16 +101,24 @@ pub fn build_state(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<ht
 /// Serves HTTP until SIGINT or SIGTERM.
 pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), ServeError> {
     let addr = format!("{}:{}", config.host, config.port);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("tokenspeed-http").build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tokenspeed-http")
+        .build()?;
     let state = build_state(config, link)?;
     let engine = state.engine.clone();
     let result = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
-            .map_err(|source| ServeError::Bind { addr: addr.clone(), source })?;
+            .map_err(|source| ServeError::Bind {
+                addr: addr.clone(),
+                source,
+            })?;
         let local: SocketAddr = listener.local_addr()?;
         tracing::info!("TokenSpeed serving on http://{local}");
-        axum::serve(listener, http::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
+        axum::serve(listener, http::router(state))
+            .with_graceful_shutdown(shutdown_signal())
+            .await?;
         Ok(())
     });
     engine.shutdown();

@@ -26,17 +26,24 @@ pub struct Metrics {
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
-    registry.register(Box::new(c.clone())).expect("unique metric");
+    registry
+        .register(Box::new(c.clone()))
+        .expect("unique metric");
     c
 }
 fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("valid metric");
-    registry.register(Box::new(g.clone())).expect("unique metric");
+    registry
+        .register(Box::new(g.clone()))
+        .expect("unique metric");
     g
 }
 fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid metric");
-    registry.register(Box::new(h.clone())).expect("unique metric");
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+        .expect("valid metric");
+    registry
+        .register(Box::new(h.clone()))
+        .expect("unique metric");
     h
 }
 
@@ -49,9 +56,15 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let r = Registry::new();
-        let latency = vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
-        let sizes = vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
-        let tokens = vec![1.0, 8.0, 64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0];
+        let latency = vec![
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        ];
+        let sizes = vec![
+            1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+        ];
+        let tokens = vec![
+            1.0, 8.0, 64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+        ];
         Metrics {
             requests_total: counter(&r, "tokenspeed_requests_total", "Requests accepted"),
             requests_aborted: counter(&r, "tokenspeed_requests_aborted_total", "Requests aborted"),
@@ -61,22 +74,54 @@ impl Metrics {
                 "tokenspeed_cached_prompt_tokens_total",
                 "Prompt tokens served from the radix cache",
             ),
-            generation_tokens: counter(&r, "tokenspeed_generation_tokens_total", "Generated tokens"),
+            generation_tokens: counter(
+                &r,
+                "tokenspeed_generation_tokens_total",
+                "Generated tokens",
+            ),
             steps: counter(&r, "tokenspeed_steps_total", "Engine steps run"),
             running: gauge(&r, "tokenspeed_num_running_reqs", "Requests holding a slot"),
-            waiting: gauge(&r, "tokenspeed_num_waiting_reqs", "Requests waiting for a slot"),
+            waiting: gauge(
+                &r,
+                "tokenspeed_num_waiting_reqs",
+                "Requests waiting for a slot",
+            ),
             free_pages: gauge(&r, "tokenspeed_free_kv_pages", "Free KV pages"),
-            cached_pages: gauge(&r, "tokenspeed_cached_kv_pages", "KV pages held by the radix cache"),
-            batch_size: histogram(&r, "tokenspeed_step_batch_size", "Requests per engine step", sizes),
-            step_tokens: histogram(&r, "tokenspeed_step_tokens", "Tokens per engine step", tokens),
+            cached_pages: gauge(
+                &r,
+                "tokenspeed_cached_kv_pages",
+                "KV pages held by the radix cache",
+            ),
+            batch_size: histogram(
+                &r,
+                "tokenspeed_step_batch_size",
+                "Requests per engine step",
+                sizes,
+            ),
+            step_tokens: histogram(
+                &r,
+                "tokenspeed_step_tokens",
+                "Tokens per engine step",
+                tokens,
+            ),
             step_schedule_seconds: histogram(
                 &r,
                 "tokenspeed_step_cpu_seconds",
                 "CPU time of the engine between two steps",
                 vec![1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2],
             ),
-            ttft: histogram(&r, "tokenspeed_time_to_first_token_seconds", "TTFT", latency.clone()),
-            e2e: histogram(&r, "tokenspeed_e2e_request_latency_seconds", "End-to-end latency", latency),
+            ttft: histogram(
+                &r,
+                "tokenspeed_time_to_first_token_seconds",
+                "TTFT",
+                latency.clone(),
+            ),
+            e2e: histogram(
+                &r,
+                "tokenspeed_e2e_request_latency_seconds",
+                "End-to-end latency",
+                latency,
+            ),
             registry: r,
         }
     }

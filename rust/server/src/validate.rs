@@ -8,52 +8,84 @@ use crate::http::protocol::SamplingFields;
 
 /// Builds engine sampling parameters from the API's optional fields, checking ranges.
 pub fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingParams, ApiError> {
-    let mut p = SamplingParams { top_logprobs, ..SamplingParams::default() };
+    let mut p = SamplingParams {
+        top_logprobs,
+        ..SamplingParams::default()
+    };
     if let Some(t) = f.temperature {
         if !t.is_finite() || t < 0.0 {
-            return Err(ApiError::bad_param("temperature", format!("temperature must be >= 0, got {t}")));
+            return Err(ApiError::bad_param(
+                "temperature",
+                format!("temperature must be >= 0, got {t}"),
+            ));
         }
         p.temperature = t;
     }
     if let Some(v) = f.top_p {
         if !(v > 0.0 && v <= 1.0) {
-            return Err(ApiError::bad_param("top_p", format!("top_p must be in (0, 1], got {v}")));
+            return Err(ApiError::bad_param(
+                "top_p",
+                format!("top_p must be in (0, 1], got {v}"),
+            ));
         }
         p.top_p = v;
     }
     if let Some(k) = f.top_k {
         if k < -1 {
-            return Err(ApiError::bad_param("top_k", format!("top_k must be -1 (disabled) or >= 1, got {k}")));
+            return Err(ApiError::bad_param(
+                "top_k",
+                format!("top_k must be -1 (disabled) or >= 1, got {k}"),
+            ));
         }
         p.top_k = if k == 0 { -1 } else { k };
     }
     if let Some(v) = f.min_p {
         if !(0.0..=1.0).contains(&v) {
-            return Err(ApiError::bad_param("min_p", format!("min_p must be in [0, 1], got {v}")));
+            return Err(ApiError::bad_param(
+                "min_p",
+                format!("min_p must be in [0, 1], got {v}"),
+            ));
         }
         p.min_p = v;
     }
     for (name, value, slot) in [
-        ("frequency_penalty", f.frequency_penalty, &mut p.frequency_penalty),
-        ("presence_penalty", f.presence_penalty, &mut p.presence_penalty),
+        (
+            "frequency_penalty",
+            f.frequency_penalty,
+            &mut p.frequency_penalty,
+        ),
+        (
+            "presence_penalty",
+            f.presence_penalty,
+            &mut p.presence_penalty,
+        ),
     ] {
         if let Some(v) = value {
             if !(-2.0..=2.0).contains(&v) {
-                return Err(ApiError::bad_param(name, format!("{name} must be in [-2, 2], got {v}")));
+                return Err(ApiError::bad_param(
+                    name,
+                    format!("{name} must be in [-2, 2], got {v}"),
+                ));
             }
             *slot = v;
         }
     }
     if let Some(v) = f.repetition_penalty {
         if !(v > 0.0 && v.is_finite()) {
-            return Err(ApiError::bad_param("repetition_penalty", format!("repetition_penalty must be > 0, got {v}")));
+            return Err(ApiError::bad_param(
+                "repetition_penalty",
+                format!("repetition_penalty must be > 0, got {v}"),
+            ));
         }
         p.repetition_penalty = v;
     }
     p.seed = f.seed;
     if let Some(n) = f.n {
         if n != 1 {
-            return Err(ApiError::bad_param("n", format!("n must be 1 (several choices per request are not supported yet), got {n}")));
+            return Err(ApiError::bad_param(
+                "n",
+                format!("n must be 1 (several choices per request are not supported yet), got {n}"),
+            ));
         }
     }
     Ok(p)
@@ -61,7 +93,10 @@ pub fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<Sampling
 
 pub fn max_tokens(name: &str, value: Option<u32>) -> Result<Option<u32>, ApiError> {
     match value {
-        Some(0) => Err(ApiError::bad_param(name, format!("{name} must be at least 1, got 0"))),
+        Some(0) => Err(ApiError::bad_param(
+            name,
+            format!("{name} must be at least 1, got 0"),
+        )),
         v => Ok(v),
     }
 }
@@ -69,7 +104,10 @@ pub fn max_tokens(name: &str, value: Option<u32>) -> Result<Option<u32>, ApiErro
 /// Top logprobs asked for: OpenAI allows at most 20.
 pub fn top_logprobs(name: &str, value: Option<u32>) -> Result<u32, ApiError> {
     match value {
-        Some(v) if v > 20 => Err(ApiError::bad_param(name, format!("{name} must be at most 20, got {v}"))),
+        Some(v) if v > 20 => Err(ApiError::bad_param(
+            name,
+            format!("{name} must be at most 20, got {v}"),
+        )),
         v => Ok(v.unwrap_or(0)),
     }
 }
@@ -90,7 +128,10 @@ pub fn check_prompt(ids: &[u32], vocab_size: u32, context_length: u32) -> Result
         ));
     }
     if let Some(bad) = ids.iter().find(|&&t| t >= vocab_size) {
-        return Err(ApiError::bad_param("prompt", format!("token id {bad} is out of range (vocabulary size {vocab_size})")));
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!("token id {bad} is out of range (vocabulary size {vocab_size})"),
+        ));
     }
     Ok(())
 }

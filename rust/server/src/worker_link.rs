@@ -15,7 +15,10 @@ pub struct ShmWorkerLink {
 
 impl ShmWorkerLink {
     pub fn new(channel: PlanChannel, worker_pids: Vec<i32>) -> Self {
-        ShmWorkerLink { channel, worker_pids }
+        ShmWorkerLink {
+            channel,
+            worker_pids,
+        }
     }
 }
 
@@ -42,7 +45,10 @@ impl WorkerLink for ShmWorkerLink {
         // The ring has several slots and workers release a slot at their next receive, so a
         // full ring means a stuck worker: wait in short rounds and check liveness in between.
         loop {
-            match self.channel.send_plan(plan, Some(Duration::from_millis(200))) {
+            match self
+                .channel
+                .send_plan(plan, Some(Duration::from_millis(200)))
+            {
                 Ok(()) => return Ok(()),
                 Err(IpcError::Timeout) => self.check_alive()?,
                 Err(e) => return Err(channel_error(e)),
@@ -51,7 +57,9 @@ impl WorkerLink for ShmWorkerLink {
     }
 
     fn recv_result(&mut self, timeout: Duration) -> Result<Option<StepResult>, LinkError> {
-        self.channel.recv_result(Some(timeout)).map_err(channel_error)
+        self.channel
+            .recv_result(Some(timeout))
+            .map_err(channel_error)
     }
 
     fn check_alive(&mut self) -> Result<(), LinkError> {

@@ -20,10 +20,17 @@ use tokenspeed_text::TextTokenizer;
 use tower::ServiceExt;
 
 fn smollm2_dir() -> PathBuf {
-    let root = std::env::var("TOKENSPEED_TEST_ASSETS")
-        .unwrap_or_else(|_| format!("{}/.cache/tokenspeed/test-assets", std::env::var("HOME").unwrap_or_default()));
+    let root = std::env::var("TOKENSPEED_TEST_ASSETS").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/tokenspeed/test-assets",
+            std::env::var("HOME").unwrap_or_default()
+        )
+    });
     let dir = PathBuf::from(root).join("smollm2");
-    assert!(dir.join("tokenizer.json").exists(), "test assets missing at {dir:?}: run `python -m tokenspeed.assets test-assets`");
+    assert!(
+        dir.join("tokenizer.json").exists(),
+        "test assets missing at {dir:?}: run `python -m tokenspeed.assets test-assets`"
+    );
     dir
 }
 
@@ -52,22 +59,39 @@ impl ScriptedWorker {
                         let n = produced.entry(r.slot).or_insert(0);
                         let token = script[*n % script.len()];
                         *n += 1;
-                        SampledToken { slot: r.slot, token, logprob: -0.5, top_logprobs: vec![] }
+                        SampledToken {
+                            slot: r.slot,
+                            token,
+                            logprob: -0.5,
+                            top_logprobs: vec![],
+                        }
                     })
                     .collect();
-                if res_tx.send(StepResult { step_id: plan.step_id, sampled }).is_err() {
+                if res_tx
+                    .send(StepResult {
+                        step_id: plan.step_id,
+                        sampled,
+                    })
+                    .is_err()
+                {
                     return;
                 }
             }
         });
-        ScriptedWorker { plans: plan_tx, results: res_rx, dead }
+        ScriptedWorker {
+            plans: plan_tx,
+            results: res_rx,
+            dead,
+        }
     }
 }
 
 impl WorkerLink for ScriptedWorker {
     fn send_plan(&mut self, plan: &Plan) -> Result<(), LinkError> {
         self.check_alive()?;
-        self.plans.send(plan.clone()).map_err(|e| LinkError::Channel(e.to_string()))
+        self.plans
+            .send(plan.clone())
+            .map_err(|e| LinkError::Channel(e.to_string()))
     }
     fn recv_result(&mut self, timeout: Duration) -> Result<Option<StepResult>, LinkError> {
         if self.dead.load(Ordering::Acquire) {
@@ -126,15 +150,33 @@ fn harness(api_key: Option<&str>) -> Harness {
     };
     let link = Box::new(ScriptedWorker::start(script, dead.clone()));
     let state = build_state(config, link).expect("state");
-    Harness { state, dead, answer }
+    Harness {
+        state,
+        dead,
+        answer,
+    }
 }
 
-async fn call(state: &AppState, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> (StatusCode, String) {
-    let mut req = Request::builder().method(method).uri(path).header("content-type", "application/json");
+async fn call(
+    state: &AppState,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    key: Option<&str>,
+) -> (StatusCode, String) {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json");
     if let Some(k) = key {
         req = req.header("authorization", format!("Bearer {k}"));
     }
-    let req = req.body(body.map(|b| Body::from(b.to_string())).unwrap_or_else(Body::empty)).expect("request");
+    let req = req
+        .body(
+            body.map(|b| Body::from(b.to_string()))
+                .unwrap_or_else(Body::empty),
+        )
+        .expect("request");
     let resp = router(state.clone()).oneshot(req).await.expect("response");
     let status = resp.status();
     let bytes = resp.into_body().collect().await.expect("body").to_bytes();
@@ -148,8 +190,14 @@ fn json_of(s: &str) -> Value {
 #[tokio::test]
 async fn completion_returns_the_scripted_answer_and_stops_at_eos() {
     let h = harness(None);
-    let (status, body) =
-        call(&h.state, "POST", "/v1/completions", Some(r#"{"prompt": "The capital of France is", "max_tokens": 50}"#), None).await;
+    let (status, body) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "The capital of France is", "max_tokens": 50}"#),
+        None,
+    )
+    .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let v = json_of(&body);
     assert_eq!(v["choices"][0]["text"], h.answer);
@@ -161,7 +209,14 @@ async fn completion_returns_the_scripted_answer_and_stops_at_eos() {
 #[tokio::test]
 async fn max_tokens_cuts_with_length() {
     let h = harness(None);
-    let (_, body) = call(&h.state, "POST", "/v1/completions", Some(r#"{"prompt": "x", "max_tokens": 2}"#), None).await;
+    let (_, body) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "x", "max_tokens": 2}"#),
+        None,
+    )
+    .await;
     let v = json_of(&body);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 2);
@@ -170,8 +225,14 @@ async fn max_tokens_cuts_with_length() {
 #[tokio::test]
 async fn stop_string_is_held_back_and_cut() {
     let h = harness(None);
-    let (_, body) =
-        call(&h.state, "POST", "/v1/completions", Some(r#"{"prompt": "x", "max_tokens": 50, "stop": ["the cap"]}"#), None).await;
+    let (_, body) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "x", "max_tokens": 50, "stop": ["the cap"]}"#),
+        None,
+    )
+    .await;
     let v = json_of(&body);
     assert_eq!(v["choices"][0]["text"], " Paris is ");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
@@ -180,10 +241,14 @@ async fn stop_string_is_held_back_and_cut() {
 #[tokio::test]
 async fn chat_stream_is_sse_ending_in_done() {
     let h = harness(None);
-    let body = r#"{"messages": [{"role": "user", "content": "Capital of France?"}], "stream": true}"#;
+    let body =
+        r#"{"messages": [{"role": "user", "content": "Capital of France?"}], "stream": true}"#;
     let (status, text) = call(&h.state, "POST", "/v1/chat/completions", Some(body), None).await;
     assert_eq!(status, StatusCode::OK);
-    let events: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
     assert_eq!(events.last(), Some(&"[DONE]"));
     let mut content = String::new();
     let mut finish = Value::Null;
@@ -209,7 +274,9 @@ async fn repeated_prompt_reports_cached_tokens() {
     let (_, second) = call(&h.state, "POST", "/v1/completions", Some(body), None).await;
     let (a, b) = (json_of(&first), json_of(&second));
     assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
     assert!(cached >= 8, "{b}");
 }
 
@@ -217,21 +284,75 @@ async fn repeated_prompt_reports_cached_tokens() {
 async fn bad_input_gets_openai_errors() {
     let h = harness(None);
     for (path, body, status, param) in [
-        ("/v1/completions", "{oops", StatusCode::BAD_REQUEST, Value::Null),
-        ("/v1/completions", r#"{"max_tokens": 3}"#, StatusCode::BAD_REQUEST, Value::Null),
-        ("/v1/completions", r#"{"prompt": "x", "temperature": -1}"#, StatusCode::BAD_REQUEST, json!("temperature")),
-        ("/v1/completions", r#"{"prompt": "x", "model": "gpt-9"}"#, StatusCode::NOT_FOUND, json!("model")),
-        ("/v1/completions", r#"{"prompt": "x", "max_tokens": 9999}"#, StatusCode::BAD_REQUEST, json!("max_tokens")),
-        ("/v1/completions", r#"{"prompt": [999999]}"#, StatusCode::BAD_REQUEST, json!("prompt")),
-        ("/v1/chat/completions", r#"{"messages": []}"#, StatusCode::BAD_REQUEST, json!("messages")),
-        ("/generate", r#"{"sampling_params": {}}"#, StatusCode::BAD_REQUEST, Value::Null),
+        (
+            "/v1/completions",
+            "{oops",
+            StatusCode::BAD_REQUEST,
+            Value::Null,
+        ),
+        (
+            "/v1/completions",
+            r#"{"max_tokens": 3}"#,
+            StatusCode::BAD_REQUEST,
+            json!("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "top_p": "high"}"#,
+            StatusCode::BAD_REQUEST,
+            json!("top_p"),
+        ),
+        (
+            "/v1/completions",
+            "[1, 2]",
+            StatusCode::BAD_REQUEST,
+            Value::Null,
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "temperature": -1}"#,
+            StatusCode::BAD_REQUEST,
+            json!("temperature"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "model": "gpt-9"}"#,
+            StatusCode::NOT_FOUND,
+            json!("model"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "max_tokens": 9999}"#,
+            StatusCode::BAD_REQUEST,
+            json!("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": [999999]}"#,
+            StatusCode::BAD_REQUEST,
+            json!("prompt"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": []}"#,
+            StatusCode::BAD_REQUEST,
+            json!("messages"),
+        ),
+        (
+            "/generate",
+            r#"{"sampling_params": {}}"#,
+            StatusCode::BAD_REQUEST,
+            Value::Null,
+        ),
     ] {
         let (s, b) = call(&h.state, "POST", path, Some(body), None).await;
         assert_eq!(s, status, "{path} {body}: {b}");
         let v = json_of(&b);
         assert_eq!(v["error"]["param"], param, "{b}");
         assert_eq!(v["error"]["code"], status.as_u16());
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
     }
     let (s, b) = call(&h.state, "POST", "/v1/completions", Some(r#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195, 196, 197, 198, 199, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257]}"#), None).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
@@ -253,12 +374,33 @@ async fn api_key_is_enforced_except_on_health() {
 #[tokio::test]
 async fn native_generate_and_tokenize_round_trip() {
     let h = harness(None);
-    let (s, b) = call(&h.state, "POST", "/tokenize", Some(r#"{"prompt": "Hello world"}"#), None).await;
+    let (s, b) = call(
+        &h.state,
+        "POST",
+        "/tokenize",
+        Some(r#"{"prompt": "Hello world"}"#),
+        None,
+    )
+    .await;
     assert_eq!(s, StatusCode::OK);
     let ids = json_of(&b)["tokens"].clone();
-    let (_, b) = call(&h.state, "POST", "/detokenize", Some(&json!({"tokens": ids}).to_string()), None).await;
+    let (_, b) = call(
+        &h.state,
+        "POST",
+        "/detokenize",
+        Some(&json!({"tokens": ids}).to_string()),
+        None,
+    )
+    .await;
     assert_eq!(json_of(&b)["text"], "Hello world");
-    let (s, b) = call(&h.state, "POST", "/generate", Some(&json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 4}}).to_string()), None).await;
+    let (s, b) = call(
+        &h.state,
+        "POST",
+        "/generate",
+        Some(&json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 4}}).to_string()),
+        None,
+    )
+    .await;
     assert_eq!(s, StatusCode::OK, "{b}");
     let v = json_of(&b);
     assert_eq!(v["output_ids"].as_array().map(Vec::len), Some(4));
@@ -269,7 +411,14 @@ async fn native_generate_and_tokenize_round_trip() {
 async fn pages_are_all_free_after_requests_and_flush() {
     let h = harness(None);
     for _ in 0..3 {
-        call(&h.state, "POST", "/v1/completions", Some(r#"{"prompt": "a b c d e f g h i j", "max_tokens": 5}"#), None).await;
+        call(
+            &h.state,
+            "POST",
+            "/v1/completions",
+            Some(r#"{"prompt": "a b c d e f g h i j", "max_tokens": 5}"#),
+            None,
+        )
+        .await;
     }
     let (s, _) = call(&h.state, "POST", "/flush_cache", None, None).await;
     assert_eq!(s, StatusCode::OK);
@@ -283,9 +432,19 @@ async fn pages_are_all_free_after_requests_and_flush() {
 async fn dead_worker_fails_health_and_requests() {
     let h = harness(None);
     h.dead.store(true, Ordering::Release);
-    let (s, b) = call(&h.state, "POST", "/v1/completions", Some(r#"{"prompt": "x", "max_tokens": 5}"#), None).await;
+    let (s, b) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "x", "max_tokens": 5}"#),
+        None,
+    )
+    .await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{b}");
-    assert!(json_of(&b)["error"]["message"].as_str().unwrap_or("").contains("worker"));
+    assert!(json_of(&b)["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("worker"));
     let (s, _) = call(&h.state, "GET", "/health", None, None).await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
 }

@@ -15,10 +15,18 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn bad_request(message: impl Into<String>) -> Self {
-        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: None }
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+        }
     }
     pub fn bad_param(param: &str, message: impl Into<String>) -> Self {
-        ApiError { param: Some(param.to_string()), ..Self::bad_request(message) }
+        ApiError {
+            param: Some(param.to_string()),
+            ..Self::bad_request(message)
+        }
     }
     pub fn unauthorized() -> Self {
         ApiError {
@@ -37,16 +45,36 @@ impl ApiError {
         }
     }
     pub fn not_found(message: impl Into<String>) -> Self {
-        ApiError { status: StatusCode::NOT_FOUND, message: message.into(), kind: "not_found_error", param: None }
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "not_found_error",
+            param: None,
+        }
     }
     pub fn overloaded(message: impl Into<String>) -> Self {
-        ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), kind: "overloaded_error", param: None }
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "overloaded_error",
+            param: None,
+        }
     }
     pub fn unavailable(message: impl Into<String>) -> Self {
-        ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), kind: "service_unavailable", param: None }
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "service_unavailable",
+            param: None,
+        }
     }
     pub fn internal(message: impl Into<String>) -> Self {
-        ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "internal_error", param: None }
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "internal_error",
+            param: None,
+        }
     }
 
     pub fn body(&self) -> serde_json::Value {

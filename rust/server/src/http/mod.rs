@@ -35,7 +35,13 @@ impl AppState {
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             None => Ok(()),
-            Some(m) if m.is_empty() || m == self.config.served_model_name || m == self.config.model_path => Ok(()),
+            Some(m)
+                if m.is_empty()
+                    || m == self.config.served_model_name
+                    || m == self.config.model_path =>
+            {
+                Ok(())
+            }
             Some(m) => Err(ApiError::model_not_found(m)),
         }
     }
@@ -51,9 +57,15 @@ pub fn router(state: AppState) -> Router {
         .route("/detokenize", post(native::detokenize))
         .route("/get_model_info", get(native::model_info))
         .route("/get_server_info", get(native::server_info))
-        .route("/flush_cache", post(native::flush_cache).get(native::flush_cache))
+        .route(
+            "/flush_cache",
+            post(native::flush_cache).get(native::flush_cache),
+        )
         .route("/health_generate", get(native::health_generate))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
     Router::new()
         .route("/health", get(native::health))
         .route("/metrics", get(native::metrics))
@@ -63,7 +75,11 @@ pub fn router(state: AppState) -> Router {
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError::not_found(format!("no route for {} {}", req.method(), req.uri().path()))
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        req.method(),
+        req.uri().path()
+    ))
 }
 
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {

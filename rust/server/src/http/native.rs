@@ -47,15 +47,31 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     let prompt = match (req.text, req.input_ids) {
         (Some(t), None) => Prompt::Text(t),
         (None, Some(ids)) => Prompt::Ids(ids),
-        _ => return Err(ApiError::bad_request("give exactly one of 'text' or 'input_ids'")),
+        _ => {
+            return Err(ApiError::bad_request(
+                "give exactly one of 'text' or 'input_ids'",
+            ))
+        }
     };
     let sp = &req.sampling_params;
-    let top = if req.return_logprob.unwrap_or(false) { validate::top_logprobs("top_logprobs_num", req.top_logprobs_num)? } else { 0 };
+    let top = if req.return_logprob.unwrap_or(false) {
+        validate::top_logprobs("top_logprobs_num", req.top_logprobs_num)?
+    } else {
+        0
+    };
     let spec = GenerationSpec {
         prompt,
         sampling: validate::sampling_params(&sp.sampling, top)?,
-        max_new_tokens: validate::max_tokens("max_new_tokens", Some(sp.max_new_tokens.unwrap_or(128)))?,
-        stop: sp.sampling.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
+        max_new_tokens: validate::max_tokens(
+            "max_new_tokens",
+            Some(sp.max_new_tokens.unwrap_or(128)),
+        )?,
+        stop: sp
+            .sampling
+            .stop
+            .clone()
+            .map(|s| s.into_vec())
+            .unwrap_or_default(),
         stop_token_ids: sp.sampling.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: sp.sampling.ignore_eos.unwrap_or(false),
         skip_special_tokens: sp.sampling.skip_special_tokens.unwrap_or(true),
@@ -92,7 +108,9 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         return Ok(Sse::new(stream).into_response());
     }
     let all = gen.collect().await?;
-    Ok(ok_json(json!({"text": all.text, "output_ids": all.token_ids, "meta_info": meta_info(&id, &all, started)})))
+    Ok(ok_json(
+        json!({"text": all.text, "output_ids": all.token_ids, "meta_info": meta_info(&id, &all, started)}),
+    ))
 }
 
 pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
@@ -101,12 +119,22 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
         state.check_model(req.model.as_deref())?;
         let prompt = match (req.prompt.or(req.text), req.messages) {
             (Some(t), None) if req.add_special_tokens == Some(false) => {
-                let ids = state.tokenizer.encode(&t, false).map_err(|e| ApiError::bad_param("prompt", e.to_string()))?;
+                let ids = state
+                    .tokenizer
+                    .encode(&t, false)
+                    .map_err(|e| ApiError::bad_param("prompt", e.to_string()))?;
                 Prompt::Ids(ids)
             }
             (Some(t), None) => Prompt::Text(t),
-            (None, Some(messages)) => Prompt::Chat { messages, template_vars: None },
-            _ => return Err(ApiError::bad_request("give exactly one of 'prompt' or 'messages'")),
+            (None, Some(messages)) => Prompt::Chat {
+                messages,
+                template_vars: None,
+            },
+            _ => {
+                return Err(ApiError::bad_request(
+                    "give exactly one of 'prompt' or 'messages'",
+                ))
+            }
         };
         let ids = generate::tokenize_prompt(&state, prompt).await?;
         Ok::<_, ApiError>(ok_json(json!({
@@ -122,7 +150,10 @@ pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response 
         state.check_model(req.model.as_deref())?;
         let vocab = state.tokenizer.vocab_size() as u32;
         if let Some(bad) = req.tokens.iter().find(|&&t| t >= vocab) {
-            return Err(ApiError::bad_param("tokens", format!("token id {bad} is out of range (vocabulary size {vocab})")));
+            return Err(ApiError::bad_param(
+                "tokens",
+                format!("token id {bad} is out of range (vocabulary size {vocab})"),
+            ));
         }
         let text = state
             .tokenizer
@@ -176,7 +207,11 @@ pub async fn flush_cache(State(state): State<AppState>) -> Response {
     if state.engine.flush_cache().await {
         (StatusCode::OK, "Cache flushed.\n").into_response()
     } else {
-        (StatusCode::BAD_REQUEST, "Cache not flushed: requests are running.\n").into_response()
+        (
+            StatusCode::BAD_REQUEST,
+            "Cache not flushed: requests are running.\n",
+        )
+            .into_response()
     }
 }
 
@@ -195,7 +230,10 @@ pub async fn health_generate(State(state): State<AppState>) -> Response {
     }
     let spec = GenerationSpec {
         prompt: Prompt::Ids(vec![state.tokenizer.bos_token_id().unwrap_or(0)]),
-        sampling: tokenspeed_engine::SamplingParams { temperature: 0.0, ..Default::default() },
+        sampling: tokenspeed_engine::SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
         max_new_tokens: Some(1),
         stop: vec![],
         stop_token_ids: vec![],
@@ -214,5 +252,9 @@ pub async fn health_generate(State(state): State<AppState>) -> Response {
 }
 
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
 }

@@ -9,7 +9,9 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::protocol::{parse_body, ChatCompletionRequest, CompletionRequest, PromptField, SamplingFields};
+use super::protocol::{
+    parse_body, ChatCompletionRequest, CompletionRequest, PromptField, SamplingFields,
+};
 use super::{ok_json, unix_now, AppState};
 use crate::engine::TokenUsage;
 use crate::generate::{self, Chunk, Generation, GenerationSpec, Prompt, TokenLogprob};
@@ -77,7 +79,12 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         PromptField::Ids(ids) => Prompt::Ids(ids),
         PromptField::Texts(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
         PromptField::IdBatches(mut v) if v.len() == 1 => Prompt::Ids(v.remove(0)),
-        _ => return Err(ApiError::bad_param("prompt", "batched prompts are not supported yet: send one prompt per request")),
+        _ => {
+            return Err(ApiError::bad_param(
+                "prompt",
+                "batched prompts are not supported yet: send one prompt per request",
+            ))
+        }
     };
     if req.echo == Some(true) {
         return Err(ApiError::bad_param("echo", "echo is not supported yet"));
@@ -90,7 +97,11 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
     let id = format!("cmpl-{}", uuid_like());
     let mut gen = generate::start(&state, spec).await?;
     if req.sampling.stream.unwrap_or(false) {
-        let include_usage = req.sampling.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        let include_usage = req
+            .sampling
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
         let first = first_chunk(&mut gen).await?;
         let tokenizer = state.tokenizer.clone();
         let stream = async_stream::stream! {
@@ -148,27 +159,52 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     super::protocol::log_unknown_fields("/v1/chat/completions", &req.extra);
     state.check_model(req.model.as_deref())?;
     if req.messages.is_empty() {
-        return Err(ApiError::bad_param("messages", "messages must be a non-empty array"));
+        return Err(ApiError::bad_param(
+            "messages",
+            "messages must be a non-empty array",
+        ));
     }
     for (i, m) in req.messages.iter().enumerate() {
         if !m.get("role").is_some_and(Value::is_string) {
-            return Err(ApiError::bad_param("messages", format!("messages[{i}] has no string 'role'")));
+            return Err(ApiError::bad_param(
+                "messages",
+                format!("messages[{i}] has no string 'role'"),
+            ));
         }
     }
     let want_logprobs = req.logprobs.unwrap_or(false);
-    let top = if want_logprobs { validate::top_logprobs("top_logprobs", req.top_logprobs)? } else { 0 };
-    let max_tokens = validate::max_tokens("max_completion_tokens", req.max_completion_tokens.or(req.max_tokens))?;
+    let top = if want_logprobs {
+        validate::top_logprobs("top_logprobs", req.top_logprobs)?
+    } else {
+        0
+    };
+    let max_tokens = validate::max_tokens(
+        "max_completion_tokens",
+        req.max_completion_tokens.or(req.max_tokens),
+    )?;
     let mut vars = req.chat_template_kwargs.clone().unwrap_or_default();
     if let Some(tools) = req.tools.clone() {
         vars.insert("tools".into(), tools);
     }
     let template_vars = (!vars.is_empty()).then_some(Value::Object(vars));
-    let spec = spec_from(Prompt::Chat { messages: req.messages, template_vars }, &req.sampling, max_tokens, top)?;
+    let spec = spec_from(
+        Prompt::Chat {
+            messages: req.messages,
+            template_vars,
+        },
+        &req.sampling,
+        max_tokens,
+        top,
+    )?;
     let model = state.config.served_model_name.clone();
     let id = format!("chatcmpl-{}", uuid_like());
     let mut gen = generate::start(&state, spec).await?;
     if req.sampling.stream.unwrap_or(false) {
-        let include_usage = req.sampling.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        let include_usage = req
+            .sampling
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
         let first = first_chunk(&mut gen).await?;
         let tokenizer = state.tokenizer.clone();
         let stream = async_stream::stream! {
@@ -234,8 +270,11 @@ fn completion_logprobs(tokenizer: &tokenspeed_text::TextTokenizer, lps: &[TokenL
     let top: Vec<Value> = lps
         .iter()
         .map(|l| {
-            let m: Map<String, Value> =
-                l.top.iter().map(|(t, lp)| (token_text(tokenizer, *t), json!(lp))).collect();
+            let m: Map<String, Value> = l
+                .top
+                .iter()
+                .map(|(t, lp)| (token_text(tokenizer, *t), json!(lp)))
+                .collect();
             Value::Object(m)
         })
         .collect();

@@ -129,17 +129,57 @@ pub struct DetokenizeRequest {
     pub skip_special_tokens: Option<bool>,
 }
 
-/// Parses a JSON body into `T`, turning syntax and type errors into a 400 that names the problem.
+/// Parses a JSON body into `T`, turning syntax and type errors into a 400 that names the
+/// offending parameter.
 pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if body.is_empty() {
-        return Err(ApiError::bad_request("request body is empty; expected a JSON object"));
+        return Err(ApiError::bad_request(
+            "request body is empty; expected a JSON object",
+        ));
     }
-    serde_json::from_slice(body).map_err(|e| {
-        let what = match e.classify() {
-            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => "invalid JSON",
-            _ => "invalid request",
-        };
-        ApiError::bad_request(format!("{what}: {e}"))
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    match serde_path_to_error::deserialize::<_, T>(&value) {
+        Ok(parsed) => Ok(parsed),
+        Err(e) => {
+            let message = e.inner().to_string();
+            let path = e.path().to_string();
+            let field = if path.is_empty() || path == "." || path == "?" {
+                culprit_field::<T>(&value, &message)
+            } else {
+                Some(
+                    path.split(['.', '['])
+                        .next()
+                        .unwrap_or_default()
+                        .to_string(),
+                )
+            };
+            Err(match field {
+                Some(field) => ApiError::bad_param(&field, format!("invalid '{field}': {message}")),
+                None => ApiError::bad_request(format!("invalid request: {message}")),
+            })
+        }
+    }
+}
+
+/// Fields inside flattened structs lose their path, so find the culprit by removing one
+/// top-level field at a time: the one whose removal makes the body valid. Error path only.
+fn culprit_field<T: serde::de::DeserializeOwned>(value: &Value, message: &str) -> Option<String> {
+    if let Some(rest) = message.strip_prefix("missing field `") {
+        return rest.split('`').next().map(str::to_string);
+    }
+    let object = value.as_object()?;
+    object.keys().find_map(|key| {
+        let mut probe = object.clone();
+        probe.remove(key);
+        serde_json::from_value::<T>(Value::Object(probe))
+            .ok()
+            .map(|_| key.clone())
     })
 }
 
