@@ -1,0 +1,69 @@
+"""Paged KV cache: per-layer K and V page pools plus the per-slot page table."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PagedKVCache:
+    """K/V of layer l live in `k[l]`, `v[l]`: [num_pages, page_size, num_kv_heads, head_dim].
+
+    Page p holds positions [j * page_size, (j + 1) * page_size) of any slot whose page-table row
+    has p at index j; pages may be shared by several slots (radix prefix cache). The page table is
+    kept twice: on the host (numpy, to build per-step metadata without a device sync) and on the
+    device (for kernels that walk it themselves).
+    """
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, max_slots: int,
+                 max_context_len: int) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_slots = max_slots
+        self.max_pages_per_slot = -(-max_context_len // page_size)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.page_table_host = np.zeros((max_slots, self.max_pages_per_slot), dtype=np.int32)
+        self.page_table = torch.zeros((max_slots, self.max_pages_per_slot), dtype=torch.int32,
+                                      device=device)
+
+    @staticmethod
+    def bytes_per_page(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a layer viewed as [num_pages * page_size, num_kv_heads, head_dim]."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def update_page_table(self, slots: np.ndarray, first: np.ndarray, count: np.ndarray,
+                          pages: np.ndarray) -> None:
+        """Row `slots[i]` entries [first[i], first[i] + count[i]) = the next count[i] of `pages`."""
+        if len(slots) == 0:
+            return
+        if len(pages) and int(pages.max()) >= self.num_pages:
+            raise ValueError(f"page id {int(pages.max())} out of range (num_pages={self.num_pages})")
+        offset = 0
+        for slot, start, n in zip(slots.tolist(), first.tolist(), count.tolist()):
+            if slot >= self.max_slots:
+                raise ValueError(f"slot {slot} out of range (max_slots={self.max_slots})")
+            if start + n > self.max_pages_per_slot:
+                raise ValueError(f"slot {slot}: page-table entries [{start}, {start + n}) exceed "
+                                 f"max_context_len ({self.max_pages_per_slot} pages)")
+            self.page_table_host[slot, start:start + n] = pages[offset:offset + n]
+            offset += n
+        if offset != len(pages):
+            raise ValueError(f"page-table update: counts sum to {offset}, got {len(pages)} pages")
+        rows = np.unique(slots.astype(np.int64))
+        self.page_table[torch.from_numpy(rows).to(self.page_table.device)] = torch.from_numpy(
+            self.page_table_host[rows]).to(self.page_table.device)
+
+    def cache_locs(self, slot: int, start: int, end: int) -> np.ndarray:
+        """Flat cache indices (page * page_size + offset) of positions [start, end) of a slot."""
+        pos = np.arange(start, end, dtype=np.int64)
+        pages = self.page_table_host[slot, pos // self.page_size].astype(np.int64)
+        return pages * self.page_size + pos % self.page_size

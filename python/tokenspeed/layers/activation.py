@@ -1,0 +1,14 @@
+"""Activations of gated MLPs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up on a fused [.., 2 * d] gate_up tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up

@@ -1,0 +1,83 @@
+"""Attention: the per-step ForwardBatch, the backend interface, and the Attention layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenspeed.kv_cache import PagedKVCache
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs, built once per step by the model runner.
+
+    Requests are in plan order; request i owns tokens [query_start[i], query_start[i + 1]) of the
+    flat token dimension, at positions start_pos[i] ... start_pos[i] + num_tokens[i] - 1.
+    """
+
+    input_ids: torch.Tensor  # [T] int64, device
+    positions: torch.Tensor  # [T] int64, device
+    out_cache_loc: torch.Tensor  # [T] int64, device: flat KV index where each token's K/V go
+    slots: np.ndarray  # [B] host
+    num_tokens: np.ndarray  # [B] host
+    start_pos: np.ndarray  # [B] host
+    query_start: np.ndarray  # [B + 1] host, cumulative num_tokens
+    kv_cache: PagedKVCache
+    backend: AttentionBackend
+    # Backend-private metadata, filled by backend.prepare().
+    metadata: Any = field(default=None)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.start_pos + self.num_tokens
+
+
+class AttentionBackend(ABC):
+    """Writes the new K/V into the paged cache and attends causally over each request's context.
+
+    `prepare` runs once per step (host-side metadata); `forward` runs once per layer.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] → output [T, Hq * D]."""
+
+
+class Attention(nn.Module):
+    """Parameter-free attention layer: carries head geometry and delegates to the backend."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scaling: float, sliding_window: int | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        return batch.backend.forward(q, k, v, self, batch)
+
+
+def create_backend(name: str, kv_cache: PagedKVCache) -> AttentionBackend:
+    if name == "torch_native":
+        from tokenspeed.layers.torch_native_attention import TorchNativeBackend
+
+        return TorchNativeBackend(kv_cache)
+    raise ValueError(f"unknown attention_backend {name!r} (available: torch_native)")

@@ -1,0 +1,115 @@
+"""torch_native attention backend: gather K/V through the page table, then SDPA. CPU and reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from tokenspeed.kv_cache import PagedKVCache
+from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
+
+
+@dataclass
+class _Decode:
+    """All single-token requests, padded to the longest context and attended in one call."""
+
+    q_rows: torch.Tensor  # [B] token index of each request's query
+    kv_locs: torch.Tensor  # [B, L] flat cache indices, padding points at index 0
+    q_pos: torch.Tensor  # [B, 1] position of each query
+    valid: torch.Tensor  # [B, L] key index < seq_len
+
+
+@dataclass
+class _Extend:
+    """One multi-token request (prefill chunk), attended on its own."""
+
+    q_start: int
+    q_end: int
+    kv_locs: torch.Tensor  # [L]
+    q_pos: torch.Tensor  # [n, 1]
+
+
+@dataclass
+class _Metadata:
+    decode: _Decode | None
+    extends: list[_Extend]
+
+
+class TorchNativeBackend(AttentionBackend):
+    """Exact rather than fast: the reference the Triton/FlashInfer backends are tested against.
+
+    GQA without copying K/V: the `group` query heads sharing a KV head are folded into the query
+    length, so SDPA sees [Hk, group * n, D] queries against [Hk, L, D] keys.
+    """
+
+    name = "torch_native"
+
+    def __init__(self, kv_cache: PagedKVCache) -> None:
+        self.kv_cache = kv_cache
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        device = batch.input_ids.device
+        is_decode = batch.num_tokens == 1
+        decode = None
+        if is_decode.any():
+            idx = np.flatnonzero(is_decode)
+            seq_lens = batch.seq_lens[idx]
+            width = int(seq_lens.max())
+            locs = np.zeros((len(idx), width), dtype=np.int64)
+            for row, i in enumerate(idx.tolist()):
+                locs[row, :seq_lens[row]] = self.kv_cache.cache_locs(int(batch.slots[i]), 0,
+                                                                     int(seq_lens[row]))
+            decode = _Decode(
+                q_rows=torch.from_numpy(batch.query_start[idx]).to(device),
+                kv_locs=torch.from_numpy(locs).to(device),
+                q_pos=torch.from_numpy(seq_lens - 1).to(device)[:, None],
+                valid=torch.from_numpy(np.arange(width)[None, :] < seq_lens[:, None]).to(device))
+        extends = []
+        for i in np.flatnonzero(~is_decode).tolist():
+            start, n = int(batch.start_pos[i]), int(batch.num_tokens[i])
+            locs = self.kv_cache.cache_locs(int(batch.slots[i]), 0, start + n)
+            extends.append(_Extend(
+                q_start=int(batch.query_start[i]), q_end=int(batch.query_start[i + 1]),
+                kv_locs=torch.from_numpy(locs).to(device),
+                q_pos=torch.arange(start, start + n, device=device)[:, None]))
+        batch.metadata = _Metadata(decode, extends)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache.flat(layer.layer_id)
+        k_cache.index_copy_(0, batch.out_cache_loc, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.out_cache_loc, v.to(v_cache.dtype))
+        hk, group, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
+        window = layer.sliding_window
+        meta: _Metadata = batch.metadata
+        out = torch.empty_like(q)
+
+        if meta.decode is not None:
+            m = meta.decode
+            qd = q[m.q_rows].view(-1, hk, group, d)  # [B, Hk, group, D]
+            kd = k_cache[m.kv_locs].to(q.dtype).transpose(1, 2)  # [B, Hk, L, D]
+            vd = v_cache[m.kv_locs].to(q.dtype).transpose(1, 2)
+            mask = m.valid
+            if window is not None:
+                mask = mask & (torch.arange(mask.shape[1], device=q.device) > m.q_pos - window)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :],
+                                               scale=layer.scaling)
+            out[m.q_rows] = o.reshape(-1, hk * group, d)
+
+        for r in meta.extends:
+            n = r.q_end - r.q_start
+            # [n, Hk * group, D] → [Hk, group * n, D]: query heads of one KV head side by side.
+            qe = q[r.q_start:r.q_end].view(n, hk, group, d).permute(1, 2, 0, 3).reshape(hk, -1, d)
+            ke = k_cache[r.kv_locs].to(q.dtype).transpose(0, 1)  # [Hk, L, D]
+            ve = v_cache[r.kv_locs].to(q.dtype).transpose(0, 1)
+            k_pos = torch.arange(ke.shape[1], device=q.device)[None, :]
+            mask = k_pos <= r.q_pos
+            if window is not None:
+                mask = mask & (k_pos > r.q_pos - window)
+            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask.repeat(group, 1),
+                                               scale=layer.scaling)
+            out[r.q_start:r.q_end] = o.view(hk, group, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
+        return out.flatten(1)

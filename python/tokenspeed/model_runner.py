@@ -1,0 +1,177 @@
+"""ModelRunner: applies a StepPlan to the worker's state, runs the forward pass and samples."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenspeed.kv_cache import PagedKVCache
+from tokenspeed.layers.attention import ForwardBatch, create_backend
+from tokenspeed.models.config import ModelConfig
+from tokenspeed.plan import StepOutput, StepPlan
+from tokenspeed.sampler import Sampler
+from tokenspeed.weights import load_model, open_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+CPU_DEFAULT_KV_TOKENS = 16384
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+
+
+def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torch.dtype:
+    """"auto": float32 on CPU, the checkpoint's dtype elsewhere."""
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        dtype = config.torch_dtype.replace("torch.", "")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} not in {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    """Owns the model, the paged KV cache, the attention backend and the sampler of one worker.
+
+    `step(plan)`: drop finished slots → register new requests → page-table updates → forward of
+    the scheduled requests → sample the last token of every request with sample == 1.
+    """
+
+    def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
+                 load_format: str = "auto", page_size: int, num_pages: int | None = None,
+                 max_slots: int, max_context_len: int, seed: int = 0,
+                 mem_fraction_static: float | None = None,
+                 attention_backend: str = "torch_native") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.page_size = page_size
+        self.max_slots = max_slots
+        self.max_context_len = max_context_len
+        ckpt = open_checkpoint(model_path, load_format)
+        self.config = ckpt.config
+        self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
+        self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
+                                max_positions=max_context_len, seed=seed)
+        self.num_pages = num_pages or self._profile_num_pages(mem_fraction_static)
+        c = self.config
+        self.kv_cache = PagedKVCache(
+            num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=page_size,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
+            device=self.device, max_slots=max_slots, max_context_len=max_context_len)
+        self.backend = create_backend(attention_backend, self.kv_cache)
+        self.sampler = Sampler(self.device, seed)
+        logger.info("model %s loaded: dtype=%s device=%s kv pages=%d x %d tokens",
+                    c.architecture, self.dtype, self.device, self.num_pages, page_size)
+
+    def _profile_num_pages(self, mem_fraction_static: float | None) -> int:
+        c = self.config
+        per_page = PagedKVCache.bytes_per_page(
+            num_layers=c.num_hidden_layers, page_size=self.page_size,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype)
+        if self.device.type != "cuda":
+            return -(-CPU_DEFAULT_KV_TOKENS // self.page_size)
+        # Weights are resident; what remains above (1 - fraction) of the GPU becomes KV cache.
+        # The (1 - fraction) slack also has to cover activations and CUDA graphs.
+        fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - total * (1.0 - fraction)
+        pages = int(budget // per_page)
+        if pages <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: free {free / 2**30:.1f} GiB, total "
+                f"{total / 2**30:.1f} GiB, mem_fraction_static {fraction}; raise the fraction")
+        return pages
+
+    # --- the step --------------------------------------------------------------------------
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        return self.sample(plan, self.forward(plan))
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Apply the plan's state changes and return float32 logits [num sampled, vocab]."""
+        self._apply_state(plan)
+        if len(plan.slots) == 0:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        batch = self._build_batch(plan)
+        self.backend.prepare(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        last = batch.query_start[1:] - 1
+        rows = torch.from_numpy(last[plan.sample.astype(bool)]).to(self.device)
+        return self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+
+    @torch.inference_mode()
+    def sample(self, plan: StepPlan, logits: torch.Tensor) -> StepOutput:
+        """Sample one token for every scheduled request with sample == 1, in plan order."""
+        sample = plan.sample.astype(bool)
+        slots = plan.slots[sample].astype(np.uint32)
+        if any(self.sampler.slots[int(s)].penalized for s in plan.slots
+               if int(s) in self.sampler.slots):
+            starts = np.concatenate([[0], np.cumsum(plan.num_tokens.astype(np.int64))])
+            for i, slot in enumerate(plan.slots.tolist()):
+                self.sampler.observe_inputs(slot, plan.input_ids[starts[i]:starts[i + 1]].tolist())
+        if len(slots) == 0:
+            return StepOutput(slots=slots, tokens=np.zeros(0, np.uint32),
+                              logprobs=np.zeros(0, np.float32),
+                              top_ids=np.zeros((0, 0), np.uint32),
+                              top_logprobs=np.zeros((0, 0), np.float32))
+        res = self.sampler.sample(slots.tolist(), logits)
+        return StepOutput(slots=slots, tokens=res.tokens.cpu().numpy().astype(np.uint32),
+                          logprobs=res.logprobs.cpu().numpy().astype(np.float32),
+                          top_ids=res.top_ids.cpu().numpy().astype(np.uint32),
+                          top_logprobs=res.top_logprobs.cpu().numpy().astype(np.float32))
+
+    # --- plan → state and batch ------------------------------------------------------------
+
+    def _apply_state(self, plan: StepPlan) -> None:
+        for slot in plan.finished_slots.tolist():
+            self.sampler.drop(slot)
+
+        def at(arr: np.ndarray, i: int, default: float) -> float:
+            return arr[i].item() if i < len(arr) else default
+
+        for i, slot in enumerate(plan.new_slots.tolist()):
+            if slot >= self.max_slots:
+                raise ValueError(f"new request slot {slot} >= max_slots {self.max_slots}")
+            self.sampler.add(
+                slot, temperature=at(plan.new_temperature, i, 0.0),
+                top_p=at(plan.new_top_p, i, 1.0), top_k=int(at(plan.new_top_k, i, 0)),
+                min_p=at(plan.new_min_p, i, 0.0),
+                repetition_penalty=at(plan.new_repetition_penalty, i, 1.0),
+                frequency_penalty=at(plan.new_frequency_penalty, i, 0.0),
+                presence_penalty=at(plan.new_presence_penalty, i, 0.0),
+                seed=int(at(plan.new_seed, i, -1)),
+                top_logprobs=int(at(plan.new_top_logprobs, i, 0)))
+        self.kv_cache.update_page_table(plan.pt_slots, plan.pt_first, plan.pt_count,
+                                        plan.pt_pages)
+
+    def _build_batch(self, plan: StepPlan) -> ForwardBatch:
+        slots = plan.slots.astype(np.int64)
+        num_tokens = plan.num_tokens.astype(np.int64)
+        start_pos = plan.start_pos.astype(np.int64)
+        total = int(num_tokens.sum())
+        if total != len(plan.input_ids):
+            raise ValueError(f"step {plan.step_id}: num_tokens sum to {total} but input_ids has "
+                             f"{len(plan.input_ids)} tokens")
+        ends = start_pos + num_tokens
+        if len(ends) and int(ends.max()) > self.max_context_len:
+            i = int(ends.argmax())
+            raise ValueError(f"step {plan.step_id}: slot {slots[i]} reaches position {ends[i]} > "
+                             f"max_context_len {self.max_context_len}")
+        query_start = np.concatenate([[0], np.cumsum(num_tokens)]).astype(np.int64)
+        tok_slot = np.repeat(slots, num_tokens)
+        positions = np.repeat(start_pos - query_start[:-1], num_tokens) + np.arange(total)
+        pages = self.kv_cache.page_table_host[tok_slot, positions // self.page_size]
+        out_loc = pages.astype(np.int64) * self.page_size + positions % self.page_size
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.from_numpy(plan.input_ids.astype(np.int64)).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            out_cache_loc=torch.from_numpy(out_loc).to(dev),
+            slots=slots, num_tokens=num_tokens, start_pos=start_pos, query_start=query_start,
+            kv_cache=self.kv_cache, backend=self.backend)

@@ -1,0 +1,1 @@
+"""Model families (Llama, Qwen2, Qwen3) built from tokenspeed.layers."""

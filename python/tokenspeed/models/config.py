@@ -1,0 +1,153 @@
+"""ModelConfig: the architecture facts the worker needs, read from HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    # HF-style rope parameters minus the theta: {"rope_type": "llama3", "factor": ...}.
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: the attention window, or None for full attention.
+    sliding_windows: list[int | None] = field(default_factory=list)
+    torch_dtype: str = "bfloat16"
+    hidden_act: str = "silu"
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+_QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM"}
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """Theta and scaling from either the transformers-4 (`rope_theta`, `rope_scaling`) or -5
+    (`rope_parameters`) spelling."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+    merged = {**scaling, **params}
+    if "type" in merged and "rope_type" not in merged:
+        merged["rope_type"] = merged.pop("type")
+    merged.pop("type", None)
+    if merged.get("rope_type", "default") == "default":
+        merged = {}
+    return float(theta), merged
+
+
+def _sliding_windows(raw: dict[str, Any], arch: str, layers: int) -> list[int | None]:
+    window = raw.get("sliding_window")
+    if window is None:
+        return [None] * layers
+    if raw.get("layer_types"):  # transformers >= 4.54 spells it out per layer
+        return [window if t == "sliding_attention" else None for t in raw["layer_types"]]
+    if arch.startswith("Qwen"):  # older Qwen configs: a switch plus the first full-attention layers
+        if not raw.get("use_sliding_window", False):
+            return [None] * layers
+        first = raw.get("max_window_layers", layers)
+        return [window if i >= first else None for i in range(layers)]
+    return [window] * layers  # Mistral
+
+
+def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
+    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    heads = raw["num_attention_heads"]
+    theta, scaling = _rope(raw)
+    layers = raw["num_hidden_layers"]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", arch in _QKV_BIAS_BY_DEFAULT)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=arch in _QK_NORM,
+        sliding_windows=_sliding_windows(raw, arch, layers),
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        hidden_act=raw.get("hidden_act", "silu"),
+        raw=raw,
+    )
+
+
+def load_hf_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
+    with open(path) as f:
+        return config_from_hf_dict(json.load(f))
+
+
+# GGUF `general.architecture` → HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def config_from_gguf_fields(fields: dict[str, Any], has_output_tensor: bool) -> ModelConfig:
+    """Build the config from GGUF key/values (`{arch}.block_count`, ...)."""
+    arch = fields["general.architecture"]
+    if arch not in GGUF_ARCHITECTURES:
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported "
+                                  f"(supported: {sorted(GGUF_ARCHITECTURES)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        return fields.get(f"{arch}.{key}", default)
+
+    hidden = get("embedding_length")
+    heads = get("attention.head_count")
+    vocab = get("vocab_size") or fields["tokenizer.vocab_size"]
+    raw: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length") or hidden // heads,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": get("context_length", 4096),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "tie_word_embeddings": not has_output_tensor,
+        "torch_dtype": "bfloat16",
+    }
+    if get("rope.scaling.type") == "linear":
+        raw["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    return config_from_hf_dict(raw)

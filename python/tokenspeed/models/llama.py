@@ -1,0 +1,154 @@
+"""Llama family (Llama 2/3/3.1, Mistral, SmolLM2); also the base of Qwen2 and Qwen3."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenspeed.layers.activation import SiluAndMul
+from tokenspeed.layers.attention import Attention, ForwardBatch
+from tokenspeed.layers.embedding import LMHead, VocabEmbedding
+from tokenspeed.layers.linear import GateUpLinear, QKVLinear, RowLinear
+from tokenspeed.layers.norm import RMSNorm
+from tokenspeed.layers.rotary import RotaryEmbedding
+from tokenspeed.models.config import ModelConfig
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} (only silu)")
+        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size,
+                                         bias=config.mlp_bias)
+        self.act = SiluAndMul()
+        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """qkv projection (+ optional per-head q/k RMSNorm, Qwen3) → RoPE → paged attention → o_proj."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.qkv_proj = QKVLinear(c.hidden_size, c.q_size, c.kv_size, bias=c.attention_bias)
+        self.o_proj = RowLinear(c.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.rotary = [rotary]  # a list so the shared table is not registered once per layer
+        self.attn = Attention(layer_id, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                              scaling=c.head_dim ** -0.5,
+                              sliding_window=c.sliding_windows[layer_id])
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                          config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, batch)
+        return self.norm(x)
+
+
+# HF checkpoint name fragment → (our fused parameter fragment, shard index).
+STACKED_PARAMS = [
+    (".q_proj.", ".qkv_proj.", 0),
+    (".k_proj.", ".qkv_proj.", 1),
+    (".v_proj.", ".qkv_proj.", 2),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden]; `compute_logits` projects the rows that sample."""
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, routing q/k/v and gate/up into the fused parameters."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb." in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard = 0
+            for hf, ours, idx in STACKED_PARAMS:
+                if hf in name:
+                    name, shard = name.replace(hf, ours), idx
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in "
+                               f"{type(self).__name__}")
+            param = params[name]
+            owner = modules[name.rsplit(".", 1)[0]]
+            loader = getattr(owner, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                     f"parameter shape {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensor.to(param.dtype))
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise KeyError(f"parameters missing from the checkpoint: {sorted(missing)[:8]}")

@@ -1,0 +1,25 @@
+"""HF `architectures` name → model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.llama import LlamaForCausalLM
+from tokenspeed.models.qwen2 import Qwen2ForCausalLM
+from tokenspeed.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, max_positions: int | None = None) -> nn.Module:
+    cls = MODEL_REGISTRY.get(config.architecture)
+    if cls is None:
+        raise NotImplementedError(f"architecture {config.architecture!r} is not supported "
+                                  f"(supported: {sorted(MODEL_REGISTRY)})")
+    return cls(config, max_positions)

@@ -1,0 +1,212 @@
+"""Weight loading: HF safetensors, GGUF (dequantised through the `gguf` package) and seeded dummy."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
+from tokenspeed.models.registry import build_model
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def find_gguf_file(model_path: str) -> str | None:
+    """The .gguf file that `model_path` is or contains (exactly one), else None."""
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        return model_path
+    if os.path.isdir(model_path):
+        files = sorted(glob.glob(os.path.join(model_path, "*.gguf")))
+        if len(files) > 1:
+            raise ValueError(f"{model_path!r} holds several .gguf files; pass one of them: {files}")
+        return files[0] if files else None
+    return None
+
+
+def resolve_load_format(model_path: str, load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} not in {LOAD_FORMATS}")
+    if load_format != "auto":
+        return load_format
+    if os.path.isdir(model_path) and glob.glob(os.path.join(model_path, "*.safetensors")):
+        return "safetensors"
+    if find_gguf_file(model_path):
+        return "gguf"
+    raise FileNotFoundError(f"no *.safetensors or *.gguf weights under {model_path!r}")
+
+
+# --- safetensors -----------------------------------------------------------------------------
+
+
+def iter_safetensors(model_dir: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (HF name, tensor) from every *.safetensors file, one tensor at a time."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
+    handles = [safe_open(f, framework="pt") for f in files]
+    keys = [list(h.keys()) for h in handles]  # safe_open handles are not dicts
+    total = sum(len(k) for k in keys)
+    with tqdm(total=total, desc="Loading safetensors", unit="tensor", disable=not progress) as bar:
+        for h, names in zip(handles, keys):
+            for name in names:
+                yield name, h.get_tensor(name)
+                bar.update(1)
+
+
+# --- GGUF ------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """llama.cpp tensor name → HF name; None for tensors we do not use (e.g. rope_freqs)."""
+    m = _GGUF_BLOCK.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        hf = _GGUF_LAYER_NAMES.get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+    base, _, kind = name.rpartition(".")
+    hf = _GGUF_GLOBAL_NAMES.get(base)
+    return f"{hf}.{kind}" if hf else None
+
+
+def unpermute_llama_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf permute of llama q/k rows (interleaved → half-split)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_fields(reader: object) -> dict[str, object]:
+    """Model metadata (tokenizer arrays skipped: they are large and only their length matters)."""
+    fields = reader.fields  # type: ignore[attr-defined]
+    out = {k: f.contents() for k, f in fields.items() if not k.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" in fields:
+        out["tokenizer.vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
+    return out
+
+
+def read_gguf(path: str) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Config from the GGUF metadata and a stream of dequantised, HF-named float32 tensors."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    fields = _gguf_fields(reader)
+    config = config_from_gguf_fields(fields, has_output_tensor="output.weight" in names)
+    if "rope_freqs.weight" in names:
+        raise NotImplementedError("GGUF with rope_freqs (llama 3.1 rope scaling) is not supported")
+    permute = fields["general.architecture"] == "llama"
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor"):
+            hf = gguf_to_hf_name(t.name)
+            if hf is None:
+                continue
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if permute and ".q_proj." in hf:
+                w = unpermute_llama_qk(w, config.num_attention_heads)
+            elif permute and ".k_proj." in hf:
+                w = unpermute_llama_qk(w, config.num_key_value_heads)
+            if not w.flags.writeable or not w.flags.c_contiguous:  # F32 tensors view the mmap
+                w = np.array(w, order="C")
+            yield hf, torch.from_numpy(w)
+
+    return config, tensors
+
+
+# --- dummy -----------------------------------------------------------------------------------
+
+
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights: norms 1, biases 0, the rest N(0, std). Same seed → same weights."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@dataclass
+class Checkpoint:
+    """Where the weights come from: resolved format, config, and a tensor stream (None: dummy)."""
+
+    path: str
+    load_format: str
+    config: ModelConfig
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None
+
+
+def open_checkpoint(model_path: str, load_format: str = "auto") -> Checkpoint:
+    """Read the config (config.json or GGUF metadata) without loading any tensor yet."""
+    fmt = resolve_load_format(model_path, load_format)
+    if fmt == "gguf":
+        path = find_gguf_file(model_path)
+        if path is None:
+            raise FileNotFoundError(f"no .gguf file at {model_path!r}")
+        config, tensors = read_gguf(path)
+        return Checkpoint(path, fmt, config, tensors)
+    config = load_hf_config(model_path)
+    if fmt == "dummy":
+        return Checkpoint(model_path, fmt, config, None)
+    return Checkpoint(model_path, fmt, config, lambda: iter_safetensors(model_path))
+
+
+def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
+               max_positions: int, seed: int = 0) -> nn.Module:
+    """Build the model on `device` in `dtype` and fill its weights (seeded random for dummy)."""
+    with _default_dtype(dtype), torch.device(device):
+        model = build_model(ckpt.config, max_positions)
+    if ckpt.tensors is None:
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(ckpt.tensors())  # type: ignore[operator]
+    return model.eval()

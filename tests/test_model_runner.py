@@ -1,0 +1,198 @@
+"""ModelRunner.step semantics: plan diffs, output order, prefix sharing, slot reuse, sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenspeed.model_runner import ModelRunner
+from tokenspeed.models.offline import OfflineScheduler
+from tokenspeed.plan import StepPlan
+from transformers import LlamaConfig, LlamaForCausalLM
+
+U32 = np.uint32
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def runner_for(path: str, page_size: int = 4, **kw: object) -> ModelRunner:
+    return ModelRunner(path, page_size=page_size, max_slots=8, max_context_len=128, **kw)
+
+
+def new_requests(slots: list[int], temperature: float = 0.0, seed: int = -1,
+                 top_logprobs: int = 0) -> dict[str, np.ndarray]:
+    n = len(slots)
+    return {
+        "new_slots": np.asarray(slots, U32),
+        "new_temperature": np.full(n, temperature, np.float32),
+        "new_top_p": np.ones(n, np.float32),
+        "new_top_k": np.zeros(n, np.int32),
+        "new_min_p": np.zeros(n, np.float32),
+        "new_repetition_penalty": np.ones(n, np.float32),
+        "new_frequency_penalty": np.zeros(n, np.float32),
+        "new_presence_penalty": np.zeros(n, np.float32),
+        "new_seed": np.full(n, seed, np.int64),
+        "new_top_logprobs": np.full(n, top_logprobs, U32),
+    }
+
+
+def pages(slot: int, first: int, ids: list[int]) -> dict[str, np.ndarray]:
+    return {"pt_slots": np.asarray([slot], U32), "pt_first": np.asarray([first], U32),
+            "pt_count": np.asarray([len(ids)], U32), "pt_pages": np.asarray(ids, U32)}
+
+
+def schedule(reqs: list[tuple[int, int, list[int], int]]) -> dict[str, np.ndarray]:
+    """reqs: (slot, start_pos, tokens, sample)."""
+    return {"slots": np.asarray([r[0] for r in reqs], U32),
+            "num_tokens": np.asarray([len(r[2]) for r in reqs], U32),
+            "start_pos": np.asarray([r[1] for r in reqs], U32),
+            "sample": np.asarray([r[3] for r in reqs], np.uint8),
+            "input_ids": np.asarray([t for r in reqs for t in r[2]], U32)}
+
+
+PREFIX = [(11 * i) % 190 + 5 for i in range(12)]  # three pages of 4
+TAIL_A, TAIL_B = [7, 8, 9], [21, 22, 23, 24, 25]
+
+
+def greedy_from_scratch(path: str, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    res = OfflineScheduler(runner_for(path)).generate([prompt], n, keep_logits=True)
+    return res.tokens[0], res.logits[0]
+
+
+def decode_steps(runner: ModelRunner, slot: int, pos: int, first_token: int, page_ids: list[int],
+                 n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Feed back sampled tokens one at a time; `page_ids` are handed out as pages fill up."""
+    tokens, logits, tok = [first_token], [], first_token
+    for _ in range(n - 1):
+        plan_kw = schedule([(slot, pos, [tok], 1)])
+        if pos % runner.page_size == 0:
+            plan_kw |= pages(slot, pos // runner.page_size, [page_ids.pop(0)])
+        plan = StepPlan(**plan_kw)
+        lg = runner.forward(plan)
+        tok = int(runner.sample(plan, lg).tokens[0])
+        tokens.append(tok)
+        logits.append(lg[0])
+        pos += 1
+    return tokens, logits
+
+
+def test_shared_prefix_pages_give_the_same_tokens_as_recomputing(tiny_llama: str) -> None:
+    runner = runner_for(tiny_llama)
+    # Request A (slot 0) computes PREFIX + TAIL_A into pages 9, 3, 6, 1.
+    plan = StepPlan(**new_requests([0]), **pages(0, 0, [9, 3, 6, 1]),
+                    **schedule([(0, 0, PREFIX + TAIL_A, 1)]))
+    runner.step(plan)
+    # A finishes; B (slot 5) reuses A's three prefix pages and only feeds its own tail.
+    plan = StepPlan(finished_slots=np.asarray([0], U32), **new_requests([5]),
+                    **pages(5, 0, [9, 3, 6, 12, 13]), **schedule([(5, 12, TAIL_B, 1)]))
+    lg = runner.forward(plan)
+    first = int(runner.sample(plan, lg).tokens[0])
+    shared_tokens, shared_logits = decode_steps(runner, 5, 17, first, [14, 15], 8)
+
+    ref_tokens, ref_logits = greedy_from_scratch(tiny_llama, PREFIX + TAIL_B, 8)
+    assert shared_tokens == ref_tokens
+    torch.testing.assert_close(lg[0], ref_logits[0], atol=1e-5, rtol=0)
+    for a, b in zip(shared_logits, ref_logits[1:]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_prefix_shared_while_the_owner_keeps_decoding(tiny_llama: str) -> None:
+    runner = runner_for(tiny_llama, page_size=1)
+    prefix_pages = list(range(40, 52))
+    runner.step(StepPlan(**new_requests([0]), **pages(0, 0, prefix_pages + [60, 61, 62]),
+                         **schedule([(0, 0, PREFIX + TAIL_A, 1)])))
+    # Same step: A decodes one token while B joins on A's first 12 pages.
+    plan = StepPlan(**new_requests([1]), pt_slots=np.asarray([0, 1], U32),
+                    pt_first=np.asarray([15, 0], U32), pt_count=np.asarray([1, 17], U32),
+                    pt_pages=np.asarray([63, *prefix_pages, 70, 71, 72, 73, 74], U32),
+                    **schedule([(0, 15, [3], 1), (1, 12, TAIL_B, 1)]))
+    out = runner.step(plan)
+    ref_tokens, _ = greedy_from_scratch(tiny_llama, PREFIX + TAIL_B, 1)
+    assert out.slots.tolist() == [0, 1]
+    assert int(out.tokens[1]) == ref_tokens[0]
+
+
+def test_output_follows_plan_order_and_skips_unsampled_chunks(tiny_llama: str) -> None:
+    runner = runner_for(tiny_llama)
+    plan = StepPlan(**new_requests([3, 1, 2]),
+                    pt_slots=np.asarray([3, 1, 2], U32), pt_first=np.zeros(3, U32),
+                    pt_count=np.asarray([1, 2, 1], U32), pt_pages=np.asarray([0, 1, 2, 3], U32),
+                    **schedule([(3, 0, [5, 6], 1), (1, 0, [7, 8, 9, 10, 11], 0), (2, 0, [4], 1)]))
+    out = runner.step(plan)
+    assert out.slots.tolist() == [3, 2]
+    assert out.tokens.dtype == np.uint32 and out.logprobs.dtype == np.float32
+    assert out.top_ids is not None and out.top_ids.shape == (2, 0)
+
+
+def test_empty_plan_gives_empty_output(tiny_llama: str) -> None:
+    out = runner_for(tiny_llama).step(StepPlan())
+    assert len(out.slots) == len(out.tokens) == len(out.logprobs) == 0
+
+
+def test_top_logprobs_are_the_log_softmax_top_k(tiny_llama: str) -> None:
+    runner = runner_for(tiny_llama)
+    plan = StepPlan(**new_requests([0], top_logprobs=4), **pages(0, 0, [0, 1]),
+                    **schedule([(0, 0, PREFIX[:6], 1)]))
+    logits = runner.forward(plan)
+    out = runner.sample(plan, logits)
+    ref = torch.log_softmax(logits, -1)[0]
+    assert out.top_ids.shape == (1, 4)
+    assert out.top_ids[0].tolist() == ref.topk(4).indices.tolist()
+    np.testing.assert_allclose(out.top_logprobs[0], ref.topk(4).values.numpy(), rtol=1e-6)
+    assert out.tokens[0] == out.top_ids[0, 0]
+    assert out.logprobs[0] == pytest.approx(out.top_logprobs[0, 0])
+
+
+def test_seeded_request_samples_the_same_tokens_alone_or_batched(tiny_llama: str) -> None:
+    prompts = [PREFIX, TAIL_B * 3]
+    sampling = {"temperature": [1.0, 1.0], "seed": [42, -1]}
+    batched = OfflineScheduler(runner_for(tiny_llama)).generate(prompts, 10, sampling=sampling)
+    alone = OfflineScheduler(runner_for(tiny_llama)).generate(
+        prompts[:1], 10, sampling={"temperature": [1.0], "seed": [42]})
+    other_seed = OfflineScheduler(runner_for(tiny_llama)).generate(
+        prompts[:1], 10, sampling={"temperature": [1.0], "seed": [43]})
+    assert batched.tokens[0] == alone.tokens[0]
+    assert alone.tokens[0] != other_seed.tokens[0]
+
+
+def test_reused_slot_starts_fresh(tiny_llama: str) -> None:
+    runner = runner_for(tiny_llama)
+    sched = OfflineScheduler(runner)
+    sched.generate([TAIL_B * 2], 4, sampling={"temperature": [1.0], "seed": [1],
+                                              "repetition_penalty": [1.3]})
+    again = sched.generate([PREFIX], 6)  # slot 0 again: greedy, no penalty history
+    assert again.tokens[0] == greedy_from_scratch(tiny_llama, PREFIX, 6)[0]
+
+
+def test_plan_errors_name_the_problem(tiny_llama: str) -> None:
+    runner = runner_for(tiny_llama)
+    bad = StepPlan(**new_requests([0]), **pages(0, 0, [0]),
+                   slots=np.asarray([0], U32), num_tokens=np.asarray([3], U32),
+                   start_pos=np.zeros(1, U32), sample=np.ones(1, np.uint8),
+                   input_ids=np.asarray([1, 2], U32))
+    with pytest.raises(ValueError, match="num_tokens sum to 3"):
+        runner.step(bad)
+    with pytest.raises(ValueError, match="out of range"):
+        runner.step(StepPlan(**pages(0, 0, [runner.num_pages])))
+    with pytest.raises(ValueError, match="max_context_len"):
+        runner.step(StepPlan(**schedule([(0, 127, [1, 2], 1)])))
+
+
+def test_defaults_on_cpu(tiny_llama: str) -> None:
+    runner = runner_for(tiny_llama, page_size=16)
+    assert runner.dtype == torch.float32
+    assert runner.num_pages == 16384 // 16
+    assert runner.kv_cache.k[0].shape == (1024, 16, 2, 16)
+    assert runner_for(tiny_llama, num_pages=10).num_pages == 10
+    assert Path(tiny_llama, "config.json").exists()
