@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,8 +29,7 @@ class Server:
     log_path: str
 
     def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+        return Path(self.log_path).read_text(errors="replace")
 
     def info(self) -> dict:
         return httpx.get(f"{self.url}/get_server_info", timeout=10).json()
@@ -40,13 +40,13 @@ def start_server(tmp_dir: str, *args: str, timeout_s: float = 300) -> Server:
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", *args]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()}")
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{Path(log_path).read_text()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return Server(url, proc, log_path)
@@ -54,7 +54,7 @@ def start_server(tmp_dir: str, *args: str, timeout_s: float = 300) -> Server:
             pass
         time.sleep(0.5)
     stop_server(Server(url, proc, log_path))
-    raise RuntimeError(f"server did not become healthy in {timeout_s}s:\n{open(log_path).read()}")
+    raise RuntimeError(f"server did not become healthy in {timeout_s}s:\n{Path(log_path).read_text()}")
 
 
 def stop_server(server: Server) -> None:

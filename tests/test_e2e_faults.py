@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import Server, start_server, stop_server
 
 
@@ -31,7 +30,7 @@ def test_dead_worker_fails_health_and_in_flight_requests(doomed_server: Server) 
                 "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "temperature": 0.7})
             outcome["status"] = r.status_code
             outcome["body"] = r.json()
-        except Exception as e:  # a hang would show up as a timeout here
+        except httpx.HTTPError as e:  # a hang would show up as a timeout here
             outcome["exception"] = repr(e)
 
     t = threading.Thread(target=long_request)

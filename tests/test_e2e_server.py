@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 from conftest import Server
 
 QUESTION = "What is the capital of France?"
@@ -48,8 +47,8 @@ def test_chat_names_paris(client: openai.OpenAI) -> None:
 
 
 def test_chat_stream_matches_non_stream(client: openai.OpenAI) -> None:
-    kwargs = dict(model=model_name(client), messages=[{"role": "user", "content": QUESTION}], temperature=0,
-                  max_tokens=40)
+    kwargs = {"model": model_name(client), "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
+              "max_tokens": 40}
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     pieces, finish = [], None
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
@@ -73,8 +72,8 @@ def test_completions_stream_and_not(client: openai.OpenAI) -> None:
 
 
 def test_stop_string_is_not_emitted(client: openai.OpenAI) -> None:
-    kwargs = dict(model=model_name(client), messages=[{"role": "user", "content": QUESTION}], temperature=0,
-                  max_tokens=40)
+    kwargs = {"model": model_name(client), "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
+              "max_tokens": 40}
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     assert "Paris" in full
     r = client.chat.completions.create(stop=["Paris"], **kwargs)

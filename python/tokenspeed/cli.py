@@ -47,7 +47,7 @@ def _env() -> int:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
-    from tokenspeed import _core, __version__
+    from tokenspeed import __version__, _core
 
     info.update(tokenspeed=__version__, core=_core.__version__)
     print(json.dumps(info, indent=2))

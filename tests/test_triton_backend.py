@@ -1,0 +1,156 @@
+"""The triton attention backend against torch_native through ModelRunner.step (tiny random Llama).
+
+Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set here before
+tokenspeed_kernels is first imported). If another test module imported tokenspeed_kernels
+earlier in this process without the interpreter, the checks re-run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+_PREIMPORTED = "tokenspeed_kernels" in sys.modules
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np
+import pytest
+from tokenspeed.model_runner import ModelRunner
+from tokenspeed.models.offline import OfflineScheduler
+from tokenspeed.plan import StepPlan
+from transformers import LlamaConfig, LlamaForCausalLM
+
+U32 = np.uint32
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PREFIX = [(11 * i) % 190 + 5 for i in range(12)]
+TAIL_A, TAIL_B = [7, 8, 9], [21, 22, 23, 24, 25]
+PROMPTS = [PREFIX + TAIL_A, TAIL_B * 3, [3, 1, 4, 1, 5], PREFIX[:7]]
+
+
+def _needs_subprocess() -> bool:
+    return _PREIMPORTED and DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _rerun_in_subprocess(test_name: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"{__file__}::{test_name}"], check=False, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama_triton")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def runner_for(path: str, backend: str, page_size: int = 4) -> ModelRunner:
+    return ModelRunner(path, page_size=page_size, max_slots=8, max_context_len=128, device=DEVICE,
+                       dtype="float32", attention_backend=backend, disable_cuda_graph=True)
+
+
+def new_requests(slots: list[int]) -> dict[str, np.ndarray]:
+    n = len(slots)
+    return {"new_slots": np.asarray(slots, U32), "new_temperature": np.zeros(n, np.float32),
+            "new_top_p": np.ones(n, np.float32), "new_top_k": np.zeros(n, np.int32),
+            "new_min_p": np.zeros(n, np.float32),
+            "new_repetition_penalty": np.ones(n, np.float32),
+            "new_frequency_penalty": np.zeros(n, np.float32),
+            "new_presence_penalty": np.zeros(n, np.float32),
+            "new_seed": np.full(n, -1, np.int64), "new_top_logprobs": np.zeros(n, U32)}
+
+
+def pages(slot: int, first: int, ids: list[int]) -> dict[str, np.ndarray]:
+    return {"pt_slots": np.asarray([slot], U32), "pt_first": np.asarray([first], U32),
+            "pt_count": np.asarray([len(ids)], U32), "pt_pages": np.asarray(ids, U32)}
+
+
+def schedule(reqs: list[tuple[int, int, list[int], int]]) -> dict[str, np.ndarray]:
+    return {"slots": np.asarray([r[0] for r in reqs], U32),
+            "num_tokens": np.asarray([len(r[2]) for r in reqs], U32),
+            "start_pos": np.asarray([r[1] for r in reqs], U32),
+            "sample": np.asarray([r[3] for r in reqs], np.uint8),
+            "input_ids": np.asarray([t for r in reqs for t in r[2]], U32)}
+
+
+def prefix_sharing_run(runner: ModelRunner) -> tuple[list[int], list[torch.Tensor]]:
+    """A computes PREFIX + TAIL_A; B joins on A's three prefix pages in the same step as A
+    decodes (a mixed step), then both decode together (pure-decode steps)."""
+    tokens: list[int] = []
+    logits: list[torch.Tensor] = []
+
+    def run(plan: StepPlan) -> list[int]:
+        lg = runner.forward(plan)
+        out = runner.sample(plan, lg).tokens.tolist()
+        tokens.extend(out)
+        logits.extend(lg.float().cpu())
+        return out
+
+    (a,) = run(StepPlan(**new_requests([0]), **pages(0, 0, [9, 3, 6, 1]),
+                        **schedule([(0, 0, PREFIX + TAIL_A, 1)])))
+    a, b = run(StepPlan(**new_requests([5]), pt_slots=np.asarray([5], U32),
+                        pt_first=np.asarray([0], U32), pt_count=np.asarray([5], U32),
+                        pt_pages=np.asarray([9, 3, 6, 12, 13], U32),
+                        **schedule([(0, 15, [a], 1), (5, 12, TAIL_B, 1)])))
+    pos_a, pos_b = 16, 17
+    for _ in range(6):
+        kw = schedule([(0, pos_a, [a], 1), (5, pos_b, [b], 1)])
+        new_pages = [(s, p // 4) for s, p in ((0, pos_a), (5, pos_b)) if p % 4 == 0]
+        if new_pages:  # a page fills up: hand out the next one
+            kw |= {"pt_slots": np.asarray([s for s, _ in new_pages], U32),
+                   "pt_first": np.asarray([j for _, j in new_pages], U32),
+                   "pt_count": np.ones(len(new_pages), U32),
+                   "pt_pages": np.asarray([100 + 10 * s + j for s, j in new_pages], U32)}
+        a, b = run(StepPlan(**kw))
+        pos_a, pos_b = pos_a + 1, pos_b + 1
+    return tokens, logits
+
+
+def test_prefix_sharing_and_mixed_steps_match_torch_native(tiny_llama: str) -> None:
+    if _needs_subprocess():
+        _rerun_in_subprocess("test_prefix_sharing_and_mixed_steps_match_torch_native")
+        return
+    ref_tokens, ref_logits = prefix_sharing_run(runner_for(tiny_llama, "torch_native"))
+    tri_tokens, tri_logits = prefix_sharing_run(runner_for(tiny_llama, "triton"))
+    assert tri_tokens == ref_tokens
+    for a, b in zip(tri_logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("decode_after_all_prefills", [True, False])
+def test_chunked_prefill_and_batched_decode_match_torch_native(
+        tiny_llama: str, decode_after_all_prefills: bool) -> None:
+    if _needs_subprocess():
+        _rerun_in_subprocess("test_chunked_prefill_and_batched_decode_match_torch_native")
+        return
+    results = {}
+    for backend in ("torch_native", "triton"):
+        results[backend] = OfflineScheduler(runner_for(tiny_llama, backend)).generate(
+            PROMPTS, 10, chunk_size=6, decode_after_all_prefills=decode_after_all_prefills,
+            keep_logits=True)
+    ref, tri = results["torch_native"], results["triton"]
+    assert tri.tokens == ref.tokens
+    for req_a, req_b in zip(tri.logits, ref.logits):
+        for a, b in zip(req_a, req_b):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+def test_backend_selection(tiny_llama: str) -> None:
+    auto = ModelRunner(tiny_llama, page_size=4, max_slots=2, max_context_len=64, device="cpu")
+    assert auto.attention_backend == "torch_native"  # "auto" on CPU
+    with pytest.raises(ValueError, match="flashinfer"):
+        ModelRunner(tiny_llama, page_size=4, max_slots=2, max_context_len=64, device="cpu",
+                    attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="unknown attention_backend"):
+        ModelRunner(tiny_llama, page_size=4, max_slots=2, max_context_len=64, device="cpu",
+                    attention_backend="nope")
