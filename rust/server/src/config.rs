@@ -28,6 +28,9 @@ pub struct ServerConfig {
     pub disable_radix_cache: bool,
     #[serde(default)]
     pub log_requests: bool,
+    /// Skip the one-token generation that proves the whole path works before binding HTTP.
+    #[serde(default)]
+    pub skip_server_warmup: bool,
     /// Requests waiting beyond this are refused with 503 (overload), not queued forever.
     #[serde(default = "default_max_queued")]
     pub max_queued_requests: u32,

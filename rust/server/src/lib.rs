@@ -31,6 +31,8 @@ pub enum ServeError {
         addr: String,
         source: std::io::Error,
     },
+    #[error("warm-up generation failed: {0}")]
+    Warmup(String),
     #[error("server I/O: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -108,6 +110,9 @@ pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), Serv
     let state = build_state(config, link)?;
     let engine = state.engine.clone();
     let result = runtime.block_on(async move {
+        if !state.config.skip_server_warmup {
+            warm_up(&state).await?;
+        }
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .map_err(|source| ServeError::Bind {
@@ -123,6 +128,36 @@ pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), Serv
     });
     engine.shutdown();
     result
+}
+
+/// Generates one token through the whole path (tokenizer, scheduler, shm, worker) before the
+/// port opens, so the first user request pays no start-up cost and a broken worker is caught.
+async fn warm_up(state: &http::AppState) -> Result<(), ServeError> {
+    let spec = generate::GenerationSpec {
+        prompt: generate::Prompt::Text("Hello".into()),
+        sampling: tokenspeed_engine::SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        max_new_tokens: Some(1),
+        stop: vec![],
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        skip_special_tokens: true,
+    };
+    let started = Instant::now();
+    let run = async { generate::start(state, spec).await?.collect().await };
+    match tokio::time::timeout(std::time::Duration::from_secs(600), run).await {
+        Ok(Ok(_)) => {
+            tracing::info!(
+                "warm-up request done in {:.2}s",
+                started.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        Ok(Err(e)) => Err(ServeError::Warmup(e.to_string())),
+        Err(_) => Err(ServeError::Warmup("timed out after 600 s".into())),
+    }
 }
 
 async fn shutdown_signal() {

@@ -143,6 +143,7 @@ fn harness(api_key: Option<&str>) -> Harness {
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
         log_requests: false,
+        skip_server_warmup: true,
         max_queued_requests: 100,
         worker_pids: vec![],
         step_log_interval: 0,
