@@ -199,6 +199,15 @@ def test_client_disconnect_frees_pages(server: Server, client: openai.OpenAI) ->
     assert kv["free"] == kv["total"], kv
 
 
+def test_client_gone_mid_non_streaming_request_frees_pages(server: Server) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", timeout=2, json={
+            "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True})
+    info = wait_idle_and_flush(server, timeout_s=10)
+    kv = info["kv_pages"]
+    assert kv["free"] == kv["total"], kv
+
+
 def test_all_pages_free_after_flush(server: Server) -> None:
     info = wait_idle_and_flush(server)
     kv = info["kv_pages"]
