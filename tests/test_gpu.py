@@ -7,7 +7,9 @@ are bf16, one ulp = 0.03 at the top of an 8B-shaped model). A correct engine the
 different argmax from HF now and then. So (1) every position's logits must match HF's closely
 (cosine >= 0.99: a wrong rotary, mask or page lookup lands far below), (2) under teacher forcing
 (both models fed HF's tokens) at least 85% of greedy tokens agree, and (3) every disagreement is
-a near-tie in HF's own logits. fp32 on a small config must agree exactly.
+a near-tie in HF's own logits (margin within 6x the measured logit error: 4.2 sigma of the
+error of a difference). fp32 on a small config must agree exactly. Seen on an H100: 8B-shaped
+(4 layers) 0.938 agreement, cosine >= 0.9997; SmolLM2-shaped 0.992; fp32 1.000.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 U32 = np.uint32
 LLAMA31_8B = {
@@ -143,6 +146,8 @@ def hf_from_ours(path: str, ours: torch.nn.Module, dtype: torch.dtype) -> torch.
             hf = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
+    for prm in hf.parameters():  # parameters only: HF keeps its rotary inv_freq in float32
+        prm.data = prm.data.to(dtype)
     sd: dict[str, torch.Tensor] = {}
     for name, p in ours.named_parameters():
         if ".qkv_proj." in name:
@@ -206,17 +211,19 @@ def compare_with_hf(name: str, path: str, layers: int | None = None) -> None:
     want = torch.tensor(ref_tokens, device=ours.device)
     agree = (ours_top == want).float().mean().item()
     sigma = ref_logits.std().item()
+    noise = (ours - ref_logits).std().item()  # measured logit error: bf16 rounding, both sides
     bad = []
     for p, s in (ours_top != want).nonzero().tolist():
         top = ref_logits[p, s, want[p, s]].item()
         margin = top - ref_logits[p, s, ours_top[p, s]].item()
-        tol = max(0.1 * sigma, 4 * bf16_ulp(top))
+        # A tie within the noise: the difference of two logits' errors has std sqrt(2) * noise.
+        tol = max(6 * noise, 4 * bf16_ulp(top))
         if margin > tol:
             bad.append((p, s, margin, tol))
     print(f"\n[{name}] bf16 vs HF transformers, teacher-forced greedy agreement "
           f"{agree:.3f} over {len(prompts)} prompts x {NEW_TOKENS} tokens; logits cosine min "
-          f"{cos.min().item():.5f} mean {cos.mean().item():.5f}; logit std {sigma:.3f}; "
-          f"non-tie disagreements {len(bad)}")
+          f"{cos.min().item():.5f} mean {cos.mean().item():.5f}; logit std {sigma:.3f}, "
+          f"error std {noise:.4f}; non-tie disagreements {len(bad)}")
     assert cos.min().item() >= 0.99
     assert agree >= 0.85
     assert not bad, bad[:5]

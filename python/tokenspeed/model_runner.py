@@ -7,8 +7,16 @@ import logging
 import numpy as np
 import torch
 
+from tokenspeed.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, DecodeGraphRunner, graph_memory_estimate
 from tokenspeed.kv_cache import PagedKVCache
-from tokenspeed.layers.attention import ForwardBatch, create_backend
+from tokenspeed.layers.attention import (
+    AttentionBackend,
+    ForwardBatch,
+    check_backend,
+    create_backend,
+    resolve_backend_name,
+)
+from tokenspeed.layers.triton_attention import TritonBackend
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.plan import StepOutput, StepPlan
 from tokenspeed.sampler import Sampler
@@ -21,6 +29,8 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 CPU_DEFAULT_KV_TOKENS = 16384
 DEFAULT_MEM_FRACTION_STATIC = 0.85
+DEFAULT_CHUNKED_PREFILL = 8192
+PROFILE_SAFETY_BYTES = 512 << 20  # allocator fragmentation, cuBLAS workspaces, NCCL later
 
 
 def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -39,53 +49,130 @@ class ModelRunner:
 
     `step(plan)`: drop finished slots → register new requests → page-table updates → forward of
     the scheduled requests → sample the last token of every request with sample == 1.
+    On CUDA, pure-decode steps of up to `cuda_graph_max_bs` requests replay a captured graph.
     """
 
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
                  load_format: str = "auto", page_size: int, num_pages: int | None = None,
                  max_slots: int, max_context_len: int, seed: int = 0,
                  mem_fraction_static: float | None = None,
-                 attention_backend: str = "torch_native") -> None:
+                 attention_backend: str | None = None, disable_cuda_graph: bool = False,
+                 cuda_graph_max_bs: int | None = None,
+                 chunked_prefill_size: int | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.page_size = page_size
         self.max_slots = max_slots
         self.max_context_len = max_context_len
         ckpt = open_checkpoint(model_path, load_format)
         self.config = ckpt.config
+        c = self.config
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
+        self.attention_backend = resolve_backend_name(attention_backend, self.device)
+        check_backend(self.attention_backend)
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
                                 max_positions=max_context_len, seed=seed)
-        self.num_pages = num_pages or self._profile_num_pages(mem_fraction_static)
-        c = self.config
+        windows = [w for w in c.sliding_windows if w is not None]
+        self._window = min(windows) if windows else None
+        use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
+                      and self.attention_backend == "triton")
+        self.cuda_graph_max_bs = (min(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_slots)
+                                  if use_graphs else 0)
+        if num_pages is None:
+            num_pages = self._profile_num_pages(mem_fraction_static, chunked_prefill_size)
+        self.num_pages = num_pages
         self.kv_cache = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=page_size,
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
             device=self.device, max_slots=max_slots, max_context_len=max_context_len)
-        self.backend = create_backend(attention_backend, self.kv_cache)
+        self.backend = self._make_backend(self.kv_cache)
         self.sampler = Sampler(self.device, seed)
-        logger.info("model %s loaded: dtype=%s device=%s kv pages=%d x %d tokens",
-                    c.architecture, self.dtype, self.device, self.num_pages, page_size)
+        self.graphs: DecodeGraphRunner | None = None
+        if self.cuda_graph_max_bs:
+            assert isinstance(self.backend, TritonBackend)
+            self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
+                                            self.cuda_graph_max_bs, c.vocab_size, self.device)
+            self.graphs.capture()
+        logger.info("model %s loaded: dtype=%s device=%s attention=%s kv pages=%d x %d tokens, "
+                    "cuda graphs up to batch %d", c.architecture, self.dtype, self.device,
+                    self.attention_backend, self.num_pages, page_size, self.cuda_graph_max_bs)
 
-    def _profile_num_pages(self, mem_fraction_static: float | None) -> int:
+    def _make_backend(self, kv_cache: PagedKVCache) -> AttentionBackend:
+        return create_backend(self.attention_backend, kv_cache,
+                              max_context_len=self.max_context_len, sliding_window=self._window)
+
+    def _profile_num_pages(self, mem_fraction_static: float | None,
+                           chunked_prefill_size: int | None) -> int:
+        """KV pages that fit beside the weights, the activations of the largest step the
+        scheduler can send (measured by a profile forward), the sampler and the CUDA graphs."""
         c = self.config
         per_page = PagedKVCache.bytes_per_page(
             num_layers=c.num_hidden_layers, page_size=self.page_size,
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype)
         if self.device.type != "cuda":
             return -(-CPU_DEFAULT_KV_TOKENS // self.page_size)
-        # Weights are resident; what remains above (1 - fraction) of the GPU becomes KV cache.
-        # The (1 - fraction) slack also has to cover activations and CUDA graphs.
+        # A step holds at most max(chunked_prefill_size, running decodes) tokens.
+        tokens = min(max(chunked_prefill_size or DEFAULT_CHUNKED_PREFILL, self.max_slots),
+                     self.max_context_len)
+        rows = min(self.max_slots, tokens)
+        activations = self._profile_forward(tokens, rows)
+        sampler = 4 * rows * c.vocab_size * 4  # float32 copies of the logits (softmax, sort)
+        graphs = graph_memory_estimate(self.cuda_graph_max_bs, c.vocab_size) \
+            if self.cuda_graph_max_bs else 0
+        reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES
         fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = free - total * (1.0 - fraction)
+        # (1 - fraction) of the GPU stays free for activations, as in SGLang, and never less
+        # than the measured reserve, so that no step the scheduler admits can run out.
+        budget = min(free - total * (1.0 - fraction), free - reserve)
         pages = int(budget // per_page)
+        logger.info("GPU memory: %.2f GiB free of %.2f after weights; reserve %.2f GiB "
+                    "(activations %.2f for %d tokens, sampler %.2f, graphs %.2f); KV %.2f GiB",
+                    free / 2**30, total / 2**30, reserve / 2**30, activations / 2**30, tokens,
+                    sampler / 2**30, graphs / 2**30, max(pages, 0) * per_page / 2**30)
         if pages <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: free {free / 2**30:.1f} GiB, total "
-                f"{total / 2**30:.1f} GiB, mem_fraction_static {fraction}; raise the fraction")
+                f"{total / 2**30:.1f} GiB, mem_fraction_static {fraction}, reserve for "
+                f"activations/graphs {reserve / 2**30:.2f} GiB; raise the fraction or lower "
+                "--chunked-prefill-size / --cuda-graph-max-bs")
         return pages
+
+    @torch.inference_mode()
+    def _profile_forward(self, tokens: int, rows: int) -> int:
+        """Peak bytes allocated by a forward of `tokens` prompt tokens plus the LM head on `rows`
+        of them, against a one-page scratch cache (every K/V lands in page 0)."""
+        c = self.config
+        scratch = PagedKVCache(
+            num_layers=c.num_hidden_layers, num_pages=1, page_size=self.page_size,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
+            device=self.device, max_slots=1, max_context_len=tokens)
+        backend = self._make_backend(scratch)
+        positions = np.arange(tokens, dtype=np.int64)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            out_cache_loc=torch.from_numpy(positions % self.page_size).to(dev),
+            slots=np.zeros(1, np.int64), num_tokens=np.asarray([tokens], np.int64),
+            start_pos=np.zeros(1, np.int64), query_start=np.asarray([0, tokens], np.int64),
+            kv_cache=scratch, backend=backend)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        backend.prepare(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        logits = self.model.compute_logits(hidden[:rows])  # type: ignore[operator]
+        torch.softmax(logits, dim=-1)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del batch, hidden, logits, scratch, backend
+        torch.cuda.empty_cache()
+        return int(peak)
 
     # --- the step --------------------------------------------------------------------------
 
@@ -98,11 +185,20 @@ class ModelRunner:
         self._apply_state(plan)
         if len(plan.slots) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        batch = self._build_batch(plan)
+        positions, out_loc, query_start = self._token_indices(plan)
+        sample = plan.sample.astype(bool)
+        if (self.graphs is not None and self.graphs.can_run(len(plan.slots))
+                and bool((plan.num_tokens == 1).all())):
+            logits = self.graphs.run(plan.input_ids.astype(np.int64), positions, out_loc,
+                                     plan.slots)
+            if sample.all():
+                return logits.clone()
+            return logits[torch.from_numpy(np.flatnonzero(sample)).to(self.device)]
+        batch = self._build_batch(plan, positions, out_loc, query_start)
         self.backend.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        last = batch.query_start[1:] - 1
-        rows = torch.from_numpy(last[plan.sample.astype(bool)]).to(self.device)
+        last = query_start[1:] - 1
+        rows = torch.from_numpy(last[sample]).to(self.device)
         return self.model.compute_logits(hidden[rows])  # type: ignore[operator]
 
     @torch.inference_mode()
@@ -150,7 +246,8 @@ class ModelRunner:
         self.kv_cache.update_page_table(plan.pt_slots, plan.pt_first, plan.pt_count,
                                         plan.pt_pages)
 
-    def _build_batch(self, plan: StepPlan) -> ForwardBatch:
+    def _token_indices(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per token: position and flat KV-cache index; per request: cumulative token offsets."""
         slots = plan.slots.astype(np.int64)
         num_tokens = plan.num_tokens.astype(np.int64)
         start_pos = plan.start_pos.astype(np.int64)
@@ -164,14 +261,23 @@ class ModelRunner:
             raise ValueError(f"step {plan.step_id}: slot {slots[i]} reaches position {ends[i]} > "
                              f"max_context_len {self.max_context_len}")
         query_start = np.concatenate([[0], np.cumsum(num_tokens)]).astype(np.int64)
-        tok_slot = np.repeat(slots, num_tokens)
-        positions = np.repeat(start_pos - query_start[:-1], num_tokens) + np.arange(total)
-        pages = self.kv_cache.page_table_host[tok_slot, positions // self.page_size]
+        if total == len(slots):  # one token per request: no repeats needed
+            positions = start_pos
+            pages = self.kv_cache.page_table_host[slots, positions // self.page_size]
+        else:
+            tok_slot = np.repeat(slots, num_tokens)
+            positions = np.repeat(start_pos - query_start[:-1], num_tokens) + np.arange(total)
+            pages = self.kv_cache.page_table_host[tok_slot, positions // self.page_size]
         out_loc = pages.astype(np.int64) * self.page_size + positions % self.page_size
+        return positions, out_loc, query_start
+
+    def _build_batch(self, plan: StepPlan, positions: np.ndarray, out_loc: np.ndarray,
+                     query_start: np.ndarray) -> ForwardBatch:
         dev = self.device
         return ForwardBatch(
             input_ids=torch.from_numpy(plan.input_ids.astype(np.int64)).to(dev),
             positions=torch.from_numpy(positions).to(dev),
             out_cache_loc=torch.from_numpy(out_loc).to(dev),
-            slots=slots, num_tokens=num_tokens, start_pos=start_pos, query_start=query_start,
+            slots=plan.slots.astype(np.int64), num_tokens=plan.num_tokens.astype(np.int64),
+            start_pos=plan.start_pos.astype(np.int64), query_start=query_start,
             kv_cache=self.kv_cache, backend=self.backend)

@@ -92,7 +92,10 @@ def launch(cfg: Any) -> int:
             context_length=context,
             seed=int(cfg.random_seed or 0),
             mem_fraction_static=cfg.mem_fraction_static,
-            attention_backend=cfg.attention_backend or "torch_native",
+            attention_backend=cfg.attention_backend or None,
+            disable_cuda_graph=bool(cfg.disable_cuda_graph),
+            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+            chunked_prefill_size=chunk,
             log_level=cfg.log_level or "info",
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
@@ -122,6 +125,7 @@ def launch(cfg: Any) -> int:
             "schedule_policy": cfg.schedule_policy or "fcfs",
             "disable_radix_cache": bool(cfg.disable_radix_cache),
             "log_requests": bool(cfg.log_requests),
+            "skip_server_warmup": bool(cfg.skip_server_warmup),
             "worker_pids": [p.pid for p in workers],
             "server_info": {
                 "device": capacities[0]["device"],

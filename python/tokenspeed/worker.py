@@ -32,7 +32,10 @@ class WorkerSpec:
     context_length: int
     seed: int
     mem_fraction_static: float | None
-    attention_backend: str
+    attention_backend: str | None  # None/"auto": triton on CUDA, torch_native on CPU
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    chunked_prefill_size: int | None = None  # largest prefill step: sizes the memory profile
     log_level: str = "info"
     recv_timeout_ms: int = 1000
 
@@ -69,11 +72,14 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             seed=spec.seed,
             mem_fraction_static=spec.mem_fraction_static,
             attention_backend=spec.attention_backend,
+            disable_cuda_graph=spec.disable_cuda_graph,
+            cuda_graph_max_bs=spec.cuda_graph_max_bs,
+            chunked_prefill_size=spec.chunked_prefill_size,
         )
         channel = WorkerChannel.attach(spec.channel_name, spec.rank)
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device)})
         ready.close()
-    except BaseException as e:  # report any start-up failure to the launcher, then exit
+    except BaseException as e:  # noqa: BLE001  (report any start-up failure, then exit)
         ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         ready.close()
         sys.exit(1)
@@ -82,7 +88,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
     while True:
         try:
             raw = channel.recv(spec.recv_timeout_ms)
-        except Exception as e:  # the server closed the channel: shut down
+        except Exception as e:  # noqa: BLE001  (the server closed the channel: shut down)
             logger.info("channel closed (%s); exiting", e)
             return
         if raw is None:

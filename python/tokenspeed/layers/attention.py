@@ -75,9 +75,39 @@ class Attention(nn.Module):
         return batch.backend.forward(q, k, v, self, batch)
 
 
-def create_backend(name: str, kv_cache: PagedKVCache) -> AttentionBackend:
+BACKENDS = ("torch_native", "triton", "flashinfer")
+
+
+def resolve_backend_name(name: str | None, device: torch.device) -> str:
+    """"auto"/None: triton on CUDA, torch_native elsewhere."""
+    if name in (None, "", "auto"):
+        return "triton" if device.type == "cuda" else "torch_native"
+    return name
+
+
+def check_backend(name: str) -> None:
+    """Fail early (before any weight is loaded) on a backend that cannot be built here."""
+    if name in ("torch_native", "triton"):
+        return
+    if name == "flashinfer":
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError as e:
+            raise ValueError("attention_backend 'flashinfer' needs the flashinfer package, which "
+                             "is not installed; use triton or torch_native") from e
+        raise ValueError("attention_backend 'flashinfer' is not implemented yet; use triton or "
+                         "torch_native")
+    raise ValueError(f"unknown attention_backend {name!r} (available: torch_native, triton)")
+
+
+def create_backend(name: str, kv_cache: PagedKVCache, *, max_context_len: int | None = None,
+                   sliding_window: int | None = None) -> AttentionBackend:
+    check_backend(name)
     if name == "torch_native":
         from tokenspeed.layers.torch_native_attention import TorchNativeBackend
 
         return TorchNativeBackend(kv_cache)
-    raise ValueError(f"unknown attention_backend {name!r} (available: torch_native)")
+    from tokenspeed.layers.triton_attention import TritonBackend
+
+    return TritonBackend(kv_cache, max_context_len or kv_cache.max_pages_per_slot * kv_cache.page_size,
+                         sliding_window)

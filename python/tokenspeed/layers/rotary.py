@@ -48,14 +48,29 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.head_dim = head_dim
+        self._cos_sin: torch.Tensor | None = None  # [max_positions, D] cos | sin halves (CUDA)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
+    def cos_sin_cache(self) -> torch.Tensor:
+        """The same frequencies in the layout of tokenspeed_kernels.rotary_embedding."""
+        if self._cos_sin is None or self._cos_sin.device != self.cos.device:
+            half = self.head_dim // 2
+            self._cos_sin = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1).contiguous()
+        return self._cos_sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On CUDA q and k are rotated in place (they may be views into a fused qkv tensor)."""
+        if q.is_cuda:
+            from tokenspeed_kernels import rotary_embedding
+
+            rotary_embedding(positions, q, k, self.cos_sin_cache(), self.head_dim, is_neox=True)
+            return q, k
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return (q * cos + self._rotate_half(q) * sin,

@@ -1,0 +1,96 @@
+"""triton attention backend: tokenspeed_kernels' paged kernels (decode split-K, extend over prefix).
+
+Pure-decode steps run `paged_decode_attention`; steps with any multi-token request (prefill
+chunks, mixed prefill + decode) run `paged_extend_attention` over every request, a decode being
+an extend of one token. The metadata is a few small device tensors plus Python ints, so a decode
+step can be captured in a CUDA graph: the graph runner builds `TritonMetadata` over its static
+buffers and the kernels never read sizes back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenspeed.kv_cache import PagedKVCache
+from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
+
+
+@dataclass
+class TritonMetadata:
+    page_table: torch.Tensor  # [B, W] int32: request i's page-table row (W pages cover its context)
+    seq_lens: torch.Tensor  # [B] int32: tokens in the cache after this step's writes
+    decode: bool  # one new token per request: split-K decode kernel
+    num_splits: int = 1  # decode: fixed split count (graph-safe)
+    q_start_loc: torch.Tensor | None = None  # extend: [B + 1] int32 cumulative new tokens
+    prefix_lens: torch.Tensor | None = None  # extend: [B] int32 cached tokens before the new ones
+    max_new_tokens: int = 1  # extend: bounds the grid without a host sync
+
+
+class TritonBackend(AttentionBackend):
+    """Fast path on CUDA; also runs on the CPU under TRITON_INTERPRET=1 (tests)."""
+
+    name = "triton"
+
+    def __init__(self, kv_cache: PagedKVCache, max_context_len: int,
+                 sliding_window: int | None = None) -> None:
+        import tokenspeed_kernels  # noqa: F401  (fail at start-up, not at the first step)
+
+        self.kv_cache = kv_cache
+        self.max_context_len = max_context_len
+        self.num_kv_heads = int(kv_cache.k[0].shape[2]) if kv_cache.k else 1
+        self.sliding_window = sliding_window
+
+    def decode_num_splits(self, batch_size: int) -> int:
+        """Splits of the decode kernel for a batch: sized for the longest context the runner
+        admits, so the eager path and every captured graph use the same split (and numerics)."""
+        from tokenspeed_kernels import default_num_splits
+
+        return default_num_splits(batch_size, self.num_kv_heads, self.max_context_len)
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        seq_lens = batch.seq_lens.astype(np.int64)
+        bsz = len(seq_lens)
+        max_seq = int(seq_lens.max()) if bsz else 0
+        if self.sliding_window is not None and max_seq > self.sliding_window:
+            raise NotImplementedError(
+                f"the triton attention backend has no sliding-window attention (window "
+                f"{self.sliding_window}, context {max_seq}); use --attention-backend torch_native")
+        page_size = self.kv_cache.page_size
+        cols = max(1, -(-max_seq // page_size))
+        rows = self.kv_cache.page_table_host[batch.slots.astype(np.int64), :cols]
+        device = batch.input_ids.device
+        page_table = torch.from_numpy(np.ascontiguousarray(rows)).to(device)
+        decode = bool(bsz) and bool((batch.num_tokens == 1).all())
+        if decode:
+            batch.metadata = TritonMetadata(
+                page_table=page_table,
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+                decode=True, num_splits=self.decode_num_splits(bsz))
+            return
+        # One host → device copy for the three small index arrays.
+        packed = np.concatenate([seq_lens, batch.query_start, batch.start_pos]).astype(np.int32)
+        dev = torch.from_numpy(packed).to(device)
+        batch.metadata = TritonMetadata(
+            page_table=page_table, seq_lens=dev[:bsz], decode=False,
+            q_start_loc=dev[bsz:2 * bsz + 1], prefix_lens=dev[2 * bsz + 1:],
+            max_new_tokens=int(batch.num_tokens.max()))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                batch: ForwardBatch) -> torch.Tensor:
+        from tokenspeed_kernels import paged_decode_attention, paged_extend_attention, write_kv_to_pages
+
+        k_cache, v_cache = self.kv_cache.k[layer.layer_id], self.kv_cache.v[layer.layer_id]
+        write_kv_to_pages(k, v, k_cache, v_cache, batch.out_cache_loc)
+        m: TritonMetadata = batch.metadata
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if m.decode:
+            paged_decode_attention(q, k_cache, v_cache, m.page_table, m.seq_lens, layer.scaling,
+                                   out=out, num_splits=m.num_splits)
+        else:
+            paged_extend_attention(q, k_cache, v_cache, m.page_table, m.q_start_loc,
+                                   m.prefix_lens, m.seq_lens, layer.scaling, out=out,
+                                   max_new_tokens=m.max_new_tokens)
+        return out.flatten(1)
