@@ -56,6 +56,9 @@ struct Active {
     cached_len: u32,
     /// Scheduled in a plan whose result has not come back: not scheduled again until it does.
     in_flight: bool,
+    /// Page-table entries 0.. to rewrite in the slot's next plan: set when caching the prompt
+    /// found another request's identical pages already in the tree and ours were freed.
+    pending_table: Option<Vec<u32>>,
 }
 
 impl Active {
@@ -390,6 +393,9 @@ impl Scheduler {
         }) else {
             return;
         };
+        if let Some(table) = a.pending_table.take() {
+            step.add_pages(a.slot, 0, &table);
+        }
         step.add_pages(a.slot, a.num_pages(), new_pages.ids());
         a.own.append(new_pages);
         let sample = a.computed + n == tokens.len();
@@ -455,6 +461,7 @@ impl Scheduler {
                 computed: m.len,
                 cached_len: m.len as u32,
                 in_flight: false,
+                pending_table: None,
             });
             self.waiting.retain(|&w| w != id);
             self.running.push(id);
@@ -537,7 +544,9 @@ impl Scheduler {
             if let Phase::Prefilling(a) = std::mem::replace(&mut seq.phase, Phase::Waiting) {
                 seq.phase = Phase::Decoding(a);
             }
+            self.cache_prompt(e.id);
         }
+        let seq = self.requests.get_mut(&e.id)?;
         let completion = seq.completion_tokens();
         let req = &seq.req;
         let finished = if !req.ignore_eos
@@ -564,6 +573,51 @@ impl Scheduler {
             self.finish(e.id);
         }
         Some(out)
+    }
+
+    /// Puts a request's freshly prefilled full pages into the radix tree while it keeps decoding,
+    /// so requests arriving meanwhile with the same prefix (a shared system prompt) hit the cache
+    /// without waiting for this one to finish. The request then holds them through a lock.
+    fn cache_prompt(&mut self, id: u64) {
+        if !self.config.enable_radix_cache {
+            return;
+        }
+        let ps = self.config.page_size as usize;
+        let Some(seq) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let Some(a) = (match &mut seq.phase {
+            Phase::Prefilling(a) | Phase::Decoding(a) => Some(a),
+            _ => None,
+        }) else {
+            return;
+        };
+        let full = a.computed / ps;
+        let cached = a.prefix_pages.len();
+        if full <= cached || a.own.len() < full - cached {
+            return;
+        }
+        let rest = a.own.split_off(full - cached);
+        let to_tree = std::mem::replace(&mut a.own, rest);
+        let ours = to_tree.ids().to_vec();
+        let tokens = &seq.tokens[..full * ps];
+        self.cache.insert(tokens, to_tree);
+        let m = self.cache.match_prefix(tokens);
+        debug_assert_eq!(
+            m.len,
+            full * ps,
+            "a just-inserted prefix must match in full"
+        );
+        self.cache.lock(m.node);
+        self.cache.unlock(a.prefix_node);
+        let held: Vec<u32> = a.prefix_pages.iter().chain(&ours).copied().collect();
+        if m.pages != held {
+            // Another request cached the same tokens first: ours were freed as duplicates,
+            // so the slot must read the tree's pages from its next step on.
+            a.pending_table = Some(m.pages.clone());
+        }
+        a.prefix_node = m.node;
+        a.prefix_pages = m.pages;
     }
 
     fn finish(&mut self, id: u64) {

@@ -474,3 +474,49 @@ fn a_follow_up_turn_reuses_the_previous_prompt_and_output() {
     assert_eq!(h.tokens(2), reference(&turn2, 3));
     h.assert_no_leak();
 }
+
+#[test]
+fn a_prompt_is_cached_once_prefilled_while_its_request_still_decodes() {
+    let mut h = Harness::new(config(64, 4));
+    let shared = prompt(7, 16);
+    h.submit(request(1, [shared.clone(), vec![1]].concat(), 50));
+    h.step(); // prefill of request 1; it now decodes for a long while
+    h.step();
+    let second = [shared.clone(), vec![2, 3]].concat();
+    h.submit(request(2, second.clone(), 3));
+    for _ in 0..6 {
+        h.step();
+    }
+    assert_eq!(
+        h.last_output(2).cached_tokens,
+        16,
+        "the shared prefix came from the still-running request"
+    );
+    assert_eq!(
+        h.tokens(2),
+        reference(&second, 3),
+        "the shared KV is the right KV"
+    );
+    h.run(100);
+    assert_eq!(
+        h.tokens(1),
+        reference(&[shared, vec![1]].concat(), 50),
+        "the first request is unharmed by sharing its pages"
+    );
+    h.assert_no_leak();
+}
+
+#[test]
+fn duplicate_prompts_prefilled_together_converge_on_one_cached_copy() {
+    // Both prefill in the same step (no hit possible); the second to be cached finds the
+    // first's pages in the tree, frees its own, and must read the tree's from then on.
+    let mut h = Harness::new(config(64, 4));
+    let p = prompt(9, 12);
+    h.submit(request(1, [p.clone(), vec![1]].concat(), 20));
+    h.submit(request(2, [p.clone(), vec![1]].concat(), 20));
+    h.run(100);
+    let expected = reference(&[p, vec![1]].concat(), 20);
+    assert_eq!(h.tokens(1), expected);
+    assert_eq!(h.tokens(2), expected);
+    h.assert_no_leak();
+}
