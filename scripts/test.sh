@@ -12,6 +12,6 @@ cargo clippy --workspace --all-targets -q -- -D warnings
 cargo test --workspace -q
 
 echo "== python: ruff, pytest =="
-"$PY" -m ruff check python tests kernels
+"$PY" -m ruff check python tests kernels benches conftest.py
 # Tests import the installed package (pip install .), not the source tree.
 "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -4,12 +4,14 @@ CPU, the real SmolLM2-135M-Instruct) driven by the official `openai` client."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+
 from conftest import Server
 
 QUESTION = "What is the capital of France?"
@@ -101,13 +103,16 @@ def test_sixteen_concurrent_requests_are_batched(server: Server, client: openai.
     assert all(len(t) > 0 for t in together)
 
 
-def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
+def test_repeated_prompt_reports_cached_tokens(server: Server, client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "You are a helpful assistant who answers briefly. " * 4},
                 {"role": "user", "content": QUESTION}]
     first = client.chat.completions.create(model=model_name(client), messages=messages, temperature=0, max_tokens=8)
     second = client.chat.completions.create(model=model_name(client), messages=messages, temperature=0, max_tokens=8)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens // 2, (cached, first.usage.prompt_tokens)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    counted = re.search(r"^tokenspeed_cached_prompt_tokens_total (\S+)$", metrics, re.MULTILINE)
+    assert counted and float(counted.group(1)) >= cached, "the cache hit is counted in /metrics"
     assert second.choices[0].message.content == first.choices[0].message.content
 
 

@@ -88,7 +88,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
     while True:
         try:
             raw = channel.recv(spec.recv_timeout_ms)
-        except Exception as e:  # noqa: BLE001  (the server closed the channel: shut down)
+        except ConnectionError as e:  # ChannelShutdown: the server closed the channel
             logger.info("channel closed (%s); exiting", e)
             return
         if raw is None:

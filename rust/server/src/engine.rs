@@ -438,6 +438,9 @@ impl EngineLoop {
             self.metrics
                 .ttft
                 .observe(live.submitted.elapsed().as_secs_f64());
+            self.metrics
+                .cached_prompt_tokens
+                .inc_by(u64::from(out.cached_tokens));
         }
         let finished = out.finished.is_some();
         let event = EngineEvent::Token(TokenEvent {
