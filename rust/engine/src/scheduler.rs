@@ -26,6 +26,17 @@ pub use request::{
 /// per waiting request per step (SGLang makes the same trade).
 const LPM_MAX_WAITING: usize = 128;
 
+/// Admission keeps pages back for the tokens running requests are still expected to generate:
+/// `min(remaining, RESERVE_CLIP) * ratio` each. The ratio starts cautious, decays toward
+/// `RESERVE_RATIO_MIN` while nothing is retracted (requests often stop early) and jumps back up
+/// on a retraction. Without it, admitting on free pages alone filled the pool with prompts and
+/// then thrashed (retract, recompute) once they all decoded.
+const RESERVE_CLIP: usize = 4096;
+const RESERVE_RATIO_INIT: f64 = 0.7;
+const RESERVE_RATIO_MIN: f64 = 0.1;
+const RESERVE_RATIO_DECAY: f64 = (RESERVE_RATIO_INIT - RESERVE_RATIO_MIN) / 600.0;
+const RESERVE_RATIO_BUMP: f64 = 0.2;
+
 /// Where a request is in its life. Resources live in the variants that need them, so a state
 /// change moves or drops them and no state can hold pages it should not.
 enum Phase {
@@ -135,6 +146,8 @@ pub struct Scheduler {
     /// Slots released since the last plan.
     released_slots: Vec<u32>,
     next_step: u64,
+    /// Share of running requests' remaining tokens that admission keeps pages back for.
+    reserve_ratio: f64,
     in_flight: VecDeque<(u64, Vec<Expected>)>,
 }
 
@@ -157,6 +170,7 @@ impl Scheduler {
             running: Vec::new(),
             released_slots: Vec::new(),
             next_step: 0,
+            reserve_ratio: RESERVE_RATIO_INIT,
             in_flight: VecDeque::new(),
         })
     }
@@ -279,7 +293,10 @@ impl Scheduler {
         }
 
         // Readmitting what was just retracted would only thrash; wait for a step with room.
-        if !retracted {
+        if retracted {
+            self.reserve_ratio = (self.reserve_ratio + RESERVE_RATIO_BUMP).min(1.0);
+        } else {
+            self.reserve_ratio = (self.reserve_ratio - RESERVE_RATIO_DECAY).max(RESERVE_RATIO_MIN);
             self.admit(&mut budget, &mut step);
         }
 
@@ -418,9 +435,32 @@ impl Scheduler {
         a.in_flight = true;
     }
 
+    /// Tokens a request is still expected to generate, as admission budgets them.
+    fn expected_growth(&self, seq: &Sequence) -> usize {
+        let remaining = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens());
+        (remaining.min(RESERVE_CLIP) as f64 * self.reserve_ratio).ceil() as usize
+    }
+
+    /// Pages kept back for the running requests: the rest of their prompts and their
+    /// expected growth.
+    fn reserved_pages(&self) -> usize {
+        let ps = self.config.page_size as usize;
+        let tokens: usize = self
+            .running
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .map(|seq| {
+                let unprefilled = seq.active().map_or(0, |a| seq.tokens.len() - a.computed);
+                unprefilled + self.expected_growth(seq)
+            })
+            .sum();
+        tokens.div_ceil(ps)
+    }
+
     /// Admits waiting requests in policy order while slots, budget and pages last.
     fn admit(&mut self, budget: &mut usize, step: &mut StepBuilder) {
         let ps = self.config.page_size as usize;
+        let mut reserved = self.reserved_pages();
         for id in self.admission_order() {
             if *budget == 0 || self.free_slots.is_empty() {
                 break;
@@ -432,6 +472,14 @@ impl Scheduler {
             let m = self.cache.match_prefix(&seq.tokens[..seq.tokens.len() - 1]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
+            let growth = self.expected_growth(seq);
+            let uncached = seq.tokens.len() - m.len;
+            let whole = (uncached + growth).div_ceil(ps);
+            // An idle engine always admits (the request fits the pool: `submit` checked).
+            if !self.running.is_empty() && spare < reserved + whole {
+                self.cache.unlock(m.node);
+                break;
+            }
             let n = (seq.tokens.len() - m.len).min(*budget).min(spare * ps);
             if n == 0 {
                 // Head-of-line blocking is deliberate: skipping ahead would starve long prompts.
@@ -467,6 +515,7 @@ impl Scheduler {
             self.running.push(id);
             self.schedule_chunk(id, n, step);
             *budget -= n;
+            reserved += (uncached - n + growth).div_ceil(ps);
         }
     }
 

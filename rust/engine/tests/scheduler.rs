@@ -520,3 +520,26 @@ fn duplicate_prompts_prefilled_together_converge_on_one_cached_copy() {
     assert_eq!(h.tokens(2), expected);
     h.assert_no_leak();
 }
+
+#[test]
+fn admission_keeps_pages_back_for_what_running_requests_will_generate() {
+    // 32 pages of 4 tokens. A decodes for up to 100 tokens; B's prompt would fit in the free
+    // pages now, but together they would run out mid-decode and thrash, so B waits.
+    let mut h = Harness::new(config(32, 4));
+    h.submit(request(1, prompt(1, 8), 100));
+    h.step();
+    h.submit(request(2, prompt(2, 20), 80));
+    for _ in 0..5 {
+        h.step();
+    }
+    assert!(
+        h.plans
+            .iter()
+            .all(|p| p.new_requests.len() <= 1 && p.scheduled.len() == 1),
+        "the second request is held back while the first decodes"
+    );
+    h.run(1_000);
+    assert_eq!(h.tokens(1), reference(&prompt(1, 8), 100));
+    assert_eq!(h.tokens(2), reference(&prompt(2, 20), 80));
+    h.assert_no_leak();
+}
