@@ -27,14 +27,15 @@ pub use request::{
 const LPM_MAX_WAITING: usize = 128;
 
 /// Admission keeps pages back for the tokens running requests are still expected to generate:
-/// `min(remaining, RESERVE_CLIP) * ratio` each. The ratio starts cautious, decays toward
-/// `RESERVE_RATIO_MIN` while nothing is retracted (requests often stop early) and jumps back up
-/// on a retraction. Without it, admitting on free pages alone filled the pool with prompts and
-/// then thrashed (retract, recompute) once they all decoded.
+/// `min(remaining, RESERVE_CLIP) * ratio` each, where the ratio tracks (moving average) what
+/// share of `max_new_tokens` finished requests actually used, and rises on a retraction.
+/// Without it, admitting on free pages alone filled the pool with prompts and then thrashed
+/// (retract, recompute) once they all decoded.
 const RESERVE_CLIP: usize = 4096;
 const RESERVE_RATIO_INIT: f64 = 0.7;
 const RESERVE_RATIO_MIN: f64 = 0.1;
-const RESERVE_RATIO_DECAY: f64 = (RESERVE_RATIO_INIT - RESERVE_RATIO_MIN) / 600.0;
+/// Weight of one finished request in the moving average.
+const RESERVE_RATIO_EMA: f64 = 0.1;
 const RESERVE_RATIO_BUMP: f64 = 0.2;
 
 /// Where a request is in its life. Resources live in the variants that need them, so a state
@@ -296,7 +297,6 @@ impl Scheduler {
         if retracted {
             self.reserve_ratio = (self.reserve_ratio + RESERVE_RATIO_BUMP).min(1.0);
         } else {
-            self.reserve_ratio = (self.reserve_ratio - RESERVE_RATIO_DECAY).max(RESERVE_RATIO_MIN);
             self.admit(&mut budget, &mut step);
         }
 
@@ -619,6 +619,10 @@ impl Scheduler {
             completion_tokens: completion as u32,
         };
         if finished.is_some() {
+            let used = completion as f64 / f64::from(req.max_new_tokens.max(1));
+            self.reserve_ratio = ((1.0 - RESERVE_RATIO_EMA) * self.reserve_ratio
+                + RESERVE_RATIO_EMA * used)
+                .clamp(RESERVE_RATIO_MIN, 1.0);
             self.finish(e.id);
         }
         Some(out)
