@@ -85,8 +85,9 @@ TINY_CONFIGS: dict[str, PretrainedConfig] = {
                                               max_window_layers=1),
     "qwen3_qk_norm_head_dim": Qwen3Config(**_BASE, head_dim=32),
 }
-TINY_PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([3, 17, 33, 40])]
-TINY_NEW_TOKENS = 12
+TINY_PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)]
+                for i, n in enumerate([3, 17, 33, 40, 1, 9, 26, 64])]
+TINY_NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
