@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
+
 from tokenspeed.bench import main as bench_main
 from tokenspeed.bench.client import StreamParser, build_payload, iter_sse_data
 from tokenspeed.bench.datasets import (

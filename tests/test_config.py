@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+
 from tokenspeed.config import (
     BY_DEST,
     FLAGS,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tokenspeed.config import (
     BY_SPELLING,
     FLAGS,

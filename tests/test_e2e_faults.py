@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import Server, start_server, stop_server
 
 

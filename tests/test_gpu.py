@@ -298,8 +298,9 @@ def test_real_smollm2_answers_paris() -> None:
     path = Path(assets, "smollm2")
     if not assets or not (path / "config.json").exists():
         pytest.skip("TOKENSPEED_TEST_ASSETS/smollm2 not present")
-    from tokenspeed.model_runner import ModelRunner
     from transformers import AutoTokenizer
+
+    from tokenspeed.model_runner import ModelRunner
 
     tok = AutoTokenizer.from_pretrained(str(path))
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

@@ -7,10 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
 from tokenspeed.plan import StepPlan
-from transformers import LlamaConfig, LlamaForCausalLM
 
 U32 = np.uint32
 

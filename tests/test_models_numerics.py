@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenspeed.layers.rotary import rope_inv_freq
-from tokenspeed.model_runner import ModelRunner
-from tokenspeed.models.offline import OfflineScheduler
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -19,6 +16,10 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from tokenspeed.layers.rotary import rope_inv_freq
+from tokenspeed.model_runner import ModelRunner
+from tokenspeed.models.offline import OfflineScheduler
 
 LOGIT_ATOL = 1e-3  # max |ours - HF| over every sampled step, fp32
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
 from tokenspeed.weights import gguf_to_hf_name, resolve_load_format, unpermute_llama_qk
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 LOGIT_ATOL = 1e-3
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tokenspeed.sampler import Sampler
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])

@@ -19,10 +19,11 @@ if not torch.cuda.is_available():
 
 import numpy as np
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
 from tokenspeed.plan import StepPlan
-from transformers import LlamaConfig, LlamaForCausalLM
 
 U32 = np.uint32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

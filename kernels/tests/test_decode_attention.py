@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import TOL, make_paged_cache, rel_err
 from tokenspeed_kernels import paged_decode_attention
 from tokenspeed_kernels.reference import ref_paged_decode_attention

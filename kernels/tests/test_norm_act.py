@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import TOL, rel_err
 from tokenspeed_kernels import fused_add_rmsnorm, rmsnorm, silu_and_mul
 from tokenspeed_kernels.reference import ref_fused_add_rmsnorm, ref_rmsnorm, ref_silu_and_mul

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from helpers import TOL, rel_err
 from tokenspeed_kernels import build_cos_sin_cache, rotary_embedding, write_kv_to_pages
 from tokenspeed_kernels.reference import ref_rotary_embedding, ref_write_kv_to_pages

@@ -104,37 +104,24 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
             .unwrap_or(false);
         let first = first_chunk(&mut gen).await?;
         let tokenizer = state.tokenizer.clone();
-        let stream = async_stream::stream! {
-            let created = unix_now();
-            let mut pending = Some(Ok(first));
-            let mut usage = TokenUsage::default();
-            loop {
-                let item = match pending.take() { Some(c) => Some(c), None => gen.next().await };
-                let Some(item) = item else { break };
-                match item {
-                    Ok(chunk) => {
-                        usage = chunk.usage;
-                        if chunk.text.is_empty() && chunk.finish.is_none() { continue; }
-                        let logprobs = want_logprobs.then(|| completion_logprobs(&tokenizer, &chunk.logprobs));
-                        yield Ok::<_, Infallible>(Event::default().data(json!({
-                            "id": id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": 0, "text": chunk.text, "logprobs": logprobs,
-                                         "finish_reason": chunk.finish.as_ref().map(|f| f.reason),
-                                         "matched_stop": chunk.finish.as_ref().and_then(|f| f.matched.clone())}],
-                        }).to_string()));
-                    }
-                    Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
-                }
+        let head =
+            json!({"id": id, "object": "text_completion", "created": unix_now(), "model": model});
+        let frame = {
+            let head = head.clone();
+            move |c: &Chunk| {
+                let logprobs = want_logprobs.then(|| completion_logprobs(&tokenizer, &c.logprobs));
+                merged(
+                    &head,
+                    json!({"choices": [{"index": 0, "text": c.text, "logprobs": logprobs,
+                    "finish_reason": c.finish.as_ref().map(|f| f.reason),
+                    "matched_stop": c.finish.as_ref().and_then(|f| f.matched.clone())}]}),
+                )
             }
-            if include_usage {
-                yield Ok(Event::default().data(json!({
-                    "id": id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [], "usage": usage_json(&usage),
-                }).to_string()));
-            }
-            yield Ok(Event::default().data("[DONE]"));
         };
-        return Ok(Sse::new(stream).into_response());
+        let usage = include_usage.then_some(move |u: &TokenUsage| {
+            merged(&head, json!({"choices": [], "usage": usage_json(u)}))
+        });
+        return Ok(sse_response(gen, first, None, frame, usage));
     }
     let all = gen.collect().await?;
     let logprobs = want_logprobs.then(|| completion_logprobs(&state.tokenizer, &all.logprobs));
@@ -207,38 +194,32 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
             .unwrap_or(false);
         let first = first_chunk(&mut gen).await?;
         let tokenizer = state.tokenizer.clone();
-        let stream = async_stream::stream! {
-            let created = unix_now();
-            let frame = |delta: Value, logprobs: Option<Value>, finish: Option<&'static str>| json!({
-                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-            }).to_string();
-            yield Ok::<_, Infallible>(Event::default().data(frame(json!({"role": "assistant", "content": ""}), None, None)));
-            let mut pending = Some(Ok(first));
-            let mut usage = TokenUsage::default();
-            loop {
-                let item = match pending.take() { Some(c) => Some(c), None => gen.next().await };
-                let Some(item) = item else { break };
-                match item {
-                    Ok(chunk) => {
-                        usage = chunk.usage;
-                        if chunk.text.is_empty() && chunk.finish.is_none() { continue; }
-                        let logprobs = want_logprobs.then(|| chat_logprobs(&tokenizer, &chunk.logprobs));
-                        let delta = if chunk.text.is_empty() { json!({}) } else { json!({"content": chunk.text}) };
-                        yield Ok(Event::default().data(frame(delta, logprobs, chunk.finish.as_ref().map(|f| f.reason))));
-                    }
-                    Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
-                }
+        let head = json!({"id": id, "object": "chat.completion.chunk", "created": unix_now(), "model": model});
+        let role = merged(
+            &head,
+            json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            "logprobs": null, "finish_reason": null}]}),
+        );
+        let frame = {
+            let head = head.clone();
+            move |c: &Chunk| {
+                let logprobs = want_logprobs.then(|| chat_logprobs(&tokenizer, &c.logprobs));
+                let delta = if c.text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": c.text})
+                };
+                merged(
+                    &head,
+                    json!({"choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": c.finish.as_ref().map(|f| f.reason)}]}),
+                )
             }
-            if include_usage {
-                yield Ok(Event::default().data(json!({
-                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [], "usage": usage_json(&usage),
-                }).to_string()));
-            }
-            yield Ok(Event::default().data("[DONE]"));
         };
-        return Ok(Sse::new(stream).into_response());
+        let usage = include_usage.then_some(move |u: &TokenUsage| {
+            merged(&head, json!({"choices": [], "usage": usage_json(u)}))
+        });
+        return Ok(sse_response(gen, first, Some(role), frame, usage));
     }
     let all = gen.collect().await?;
     let logprobs = want_logprobs.then(|| chat_logprobs(&state.tokenizer, &all.logprobs));
@@ -249,6 +230,55 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                      "matched_stop": all.finish.as_ref().and_then(|f| f.matched.clone())}],
         "usage": usage_json(&all.usage),
     })))
+}
+
+/// `head` with the fields of `extra` added (both JSON objects).
+fn merged(head: &Value, extra: Value) -> Value {
+    let mut out = head.clone();
+    if let (Value::Object(o), Value::Object(e)) = (&mut out, extra) {
+        o.extend(e);
+    }
+    out
+}
+
+/// Streams a generation as OpenAI server-sent events: an optional first event, one event per
+/// chunk with text or a finish (`frame`), an error event if the request fails midway, the
+/// usage event when asked for, then `[DONE]`.
+fn sse_response<F, U>(
+    mut gen: Generation,
+    first: Chunk,
+    preamble: Option<Value>,
+    frame: F,
+    usage: Option<U>,
+) -> Response
+where
+    F: Fn(&Chunk) -> Value + Send + 'static,
+    U: Fn(&TokenUsage) -> Value + Send + 'static,
+{
+    let stream = async_stream::stream! {
+        if let Some(p) = preamble {
+            yield Ok::<_, Infallible>(Event::default().data(p.to_string()));
+        }
+        let mut pending = Some(Ok(first));
+        let mut last_usage = TokenUsage::default();
+        loop {
+            let item = match pending.take() { Some(c) => Some(c), None => gen.next().await };
+            let Some(item) = item else { break };
+            match item {
+                Ok(chunk) => {
+                    last_usage = chunk.usage;
+                    if chunk.text.is_empty() && chunk.finish.is_none() { continue; }
+                    yield Ok(Event::default().data(frame(&chunk).to_string()));
+                }
+                Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
+            }
+        }
+        if let Some(usage) = &usage {
+            yield Ok(Event::default().data(usage(&last_usage).to_string()));
+        }
+        yield Ok(Event::default().data("[DONE]"));
+    };
+    Sse::new(stream).into_response()
 }
 
 /// Waits for the first chunk so that a request the engine rejects gets a proper HTTP status
