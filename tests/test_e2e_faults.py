@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from conftest import Server, start_server, stop_server
+from server_harness import Server, start_server, stop_server
 
 
 @pytest.fixture()

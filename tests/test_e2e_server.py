@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import Server
+from server_harness import Server
 
 QUESTION = "What is the capital of France?"
 
