@@ -133,11 +133,12 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
             "request"
         );
     }
+    let detok = IncrementalDetokenizer::with_prompt(spec.skip_special_tokens, &prompt_ids);
     Ok(Generation {
         prompt_ids,
         tokenizer: state.tokenizer.clone(),
         events,
-        detok: IncrementalDetokenizer::new(spec.skip_special_tokens),
+        detok,
         stops: StopMatcher::new(spec.stop),
         guard: AbortGuard {
             engine: state.engine.clone(),

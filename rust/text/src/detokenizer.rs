@@ -14,24 +14,40 @@ const REPLACEMENT: char = '\u{FFFD}';
 #[derive(Debug, Clone)]
 pub struct IncrementalDetokenizer {
     skip_special_tokens: bool,
+    /// The last few prompt tokens, then every pushed token.
     ids: Vec<u32>,
+    /// How many of `ids` are prompt context (never emitted).
+    context_len: usize,
     prefix_offset: usize,
     read_offset: usize,
 }
 
+/// Prompt tokens kept as decoding context: enough for any merge or space rule to see the word
+/// the output continues (vLLM keeps 5).
+const CONTEXT_TOKENS: usize = 6;
+
 impl IncrementalDetokenizer {
     pub fn new(skip_special_tokens: bool) -> Self {
+        Self::with_prompt(skip_special_tokens, &[])
+    }
+
+    /// A decoder for the continuation of `prompt`: its last tokens are decoding context, so a
+    /// sentencepiece tokenizer keeps the space that starts the first generated word (decoded
+    /// alone, a leading "▁word" loses it).
+    pub fn with_prompt(skip_special_tokens: bool, prompt: &[u32]) -> Self {
+        let context = &prompt[prompt.len().saturating_sub(CONTEXT_TOKENS)..];
         Self {
             skip_special_tokens,
-            ids: Vec::new(),
+            ids: context.to_vec(),
+            context_len: context.len(),
             prefix_offset: 0,
-            read_offset: 0,
+            read_offset: context.len(),
         }
     }
 
-    /// All token ids pushed so far.
+    /// All token ids pushed so far (the prompt context excluded).
     pub fn ids(&self) -> &[u32] {
-        &self.ids
+        &self.ids[self.context_len..]
     }
 
     /// Adds one generated token; returns the text it completes (possibly empty).

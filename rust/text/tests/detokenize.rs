@@ -113,6 +113,34 @@ fn finish_flushes_an_unfinished_character() {
     assert!(deltas[3].contains('\u{FFFD}'));
 }
 
+#[test]
+fn prompt_context_keeps_the_space_before_the_first_generated_word() {
+    for (name, tok) in all_tokenizers() {
+        let prompt = tok
+            .encode("The capital of France is", false)
+            .expect("encode");
+        let full = tok
+            .encode("The capital of France is Paris, of course.", false)
+            .expect("encode");
+        assert_eq!(
+            full[..prompt.len()],
+            prompt[..],
+            "{name}: the prompt tokenizes the same alone"
+        );
+        let mut detok = tokenspeed_text::IncrementalDetokenizer::with_prompt(true, &prompt);
+        let mut text = String::new();
+        for &id in &full[prompt.len()..] {
+            text.push_str(&detok.push(tok, id).expect("push"));
+        }
+        text.push_str(&detok.finish(tok).expect("finish"));
+        let expected = tok.decode(&full, true).expect("decode");
+        let prompt_text = tok.decode(&prompt, true).expect("decode");
+        assert_eq!(text, expected[prompt_text.len()..], "{name}");
+        assert!(text.starts_with(" Paris"), "{name}: {text:?}");
+        assert_eq!(detok.ids(), &full[prompt.len()..]);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
