@@ -438,7 +438,13 @@ impl Scheduler {
     /// Tokens a request is still expected to generate, as admission budgets them.
     fn expected_growth(&self, seq: &Sequence) -> usize {
         let remaining = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens());
-        (remaining.min(RESERVE_CLIP) as f64 * self.reserve_ratio).ceil() as usize
+        // A request that ignores EOS runs to max_new_tokens (barring an abort): no guessing.
+        let ratio = if seq.req.ignore_eos {
+            1.0
+        } else {
+            self.reserve_ratio
+        };
+        (remaining.min(RESERVE_CLIP) as f64 * ratio).ceil() as usize
     }
 
     /// Pages kept back for the running requests: the rest of their prompts and their

@@ -543,3 +543,26 @@ fn admission_keeps_pages_back_for_what_running_requests_will_generate() {
     assert_eq!(h.tokens(2), reference(&prompt(2, 20), 80));
     h.assert_no_leak();
 }
+
+#[test]
+fn requests_that_ignore_eos_are_admitted_with_room_to_finish() {
+    // 10 requests of 8 + 32 tokens (10 pages each) share 64 pages. They run to max_new_tokens,
+    // so admission reserves all of it: nobody is retracted, every slot is released once.
+    let mut h = Harness::new(config(64, 4));
+    let reqs: Vec<Request> = (0..10)
+        .map(|id| Request {
+            ignore_eos: true,
+            ..request(id, prompt(id as u32, 8), 32)
+        })
+        .collect();
+    for r in &reqs {
+        h.submit(r.clone());
+    }
+    h.run(2_000);
+    let released: usize = h.plans.iter().map(|p| p.finished_slots.len()).sum();
+    assert_eq!(released, reqs.len(), "no request was retracted");
+    for r in &reqs {
+        assert_eq!(h.tokens(r.id), reference(&r.prompt, 32));
+    }
+    h.assert_no_leak();
+}
