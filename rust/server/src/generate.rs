@@ -90,6 +90,35 @@ pub struct Generation {
     finished: bool,
 }
 
+/// Generates one greedy token for `prompt` and waits for it: the probe behind the warm-up and
+/// `/health_generate`, proving the whole path (tokenizer, scheduler, shm, worker) works.
+pub async fn probe(
+    state: &AppState,
+    prompt: Prompt,
+    timeout: std::time::Duration,
+) -> Result<(), ApiError> {
+    let spec = GenerationSpec {
+        prompt,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        max_new_tokens: Some(1),
+        stop: vec![],
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        skip_special_tokens: true,
+    };
+    let run = async { start(state, spec).await?.collect().await };
+    match tokio::time::timeout(timeout, run).await {
+        Ok(result) => result.map(|_| ()),
+        Err(_) => Err(ApiError::unavailable(format!(
+            "a one-token generation did not finish within {}s",
+            timeout.as_secs()
+        ))),
+    }
+}
+
 /// Tokenizes and validates, then hands the request to the engine.
 pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation, ApiError> {
     let prompt_ids = tokenize_prompt(state, spec.prompt.clone()).await?;

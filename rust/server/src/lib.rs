@@ -133,31 +133,16 @@ pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), Serv
 /// Generates one token through the whole path (tokenizer, scheduler, shm, worker) before the
 /// port opens, so the first user request pays no start-up cost and a broken worker is caught.
 async fn warm_up(state: &http::AppState) -> Result<(), ServeError> {
-    let spec = generate::GenerationSpec {
-        prompt: generate::Prompt::Text("Hello".into()),
-        sampling: tokenspeed_engine::SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        max_new_tokens: Some(1),
-        stop: vec![],
-        stop_token_ids: vec![],
-        ignore_eos: true,
-        skip_special_tokens: true,
-    };
     let started = Instant::now();
-    let run = async { generate::start(state, spec).await?.collect().await };
-    match tokio::time::timeout(std::time::Duration::from_secs(600), run).await {
-        Ok(Ok(_)) => {
-            tracing::info!(
-                "warm-up request done in {:.2}s",
-                started.elapsed().as_secs_f64()
-            );
-            Ok(())
-        }
-        Ok(Err(e)) => Err(ServeError::Warmup(e.to_string())),
-        Err(_) => Err(ServeError::Warmup("timed out after 600 s".into())),
-    }
+    let prompt = generate::Prompt::Text("Hello".into());
+    generate::probe(state, prompt, std::time::Duration::from_secs(600))
+        .await
+        .map_err(|e| ServeError::Warmup(e.message))?;
+    tracing::info!(
+        "warm-up request done in {:.2}s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 async fn shutdown_signal() {

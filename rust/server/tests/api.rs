@@ -370,6 +370,8 @@ async fn api_key_is_enforced_except_on_health() {
     assert_eq!(s, StatusCode::OK);
     let (s, _) = call(&h.state, "GET", "/health", None, None).await;
     assert_eq!(s, StatusCode::OK);
+    let (s, b) = call(&h.state, "GET", "/health_generate", None, Some("sekret")).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
 }
 
 #[tokio::test]

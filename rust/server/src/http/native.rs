@@ -228,26 +228,10 @@ pub async fn health_generate(State(state): State<AppState>) -> Response {
     if !state.engine.is_healthy() {
         return ApiError::unavailable("the model worker is not running").into_response();
     }
-    let spec = GenerationSpec {
-        prompt: Prompt::Ids(vec![state.tokenizer.bos_token_id().unwrap_or(0)]),
-        sampling: tokenspeed_engine::SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        max_new_tokens: Some(1),
-        stop: vec![],
-        stop_token_ids: vec![],
-        ignore_eos: true,
-        skip_special_tokens: true,
-    };
-    let run = async {
-        let gen = generate::start(&state, spec).await?;
-        gen.collect().await
-    };
-    match tokio::time::timeout(std::time::Duration::from_secs(20), run).await {
-        Ok(Ok(_)) => StatusCode::OK.into_response(),
-        Ok(Err(e)) => e.into_response(),
-        Err(_) => ApiError::unavailable("health generation timed out").into_response(),
+    let prompt = Prompt::Ids(vec![state.tokenizer.bos_token_id().unwrap_or(0)]);
+    match generate::probe(&state, prompt, std::time::Duration::from_secs(20)).await {
+        Ok(()) => StatusCode::OK.into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
