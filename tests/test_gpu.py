@@ -22,27 +22,15 @@ import numpy as np
 import pytest
 import torch
 
+from tokenspeed.bench.model_configs import LLAMA31_8B as LLAMA31_8B_SCENARIO
+from tokenspeed.bench.model_configs import SMOLLM2_135M
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 U32 = np.uint32
-LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 128000, "eos_token_id": 128001,
-}
-SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
-    "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}
+# The test keeps one EOS id for HF generate.
+LLAMA31_8B = {**LLAMA31_8B_SCENARIO, "eos_token_id": 128001}
 SMALL_FP32 = {**LLAMA31_8B, "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
               "head_dim": 32, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
