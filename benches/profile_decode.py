@@ -5,6 +5,8 @@ For Llama-3.1-8B (dummy bf16 weights) at batch 1, 64 and 256 after a 128-token p
   forward = ModelRunner.forward wall time (state + inputs + graph replay, synced)
   replay  = GPU time of the CUDA graph replay alone (events)
   sample  = ModelRunner.sample wall time (synced)
+  ahead   = time per step when each step is launched before the previous one's tokens are
+            read back (input LAST_SAMPLED, as the worker runs under one-step-ahead scheduling)
 The server adds the engine thread, shm round trip and HTTP on top of `step`; compare with S3.
 Usage (GPU machine): python3 benches/profile_decode.py --tokenizer .carry/llama3/tokenizer.json
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import write_model_dir
 from tokenspeed.bench.one_batch import decode_plan, prefill_plan
 from tokenspeed.model_runner import ModelRunner
+from tokenspeed.plan import LAST_SAMPLED
 
 
 def wall_ms(fn, reps: int) -> tuple[float, object]:
@@ -76,11 +79,24 @@ def main() -> int:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        rows.append((bs, step_ms, fwd_ms, statistics.median(times), smp_ms))
-    print("| batch | step ms | forward ms | graph replay GPU ms | sample ms | step − replay (host overhead) ms |")
-    print("|---|---|---|---|---|---|")
-    for bs, step_ms, fwd_ms, rep, smp in rows:
-        print(f"| {bs} | {step_ms:.2f} | {fwd_ms:.2f} | {rep:.2f} | {smp:.2f} | {step_ms - rep:.2f} |")
+        ahead = decode_plan(step_id, np.full(bs, LAST_SAMPLED, np.uint32), pos)
+        reps = 50
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pending = runner.launch(ahead)
+        for _ in range(reps - 1):
+            queued = runner.launch(ahead)
+            pending.wait()
+            pending = queued
+        pending.wait()
+        ahead_ms = (time.perf_counter() - t0) * 1e3 / reps
+        rows.append((bs, step_ms, fwd_ms, statistics.median(times), smp_ms, ahead_ms))
+    print("| batch | step ms | forward ms | graph replay GPU ms | sample ms | "
+          "step − replay (host overhead) ms | launched ahead: ms/step |")
+    print("|---|---|---|---|---|---|---|")
+    for bs, step_ms, fwd_ms, rep, smp, ahead_ms in rows:
+        print(f"| {bs} | {step_ms:.2f} | {fwd_ms:.2f} | {rep:.2f} | {smp:.2f} | "
+              f"{step_ms - rep:.2f} | {ahead_ms:.2f} |")
     return 0
 
 

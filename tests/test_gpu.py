@@ -75,6 +75,10 @@ class Driver:
 
     def step(self, reqs: list[tuple[int, list[int]]]) -> torch.Tensor:
         """reqs: (slot, tokens); new slots are registered as greedy. Returns float32 logits."""
+        return self.runner.forward(self.plan(reqs)).float()  # type: ignore[attr-defined]
+
+    def plan(self, reqs: list[tuple[int, list[int]]]) -> object:
+        """The StepPlan for `reqs`, pages allocated as the sequences grow."""
         from tokenspeed.plan import StepPlan
 
         new = [s for s, _ in reqs if s not in self.lens]
@@ -109,7 +113,7 @@ class Driver:
         self.step_id += 1
         for slot, toks in reqs:
             self.lens[slot] += len(toks)
-        return self.runner.forward(plan).float()  # type: ignore[attr-defined]
+        return plan
 
     def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         """Free-running greedy generation of n tokens for every prompt, batched."""
@@ -301,3 +305,22 @@ def test_real_smollm2_answers_paris() -> None:
     text = tok.decode(out)
     print(f"\n[smollm2] {text!r}")
     assert "Paris" in text
+
+
+def test_decodes_launched_ahead_match_step_by_step(tmp_path: Path) -> None:
+    """One-step-ahead scheduling: every decode (a CUDA graph replay) is queued before the previous
+    step's tokens reach the host, its input ids resolved on the GPU (LAST_SAMPLED)."""
+    from tokenspeed.plan import LAST_SAMPLED
+
+    path = write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4)
+    prompts = prompts_for(LLAMA31_8B["vocab_size"], seed=2)
+    runner = make_runner(path, "bfloat16", graphs=True)
+    step_by_step = Driver(runner).greedy(prompts, NEW_TOKENS)
+    drv = Driver(runner)
+    pending = [runner.launch(drv.plan(list(enumerate(prompts))))]  # type: ignore[attr-defined]
+    for _ in range(NEW_TOKENS - 1):
+        plan = drv.plan([(i, [LAST_SAMPLED]) for i in range(len(prompts))])
+        pending.append(runner.launch(plan))  # type: ignore[attr-defined]
+    outs = [p.wait() for p in pending]
+    ahead = [[int(o.tokens[i]) for o in outs] for i in range(len(prompts))]
+    assert ahead == step_by_step

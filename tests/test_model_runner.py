@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
-from tokenspeed.plan import StepPlan
+from tokenspeed.plan import LAST_SAMPLED, StepPlan
 
 U32 = np.uint32
 
@@ -122,6 +122,32 @@ def test_prefix_shared_while_the_owner_keeps_decoding(tiny_llama: str) -> None:
     ref_tokens, _ = greedy_from_scratch(tiny_llama, PREFIX + TAIL_B, 1)
     assert out.slots.tolist() == [0, 1]
     assert int(out.tokens[1]) == ref_tokens[0]
+
+
+def test_last_sampled_placeholders_queued_ahead_match_explicit_tokens(tiny_llama: str) -> None:
+    """One-step-ahead scheduling: each decode is launched before the previous step's token is
+    known (input LAST_SAMPLED), alone and beside another request's prefill chunk."""
+    ref_a, _ = greedy_from_scratch(tiny_llama, PREFIX, 6)
+    ref_b, _ = greedy_from_scratch(tiny_llama, TAIL_B * 2, 4)
+    runner = runner_for(tiny_llama)
+    hole = LAST_SAMPLED
+    steps = [StepPlan(**new_requests([2]), **pages(2, 0, [5, 6, 7, 8]),
+                      **schedule([(2, 0, PREFIX, 1)]))]
+    steps += [StepPlan(**schedule([(2, pos, [hole], 1)])) for pos in (12, 13)]
+    # A mixed step: B's first prefill chunk (no sample) beside A's placeholder decode.
+    steps.append(StepPlan(**new_requests([4]), **pages(4, 0, [0, 1, 2]),
+                          **schedule([(4, 0, (TAIL_B * 2)[:6], 0), (2, 14, [hole], 1)])))
+    steps.append(StepPlan(**schedule([(4, 6, (TAIL_B * 2)[6:], 1), (2, 15, [hole], 1)])))
+    steps.append(StepPlan(**pages(2, 4, [9]), **schedule([(2, 16, [hole], 1), (4, 10, [hole], 1)])))
+    steps.append(StepPlan(**schedule([(4, 11, [hole], 1)])))
+    pending = [runner.launch(plan) for plan in steps]  # nothing waited for until here
+    outs = [p.wait() for p in pending]
+    got: dict[int, list[int]] = {2: [], 4: []}
+    for out in outs:
+        for slot, tok in zip(out.slots.tolist(), out.tokens.tolist()):
+            got[slot].append(tok)
+    assert got[2] == ref_a
+    assert got[4] == ref_b[:3]
 
 
 def test_output_follows_plan_order_and_skips_unsampled_chunks(tiny_llama: str) -> None:

@@ -1,9 +1,11 @@
 """CUDA graphs for pure-decode steps: one graph per captured batch size over static buffers.
 
 A decode batch of B requests is padded to the smallest captured size >= B: padding rows read
-token 0 at position 0 with a one-token context, and write no K/V (out_cache_loc -1, which
-write_kv_to_pages skips). The graph runs the whole model plus the LM head; the logits land in a
-static buffer and sampling runs outside the graph.
+token 0 at position 0 with a one-token context of slot 0's pages, and write no K/V
+(out_cache_loc -1, which write_kv_to_pages skips). Inside the graph, input ids equal to
+LAST_SAMPLED become the slot's last sampled token (one-step-ahead scheduling) and the context
+lengths derive from the positions; the graph runs the whole model plus the LM head, the logits
+land in a static buffer and sampling runs outside the graph. Nothing in `run` waits for the GPU.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenspeed.host_copy import to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import ForwardBatch
 from tokenspeed.layers.triton_attention import TritonBackend, TritonMetadata
+from tokenspeed.plan import LAST_SAMPLED
 
 logger = logging.getLogger(__name__)
 
@@ -41,36 +45,34 @@ def graph_memory_estimate(max_bs: int, vocab_size: int) -> int:
 
 class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: TritonBackend,
-                 max_bs: int, vocab_size: int, device: torch.device) -> None:
+                 max_bs: int, vocab_size: int, device: torch.device,
+                 last_tokens: torch.Tensor) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
+        self.last_tokens = last_tokens  # [max_slots] int64: each slot's last sampled token
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         n, width = self.max_bs, kv_cache.max_pages_per_slot
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # Rows: input ids, positions, cache locations, slots; one copy fills all four.
+        self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
+        self.inputs[2].fill_(-1)
         self.page_table = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.logits = torch.zeros((n, vocab_size), dtype=torch.float32, device=device)
-        # Pinned staging for the per-step int64 inputs: ids, positions, cache locations.
-        self._staging = torch.zeros(3 * n, dtype=torch.int64, pin_memory=True)
-        self._staging_np = self._staging.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _run(self, bs: int) -> None:
+        ids, positions, out_loc, slots = self.inputs[:, :bs]
+        ids = torch.where(ids == LAST_SAMPLED, self.last_tokens[slots], ids)
         empty = np.zeros(0, dtype=np.int64)
-        meta = TritonMetadata(page_table=self.page_table[:bs], seq_lens=self.seq_lens[:bs],
-                              decode=True, num_splits=self.backend.decode_num_splits(bs))
-        return ForwardBatch(input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-                            out_cache_loc=self.out_cache_loc[:bs], slots=empty, num_tokens=empty,
-                            start_pos=empty, query_start=empty, kv_cache=self.kv_cache,
-                            backend=self.backend, metadata=meta)
-
-    def _run(self, bs: int, batch: ForwardBatch) -> None:
+        meta = TritonMetadata(page_table=self.page_table[:bs],
+                              seq_lens=positions.add(1).to(torch.int32), decode=True,
+                              num_splits=self.backend.decode_num_splits(bs))
+        batch = ForwardBatch(input_ids=ids, positions=positions, out_cache_loc=out_loc,
+                             slots=empty, num_tokens=empty, start_pos=empty, query_start=empty,
+                             kv_cache=self.kv_cache, backend=self.backend, metadata=meta)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         self.logits[:bs].copy_(self.model.compute_logits(hidden))  # type: ignore[operator]
 
@@ -82,14 +84,13 @@ class DecodeGraphRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for bs in reversed(self.sizes):
-            batch = self._batch(bs)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile and autotune outside the capture
-                    self._run(bs, batch)
+                    self._run(bs)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._run(bs, batch)
+                self._run(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -102,24 +103,21 @@ class DecodeGraphRunner:
         return 0 < batch_size <= self.max_bs
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, out_cache_loc: np.ndarray,
-            slots: np.ndarray) -> torch.Tensor:
-        """Replay for one decode token per request; returns float32 logits [B, vocab] (a view of
-        the static buffer, valid until the next replay)."""
+            slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for one decode token per request. Returns float32 logits [B, vocab] (a view of
+        the static buffer, valid until the next replay) and the slots [B] on the device."""
         b = len(input_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
-        st = self._staging_np
-        st[:3 * bs] = 0
-        st[:b], st[bs:bs + b], st[2 * bs:2 * bs + b] = input_ids, positions, out_cache_loc
-        st[2 * bs + b:3 * bs] = -1
-        dev = self._staging[:3 * bs].to(self.device, non_blocking=True).view(3, bs)
-        self.input_ids[:bs].copy_(dev[0])
-        self.positions[:bs].copy_(dev[1])
-        self.out_cache_loc[:bs].copy_(dev[2])
-        self.seq_lens[:bs].copy_(dev[1].add(1))
+        packed = np.zeros((4, bs), dtype=np.int64)
+        packed[0, :b], packed[1, :b], packed[2, :b], packed[3, :b] = (
+            input_ids, positions, out_cache_loc, slots)
+        packed[2, b:] = -1
+        (dev,) = to_device_int64([packed.reshape(-1)], self.device)
+        self.inputs[:, :bs].copy_(dev.view(4, bs))
         page_size = self.kv_cache.page_size
         cols = max(1, -(-(int(positions.max()) + 1) // page_size))
-        rows = self.kv_cache.page_table_host[slots.astype(np.int64), :cols]
-        self.page_table[:b, :cols].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+        # Only the columns the longest context needs, gathered on the device.
+        self.page_table[:bs, :cols] = self.kv_cache.page_table[self.inputs[3, :bs], :cols]
         self.graphs[bs].replay()
         self.replays += 1
-        return self.logits[:b]
+        return self.logits[:b], self.inputs[3, :b]

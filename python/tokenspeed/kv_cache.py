@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenspeed.host_copy import to_device_int64
+
 
 class PagedKVCache:
     """K/V of layer l live in `k[l]`, `v[l]`: [num_pages, page_size, num_kv_heads, head_dim].
@@ -58,9 +60,17 @@ class PagedKVCache:
             offset += n
         if offset != len(pages):
             raise ValueError(f"page-table update: counts sum to {offset}, got {len(pages)} pages")
-        rows = np.unique(slots.astype(np.int64))
-        self.page_table[torch.from_numpy(rows).to(self.page_table.device)] = torch.from_numpy(
-            self.page_table_host[rows]).to(self.page_table.device)
+        # The device copy gets the same entries through one non-blocking transfer (the GPU may
+        # still be running the previous step, which reads the old entries of other slots).
+        rows = np.repeat(slots.astype(np.int64), count.astype(np.int64))
+        cols = np.concatenate([np.arange(s, s + n, dtype=np.int64)
+                               for s, n in zip(first.tolist(), count.tolist())])
+        # Entries written twice in one update keep the last value, as on the host.
+        flat = np.unique(rows * self.max_pages_per_slot + cols)
+        rows, cols = flat // self.max_pages_per_slot, flat % self.max_pages_per_slot
+        rows_d, cols_d, pages_d = to_device_int64([rows, cols, self.page_table_host[rows, cols]],
+                                                  self.page_table.device)
+        self.page_table[rows_d, cols_d] = pages_d.to(torch.int32)
 
     def cache_locs(self, slot: int, start: int, end: int) -> np.ndarray:
         """Flat cache indices (page * page_size + offset) of positions [start, end) of a slot."""

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tokenspeed.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, DecodeGraphRunner, graph_memory_estimate
+from tokenspeed.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import (
     AttentionBackend,
@@ -18,7 +19,7 @@ from tokenspeed.layers.attention import (
 )
 from tokenspeed.layers.triton_attention import TritonBackend
 from tokenspeed.models.config import ModelConfig
-from tokenspeed.plan import StepOutput, StepPlan
+from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
 from tokenspeed.sampler import Sampler
 from tokenspeed.weights import load_model, open_checkpoint
 
@@ -42,6 +43,30 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
+
+
+class PendingStep:
+    """A launched step whose sampled tokens are on their way to the host."""
+
+    def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None) -> None:
+        self.slots = slots
+        self._outputs = outputs
+
+    def ready(self) -> bool:
+        """True once `wait()` would not block."""
+        return self._outputs is None or self._outputs.ready()
+
+    def wait(self) -> StepOutput:
+        if self._outputs is None:
+            return StepOutput(slots=self.slots, tokens=np.zeros(0, np.uint32),
+                              logprobs=np.zeros(0, np.float32),
+                              top_ids=np.zeros((0, 0), np.uint32),
+                              top_logprobs=np.zeros((0, 0), np.float32))
+        tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
+        return StepOutput(slots=self.slots, tokens=tokens.astype(np.uint32),
+                          logprobs=logprobs.astype(np.float32),
+                          top_ids=top_ids.astype(np.uint32),
+                          top_logprobs=top_logprobs.astype(np.float32))
 
 
 class ModelRunner:
@@ -89,12 +114,16 @@ class ModelRunner:
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
             device=self.device, max_slots=max_slots, max_context_len=max_context_len)
         self.backend = self._make_backend(self.kv_cache)
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, seed, capacity=max_slots)
+        # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
+        # the next step can be queued before this one's tokens reach the host).
+        self.last_tokens = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphRunner | None = None
         if self.cuda_graph_max_bs:
             assert isinstance(self.backend, TritonBackend)
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
-                                            self.cuda_graph_max_bs, c.vocab_size, self.device)
+                                            self.cuda_graph_max_bs, c.vocab_size, self.device,
+                                            self.last_tokens)
             self.graphs.capture()
         logger.info("model %s loaded: dtype=%s device=%s attention=%s kv pages=%d x %d tokens, "
                     "cuda graphs up to batch %d", c.architecture, self.dtype, self.device,
@@ -177,50 +206,66 @@ class ModelRunner:
     # --- the step --------------------------------------------------------------------------
 
     def step(self, plan: StepPlan) -> StepOutput:
-        return self.sample(plan, self.forward(plan))
+        return self.launch(plan).wait()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Queue a step on the GPU without waiting for it: state changes, forward, sampling and
+        the copy of the sampled tokens back to the host. The worker receives the next plan while
+        this one runs; `PendingStep.wait()` gives the output."""
+        logits, rows = self._forward(plan)
+        return self._sample(plan, logits, rows)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Apply the plan's state changes and return float32 logits [num sampled, vocab]."""
-        self._apply_state(plan)
-        if len(plan.slots) == 0:
-            return torch.empty(0, self.config.vocab_size, device=self.device)
-        positions, out_loc, query_start = self._token_indices(plan)
-        sample = plan.sample.astype(bool)
-        if (self.graphs is not None and self.graphs.can_run(len(plan.slots))
-                and bool((plan.num_tokens == 1).all())):
-            logits = self.graphs.run(plan.input_ids.astype(np.int64), positions, out_loc,
-                                     plan.slots)
-            if sample.all():
-                return logits.clone()
-            return logits[torch.from_numpy(np.flatnonzero(sample)).to(self.device)]
-        batch = self._build_batch(plan, positions, out_loc, query_start)
-        self.backend.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        last = query_start[1:] - 1
-        rows = torch.from_numpy(last[sample]).to(self.device)
-        return self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+        return self._forward(plan)[0]
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> StepOutput:
         """Sample one token for every scheduled request with sample == 1, in plan order."""
+        return self._sample(plan, logits, None).wait()
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the sampled rows, and their slots on the device when already there."""
+        self._apply_state(plan)
+        if len(plan.slots) == 0:
+            return torch.empty(0, self.config.vocab_size, device=self.device), None
+        positions, out_loc, query_start = self._token_indices(plan)
         sample = plan.sample.astype(bool)
-        slots = plan.slots[sample].astype(np.uint32)
-        if any(self.sampler.slots[int(s)].penalized for s in plan.slots
-               if int(s) in self.sampler.slots):
+        if (self.graphs is not None and self.graphs.can_run(len(plan.slots))
+                and bool((plan.num_tokens == 1).all())):
+            logits, slots_dev = self.graphs.run(plan.input_ids.astype(np.int64), positions,
+                                                out_loc, plan.slots)
+            if sample.all():
+                return logits.clone(), slots_dev
+            rows = to_device_int64([np.flatnonzero(sample)], self.device)[0]
+            return logits[rows], slots_dev[rows]
+        batch = self._build_batch(plan, positions, out_loc, query_start)
+        self.backend.prepare(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        last = query_start[1:] - 1
+        rows = to_device_int64([last[sample]], self.device)[0]
+        return self.model.compute_logits(hidden[rows]), None  # type: ignore[operator]
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor,
+                slots_dev: torch.Tensor | None) -> PendingStep:
+        sample = plan.sample.astype(bool)
+        slots = plan.slots[sample].astype(np.uint32)  # a copy: plan arrays die at the next recv
+        if self.sampler.any_penalized(plan.slots):
             starts = np.concatenate([[0], np.cumsum(plan.num_tokens.astype(np.int64))])
             for i, slot in enumerate(plan.slots.tolist()):
-                self.sampler.observe_inputs(slot, plan.input_ids[starts[i]:starts[i + 1]].tolist())
+                ids = plan.input_ids[starts[i]:starts[i + 1]]
+                # A LAST_SAMPLED input is a sampled token: the sampler already holds it.
+                self.sampler.observe_inputs(slot, ids[ids != LAST_SAMPLED].tolist())
         if len(slots) == 0:
-            return StepOutput(slots=slots, tokens=np.zeros(0, np.uint32),
-                              logprobs=np.zeros(0, np.float32),
-                              top_ids=np.zeros((0, 0), np.uint32),
-                              top_logprobs=np.zeros((0, 0), np.float32))
-        res = self.sampler.sample(slots.tolist(), logits)
-        return StepOutput(slots=slots, tokens=res.tokens.cpu().numpy().astype(np.uint32),
-                          logprobs=res.logprobs.cpu().numpy().astype(np.float32),
-                          top_ids=res.top_ids.cpu().numpy().astype(np.uint32),
-                          top_logprobs=res.top_logprobs.cpu().numpy().astype(np.float32))
+            return PendingStep(slots, None)
+        if slots_dev is None:
+            slots_dev = to_device_int64([slots], self.device)[0]
+        res = self.sampler.sample(slots.tolist(), logits, slots_dev)
+        self.last_tokens[slots_dev] = res.tokens
+        return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,
+                                                res.top_logprobs]))
 
     # --- plan → state and batch ------------------------------------------------------------
 
@@ -273,11 +318,20 @@ class ModelRunner:
 
     def _build_batch(self, plan: StepPlan, positions: np.ndarray, out_loc: np.ndarray,
                      query_start: np.ndarray) -> ForwardBatch:
-        dev = self.device
+        slots = plan.slots.astype(np.int64)
+        num_tokens = plan.num_tokens.astype(np.int64)
+        start_pos = plan.start_pos.astype(np.int64)
+        ids = plan.input_ids.astype(np.int64)
+        # Placeholders (one-step-ahead decodes): token index and slot of each.
+        holes = np.flatnonzero(ids == LAST_SAMPLED)
+        hole_slots = np.repeat(slots, num_tokens)[holes]
+        (ids_d, pos_d, loc_d, slots_d, seq_lens_d, qs_d, sp_d, holes_d, hole_slots_d) = (
+            to_device_int64([ids, positions, out_loc, slots, start_pos + num_tokens, query_start,
+                             start_pos, holes, hole_slots], self.device))
+        if len(holes):
+            ids_d[holes_d] = self.last_tokens[hole_slots_d]
         return ForwardBatch(
-            input_ids=torch.from_numpy(plan.input_ids.astype(np.int64)).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            out_cache_loc=torch.from_numpy(out_loc).to(dev),
-            slots=plan.slots.astype(np.int64), num_tokens=plan.num_tokens.astype(np.int64),
-            start_pos=plan.start_pos.astype(np.int64), query_start=query_start,
-            kv_cache=self.kv_cache, backend=self.backend)
+            input_ids=ids_d, positions=pos_d, out_cache_loc=loc_d, slots=slots,
+            num_tokens=num_tokens, start_pos=start_pos, query_start=query_start,
+            kv_cache=self.kv_cache, backend=self.backend,
+            request_arrays=(slots_d, seq_lens_d, qs_d, sp_d))

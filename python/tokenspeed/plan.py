@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# An input id meaning "the token this slot sampled in its latest sampling step" (one-step-ahead
+# scheduling: the engine plans the next decode before it knows that token). Mirrors
+# `LAST_SAMPLED` in rust/engine/src/plan.rs.
+LAST_SAMPLED = 0xFFFFFFFF
+
 
 def _u32(values: list[int] | None = None) -> np.ndarray:
     return np.asarray(values or [], dtype=np.uint32)

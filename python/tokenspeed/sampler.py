@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from tokenspeed.host_copy import to_device_int64
 
 _GREEDY_EPS = 1e-5
 
@@ -51,13 +54,38 @@ class Sampler:
     temperature), like vLLM's default. Sampling draws exponential noise and takes
     argmax(p / noise), which is an exact categorical draw and lets each seeded request draw from
     its own generator so its tokens do not depend on the rest of the batch.
+
+    Nothing here waits for the GPU (the worker queues the next step while this one runs): the
+    per-slot parameters live in device tensors indexed by slot, and the host keeps only the flags
+    that choose the code path. Penalties are the exception: they keep token history on the host.
     """
 
-    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(self, device: torch.device | str, seed: int = 0, capacity: int = 256) -> None:
         self.device = torch.device(device)
         self.slots: dict[int, SlotSampling] = {}
         self.shared_generator = torch.Generator(device=self.device)
         self.shared_generator.manual_seed(seed)
+        self._capacity = 0
+        self._grow(max(1, capacity))
+
+    def _grow(self, capacity: int) -> None:
+        """(Re)allocates the per-slot arrays for `capacity` slots, keeping their contents."""
+        def keep(old: torch.Tensor | np.ndarray | None, new: torch.Tensor | np.ndarray):
+            if old is not None:
+                new[:len(old)] = old
+            return new
+
+        dev, n = self.device, capacity
+        self._temperature = keep(getattr(self, "_temperature", None),
+                                 torch.zeros(n, device=dev))
+        self._top_p = keep(getattr(self, "_top_p", None), torch.ones(n, device=dev))
+        self._top_k = keep(getattr(self, "_top_k", None),
+                           torch.zeros(n, dtype=torch.int64, device=dev))
+        self._min_p = keep(getattr(self, "_min_p", None), torch.zeros(n, device=dev))
+        self._greedy = keep(getattr(self, "_greedy", None), np.ones(n, dtype=bool))
+        self._penalized = keep(getattr(self, "_penalized", None), np.zeros(n, dtype=bool))
+        self._top_logprobs = keep(getattr(self, "_top_logprobs", None), np.zeros(n, np.int64))
+        self._capacity = capacity
 
     def add(self, slot: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
             min_p: float = 0.0, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
@@ -66,16 +94,31 @@ class Sampler:
         if seed >= 0:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(seed))
-        self.slots[slot] = SlotSampling(
+        state = SlotSampling(
             temperature=float(temperature), top_p=float(top_p) if top_p > 0 else 1.0,
             top_k=int(top_k), min_p=float(min_p),
             # 0 means "unset" on the wire; a penalty of 0 would divide by zero.
             repetition_penalty=float(repetition_penalty) if repetition_penalty > 0 else 1.0,
             frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
             top_logprobs=int(top_logprobs), generator=gen)
+        self.slots[slot] = state
+        if slot >= self._capacity:
+            self._grow(max(2 * self._capacity, slot + 1))
+        # Scalar writes are kernel launches, not host syncs.
+        self._temperature[slot] = state.temperature
+        # top_p = 1 must keep everything despite cumsum rounding.
+        self._top_p[slot] = state.top_p if state.top_p < 1.0 else float("inf")
+        self._top_k[slot] = state.top_k
+        self._min_p[slot] = state.min_p
+        self._greedy[slot] = state.greedy
+        self._penalized[slot] = state.penalized
+        self._top_logprobs[slot] = state.top_logprobs
 
     def drop(self, slot: int) -> None:
         self.slots.pop(slot, None)
+
+    def any_penalized(self, slots: np.ndarray) -> bool:
+        return bool(len(slots)) and bool(self._penalized[slots.astype(np.int64)].any())
 
     def observe_inputs(self, slot: int, tokens: list[int]) -> None:
         """Record tokens fed to a slot (the repetition penalty covers prompt and output)."""
@@ -83,29 +126,38 @@ class Sampler:
         if state is not None and state.penalized:
             state.seen.extend(tokens)
 
-    def _state(self, slot: int) -> SlotSampling:
-        state = self.slots.get(slot)
-        if state is None:
-            raise KeyError(f"slot {slot} samples but was never announced as a new request")
-        return state
-
-    def sample(self, slots: list[int], logits: torch.Tensor) -> SampleResult:
-        states = [self._state(s) for s in slots]
+    def sample(self, slots: list[int], logits: torch.Tensor,
+               slots_dev: torch.Tensor | None = None) -> SampleResult:
+        """`slots_dev`: the same slots already on the device (saves a copy)."""
+        idx = np.asarray(slots, dtype=np.int64)
+        missing = [s for s in slots if s not in self.slots]
+        if missing:
+            raise KeyError(f"slot {missing[0]} samples but was never announced as a new request")
         logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        if any(s.penalized for s in states):
-            logits = self._apply_penalties(logits, states)
+        raw = logits
+        penalized = bool(self._penalized[idx].any()) if len(idx) else False
+        if penalized:
+            logits = self._apply_penalties(logits, [self.slots[s] for s in slots])
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, s in enumerate(states) if not s.greedy]
-        if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            tokens[idx] = self._sample_rows(logits[idx], [states[i] for i in rows])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        k = max((s.top_logprobs for s in states), default=0)
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (
-            logprobs.new_zeros(len(slots), 0), tokens.new_zeros(len(slots), 0))
-        if any(s.penalized for s in states):
-            for state, tok in zip(states, tokens.tolist()):
+        rows = np.flatnonzero(~self._greedy[idx])
+        if len(rows):
+            if slots_dev is None:
+                slots_dev = to_device_int64([idx], self.device)[0]
+            rows_dev = to_device_int64([rows], self.device)[0]
+            seeded = [(i, self.slots[slots[r]].generator) for i, r in enumerate(rows.tolist())]
+            tokens[rows_dev] = self._sample_rows(logits[rows_dev], slots_dev[rows_dev], seeded)
+        # log_softmax at the chosen token without materializing the whole [B, vocab] result.
+        lse = torch.logsumexp(raw, dim=-1)
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse
+        k = int(self._top_logprobs[idx].max()) if len(idx) else 0
+        if k:
+            top_vals, top_ids = raw.topk(k, dim=-1)
+            top_lp = top_vals - lse[:, None]
+        else:
+            top_lp, top_ids = raw.new_zeros(len(slots), 0), tokens.new_zeros(len(slots), 0)
+        if penalized:  # history for the next step's penalties (waits for this step's tokens)
+            for slot, tok in zip(slots, tokens.tolist()):
+                state = self.slots[slot]
                 if state.penalized:
                     state.outputs.append(tok)
         return SampleResult(tokens, chosen, top_ids, top_lp)
@@ -129,33 +181,28 @@ class Sampler:
             logits[i] = row
         return logits
 
-    def _sample_rows(self, logits: torch.Tensor, states: list[SlotSampling]) -> torch.Tensor:
-        """Temperature, then top-k / top-p / min-p on the sorted distribution, then a draw."""
-        dev = logits.device
+    def _sample_rows(self, logits: torch.Tensor, slots: torch.Tensor,
+                     seeded: list[tuple[int, torch.Generator | None]]) -> torch.Tensor:
+        """Temperature, then top-k / top-p / min-p on the sorted distribution, then a draw.
+        `seeded`: (row, the request's own generator or None for the shared one)."""
         vocab = logits.shape[-1]
-        temp = torch.tensor([s.temperature for s in states], device=dev)
-        top_k = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in states], device=dev)
-        # top_p = 1 must keep everything despite cumsum rounding.
-        top_p = torch.tensor([s.top_p if s.top_p < 1.0 else float("inf") for s in states],
-                             device=dev)
-        min_p = torch.tensor([s.min_p for s in states], device=dev)
+        temp = self._temperature[slots]
+        top_k = self._top_k[slots]
+        top_k = torch.where(top_k > 0, top_k, vocab)
+        top_p, min_p = self._top_p[slots], self._min_p[slots]
 
         sorted_logits, sorted_ids = (logits / temp[:, None]).sort(dim=-1, descending=True,
                                                                   stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        ranks = torch.arange(vocab, device=dev)[None, :]
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= top_k[:, None]
         drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
         drop |= probs < min_p[:, None] * probs[:, :1]
         probs = probs.masked_fill(drop, 0.0)
 
-        noise = torch.empty_like(probs)
-        shared = [i for i, s in enumerate(states) if s.generator is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), vocab, device=dev).exponential_(
-                generator=self.shared_generator)
-        for i, s in enumerate(states):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
+        noise = torch.empty_like(probs).exponential_(generator=self.shared_generator)
+        for i, gen in seeded:
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
         choice = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
         return sorted_ids.gather(1, choice[:, None]).squeeze(1)

@@ -11,6 +11,11 @@ import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenspeed._core import WorkerChannel
+    from tokenspeed.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger("tokenspeed.worker")
 
@@ -58,7 +63,6 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
     try:
         from tokenspeed._core import WorkerChannel
         from tokenspeed.model_runner import ModelRunner
-        from tokenspeed.plan import StepPlan
 
         runner = ModelRunner(
             spec.model_path,
@@ -85,26 +89,55 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         sys.exit(1)
 
     logger.info("ready: %d KV pages of %d tokens", runner.num_pages, spec.page_size)
+    serve_plans(channel, runner, spec, parent)
+
+
+def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
+                parent: int) -> None:
+    """The step loop. A launched step's tokens are sent back once the GPU has them; meanwhile
+    the loop polls for the next plan, so a plan the engine sends ahead (one-step-ahead
+    scheduling) is queued on the GPU behind the running step and the GPU never waits for the
+    host. Results go back in step order."""
+    from tokenspeed.plan import StepPlan
+
+    pending: tuple[int, PendingStep] | None = None
     while True:
         try:
-            raw = channel.recv(spec.recv_timeout_ms)
+            # With a step in flight, poll (0 ms) so its result is sent as soon as it is ready.
+            raw = channel.recv(0 if pending is not None else spec.recv_timeout_ms)
         except ConnectionError as e:  # ChannelShutdown: the server closed the channel
             logger.info("channel closed (%s); exiting", e)
             return
         if raw is None:
+            if pending is not None:
+                if pending[1].ready():
+                    _send(channel, spec, *pending)
+                    pending = None
+                continue
             if os.getppid() != parent:
                 return
             continue
         plan = StepPlan.from_dict(raw)
-        out = runner.step(plan)
-        if spec.rank == 0:
-            top_k = 0 if out.top_ids is None else int(out.top_ids.shape[1]) if out.top_ids.ndim == 2 else 0
-            channel.send_results(
-                plan.step_id,
-                out.slots.astype("uint32").tobytes(),
-                out.tokens.astype("uint32").tobytes(),
-                out.logprobs.astype("float32").tobytes(),
-                b"" if top_k == 0 else out.top_ids.astype("uint32").tobytes(),
-                b"" if top_k == 0 else out.top_logprobs.astype("float32").tobytes(),
-                top_k,
-            )
+        if pending is not None and pending[1].ready():  # always so on the CPU: send it first
+            _send(channel, spec, *pending)
+            pending = None
+        launched = (plan.step_id, runner.launch(plan))
+        if pending is not None:
+            _send(channel, spec, *pending)
+        pending = launched
+
+
+def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingStep) -> None:
+    out = step.wait()
+    if spec.rank != 0:
+        return
+    top_k = 0 if out.top_ids is None or out.top_ids.ndim != 2 else int(out.top_ids.shape[1])
+    channel.send_results(
+        step_id,
+        out.slots.astype("uint32").tobytes(),
+        out.tokens.astype("uint32").tobytes(),
+        out.logprobs.astype("float32").tobytes(),
+        b"" if top_k == 0 else out.top_ids.astype("uint32").tobytes(),
+        b"" if top_k == 0 else out.top_logprobs.astype("float32").tobytes(),
+        top_k,
+    )

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenspeed.host_copy import to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
 
 
@@ -32,10 +33,21 @@ class ForwardBatch:
     backend: AttentionBackend
     # Backend-private metadata, filled by backend.prepare().
     metadata: Any = field(default=None)
+    # Device copies (int64) of slots, seq_lens, query_start and start_pos: the model runner
+    # stages them with the token inputs in one transfer; `device_arrays` makes them otherwise.
+    request_arrays: tuple[torch.Tensor, ...] | None = None
 
     @property
     def seq_lens(self) -> np.ndarray:
         return self.start_pos + self.num_tokens
+
+    def device_arrays(self) -> tuple[torch.Tensor, ...]:
+        """(slots, seq_lens, query_start, start_pos) on the device, int64."""
+        if self.request_arrays is None:
+            self.request_arrays = tuple(to_device_int64(
+                [self.slots, self.seq_lens, self.query_start, self.start_pos],
+                self.input_ids.device))
+        return self.request_arrays
 
 
 class AttentionBackend(ABC):

@@ -60,22 +60,18 @@ class TritonBackend(AttentionBackend):
                 f"{self.sliding_window}, context {max_seq}); use --attention-backend torch_native")
         page_size = self.kv_cache.page_size
         cols = max(1, -(-max_seq // page_size))
-        rows = self.kv_cache.page_table_host[batch.slots.astype(np.int64), :cols]
-        device = batch.input_ids.device
-        page_table = torch.from_numpy(np.ascontiguousarray(rows)).to(device)
+        slots, seq_lens_d, query_start, start_pos = batch.device_arrays()
+        # Rows of the device page table, gathered on the device: no host sync.
+        page_table = self.kv_cache.page_table[slots, :cols]
         decode = bool(bsz) and bool((batch.num_tokens == 1).all())
         if decode:
             batch.metadata = TritonMetadata(
-                page_table=page_table,
-                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-                decode=True, num_splits=self.decode_num_splits(bsz))
+                page_table=page_table, seq_lens=seq_lens_d.to(torch.int32), decode=True,
+                num_splits=self.decode_num_splits(bsz))
             return
-        # One host → device copy for the three small index arrays.
-        packed = np.concatenate([seq_lens, batch.query_start, batch.start_pos]).astype(np.int32)
-        dev = torch.from_numpy(packed).to(device)
         batch.metadata = TritonMetadata(
-            page_table=page_table, seq_lens=dev[:bsz], decode=False,
-            q_start_loc=dev[bsz:2 * bsz + 1], prefix_lens=dev[2 * bsz + 1:],
+            page_table=page_table, seq_lens=seq_lens_d.to(torch.int32), decode=False,
+            q_start_loc=query_start.to(torch.int32), prefix_lens=start_pos.to(torch.int32),
             max_new_tokens=int(batch.num_tokens.max()))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
