@@ -213,21 +213,25 @@ class ModelRunner:
         """Queue a step on the GPU without waiting for it: state changes, forward, sampling and
         the copy of the sampled tokens back to the host. The worker receives the next plan while
         this one runs; `PendingStep.wait()` gives the output."""
-        logits, rows = self._forward(plan)
+        # The graph's logits buffer is read by the sampler before the next replay rewrites it
+        # (same stream), so no copy is needed here.
+        logits, rows = self._forward(plan, copy_logits=False)
         return self._sample(plan, logits, rows)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Apply the plan's state changes and return float32 logits [num sampled, vocab]."""
-        return self._forward(plan)[0]
+        return self._forward(plan, copy_logits=True)[0]
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> StepOutput:
         """Sample one token for every scheduled request with sample == 1, in plan order."""
         return self._sample(plan, logits, None).wait()
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of the sampled rows, and their slots on the device when already there."""
+    def _forward(self, plan: StepPlan,
+                 copy_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the sampled rows, and their slots on the device when already there.
+        `copy_logits`: copy them out of the CUDA graph's buffer (which the next replay reuses)."""
         self._apply_state(plan)
         if len(plan.slots) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device), None
@@ -238,7 +242,7 @@ class ModelRunner:
             logits, slots_dev = self.graphs.run(plan.input_ids.astype(np.int64), positions,
                                                 out_loc, plan.slots)
             if sample.all():
-                return logits.clone(), slots_dev
+                return (logits.clone() if copy_logits else logits), slots_dev
             rows = to_device_int64([np.flatnonzero(sample)], self.device)[0]
             return logits[rows], slots_dev[rows]
         batch = self._build_batch(plan, positions, out_loc, query_start)
