@@ -10,7 +10,7 @@ pub mod scheduler;
 pub use pages::{PagePool, Pages};
 pub use plan::{
     NewRequestPlan, PageTableUpdate, Plan, SampledToken, SamplingParams, ScheduledRequest,
-    StepResult,
+    StepResult, LAST_SAMPLED,
 };
 pub use radix::{NodeId, PrefixMatch, RadixCache};
 pub use scheduler::{

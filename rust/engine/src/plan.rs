@@ -6,6 +6,14 @@
 
 use serde::{Deserialize, Serialize};
 
+/// An entry of `Plan::input_ids` equal to this stands for "the token the worker sampled for this
+/// slot in the most recent step that sampled for it": the worker resolves it on the GPU, so the
+/// scheduler can send step N+1 before step N's sampled token has come back (one-step-ahead, or
+/// "overlap", scheduling). It only appears as the single input token of a decode
+/// (`num_tokens == 1`), for a request whose previous scheduled step (still in flight) has
+/// `sample == true` and whose `start_pos` is exactly the position after that step's last token.
+pub const LAST_SAMPLED: u32 = u32::MAX;
+
 /// Per-request sampling parameters, fixed when the request is admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {

@@ -6,15 +6,23 @@
 //! cache's pool; when they run short the scheduler evicts cached pages and then retracts the
 //! youngest running request (its KV is cached and it is recomputed later), so the oldest
 //! request always progresses and the system never deadlocks.
+//!
+//! One-step-ahead ("overlap") scheduling needs nothing from the configuration: the engine may
+//! call `schedule()` again before the last plan's result is `advance`d. A request whose only
+//! unknown is the token its in-flight step samples is then scheduled with `LAST_SAMPLED` as
+//! input (a placeholder the worker resolves on the GPU); a request in the middle of its prompt
+//! gets its next chunk. An engine that never schedules with a plan in flight never sees a
+//! placeholder: the state at every `schedule()` is then the one-plan-at-a-time state.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use crate::pages::{PagePool, Pages};
 use crate::plan::{
-    NewRequestPlan, PageTableUpdate, Plan, SampledToken, ScheduledRequest, StepResult,
+    NewRequestPlan, PageTableUpdate, Plan, SampledToken, ScheduledRequest, StepResult, LAST_SAMPLED,
 };
 use crate::radix::{NodeId, RadixCache};
 
+mod admission;
 mod request;
 
 pub use request::{
@@ -56,18 +64,27 @@ enum Phase {
 /// A request's hold on a worker slot and KV pages.
 struct Active {
     slot: u32,
+    /// This admission's number, unique over the scheduler's life. A result is applied only to
+    /// the admission it was planned for, not to a later one of the same request (retracted and
+    /// readmitted while the step was in flight, maybe in the same slot).
+    epoch: u64,
     /// The cached prefix it started from, locked in the radix tree (`ROOT` when none).
     prefix_node: NodeId,
     /// Pages of that prefix: owned by the tree, valid while `prefix_node` stays locked.
     prefix_pages: Vec<u32>,
     /// Pages for the positions after the prefix.
     own: Pages,
-    /// Tokens whose KV is computed or is being computed by a plan already sent.
+    /// Positions whose KV is computed or is being computed by a plan already sent. With a
+    /// placeholder in flight this is one more than the known tokens (`Sequence::tokens`).
     computed: usize,
     /// Prefix tokens served from the cache at this admission.
     cached_len: u32,
-    /// Scheduled in a plan whose result has not come back: not scheduled again until it does.
-    in_flight: bool,
+    /// Steps of this admission whose results have not come back.
+    in_flight: u32,
+    /// Of those, the ones that sample a token. At most 2: the step that feeds the last known
+    /// token and one placeholder decode after it. While it is 1 or 2, the known tokens are
+    /// exactly `computed + 1 - pending_samples`.
+    pending_samples: u32,
     /// Page-table entries 0.. to rewrite in the slot's next plan: set when caching the prompt
     /// found another request's identical pages already in the tree and ours were freed.
     pending_table: Option<Vec<u32>>,
@@ -77,6 +94,19 @@ impl Active {
     fn num_pages(&self) -> usize {
         self.prefix_pages.len() + self.own.len()
     }
+}
+
+/// What a running request can feed in the next step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Work {
+    /// Nothing until a result comes back.
+    Idle,
+    /// This many known tokens are not scheduled yet: the rest of the prompt, or the last
+    /// sampled token. A prompt chunk may follow one still in flight: the worker runs plans in
+    /// order on one stream, so the earlier chunk's KV is written before the later one reads it.
+    Known(usize),
+    /// A decode of the token the in-flight step samples, as `LAST_SAMPLED`.
+    Placeholder,
 }
 
 struct Sequence {
@@ -106,11 +136,32 @@ impl Sequence {
             _ => None,
         }
     }
+
+    fn work(&self) -> Work {
+        let Some(a) = self.active() else {
+            return Work::Idle;
+        };
+        if a.computed < self.tokens.len() {
+            return Work::Known(self.tokens.len() - a.computed);
+        }
+        // Every known token is scheduled. At most one unknown token ahead, and none when the
+        // sample in flight will be the last one anyway (`max_new_tokens`): that decode would be
+        // wasted. A stop token can only be seen when it comes back, so a request that stops
+        // computes one token too many; that token is never reported.
+        let pending = a.pending_samples as usize;
+        if pending == 1 && self.completion_tokens() + pending < self.req.max_new_tokens as usize {
+            Work::Placeholder
+        } else {
+            Work::Idle
+        }
+    }
 }
 
 /// What a step expects back for one scheduled request.
 struct Expected {
     id: u64,
+    /// The admission the step was planned for (`Active::epoch`).
+    epoch: u64,
     slot: u32,
     sample: bool,
 }
@@ -147,6 +198,7 @@ pub struct Scheduler {
     /// Slots released since the last plan.
     released_slots: Vec<u32>,
     next_step: u64,
+    next_epoch: u64,
     /// Share of running requests' remaining tokens that admission keeps pages back for.
     reserve_ratio: f64,
     in_flight: VecDeque<(u64, Vec<Expected>)>,
@@ -171,6 +223,7 @@ impl Scheduler {
             running: Vec::new(),
             released_slots: Vec::new(),
             next_step: 0,
+            next_epoch: 0,
             reserve_ratio: RESERVE_RATIO_INIT,
             in_flight: VecDeque::new(),
         })
@@ -242,12 +295,15 @@ impl Scheduler {
     }
 
     /// Builds the next step, or `None` when there is nothing to run or report.
+    ///
+    /// May be called again before the last plan's result is `advance`d (one step ahead): see
+    /// the module doc. The worker must run plans in order, on one GPU stream.
     pub fn schedule(&mut self) -> Option<Plan> {
         let mut step = StepBuilder::default();
         let decodes = self
             .running
             .iter()
-            .filter(|id| matches!(&self.requests[*id].phase, Phase::Decoding(a) if !a.in_flight))
+            .filter(|id| self.decode_work(id).is_some())
             .count();
         // Decodes always run (one token is the least progress a request can make); prefill
         // chunks get what is left of the budget.
@@ -259,10 +315,10 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() {
             let id = self.running[i];
-            let seq = &self.requests[&id];
-            let want = match &seq.phase {
-                Phase::Decoding(a) if !a.in_flight => 1,
-                Phase::Prefilling(a) if !a.in_flight => (seq.tokens.len() - a.computed).min(budget),
+            let decode = self.decode_work(&id);
+            let want = match (decode, self.requests.get(&id).map(Sequence::work)) {
+                (Some(n), _) => n,
+                (None, Some(Work::Known(n))) => n.min(budget),
                 _ => 0,
             };
             if want == 0 {
@@ -278,7 +334,7 @@ impl Scheduler {
                     continue;
                 }
                 // This one is the youngest: a decode gives way itself, a prefill chunk waits.
-                if i > 0 && matches!(self.requests[&id].phase, Phase::Decoding(_)) {
+                if i > 0 && decode.is_some() {
                     self.retract(id);
                     retracted = true;
                     continue;
@@ -286,7 +342,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            if matches!(self.requests[&id].phase, Phase::Prefilling(_)) {
+            if decode.is_none() {
                 budget -= fit;
             }
             self.schedule_chunk(id, fit, &mut step);
@@ -369,6 +425,17 @@ impl Scheduler {
         self.cache.peek_prefix_len(tokens)
     }
 
+    /// Tokens `id` feeds in the next step if that is a decode (one token: the last sampled one,
+    /// or the placeholder for the one in flight). Decodes always run; prefill shares the budget.
+    fn decode_work(&self, id: &u64) -> Option<usize> {
+        let seq = self.requests.get(id)?;
+        match (seq.work(), &seq.phase) {
+            (Work::Placeholder, _) => Some(1),
+            (Work::Known(n), Phase::Decoding(_)) => Some(n),
+            _ => None,
+        }
+    }
+
     /// How many of `want` next tokens of `id` can get KV pages now (evicting cache if needed).
     fn fit_tokens(&mut self, id: u64, want: usize) -> usize {
         let ps = self.config.page_size as usize;
@@ -415,7 +482,17 @@ impl Scheduler {
         }
         step.add_pages(a.slot, a.num_pages(), new_pages.ids());
         a.own.append(new_pages);
-        let sample = a.computed + n == tokens.len();
+        // Past the known tokens only by one placeholder decode (`Work::Placeholder`).
+        let (n, sample) = match tokens.get(a.computed..a.computed + n) {
+            Some(known) => {
+                step.plan.input_ids.extend_from_slice(known);
+                (n, a.computed + n == tokens.len())
+            }
+            None => {
+                step.plan.input_ids.push(LAST_SAMPLED);
+                (1, true)
+            }
+        };
         step.plan.scheduled.push(ScheduledRequest {
             slot: a.slot,
             num_tokens: n as u32,
@@ -423,134 +500,23 @@ impl Scheduler {
             cached_len: a.cached_len,
             sample,
         });
-        step.plan
-            .input_ids
-            .extend_from_slice(&tokens[a.computed..a.computed + n]);
         step.expected.push(Expected {
             id,
+            epoch: a.epoch,
             slot: a.slot,
             sample,
         });
         a.computed += n;
-        a.in_flight = true;
+        a.in_flight += 1;
+        a.pending_samples += u32::from(sample);
     }
 
-    /// Tokens a request is still expected to generate, as admission budgets them.
-    fn expected_growth(&self, seq: &Sequence) -> usize {
-        let remaining = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens());
-        // A request that ignores EOS runs to max_new_tokens (barring an abort): no guessing.
-        let ratio = if seq.req.ignore_eos {
-            1.0
-        } else {
-            self.reserve_ratio
-        };
-        (remaining.min(RESERVE_CLIP) as f64 * ratio).ceil() as usize
-    }
-
-    /// Pages kept back for the running requests: the rest of their prompts and their
-    /// expected growth.
-    fn reserved_pages(&self) -> usize {
-        let ps = self.config.page_size as usize;
-        let tokens: usize = self
-            .running
-            .iter()
-            .filter_map(|id| self.requests.get(id))
-            .map(|seq| {
-                let unprefilled = seq.active().map_or(0, |a| seq.tokens.len() - a.computed);
-                unprefilled + self.expected_growth(seq)
-            })
-            .sum();
-        tokens.div_ceil(ps)
-    }
-
-    /// Admits waiting requests in policy order while slots, budget and pages last.
-    fn admit(&mut self, budget: &mut usize, step: &mut StepBuilder) {
-        let ps = self.config.page_size as usize;
-        let mut reserved = self.reserved_pages();
-        for id in self.admission_order() {
-            if *budget == 0 || self.free_slots.is_empty() {
-                break;
-            }
-            let Some(seq) = self.requests.get(&id) else {
-                continue;
-            };
-            // Never match the whole sequence: the last token must be computed to get logits.
-            let m = self.cache.match_prefix(&seq.tokens[..seq.tokens.len() - 1]);
-            self.cache.lock(m.node);
-            let spare = self.pool.free_count() + self.cache.evictable_pages();
-            let growth = self.expected_growth(seq);
-            let uncached = seq.tokens.len() - m.len;
-            let whole = (uncached + growth).div_ceil(ps);
-            // An idle engine always admits (the request fits the pool: `submit` checked).
-            if !self.running.is_empty() && spare < reserved + whole {
-                self.cache.unlock(m.node);
-                break;
-            }
-            let n = (seq.tokens.len() - m.len).min(*budget).min(spare * ps);
-            if n == 0 {
-                // Head-of-line blocking is deliberate: skipping ahead would starve long prompts.
-                self.cache.unlock(m.node);
-                break;
-            }
-            let Some(slot) = self.free_slots.pop_first() else {
-                self.cache.unlock(m.node);
-                break;
-            };
-            let own = self.pool.empty();
-            let Some(seq) = self.requests.get_mut(&id) else {
-                continue;
-            };
-            seq.cached_tokens
-                .get_or_insert(m.len.min(seq.req.prompt.len()) as u32);
-            step.plan.new_requests.push(NewRequestPlan {
-                slot,
-                sampling: seq.req.sampling,
-            });
-            step.add_pages(slot, 0, &m.pages);
-            seq.phase = Phase::Prefilling(Active {
-                slot,
-                prefix_node: m.node,
-                prefix_pages: m.pages,
-                own,
-                computed: m.len,
-                cached_len: m.len as u32,
-                in_flight: false,
-                pending_table: None,
-            });
-            self.waiting.retain(|&w| w != id);
-            self.running.push(id);
-            self.schedule_chunk(id, n, step);
-            *budget -= n;
-            reserved += (uncached - n + growth).div_ceil(ps);
-        }
-    }
-
-    fn admission_order(&self) -> Vec<u64> {
-        let mut order: Vec<u64> = self.waiting.iter().copied().collect();
-        if self.config.policy == SchedulePolicy::Lpm && order.len() <= LPM_MAX_WAITING {
-            let mut keyed: Vec<(bool, usize, u64)> = order
-                .iter()
-                .map(|id| {
-                    let seq = &self.requests[id];
-                    let tokens = &seq.tokens[..seq.tokens.len() - 1];
-                    let retracted = matches!(seq.phase, Phase::Retracted);
-                    (retracted, self.cache.peek_prefix_len(tokens), *id)
-                })
-                .collect();
-            // Stable: ties keep arrival order. Retracted requests keep their place at the front.
-            keyed.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
-            order = keyed.into_iter().map(|k| k.2).collect();
-        }
-        order
-    }
-
-    /// The youngest running request after position `i` that can give its pages back now.
+    /// The youngest running request after position `i`. One with steps in flight qualifies
+    /// too (with overlap nearly every request has one when the next plan is built): their
+    /// results are dropped as stale (`Active::epoch`), their pages are safe to hand out again
+    /// (see `release`). Only younger requests give way, so the oldest always progresses.
     fn youngest_retractable(&self, i: usize) -> Option<u64> {
-        self.running[i + 1..]
-            .iter()
-            .rev()
-            .copied()
-            .find(|id| self.requests[id].active().is_some_and(|a| !a.in_flight))
+        self.running.get(i + 1..)?.last().copied()
     }
 
     /// Sends a running request back to the front of the queue; its computed KV goes to the
@@ -570,9 +536,14 @@ impl Scheduler {
     }
 
     /// Gives up a slot and pages: full pages of computed KV go to the cache, the rest are freed.
+    ///
+    /// Only pages of *known* tokens are cached: a placeholder's token is not known yet. Steps
+    /// still in flight may be writing KV into these pages; caching or freeing them now is safe
+    /// because the worker runs plans in order on one stream, so a later plan that reads them (a
+    /// prefix hit) or reuses them (another request's new pages) runs after those writes.
     fn release(&mut self, tokens: &[u32], active: Active) {
         let ps = self.config.page_size as usize;
-        let full = active.computed / ps;
+        let full = active.computed.min(tokens.len()) / ps;
         let mut own = active.own;
         drop(own.split_off(full.saturating_sub(active.prefix_pages.len())));
         self.cache.insert(&tokens[..full * ps], own);
@@ -584,14 +555,25 @@ impl Scheduler {
     /// Applies one expected result; returns the output if a token was sampled for a live request.
     fn apply(&mut self, e: &Expected, sampled: Option<&SampledToken>) -> Option<RequestOutput> {
         let seq = self.requests.get_mut(&e.id)?;
-        let a = seq.active_mut().filter(|a| a.slot == e.slot)?;
-        a.in_flight = false;
+        // A step planned for an earlier admission (retracted since) is stale.
+        let a = seq
+            .active_mut()
+            .filter(|a| a.epoch == e.epoch && a.slot == e.slot)?;
+        a.in_flight = a.in_flight.saturating_sub(1);
         if !e.sample {
             return None;
         }
+        a.pending_samples = a.pending_samples.saturating_sub(1);
         let Some(s) = sampled else {
-            // The worker sent no token: feed the last position again (its KV is rewritten as is).
-            a.computed -= 1;
+            if a.in_flight == 0 {
+                // The worker sent no token: feed the last position again (its KV is rewritten
+                // as is).
+                a.computed -= 1;
+            } else {
+                // A later step (a placeholder decode: only those follow a sampling step) fed
+                // the token that never came, so its KV is wrong: recompute from known tokens.
+                self.retract(e.id);
+            }
             return None;
         };
         seq.tokens.push(s.token);
@@ -651,7 +633,8 @@ impl Scheduler {
         }) else {
             return;
         };
-        let full = a.computed / ps;
+        // A placeholder's position may be computed already; its token is known only now.
+        let full = a.computed.min(seq.tokens.len()) / ps;
         let cached = a.prefix_pages.len();
         if full <= cached || a.own.len() < full - cached {
             return;

@@ -1,17 +1,57 @@
 //! Scheduler properties over random workloads: every request completes with the tokens an
 //! uncached run gives, pages are conserved at every step, and nothing leaks at the end.
+//! Every workload runs twice: one plan at a time, and with two plans in flight (overlap).
 
 mod common;
 
 use common::{reference, request, Harness};
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
 
 #[derive(Debug, Clone)]
 struct Workload {
     config: SchedulerConfig,
-    /// (prompt, max_new_tokens, step at which it is submitted, aborted at that step if Some)
-    requests: Vec<(Vec<u32>, u32, usize, Option<usize>)>,
+    requests: Vec<Spec>,
+    /// Steps that lose one sampled token on the way back.
+    lose_samples_at: Vec<u64>,
+}
+
+#[derive(Debug, Clone)]
+struct Spec {
+    prompt: Vec<u32>,
+    max_new: u32,
+    /// Step at which it is submitted.
+    at: usize,
+    /// Step at which it is aborted, if any.
+    abort: Option<usize>,
+    /// The stop token is the one the fake model generates at this index, if any.
+    stop_at: Option<usize>,
+}
+
+impl Spec {
+    fn request(&self, id: u64) -> tokenspeed_engine::Request {
+        let mut r = request(id, self.prompt.clone(), self.max_new);
+        if let Some(k) = self.stop_at {
+            r.stop_token_ids = vec![self.reference()[k]];
+        }
+        r
+    }
+
+    fn reference(&self) -> Vec<u32> {
+        reference(&self.prompt, self.max_new)
+    }
+
+    /// The tokens it must produce: the fake model's, up to and including the stop token.
+    fn expected(&self) -> Vec<u32> {
+        let mut want = self.reference();
+        if let Some(k) = self.stop_at {
+            let stop = want[k];
+            let first = want.iter().position(|&t| t == stop).unwrap_or(k);
+            want.truncate(first + 1);
+        }
+        want
+    }
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
@@ -46,60 +86,83 @@ fn workload() -> impl Strategy<Value = Workload> {
                 1u32..12,
                 0usize..20,
                 prop::option::weighted(0.15, 0usize..30),
+                prop::option::weighted(0.3, 0usize..12),
             )
-                .prop_map(|(stem, stem_len, tail, max_new, at, abort)| {
+                .prop_map(|(stem, stem_len, tail, max_new, at, abort, stop)| {
                     let head: Vec<u32> = (0..stem_len as u32).map(|i| stem * 100 + i).collect();
-                    ([head, tail].concat(), max_new, at, abort.map(|a| at + a))
+                    Spec {
+                        prompt: [head, tail].concat(),
+                        max_new,
+                        at,
+                        abort: abort.map(|a| at + a),
+                        stop_at: stop.filter(|&k| k < max_new as usize),
+                    }
                 });
-            (Just(config), prop::collection::vec(one, 1..12))
+            (
+                Just(config),
+                prop::collection::vec(one, 1..12),
+                prop::option::weighted(0.3, prop::collection::vec(0u64..60, 1..4)),
+            )
         })
-        .prop_map(|(config, requests)| Workload { config, requests })
+        .prop_map(|(config, requests, lose)| Workload {
+            config,
+            requests,
+            lose_samples_at: lose.unwrap_or_default(),
+        })
         .prop_filter("every request fits in the pool", |w| {
-            w.requests.iter().all(|(p, n, _, _)| {
-                let kv = p.len() as u32 + n - 1;
+            w.requests.iter().all(|r| {
+                let kv = r.prompt.len() as u32 + r.max_new - 1;
                 kv.div_ceil(w.config.page_size) <= w.config.num_pages
             })
         })
+}
+
+/// Runs `w` to completion and checks it.
+fn check(w: &Workload, overlap: bool) -> Result<(), TestCaseError> {
+    let mut h = Harness::with_overlap(w.config.clone(), overlap);
+    h.lose_samples_at = w.lose_samples_at.clone();
+    let mut aborted = Vec::new();
+    let mut steps = 0;
+    loop {
+        for (id, r) in w.requests.iter().enumerate() {
+            if r.at == steps {
+                h.submit(r.request(id as u64));
+            }
+            if r.abort == Some(steps) && h.sched.abort(id as u64) {
+                aborted.push(id as u64);
+            }
+        }
+        let stepped = h.step();
+        let s = h.sched.stats();
+        prop_assert_eq!(s.free_pages + s.used_pages + s.cached_pages, s.total_pages);
+        prop_assert!(s.evictable_pages <= s.cached_pages);
+        prop_assert!(s.running <= w.config.max_running_requests as usize);
+        steps += 1;
+        let all_submitted = w.requests.iter().all(|r| r.at < steps);
+        if !stepped && all_submitted && h.sched.is_idle() {
+            break;
+        }
+        prop_assert!(steps < 5_000, "no progress: deadlock or livelock");
+    }
+    for (id, r) in w.requests.iter().enumerate() {
+        let id = id as u64;
+        let want = r.expected();
+        let got = h.tokens(id);
+        if aborted.contains(&id) {
+            prop_assert_eq!(&want[..got.len()], got.as_slice());
+        } else {
+            prop_assert_eq!(got, want, "request {} (overlap {})", id, overlap);
+        }
+    }
+    h.assert_no_leak();
+    Ok(())
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
     #[test]
     fn random_workloads_complete_exactly_and_leak_nothing(w in workload()) {
-        let mut h = Harness::new(w.config.clone());
-        let mut aborted = Vec::new();
-        let mut steps = 0;
-        loop {
-            for (id, (prompt, max_new, at, abort)) in w.requests.iter().enumerate() {
-                if *at == steps {
-                    h.submit(request(id as u64, prompt.clone(), *max_new));
-                }
-                if *abort == Some(steps) && h.sched.abort(id as u64) {
-                    aborted.push(id as u64);
-                }
-            }
-            let stepped = h.step();
-            let s = h.sched.stats();
-            prop_assert_eq!(s.free_pages + s.used_pages + s.cached_pages, s.total_pages);
-            prop_assert!(s.evictable_pages <= s.cached_pages);
-            prop_assert!(s.running <= w.config.max_running_requests as usize);
-            steps += 1;
-            let all_submitted = w.requests.iter().all(|r| r.2 < steps);
-            if !stepped && all_submitted && h.sched.is_idle() {
-                break;
-            }
-            prop_assert!(steps < 5_000, "no progress: deadlock or livelock");
-        }
-        for (id, (prompt, max_new, _, _)) in w.requests.iter().enumerate() {
-            let id = id as u64;
-            let want = reference(prompt, *max_new);
-            let got = h.tokens(id);
-            if aborted.contains(&id) {
-                prop_assert_eq!(&want[..got.len()], got.as_slice());
-            } else {
-                prop_assert_eq!(got, want, "request {}", id);
-            }
-        }
-        h.assert_no_leak();
+        check(&w, false)?;
+        check(&w, true)?;
     }
 }

@@ -3,14 +3,18 @@
 //! The fake model's next token is a hash of the *whole sequence as read back through the page
 //! table*, so a wrong page, a stale cached page or a skipped chunk changes the output, and the
 //! tests compare every request's tokens with `reference` (the same model run without a cache).
+//!
+//! The harness runs either one plan at a time or, like the engine with overlap on, with up to
+//! two in flight: the worker runs plans in order as they come (eagerly), and the harness hands
+//! each result to `advance` one step late.
 
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use tokenspeed_engine::{
     FinishReason, Plan, Request, RequestOutput, SampledToken, Scheduler, SchedulerConfig,
-    StepResult,
+    StepResult, LAST_SAMPLED,
 };
 
 pub fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
@@ -57,11 +61,22 @@ pub fn reference(prompt: &[u32], max_new_tokens: u32) -> Vec<u32> {
     seq.split_off(prompt.len())
 }
 
+/// What the worker keeps per slot.
+#[derive(Default)]
+struct SlotState {
+    table: Vec<u32>,
+    /// Positions computed so far.
+    computed: usize,
+    /// The token sampled by the slot's latest sampling step (what `LAST_SAMPLED` stands for).
+    last_sampled: Option<u32>,
+    /// Whether the slot's previous scheduled step sampled.
+    prev_sampled: bool,
+}
+
 /// Mirrors what the Python worker keeps across steps, and checks each plan against it.
 pub struct FakeWorker {
     page_size: usize,
-    /// Slot -> page table row and tokens computed so far.
-    slots: HashMap<u32, (Vec<u32>, usize)>,
+    slots: HashMap<u32, SlotState>,
     /// The KV cache: which token's KV sits at `page * page_size + offset`.
     kv: Vec<Option<u32>>,
     last_step: Option<u64>,
@@ -92,16 +107,17 @@ impl FakeWorker {
         }
         for new in &plan.new_requests {
             assert!(
-                self.slots.insert(new.slot, (Vec::new(), 0)).is_none(),
+                self.slots.insert(new.slot, SlotState::default()).is_none(),
                 "slot {} reused while live",
                 new.slot
             );
         }
         for u in &plan.page_table_updates {
-            let (table, _) = self
+            let table = &mut self
                 .slots
                 .get_mut(&u.slot)
-                .expect("page update for a live slot");
+                .expect("page update for a live slot")
+                .table;
             // Updates append, or rewrite a prefix with pages of identical content (the radix
             // tree's copy): the KV checks below catch a rewrite to the wrong pages.
             let first = u.first_index as usize;
@@ -122,39 +138,57 @@ impl FakeWorker {
         let mut sampled = Vec::new();
         let mut offset = 0;
         for r in &plan.scheduled {
-            let (table, computed) = self.slots.get_mut(&r.slot).expect("scheduled slot is live");
-            if *computed == 0 {
+            let slot = self.slots.get_mut(&r.slot).expect("scheduled slot is live");
+            if slot.computed == 0 {
                 assert_eq!(
                     r.start_pos, r.cached_len,
                     "a new request starts after its cached prefix"
                 );
-                *computed = r.start_pos as usize;
+                slot.computed = r.start_pos as usize;
             }
-            assert_eq!(
-                r.start_pos as usize, *computed,
-                "no gap or overlap between chunks"
+            // The one overlap allowed: the last position fed again after its sampled token was
+            // lost (`Harness::lose_samples_at`).
+            let refeed = slot.prev_sampled && r.start_pos as usize + 1 == slot.computed;
+            assert!(
+                r.start_pos as usize == slot.computed || refeed,
+                "no gap or overlap between chunks: start {} after {} computed",
+                r.start_pos,
+                slot.computed
             );
             let end = (r.start_pos + r.num_tokens) as usize;
             assert!(
-                table.len() * ps >= end,
+                slot.table.len() * ps >= end,
                 "pages cover every position written"
             );
-            for (i, &tok) in plan.input_ids[offset..offset + r.num_tokens as usize]
-                .iter()
-                .enumerate()
-            {
+            let input = &plan.input_ids[offset..offset + r.num_tokens as usize];
+            for (i, &tok) in input.iter().enumerate() {
+                let tok = if tok == LAST_SAMPLED {
+                    // Only as a lone decode token right after a sampling step of this slot,
+                    // at the position that step's token belongs to (checked above).
+                    assert_eq!(r.num_tokens, 1, "LAST_SAMPLED only in a one-token decode");
+                    assert!(
+                        slot.prev_sampled,
+                        "LAST_SAMPLED right after a sampling step"
+                    );
+                    slot.last_sampled
+                        .expect("LAST_SAMPLED after the slot sampled")
+                } else {
+                    tok
+                };
                 let pos = r.start_pos as usize + i;
-                self.kv[table[pos / ps] as usize * ps + pos % ps] = Some(tok);
+                self.kv[slot.table[pos / ps] as usize * ps + pos % ps] = Some(tok);
             }
             offset += r.num_tokens as usize;
-            *computed = end;
+            slot.computed = end;
+            slot.prev_sampled = r.sample;
             if r.sample {
                 let seq: Vec<u32> = (0..end)
                     .map(|pos| {
-                        self.kv[table[pos / ps] as usize * ps + pos % ps].expect("KV present")
+                        self.kv[slot.table[pos / ps] as usize * ps + pos % ps].expect("KV present")
                     })
                     .collect();
                 let token = next_token(&seq);
+                slot.last_sampled = Some(token);
                 sampled.push(SampledToken {
                     slot: r.slot,
                     token,
@@ -175,34 +209,97 @@ pub struct Harness {
     pub sched: Scheduler,
     pub worker: FakeWorker,
     pub outputs: HashMap<u64, Vec<RequestOutput>>,
+    /// Every plan, in order, as scheduled.
     pub plans: Vec<Plan>,
+    /// Keep up to two plans in flight, as the engine does with overlap on.
+    pub overlap: bool,
+    /// Plans executed whose results `advance` has not seen yet, oldest first.
+    pub in_flight: VecDeque<StepResult>,
+    /// Steps whose first sampled token is lost on its way back (as if the worker sent nothing
+    /// for that request).
+    pub lose_samples_at: Vec<u64>,
+    /// `max_new_tokens` of each submitted request.
+    max_new: HashMap<u64, u32>,
 }
 
 impl Harness {
+    /// One plan at a time: each result is advanced before the next plan is built.
     pub fn new(config: SchedulerConfig) -> Self {
+        Self::with_overlap(config, false)
+    }
+
+    pub fn with_overlap(config: SchedulerConfig, overlap: bool) -> Self {
         Harness {
             worker: FakeWorker::new(&config),
             sched: Scheduler::new(config).expect("valid config"),
             outputs: HashMap::new(),
             plans: Vec::new(),
+            overlap,
+            in_flight: VecDeque::new(),
+            lose_samples_at: Vec::new(),
+            max_new: HashMap::new(),
         }
     }
 
     pub fn submit(&mut self, req: Request) {
+        self.max_new.insert(req.id, req.max_new_tokens);
         self.sched.submit(req).expect("request accepted");
     }
 
-    /// One schedule → execute → advance round; false when there was nothing to schedule.
+    /// One round of the engine loop: schedule and execute a plan, then hand the oldest result
+    /// to `advance` if as many plans are in flight as the mode allows (or no plan was made).
+    /// False when nothing was scheduled nor advanced.
     pub fn step(&mut self) -> bool {
-        let Some(plan) = self.sched.schedule() else {
-            return false;
-        };
-        let result = self.worker.execute(&plan);
-        for out in self.sched.advance(&result) {
-            self.outputs.entry(out.id).or_default().push(out);
+        let plan = self.sched.schedule();
+        let made = plan.is_some();
+        if let Some(plan) = plan {
+            let mut result = self.worker.execute(&plan);
+            if self.lose_samples_at.contains(&plan.step_id) && !result.sampled.is_empty() {
+                result.sampled.remove(0);
+            }
+            self.in_flight.push_back(result);
+            self.plans.push(plan);
         }
-        self.plans.push(plan);
-        true
+        let depth = if self.overlap { 2 } else { 1 };
+        if self.in_flight.len() >= depth || (!made && !self.in_flight.is_empty()) {
+            self.advance_oldest();
+            return true;
+        }
+        made
+    }
+
+    /// Hands the oldest in-flight result to the scheduler.
+    pub fn advance_oldest(&mut self) {
+        let Some(result) = self.in_flight.pop_front() else {
+            return;
+        };
+        for out in self.sched.advance(&result) {
+            self.record(out);
+        }
+    }
+
+    /// Keeps an output, checking what every request's stream must satisfy.
+    pub fn record(&mut self, out: RequestOutput) {
+        let outs = self.outputs.entry(out.id).or_default();
+        assert!(
+            outs.last().is_none_or(|o| o.finished.is_none()),
+            "request {}: output after its last",
+            out.id
+        );
+        assert_eq!(
+            out.completion_tokens as usize,
+            outs.len() + 1,
+            "request {}: each token counted once",
+            out.id
+        );
+        if let Some(&max) = self.max_new.get(&out.id) {
+            assert!(
+                out.completion_tokens <= max,
+                "request {}: over max_new_tokens",
+                out.id
+            );
+        }
+        outs.push(out);
     }
 
     /// Steps until idle; panics if that takes more than `max_steps` (a deadlock or livelock).

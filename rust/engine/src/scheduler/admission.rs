@@ -1,0 +1,127 @@
+//! Admission: which waiting requests get a slot and their first prefill chunk in this step.
+//!
+//! A request is admitted only if the pages left over after what running requests are still
+//! expected to need (their unprefilled prompt and expected growth, see `RESERVE_*`) hold its
+//! uncached prompt and expected growth too; an idle engine always admits.
+
+use super::{
+    Active, NewRequestPlan, Phase, SchedulePolicy, Scheduler, Sequence, StepBuilder,
+    LPM_MAX_WAITING, RESERVE_CLIP,
+};
+
+impl Scheduler {
+    /// Tokens a request is still expected to generate, as admission budgets them.
+    pub(super) fn expected_growth(&self, seq: &Sequence) -> usize {
+        let remaining = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens());
+        // A request that ignores EOS runs to max_new_tokens (barring an abort): no guessing.
+        let ratio = if seq.req.ignore_eos {
+            1.0
+        } else {
+            self.reserve_ratio
+        };
+        (remaining.min(RESERVE_CLIP) as f64 * ratio).ceil() as usize
+    }
+
+    /// Pages kept back for the running requests: the rest of their prompts and their
+    /// expected growth.
+    fn reserved_pages(&self) -> usize {
+        let ps = self.config.page_size as usize;
+        let tokens: usize = self
+            .running
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .map(|seq| {
+                // A placeholder in flight puts `computed` one past the known tokens.
+                let unprefilled = seq
+                    .active()
+                    .map_or(0, |a| seq.tokens.len().saturating_sub(a.computed));
+                unprefilled + self.expected_growth(seq)
+            })
+            .sum();
+        tokens.div_ceil(ps)
+    }
+
+    /// Admits waiting requests in policy order while slots, budget and pages last.
+    pub(super) fn admit(&mut self, budget: &mut usize, step: &mut StepBuilder) {
+        let ps = self.config.page_size as usize;
+        let mut reserved = self.reserved_pages();
+        for id in self.admission_order() {
+            if *budget == 0 || self.free_slots.is_empty() {
+                break;
+            }
+            let Some(seq) = self.requests.get(&id) else {
+                continue;
+            };
+            // Never match the whole sequence: the last token must be computed to get logits.
+            let m = self.cache.match_prefix(&seq.tokens[..seq.tokens.len() - 1]);
+            self.cache.lock(m.node);
+            let spare = self.pool.free_count() + self.cache.evictable_pages();
+            let growth = self.expected_growth(seq);
+            let uncached = seq.tokens.len() - m.len;
+            let whole = (uncached + growth).div_ceil(ps);
+            // An idle engine always admits (the request fits the pool: `submit` checked).
+            if !self.running.is_empty() && spare < reserved + whole {
+                self.cache.unlock(m.node);
+                break;
+            }
+            let n = (seq.tokens.len() - m.len).min(*budget).min(spare * ps);
+            if n == 0 {
+                // Head-of-line blocking is deliberate: skipping ahead would starve long prompts.
+                self.cache.unlock(m.node);
+                break;
+            }
+            let Some(slot) = self.free_slots.pop_first() else {
+                self.cache.unlock(m.node);
+                break;
+            };
+            let own = self.pool.empty();
+            let Some(seq) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            seq.cached_tokens
+                .get_or_insert(m.len.min(seq.req.prompt.len()) as u32);
+            step.plan.new_requests.push(NewRequestPlan {
+                slot,
+                sampling: seq.req.sampling,
+            });
+            step.add_pages(slot, 0, &m.pages);
+            seq.phase = Phase::Prefilling(Active {
+                slot,
+                epoch: self.next_epoch,
+                prefix_node: m.node,
+                prefix_pages: m.pages,
+                own,
+                computed: m.len,
+                cached_len: m.len as u32,
+                in_flight: 0,
+                pending_samples: 0,
+                pending_table: None,
+            });
+            self.next_epoch += 1;
+            self.waiting.retain(|&w| w != id);
+            self.running.push(id);
+            self.schedule_chunk(id, n, step);
+            *budget -= n;
+            reserved += (uncached - n + growth).div_ceil(ps);
+        }
+    }
+
+    fn admission_order(&self) -> Vec<u64> {
+        let mut order: Vec<u64> = self.waiting.iter().copied().collect();
+        if self.config.policy == SchedulePolicy::Lpm && order.len() <= LPM_MAX_WAITING {
+            let mut keyed: Vec<(bool, usize, u64)> = order
+                .iter()
+                .map(|id| {
+                    let seq = &self.requests[id];
+                    let tokens = &seq.tokens[..seq.tokens.len() - 1];
+                    let retracted = matches!(seq.phase, Phase::Retracted);
+                    (retracted, self.cache.peek_prefix_len(tokens), *id)
+                })
+                .collect();
+            // Stable: ties keep arrival order. Retracted requests keep their place at the front.
+            keyed.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+            order = keyed.into_iter().map(|k| k.2).collect();
+        }
+        order
+    }
+}
