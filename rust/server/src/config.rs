@@ -26,6 +26,9 @@ pub struct ServerConfig {
     pub schedule_policy: String,
     #[serde(default)]
     pub disable_radix_cache: bool,
+    /// One plan at a time instead of scheduling step N+1 while the worker runs step N.
+    #[serde(default)]
+    pub disable_overlap_schedule: bool,
     #[serde(default)]
     pub log_requests: bool,
     /// Skip the one-token generation that proves the whole path works before binding HTTP.

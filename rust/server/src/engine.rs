@@ -1,10 +1,12 @@
 //! The engine thread: the single owner of the scheduler. HTTP tasks talk to it through
 //! `EngineHandle` (a command channel); it talks to the worker group through a `WorkerLink`.
 //!
-//! One loop: take commands → schedule a plan → send it → wait for the step result →
-//! advance the scheduler → route each token to its request's event channel.
+//! One loop: take commands → schedule a plan → send it → wait for the oldest step result →
+//! advance the scheduler → route each token to its request's event channel. With overlap on
+//! (the default) up to two plans are in flight: plan N+1 is scheduled and sent while the
+//! worker runs plan N, so the GPU does not idle while the host schedules and detokenizes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -32,7 +34,7 @@ pub enum LinkError {
 /// The engine's view of its worker group (shared memory in production, a fake in tests).
 pub trait WorkerLink: Send + 'static {
     fn send_plan(&mut self, plan: &Plan) -> Result<(), LinkError>;
-    /// Waits up to `timeout` for the result of the last plan.
+    /// Waits up to `timeout` for the next step result (results come back in plan order).
     fn recv_result(&mut self, timeout: Duration) -> Result<Option<StepResult>, LinkError>;
     /// Err if any worker is gone.
     fn check_alive(&mut self) -> Result<(), LinkError>;
@@ -179,6 +181,9 @@ pub struct EngineOptions {
     pub step_log_interval: u64,
     /// How often an idle or waiting engine checks that its workers are alive.
     pub liveness_interval: Duration,
+    /// Keep two plans in flight (schedule step N+1 while the worker runs step N); off for
+    /// `--disable-overlap-schedule`: one plan at a time.
+    pub overlap: bool,
 }
 
 impl Default for EngineOptions {
@@ -187,6 +192,7 @@ impl Default for EngineOptions {
             max_queued_requests: 4096,
             step_log_interval: 0,
             liveness_interval: Duration::from_millis(200),
+            overlap: true,
         }
     }
 }
@@ -225,6 +231,7 @@ pub fn spawn_engine(
                 link,
                 commands: rx,
                 requests: HashMap::new(),
+                in_flight: VecDeque::new(),
                 healthy,
                 stats,
                 options,
@@ -253,6 +260,8 @@ struct EngineLoop {
     link: Box<dyn WorkerLink>,
     commands: mpsc::Receiver<Command>,
     requests: HashMap<u64, LiveRequest>,
+    /// Plans sent whose results have not come back, oldest first.
+    in_flight: VecDeque<Plan>,
     healthy: Arc<AtomicBool>,
     stats: Arc<Mutex<EngineStats>>,
     options: EngineOptions,
@@ -263,9 +272,10 @@ struct EngineLoop {
 
 impl EngineLoop {
     fn run(&mut self) {
+        let depth = if self.options.overlap { 2 } else { 1 };
         loop {
-            // Block only when there is nothing to schedule.
-            if self.requests.is_empty() {
+            // Block only when there is nothing to schedule nor to receive.
+            if self.requests.is_empty() && self.in_flight.is_empty() {
                 match self.commands.recv_timeout(self.options.liveness_interval) {
                     Ok(cmd) => {
                         if !self.handle(cmd) {
@@ -289,25 +299,40 @@ impl EngineLoop {
             if !self.healthy.load(Ordering::Acquire) {
                 continue;
             }
-            let plan = match self.scheduler.schedule() {
-                Some(plan) if !plan.is_empty() => plan,
-                // Nothing runnable right now: wait for a command rather than spin.
-                _ => {
-                    match self.commands.recv_timeout(self.options.liveness_interval) {
-                        Ok(cmd) => {
-                            if !self.handle(cmd) {
-                                return;
-                            }
-                        }
-                        Err(RecvTimeoutError::Timeout) => {}
-                        Err(RecvTimeoutError::Disconnected) => return,
-                    }
+            // With one plan in flight the scheduler plans the next on top of it (the worker
+            // runs plans in order, and resolves `LAST_SAMPLED` inputs on the GPU).
+            let plan = if self.in_flight.len() < depth {
+                self.scheduler.schedule().filter(|p| !p.is_empty())
+            } else {
+                None
+            };
+            let sent = plan.is_some();
+            if let Some(plan) = plan {
+                // In flight from now on, even if sending fails (`fail_all` closes it).
+                self.in_flight.push_back(plan);
+                let sending = self.in_flight.back().map(|p| self.link.send_plan(p));
+                if let Some(Err(e)) = sending {
+                    self.fail_all(&e);
                     continue;
                 }
-            };
-            match self.run_step(&plan) {
-                Ok(result) => self.deliver(&plan, result),
-                Err(e) => self.fail_all(&e),
+            }
+            if self.in_flight.len() >= depth || (!sent && !self.in_flight.is_empty()) {
+                match self.recv_oldest() {
+                    Ok(Some((plan, result))) => self.deliver(&plan, result),
+                    Ok(None) => {}
+                    Err(e) => self.fail_all(&e),
+                }
+            } else if !sent {
+                // Nothing runnable and nothing in flight: wait for a command rather than spin.
+                match self.commands.recv_timeout(self.options.liveness_interval) {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            return;
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
             }
         }
     }
@@ -327,8 +352,10 @@ impl EngineLoop {
                 }
             }
             Command::FlushCache { reply } => {
-                let _ = reply.send(self.scheduler.flush_cache());
+                let flushed = self.scheduler.flush_cache();
+                // Publish first: the caller may read the stats as soon as it has the reply.
                 self.publish_stats(0, 0);
+                let _ = reply.send(flushed);
             }
             Command::Shutdown => return false,
         }
@@ -383,21 +410,35 @@ impl EngineLoop {
         }
     }
 
-    fn run_step(&mut self, plan: &Plan) -> Result<StepResult, LinkError> {
-        self.link.send_plan(plan)?;
+    /// Waits for the result of the oldest plan in flight (checking that the workers live),
+    /// and pops it with its plan. A result older than that plan is stale and dropped; one for
+    /// a newer plan in flight means the worker skipped the plans before it: they are dropped
+    /// too, and the scheduler counts them as answered with nothing.
+    fn recv_oldest(&mut self) -> Result<Option<(Plan, StepResult)>, LinkError> {
+        let Some(oldest) = self.in_flight.front().map(|p| p.step_id) else {
+            return Ok(None);
+        };
         loop {
-            if let Some(result) = self.link.recv_result(self.options.liveness_interval)? {
-                if result.step_id == plan.step_id {
-                    return Ok(result);
-                }
+            let Some(result) = self.link.recv_result(self.options.liveness_interval)? else {
+                self.link.check_alive()?;
+                continue;
+            };
+            if result.step_id < oldest
+                || !self.in_flight.iter().any(|p| p.step_id == result.step_id)
+            {
                 tracing::warn!(
-                    expected = plan.step_id,
+                    expected = oldest,
                     got = result.step_id,
                     "stale step result dropped"
                 );
                 continue;
             }
-            self.link.check_alive()?;
+            while let Some(plan) = self.in_flight.pop_front() {
+                if plan.step_id == result.step_id {
+                    return Ok(Some((plan, result)));
+                }
+                tracing::warn!(step = plan.step_id, "the worker skipped a step");
+            }
         }
     }
 
@@ -482,6 +523,16 @@ impl EngineLoop {
                 kind: EngineErrorKind::Unavailable,
             });
         }
+        // No result will come for the plans in flight: close them in the scheduler too (every
+        // request is aborted, so answering them with nothing changes nothing else).
+        if let Some(last) = self.in_flight.back().map(|p| p.step_id) {
+            self.scheduler.advance(&StepResult {
+                step_id: last,
+                sampled: Vec::new(),
+            });
+        }
+        self.in_flight.clear();
+        self.publish_stats(0, 0);
     }
 
     fn publish_stats(&mut self, batch: usize, tokens: usize) {

@@ -86,6 +86,7 @@ pub fn build_state(
     let options = EngineOptions {
         max_queued_requests: config.max_queued_requests as usize,
         step_log_interval: config.step_log_interval,
+        overlap: !config.disable_overlap_schedule,
         ..EngineOptions::default()
     };
     let (engine, _thread) =

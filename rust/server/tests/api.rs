@@ -2,7 +2,7 @@
 //! every sampled token comes from a fixed script, so responses are exactly predictable.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokenspeed_engine::plan::SampledToken;
-use tokenspeed_engine::{Plan, StepResult};
+use tokenspeed_engine::{Plan, StepResult, LAST_SAMPLED};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
@@ -34,29 +34,58 @@ fn smollm2_dir() -> PathBuf {
     dir
 }
 
-/// Answers each plan on a worker thread: sampled token = script[position in the answer].
+/// What the scripted worker saw, for tests to check.
+#[derive(Default)]
+struct WorkerLog {
+    /// The most plans sent whose results the engine had not taken yet.
+    max_in_flight: AtomicUsize,
+    /// `LAST_SAMPLED` inputs seen.
+    placeholders: AtomicUsize,
+}
+
+/// Answers each plan on a worker thread, in order, queueing the results: sampled token =
+/// script[position in the answer]. A plan that breaks the worker contract kills the thread,
+/// which the engine sees as a dead channel (every request then fails).
 struct ScriptedWorker {
     plans: mpsc::Sender<Plan>,
     results: mpsc::Receiver<StepResult>,
     dead: Arc<AtomicBool>,
+    log: Arc<WorkerLog>,
+    in_flight: usize,
 }
 
 impl ScriptedWorker {
-    fn start(script: Vec<u32>, dead: Arc<AtomicBool>) -> Self {
+    fn start(script: Vec<u32>, dead: Arc<AtomicBool>, log: Arc<WorkerLog>) -> Self {
         let (plan_tx, plan_rx) = mpsc::channel::<Plan>();
         let (res_tx, res_rx) = mpsc::channel();
+        let seen = log.clone();
         std::thread::spawn(move || {
-            let mut produced = std::collections::HashMap::<u32, usize>::new();
+            // Per slot: tokens sampled so far, and whether its previous step sampled.
+            let mut produced = std::collections::HashMap::<u32, (usize, bool)>::new();
             for plan in plan_rx {
                 for slot in &plan.finished_slots {
                     produced.remove(slot);
+                }
+                let mut offset = 0;
+                for r in &plan.scheduled {
+                    let ids = &plan.input_ids[offset..offset + r.num_tokens as usize];
+                    offset += r.num_tokens as usize;
+                    let state = produced.entry(r.slot).or_insert((0, false));
+                    if ids.contains(&LAST_SAMPLED) {
+                        seen.placeholders.fetch_add(1, Ordering::Relaxed);
+                        assert!(
+                            ids.len() == 1 && state.1,
+                            "LAST_SAMPLED only as a decode right after a sampling step"
+                        );
+                    }
+                    state.1 = r.sample;
                 }
                 let sampled = plan
                     .scheduled
                     .iter()
                     .filter(|r| r.sample)
                     .map(|r| {
-                        let n = produced.entry(r.slot).or_insert(0);
+                        let (n, _) = produced.entry(r.slot).or_insert((0, false));
                         let token = script[*n % script.len()];
                         *n += 1;
                         SampledToken {
@@ -82,6 +111,8 @@ impl ScriptedWorker {
             plans: plan_tx,
             results: res_rx,
             dead,
+            log,
+            in_flight: 0,
         }
     }
 }
@@ -89,6 +120,10 @@ impl ScriptedWorker {
 impl WorkerLink for ScriptedWorker {
     fn send_plan(&mut self, plan: &Plan) -> Result<(), LinkError> {
         self.check_alive()?;
+        self.in_flight += 1;
+        self.log
+            .max_in_flight
+            .fetch_max(self.in_flight, Ordering::Relaxed);
         self.plans
             .send(plan.clone())
             .map_err(|e| LinkError::Channel(e.to_string()))
@@ -98,7 +133,10 @@ impl WorkerLink for ScriptedWorker {
             return Ok(None);
         }
         match self.results.recv_timeout(timeout) {
-            Ok(r) => Ok(Some(r)),
+            Ok(r) => {
+                self.in_flight -= 1;
+                Ok(Some(r))
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
             Err(e) => Err(LinkError::Channel(e.to_string())),
         }
@@ -116,10 +154,15 @@ struct Harness {
     state: AppState,
     dead: Arc<AtomicBool>,
     answer: String,
+    log: Arc<WorkerLog>,
 }
 
-/// The scripted answer: " Paris is the capital." then EOS.
+/// The scripted answer: " Paris is the capital." then EOS. Overlap scheduling on (the default).
 fn harness(api_key: Option<&str>) -> Harness {
+    harness_with(api_key, false)
+}
+
+fn harness_with(api_key: Option<&str>, disable_overlap_schedule: bool) -> Harness {
     let dir = smollm2_dir();
     let tok = TextTokenizer::from_dir(&dir, None).expect("tokenizer");
     let answer = " Paris is the capital.".to_string();
@@ -142,6 +185,7 @@ fn harness(api_key: Option<&str>) -> Harness {
         max_prefill_tokens: 64,
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
+        disable_overlap_schedule,
         log_requests: false,
         skip_server_warmup: true,
         max_queued_requests: 100,
@@ -149,12 +193,14 @@ fn harness(api_key: Option<&str>) -> Harness {
         step_log_interval: 0,
         server_info: Value::Null,
     };
-    let link = Box::new(ScriptedWorker::start(script, dead.clone()));
+    let log = Arc::new(WorkerLog::default());
+    let link = Box::new(ScriptedWorker::start(script, dead.clone(), log.clone()));
     let state = build_state(config, link).expect("state");
     Harness {
         state,
         dead,
         answer,
+        log,
     }
 }
 
@@ -205,6 +251,43 @@ async fn completion_returns_the_scripted_answer_and_stops_at_eos() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(v["object"], "text_completion");
     assert!(v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) > 0);
+}
+
+#[tokio::test]
+async fn overlap_keeps_two_plans_in_flight_and_off_keeps_one() {
+    for disable in [false, true] {
+        let h = harness_with(None, disable);
+        let (status, body) = call(
+            &h.state,
+            "POST",
+            "/v1/completions",
+            Some(r#"{"prompt": "The capital of France is", "max_tokens": 50}"#),
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let v = json_of(&body);
+        assert_eq!(v["choices"][0]["text"], h.answer, "overlap off: {disable}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        let (max_in_flight, placeholders) = (
+            h.log.max_in_flight.load(Ordering::Relaxed),
+            h.log.placeholders.load(Ordering::Relaxed),
+        );
+        if disable {
+            assert_eq!((max_in_flight, placeholders), (1, 0));
+        } else {
+            assert_eq!(max_in_flight, 2);
+            assert!(
+                placeholders > 0,
+                "decodes planned before their input came back"
+            );
+        }
+        // The EOS found one step late cost a decode, but no page.
+        let (_, b) = call(&h.state, "POST", "/flush_cache", None, None).await;
+        let (_, b2) = call(&h.state, "GET", "/get_server_info", None, None).await;
+        let kv = &json_of(&b2)["kv_pages"];
+        assert_eq!(kv["free"], kv["total"], "{b} {b2}");
+    }
 }
 
 #[tokio::test]
