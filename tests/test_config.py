@@ -35,6 +35,7 @@ ALIASES = [
     (["--enforce-eager", "--disable-cuda-graph"], [], "disable_cuda_graph", True),
     (["--no-enable-prefix-caching", "--disable-radix-cache"], [], "disable_radix_cache", True),
     (["--enable-prefix-caching"], [], "disable_radix_cache", False),
+    (["--disable-overlap-schedule"], [], "disable_overlap_schedule", True),
     (["--tensor-parallel-size", "--tp", "--tp-size", "--attn-tp-size"], ["1"], "tp_size", 1),
     (["--model", "--model-path"], ["org/some-model"], "model_path", "org/some-model"),
     (["--max-num-batched-tokens", "--chunked-prefill-size"], ["2048"], "chunked_prefill_size", 2048),
@@ -359,8 +360,8 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--model-path", "--tokenizer-path", "--host", "--port", "--served-model-name", "--api-key",
         "--chat-template", "--context-length", "--page-size", "--max-running-requests",
         "--chunked-prefill-size", "--max-prefill-tokens", "--max-total-tokens", "--schedule-policy",
-        "--disable-radix-cache", "--mem-fraction-static", "--device", "--dtype", "--load-format",
-        "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
+        "--disable-radix-cache", "--disable-overlap-schedule", "--mem-fraction-static", "--device",
+        "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
         "--enable-metrics", "--dry-run", "--config",
     }  # fmt: skip

@@ -124,6 +124,7 @@ def launch(cfg: Any) -> int:
             "max_prefill_tokens": int(cfg.max_prefill_tokens or chunk),
             "schedule_policy": cfg.schedule_policy or "fcfs",
             "disable_radix_cache": bool(cfg.disable_radix_cache),
+            "disable_overlap_schedule": bool(cfg.disable_overlap_schedule),
             "log_requests": bool(cfg.log_requests),
             "skip_server_warmup": bool(cfg.skip_server_warmup),
             "worker_pids": [p.pid for p in workers],

@@ -41,6 +41,7 @@ class ServeConfig:
     schedule_policy: str = "fcfs"
     page_size: int = 16
     disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
     # Runtime.
     device: str = "auto"
     random_seed: int | None = None

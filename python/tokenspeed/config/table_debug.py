@@ -48,8 +48,9 @@ OPT_FLAGS: list[Flag] = [
       component="worker"),
     b("--enable-torch-symm-mem", "Use PyTorch symmetric memory for all-reduce.", G_OPT,
       component="worker"),
-    b("--disable-overlap-schedule", "Stop overlapping CPU scheduling with GPU execution.", G_OPT,
-      component="both"),
+    b("--disable-overlap-schedule", "Stop overlapping CPU scheduling with GPU execution: "
+      "schedule each step only after the previous one's tokens came back.", G_OPT,
+      component="both", implemented=True),
     b("--enable-mixed-chunk", "Let decode requests ride along in chunked-prefill batches.",
       G_OPT),
     b("--enable-two-batch-overlap", "Split each batch in two and overlap their communication "
