@@ -189,6 +189,7 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
         "chunked_prefill_size": state.config.chunked_prefill_size,
         "schedule_policy": state.config.schedule_policy,
         "disable_radix_cache": state.config.disable_radix_cache,
+        "disable_overlap_schedule": state.config.disable_overlap_schedule,
         "kv_pages": {
             "total": stats.total_pages, "free": stats.free_pages, "used": stats.used_pages,
             "cached": stats.cached_pages, "evictable": stats.evictable_pages,
