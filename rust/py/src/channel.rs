@@ -434,8 +434,10 @@ fn create_test_writer(
     })
 }
 
-/// Adds the channel classes, `create_test_writer` and `ChannelShutdown` to `m`.
+/// Adds the channel classes, `create_test_writer`, `ChannelShutdown` and `LAST_SAMPLED` (the
+/// input id a plan uses for "this slot's last sampled token") to `m`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("LAST_SAMPLED", tokenspeed_engine::LAST_SAMPLED)?;
     m.add_class::<WorkerChannel>()?;
     m.add_class::<TestWriter>()?;
     m.add_function(wrap_pyfunction!(create_test_writer, m)?)?;
