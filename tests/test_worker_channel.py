@@ -201,3 +201,9 @@ def test_views_outlive_the_channel_object(name):
     w.close()
     gc.collect()
     assert d["input_ids"].tolist() == PLAN["input_ids"]  # still mapped: no crash
+
+
+def test_last_sampled_constant_matches_the_rust_core():
+    from tokenspeed.plan import LAST_SAMPLED
+
+    assert _core.LAST_SAMPLED == LAST_SAMPLED == 2**32 - 1
