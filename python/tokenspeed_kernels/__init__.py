@@ -6,6 +6,7 @@ from tokenspeed_kernels.extend_attention import paged_extend_attention
 from tokenspeed_kernels.kv_cache import write_kv_to_pages
 from tokenspeed_kernels.norm import fused_add_rmsnorm, rmsnorm
 from tokenspeed_kernels.rotary import build_cos_sin_cache, rotary_embedding
+from tokenspeed_kernels.rotary_kv import rotary_embedding_write_kv
 
 __all__ = [
     "build_cos_sin_cache",
@@ -15,6 +16,7 @@ __all__ = [
     "paged_extend_attention",
     "rmsnorm",
     "rotary_embedding",
+    "rotary_embedding_write_kv",
     "silu_and_mul",
     "write_kv_to_pages",
 ]

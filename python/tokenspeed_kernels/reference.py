@@ -166,3 +166,24 @@ def ref_write_kv_to_pages(
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d)[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, hkv, d)[slots] = v[keep].to(v_cache.dtype)
+
+
+def ref_rotary_embedding_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary then KV write: rotated k (fp32, cast to the cache dtype) and v go into the caches
+    (updated in place); returns the fp32 rotated (q, k), shaped like the inputs."""
+    head_dim = k_cache.shape[-1]
+    ref_q, ref_k = ref_rotary_embedding(positions, q, k, cos_sin_cache, head_dim, is_neox)
+    t = k.shape[0]
+    ref_write_kv_to_pages(ref_k.reshape(t, -1, head_dim), v.reshape(t, -1, head_dim), k_cache, v_cache,
+                          slot_mapping)  # fmt: skip
+    return ref_q, ref_k
