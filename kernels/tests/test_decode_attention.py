@@ -7,7 +7,10 @@ import torch
 
 from helpers import TOL, make_paged_cache, rel_err
 from tokenspeed_kernels import paged_decode_attention
+from tokenspeed_kernels.decode_attention import decode_semaphores
 from tokenspeed_kernels.reference import ref_paged_decode_attention
+
+FUSED = pytest.mark.parametrize("fused_reduce", [True, False], ids=["fused", "two_kernel"])
 
 
 def _run(
@@ -20,6 +23,7 @@ def _run(
     device: str,
     num_splits: int | None,
     seed: int,
+    fused_reduce: bool = True,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, page_table = make_paged_cache(seq_lens, page_size, hkv, head_dim, dtype, device, gen)
@@ -27,28 +31,52 @@ def _run(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale, out=out, num_splits=num_splits)
+    paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale, out=out, num_splits=num_splits,
+                           fused_reduce=fused_reduce)  # fmt: skip
     ref = ref_paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale)
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"rel err {err:.2e}"
+    if fused_reduce:  # the counters are left zeroed for the next launch (CUDA-graph replays)
+        assert not decode_semaphores(q.device, len(seq_lens) * hkv).any()
 
 
+@FUSED
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_shapes(group: int, head_dim: int, page_size: int, device: str) -> None:
-    _run([1, 7, 33, 300], 2, group, head_dim, page_size, torch.float32, device, None, seed=group * head_dim)
+def test_decode_shapes(group: int, head_dim: int, page_size: int, fused_reduce: bool, device: str) -> None:
+    _run([1, 7, 33, 300], 2, group, head_dim, page_size, torch.float32, device, None, seed=group * head_dim,
+         fused_reduce=fused_reduce)  # fmt: skip
 
 
+@FUSED
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_dtypes(dtype: torch.dtype, device: str) -> None:
-    _run([5, 130], 2, 4, 64, 16, dtype, device, None, seed=1)
+def test_decode_dtypes(dtype: torch.dtype, fused_reduce: bool, device: str) -> None:
+    _run([5, 130], 2, 4, 64, 16, dtype, device, None, seed=1, fused_reduce=fused_reduce)
 
 
+@FUSED
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_decode_splits(num_splits: int, device: str) -> None:
+def test_decode_splits(num_splits: int, fused_reduce: bool, device: str) -> None:
     # 8 splits over seq 7 leaves most splits empty; the reduce must weigh them 0.
-    _run([7, 200], 1, 8, 64, 16, torch.float32, device, num_splits, seed=num_splits)
+    _run([7, 200], 1, 8, 64, 16, torch.float32, device, num_splits, seed=num_splits, fused_reduce=fused_reduce)
+
+
+def test_decode_fused_matches_two_kernel_and_replays(device: str) -> None:
+    """Fused and two-kernel reduces agree; repeated launches on one counter buffer (as graph
+    replays do) give the same output and leave the counters zero; a caller's buffer works."""
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [3, 64, 65, 200, 1]
+    k_cache, v_cache, page_table = make_paged_cache(seq_lens, 16, 2, 64, torch.float32, device, gen)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (q, k_cache, v_cache, page_table, lens, 0.125)
+    two = paged_decode_attention(*args, num_splits=5, fused_reduce=False)
+    sems = torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=device)
+    for _ in range(3):
+        fused = paged_decode_attention(*args, num_splits=5, semaphores=sems)
+        torch.testing.assert_close(fused, two, atol=1e-6, rtol=1e-6)
+        assert not sems.any()
 
 
 def test_decode_output_dtype_and_alloc(device: str) -> None:
@@ -63,10 +91,45 @@ def test_decode_output_dtype_and_alloc(device: str) -> None:
 
 
 @pytest.mark.gpu
+@FUSED
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_gpu_big(dtype: torch.dtype, group: int, device: str) -> None:
+def test_decode_gpu_big(dtype: torch.dtype, group: int, fused_reduce: bool, device: str) -> None:
     gen = torch.Generator().manual_seed(7)
     seq_lens = torch.randint(1, 5000, (37,), generator=gen).tolist() + [8192, 1]
-    _run(seq_lens, 8, group, 128, 16, dtype, device, None, seed=group)
-    _run(seq_lens[:5], 8, group, 128, 1, dtype, device, 16, seed=group + 1)
+    _run(seq_lens, 8, group, 128, 16, dtype, device, None, seed=group, fused_reduce=fused_reduce)
+    _run(seq_lens[:5], 8, group, 128, 1, dtype, device, 16, seed=group + 1, fused_reduce=fused_reduce)
+
+
+@pytest.mark.gpu
+def test_decode_fused_reduce_gpu_stress(device: str) -> None:
+    """Memory-ordering stress: 64 splits per kv head racing to be last, 8 launches per CUDA graph,
+    replayed with new q and lengths each time: every (request, head) row of every launch must
+    match the two-kernel result (a stale or missing partial would be off by O(1))."""
+    gen = torch.Generator().manual_seed(3)
+    batch, hkv, group, d, splits, launches = 16, 8, 4, 128, 64, 8
+    k_cache, v_cache, page_table = make_paged_cache([8192] * batch, 16, hkv, d, torch.bfloat16, device, gen)
+    q = torch.randn(launches, batch, hkv * group, d, device=device, dtype=torch.bfloat16)
+    lens = torch.full((batch,), 8192, dtype=torch.int32, device=device)
+    sems = torch.zeros(batch * hkv, dtype=torch.int32, device=device)
+    fused, two = torch.empty_like(q), torch.empty_like(q)
+
+    def step() -> None:
+        for i in range(launches):
+            args = (q[i], k_cache, v_cache, page_table, lens, d**-0.5)
+            paged_decode_attention(*args, out=fused[i], num_splits=splits, semaphores=sems)
+            paged_decode_attention(*args, out=two[i], num_splits=splits, fused_reduce=False)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(100):
+        q.normal_()
+        lens.random_(1, 8193)
+        fused.fill_(float("nan"))
+        graph.replay()
+        row_err = (fused.float() - two.float()).norm(dim=-1) / two.float().norm(dim=-1)
+        assert row_err.max().item() < 2e-2, f"replay {replay}: worst row rel err {row_err.max().item()}"
+    torch.cuda.synchronize()
+    assert not sems.any()

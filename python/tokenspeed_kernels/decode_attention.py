@@ -1,4 +1,11 @@
-"""Paged decode attention: GQA-grouped split-K (flash-decoding) Triton kernels plus the reduce."""
+"""Paged decode attention: GQA-grouped split-K (flash-decoding) Triton kernel plus the reduce.
+
+The reduce of the split partials runs either as a second kernel or, with fused_reduce, inside the
+split kernel: the last program of each (request, kv head) to finish combines the partials. It
+finds out it is last from an int32 counter that every program increments once (release: its
+partials are published; acquire: it sees everyone else's) and that the last one resets to 0, so
+the counters are zero again after every launch, as a CUDA-graph replay needs them.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,56 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _combine_group(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_ph,
+    stride_ps,
+    stride_lh,
+    stride_oh,
+    group,
+    n_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_CS: tl.constexpr,
+):
+    """out[g] = log-sum-exp weighted sum of the first n_splits partials of q head g, for the
+    `group` heads of one kv head at once (one CTA reduces them all: one load latency per
+    BLOCK_CS splits, not one per head). Partials are read through L2 (.cg)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.arange(0, BLOCK_CS)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < group
+    mask_d = offs_d < HEAD_DIM
+    lse_rows = lse_ptr + offs_g[:, None] * stride_lh
+    lse = tl.load(lse_rows + offs_s[None, :], mask=mask_g[:, None] & (offs_s[None, :] < n_splits),
+                  other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_CS):
+        sc = s0 + offs_c
+        mask_c = mask_g[:, None] & (sc[None, :] < n_splits)
+        w = tl.exp2(tl.load(lse_rows + sc[None, :], mask=mask_c, other=float("-inf"), cache_modifier=".cg")
+                    - m[:, None])  # fmt: skip
+        parts = tl.load(
+            part_ptr + offs_g[:, None, None] * stride_ph + sc[None, :, None] * stride_ps + offs_d[None, None, :],
+            mask=mask_c[:, :, None] & mask_d[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += tl.sum(parts * w[:, :, None], 1)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + offs_g[:, None] * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask_g[:, None] & mask_d[None, :])  # fmt: skip
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -20,6 +77,8 @@ def _decode_split_kernel(
     seq_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    out_ptr,
+    sem_ptr,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -35,6 +94,8 @@ def _decode_split_kernel(
     stride_os,
     stride_lb,
     stride_lh,
+    stride_fb,
+    stride_fh,
     num_splits,
     group,
     BLOCK_H: tl.constexpr,
@@ -44,8 +105,16 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_CS: tl.constexpr,
 ):
-    """One program = one (request, kv head, split): all `group` q heads share each K/V tile."""
+    """One program = one (request, kv head, split): all `group` q heads share each K/V tile.
+
+    FUSED_REDUCE: the last program of the (request, kv head) also writes out [B, Hq, D] (strides
+    stride_fb/stride_fh) from all splits' partials; sem_ptr: [B * Hkv] int32 zeros (left zero).
+    """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,9 +170,31 @@ def _decode_split_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    if FUSED_REDUCE:  # noqa: SIM102  (constexpr test kept apart from the runtime one)
+        if num_splits == 1:  # the reduce of one split is the identity
+            f_ptrs = out_ptr + b * stride_fb + heads[:, None] * stride_fh + offs_d[None, :]
+            tl.store(f_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+            return
     o_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, out, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+    if FUSED_REDUCE:
+        # Release: the CTA barrier orders every thread's partial stores before the one-thread
+        # gpu-scope acq_rel atomic (a lone release covers only what its thread has observed).
+        tl.debug_barrier()
+        sem = sem_ptr + b * tl.num_programs(1) + kvh
+        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            # Acquire: the atomic's result reaches the other threads through shared memory and a
+            # barrier; this barrier makes that explicit. Partials are read through L2 (.cg).
+            tl.debug_barrier()
+            tl.store(sem, 0)  # every program has arrived: zero for the next launch / graph replay
+            n_used = tl.cdiv(seq_len, per_split)  # later splits are empty (lse -inf): not read
+            _combine_group(part_out_ptr + b * stride_ob + kvh * group * stride_oh,
+                           part_lse_ptr + b * stride_lb + kvh * group * stride_lh,
+                           out_ptr + b * stride_fb + kvh * group * stride_fh,
+                           stride_oh, stride_os, stride_lh, stride_fh, group, n_used,
+                           HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_S, BLOCK_CS)  # fmt: skip
 
 
 @triton.jit
@@ -154,6 +245,26 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
     return max(1, min(by_occupancy, by_length, 64))
 
 
+_SEMAPHORES: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def decode_semaphores(device: torch.device, count: int) -> torch.Tensor:
+    """The per-device zeroed int32 counters of the fused reduce (>= count of them).
+
+    Buffers are never freed (a captured CUDA graph keeps using the one it saw) and are grown only
+    outside stream capture. One buffer serves one stream at a time: decode launches that may
+    overlap in time on different streams must pass their own `semaphores`.
+    """
+    bufs = _SEMAPHORES.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("paged_decode_attention(fused_reduce=True) first ran inside CUDA-graph "
+                               "capture: run it once eagerly at the largest batch first, or pass "
+                               "semaphores=")  # fmt: skip
+        bufs.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -167,6 +278,8 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    fused_reduce: bool = True,
+    semaphores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged KV cache.
 
@@ -174,6 +287,9 @@ def paged_decode_attention(
     seq_lens: [B] int32 (tokens in cache, including the new one, >= 1). Returns out [B, Hq, D] in
     q.dtype. Pass num_splits (fixed) under CUDA graphs; else it is derived from max_seq_len
     (read from seq_lens, a host sync, when not given). block_n/num_warps/num_stages: tuning knobs.
+    fused_reduce: one kernel (the last split program per kv head reduces) instead of split kernel
+    + reduce kernel; semaphores: its [>= B * Hkv] int32 zero counters, zero again on return
+    (default: decode_semaphores(q.device, ...), shared by the launches of one stream).
     """
     batch, hq, head_dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
@@ -194,6 +310,15 @@ def paged_decode_attention(
         block_n = 64 if block_d <= 128 else 32
     part_out = torch.empty((batch, hq, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    block_s, block_cs = 1, 1  # (unused without the fused reduce: one compiled variant)
+    if fused_reduce:
+        # Reduce tile [group, BLOCK_CS, D] of <= 16K fp32 (H200 sweep, kernels/bench/NOTES.md).
+        block_s = triton.next_power_of_2(num_splits)
+        block_cs = max(1, min(block_s, 16384 // (triton.next_power_of_2(group) * block_d)))
+        if semaphores is None:
+            semaphores = decode_semaphores(q.device, batch * hkv)
+        assert semaphores.dtype == torch.int32 and semaphores.is_contiguous()
+        assert semaphores.numel() >= batch * hkv
     _decode_split_kernel[(batch, hkv, num_splits)](
         q,
         k_cache,
@@ -202,6 +327,8 @@ def paged_decode_attention(
         seq_lens,
         part_out,
         part_lse,
+        out,
+        semaphores if fused_reduce else part_lse,  # (unused without the fused reduce)
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -217,6 +344,8 @@ def paged_decode_attention(
         part_out.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         num_splits,
         group,
         BLOCK_H=block_h,
@@ -226,9 +355,15 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=upcast_dot(q.dtype),
+        FUSED_REDUCE=fused_reduce,
+        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_S=block_s,
+        BLOCK_CS=block_cs,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if fused_reduce:
+        return out
     _decode_reduce_kernel[(batch, hq)](
         part_out,
         part_lse,
