@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import numpy as np
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
@@ -52,6 +52,24 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_llama_triton")
     LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3: q/k RMSNorm before RoPE, head_dim != hidden / heads. Norm weights are
+    random: with unit weights RMSNorm and RoPE commute and a wrong order would go unseen."""
+    cfg = Qwen3Config(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=256, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape))
+    path = tmp_path_factory.mktemp("tiny_qwen3_triton")
+    model.save_pretrained(path)
     return str(path)
 
 
@@ -139,6 +157,20 @@ def test_chunked_prefill_and_batched_decode_match_torch_native(
         results[backend] = OfflineScheduler(runner_for(tiny_llama, backend)).generate(
             PROMPTS, 10, chunk_size=6, decode_after_all_prefills=decode_after_all_prefills,
             keep_logits=True)
+    ref, tri = results["torch_native"], results["triton"]
+    assert tri.tokens == ref.tokens
+    for req_a, req_b in zip(tri.logits, ref.logits):
+        for a, b in zip(req_a, req_b):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+def test_qwen3_qk_norm_then_fused_rope_matches_torch_native(tiny_qwen3: str) -> None:
+    """The triton backend applies RoPE inside its KV write: q/k norms must still come first."""
+    if _needs_subprocess():
+        _rerun_in_subprocess("test_qwen3_qk_norm_then_fused_rope_matches_torch_native")
+        return
+    results = {backend: OfflineScheduler(runner_for(tiny_qwen3, backend)).generate(
+        PROMPTS, 6, chunk_size=6, keep_logits=True) for backend in ("torch_native", "triton")}
     ref, tri = results["torch_native"], results["triton"]
     assert tri.tokens == ref.tokens
     for req_a, req_b in zip(tri.logits, ref.logits):

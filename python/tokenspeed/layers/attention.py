@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenspeed.host_copy import to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
+from tokenspeed.layers.rotary import Rope
 
 
 @dataclass
@@ -54,9 +55,12 @@ class AttentionBackend(ABC):
     """Writes the new K/V into the paged cache and attends causally over each request's context.
 
     `prepare` runs once per step (host-side metadata); `forward` runs once per layer.
+    A backend with `fuses_rope` also takes `rope=` in forward and applies RoPE to q and k
+    itself (with the KV write); the others get q and k already rotated.
     """
 
     name: str = ""
+    fuses_rope: bool = False
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
@@ -82,9 +86,17 @@ class Attention(nn.Module):
         self.scaling = scaling
         self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        return batch.backend.forward(q, k, v, self, batch)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                rope: Rope | None = None) -> torch.Tensor:
+        """rope: RoPE still to apply to q and k (after any q/k norm): fused into the backend's
+        KV write where it can, else applied here first."""
+        backend = batch.backend
+        if rope is None:
+            return backend.forward(q, k, v, self, batch)
+        if backend.fuses_rope:
+            return backend.forward(q, k, v, self, batch, rope=rope)  # type: ignore[call-arg]
+        q, k = rope.apply(q, k)
+        return backend.forward(q, k, v, self, batch)
 
 
 BACKENDS = ("torch_native", "triton", "flashinfer")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,3 +76,18 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return (q * cos + self._rotate_half(q) * sin,
                 k * cos + self._rotate_half(k) * sin)
+
+
+@dataclass
+class Rope:
+    """RoPE at `positions`, handed to the attention layer so that a backend can fuse it with
+    the KV-cache write (AttentionBackend.fuses_rope); `apply` is the unfused fallback."""
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor  # [T]
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(self.positions, q, k)
+
+    def cos_sin_cache(self) -> torch.Tensor:
+        return self.rotary.cos_sin_cache()

@@ -16,6 +16,7 @@ import torch
 
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
+from tokenspeed.layers.rotary import Rope
 
 
 @dataclass
@@ -33,6 +34,7 @@ class TritonBackend(AttentionBackend):
     """Fast path on CUDA; also runs on the CPU under TRITON_INTERPRET=1 (tests)."""
 
     name = "triton"
+    fuses_rope = True  # rotary_embedding_write_kv: RoPE and the KV write in one kernel
 
     def __init__(self, kv_cache: PagedKVCache, max_context_len: int,
                  sliding_window: int | None = None) -> None:
@@ -75,11 +77,22 @@ class TritonBackend(AttentionBackend):
             max_new_tokens=int(batch.num_tokens.max()))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch) -> torch.Tensor:
-        from tokenspeed_kernels import paged_decode_attention, paged_extend_attention, write_kv_to_pages
+                batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
+        """rope: rotate q (in place) and k on their way into the cache, one kernel for both. k
+        itself stays unrotated: both attention kernels read every key from the cache."""
+        from tokenspeed_kernels import (
+            paged_decode_attention,
+            paged_extend_attention,
+            rotary_embedding_write_kv,
+            write_kv_to_pages,
+        )
 
         k_cache, v_cache = self.kv_cache.k[layer.layer_id], self.kv_cache.v[layer.layer_id]
-        write_kv_to_pages(k, v, k_cache, v_cache, batch.out_cache_loc)
+        if rope is None:
+            write_kv_to_pages(k, v, k_cache, v_cache, batch.out_cache_loc)
+        else:
+            rotary_embedding_write_kv(rope.positions, q, k, v, rope.cos_sin_cache(), k_cache, v_cache,
+                                      batch.out_cache_loc, is_neox=True)
         m: TritonMetadata = batch.metadata
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if m.decode:

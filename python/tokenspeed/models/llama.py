@@ -12,7 +12,7 @@ from tokenspeed.layers.attention import Attention, ForwardBatch
 from tokenspeed.layers.embedding import LMHead, VocabEmbedding
 from tokenspeed.layers.linear import GateUpLinear, QKVLinear, RowLinear
 from tokenspeed.layers.norm import RMSNorm
-from tokenspeed.layers.rotary import RotaryEmbedding
+from tokenspeed.layers.rotary import Rope, RotaryEmbedding
 from tokenspeed.models.config import ModelConfig
 
 
@@ -32,7 +32,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """qkv projection (+ optional per-head q/k RMSNorm, Qwen3) → RoPE → paged attention → o_proj."""
+    """qkv projection (+ optional per-head q/k RMSNorm, Qwen3) → RoPE → paged attention → o_proj.
+
+    RoPE goes to the attention layer, which lets the backend fuse it with the KV-cache write."""
 
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -55,9 +57,8 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+            q, k = self.q_norm(q), self.k_norm(k)  # before RoPE, as in Qwen3
+        return self.o_proj(self.attn(q, k, v, batch, rope=Rope(self.rotary[0], positions)))
 
 
 class LlamaDecoderLayer(nn.Module):
