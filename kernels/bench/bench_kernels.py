@@ -152,9 +152,12 @@ def paged_inputs(seq_lens: list[int], dtype: torch.dtype) -> Inputs:
     return {"k": k_cache, "v": v_cache, "pt": page_table.cuda(), "lens": lens}
 
 
-def bench_decode(tab: Table, dtype: torch.dtype, splits_override: int | None = None) -> None:
+def bench_decode(tab: Table, dtype: torch.dtype, splits_override: int | None = None, fused: bool = True) -> None:
+    """fused: the split kernel's last program per kv head reduces (one launch); else the
+    two-kernel path (split kernel + reduce kernel), reported as paged_decode_2k."""
     scale = D**-0.5
     es = torch.tensor([], dtype=dtype).element_size()
+    kernel = "paged_decode" if fused else "paged_decode_2k"
     for batch in (1, 8, 64, 256) if splits_override is None else (1, 8, 32):
         for ctx in (1024, 4096, 8192) if splits_override is None else (1024, 8192):
             splits = splits_override or tk.default_num_splits(batch, HKV, ctx)
@@ -167,7 +170,7 @@ def bench_decode(tab: Table, dtype: torch.dtype, splits_override: int | None = N
 
             def run(s: Inputs, splits: int = splits) -> torch.Tensor:
                 return tk.paged_decode_attention(s["q"], s["k"], s["v"], s["pt"], s["lens"], scale,
-                                                 out=s["out"], num_splits=splits)  # fmt: skip
+                                                 out=s["out"], num_splits=splits, fused_reduce=fused)  # fmt: skip
 
             def base(s: Inputs) -> torch.Tensor:
                 return ref.ref_paged_decode_attention_batched(
@@ -182,7 +185,7 @@ def bench_decode(tab: Table, dtype: torch.dtype, splits_override: int | None = N
 
             kv_bytes = 2 * batch * ctx * HKV * D * es
             nbytes = kv_bytes + 2 * batch * HQ * D * es
-            measure(tab, "paged_decode", f"B={batch} ctx={ctx} splits={splits}", build, run,
+            measure(tab, kernel, f"B={batch} ctx={ctx} splits={splits}", build, run,
                     None if splits_override else base, check,
                     TOL[dtype], footprint=kv_bytes, nbytes=nbytes, batch=batch, ctx=ctx,
                     num_splits=splits)  # fmt: skip
@@ -302,6 +305,27 @@ def bench_elementwise(tab: Table, dtype: torch.dtype) -> None:
                 lambda s: ref.ref_write_kv_to_pages(*kv_args(s)), c_kv,
                 0.5, footprint=2 * kv_bytes, nbytes=2 * kv_bytes, tokens=tokens)  # fmt: skip
 
+        def rope_kv(s: Inputs) -> None:
+            tk.rotary_embedding_write_kv(s["pos"], s["q"], s["k"], s["v"], cos_sin, s["kc"], s["vc"], s["slots"])
+
+        def rope_then_kv(s: Inputs) -> None:  # the two-kernel path it replaces
+            tk.rotary_embedding(s["pos"], s["q"], s["k"], cos_sin, D)
+            tk.write_kv_to_pages(*kv_args(s))
+
+        def c_rope_kv(s: Inputs) -> float:
+            ref_kc, ref_vc = s["kc"].clone(), s["vc"].clone()
+            ref_q, _ = ref.ref_rotary_embedding_write_kv(s["pos"], s["q"], s["k"], s["v"], cos_sin, ref_kc, ref_vc,
+                                                         s["slots"])  # fmt: skip
+            rope_kv(s)
+            v_ok = torch.equal(s["vc"], ref_vc)
+            return max(rel_err(s["q"], ref_q), rel_err(s["kc"], ref_kc), 0.0 if v_ok else 1.0)
+
+        rope_kv_bytes = 2 * tokens * HQ * D * es + 2 * kv_bytes + tokens * D * 4  # q r+w, k/v r+w, cos/sin
+        measure(tab, "rotary_write_kv", f"T={tokens} Hq={HQ} Hkv={HKV}", b_rope, rope_kv, rope_then_kv, c_rope_kv,
+                TOL[dtype], footprint=rope_kv_bytes, nbytes=rope_kv_bytes, tokens=tokens)  # fmt: skip
+        measure(tab, "rotary+write_kv", f"T={tokens} Hq={HQ} Hkv={HKV} (2 kernels)", b_rope, rope_then_kv, None,
+                lambda s: 0.0, 1.0, footprint=rope_kv_bytes, nbytes=rope_kv_bytes, tokens=tokens)  # fmt: skip
+
 
 def measure_ceilings() -> None:
     """Device-to-device copy (1 GiB, read + write counted) and an 8192^3 bf16 matmul, medians."""
@@ -336,6 +360,7 @@ def main() -> int:
           f"{CEIL['bf16_tflops']:.0f} TF/s; % ceil columns use these")  # fmt: skip
     if "decode" in groups:
         bench_decode(tab, dtype)
+        bench_decode(tab, dtype, fused=False)
         if args.sweep:
             for splits in (1, 2, 4, 8, 16, 32, 64):
                 bench_decode(tab, dtype, splits_override=splits)
