@@ -1,0 +1,268 @@
+"""Skinny matmul (GEMV for 1..16 rows): out[M, N] = x[M, K] @ weight[N, K].T (+ bias), fp32 accumulation.
+
+Batch-1..8 decode is weight-bandwidth bound: every weight byte is read once per step and each feeds
+only M multiply-adds. So the kernel is built to stream W at DRAM speed:
+
+* One program owns BLOCK_N rows of W (= BLOCK_N output columns) for all M rows of x at once, and walks
+  K in BLOCK_K steps. A [BLOCK_N, BLOCK_K] tile is BLOCK_N contiguous row segments: 16-byte vector loads,
+  fully coalesced. x (at most a few KB) stays in L1/L2.
+* Out-of-range rows/columns are clamped to the last valid index instead of masked, so the main loop has
+  no masks at all (the duplicate results are simply not stored); only a K tail step is masked.
+* Two inner products, picked per shape class: "fma" (broadcast multiply + in-register reduction over K,
+  CUDA cores) and "dot" (tl.dot with M padded to 16: tensor cores, whose waste is free here because the
+  kernel is memory bound, and whose shared-memory staging gives Triton's software pipeliner deep
+  prefetch).
+* Optional split-K for shapes with too few row blocks to fill the GPU (e.g. down_proj N=4096,
+  K=14336): each (row block, K slice) program writes an fp32 partial, a second tiny kernel sums the
+  slices in a fixed order (deterministic: no atomics) and adds the bias.
+
+Everything is CUDA-graph safe: no host syncs, the config is a pure function of (M, N, K, dtype, SM count)
+and the only allocations are torch.empty (output, split-K workspace).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_M = 16  # larger batches are compute-shaped: cuBLAS (F.linear) handles them
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch configuration of skinny_linear (see _pick_config for the defaults)."""
+
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 1
+    use_dot: bool = False
+    split_k: int = 1
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1: kernels run on the CPU through numpy."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    """Multiprocessor count (8 without CUDA, i.e. under the interpreter)."""
+    if not torch.cuda.is_available():
+        return 8
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@triton.jit
+def _gemv_step(
+    acc,
+    w_ptrs,
+    x_ptrs,
+    k_rem,
+    offs_k,
+    MASKED: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ X^T[BLOCK_K, BLOCK_M] for one K step."""
+    if MASKED:
+        w = tl.load(w_ptrs, mask=offs_k[None, :] < k_rem, other=0.0)
+    else:
+        w = tl.load(w_ptrs)
+    if USE_DOT:
+        # x_ptrs is laid out [BLOCK_K, BLOCK_M] (x transposed) for the dot's B operand.
+        if MASKED:
+            xt = tl.load(x_ptrs, mask=offs_k[:, None] < k_rem, other=0.0)
+        else:
+            xt = tl.load(x_ptrs)
+        if UPCAST:  # the interpreter's dot mishandles bf16
+            w = w.to(tl.float32)
+            xt = xt.to(tl.float32)
+        acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
+    else:
+        # x_ptrs is [BLOCK_M, BLOCK_K]; the product is [BLOCK_N, BLOCK_M, BLOCK_K], reduced over K in registers.
+        if MASKED:
+            x = tl.load(x_ptrs, mask=offs_k[None, :] < k_rem, other=0.0)
+        else:
+            x = tl.load(x_ptrs)
+        prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+        acc += tl.sum(prod, axis=2)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (i, s): out[:, i*BLOCK_N : (i+1)*BLOCK_N] over K slice s (whole K when unsplit).
+
+    With split-K, out_ptr is the fp32 workspace [splits, M, N] (slice stride stride_os) and the bias is
+    added by the reduction kernel.
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Clamp instead of masking: the main loop's loads stay unmasked (and vectorized).
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_x = tl.minimum(offs_m, M - 1)
+    k_start = pid_s * k_per_split
+    k_len = tl.minimum(K - k_start, k_per_split)
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    if USE_DOT:
+        x_ptrs = x_ptr + rows_x[None, :] * stride_xm + (k_start + offs_k)[:, None]
+    else:
+        x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    n_full = k_len // BLOCK_K
+    for _ in range(n_full):
+        acc = _gemv_step(acc, w_ptrs, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    k_rem = k_len - n_full * BLOCK_K
+    if k_rem > 0:
+        acc = _gemv_step(acc, w_ptrs, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows_w).to(tl.float32)[:, None]
+    o_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[m, n] = sum_s ws[s, m, n] (+ bias[n]), slices summed in a fixed order (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    m = offs // N
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> GemvConfig:
+    """Deterministic config table per shape class, from `bench_gemv.py --sweep` on an H100 (and an
+    H200: each choice is within ~1-2% of the per-shape best on both at the Llama-3.1-8B shapes).
+
+    M <= 2: "fma" with one warp per program: the K reduction stays inside the warp (shuffles, no
+    shared memory or barriers) and thousands of small independent programs keep enough loads in flight.
+    M >= 3: the fma variant's per-row shuffles grow with M, so tensor cores ("dot", M padded to 16)
+    win; big N takes 128-row tiles, and long K with few row blocks (down_proj) is split in two
+    (a tie on the H100, ~3% on the H200).
+    """
+    if _interpreting():
+        # Small tiles keep the numpy interpreter fast; exercise the split-K path on long K.
+        return GemvConfig(block_n=32, block_k=128, num_warps=4, split_k=2 if k >= 1024 else 1)
+    kcap = max(64, triton.next_power_of_2(k))  # no K step much longer than K itself
+    if dtype == torch.float32:
+        # Correctness path (exact "ieee" dot): tiles small enough for fp32 registers / shared memory.
+        if m == 1:
+            return GemvConfig(block_n=2, block_k=min(256, kcap), num_warps=1)
+        return GemvConfig(block_n=32, block_k=min(64, kcap), num_warps=4, num_stages=3, use_dot=True)
+    if m == 1:
+        return GemvConfig(block_n=1, block_k=min(1024, kcap), num_warps=1)
+    if m == 2:
+        return GemvConfig(block_n=4, block_k=min(1024, kcap), num_warps=1)
+    if n >= 16384:  # gate_up, lm_head
+        return GemvConfig(block_n=128, block_k=min(128, kcap), num_warps=8, num_stages=4, use_dot=True)
+    split = 2 if k >= 8192 and triton.cdiv(n, 64) < sms else 1
+    return GemvConfig(
+        block_n=64, block_k=min(256, kcap), num_warps=4, num_stages=4, use_dot=True, split_k=split
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias[N]) -> [M, N] in x.dtype, fp32 accumulation (small M).
+
+    x, weight, bias share one dtype (bf16, fp16 or fp32); x and weight need a contiguous last dim.
+    out, when given, is [M, N] with a contiguous last dim. M > MAX_M falls back to F.linear.
+    Deterministic and CUDA-graph capturable (no syncs; output via torch.empty when out is None).
+    """
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight need a contiguous last dim"
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x.dtype
+    if bias is not None:
+        assert bias.shape == (n,) and bias.stride(0) == 1
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+        return out
+    if m > MAX_M:
+        out.copy_(F.linear(x, weight, bias))
+        return out
+    dev = x.device.index if x.device.type == "cuda" else 0
+    cfg = config or _pick_config(m, n, k, x.dtype, _num_sms(dev if dev is not None else 0))
+    upcast = _interpreting() and x.dtype == torch.bfloat16
+    block_m = max(16 if cfg.use_dot else 1, triton.next_power_of_2(m))
+    dot_prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
+    # K slices are whole BLOCK_K multiples so only the last slice has a (masked) tail.
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n, cfg.block_n), splits)
+    common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "USE_DOT": cfg.use_dot,
+              "DOT_PREC": dot_prec, "UPCAST": upcast, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}  # fmt: skip
+    b_arg = bias if bias is not None else weight  # never read when HAS_BIAS is False
+    if splits == 1:
+        _gemv_kernel[grid](x, weight, b_arg, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), 0,
+                           k_per_split, HAS_BIAS=bias is not None, **common)  # fmt: skip
+        return out
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[grid](x, weight, b_arg, ws, m, n, k, x.stride(0), weight.stride(0), n, m * n,
+                       k_per_split, HAS_BIAS=False, **common)  # fmt: skip
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, b_arg, out, m, n, out.stride(0), SPLITS=splits,
+                                                         HAS_BIAS=bias is not None, BLOCK=block,
+                                                         num_warps=4)  # fmt: skip
+    return out
