@@ -3,6 +3,7 @@
 from tokenspeed_kernels.activation import silu_and_mul
 from tokenspeed_kernels.decode_attention import default_num_splits, paged_decode_attention
 from tokenspeed_kernels.extend_attention import paged_extend_attention
+from tokenspeed_kernels.gemv import skinny_linear
 from tokenspeed_kernels.kv_cache import write_kv_to_pages
 from tokenspeed_kernels.norm import fused_add_rmsnorm, rmsnorm
 from tokenspeed_kernels.rotary import build_cos_sin_cache, rotary_embedding
@@ -18,5 +19,6 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_write_kv",
     "silu_and_mul",
+    "skinny_linear",
     "write_kv_to_pages",
 ]

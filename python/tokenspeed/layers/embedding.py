@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenspeed.layers.linear import linear
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -32,4 +34,4 @@ class LMHead(VocabEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # With vocab parallelism: all-gather the per-rank logits here.
-        return nn.functional.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight).float()
