@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device call: install the carried abi3 wheel, then run the phases named on the command line.
-#   tests   kernel tests + GPU tests (correctness first)
-#   micro   kernel micro-benchmarks + the skinny-GEMV benchmark + profile_decode.py
-#   e2e     benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r")
+#   kernels   kernel tests          gputests  tests/test_gpu.py (model vs HF, graphs, launch-ahead)
+#   micro     kernel micro-benchmarks + the skinny-GEMV benchmark
+#   profile   benches/profile_decode.py (where a decode step's time goes)
+#   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
+# PHASE_TIMEOUT (seconds, default 600) bounds each phase.
 # Usage on the GPU machine (repo root, .carry/ built here: see benches/RESULTS.md):
-#   bash benches/device_check.sh tests micro e2e
+#   bash benches/device_check.sh gputests:200 e2e:330 profile   (name:seconds sets that phase's timeout)
 # Each phase logs to a work folder, packed at the end into $OUT/device_check.tar.gz (one file:
 # the device tool returns few files); a phase failing does not stop the rest.
 set -uo pipefail
@@ -22,21 +24,28 @@ phase() {  # name, command...
     local name=$1; shift
     local t0=$SECONDS
     echo "=== $name ==="
-    "$@" >"$OUT/$name.log" 2>&1
+    timeout "$LIMIT" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s ==="
     tail -n 25 "$OUT/$name.log"
 }
 
-for p in "$@"; do
+for arg in "$@"; do
+    p=${arg%%:*}
+    LIMIT=${PHASE_TIMEOUT:-600}
+    [[ $arg == *:* ]] && LIMIT=${arg#*:}
     case $p in
-    tests)
+    kernels)
         phase kernel_tests bash -c "cd kernels && PYTHONPATH=. python3 -m pytest tests -q -x -p no:cacheprovider"
+        ;;
+    gputests)
         phase gpu_tests python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider
         ;;
     micro)
         phase bench_gemv bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_gemv.py"
-        phase bench_kernels bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_kernels.py --out ../$OUT/kernels.jsonl"
+        phase bench_kernels bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_kernels.py --out $OUT/kernels.jsonl"
+        ;;
+    profile)
         phase profile_decode python3 benches/profile_decode.py --tokenizer .carry/llama3/tokenizer.json
         ;;
     e2e)
