@@ -187,24 +187,3 @@ def test_backend_selection(tiny_llama: str) -> None:
     with pytest.raises(ValueError, match="unknown attention_backend"):
         ModelRunner(tiny_llama, page_size=4, max_slots=2, max_context_len=64, device="cpu",
                     attention_backend="nope")
-
-
-def test_leading_decodes_of_a_mixed_step_take_the_decode_kernel(tiny_llama: str) -> None:
-    """The scheduler puts one-token requests first; the backend runs them with the decode kernel
-    and only the rest with the extend kernel (the result is checked against torch_native in
-    test_prefix_sharing_and_mixed_steps_match_torch_native, whose mixed step has this shape)."""
-    runner = runner_for(tiny_llama, "triton")
-    runner.step(StepPlan(**new_requests([0, 1]), pt_slots=np.asarray([0, 1], U32),
-                         pt_first=np.zeros(2, U32), pt_count=np.asarray([4, 4], U32),
-                         pt_pages=np.arange(8, dtype=U32),
-                         **schedule([(0, 0, PREFIX, 1), (1, 0, TAIL_A, 1)])))
-    plan = StepPlan(**new_requests([2]), **pages(2, 0, [8, 9]),
-                    **schedule([(0, 12, [5], 1), (1, 3, [6], 1), (2, 0, TAIL_B, 1)]))
-    runner._apply_state(plan)
-    batch = runner._build_batch(plan, *runner._token_indices(plan))
-    runner.backend.prepare(batch)
-    m = batch.metadata
-    assert m.num_leading_decodes == 2 and m.leading_decodes is not None
-    assert m.leading_decodes.decode and not m.decode
-    assert m.q_start_loc.tolist() == [0, len(TAIL_B)]
-    assert m.prefix_lens.tolist() == [0]

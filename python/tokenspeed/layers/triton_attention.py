@@ -1,9 +1,8 @@
 """triton attention backend: tokenspeed_kernels' paged kernels (decode split-K, extend over prefix).
 
-Pure-decode steps run `paged_decode_attention`; steps with prefill chunks run
-`paged_extend_attention`, except that the one-token requests leading such a step (the scheduler
-puts decodes first) still go through the decode kernel: it reads each K/V head once for all its
-query heads, where the extend kernel would read it once per query head. The metadata is a few small device tensors plus Python ints, so a decode
+Pure-decode steps run `paged_decode_attention`; steps with any multi-token request (prefill
+chunks, mixed prefill + decode) run `paged_extend_attention` over every request, a decode being
+an extend of one token. The metadata is a few small device tensors plus Python ints, so a decode
 step can be captured in a CUDA graph: the graph runner builds `TritonMetadata` over its static
 buffers and the kernels never read sizes back to the host.
 """
@@ -29,10 +28,6 @@ class TritonMetadata:
     q_start_loc: torch.Tensor | None = None  # extend: [B + 1] int32 cumulative new tokens
     prefix_lens: torch.Tensor | None = None  # extend: [B] int32 cached tokens before the new ones
     max_new_tokens: int = 1  # extend: bounds the grid without a host sync
-    # extend: the leading one-token requests, run by the decode kernel (the fields above then
-    # describe only the requests after them, q_start_loc counting from their first token).
-    leading_decodes: TritonMetadata | None = None
-    num_leading_decodes: int = 0
 
 
 class TritonBackend(AttentionBackend):
@@ -76,19 +71,10 @@ class TritonBackend(AttentionBackend):
                 page_table=page_table, seq_lens=seq_lens_d.to(torch.int32), decode=True,
                 num_splits=self.decode_num_splits(bsz))
             return
-        single = batch.num_tokens == 1
-        d = int(np.argmin(single))  # leading one-token requests (not all: this is no decode)
-        seq_lens_i32 = seq_lens_d.to(torch.int32)
-        leading = None
-        if d:
-            leading = TritonMetadata(page_table=page_table[:d], seq_lens=seq_lens_i32[:d],
-                                     decode=True, num_splits=self.decode_num_splits(d))
         batch.metadata = TritonMetadata(
-            page_table=page_table[d:], seq_lens=seq_lens_i32[d:], decode=False,
-            q_start_loc=(query_start[d:] - d).to(torch.int32),
-            prefix_lens=start_pos[d:].to(torch.int32),
-            max_new_tokens=int(batch.num_tokens.max()), leading_decodes=leading,
-            num_leading_decodes=d)
+            page_table=page_table, seq_lens=seq_lens_d.to(torch.int32), decode=False,
+            q_start_loc=query_start.to(torch.int32), prefix_lens=start_pos.to(torch.int32),
+            max_new_tokens=int(batch.num_tokens.max()))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
@@ -113,12 +99,7 @@ class TritonBackend(AttentionBackend):
             paged_decode_attention(q, k_cache, v_cache, m.page_table, m.seq_lens, layer.scaling,
                                    out=out, num_splits=m.num_splits)
         else:
-            d = m.num_leading_decodes
-            if m.leading_decodes is not None:
-                lead = m.leading_decodes
-                paged_decode_attention(q[:d], k_cache, v_cache, lead.page_table, lead.seq_lens,
-                                       layer.scaling, out=out[:d], num_splits=lead.num_splits)
-            paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
-                                   m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
+            paged_extend_attention(q, k_cache, v_cache, m.page_table, m.q_start_loc,
+                                   m.prefix_lens, m.seq_lens, layer.scaling, out=out,
                                    max_new_tokens=m.max_new_tokens)
         return out.flatten(1)

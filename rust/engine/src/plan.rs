@@ -109,33 +109,6 @@ impl Plan {
     pub fn is_empty(&self) -> bool {
         self.scheduled.is_empty() && self.finished_slots.is_empty()
     }
-
-    /// Reorders `scheduled` (and `input_ids` with it) so that one-token requests come first,
-    /// keeping the order within each group. A step mixing decodes with prefill chunks then has
-    /// its decodes as one contiguous block, which the worker runs through the decode kernel
-    /// while the chunks go through the extend kernel.
-    pub fn put_single_tokens_first(&mut self) {
-        if self.scheduled.iter().all(|r| r.num_tokens == 1)
-            || self.scheduled.iter().all(|r| r.num_tokens != 1)
-        {
-            return;
-        }
-        let mut offsets = Vec::with_capacity(self.scheduled.len());
-        let mut offset = 0usize;
-        for r in &self.scheduled {
-            offsets.push(offset);
-            offset += r.num_tokens as usize;
-        }
-        let mut order: Vec<usize> = (0..self.scheduled.len()).collect();
-        order.sort_by_key(|&i| self.scheduled[i].num_tokens != 1); // stable
-        let mut ids = Vec::with_capacity(self.input_ids.len());
-        for &i in &order {
-            let n = self.scheduled[i].num_tokens as usize;
-            ids.extend_from_slice(&self.input_ids[offsets[i]..offsets[i] + n]);
-        }
-        self.scheduled = order.iter().map(|&i| self.scheduled[i].clone()).collect();
-        self.input_ids = ids;
-    }
 }
 
 /// A sampled token for one slot.
@@ -153,44 +126,4 @@ pub struct SampledToken {
 pub struct StepResult {
     pub step_id: u64,
     pub sampled: Vec<SampledToken>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req(slot: u32, num_tokens: u32) -> ScheduledRequest {
-        ScheduledRequest {
-            slot,
-            num_tokens,
-            start_pos: 0,
-            cached_len: 0,
-            sample: true,
-        }
-    }
-
-    #[test]
-    fn single_tokens_move_first_with_their_input_ids() {
-        let mut plan = Plan {
-            scheduled: vec![req(0, 3), req(1, 1), req(2, 2), req(3, 1)],
-            input_ids: vec![10, 11, 12, 20, 30, 31, 40],
-            ..Plan::default()
-        };
-        plan.put_single_tokens_first();
-        let slots: Vec<u32> = plan.scheduled.iter().map(|r| r.slot).collect();
-        assert_eq!(slots, vec![1, 3, 0, 2]);
-        assert_eq!(plan.input_ids, vec![20, 40, 10, 11, 12, 30, 31]);
-    }
-
-    #[test]
-    fn uniform_steps_keep_their_order() {
-        let mut plan = Plan {
-            scheduled: vec![req(5, 2), req(4, 3)],
-            input_ids: vec![1, 2, 3, 4, 5],
-            ..Plan::default()
-        };
-        let before = plan.clone();
-        plan.put_single_tokens_first();
-        assert_eq!(plan, before);
-    }
 }

@@ -360,7 +360,6 @@ impl Scheduler {
         if step.plan.is_empty() {
             return None;
         }
-        step.plan.put_single_tokens_first();
         step.plan.step_id = self.next_step;
         self.next_step += 1;
         self.in_flight.push_back((step.plan.step_id, step.expected));
