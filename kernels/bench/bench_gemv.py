@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -43,31 +41,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_kernels import eager_ms, graph_ms, rel_err
 
-def _load_gemv() -> Any:
-    """tokenspeed_kernels.gemv; loaded by file path if the package __init__ fails to import."""
-    try:
-        from tokenspeed_kernels import gemv
-
-        return gemv
-    except Exception:  # noqa: BLE001 - the package is edited by others; gemv.py itself is standalone
-        path = os.path.join(HERE, "..", "tokenspeed_kernels", "gemv.py")
-        spec = importlib.util.spec_from_file_location("tokenspeed_gemv_standalone", path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses need the module registered
-        spec.loader.exec_module(mod)
-        return mod
-
-
-gemv = _load_gemv()
-GemvConfig = gemv.GemvConfig
-skinny_linear = gemv.skinny_linear
+from tokenspeed_kernels import gemv
+from tokenspeed_kernels.gemv import GemvConfig, skinny_linear
 
 LAYERS = 32
 # (name, N, K): Llama-3.1-8B per-layer weights, then the LM head (once per step).
@@ -77,50 +57,13 @@ COLD_BYTES = 256 << 20  # weight copies per shape add up to at least this (> 5x 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| (inf when out has non-finite values)."""
-    o, r = out.double(), ref.double()
-    if not torch.isfinite(o).all():
-        return float("inf")
-    return ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
-
-
-def graph_ms(fns: list[Callable[[], Any]], calls: int, replays: int = 10) -> float:
-    """GPU time per call: `calls` back-to-back calls in one CUDA graph cycling over fns (each touching a
-    different weight copy, so reads come from DRAM); median over replays. Same method as bench_kernels."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:  # warm-up outside capture: Triton compiles, cuBLAS picks its kernel
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    calls = max(calls, 2 * len(fns))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return statistics.median(times)
-
-
 def copy_tbps() -> float:
-    """Device-to-device copy bandwidth in TB/s (bytes read + written), the practical DRAM ceiling; measured
-    as bench_kernels does (eager do_bench median: ~3.0 TB/s on an H100). 0 if the measurement fails."""
+    """Device-to-device copy bandwidth in TB/s (bytes read + written), the practical DRAM ceiling,
+    measured like bench_kernels (~3.0 TB/s on an H100). 0 if the measurement fails."""
     try:
         src = torch.randn(1 << 28, device="cuda")
         dst = torch.empty_like(src)
-        ms = do_bench(lambda: dst.copy_(src), warmup=100, rep=300, return_mode="median")
-        return 2 * (1 << 28) * 4 / ms / 1e9
+        return 2 * src.numel() * 4 / eager_ms(lambda: dst.copy_(src)) / 1e9
     except Exception:  # noqa: BLE001 - the ceiling is informational only
         traceback.print_exc()
         return 0.0
