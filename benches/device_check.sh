@@ -4,6 +4,11 @@
 #   micro     kernel micro-benchmarks + the skinny-GEMV benchmark
 #   profile   benches/profile_decode.py (where a decode step's time goes)
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
+#   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
+# FlashInfer (optional, not on the device image): .carry/fi/ holds the apache-tvm-ffi wheel and
+# flashinfer.tar.gz (the flashinfer-python package minus sources its FA2 kernels never compile;
+# see benches/RESULTS.md), plus fi_jit.tar.gz, the JIT-compiled modules a previous call sent
+# back (FlashInfer compiles on first use, minutes); this call sends its own back the same way.
 # PHASE_TIMEOUT (seconds, default 600) bounds each phase.
 # Usage on the GPU machine (repo root, .carry/ built here: see benches/RESULTS.md):
 #   bash benches/device_check.sh gputests:200 e2e:330 profile   (name:seconds sets that phase's timeout)
@@ -13,10 +18,26 @@ set -uo pipefail
 FINAL=${OUT:-device_out}
 OUT=$(mktemp -d)
 mkdir -p "$FINAL"
-trap 'tar -czf "$FINAL/device_check.tar.gz" -C "$OUT" .' EXIT
+export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+finish() {
+    tar -czf "$FINAL/device_check.tar.gz" -C "$OUT" .
+    if [[ -d $FLASHINFER_WORKSPACE_BASE ]]; then
+        (cd "$FLASHINFER_WORKSPACE_BASE" && find . -name '*.so' -print0 | tar -czf "$FINAL/fi_jit.tar.gz" --null -T -)
+    fi
+}
+trap finish EXIT
 python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/site .carry/wheel/*.whl
 cp /tmp/site/tokenspeed/_core.abi3.so python/tokenspeed/
 export PYTHONPATH=$PWD/python
+if [[ -d .carry/fi ]]; then
+    python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/fisite .carry/fi/*.whl
+    tar -xzf .carry/fi/flashinfer.tar.gz -C /tmp/fisite
+    mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+    [[ -f .carry/fi/fi_jit.tar.gz ]] && tar -xzf .carry/fi/fi_jit.tar.gz -C "$FLASHINFER_WORKSPACE_BASE"
+    export PYTHONPATH=$PYTHONPATH:/tmp/fisite
+    python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -1
+    command -v nvcc && nvcc --version | tail -1
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 git log -1 --format='%H %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
 
@@ -40,6 +61,9 @@ for arg in "$@"; do
         ;;
     gputests)
         phase gpu_tests python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider
+        ;;
+    fitests)
+        phase fi_tests python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -k flashinfer
         ;;
     micro)
         phase bench_gemv bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_gemv.py"

@@ -189,7 +189,7 @@ def test_value_normalisation() -> None:
 @pytest.mark.parametrize(
     ("argv", "name"),
     [
-        (["--attention-backend", "flashinfer"], "--attention-backend"),
+        (["--attention-backend", "fa3"], "--attention-backend"),
         (["--schedule-policy", "dfs-weight"], "--schedule-policy"),
         (["--load-format", "pt"], "--load-format"),
         (["--device", "xpu"], "--device"),

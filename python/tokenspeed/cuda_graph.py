@@ -5,7 +5,9 @@ token 0 at position 0 with a one-token context of slot 0's pages, and write no K
 (out_cache_loc -1, which write_kv_to_pages skips). Inside the graph, input ids equal to
 LAST_SAMPLED become the slot's last sampled token (one-step-ahead scheduling) and the context
 lengths derive from the positions; the graph runs the whole model plus the LM head, the logits
-land in a static buffer and sampling runs outside the graph. Nothing in `run` waits for the GPU.
+land in a static buffer and sampling runs outside the graph. The attention backend owns the
+metadata the graph reads (triton: gathered page-table rows; flashinfer: a planned wrapper per
+size) and refreshes it before each replay. Nothing in `run` waits for the GPU.
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ import torch
 
 from tokenspeed.host_copy import to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
-from tokenspeed.layers.attention import ForwardBatch
-from tokenspeed.layers.triton_attention import TritonBackend, TritonMetadata
+from tokenspeed.layers.attention import AttentionBackend, ForwardBatch
 from tokenspeed.plan import LAST_SAMPLED
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def graph_memory_estimate(max_bs: int, vocab_size: int) -> int:
 
 
 class DecodeGraphRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: TritonBackend,
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend,
                  max_bs: int, vocab_size: int, device: torch.device,
                  last_tokens: torch.Tensor) -> None:
         self.model = model
@@ -54,11 +55,11 @@ class DecodeGraphRunner:
         self.last_tokens = last_tokens  # [max_slots] int64: each slot's last sampled token
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        n, width = self.max_bs, kv_cache.max_pages_per_slot
+        n = self.max_bs
         # Rows: input ids, positions, cache locations, slots; one copy fills all four.
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.inputs[2].fill_(-1)
-        self.page_table = torch.zeros((n, width), dtype=torch.int32, device=device)
+        backend.init_graphs(self.sizes)
         self.logits = torch.zeros((n, vocab_size), dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
@@ -67,9 +68,7 @@ class DecodeGraphRunner:
         ids, positions, out_loc, slots = self.inputs[:, :bs]
         ids = torch.where(ids == LAST_SAMPLED, self.last_tokens[slots], ids)
         empty = np.zeros(0, dtype=np.int64)
-        meta = TritonMetadata(page_table=self.page_table[:bs],
-                              seq_lens=positions.add(1).to(torch.int32), decode=True,
-                              num_splits=self.backend.decode_num_splits(bs))
+        meta = self.backend.graph_metadata(bs, positions)
         batch = ForwardBatch(input_ids=ids, positions=positions, out_cache_loc=out_loc,
                              slots=empty, num_tokens=empty, start_pos=empty, query_start=empty,
                              kv_cache=self.kv_cache, backend=self.backend, metadata=meta)
@@ -114,10 +113,7 @@ class DecodeGraphRunner:
         packed[2, b:] = -1
         (dev,) = to_device_int64([packed.reshape(-1)], self.device)
         self.inputs[:, :bs].copy_(dev.view(4, bs))
-        page_size = self.kv_cache.page_size
-        cols = max(1, -(-(int(positions.max()) + 1) // page_size))
-        # Only the columns the longest context needs, gathered on the device.
-        self.page_table[:bs, :cols] = self.kv_cache.page_table[self.inputs[3, :bs], :cols]
+        self.backend.prepare_replay(bs, slots, positions, self.inputs[3, :bs])
         self.graphs[bs].replay()
         self.replays += 1
         return self.logits[:b], self.inputs[3, :b]

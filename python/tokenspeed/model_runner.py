@@ -7,17 +7,23 @@ import logging
 import numpy as np
 import torch
 
-from tokenspeed.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, DecodeGraphRunner, graph_memory_estimate
+from tokenspeed.cuda_graph import (
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    DecodeGraphRunner,
+    capture_sizes,
+    graph_memory_estimate,
+)
 from tokenspeed.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import (
+    GRAPH_BACKENDS,
     AttentionBackend,
     ForwardBatch,
+    backend_memory_bytes,
     check_backend,
     create_backend,
     resolve_backend_name,
 )
-from tokenspeed.layers.triton_attention import TritonBackend
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
 from tokenspeed.sampler import Sampler
@@ -97,13 +103,13 @@ class ModelRunner:
         c = self.config
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
         self.attention_backend = resolve_backend_name(attention_backend, self.device)
-        check_backend(self.attention_backend)
+        check_backend(self.attention_backend, self.device)
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
                                 max_positions=max_context_len, seed=seed)
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
         use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
-                      and self.attention_backend == "triton")
+                      and self.attention_backend in GRAPH_BACKENDS)
         self.cuda_graph_max_bs = (min(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_slots)
                                   if use_graphs else 0)
         if num_pages is None:
@@ -120,7 +126,6 @@ class ModelRunner:
         self.last_tokens = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphRunner | None = None
         if self.cuda_graph_max_bs:
-            assert isinstance(self.backend, TritonBackend)
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
                                             self.last_tokens)
@@ -131,6 +136,7 @@ class ModelRunner:
 
     def _make_backend(self, kv_cache: PagedKVCache) -> AttentionBackend:
         return create_backend(self.attention_backend, kv_cache,
+                              num_heads=self.config.num_attention_heads, head_dim=self.config.head_dim,
                               max_context_len=self.max_context_len, sliding_window=self._window)
 
     def _profile_num_pages(self, mem_fraction_static: float | None,
@@ -151,6 +157,8 @@ class ModelRunner:
         sampler = 4 * rows * c.vocab_size * 4  # float32 copies of the logits (softmax, sort)
         graphs = graph_memory_estimate(self.cuda_graph_max_bs, c.vocab_size) \
             if self.cuda_graph_max_bs else 0
+        num_graphs = len(capture_sizes(self.cuda_graph_max_bs)) if self.cuda_graph_max_bs else 0
+        graphs += backend_memory_bytes(self.attention_backend, num_graphs)
         reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES
         fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
         free, total = torch.cuda.mem_get_info(self.device)

@@ -63,6 +63,15 @@ def launch(cfg: Any) -> int:
     tokenizer_dir = Path(cfg.tokenizer_path).expanduser() if cfg.tokenizer_path else model_dir
     context = cfg.context_length or model_context_length(model_dir)
     device = resolve_device(cfg.device)
+    if cfg.attention_backend:  # a backend that cannot run here: one line, before any worker starts
+        import torch
+
+        from tokenspeed.layers.attention import check_backend
+
+        try:
+            check_backend(cfg.attention_backend, torch.device(device))
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
     world = int(cfg.tp_size or 1)
     max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
     chunk = int(cfg.chunked_prefill_size or 8192)

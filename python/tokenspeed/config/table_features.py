@@ -66,9 +66,10 @@ LORA_FLAGS: list[Flag] = [
 ]
 
 KERNEL_FLAGS: list[Flag] = [
-    c("--attention-backend", "Attention kernels. Available now: triton and torch_native. "
-      "Default: picked by the worker for the device.", G_KERNEL,
-      ATTENTION_BACKENDS, supported=("torch_native", "triton"), component="worker",
+    c("--attention-backend", "Attention kernels. Available now: triton, flashinfer (needs the "
+      "flashinfer-python package; JIT-compiles on first use) and torch_native. Default: triton "
+      "on CUDA, torch_native on CPU.", G_KERNEL,
+      ATTENTION_BACKENDS, supported=("torch_native", "triton", "flashinfer"), component="worker",
       implemented=True),
     c("--prefill-attention-backend", "Attention kernels for prefill only, overriding "
       "--attention-backend.", G_KERNEL, ATTENTION_BACKENDS, component="worker"),

@@ -70,6 +70,26 @@ class AttentionBackend(ABC):
                 batch: ForwardBatch) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hk, D] → output [T, Hq * D]."""
 
+    # --- decode CUDA graphs (backends in GRAPH_BACKENDS) -------------------------------------
+    # A captured graph reads the backend's metadata from static buffers; before each replay the
+    # backend refreshes them from the host's view of the batch, without waiting for the GPU.
+
+    def init_graphs(self, sizes: list[int]) -> None:
+        """Allocate what graphs of these batch sizes read (called once, before capture)."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no CUDA graph support")
+
+    def graph_metadata(self, bs: int, positions: torch.Tensor) -> Any:
+        """The metadata a graph of `bs` decode rows is captured with; `positions` is the
+        graph's static [bs] position buffer."""
+        raise NotImplementedError
+
+    def prepare_replay(self, bs: int, slots: np.ndarray, positions: np.ndarray,
+                       slots_dev: torch.Tensor) -> None:
+        """Refresh the graph's metadata for the real rows (host arrays, len <= bs; the rest is
+        padding: one token of context, no KV write). `slots_dev`: the [bs] padded slots on the
+        device."""
+        raise NotImplementedError
+
 
 class Attention(nn.Module):
     """Parameter-free attention layer: carries head geometry and delegates to the backend."""
@@ -100,6 +120,7 @@ class Attention(nn.Module):
 
 
 BACKENDS = ("torch_native", "triton", "flashinfer")
+GRAPH_BACKENDS = ("triton", "flashinfer")  # backends whose decode steps CUDA graphs can capture
 
 
 def resolve_backend_name(name: str | None, device: torch.device) -> str:
@@ -109,7 +130,7 @@ def resolve_backend_name(name: str | None, device: torch.device) -> str:
     return name
 
 
-def check_backend(name: str) -> None:
+def check_backend(name: str, device: torch.device | None = None) -> None:
     """Fail early (before any weight is loaded) on a backend that cannot be built here."""
     if name in ("torch_native", "triton"):
         return
@@ -117,21 +138,40 @@ def check_backend(name: str) -> None:
         try:
             import flashinfer  # noqa: F401
         except ImportError as e:
-            raise ValueError("attention_backend 'flashinfer' needs the flashinfer package, which "
-                             "is not installed; use triton or torch_native") from e
-        raise ValueError("attention_backend 'flashinfer' is not implemented yet; use triton or "
-                         "torch_native")
-    raise ValueError(f"unknown attention_backend {name!r} (available: torch_native, triton)")
+            raise ValueError("attention_backend 'flashinfer' needs the flashinfer package "
+                             "(pip install flashinfer-python), which is not importable here "
+                             f"({e}); use triton or torch_native") from e
+        if device is not None and device.type != "cuda":
+            raise ValueError(f"attention_backend 'flashinfer' runs on CUDA only, not on {device}; "
+                             "use torch_native")
+        return
+    raise ValueError(f"unknown attention_backend {name!r} (available: {', '.join(BACKENDS)})")
 
 
-def create_backend(name: str, kv_cache: PagedKVCache, *, max_context_len: int | None = None,
+def backend_memory_bytes(name: str, num_graphs: int) -> int:
+    """Device memory a backend allocates beside the KV cache (workspaces), for the KV sizing."""
+    if name == "flashinfer":
+        from tokenspeed.layers.flashinfer_attention import FlashInferBackend
+
+        return FlashInferBackend.memory_bytes(num_graphs)
+    return 0
+
+
+def create_backend(name: str, kv_cache: PagedKVCache, *, num_heads: int, head_dim: int,
+                   max_context_len: int | None = None,
                    sliding_window: int | None = None) -> AttentionBackend:
+    """num_heads/head_dim: the model's query heads and head size (FlashInfer plans with them
+    once per step, before any layer runs)."""
     check_backend(name)
+    max_context_len = max_context_len or kv_cache.max_pages_per_slot * kv_cache.page_size
     if name == "torch_native":
         from tokenspeed.layers.torch_native_attention import TorchNativeBackend
 
         return TorchNativeBackend(kv_cache)
+    if name == "flashinfer":
+        from tokenspeed.layers.flashinfer_attention import FlashInferBackend
+
+        return FlashInferBackend(kv_cache, num_heads, head_dim, sliding_window)
     from tokenspeed.layers.triton_attention import TritonBackend
 
-    return TritonBackend(kv_cache, max_context_len or kv_cache.max_pages_per_slot * kv_cache.page_size,
-                         sliding_window)
+    return TritonBackend(kv_cache, max_context_len, sliding_window)

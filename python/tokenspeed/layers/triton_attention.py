@@ -76,23 +76,29 @@ class TritonBackend(AttentionBackend):
             q_start_loc=query_start.to(torch.int32), prefix_lens=start_pos.to(torch.int32),
             max_new_tokens=int(batch.num_tokens.max()))
 
+    def init_graphs(self, sizes: list[int]) -> None:
+        # The page-table rows of a graph's requests, gathered before each replay.
+        self.graph_page_table = torch.zeros((max(sizes), self.kv_cache.max_pages_per_slot),
+                                            dtype=torch.int32, device=self.kv_cache.page_table.device)
+
+    def graph_metadata(self, bs: int, positions: torch.Tensor) -> TritonMetadata:
+        return TritonMetadata(page_table=self.graph_page_table[:bs],
+                              seq_lens=positions.add(1).to(torch.int32), decode=True,
+                              num_splits=self.decode_num_splits(bs))
+
+    def prepare_replay(self, bs: int, slots: np.ndarray, positions: np.ndarray,
+                       slots_dev: torch.Tensor) -> None:
+        cols = max(1, -(-(int(positions.max()) + 1) // self.kv_cache.page_size))
+        # Only the columns the longest context needs, gathered on the device.
+        self.graph_page_table[:bs, :cols] = self.kv_cache.page_table[slots_dev, :cols]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         """rope: rotate q (in place) and k on their way into the cache, one kernel for both. k
         itself stays unrotated: both attention kernels read every key from the cache."""
-        from tokenspeed_kernels import (
-            paged_decode_attention,
-            paged_extend_attention,
-            rotary_embedding_write_kv,
-            write_kv_to_pages,
-        )
+        from tokenspeed_kernels import paged_decode_attention, paged_extend_attention
 
-        k_cache, v_cache = self.kv_cache.k[layer.layer_id], self.kv_cache.v[layer.layer_id]
-        if rope is None:
-            write_kv_to_pages(k, v, k_cache, v_cache, batch.out_cache_loc)
-        else:
-            rotary_embedding_write_kv(rope.positions, q, k, v, rope.cos_sin_cache(), k_cache, v_cache,
-                                      batch.out_cache_loc, is_neox=True)
+        k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc, rope)
         m: TritonMetadata = batch.metadata
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if m.decode:
@@ -103,3 +109,20 @@ class TritonBackend(AttentionBackend):
                                    m.prefix_lens, m.seq_lens, layer.scaling, out=out,
                                    max_new_tokens=m.max_new_tokens)
         return out.flatten(1)
+
+
+def store_kv(kv_cache: PagedKVCache, layer_id: int, q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, out_cache_loc: torch.Tensor,
+             rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a layer's new K/V into the paged cache (slots with out_cache_loc -1 are skipped);
+    with `rope`, rotate q in place and k on its way in, in the same kernel. Returns the layer's
+    (k_cache, v_cache)."""
+    from tokenspeed_kernels import rotary_embedding_write_kv, write_kv_to_pages
+
+    k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]
+    if rope is None:
+        write_kv_to_pages(k, v, k_cache, v_cache, out_cache_loc)
+    else:
+        rotary_embedding_write_kv(rope.positions, q, k, v, rope.cos_sin_cache(), k_cache, v_cache,
+                                  out_cache_loc, is_neox=True)
+    return k_cache, v_cache
