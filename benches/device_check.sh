@@ -2,6 +2,7 @@
 # One device call: install the carried abi3 wheel, then run the phases named on the command line.
 #   kernels   kernel tests          gputests  tests/test_gpu.py (model vs HF, graphs, launch-ahead)
 #   micro     kernel micro-benchmarks + the skinny-GEMV benchmark
+#   sweep     decode attention at serving batch sizes: triton knobs vs FlashInfer
 #   profile   benches/profile_decode.py (where a decode step's time goes)
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
 #   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
@@ -68,6 +69,9 @@ for arg in "$@"; do
     micro)
         phase bench_gemv bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_gemv.py"
         phase bench_kernels bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_kernels.py --out $OUT/kernels.jsonl"
+        ;;
+    sweep)
+        phase decode_sweep bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_decode_sweep.py --out $OUT/decode_sweep.jsonl"
         ;;
     profile)
         phase profile_decode python3 benches/profile_decode.py --tokenizer .carry/llama3/tokenizer.json
