@@ -178,6 +178,44 @@ def test_qwen3_qk_norm_then_fused_rope_matches_torch_native(tiny_qwen3: str) -> 
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_mixed_step_decodes_run_the_decode_kernel_and_match_torch_native(
+        tiny_llama: str, decodes_first: bool) -> None:
+    """Decodes leading a step with a prefill chunk go through the decode kernel; a decode after
+    the chunk stays in the extend kernel. Either way the logits match torch_native."""
+    if _needs_subprocess():
+        _rerun_in_subprocess("test_mixed_step_decodes_run_the_decode_kernel_and_match_torch_native")
+        return
+    logits = {}
+    for backend in ("torch_native", "triton"):
+        runner = runner_for(tiny_llama, backend)
+        # Two requests prefill 6 and 9 tokens (pages 1-2 and 3-5), then decode in the same step
+        # as a third request's 7-token prefill (pages 6-7).
+        runner.forward(StepPlan(**new_requests([0, 1]), pt_slots=np.asarray([0, 1], U32),
+                                pt_first=np.asarray([0, 0], U32), pt_count=np.asarray([2, 3], U32),
+                                pt_pages=np.asarray([1, 2, 3, 4, 5], U32),
+                                **schedule([(0, 0, TAIL_B + [7], 1), (1, 0, PREFIX[:9], 1)])))
+        decodes = [(0, 6, [40], 1), (1, 9, [41], 1)]
+        chunk = [(2, 0, PREFIX[2:9], 1)]
+        plan = StepPlan(**new_requests([2]), **pages(2, 0, [6, 7]),
+                        **schedule(decodes + chunk if decodes_first else chunk + decodes))
+        seen: list[object] = []
+        prepare = runner.backend.prepare
+
+        def spy(batch: object, prepare: object = prepare, seen: list[object] = seen) -> None:
+            prepare(batch)  # type: ignore[operator]
+            seen.append(batch.metadata)  # type: ignore[attr-defined]
+
+        runner.backend.prepare = spy  # type: ignore[method-assign]
+        logits[backend] = runner.forward(plan)
+        if backend == "triton":
+            (meta,) = seen
+            lead = meta.leading_decodes
+            assert (lead is not None and lead.page_table.shape[0] == 2) == decodes_first
+            assert meta.page_table.shape[0] == (1 if decodes_first else 3)
+    torch.testing.assert_close(logits["triton"], logits["torch_native"], atol=2e-4, rtol=1e-4)
+
+
 def test_backend_selection(tiny_llama: str) -> None:
     auto = ModelRunner(tiny_llama, page_size=4, max_slots=2, max_context_len=64, device="cpu")
     assert auto.attention_backend == "torch_native"  # "auto" on CPU

@@ -1,10 +1,10 @@
 """triton attention backend: tokenspeed_kernels' paged kernels (decode split-K, extend over prefix).
 
-Pure-decode steps run `paged_decode_attention`; steps with any multi-token request (prefill
-chunks, mixed prefill + decode) run `paged_extend_attention` over every request, a decode being
-an extend of one token. The metadata is a few small device tensors plus Python ints, so a decode
-step can be captured in a CUDA graph: the graph runner builds `TritonMetadata` over its static
-buffers and the kernels never read sizes back to the host.
+Pure-decode steps run `paged_decode_attention`; steps with prefill chunks run
+`paged_extend_attention` for the chunks and the decode kernel for the one-token requests leading
+the step (the scheduler runs decodes first). The metadata is a few small device tensors plus
+Python ints, so a decode step can be captured in a CUDA graph: the graph runner builds
+`TritonMetadata` over its static buffers and the kernels never read sizes back to the host.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ class TritonMetadata:
     q_start_loc: torch.Tensor | None = None  # extend: [B + 1] int32 cumulative new tokens
     prefix_lens: torch.Tensor | None = None  # extend: [B] int32 cached tokens before the new ones
     max_new_tokens: int = 1  # extend: bounds the grid without a host sync
+    # extend: the step's leading one-token requests, run by the decode kernel; the fields above
+    # then describe only the requests after them (q_start_loc counts from their first token).
+    leading_decodes: TritonMetadata | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -60,21 +63,32 @@ class TritonBackend(AttentionBackend):
             raise NotImplementedError(
                 f"the triton attention backend has no sliding-window attention (window "
                 f"{self.sliding_window}, context {max_seq}); use --attention-backend torch_native")
-        page_size = self.kv_cache.page_size
-        cols = max(1, -(-max_seq // page_size))
         slots, seq_lens_d, query_start, start_pos = batch.device_arrays()
-        # Rows of the device page table, gathered on the device: no host sync.
-        page_table = self.kv_cache.page_table[slots, :cols]
-        decode = bool(bsz) and bool((batch.num_tokens == 1).all())
-        if decode:
-            batch.metadata = TritonMetadata(
-                page_table=page_table, seq_lens=seq_lens_d.to(torch.int32), decode=True,
-                num_splits=self.decode_num_splits(bsz))
+        # The leading one-token requests (decodes; the scheduler runs them before prefill chunks)
+        # go through the decode kernel even in a mixed step: it reads each K/V head once for all
+        # its query heads, where the extend kernel reads it once per query head.
+        single = batch.num_tokens == 1
+        d = bsz if single.all() else int(np.argmin(single))
+        decodes = None
+        if d:
+            # Full-width page-table rows and fresh tensors: the launch matches the one the CUDA
+            # graphs compiled (Triton specializes on strides and alignment), so no step pays for
+            # a compile.
+            decodes = TritonMetadata(
+                page_table=self.kv_cache.page_table[slots[:d]], seq_lens=seq_lens_d[:d].to(torch.int32),
+                decode=True, num_splits=self.decode_num_splits(d))
+        if d == bsz:
+            batch.metadata = decodes
             return
+        # Columns rounded up to 16 (one stride specialization) and tensors of their own for the
+        # requests after the decodes (aligned, whatever d is).
+        cols = min(-(-max_seq // self.kv_cache.page_size), self.kv_cache.max_pages_per_slot)
+        cols = min(-(-cols // 16) * 16, self.kv_cache.max_pages_per_slot)
         batch.metadata = TritonMetadata(
-            page_table=page_table, seq_lens=seq_lens_d.to(torch.int32), decode=False,
-            q_start_loc=query_start.to(torch.int32), prefix_lens=start_pos.to(torch.int32),
-            max_new_tokens=int(batch.num_tokens.max()))
+            page_table=self.kv_cache.page_table[slots[d:], :cols],
+            seq_lens=seq_lens_d[d:].to(torch.int32), decode=False,
+            q_start_loc=(query_start[d:] - d).to(torch.int32), prefix_lens=start_pos[d:].to(torch.int32),
+            max_new_tokens=int(batch.num_tokens.max()), leading_decodes=decodes)
 
     def init_graphs(self, sizes: list[int]) -> None:
         # The page-table rows of a graph's requests, gathered before each replay.
@@ -104,10 +118,16 @@ class TritonBackend(AttentionBackend):
         if m.decode:
             paged_decode_attention(q, k_cache, v_cache, m.page_table, m.seq_lens, layer.scaling,
                                    out=out, num_splits=m.num_splits)
-        else:
-            paged_extend_attention(q, k_cache, v_cache, m.page_table, m.q_start_loc,
-                                   m.prefix_lens, m.seq_lens, layer.scaling, out=out,
-                                   max_new_tokens=m.max_new_tokens)
+            return out.flatten(1)
+        d = 0
+        if m.leading_decodes is not None:
+            lead = m.leading_decodes
+            d = lead.page_table.shape[0]
+            paged_decode_attention(q[:d], k_cache, v_cache, lead.page_table, lead.seq_lens,
+                                   layer.scaling, out=out[:d], num_splits=lead.num_splits)
+        paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
+                               m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
+                               max_new_tokens=m.max_new_tokens)
         return out.flatten(1)
 
 
