@@ -82,8 +82,8 @@ class TritonBackend(AttentionBackend):
             return
         # Columns rounded up to 16 (one stride specialization) and tensors of their own for the
         # requests after the decodes (aligned, whatever d is).
-        cols = min(-(-max_seq // self.kv_cache.page_size), self.kv_cache.max_pages_per_slot)
-        cols = min(-(-cols // 16) * 16, self.kv_cache.max_pages_per_slot)
+        pages = -(-max_seq // self.kv_cache.page_size)
+        cols = min(-(-pages // 16) * 16, self.kv_cache.max_pages_per_slot)
         batch.metadata = TritonMetadata(
             page_table=self.kv_cache.page_table[slots[d:], :cols],
             seq_lens=seq_lens_d[d:].to(torch.int32), decode=False,
