@@ -1,0 +1,234 @@
+"""torch.distributed for the worker ranks of one replica: start-up with fail-fast timeouts, the
+process groups (world, attention TP, dense TP, MoE TP, EP) and the collectives layers call.
+
+Every rank of a replica reads the same plan from the shm ring; ranks talk to each other only
+through these groups: NCCL on CUDA, gloo on CPU (so tensor parallelism runs in CI). NCCL
+collectives are capturable, so the all-reduces inside the model and the LM head's all-gather
+replay inside the decode CUDA graphs like any other kernel.
+
+Group layout (consecutive ranks, as in SGLang): attention TP and dense TP are blocks of
+`attn_tp` / `dense_tp` consecutive ranks; MoE TP blocks of `moe_tp` consecutive ranks and EP
+groups stride over them (`moe_tp * ep == world`), so EP rank e owns experts [e::ep] or a block
+of them and an MoE layer reduces first inside its moe-TP block.
+
+A process that never called `init_distributed` is a world of one: every group has size 1 and
+every collective returns its input, so single-GPU code pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class ParallelConfigError(ValueError):
+    """Sizes that cannot work together; the message names both values."""
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Sizes of one replica's worker group. `world_size` counts ranks across all nodes."""
+
+    world_size: int = 1
+    attn_tp: int = 1
+    dense_tp: int = 1
+    moe_tp: int = 1
+    ep: int = 1
+    nnodes: int = 1
+
+    @property
+    def nprocs_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def check(self) -> None:
+        """Raise ParallelConfigError for combinations that cannot be served."""
+        w = self.world_size
+        for name, size in (("--attn-tp-size", self.attn_tp), ("--dense-tp-size", self.dense_tp),
+                           ("--moe-tp-size", self.moe_tp), ("--ep-size", self.ep)):
+            if size < 1 or w % size:
+                raise ParallelConfigError(f"{name} {size} does not divide --world-size {w}")
+        if self.attn_tp != w:
+            # Fewer attention ranks than the world means data-parallel attention: each attention
+            # group would need its own requests, which the scheduler does not split yet.
+            raise ParallelConfigError(
+                f"--attn-tp-size {self.attn_tp} with --world-size {w}: attention data parallelism "
+                "(attention TP smaller than the world) is not supported yet; use equal sizes")
+        if self.dense_tp > self.attn_tp:
+            raise ParallelConfigError(f"--dense-tp-size {self.dense_tp} is larger than "
+                                      f"--attn-tp-size {self.attn_tp}")
+        if self.moe_tp * self.ep != w:
+            raise ParallelConfigError(f"--moe-tp-size {self.moe_tp} times --ep-size {self.ep} "
+                                      f"must equal --world-size {w}")
+        if self.nnodes < 1 or w % self.nnodes:
+            raise ParallelConfigError(f"--world-size {w} is not a multiple of --nnodes "
+                                      f"{self.nnodes}")
+
+    def check_model(self, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+        """Raise ParallelConfigError when the model's heads or MLP do not split over the ranks.
+        KV heads may be fewer than the ranks (then each is replicated), never uneven."""
+        tp = self.attn_tp
+        if num_heads % tp:
+            raise ParallelConfigError(f"the model's {num_heads} attention heads do not split "
+                                      f"over --tp-size {tp}")
+        if num_kv_heads >= tp and num_kv_heads % tp:
+            raise ParallelConfigError(f"the model's {num_kv_heads} KV heads do not split over "
+                                      f"--tp-size {tp}")
+        if num_kv_heads < tp and tp % num_kv_heads:
+            raise ParallelConfigError(f"--tp-size {tp} is not a multiple of the model's "
+                                      f"{num_kv_heads} KV heads (needed to replicate them)")
+        if intermediate_size % self.dense_tp:
+            raise ParallelConfigError(f"the model's intermediate size {intermediate_size} does "
+                                      f"not split over --dense-tp-size {self.dense_tp}")
+
+
+@dataclass
+class ParallelGroup:
+    """One process group as a rank sees it: its index in the group, the group's size and the
+    collectives. A group of size 1 has no process group and its collectives are no-ops."""
+
+    name: str
+    rank: int = 0
+    size: int = 1
+    ranks: tuple[int, ...] = (0,)
+    pg: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place; returns x."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.pg)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's x along `dim`, in rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.view(-1), group=self.pg)  # flat: gloo wants 1-D
+        return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite x with rank `src`'s (index in the group), in place; returns x."""
+        if self.size > 1:
+            dist.broadcast(x, src=self.ranks[src], group=self.pg)
+        return x
+
+
+@dataclass
+class ParallelState:
+    sizes: ParallelSizes
+    rank: int  # global rank
+    world: ParallelGroup
+    attn_tp: ParallelGroup
+    dense_tp: ParallelGroup
+    moe_tp: ParallelGroup
+    ep: ParallelGroup
+
+    def group(self, name: str) -> ParallelGroup:
+        if name not in ("world", "attn_tp", "dense_tp", "moe_tp", "ep"):
+            raise KeyError(f"no process group {name!r}")
+        return getattr(self, name)
+
+
+def _single() -> ParallelState:
+    return ParallelState(ParallelSizes(), 0, *(ParallelGroup(n) for n in
+                                               ("world", "attn_tp", "dense_tp", "moe_tp", "ep")))
+
+
+_STATE: ParallelState = _single()
+
+
+def state() -> ParallelState:
+    """This process's groups (a world of one before `init_distributed`)."""
+    return _STATE
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(rank: int, sizes: ParallelSizes, init_method: str, device: torch.device,
+                     timeout_s: float) -> ParallelState:
+    """Join the replica's process group and build the sub-groups. Every rank calls this with
+    the same sizes; `init_method` is "tcp://host:port" of rank 0. A rank that does not join
+    within `timeout_s`, and any collective that waits longer than that later, raises instead
+    of hanging (NCCL: the watchdog aborts the communicator)."""
+    global _STATE
+    sizes.check()
+    if sizes.world_size == 1:
+        _STATE = _single()
+        return _STATE
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # NCCL errors and timeouts abort the process instead of leaving a rank stuck in a kernel.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=sizes.world_size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    except Exception as e:  # name the rank and where it waited
+        raise RuntimeError(
+            f"rank {rank} of {sizes.world_size}: could not form the process group at "
+            f"{init_method} within {timeout_s:.0f}s (another rank died or never started?): "
+            f"{type(e).__name__}: {e}") from e
+    w = sizes.world_size
+
+    def blocks(size: int) -> list[list[int]]:
+        return [list(range(s, s + size)) for s in range(0, w, size)]
+
+    moe_blocks = blocks(sizes.moe_tp)
+    ep_groups = [list(range(i, w, sizes.moe_tp)) for i in range(sizes.moe_tp)]
+    groups: dict[str, ParallelGroup] = {}
+    # new_group is collective over the world: every rank creates every group, in one order.
+    for name, layout in (("world", [list(range(w))]), ("attn_tp", blocks(sizes.attn_tp)),
+                         ("dense_tp", blocks(sizes.dense_tp)), ("moe_tp", moe_blocks),
+                         ("ep", ep_groups)):
+        for ranks in layout:
+            pg = (dist.group.WORLD if len(ranks) == w
+                  else dist.new_group(ranks, timeout=timeout, backend=backend))
+            if rank in ranks:
+                groups[name] = ParallelGroup(name, ranks.index(rank), len(ranks), tuple(ranks),
+                                             pg if len(ranks) > 1 else None)
+    _STATE = ParallelState(sizes, rank, **groups)
+    logger.info("rank %d/%d joined (%s): attn_tp %d/%d, dense_tp %d/%d, moe_tp %d/%d, ep %d/%d",
+                rank, w, backend, _STATE.attn_tp.rank, sizes.attn_tp, _STATE.dense_tp.rank,
+                sizes.dense_tp, _STATE.moe_tp.rank, sizes.moe_tp, _STATE.ep.rank, sizes.ep)
+    return _STATE
+
+
+def destroy_distributed() -> None:
+    global _STATE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = _single()
+
+
+# --- helpers for layers ----------------------------------------------------------------------
+
+
+def tp_all_reduce(x: torch.Tensor, group: str = "attn_tp") -> torch.Tensor:
+    """Sum partial results over a TP group (row-parallel outputs), in place."""
+    return _STATE.group(group).all_reduce(x)
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1, group: str = "attn_tp") -> torch.Tensor:
+    """Concatenate per-rank shards along `dim` (vocab-parallel logits)."""
+    return _STATE.group(group).all_gather(x, dim)
+
+
+def sync_sampled_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """Rank 0 samples for the replica; every rank keeps rank 0's ids (they feed LAST_SAMPLED
+    inputs of the next step). All ranks see identical logits and sampler state, but a sampled
+    draw is only guaranteed identical by copying it: broadcast [B] int64, in place."""
+    return _STATE.attn_tp.broadcast(tokens, src=0)
