@@ -137,12 +137,13 @@ class ParallelState:
         return getattr(self, name)
 
 
-def _single() -> ParallelState:
+def single_rank() -> ParallelState:
+    """A world of one: every group of size 1."""
     return ParallelState(ParallelSizes(), 0, *(ParallelGroup(n) for n in
                                                ("world", "attn_tp", "dense_tp", "moe_tp", "ep")))
 
 
-_STATE: ParallelState = _single()
+_STATE: ParallelState = single_rank()
 
 
 def state() -> ParallelState:
@@ -167,7 +168,7 @@ def init_distributed(rank: int, sizes: ParallelSizes, init_method: str, device: 
     global _STATE
     sizes.check()
     if sizes.world_size == 1:
-        _STATE = _single()
+        _STATE = single_rank()
         return _STATE
     backend = "nccl" if device.type == "cuda" else "gloo"
     # NCCL errors and timeouts abort the process instead of leaving a rank stuck in a kernel.
@@ -211,7 +212,7 @@ def destroy_distributed() -> None:
     global _STATE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _STATE = _single()
+    _STATE = single_rank()
 
 
 # --- helpers for layers ----------------------------------------------------------------------

@@ -13,6 +13,7 @@ from tokenspeed.cuda_graph import (
     capture_sizes,
     graph_memory_estimate,
 )
+from tokenspeed.distributed import state, sync_sampled_tokens
 from tokenspeed.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import (
@@ -24,7 +25,7 @@ from tokenspeed.layers.attention import (
     create_backend,
     resolve_backend_name,
 )
-from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.config import ModelConfig, local_heads
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
 from tokenspeed.sampler import Sampler
 from tokenspeed.weights import load_model, open_checkpoint
@@ -101,6 +102,8 @@ class ModelRunner:
         ckpt = open_checkpoint(model_path, load_format)
         self.config = ckpt.config
         c = self.config
+        # This rank's heads (tensor parallelism: the KV cache holds only these).
+        self.num_heads, self.num_kv_heads = local_heads(c, state().attn_tp.size)
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
         self.attention_backend = resolve_backend_name(attention_backend, self.device)
         check_backend(self.attention_backend, self.device)
@@ -117,7 +120,7 @@ class ModelRunner:
         self.num_pages = num_pages
         self.kv_cache = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=page_size,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
+            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
             device=self.device, max_slots=max_slots, max_context_len=max_context_len)
         self.backend = self._make_backend(self.kv_cache)
         self.sampler = Sampler(self.device, seed, capacity=max_slots)
@@ -136,7 +139,7 @@ class ModelRunner:
 
     def _make_backend(self, kv_cache: PagedKVCache) -> AttentionBackend:
         return create_backend(self.attention_backend, kv_cache,
-                              num_heads=self.config.num_attention_heads, head_dim=self.config.head_dim,
+                              num_heads=self.num_heads, head_dim=self.config.head_dim,
                               max_context_len=self.max_context_len, sliding_window=self._window)
 
     def _profile_num_pages(self, mem_fraction_static: float | None,
@@ -146,7 +149,7 @@ class ModelRunner:
         c = self.config
         per_page = PagedKVCache.bytes_per_page(
             num_layers=c.num_hidden_layers, page_size=self.page_size,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype)
+            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
         if self.device.type != "cuda":
             return -(-CPU_DEFAULT_KV_TOKENS // self.page_size)
         # A step holds at most max(chunked_prefill_size, running decodes) tokens.
@@ -185,7 +188,7 @@ class ModelRunner:
         c = self.config
         scratch = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=1, page_size=self.page_size,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
+            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
             device=self.device, max_slots=1, max_context_len=tokens)
         backend = self._make_backend(scratch)
         positions = np.arange(tokens, dtype=np.int64)
@@ -275,6 +278,7 @@ class ModelRunner:
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
         res = self.sampler.sample(slots.tolist(), logits, slots_dev)
+        sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
         self.last_tokens[slots_dev] = res.tokens
         return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,
                                                 res.top_logprobs]))

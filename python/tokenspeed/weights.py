@@ -1,10 +1,18 @@
-"""Weight loading: HF safetensors, GGUF (dequantised through the `gguf` package) and seeded dummy."""
+"""Weight loading: HF safetensors, GGUF (dequantised through the `gguf` package) and seeded dummy.
+
+With tensor parallelism each rank builds only its shard of every layer and fills it from the
+checkpoint stream: safetensors tensors arrive lazily (`LazyTensor`) and a rank reads only the
+rows/columns it owns; GGUF tensors are dequantised one at a time and cut; dummy weights are drawn
+per full tensor (seeded by name, so every TP size gets the same model) and cut. No rank ever
+holds more than its shards plus one full tensor.
+"""
 
 from __future__ import annotations
 
 import glob
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,6 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tokenspeed.distributed import ParallelState, single_rank, state
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
 from tokenspeed.models.registry import build_model
 
@@ -47,8 +56,34 @@ def resolve_load_format(model_path: str, load_format: str) -> str:
 # --- safetensors -----------------------------------------------------------------------------
 
 
-def iter_safetensors(model_dir: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (HF name, tensor) from every *.safetensors file, one tensor at a time."""
+class LazyTensor:
+    """A safetensors tensor not read yet: `narrow` reads only that slice from the file, `to`
+    (or `full`) reads all of it. Layers' weight loaders take it where they take a tensor."""
+
+    def __init__(self, handle: object, name: str) -> None:
+        self._handle, self._name = handle, name
+        self._slice = handle.get_slice(name)  # type: ignore[attr-defined]
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def full(self) -> torch.Tensor:
+        return self._handle.get_tensor(self._name)  # type: ignore[attr-defined]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * self.dim()
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.full().to(dtype)
+
+
+def iter_safetensors(model_dir: str, progress: bool = True,
+                     lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (HF name, tensor) from every *.safetensors file, one tensor at a time; with
+    `lazy`, (HF name, LazyTensor) so that a TP rank reads only its shard."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -60,7 +95,7 @@ def iter_safetensors(model_dir: str, progress: bool = True) -> Iterator[tuple[st
     with tqdm(total=total, desc="Loading safetensors", unit="tensor", disable=not progress) as bar:
         for h, names in zip(handles, keys):
             for name in names:
-                yield name, h.get_tensor(name)
+                yield name, (LazyTensor(h, name) if lazy else h.get_tensor(name))  # type: ignore[misc]
                 bar.update(1)
 
 
@@ -147,19 +182,36 @@ def read_gguf(path: str) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, 
 # --- dummy -----------------------------------------------------------------------------------
 
 
-def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded random weights: norms 1, biases 0, the rest N(0, std). Same seed → same weights."""
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02,
+                       full_model: nn.Module | None = None) -> None:
+    """Seeded random weights: norms 1, biases 0, the rest N(0, std), each full (unsharded)
+    tensor drawn from a generator seeded by (seed, name). Same seed → same weights at any TP
+    size. `full_model`: the TP=1 model on the meta device (names and full shapes); each full
+    tensor goes through `model`'s weight loaders, which keep this rank's shard."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    full_model = full_model or model
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    full_modules = dict(full_model.named_modules())
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=gen)
+        for name, full in full_model.named_parameters():
+            p = params[name]
+            if "norm" in name or name.endswith(".bias"):
+                p.fill_(1.0 if "norm" in name else 0.0)
+                continue
+            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            value = torch.empty(full.shape, dtype=p.dtype, device=device).normal_(0.0, std,
+                                                                                  generator=gen)
+            owner_name = name.rsplit(".", 1)[0]
+            loader = getattr(modules[owner_name], "weight_loader", None)
+            if loader is None:
+                p.copy_(value)
+                continue
+            # Fused parameters (qkv, gate_up) load sub-matrix by sub-matrix, as from HF.
+            sizes = getattr(full_modules[owner_name], "output_sizes", [full.shape[0]])
+            for shard, piece in enumerate(value.split(sizes, dim=0)):
+                loader(p, piece, shard)
 
 
 # --- entry point -----------------------------------------------------------------------------
@@ -197,16 +249,23 @@ def open_checkpoint(model_path: str, load_format: str = "auto") -> Checkpoint:
     config = load_hf_config(model_path)
     if fmt == "dummy":
         return Checkpoint(model_path, fmt, config, None)
-    return Checkpoint(model_path, fmt, config, lambda: iter_safetensors(model_path))
+    return Checkpoint(model_path, fmt, config, lambda: iter_safetensors(model_path, lazy=True))
 
 
 def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
-               max_positions: int, seed: int = 0) -> nn.Module:
-    """Build the model on `device` in `dtype` and fill its weights (seeded random for dummy)."""
+               max_positions: int, seed: int = 0,
+               parallel: ParallelState | None = None) -> nn.Module:
+    """Build this rank's shard of the model on `device` in `dtype` and fill its weights
+    (seeded random for dummy). `parallel`: the rank's groups (None: `distributed.state()`)."""
+    parallel = parallel or state()
     with _default_dtype(dtype), torch.device(device):
-        model = build_model(ckpt.config, max_positions)
+        model = build_model(ckpt.config, max_positions, parallel)
     if ckpt.tensors is None:
-        init_dummy_weights(model, seed)
+        full = None
+        if parallel.world.size > 1:
+            with _default_dtype(dtype), torch.device("meta"):
+                full = build_model(ckpt.config, max_positions, single_rank())
+        init_dummy_weights(model, seed, full_model=full)
     else:
         model.load_weights(ckpt.tensors())  # type: ignore[operator]
     return model.eval()

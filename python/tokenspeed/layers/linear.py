@@ -1,25 +1,31 @@
 """Linear layers: column-parallel (incl. fused qkv / gate_up) and row-parallel, loading HF weights.
 
-Tensor parallelism seam: every layer knows its `tp_rank`/`tp_size` and loads its own shard of a
-full HF tensor in `weight_loader` through `shard_rows`/`shard_cols`. Only tp_size == 1 exists today;
-for TP > 1, RowLinear's output additionally needs an all-reduce (marked below).
+Tensor parallelism: every layer knows its `tp_rank`/`tp_size` and loads only its shard of a full
+HF tensor in `weight_loader` (through `shard_rows`/`shard_cols`, which read just that range of a
+lazily opened safetensors tensor). A column-parallel output stays split (the next row-parallel
+layer consumes it as is); a row-parallel output is a partial sum, all-reduced over its TP group.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from tokenspeed.distributed import tp_all_reduce
 
-def shard_rows(full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's slice of dim 0 (output features of a column-parallel weight)."""
+
+def shard_rows(full: Any, tp_rank: int, tp_size: int) -> Any:
+    """This rank's slice of dim 0 (output features of a column-parallel weight). `full` is a
+    tensor or a `weights.LazyTensor` (then only the slice is read)."""
     if tp_size == 1:
         return full
     size = full.shape[0] // tp_size
     return full.narrow(0, tp_rank * size, size)
 
 
-def shard_cols(full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+def shard_cols(full: Any, tp_rank: int, tp_size: int) -> Any:
     """This rank's slice of dim 1 (input features of a row-parallel weight)."""
     if tp_size == 1 or full.dim() == 1:
         return full
@@ -44,11 +50,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return nn.functional.linear(x, weight, bias)
 
 
-def _check_tp(tp_size: int) -> None:
-    if tp_size != 1:
-        raise NotImplementedError("tensor parallelism is not implemented yet (tp_size must be 1)")
-
-
 def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != "
@@ -61,23 +62,30 @@ class ColumnLinear(nn.Module):
     """y = x W^T (+ b), W split by output features across TP ranks.
 
     `output_sizes` lists the fused sub-matrices (e.g. [q, k, v] or [gate, up]); each HF tensor is
-    loaded into its slice by shard index.
+    loaded into its slice by shard index. `shard_splits[i]` = (part, parts): sub-matrix i is cut
+    into `parts` equal pieces and this rank holds piece `part` (default: (tp_rank, tp_size); K/V
+    of a model with fewer KV heads than ranks are cut per head and each head replicated).
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1,
+                 shard_splits: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
-        _check_tp(tp_size)
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.output_sizes = [s // tp_size for s in output_sizes]
+        self.shard_splits = shard_splits or [(tp_rank, tp_size)] * len(output_sizes)
+        for full, (_, parts) in zip(output_sizes, self.shard_splits):
+            if full % parts:
+                raise ValueError(f"output size {full} does not split into {parts} parts")
+        self.output_sizes = [s // parts for s, (_, parts) in zip(output_sizes, self.shard_splits)]
         out = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard: int = 0) -> None:
         offset = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
-        local = shard_rows(loaded, self.tp_rank, self.tp_size)
+        part, parts = self.shard_splits[shard]
+        local = shard_rows(loaded, part, parts)
         _copy(param.data.narrow(0, offset, size), local.to(param.dtype), f"shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,11 +93,21 @@ class ColumnLinear(nn.Module):
 
 
 class QKVLinear(ColumnLinear):
-    """Fused q/k/v projection; HF `q_proj`, `k_proj`, `v_proj` load into shards 0, 1, 2."""
+    """Fused q/k/v projection; HF `q_proj`, `k_proj`, `v_proj` load into shards 0, 1, 2.
 
-    def __init__(self, hidden_size: int, q_size: int, kv_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, tp_rank, tp_size)
+    Query heads split evenly over the ranks. KV heads too when there are at least as many as
+    ranks; otherwise rank r holds KV head r // (tp_size / num_kv_heads), the one its query heads
+    read (GQA groups are contiguous), so each KV head lives on tp_size / num_kv_heads ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        if num_kv_heads >= tp_size:
+            kv_split = (tp_rank, tp_size)
+        else:
+            kv_split = (tp_rank // (tp_size // num_kv_heads), num_kv_heads)
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
+                                       num_kv_heads * head_dim], bias, tp_rank, tp_size,
+                         shard_splits=[(tp_rank, tp_size), kv_split, kv_split])
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split(self.output_sizes, dim=-1)
@@ -105,20 +123,28 @@ class GateUpLinear(ColumnLinear):
 
 
 class RowLinear(nn.Module):
-    """y = x W^T (+ b), W split by input features across TP ranks (o_proj, down_proj)."""
+    """y = x W^T (+ b), W split by input features across TP ranks (o_proj, down_proj): each rank
+    multiplies its slice of x, the partial sums are all-reduced over `group` (NCCL inside the
+    decode CUDA graphs too) and the bias, held whole by every rank, is added once after it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, group: str = "attn_tp") -> None:
         super().__init__()
-        _check_tp(tp_size)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if in_features % tp_size:
+            raise ValueError(f"input size {in_features} does not split over {tp_size} ranks")
+        self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard: int = 0) -> None:
+        if param is self.bias:
+            _copy(param.data, loaded.to(param.dtype), "row bias")
+            return
         _copy(param.data, shard_cols(loaded, self.tp_rank, self.tp_size).to(param.dtype), "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # With TP > 1: partial sums -> all-reduce here, and add the bias on one rank only.
-        return linear(x, self.weight, self.bias)
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias)
+        y = tp_all_reduce(linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias

@@ -42,6 +42,13 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
 
+def local_heads(config: ModelConfig, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) one rank of an attention-TP group of `tp_size` holds: KV heads
+    split, or one replicated head per rank when there are fewer KV heads than ranks."""
+    return (config.num_attention_heads // tp_size,
+            max(1, config.num_key_value_heads // tp_size))
+
+
 _QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM"}
 _QK_NORM = {"Qwen3ForCausalLM"}
 

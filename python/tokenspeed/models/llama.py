@@ -7,25 +7,30 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tokenspeed.distributed import ParallelState, state
 from tokenspeed.layers.activation import SiluAndMul
 from tokenspeed.layers.attention import Attention, ForwardBatch
 from tokenspeed.layers.embedding import LMHead, VocabEmbedding
 from tokenspeed.layers.linear import GateUpLinear, QKVLinear, RowLinear
 from tokenspeed.layers.norm import RMSNorm
 from tokenspeed.layers.rotary import Rope, RotaryEmbedding
-from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.config import ModelConfig, local_heads
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """gate_up column-parallel, down row-parallel over the dense-TP group."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} (only silu)")
+        tp = parallel.dense_tp
         self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size,
-                                         bias=config.mlp_bias)
+                                         bias=config.mlp_bias, tp_rank=tp.rank, tp_size=tp.size)
         self.act = SiluAndMul()
         self.down_proj = RowLinear(config.intermediate_size, config.hidden_size,
-                                   bias=config.mlp_bias)
+                                   bias=config.mlp_bias, tp_rank=tp.rank, tp_size=tp.size,
+                                   group="dense_tp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -34,19 +39,25 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """qkv projection (+ optional per-head q/k RMSNorm, Qwen3) → RoPE → paged attention → o_proj.
 
-    RoPE goes to the attention layer, which lets the backend fuse it with the KV-cache write."""
+    RoPE goes to the attention layer, which lets the backend fuse it with the KV-cache write.
+    With TP each rank runs its share of the heads (see QKVLinear for the KV heads)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 parallel: ParallelState) -> None:
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        self.qkv_proj = QKVLinear(c.hidden_size, c.q_size, c.kv_size, bias=c.attention_bias)
-        self.o_proj = RowLinear(c.q_size, c.hidden_size, bias=False)
+        tp = parallel.attn_tp
+        self.num_heads, self.num_kv_heads = local_heads(c, tp.size)
+        self.head_dim = c.head_dim
+        self.qkv_proj = QKVLinear(c.hidden_size, c.head_dim, c.num_attention_heads,
+                                  c.num_key_value_heads, bias=c.attention_bias,
+                                  tp_rank=tp.rank, tp_size=tp.size)
+        self.o_proj = RowLinear(c.q_size, c.hidden_size, bias=False, tp_rank=tp.rank,
+                                tp_size=tp.size, group="attn_tp")
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.rotary = [rotary]  # a list so the shared table is not registered once per layer
-        self.attn = Attention(layer_id, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, c.head_dim,
                               scaling=c.head_dim ** -0.5,
                               sliding_window=c.sliding_windows[layer_id])
 
@@ -62,12 +73,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 parallel: ParallelState) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, parallel)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,13 +96,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        tp = parallel.attn_tp
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                           config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i, self.rotary_emb, parallel)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -115,11 +129,16 @@ STACKED_PARAMS = [
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int | None = None,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        parallel = parallel or state()
+        parallel.sizes.check_model(config.num_attention_heads, config.num_key_value_heads,
+                                   config.intermediate_size)
+        tp = parallel.attn_tp
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings, parallel)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 

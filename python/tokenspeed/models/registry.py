@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenspeed.distributed import ParallelState
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import LlamaForCausalLM
 from tokenspeed.models.qwen2 import Qwen2ForCausalLM
@@ -17,9 +18,11 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(config: ModelConfig, max_positions: int | None = None) -> nn.Module:
+def build_model(config: ModelConfig, max_positions: int | None = None,
+                parallel: ParallelState | None = None) -> nn.Module:
+    """`parallel`: this rank's process groups (None: `distributed.state()`)."""
     cls = MODEL_REGISTRY.get(config.architecture)
     if cls is None:
         raise NotImplementedError(f"architecture {config.architecture!r} is not supported "
                                   f"(supported: {sorted(MODEL_REGISTRY)})")
-    return cls(config, max_positions)
+    return cls(config, max_positions, parallel)

@@ -1,0 +1,116 @@
+"""Tensor parallelism on CPU (gloo, fp32): sharded layers recombine to the unsharded ones, TP
+models give TP=1's greedy tokens through ModelRunner, and the launcher's size checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tp_ranks import generate_on_rank, layers_on_rank, run_ranks
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from tokenspeed.distributed import ParallelConfigError, ParallelSizes
+
+# --- layers ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("world", "kv_options"), [(2, [1, 2, 6]), (3, [1, 3, 6])])
+def test_sharded_layers_recombine(world: int, kv_options: list[int]) -> None:
+    assert run_ranks(layers_on_rank, world, kv_options) == ["ok"] * world
+
+
+# --- sizes -------------------------------------------------------------------------------------
+
+
+def test_impossible_sizes_name_both_values() -> None:
+    cases = [
+        (ParallelSizes(world_size=4, attn_tp=4, dense_tp=3, moe_tp=4), ["--dense-tp-size 3", "4"]),
+        (ParallelSizes(world_size=4, attn_tp=2, dense_tp=2, moe_tp=4), ["--attn-tp-size 2", "4"]),
+        (ParallelSizes(world_size=4, attn_tp=4, dense_tp=4, moe_tp=2), ["--moe-tp-size 2", "4"]),
+        (ParallelSizes(world_size=3, attn_tp=3, dense_tp=3, moe_tp=3, nnodes=2), ["3", "2"]),
+    ]
+    for sizes, words in cases:
+        with pytest.raises(ParallelConfigError) as info:
+            sizes.check()
+        for w in words:
+            assert w in str(info.value), (str(info.value), w)
+    ParallelSizes(world_size=4, attn_tp=4, dense_tp=2, moe_tp=2, ep=2).check()
+
+
+def test_heads_must_split_over_the_ranks() -> None:
+    two = ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=2)
+    with pytest.raises(ParallelConfigError, match="9 attention heads .* --tp-size 2"):
+        two.check_model(9, 3, 1536)  # SmolLM2-135M
+    ParallelSizes(world_size=3, attn_tp=3, dense_tp=3, moe_tp=3).check_model(9, 3, 1536)
+    six = ParallelSizes(world_size=6, attn_tp=6, dense_tp=6, moe_tp=6)
+    six.check_model(12, 2, 1536)  # each KV head replicated on three ranks
+    with pytest.raises(ParallelConfigError, match="4 KV heads"):
+        six.check_model(12, 4, 1536)
+
+
+# --- models through ModelRunner ----------------------------------------------------------------
+
+
+PROMPTS = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate([3, 17, 9])]
+NEW_TOKENS = 8
+
+
+_TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "max_position_embeddings": 256}
+TINY = {
+    # One KV head for two ranks (replicated), an odd vocab (padded shards), tied embeddings.
+    "llama_mqa_odd_vocab": LlamaConfig(**_TINY, vocab_size=251, num_key_value_heads=1,
+                                       tie_word_embeddings=True),
+    "qwen3_qk_norm": Qwen3Config(**_TINY, vocab_size=256, num_key_value_heads=2, head_dim=32),
+}
+
+
+def _tiny_checkpoint(tmp_path: Path, name: str) -> str:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY[name]).eval()
+    with torch.no_grad():  # weights far from the init scale, so that a wrong shard shows
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _assert_same_as_tp1(path: str, world: int, prompts: list[list[int]], n: int,
+                        load_format: str = "auto") -> None:
+    ref_tokens, ref_logits, _ = generate_on_rank(0, path, prompts, n, load_format=load_format)
+    tokens, logits, _ = run_ranks(generate_on_rank, world, path, prompts, n, None, False,
+                                  load_format)[0]
+    assert tokens == ref_tokens
+    worst = max(abs(a - b).max() for ours, ref in zip(logits, ref_logits) for a, b in zip(ours, ref))
+    assert worst < 1e-3, f"max |logit diff| TP={world} vs TP=1: {worst}"
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_model_tp2_matches_tp1(tmp_path: Path, name: str) -> None:
+    _assert_same_as_tp1(_tiny_checkpoint(tmp_path, name), 2, PROMPTS, NEW_TOKENS)
+
+
+def test_dummy_weights_are_the_same_model_at_any_tp(tmp_path: Path) -> None:
+    """Dummy weights are drawn per full tensor and cut, so TP=2 serves TP=1's model."""
+    _assert_same_as_tp1(_tiny_checkpoint(tmp_path, "qwen3_qk_norm"), 2, PROMPTS, NEW_TOKENS,
+                        load_format="dummy")
+
+
+def test_every_rank_keeps_rank0s_sampled_tokens(tmp_path: Path) -> None:
+    """Ranks seeded differently would draw different tokens; every rank must still feed rank
+    0's draws back as the next inputs (LAST_SAMPLED reads last_tokens)."""
+    path = _tiny_checkpoint(tmp_path, "qwen3_qk_norm")
+    sampling = {"temperature": [1.0] * len(PROMPTS)}
+    ranks = run_ranks(generate_on_rank, 2, path, PROMPTS, NEW_TOKENS, sampling, True)
+    (tokens0, _, last0), (tokens1, _, last1) = ranks
+    assert tokens0 == tokens1 and last0 == last1
+    alone = [generate_on_rank(0, path, PROMPTS, NEW_TOKENS, sampling, True)[0] for _ in range(2)]
+    assert alone[0] == alone[1]  # seeded: the draws above are rank 0's, not luck
+
+
+def test_smollm2_tp3_matches_tp1() -> None:
+    from test_models_numerics import smollm2_dir
+
+    prompts = [[1, 504, 3575, 282, 4649, 314], [1, 9690, 42, 2683]]
+    _assert_same_as_tp1(str(smollm2_dir()), 3, prompts, NEW_TOKENS)

@@ -1,0 +1,132 @@
+"""Runs a function on N CPU ranks (spawned processes joined through gloo) and returns what each
+rank returned: the test harness for tensor parallelism without GPUs. The per-rank test bodies
+live here too, so that a spawned rank imports only this module (not transformers)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tokenspeed.distributed import (
+    ParallelSizes,
+    destroy_distributed,
+    free_tcp_port,
+    init_distributed,
+    state,
+)
+from tokenspeed.layers.embedding import LMHead, VocabEmbedding
+from tokenspeed.layers.linear import GateUpLinear, QKVLinear, RowLinear
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, sizes: ParallelSizes, init: str,
+               args: tuple, out: Any) -> None:
+    torch.set_num_threads(1)  # N ranks share CI's two cores
+    try:
+        init_distributed(rank, sizes, init, torch.device("cpu"), timeout_s=120)
+        result = fn(rank, *args)
+        destroy_distributed()
+        out.put((rank, True, result))
+    except BaseException:  # noqa: BLE001  (the parent re-raises it with the traceback)
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 600,
+              sizes: ParallelSizes | None = None) -> list[Any]:
+    """fn(rank, *args) on `world` ranks; fn must be importable (module level)."""
+    sizes = sizes or ParallelSizes(world_size=world, attn_tp=world, dense_tp=world,
+                                   moe_tp=world, ep=1)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_tcp_port()}"
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, sizes, init, args, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = out.get(timeout=timeout_s)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return [results[r] for r in range(world)]
+
+
+# --- per-rank test bodies -----------------------------------------------------------------------
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    # Sums split over ranks round differently from one matmul: fp32 rounding only.
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def layers_on_rank(rank: int, kv_options: list[int]) -> str:
+    tp = state().attn_tp
+    g = torch.Generator().manual_seed(0)
+    hidden, head_dim, heads, inter, vocab = 12, 4, 6, 18, 37  # 37: vocab padded per rank
+    x = torch.randn(5, hidden, generator=g)
+    for kv in kv_options:
+        q_w = torch.randn(heads * head_dim, hidden, generator=g)
+        k_w, v_w = (torch.randn(kv * head_dim, hidden, generator=g) for _ in range(2))
+        qkv = QKVLinear(hidden, head_dim, heads, kv, bias=False, tp_rank=tp.rank, tp_size=tp.size)
+        for shard, w in enumerate((q_w, k_w, v_w)):
+            qkv.weight_loader(qkv.weight, w, shard)
+        q, k, v = qkv.split(qkv(x))
+        hq = heads // tp.size
+        kv_head = rank * hq // (heads // kv)  # the KV head this rank's first query head reads
+        hk = max(1, kv // tp.size)
+        assert torch.equal(qkv.weight[: hq * head_dim], q_w[rank * hq * head_dim:][: hq * head_dim])
+        _close(q, x @ q_w[rank * hq * head_dim:][: hq * head_dim].T, f"q kv={kv}")
+        ks = slice(kv_head * head_dim, (kv_head + hk) * head_dim)
+        _close(k, x @ k_w[ks].T, f"k kv={kv}")
+        _close(v, x @ v_w[ks].T, f"v kv={kv}")
+    # gate_up (column) then down (row, with bias): the MLP shards sum to the full MLP.
+    gate, up = (torch.randn(inter, hidden, generator=g) for _ in range(2))
+    down, bias = torch.randn(hidden, inter, generator=g), torch.randn(hidden, generator=g)
+    gu = GateUpLinear(hidden, inter, tp_rank=tp.rank, tp_size=tp.size)
+    gu.weight_loader(gu.weight, gate, 0)
+    gu.weight_loader(gu.weight, up, 1)
+    row = RowLinear(inter, hidden, bias=True, tp_rank=tp.rank, tp_size=tp.size)
+    row.weight_loader(row.weight, down, 0)
+    row.weight_loader(row.bias, bias, 0)
+    g_local, u_local = gu(x).chunk(2, dim=-1)
+    full = torch.nn.functional.silu(x @ gate.T) * (x @ up.T) @ down.T + bias
+    _close(row(torch.nn.functional.silu(g_local) * u_local), full, "mlp")
+    # Vocab-parallel embedding and LM head (tied), vocab not a multiple of the ranks.
+    table = torch.randn(vocab, hidden, generator=g)
+    emb = VocabEmbedding(vocab, hidden, tp.rank, tp.size)
+    emb.weight_loader(emb.weight, table)
+    ids = torch.tensor([0, 1, 12, 13, 25, 36, 36, 5])
+    assert torch.equal(emb(ids), table[ids])  # one owner per id, zeros elsewhere: exact
+    head = LMHead(vocab, hidden, tp.rank, tp.size)
+    head.tie(emb)
+    logits = head(x)
+    assert logits.shape == (5, vocab)
+    _close(logits, x @ table.T, "lm head")
+    return "ok"
+
+
+def generate_on_rank(rank: int, path: str, prompts: list[list[int]], n: int,
+                     sampling: dict | None = None, seed_by_rank: bool = False,
+                     load_format: str = "auto") -> tuple:
+    """Greedy (or `sampling`) generation through ModelRunner. `seed_by_rank`: each rank's
+    sampler gets its own seed, so only the broadcast of rank 0's ids keeps the ranks in step."""
+    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.models.offline import OfflineScheduler
+
+    runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=128,
+                         seed=rank if seed_by_rank else 0, load_format=load_format)
+    res = OfflineScheduler(runner).generate(prompts, n, chunk_size=8, keep_logits=True,
+                                            sampling=sampling)
+    # numpy, not tensors: a queued tensor is shared by file descriptor, gone once the rank exits.
+    logits = [[x.numpy() for x in req] for req in res.logits]
+    return res.tokens, logits, runner.last_tokens.tolist()
