@@ -68,9 +68,6 @@ def test_default_values() -> None:
 @pytest.mark.parametrize(
     ("argv", "name"),
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
-        (["--tp", "4"], "--tp"),
-        (["--attn-tp-size", "8"], "--attn-tp-size"),
         (["--expert-parallel-size", "2"], "--expert-parallel-size"),
         (["--ep-size", "2"], "--ep-size"),
         (["--dp", "2"], "--dp"),
@@ -83,6 +80,12 @@ def test_parallel_sizes_above_one_are_not_supported_yet(argv: list[str], name: s
 
 def test_parallel_sizes_of_one_are_fine() -> None:
     parse_serve_args(["--expert-parallel-size", "1", "--dp-size", "1", "--nnodes", "1", "--node-rank", "0"])
+
+
+@pytest.mark.parametrize("spelling", ["--tensor-parallel-size", "--tp", "--tp-size", "--attn-tp-size"])
+def test_tensor_parallel_sizes_parse(spelling: str) -> None:
+    cfg = parse_serve_args([spelling, "4", "--dense-tp-size", "2", "--world-size", "4", "--nprocs-per-node", "4"])
+    assert (cfg.tp_size, cfg.dense_tp_size, cfg.world_size, cfg.nprocs_per_node) == (4, 2, 4, 4)
 
 
 @pytest.mark.parametrize("flag", [f for f in FLAGS if f.aliases], ids=lambda f: f.name)
@@ -363,7 +366,8 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--disable-radix-cache", "--disable-overlap-schedule", "--mem-fraction-static", "--device",
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
-        "--enable-metrics", "--dry-run", "--config",
+        "--enable-metrics", "--dry-run", "--config", "--dense-tp-size", "--moe-tp-size", "--world-size",
+        "--nprocs-per-node", "--dist-init-addr", "--dist-timeout",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

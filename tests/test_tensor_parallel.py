@@ -1,15 +1,24 @@
 """Tensor parallelism on CPU (gloo, fp32): sharded layers recombine to the unsharded ones, TP
-models give TP=1's greedy tokens through ModelRunner, and the launcher's size checks."""
+models give TP=1's greedy tokens through ModelRunner and through `tokenspeed serve --tp 3`, the
+size checks name both values, and a dead rank fails the server fast."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 from tp_ranks import generate_on_rank, layers_on_rank, run_ranks
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+from server_harness import Server, start_server, stop_server
 from tokenspeed.distributed import ParallelConfigError, ParallelSizes
 
 # --- layers ------------------------------------------------------------------------------------
@@ -114,3 +123,53 @@ def test_smollm2_tp3_matches_tp1() -> None:
 
     prompts = [[1, 504, 3575, 282, 4649, 314], [1, 9690, 42, 2683]]
     _assert_same_as_tp1(str(smollm2_dir()), 3, prompts, NEW_TOKENS)
+
+
+# --- end to end: `tokenspeed serve --tp 3` ------------------------------------------------------
+
+E2E_PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+E2E_FLAGS = ("--max-total-tokens", "2048", "--max-running-requests", "8", "--page-size", "4")
+
+
+def _greedy_texts(srv: Server) -> list[str]:
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    return [client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0)
+            .choices[0].text for p in E2E_PROMPTS]
+
+
+def test_serve_tp3_gives_tp1_tokens_and_a_dead_rank_fails_fast(tmp_path: Path) -> None:
+    """SmolLM2 (9 heads, 3 KV heads) on three gloo ranks answers exactly like one rank; killing
+    one rank turns /health to 503 at once and the server logs that rank's pid (the launcher logged
+rank→pid at start)."""
+    srv = start_server(str(tmp_path), *E2E_FLAGS)
+    try:
+        ref = _greedy_texts(srv)
+    finally:
+        stop_server(srv)
+    srv = start_server(str(tmp_path), "--tp", "3", *E2E_FLAGS)
+    try:
+        info = srv.info()
+        assert info["parallel"]["world_size"] == 3 and len(info["worker_pids"]) == 3
+        assert _greedy_texts(srv) == ref
+        assert "Paris" in ref[0]
+        victim = info["worker_pids"][2]
+        assert f"rank 2 pid {victim}" in srv.log()
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while httpx.get(f"{srv.url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "the server still looks healthy with a dead rank"
+            time.sleep(0.2)
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 503
+        assert f"worker process {victim} exited" in srv.log()  # the Rust core names the pid
+    finally:
+        stop_server(srv)
+
+
+def test_serve_refuses_heads_that_do_not_split(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--device", "cpu", "--tp", "2"]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "9 attention heads do not split over --tp-size 2" in out.stderr, out.stderr

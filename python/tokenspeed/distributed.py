@@ -88,6 +88,26 @@ class ParallelSizes:
                                       f"not split over --dense-tp-size {self.dense_tp}")
 
 
+def resolve_sizes(tp_size: int = 1, dense_tp_size: int | None = None,
+                  moe_tp_size: int | None = None, world_size: int | None = None,
+                  nprocs_per_node: int | None = None, nnodes: int = 1,
+                  ep_size: int = 1) -> ParallelSizes:
+    """The flags (seed 001) → checked sizes. `--tp`/`--tensor-parallel-size` is attention TP;
+    `--world-size` alone also sets it; dense TP defaults to attention TP, MoE TP to
+    world / EP; `--nprocs-per-node` times `--nnodes` must be the world."""
+    attn = world_size if (world_size and tp_size == 1) else tp_size
+    world = world_size or (nprocs_per_node * nnodes if nprocs_per_node else attn)
+    if nprocs_per_node and nprocs_per_node * nnodes != world:
+        raise ParallelConfigError(f"--nprocs-per-node {nprocs_per_node} on --nnodes {nnodes} "
+                                  f"does not make --world-size {world}")
+    if ep_size < 1 or world % ep_size:
+        raise ParallelConfigError(f"--ep-size {ep_size} does not divide --world-size {world}")
+    sizes = ParallelSizes(world_size=world, attn_tp=attn, dense_tp=dense_tp_size or attn,
+                          moe_tp=moe_tp_size or world // ep_size, ep=ep_size, nnodes=nnodes)
+    sizes.check()
+    return sizes
+
+
 @dataclass
 class ParallelGroup:
     """One process group as a rank sees it: its index in the group, the group's size and the
@@ -171,6 +191,10 @@ def init_distributed(rank: int, sizes: ParallelSizes, init_method: str, device: 
         _STATE = single_rank()
         return _STATE
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:  # the node's ranks share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // sizes.nprocs_per_node))
     # NCCL errors and timeouts abort the process instead of leaving a rank stuck in a kernel.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     timeout = timedelta(seconds=timeout_s)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenspeed.distributed import free_tcp_port
 from tokenspeed.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger("tokenspeed.serve")
@@ -72,7 +73,15 @@ def launch(cfg: Any) -> int:
             check_backend(cfg.attention_backend, torch.device(device))
         except ValueError as e:
             raise LaunchError(str(e)) from None
-    world = int(cfg.tp_size or 1)
+    sizes = parallel_sizes(cfg, model_dir)
+    world = sizes.nprocs_per_node  # ranks on this node: all of them read the one plan ring
+    init_method = f"tcp://{cfg.dist_init_addr or f'127.0.0.1:{free_tcp_port()}'}"
+    if device == "cuda" and world > 1:
+        import torch
+
+        if torch.cuda.device_count() < world:
+            raise LaunchError(f"--tp-size {world} needs {world} GPUs, this node has "
+                              f"{torch.cuda.device_count()}")
     max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
     chunk = int(cfg.chunked_prefill_size or 8192)
     page_size = int(cfg.page_size or 16)
@@ -92,7 +101,7 @@ def launch(cfg: Any) -> int:
             world_size=world,
             model_path=str(model_dir),
             channel_name=channel_name,
-            device=device,
+            device=f"cuda:{rank}" if device == "cuda" and world > 1 else device,
             dtype=cfg.dtype or "auto",
             load_format=cfg.load_format or "auto",
             page_size=page_size,
@@ -106,6 +115,9 @@ def launch(cfg: Any) -> int:
             cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             chunked_prefill_size=chunk,
             log_level=cfg.log_level or "info",
+            parallel=sizes,
+            dist_init_method=init_method,
+            dist_timeout_s=float(cfg.dist_timeout or 300),
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)
@@ -115,8 +127,10 @@ def launch(cfg: Any) -> int:
         links.append(parent_end)
 
     try:
-        capacities = [_wait_ready(rank, proc, link) for rank, (proc, link) in enumerate(zip(workers, links))]
-        pages = min(c["num_pages"] for c in capacities)
+        logger.info("started %d worker rank(s): %s", world,
+                    ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(workers)))
+        capacities = _wait_ready(workers, links)
+        pages = min(c["num_pages"] for c in capacities)  # every rank's pool holds these pages
         server_config = {
             "host": cfg.host,
             "port": int(cfg.port),
@@ -139,7 +153,11 @@ def launch(cfg: Any) -> int:
             "worker_pids": [p.pid for p in workers],
             "server_info": {
                 "device": capacities[0]["device"],
-                "tp_size": world,
+                "tp_size": sizes.attn_tp,
+                "parallel": {"world_size": sizes.world_size, "attn_tp_size": sizes.attn_tp,
+                             "dense_tp_size": sizes.dense_tp, "moe_tp_size": sizes.moe_tp,
+                             "ep_size": sizes.ep, "nnodes": sizes.nnodes},
+                "num_pages_per_rank": [int(c["num_pages"]) for c in capacities],
                 "model_dir": str(model_dir),
                 "worker_pids": [p.pid for p in workers],
             },
@@ -159,18 +177,49 @@ def launch(cfg: Any) -> int:
                 proc.join(timeout=5)
 
 
-def _wait_ready(rank: int, proc: Any, link: Any, timeout_s: float = 900.0) -> dict:
+def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
+    """The checked parallel sizes, and that the model's heads split over them; one line naming
+    both values otherwise, before any worker starts."""
+    from tokenspeed.distributed import ParallelConfigError, resolve_sizes
+
+    try:
+        sizes = resolve_sizes(int(cfg.tp_size or 1), cfg.dense_tp_size, cfg.moe_tp_size,
+                              cfg.world_size, cfg.nprocs_per_node)
+        if sizes.world_size > 1:
+            from tokenspeed.weights import open_checkpoint
+
+            c = open_checkpoint(str(model_dir), cfg.load_format or "auto").config
+            sizes.check_model(c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)
+    except ParallelConfigError as e:
+        raise LaunchError(str(e)) from None
+    return sizes
+
+
+def _wait_ready(workers: list[Any], links: list[Any], timeout_s: float = 900.0) -> list[dict]:
+    """Every rank's start-up report, watching all ranks at once: a rank that dies fails the
+    start naming it at once (the others would otherwise wait in the process group)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if link.poll(0.5):
-            try:
-                msg = link.recv()
-            except EOFError:
-                msg = {"ok": False, "error": "worker exited during start-up"}
-            if not msg.get("ok"):
-                sys.stderr.write(msg.get("traceback", ""))
-                raise LaunchError(f"worker {rank} failed to start: {msg.get('error')}")
-            return msg
-        if not proc.is_alive():
-            raise LaunchError(f"worker {rank} exited during start-up (exit code {proc.exitcode})")
-    raise LaunchError(f"worker {rank} did not become ready within {timeout_s:.0f}s")
+    ready: dict[int, dict] = {}
+    while len(ready) < len(workers):
+        if time.monotonic() > deadline:
+            missing = [r for r in range(len(workers)) if r not in ready]
+            raise LaunchError(f"worker rank(s) {missing} did not become ready within "
+                              f"{timeout_s:.0f}s")
+        for rank, (proc, link) in enumerate(zip(workers, links)):
+            if rank in ready:
+                continue
+            if link.poll(0.1 if len(workers) == 1 else 0.02):
+                try:
+                    msg = link.recv()
+                except EOFError:
+                    msg = {"ok": False, "error": "worker exited during start-up"}
+                if not msg.get("ok"):
+                    sys.stderr.write(msg.get("traceback", ""))
+                    raise LaunchError(f"worker rank {rank} (pid {proc.pid}) failed to start: "
+                                      f"{msg.get('error')}")
+                ready[rank] = msg
+            elif not proc.is_alive():
+                raise LaunchError(f"worker rank {rank} (pid {proc.pid}) exited during start-up "
+                                  f"(exit code {proc.exitcode})")
+        time.sleep(0.05)
+    return [ready[r] for r in range(len(workers))]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenspeed._core import WorkerChannel
+    from tokenspeed.distributed import ParallelSizes
     from tokenspeed.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger("tokenspeed.worker")
@@ -43,6 +44,10 @@ class WorkerSpec:
     chunked_prefill_size: int | None = None  # largest prefill step: sizes the memory profile
     log_level: str = "info"
     recv_timeout_ms: int = 1000
+    # Tensor parallelism (distributed.py): this replica's sizes and where its ranks meet.
+    parallel: ParallelSizes | None = None
+    dist_init_method: str = ""
+    dist_timeout_s: float = 300.0
 
 
 def _die_with_parent() -> None:
@@ -64,6 +69,14 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         from tokenspeed._core import WorkerChannel
         from tokenspeed.model_runner import ModelRunner
 
+        if spec.parallel is not None and spec.parallel.world_size > 1:
+            # Join the process group first: the model's layers take their shards from it.
+            import torch
+
+            from tokenspeed.distributed import init_distributed
+
+            init_distributed(spec.rank, spec.parallel, spec.dist_init_method,
+                             torch.device(spec.device), spec.dist_timeout_s)
         runner = ModelRunner(
             spec.model_path,
             dtype=spec.dtype,

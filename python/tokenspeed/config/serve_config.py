@@ -49,8 +49,14 @@ class ServeConfig:
     log_level: str = "info"
     log_requests: bool = False
     enable_metrics: bool = False
-    # Parallelism.
+    # Parallelism (checked together by tokenspeed.distributed.ParallelSizes at launch).
     tp_size: int = 1
+    dense_tp_size: int | None = None  # None: the attention TP size
+    moe_tp_size: int | None = None  # None: world size / expert-parallel size
+    world_size: int | None = None  # None: the attention TP size
+    nprocs_per_node: int | None = None  # None: world size / nodes
+    dist_init_addr: str | None = None  # None: a free port on 127.0.0.1
+    dist_timeout: int = 300
     # Kernels and CUDA graphs.
     attention_backend: str | None = None  # None: picked from the device
     disable_cuda_graph: bool = False

@@ -198,8 +198,9 @@ RUNTIME_FLAGS: list[Flag] = [
       "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="both"),
     f("--soft-watchdog-timeout", "Dump debugging state when one forward step takes longer than "
       "this many seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="both"),
-    i("--dist-timeout", "Timeout in seconds for setting up the distributed process group.",
-      G_RUNTIME, minimum=1, component="worker"),
+    i("--dist-timeout", "Seconds a rank waits for the others, to form the process group and in "
+      "any collective, before it fails naming itself.", G_RUNTIME, 300, minimum=1,
+      component="worker", implemented=True),
     i("--base-gpu-id", "First GPU index to use, for running several servers on one machine.",
       G_RUNTIME, 0, minimum=0, component="worker"),
     i("--gpu-id-step", "Stride between the GPU indices used by consecutive workers.", G_RUNTIME,

@@ -2,7 +2,9 @@
 
 TokenSpeed splits tensor parallelism by layer family: attention (`--attn-tp-size`, which the
 familiar `--tensor-parallel-size` / `--tp` / `--tp-size` map to), dense MLP (`--dense-tp-size`)
-and MoE (`--moe-tp-size`). Only single-GPU serving (all sizes 1) is built so far.
+and MoE (`--moe-tp-size`). The combinations are checked in `tokenspeed.distributed.ParallelSizes`
+(which names both values of an impossible pair); attention TP smaller than the world (data-parallel
+attention), expert parallelism and data parallelism are not built yet.
 """
 
 from __future__ import annotations
@@ -23,19 +25,22 @@ from tokenspeed.config.flag import (
 # The table is laid out by hand, one flag per few lines.
 # fmt: off
 PARALLEL_FLAGS: list[Flag] = [
-    i("--tp-size", "Attention tensor-parallel size: GPUs that split each attention layer. "
-      "--tensor-parallel-size, --tp and --attn-tp-size are the same setting; give only one. "
-      "Only 1 works for now.", G_PARALLEL, 1,
-      aliases=("--tensor-parallel-size", "--tp", "--attn-tp-size"), minimum=1, max_supported=1,
+    i("--tp-size", "Attention tensor-parallel size: GPUs that split each attention layer (and, "
+      "unless set apart, the dense and MoE layers). --tensor-parallel-size, --tp and "
+      "--attn-tp-size are the same setting; give only one.", G_PARALLEL, 1,
+      aliases=("--tensor-parallel-size", "--tp", "--attn-tp-size"), minimum=1,
       component="both", implemented=True, metavar="N"),
     i("--dense-tp-size", "Tensor-parallel size of dense MLP layers, when it differs from "
-      "attention TP.", G_PARALLEL, minimum=1, component="both", metavar="N"),
+      "attention TP (a divisor of it: each dense shard is then replicated).", G_PARALLEL,
+      minimum=1, component="both", implemented=True, metavar="N"),
     i("--moe-tp-size", "Tensor-parallel size of MoE expert layers, when it differs from "
-      "attention TP.", G_PARALLEL, minimum=1, component="both", metavar="N"),
-    i("--world-size", "Total number of worker processes across all nodes.", G_PARALLEL,
-      minimum=1, component="both", metavar="N"),
-    i("--nprocs-per-node", "Worker processes started on each node.", G_PARALLEL, minimum=1,
-      component="both", metavar="N"),
+      "attention TP (times the expert-parallel size it must equal the world size).",
+      G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
+    i("--world-size", "Total number of worker processes across all nodes (default: the "
+      "attention TP size; given alone, it is also the TP size).", G_PARALLEL, minimum=1,
+      component="both", implemented=True, metavar="N"),
+    i("--nprocs-per-node", "Worker processes started on each node (default: world size / "
+      "nodes).", G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
     i("--dp-size", "Data-parallel size: number of independent model replicas behind one "
       "endpoint.", G_PARALLEL, 1, aliases=("--data-parallel-size", "--dp"), minimum=1,
       component="both", metavar="N"),
@@ -57,8 +62,10 @@ PARALLEL_FLAGS: list[Flag] = [
 ]
 
 MULTINODE_FLAGS: list[Flag] = [
-    s("--dist-init-addr", "Address (host:port) of rank 0, where all nodes meet to form the process group.",
-      G_MULTINODE, aliases=("--nccl-init-addr",), component="both", metavar="HOST:PORT"),
+    s("--dist-init-addr", "Address (host:port) of rank 0, where all nodes meet to form the process group "
+      "(default: a free port on 127.0.0.1).",
+      G_MULTINODE, aliases=("--nccl-init-addr",), component="both", implemented=True,
+      metavar="HOST:PORT"),
     i("--nnodes", "Number of nodes the deployment spans.", G_MULTINODE, 1, minimum=1,
       component="both"),
     i("--node-rank", "Index of this node, from 0. Only this differs between nodes.",
