@@ -19,7 +19,12 @@ from tp_ranks import generate_on_rank, layers_on_rank, run_ranks
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from server_harness import Server, start_server, stop_server
-from tokenspeed.distributed import ParallelConfigError, ParallelSizes
+from tokenspeed.distributed import (
+    ParallelConfigError,
+    ParallelSizes,
+    free_tcp_port,
+    init_distributed,
+)
 
 # --- layers ------------------------------------------------------------------------------------
 
@@ -104,6 +109,22 @@ def test_dummy_weights_are_the_same_model_at_any_tp(tmp_path: Path) -> None:
     """Dummy weights are drawn per full tensor and cut, so TP=2 serves TP=1's model."""
     _assert_same_as_tp1(_tiny_checkpoint(tmp_path, "qwen3_qk_norm"), 2, PROMPTS, NEW_TOKENS,
                         load_format="dummy")
+
+
+def test_split_tp_dense_layers_replicated_under_attention_tp(tmp_path: Path) -> None:
+    """--tp 2 --dense-tp-size 1: attention split over two ranks, each MLP whole on both."""
+    path = _tiny_checkpoint(tmp_path, "qwen3_qk_norm")
+    ref_tokens, ref_logits, _ = generate_on_rank(0, path, PROMPTS, NEW_TOKENS)
+    sizes = ParallelSizes(world_size=2, attn_tp=2, dense_tp=1, moe_tp=2)
+    tokens, logits, _ = run_ranks(generate_on_rank, 2, path, PROMPTS, NEW_TOKENS, sizes=sizes)[0]
+    assert tokens == ref_tokens
+    assert max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r)) < 1e-3
+
+
+def test_a_rank_that_never_joins_fails_naming_itself() -> None:
+    with pytest.raises(RuntimeError, match=r"rank 0 of 2: could not form the process group"):
+        init_distributed(0, ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=2),
+                         f"tcp://127.0.0.1:{free_tcp_port()}", torch.device("cpu"), timeout_s=2)
 
 
 def test_every_rank_keeps_rank0s_sampled_tokens(tmp_path: Path) -> None:
