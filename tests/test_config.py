@@ -367,7 +367,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
         "--enable-metrics", "--dry-run", "--config", "--dense-tp-size", "--moe-tp-size", "--world-size",
-        "--nprocs-per-node", "--dist-init-addr", "--dist-timeout",
+        "--nprocs-per-node", "--dist-init-addr", "--dist-timeout", "--nnodes", "--node-rank",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -75,6 +75,13 @@ def launch(cfg: Any) -> int:
             raise LaunchError(str(e)) from None
     sizes = parallel_sizes(cfg, model_dir)
     world = sizes.nprocs_per_node  # ranks on this node: all of them read the one plan ring
+    node_rank = int(cfg.node_rank or 0)
+    if sizes.nnodes > 1 and not cfg.dist_init_addr:
+        raise LaunchError(f"--nnodes {sizes.nnodes} needs --dist-init-addr HOST:PORT (node 0's "
+                          "address, the same on every node)")
+    if node_rank >= sizes.nnodes:
+        raise LaunchError(f"--node-rank {node_rank} with --nnodes {sizes.nnodes}: ranks are "
+                          f"0..{sizes.nnodes - 1}")
     init_method = f"tcp://{cfg.dist_init_addr or f'127.0.0.1:{free_tcp_port()}'}"
     if device == "cuda" and world > 1:
         import torch
@@ -87,21 +94,25 @@ def launch(cfg: Any) -> int:
     page_size = int(cfg.page_size or 16)
 
     channel_name = f"/tokenspeed-{os.getpid()}"
-    channel = _core.ServerChannel.create(
-        channel_name, world, 4, plan_slot_bytes(max_running, chunk, context, page_size)
-    )
+    slot_bytes = plan_slot_bytes(max_running, chunk, context, page_size)
+    if node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
+        channel = _core.ServerChannel.create(channel_name, world + (sizes.nnodes > 1), 4,
+                                             slot_bytes)
+    else:  # written by this node's relay (relay.py)
+        channel = _core.create_test_writer(channel_name, world, 4, slot_bytes)
     num_pages = None
     if cfg.max_total_tokens:
         num_pages = max(1, int(cfg.max_total_tokens) // page_size)
     ctx = mp.get_context("spawn")
     workers, links = [], []
-    for rank in range(world):
+    for rank in range(node_rank * world, (node_rank + 1) * world):
+        local = rank - node_rank * world
         spec = WorkerSpec(
             rank=rank,
             world_size=world,
             model_path=str(model_dir),
             channel_name=channel_name,
-            device=f"cuda:{rank}" if device == "cuda" and world > 1 else device,
+            device=f"cuda:{local}" if device == "cuda" and world > 1 else device,
             dtype=cfg.dtype or "auto",
             load_format=cfg.load_format or "auto",
             page_size=page_size,
@@ -127,10 +138,27 @@ def launch(cfg: Any) -> int:
         links.append(parent_end)
 
     try:
-        logger.info("started %d worker rank(s): %s", world,
-                    ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(workers)))
+        logger.info("node %d: started %d worker rank(s): %s", node_rank, world, ", ".join(
+            f"rank {node_rank * world + r} pid {p.pid}" for r, p in enumerate(workers)))
         capacities = _wait_ready(workers, links)
         pages = min(c["num_pages"] for c in capacities)  # every rank's pool holds these pages
+        if sizes.nnodes > 1:
+            from tokenspeed import relay
+
+            timeout = float(cfg.dist_timeout or 300)
+            if node_rank > 0:  # no HTTP here: relay node 0's plans until it shuts down
+                return relay.run_sink(channel, node_rank, sizes.nnodes, cfg.dist_init_addr,
+                                      timeout, pages, workers)
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            source = ctx.Process(target=relay.run_source, name="tokenspeed-relay", daemon=True,
+                                 args=(channel_name, world, sizes.nnodes, cfg.dist_init_addr,
+                                       timeout, pages, child_end))
+            source.start()
+            child_end.close()
+            workers.append(source)  # watched like a rank: its death fails the server
+            logger.info("plan relay to %d other node(s): pid %d", sizes.nnodes - 1, source.pid)
+            pages = _wait_ready([source], [parent_end], timeout_s=timeout + 60,
+                                what="plan relay")[0]["num_pages"]
         server_config = {
             "host": cfg.host,
             "port": int(cfg.port),
@@ -184,7 +212,7 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
 
     try:
         sizes = resolve_sizes(int(cfg.tp_size or 1), cfg.dense_tp_size, cfg.moe_tp_size,
-                              cfg.world_size, cfg.nprocs_per_node)
+                              cfg.world_size, cfg.nprocs_per_node, int(cfg.nnodes or 1))
         if sizes.world_size > 1:
             from tokenspeed.weights import open_checkpoint
 
@@ -195,7 +223,8 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
     return sizes
 
 
-def _wait_ready(workers: list[Any], links: list[Any], timeout_s: float = 900.0) -> list[dict]:
+def _wait_ready(workers: list[Any], links: list[Any], timeout_s: float = 900.0,
+                what: str = "worker rank") -> list[dict]:
     """Every rank's start-up report, watching all ranks at once: a rank that dies fails the
     start naming it at once (the others would otherwise wait in the process group)."""
     deadline = time.monotonic() + timeout_s
@@ -203,7 +232,7 @@ def _wait_ready(workers: list[Any], links: list[Any], timeout_s: float = 900.0) 
     while len(ready) < len(workers):
         if time.monotonic() > deadline:
             missing = [r for r in range(len(workers)) if r not in ready]
-            raise LaunchError(f"worker rank(s) {missing} did not become ready within "
+            raise LaunchError(f"{what}(s) {missing} did not become ready within "
                               f"{timeout_s:.0f}s")
         for rank, (proc, link) in enumerate(zip(workers, links)):
             if rank in ready:
@@ -215,11 +244,11 @@ def _wait_ready(workers: list[Any], links: list[Any], timeout_s: float = 900.0) 
                     msg = {"ok": False, "error": "worker exited during start-up"}
                 if not msg.get("ok"):
                     sys.stderr.write(msg.get("traceback", ""))
-                    raise LaunchError(f"worker rank {rank} (pid {proc.pid}) failed to start: "
+                    raise LaunchError(f"{what} {rank} (pid {proc.pid}) failed to start: "
                                       f"{msg.get('error')}")
                 ready[rank] = msg
             elif not proc.is_alive():
-                raise LaunchError(f"worker rank {rank} (pid {proc.pid}) exited during start-up "
+                raise LaunchError(f"{what} {rank} (pid {proc.pid}) exited during start-up "
                                   f"(exit code {proc.exitcode})")
         time.sleep(0.05)
     return [ready[r] for r in range(len(workers))]

@@ -93,7 +93,8 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             cuda_graph_max_bs=spec.cuda_graph_max_bs,
             chunked_prefill_size=spec.chunked_prefill_size,
         )
-        channel = WorkerChannel.attach(spec.channel_name, spec.rank)
+        # Reader index on this node's ring (multi-node: rank is global, world_size per node).
+        channel = WorkerChannel.attach(spec.channel_name, spec.rank % spec.world_size)
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device)})
         ready.close()
     except BaseException as e:  # noqa: BLE001  (report any start-up failure, then exit)

@@ -57,6 +57,8 @@ class ServeConfig:
     nprocs_per_node: int | None = None  # None: world size / nodes
     dist_init_addr: str | None = None  # None: a free port on 127.0.0.1
     dist_timeout: int = 300
+    nnodes: int = 1
+    node_rank: int = 0
     # Kernels and CUDA graphs.
     attention_backend: str | None = None  # None: picked from the device
     disable_cuda_graph: bool = False

@@ -66,10 +66,11 @@ MULTINODE_FLAGS: list[Flag] = [
       "(default: a free port on 127.0.0.1).",
       G_MULTINODE, aliases=("--nccl-init-addr",), component="both", implemented=True,
       metavar="HOST:PORT"),
-    i("--nnodes", "Number of nodes the deployment spans.", G_MULTINODE, 1, minimum=1,
-      component="both"),
+    i("--nnodes", "Number of nodes the deployment spans. Node 0 serves HTTP and schedules; "
+      "each other node relays its plans (needs --dist-init-addr).", G_MULTINODE, 1, minimum=1,
+      component="both", implemented=True),
     i("--node-rank", "Index of this node, from 0. Only this differs between nodes.",
-      G_MULTINODE, 0, minimum=0, component="both"),
+      G_MULTINODE, 0, minimum=0, component="both", implemented=True),
 ]
 
 EP_FLAGS: list[Flag] = [

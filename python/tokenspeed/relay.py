@@ -1,0 +1,132 @@
+"""Multi-node: node 0's plans reach the other nodes' shm rings over torch.distributed.
+
+Node 0 runs the server and the scheduler; its plan ring has one extra reader, the *source*
+relay (a process of its own, its pid among the server's worker pids, so its death fails the
+server fast). Every other node runs one *sink* relay (the `tokenspeed serve --node-rank k`
+process itself) that writes each plan into its node's ring, which that node's ranks read like
+node 0's. The relays form their own gloo group, one rank per node, at the port after
+`--dist-init-addr`'s (the worker ranks use that port). When no plan comes for `TICK_S`, the
+source sends a tick, so an idle server never runs into the collective timeout, and the sinks
+use the ticks to check their local ranks: a dead rank ends its sink, which breaks the relay
+group, which ends the source, which the server sees.
+
+Plans travel as JSON and are written with `_core.create_test_writer(...).send_plan_json`:
+the only way Python can write a plan today. A raw-bytes path (`WorkerChannel.recv_raw()` →
+bytes, `ServerChannel.send_raw(bytes)`) would skip the re-encoding; it needs `rust/py` changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+logger = logging.getLogger("tokenspeed.relay")
+
+TICK_S = 1.0
+_SHUTDOWN = "shutdown"
+
+
+def relay_init_method(dist_init_addr: str) -> str:
+    host, _, port = dist_init_addr.rpartition(":")
+    return f"tcp://{host}:{int(port) + 1}"
+
+
+def _join(node_rank: int, nnodes: int, dist_init_addr: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=relay_init_method(dist_init_addr),
+                                rank=node_rank, world_size=nnodes,
+                                timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # name the node and where it waited
+        raise RuntimeError(f"node {node_rank} of {nnodes}: the plan relays could not meet at "
+                           f"{relay_init_method(dist_init_addr)} within {timeout_s:.0f}s: "
+                           f"{type(e).__name__}: {e}") from e
+
+
+def _min_pages(pages: int) -> int:
+    """The smallest KV pool of every rank on every node (the scheduler's page count)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([pages], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _plan_json(raw: dict[str, Any]) -> str:
+    return json.dumps({k: (v if k == "step_id" else v.tolist()) for k, v in raw.items()})
+
+
+def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
+               timeout_s: float, local_pages: int, ready: Connection) -> None:
+    """Node 0's relay process: reads every plan as reader `reader` and broadcasts it."""
+    import torch.distributed as dist
+
+    from tokenspeed.worker import _die_with_parent
+
+    _die_with_parent()
+    logging.basicConfig(level="INFO", format="[relay 0] %(asctime)s %(levelname)s %(message)s")
+    # SIGTERM (the server stopping, or its death): tell the other nodes before leaving.
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    try:
+        from tokenspeed._core import WorkerChannel
+
+        _join(0, nnodes, dist_init_addr, timeout_s)
+        pages = _min_pages(local_pages)
+        channel = WorkerChannel.attach(channel_name, reader)
+        ready.send({"ok": True, "num_pages": pages})
+        ready.close()
+    except BaseException as e:  # noqa: BLE001  (reported to the launcher)
+        ready.send({"ok": False, "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()})
+        sys.exit(1)
+    while True:
+        try:
+            raw = None if stopping else channel.recv(int(TICK_S * 1000))
+            msg = _SHUTDOWN if stopping else None if raw is None else _plan_json(raw)
+        except ConnectionError:  # the server closed the channel
+            msg = _SHUTDOWN
+        dist.broadcast_object_list([msg], src=0)
+        if msg == _SHUTDOWN:
+            return
+
+
+def run_sink(writer: Any, node_rank: int, nnodes: int, dist_init_addr: str, timeout_s: float,
+             local_pages: int, workers: list[Any]) -> int:
+    """Node k's relay (k > 0), in the launcher process: writes node 0's plans into this node's
+    ring until node 0 shuts down. Returns the process exit code."""
+    import torch.distributed as dist
+
+    _join(node_rank, nnodes, dist_init_addr, timeout_s)
+    _min_pages(local_pages)
+    logger.info("node %d: relaying plans from node 0 to %d local rank(s)", node_rank,
+                len(workers))
+    while True:
+        box: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as e:  # node 0 crashed or was killed without a goodbye
+            logger.error("node %d: lost node 0's plan relay (%s); stopping", node_rank, e)
+            writer.shutdown()
+            return 1
+        msg = box[0]
+        if msg == _SHUTDOWN:
+            writer.shutdown()
+            return 0
+        if msg is not None:
+            writer.send_plan_json(msg, None)
+        for i, proc in enumerate(workers):
+            if not proc.is_alive():
+                logger.error("node %d: local rank %d (pid %d) exited (code %s); leaving the "
+                             "relay group so that node 0 fails", node_rank, i, proc.pid,
+                             proc.exitcode)
+                os._exit(1)  # no clean teardown: node 0 must see the group break
