@@ -42,6 +42,21 @@ class PagedKVCache:
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """KV page `dst[i]` of every layer = page `src[i]` (the plan's copy section), queued on
+        the stream before the step's forward."""
+        if len(src) != len(dst):
+            raise ValueError(f"page copies: {len(src)} sources, {len(dst)} destinations")
+        ids = np.concatenate([src, dst]).astype(np.int64)
+        if len(ids) and (int(ids.max()) >= self.num_pages or int(ids.min()) < 0):
+            raise ValueError(f"page copy: page id out of range (num_pages={self.num_pages})")
+        device = self.k[0].device
+        s = torch.from_numpy(src.astype(np.int64)).to(device, non_blocking=True)
+        d = torch.from_numpy(dst.astype(np.int64)).to(device, non_blocking=True)
+        for k, v in zip(self.k, self.v):
+            k[d] = k[s]
+            v[d] = v[s]
+
     def update_page_table(self, slots: np.ndarray, first: np.ndarray, count: np.ndarray,
                           pages: np.ndarray) -> None:
         """Row `slots[i]` entries [first[i], first[i] + count[i]) = the next count[i] of `pages`."""

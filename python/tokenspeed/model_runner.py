@@ -26,7 +26,7 @@ from tokenspeed.layers.attention import (
 )
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
-from tokenspeed.sampler import Sampler
+from tokenspeed.sampler import SAMPLING_FIELDS, Sampler
 from tokenspeed.weights import load_model, open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,10 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
 class PendingStep:
     """A launched step whose sampled tokens are on their way to the host."""
 
-    def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None) -> None:
+    def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None,
+                 top_k: np.ndarray | None = None) -> None:
         self.slots = slots
+        self.top_k = top_k
         self._outputs = outputs
 
     def ready(self) -> bool:
@@ -64,22 +66,18 @@ class PendingStep:
 
     def wait(self) -> StepOutput:
         if self._outputs is None:
-            return StepOutput(slots=self.slots, tokens=np.zeros(0, np.uint32),
-                              logprobs=np.zeros(0, np.float32),
-                              top_ids=np.zeros((0, 0), np.uint32),
-                              top_logprobs=np.zeros((0, 0), np.float32))
+            return StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0))
         tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
-        return StepOutput(slots=self.slots, tokens=tokens.astype(np.uint32),
-                          logprobs=logprobs.astype(np.float32),
-                          top_ids=top_ids.astype(np.uint32),
-                          top_logprobs=top_logprobs.astype(np.float32))
+        return StepOutput(slots=self.slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
+                          top_logprobs=top_logprobs, top_k=self.top_k)
 
 
 class ModelRunner:
     """Owns the model, the paged KV cache, the attention backend and the sampler of one worker.
 
-    `step(plan)`: drop finished slots → register new requests → page-table updates → forward of
-    the scheduled requests → sample the last token of every request with sample == 1.
+    `step(plan)`: drop finished slots → register new requests → page-table updates → page
+    copies → forward of the scheduled requests → sample the last token of every request with
+    sample == 1.
     On CUDA, pure-decode steps of up to `cuda_graph_max_bs` requests replay a captured graph.
     """
 
@@ -233,7 +231,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> StepOutput:
-        """Sample one token for every scheduled request with sample == 1, in plan order."""
+        """Sample one token for every scheduled request with sched_sample, in plan order."""
         return self._sample(plan, logits, None).wait()
 
     def _forward(self, plan: StepPlan,
@@ -241,14 +239,14 @@ class ModelRunner:
         """Logits of the sampled rows, and their slots on the device when already there.
         `copy_logits`: copy them out of the CUDA graph's buffer (which the next replay reuses)."""
         self._apply_state(plan)
-        if len(plan.slots) == 0:
+        if len(plan.sched_slot) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device), None
         positions, out_loc, query_start = self._token_indices(plan)
-        sample = plan.sample.astype(bool)
-        if (self.graphs is not None and self.graphs.can_run(len(plan.slots))
-                and bool((plan.num_tokens == 1).all())):
-            logits, slots_dev = self.graphs.run(plan.input_ids.astype(np.int64), positions,
-                                                out_loc, plan.slots)
+        sample = plan.sched_sample.astype(bool)
+        if (self.graphs is not None and self.graphs.can_run(len(plan.sched_slot))
+                and bool((plan.sched_tokens_len == 1).all())):
+            logits, slots_dev = self.graphs.run(plan.sched_tokens.astype(np.int64), positions,
+                                                out_loc, plan.sched_slot)
             if sample.all():
                 return (logits.clone() if copy_logits else logits), slots_dev
             rows = to_device_int64([np.flatnonzero(sample)], self.device)[0]
@@ -262,12 +260,12 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor,
                 slots_dev: torch.Tensor | None) -> PendingStep:
-        sample = plan.sample.astype(bool)
-        slots = plan.slots[sample].astype(np.uint32)  # a copy: plan arrays die at the next recv
-        if self.sampler.any_penalized(plan.slots):
-            starts = np.concatenate([[0], np.cumsum(plan.num_tokens.astype(np.int64))])
-            for i, slot in enumerate(plan.slots.tolist()):
-                ids = plan.input_ids[starts[i]:starts[i + 1]]
+        sample = plan.sched_sample.astype(bool)
+        slots = plan.sched_slot[sample].astype(np.uint32)  # a copy: plan arrays die at next recv
+        if self.sampler.any_penalized(plan.sched_slot):
+            starts = np.concatenate([[0], np.cumsum(plan.sched_tokens_len.astype(np.int64))])
+            for i, slot in enumerate(plan.sched_slot.tolist()):
+                ids = plan.sched_tokens[starts[i]:starts[i + 1]]
                 # A LAST_SAMPLED input is a sampled token: the sampler already holds it.
                 self.sampler.observe_inputs(slot, ids[ids != LAST_SAMPLED].tolist())
         if len(slots) == 0:
@@ -277,41 +275,31 @@ class ModelRunner:
         res = self.sampler.sample(slots.tolist(), logits, slots_dev)
         self.last_tokens[slots_dev] = res.tokens
         return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,
-                                                res.top_logprobs]))
+                                                res.top_logprobs]), self.sampler.top_k_of(slots))
 
     # --- plan → state and batch ------------------------------------------------------------
 
     def _apply_state(self, plan: StepPlan) -> None:
-        for slot in plan.finished_slots.tolist():
+        for slot in plan.finished_slot.tolist():
             self.sampler.drop(slot)
-
-        def at(arr: np.ndarray, i: int, default: float) -> float:
-            return arr[i].item() if i < len(arr) else default
-
-        for i, slot in enumerate(plan.new_slots.tolist()):
+        stop_ends = np.cumsum(plan.new_stop_ids_len.astype(np.int64))
+        for i, slot in enumerate(plan.new_slot.tolist()):
             if slot >= self.max_slots:
                 raise ValueError(f"new request slot {slot} >= max_slots {self.max_slots}")
-            self.sampler.add(
-                slot, temperature=at(plan.new_temperature, i, 0.0),
-                top_p=at(plan.new_top_p, i, 1.0), top_k=int(at(plan.new_top_k, i, 0)),
-                min_p=at(plan.new_min_p, i, 0.0),
-                repetition_penalty=at(plan.new_repetition_penalty, i, 1.0),
-                frequency_penalty=at(plan.new_frequency_penalty, i, 0.0),
-                presence_penalty=at(plan.new_presence_penalty, i, 0.0),
-                seed=int(at(plan.new_seed, i, -1)),
-                top_logprobs=int(at(plan.new_top_logprobs, i, 0)))
-        self.kv_cache.update_page_table(plan.pt_slots, plan.pt_first, plan.pt_count,
+            stop_ids = plan.new_stop_ids[stop_ends[i] - plan.new_stop_ids_len[i]:stop_ends[i]]
+            self.sampler.add(slot, {name: getattr(plan, f"new_{name}")[i].item()
+                                    for name in SAMPLING_FIELDS}, stop_ids=stop_ids.tolist())
+        self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
                                         plan.pt_pages)
+        if len(plan.copy_src):
+            self.kv_cache.copy_pages(plan.copy_src, plan.copy_dst)
 
     def _token_indices(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per token: position and flat KV-cache index; per request: cumulative token offsets."""
-        slots = plan.slots.astype(np.int64)
-        num_tokens = plan.num_tokens.astype(np.int64)
-        start_pos = plan.start_pos.astype(np.int64)
+        slots = plan.sched_slot.astype(np.int64)
+        num_tokens = plan.sched_tokens_len.astype(np.int64)
+        start_pos = plan.sched_start_pos.astype(np.int64)
         total = int(num_tokens.sum())
-        if total != len(plan.input_ids):
-            raise ValueError(f"step {plan.step_id}: num_tokens sum to {total} but input_ids has "
-                             f"{len(plan.input_ids)} tokens")
         ends = start_pos + num_tokens
         if len(ends) and int(ends.max()) > self.max_context_len:
             i = int(ends.argmax())
@@ -330,10 +318,10 @@ class ModelRunner:
 
     def _build_batch(self, plan: StepPlan, positions: np.ndarray, out_loc: np.ndarray,
                      query_start: np.ndarray) -> ForwardBatch:
-        slots = plan.slots.astype(np.int64)
-        num_tokens = plan.num_tokens.astype(np.int64)
-        start_pos = plan.start_pos.astype(np.int64)
-        ids = plan.input_ids.astype(np.int64)
+        slots = plan.sched_slot.astype(np.int64)
+        num_tokens = plan.sched_tokens_len.astype(np.int64)
+        start_pos = plan.sched_start_pos.astype(np.int64)
+        ids = plan.sched_tokens.astype(np.int64)
         # Placeholders (one-step-ahead decodes): token index and slot of each.
         holes = np.flatnonzero(ids == LAST_SAMPLED)
         hole_slots = np.repeat(slots, num_tokens)[holes]

@@ -48,13 +48,6 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def plan_slot_bytes(max_running: int, chunk: int, context: int, page_size: int) -> int:
-    """Upper bound of one encoded plan: per-request records, input ids and page-table updates."""
-    pages_per_request = context // page_size + 2
-    words = 64 + 32 * max_running + (chunk + max_running) + 2 * max_running * pages_per_request
-    return max(1 << 20, 4 * words + (64 << 10))
-
-
 def launch(cfg: Any) -> int:
     """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
     from tokenspeed import _core
@@ -72,15 +65,16 @@ def launch(cfg: Any) -> int:
             check_backend(cfg.attention_backend, torch.device(device))
         except ValueError as e:
             raise LaunchError(str(e)) from None
-    world = int(cfg.tp_size or 1)
+    world = int(cfg.tp_size)
+    # No flag default: the table leaves it to the device (as SGLang sizes it from memory).
     max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
-    chunk = int(cfg.chunked_prefill_size or 8192)
-    page_size = int(cfg.page_size or 16)
+    chunk = int(cfg.chunked_prefill_size)
+    page_size = int(cfg.page_size)
 
     channel_name = f"/tokenspeed-{os.getpid()}"
-    channel = _core.ServerChannel.create(
-        channel_name, world, 4, plan_slot_bytes(max_running, chunk, context, page_size)
-    )
+    # A slot holds the largest plan and result of a step, a bound derived from the schema.
+    slot_bytes = _core.slot_bytes(max_running, chunk + max_running, -(-context // page_size))
+    channel = _core.ServerChannel.create(channel_name, world, 4, slot_bytes)
     num_pages = None
     if cfg.max_total_tokens:
         num_pages = max(1, int(cfg.max_total_tokens) // page_size)
@@ -93,8 +87,8 @@ def launch(cfg: Any) -> int:
             model_path=str(model_dir),
             channel_name=channel_name,
             device=device,
-            dtype=cfg.dtype or "auto",
-            load_format=cfg.load_format or "auto",
+            dtype=cfg.dtype,
+            load_format=cfg.load_format,
             page_size=page_size,
             num_pages=num_pages,
             max_slots=max_running,
@@ -105,7 +99,7 @@ def launch(cfg: Any) -> int:
             disable_cuda_graph=bool(cfg.disable_cuda_graph),
             cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             chunked_prefill_size=chunk,
-            log_level=cfg.log_level or "info",
+            log_level=cfg.log_level,
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)
@@ -130,12 +124,15 @@ def launch(cfg: Any) -> int:
             "num_pages": pages,
             "max_running_requests": max_running,
             "chunked_prefill_size": chunk,
-            "max_prefill_tokens": int(cfg.max_prefill_tokens or chunk),
-            "schedule_policy": cfg.schedule_policy or "fcfs",
+            "max_prefill_tokens": int(cfg.max_prefill_tokens),
+            "schedule_policy": cfg.schedule_policy,
             "disable_radix_cache": bool(cfg.disable_radix_cache),
             "disable_overlap_schedule": bool(cfg.disable_overlap_schedule),
             "log_requests": bool(cfg.log_requests),
             "skip_server_warmup": bool(cfg.skip_server_warmup),
+            "max_queued_requests": int(cfg.max_queued_requests),
+            "step_log_interval": int(cfg.decode_log_interval),
+            "enable_metrics": bool(cfg.enable_metrics),
             "worker_pids": [p.pid for p in workers],
             "server_info": {
                 "device": capacities[0]["device"],
@@ -148,7 +145,7 @@ def launch(cfg: Any) -> int:
             "workers ready on %s: %d KV pages x %d tokens; starting HTTP on %s:%s",
             device, pages, page_size, cfg.host, cfg.port,
         )
-        _core.serve(json.dumps(server_config), channel, cfg.log_level or "info")
+        _core.serve(json.dumps(server_config), channel, cfg.log_level)
         return 0
     finally:
         channel.close()

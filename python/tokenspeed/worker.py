@@ -129,15 +129,5 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
 
 def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingStep) -> None:
     out = step.wait()
-    if spec.rank != 0:
-        return
-    top_k = 0 if out.top_ids is None or out.top_ids.ndim != 2 else int(out.top_ids.shape[1])
-    channel.send_results(
-        step_id,
-        out.slots.astype("uint32").tobytes(),
-        out.tokens.astype("uint32").tobytes(),
-        out.logprobs.astype("float32").tobytes(),
-        b"" if top_k == 0 else out.top_ids.astype("uint32").tobytes(),
-        b"" if top_k == 0 else out.top_logprobs.astype("float32").tobytes(),
-        top_k,
-    )
+    if spec.rank == 0:
+        channel.send_result(step_id, out.arrays())

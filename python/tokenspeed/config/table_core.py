@@ -140,8 +140,9 @@ MEMORY_FLAGS: list[Flag] = [
       implemented=True),
     i("--prefill-max-requests", "Most new requests admitted in one prefill batch.", G_MEMORY,
       minimum=1),
-    i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected.",
-      G_MEMORY, minimum=1),
+    i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected. "
+      "Bounded by default (SGLang's is unbounded) so that a burst cannot grow memory without "
+      "limit.", G_MEMORY, 4096, minimum=1, component="server", implemented=True),
     i("--max-total-tokens", "Size of the KV cache pool in tokens, overriding the size worked out "
       "from --mem-fraction-static. Mostly for testing.", G_MEMORY, minimum=1, component="both",
       implemented=True),
@@ -242,7 +243,7 @@ LOGGING_FLAGS: list[Flag] = [
     f("--gc-warning-threshold-secs", "Warn when a Python garbage collection pause is longer "
       "than this; 0 turns the warning off.", G_LOGGING, 0.0, minimum=0.0),
     i("--decode-log-interval", "Write a decode progress line every this many steps.", G_LOGGING,
-      40, minimum=1),
+      40, minimum=1, component="server", implemented=True),
     b("--enable-request-time-stats-logging", "Log per-request timing breakdowns.", G_LOGGING),
     j("--kv-events-config", "JSON settings for publishing KV cache events (NVIDIA Dynamo).",
       G_LOGGING),
