@@ -4,6 +4,7 @@ expert/MoE-tensor-parallel split: simulated ranks' partial outputs sum to the on
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from test_models_numerics import TINY_NEW_TOKENS, TINY_PROMPTS, assert_matches_h
 from test_models_weights import llama_cpp_permute
 from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
+from tokenspeed.layers.moe import FusedMoE, MoeOptions, MoeParallel, SparseMoeBlock, check_expert_parallel
 from tokenspeed.model_runner import ModelRunner
+from tokenspeed.models.config import config_from_hf_dict
 from tokenspeed.models.offline import OfflineScheduler
 
 _BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -155,3 +158,101 @@ def test_moe_gguf_loads_like_safetensors(tmp_path: Path, arch: str) -> None:
                                                    config=hf.config, dtype=torch.float32).eval()
         for name, p in hf.state_dict().items():
             torch.testing.assert_close(ref.state_dict()[name], p, msg=name)
+
+
+# --- expert parallel x MoE tensor parallel, simulated on one process ----------------------------
+
+GRID = [MoeParallel(ep_rank=e, ep_size=2, tp_rank=t, tp_size=2) for e in range(2) for t in range(2)]
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_moe_layer_rank_partials_sum_to_one_rank(backend: str) -> None:
+    """EP=2 x moe-TP=2: every rank loads its slice of the same HF expert tensors; the four partial
+    outputs add up to the one-rank output (what the all-reduce in SparseMoeBlock.comm computes)."""
+    experts, top_k, hidden, inter, tokens = 8, 2, 32, 24, 13
+    gen = torch.Generator().manual_seed(0)
+    hf = {(e, s): torch.randn((hidden, inter) if s == "down" else (inter, hidden), generator=gen)
+          for e in range(experts) for s in ("gate", "up", "down")}
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+
+    def layer(parallel: MoeParallel) -> FusedMoE:
+        moe = FusedMoE(experts, top_k, hidden, inter, True, MoeOptions(backend, parallel))
+        held = [e for e in range(experts) if moe.load_expert(e, "gate", hf[e, "gate"])]
+        for e in held:
+            moe.load_expert(e, "up", hf[e, "up"])
+            moe.load_expert(e, "down", hf[e, "down"])
+        assert len(held) == experts // parallel.ep_size
+        return moe
+
+    whole = layer(MoeParallel())(x, logits)
+    parts = [layer(p)(x, logits) for p in GRID]
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-4, atol=1e-4)
+    assert all(not torch.allclose(p, whole, atol=1e-3) for p in parts)  # each rank really is partial
+
+
+class ThreadAllReduce:
+    """A MoeCommunication for ranks that are threads of one process: combine = sum over ranks,
+    in rank order (so every rank gets bitwise the same result, as NCCL's all-reduce gives)."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world)
+        self.slots: list[torch.Tensor | None] = [None] * world
+
+    def rank(self, r: int) -> object:
+        outer = self
+
+        class Rank:
+            def dispatch(self, x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return x, logits
+
+            def combine(self, partial: torch.Tensor) -> torch.Tensor:
+                outer.slots[r] = partial
+                outer.barrier.wait()
+                total = sum(outer.slots[1:], outer.slots[0].clone())  # type: ignore[union-attr]
+                outer.barrier.wait()  # nobody overwrites a slot before all have summed
+                return total
+
+        return Rank()
+
+
+def test_moe_model_ep2_tp2_tokens_match_one_rank(tiny_moe_models: Callable[[str], tuple]) -> None:
+    """A whole Qwen3-MoE model on 4 simulated ranks (threads, all-reduce at the SparseMoeBlock hook)
+    gives the one-rank greedy tokens and logits."""
+    path = tiny_moe_models("qwen3_moe_norm_topk")[0]
+    prompts, n = TINY_PROMPTS[:4], 8
+    kw = {"page_size": 16, "max_slots": 4, "max_context_len": 128, "moe_backend": "torch_native"}
+    ref = OfflineScheduler(ModelRunner(path, **kw)).generate(prompts, n, chunk_size=8, keep_logits=True)
+    comm = ThreadAllReduce(len(GRID))
+    runners = [ModelRunner(path, moe_parallel=p, **kw) for p in GRID]
+    for r, runner in enumerate(runners):
+        blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        assert len(blocks) == 2 and blocks[0].experts.num_local == 8
+        for b in blocks:
+            b.comm = comm.rank(r)  # type: ignore[assignment]
+    results: list[object] = [None] * len(GRID)
+
+    def run(r: int) -> None:
+        results[r] = OfflineScheduler(runners[r]).generate(prompts, n, chunk_size=8, keep_logits=True)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(GRID))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for res in results:
+        assert res is not None and res.tokens == ref.tokens  # type: ignore[attr-defined]
+        worst = max((a - b).abs().max().item() for ours, theirs in zip(res.logits, ref.logits)  # type: ignore[attr-defined]
+                    for a, b in zip(ours, theirs))
+        assert worst < 1e-4
+
+
+def test_expert_parallel_size_is_checked_against_the_model(tmp_path: Path) -> None:
+    TINY_MOE_CONFIGS["mixtral"].save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"--ep-size 3 does not divide the model's 8 experts"):
+        ModelRunner(str(tmp_path), load_format="dummy", page_size=16, max_slots=2, max_context_len=32,
+                    moe_parallel=MoeParallel(ep_size=3))
+    dense = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "architectures": ["LlamaForCausalLM"]}
+    with pytest.raises(ValueError, match=r"--ep-size 2: model LlamaForCausalLM has no experts"):
+        check_expert_parallel(config_from_hf_dict(dense), 2)

@@ -24,7 +24,13 @@ from tokenspeed.layers.attention import (
     create_backend,
     resolve_backend_name,
 )
-from tokenspeed.layers.moe import GRAPH_SAFE_MOE_BACKENDS, MoeOptions, resolve_moe_backend
+from tokenspeed.layers.moe import (
+    GRAPH_SAFE_MOE_BACKENDS,
+    MoeOptions,
+    MoeParallel,
+    check_expert_parallel,
+    resolve_moe_backend,
+)
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
 from tokenspeed.sampler import Sampler
@@ -90,7 +96,8 @@ class ModelRunner:
                  mem_fraction_static: float | None = None,
                  attention_backend: str | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None,
-                 chunked_prefill_size: int | None = None, moe_backend: str | None = None) -> None:
+                 chunked_prefill_size: int | None = None, moe_backend: str | None = None,
+                 moe_parallel: MoeParallel | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -106,9 +113,12 @@ class ModelRunner:
         self.attention_backend = resolve_backend_name(attention_backend, self.device)
         check_backend(self.attention_backend, self.device)
         self.moe_backend = resolve_moe_backend(moe_backend, self.device)
+        # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
+        moe_parallel = moe_parallel or MoeParallel()
+        check_expert_parallel(c, moe_parallel.ep_size, moe_parallel.tp_size)
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
                                 max_positions=max_context_len, seed=seed,
-                                moe=MoeOptions(backend=self.moe_backend))
+                                moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel))
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
         # torch_native MoE reads expert counts on the host: it cannot be captured in a graph.
