@@ -4,6 +4,7 @@ expert/MoE-tensor-parallel split: simulated ranks' partial outputs sum to the on
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,9 +16,9 @@ from test_models_numerics import TINY_NEW_TOKENS, TINY_PROMPTS, assert_matches_h
 from test_models_weights import llama_cpp_permute
 from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
-from tokenspeed.layers.moe import FusedMoE, MoeOptions, MoeParallel, SparseMoeBlock, check_expert_parallel
+from tokenspeed.layers.moe import FusedMoE, MoeOptions, MoeParallel, SparseMoeBlock
 from tokenspeed.model_runner import ModelRunner
-from tokenspeed.models.config import config_from_hf_dict
+from tokenspeed.models.config import check_expert_parallel, config_from_hf_dict
 from tokenspeed.models.offline import OfflineScheduler
 
 _BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -256,3 +257,29 @@ def test_expert_parallel_size_is_checked_against_the_model(tmp_path: Path) -> No
              "num_attention_heads": 4, "architectures": ["LlamaForCausalLM"]}
     with pytest.raises(ValueError, match=r"--ep-size 2: model LlamaForCausalLM has no experts"):
         check_expert_parallel(config_from_hf_dict(dense), 2)
+
+
+def test_moe_flags_reach_the_worker_and_are_checked_at_launch(tmp_path: Path) -> None:
+    from tokenspeed.config import ConfigError, parse_serve_args
+    from tokenspeed.serve import LaunchError, check_moe_settings
+
+    cfg = parse_serve_args(["m", "--moe-backend", "torch_native", "--dry-run"])
+    assert cfg.worker_dict()["moe_backend"] == "torch_native" and cfg.ep_size == 1
+    with pytest.raises(ConfigError, match="moe-backend"):
+        parse_serve_args(["m", "--moe-backend", "cutlass"])
+    with pytest.raises(ConfigError, match="not available yet"):  # until the multi-GPU runtime lands
+        parse_serve_args(["m", "--ep-size", "2"])
+    # The launcher's model-dependent check (the flag table alone cannot know the expert count).
+    TINY_MOE_CONFIGS["mixtral"].save_pretrained(tmp_path / "moe")
+    cfg.ep_size = 3
+    with pytest.raises(LaunchError, match=r"--ep-size 3 does not divide the model's 8 experts"):
+        check_moe_settings(cfg, tmp_path / "moe", "cpu")
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+         "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4}))
+    cfg.ep_size = 2
+    with pytest.raises(LaunchError, match=r"--ep-size 2: model LlamaForCausalLM has no experts"):
+        check_moe_settings(cfg, tmp_path / "dense", "cpu")
+    cfg.ep_size = 1
+    check_moe_settings(cfg, tmp_path / "moe", "cpu")

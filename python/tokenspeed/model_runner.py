@@ -28,10 +28,9 @@ from tokenspeed.layers.moe import (
     GRAPH_SAFE_MOE_BACKENDS,
     MoeOptions,
     MoeParallel,
-    check_expert_parallel,
     resolve_moe_backend,
 )
-from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.config import ModelConfig, check_expert_parallel
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
 from tokenspeed.sampler import Sampler
 from tokenspeed.weights import load_model, open_checkpoint

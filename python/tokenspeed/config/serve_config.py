@@ -51,10 +51,12 @@ class ServeConfig:
     enable_metrics: bool = False
     # Parallelism.
     tp_size: int = 1
+    ep_size: int = 1
     # Kernels and CUDA graphs.
     attention_backend: str | None = None  # None: picked from the device
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: chosen by the worker
+    moe_backend: str | None = None  # None: triton on CUDA, torch_native on CPU
     # Launcher.
     config_file: str | None = None
     dry_run: bool = False

@@ -47,19 +47,6 @@ def resolve_moe_backend(name: str | None, device: torch.device) -> str:
     return name
 
 
-def check_expert_parallel(config: ModelConfig, ep_size: int, moe_tp_size: int = 1) -> None:
-    """Start-up check of the MoE parallel sizes against the model; the message names both values."""
-    if ep_size > 1 and config.num_experts == 0:
-        raise ValueError(f"--ep-size {ep_size}: model {config.architecture} has no experts "
-                         "(expert parallelism needs a mixture-of-experts model)")
-    if config.num_experts and config.num_experts % ep_size:
-        raise ValueError(f"--ep-size {ep_size} does not divide the model's {config.num_experts} "
-                         f"experts ({config.architecture})")
-    if config.num_experts and config.moe_intermediate_size % moe_tp_size:
-        raise ValueError(f"--moe-tp-size {moe_tp_size} does not divide the experts' intermediate "
-                         f"size {config.moe_intermediate_size} ({config.architecture})")
-
-
 @dataclass(frozen=True)
 class MoeParallel:
     """This rank's place in the MoE grid (see the module docstring)."""
