@@ -283,3 +283,16 @@ def test_moe_flags_reach_the_worker_and_are_checked_at_launch(tmp_path: Path) ->
         check_moe_settings(cfg, tmp_path / "dense", "cpu")
     cfg.ep_size = 1
     check_moe_settings(cfg, tmp_path / "moe", "cpu")
+
+
+def test_moe_dummy_weights_are_seeded_and_sane(tmp_path: Path) -> None:
+    TINY_MOE_CONFIGS["qwen3_moe_norm_topk"].save_pretrained(tmp_path)
+    kw = {"load_format": "dummy", "page_size": 16, "max_slots": 2, "max_context_len": 32}
+    a, b = ModelRunner(str(tmp_path), seed=1, **kw), ModelRunner(str(tmp_path), seed=1, **kw)
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert pa[experts].shape == (16, 64, 64)
+    torch.testing.assert_close(pa[experts], pb[experts], rtol=0, atol=0)
+    assert 0.01 < pa[experts].std().item() < 0.05
+    res = OfflineScheduler(a).generate([[1, 2, 3, 4, 5]], 3, keep_logits=True)
+    assert torch.isfinite(torch.stack(res.logits[0])).all()
