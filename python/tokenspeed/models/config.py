@@ -105,8 +105,16 @@ def _sliding_windows(raw: dict[str, Any], arch: str, layers: int) -> list[int | 
     return [window] * layers  # Mistral
 
 
+# HF `model_type` → architecture, for config.json files without `architectures` (a config saved
+# on its own rather than with a model).
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
-    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    arch = (raw.get("architectures")
+            or [_ARCH_BY_MODEL_TYPE.get(raw.get("model_type", ""), "LlamaForCausalLM")])[0]
     heads = raw["num_attention_heads"]
     theta, scaling = _rope(raw)
     layers = raw["num_hidden_layers"]
