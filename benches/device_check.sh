@@ -6,6 +6,9 @@
 #   profile   benches/profile_decode.py (where a decode step's time goes)
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
 #   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
+#   moe       MoE: kernels/tests/test_moe.py and tests/test_gpu_moe.py on the GPU, then
+#             kernels/bench/bench_moe.py (fused MoE vs roofline, Qwen3-30B-A3B expert shape)
+#   moe_e2e   benches/gpu_bench.py --model qwen3-30b-a3b (dummy weights; BENCH_ARGS as for e2e)
 # FlashInfer (optional, not on the device image): .carry/fi/ holds the apache-tvm-ffi wheel and
 # flashinfer.tar.gz (the flashinfer-python package minus sources its FA2 kernels never compile;
 # see benches/RESULTS.md), plus fi_jit.tar.gz, the JIT-compiled modules a previous call sent
@@ -80,6 +83,17 @@ for arg in "$@"; do
         # shellcheck disable=SC2086
         phase gpu_bench python3 benches/gpu_bench.py --tokenizer .carry/llama3/tokenizer.json \
             --out "$OUT" ${BENCH_ARGS:-}
+        ;;
+    moe)
+        phase moe_kernel_tests bash -c "cd kernels && PYTHONPATH=. python3 -m pytest tests/test_moe.py -q -x -p no:cacheprovider"
+        phase moe_gpu_tests python3 -m pytest tests/test_gpu_moe.py -q -s -p no:cacheprovider
+        phase bench_moe bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_moe.py --out $OUT/moe.jsonl"
+        ;;
+    moe_e2e)
+        mkdir -p "$OUT/moe_e2e"
+        # shellcheck disable=SC2086
+        phase gpu_bench_moe python3 benches/gpu_bench.py --model qwen3-30b-a3b \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/moe_e2e" ${BENCH_ARGS:-}
         ;;
     *) echo "unknown phase $p" ;;
     esac

@@ -363,7 +363,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--disable-radix-cache", "--disable-overlap-schedule", "--mem-fraction-static", "--device",
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
-        "--enable-metrics", "--dry-run", "--config",
+        "--enable-metrics", "--dry-run", "--config", "--moe-backend", "--ep-size",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

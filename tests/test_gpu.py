@@ -116,15 +116,16 @@ class Driver:
 
 
 def hf_from_ours(path: str, ours: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """An HF LlamaForCausalLM from the same config.json holding our (unfused) weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The HF model of the same config.json holding our (unfused) weights. MoE expert tensors
+    need no renaming: ours have the layout and names of transformers 5's fused experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(DEVICE):
-            hf = LlamaForCausalLM(cfg)
+            hf = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(old)
     for prm in hf.parameters():  # parameters only: HF keeps its rotary inv_freq in float32

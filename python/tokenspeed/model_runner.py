@@ -24,7 +24,13 @@ from tokenspeed.layers.attention import (
     create_backend,
     resolve_backend_name,
 )
-from tokenspeed.models.config import ModelConfig
+from tokenspeed.layers.moe import (
+    GRAPH_SAFE_MOE_BACKENDS,
+    MoeOptions,
+    MoeParallel,
+    resolve_moe_backend,
+)
+from tokenspeed.models.config import ModelConfig, check_expert_parallel
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
 from tokenspeed.sampler import SAMPLING_FIELDS, Sampler
 from tokenspeed.weights import load_model, open_checkpoint
@@ -87,7 +93,8 @@ class ModelRunner:
                  mem_fraction_static: float | None = None,
                  attention_backend: str | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None,
-                 chunked_prefill_size: int | None = None) -> None:
+                 chunked_prefill_size: int | None = None, moe_backend: str | None = None,
+                 moe_parallel: MoeParallel | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -102,12 +109,19 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
         self.attention_backend = resolve_backend_name(attention_backend, self.device)
         check_backend(self.attention_backend, self.device)
+        self.moe_backend = resolve_moe_backend(moe_backend, self.device)
+        # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
+        moe_parallel = moe_parallel or MoeParallel()
+        check_expert_parallel(c, moe_parallel.ep_size, moe_parallel.tp_size)
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
-                                max_positions=max_context_len, seed=seed)
+                                max_positions=max_context_len, seed=seed,
+                                moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel))
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
+        # torch_native MoE reads expert counts on the host: it cannot be captured in a graph.
+        moe_graph_safe = not c.num_experts or self.moe_backend in GRAPH_SAFE_MOE_BACKENDS
         use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
-                      and self.attention_backend in GRAPH_BACKENDS)
+                      and self.attention_backend in GRAPH_BACKENDS and moe_graph_safe)
         self.cuda_graph_max_bs = (min(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_slots)
                                   if use_graphs else 0)
         if num_pages is None:
@@ -128,9 +142,11 @@ class ModelRunner:
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
                                             self.last_tokens)
             self.graphs.capture()
-        logger.info("model %s loaded: dtype=%s device=%s attention=%s kv pages=%d x %d tokens, "
+        logger.info("model %s loaded: dtype=%s device=%s attention=%s%s kv pages=%d x %d tokens, "
                     "cuda graphs up to batch %d", c.architecture, self.dtype, self.device,
-                    self.attention_backend, self.num_pages, page_size, self.cuda_graph_max_bs)
+                    self.attention_backend,
+                    f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok})"
+                    if c.num_experts else "", self.num_pages, page_size, self.cuda_graph_max_bs)
 
     def _make_backend(self, kv_cache: PagedKVCache) -> AttentionBackend:
         return create_backend(self.attention_backend, kv_cache,

@@ -40,6 +40,24 @@ def model_context_length(model_dir: Path) -> int:
     return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
 
 
+def check_moe_settings(cfg: Any, model_dir: Path, device: str) -> None:
+    """MoE flags against the model and the device, before any worker starts: an EP size that does
+    not divide the expert count (or EP on a dense model), a MoE backend that cannot run here."""
+    from tokenspeed.models.config import check_expert_parallel, load_hf_config
+
+    try:
+        config = load_hf_config(str(model_dir))
+        check_expert_parallel(config, int(cfg.ep_size or 1))
+        if cfg.moe_backend and config.num_experts:
+            import torch
+
+            from tokenspeed.layers.moe import resolve_moe_backend
+
+            resolve_moe_backend(cfg.moe_backend, torch.device(device))
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
 def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         import torch
@@ -65,6 +83,7 @@ def launch(cfg: Any) -> int:
             check_backend(cfg.attention_backend, torch.device(device))
         except ValueError as e:
             raise LaunchError(str(e)) from None
+    check_moe_settings(cfg, model_dir, device)
     world = int(cfg.tp_size)
     # No flag default: the table leaves it to the device (as SGLang sizes it from memory).
     max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
@@ -99,6 +118,7 @@ def launch(cfg: Any) -> int:
             disable_cuda_graph=bool(cfg.disable_cuda_graph),
             cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             chunked_prefill_size=chunk,
+            moe_backend=cfg.moe_backend or None,
             log_level=cfg.log_level,
         )
         parent_end, child_end = ctx.Pipe(duplex=False)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tokenspeed.layers.moe import MoeOptions
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
 from tokenspeed.models.registry import build_model
 
@@ -78,6 +79,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router and the experts stacked on dim 0 ([E, I, H], down [E, H, I]).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -201,10 +207,10 @@ def open_checkpoint(model_path: str, load_format: str = "auto") -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
-               max_positions: int, seed: int = 0) -> nn.Module:
+               max_positions: int, seed: int = 0, moe: MoeOptions | None = None) -> nn.Module:
     """Build the model on `device` in `dtype` and fill its weights (seeded random for dummy)."""
     with _default_dtype(dtype), torch.device(device):
-        model = build_model(ckpt.config, max_positions)
+        model = build_model(ckpt.config, max_positions, moe)
     if ckpt.tensors is None:
         init_dummy_weights(model, seed)
     else:

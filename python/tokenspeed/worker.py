@@ -41,6 +41,7 @@ class WorkerSpec:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None  # largest prefill step: sizes the memory profile
+    moe_backend: str | None = None  # None/"auto": triton on CUDA, torch_native on CPU
     log_level: str = "info"
     recv_timeout_ms: int = 1000
 
@@ -79,6 +80,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             disable_cuda_graph=spec.disable_cuda_graph,
             cuda_graph_max_bs=spec.cuda_graph_max_bs,
             chunked_prefill_size=spec.chunked_prefill_size,
+            moe_backend=spec.moe_backend,
         )
         channel = WorkerChannel.attach(spec.channel_name, spec.rank)
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device)})

@@ -5,6 +5,7 @@ from tokenspeed_kernels.decode_attention import default_num_splits, paged_decode
 from tokenspeed_kernels.extend_attention import paged_extend_attention
 from tokenspeed_kernels.gemv import skinny_linear
 from tokenspeed_kernels.kv_cache import write_kv_to_pages
+from tokenspeed_kernels.moe import fused_moe, moe_align, moe_route
 from tokenspeed_kernels.norm import fused_add_rmsnorm, rmsnorm
 from tokenspeed_kernels.rotary import build_cos_sin_cache, rotary_embedding
 from tokenspeed_kernels.rotary_kv import rotary_embedding_write_kv
@@ -13,6 +14,9 @@ __all__ = [
     "build_cos_sin_cache",
     "default_num_splits",
     "fused_add_rmsnorm",
+    "fused_moe",
+    "moe_align",
+    "moe_route",
     "paged_decode_attention",
     "paged_extend_attention",
     "rmsnorm",

@@ -59,10 +59,12 @@ class ServeConfig:
     decode_log_interval: int = _default("decode_log_interval")
     # Parallelism.
     tp_size: int = _default("tp_size")
+    ep_size: int = _default("ep_size")
     # Kernels and CUDA graphs.
     attention_backend: str | None = _default("attention_backend")  # None: picked from the device
     disable_cuda_graph: bool = _default("disable_cuda_graph")
     cuda_graph_max_bs: int | None = _default("cuda_graph_max_bs")  # None: chosen by the worker
+    moe_backend: str | None = _default("moe_backend")  # None: triton on CUDA, torch_native on CPU
     # Launcher.
     config_file: str | None = _default("config_file")
     dry_run: bool = _default("dry_run")
