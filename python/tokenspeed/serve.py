@@ -106,6 +106,8 @@ def launch(cfg: Any) -> int:
             cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             chunked_prefill_size=chunk,
             log_level=cfg.log_level or "info",
+            kv_cache_dtype=cfg.kv_cache_dtype or "auto",
+            quantization_param_path=cfg.quantization_param_path,
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tokenspeed.layers.quantization.kv_cache import KVScales, split_kv_scales
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
 from tokenspeed.models.registry import build_model
 
@@ -201,12 +202,13 @@ def open_checkpoint(model_path: str, load_format: str = "auto") -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
-               max_positions: int, seed: int = 0) -> nn.Module:
-    """Build the model on `device` in `dtype` and fill its weights (seeded random for dummy)."""
+               max_positions: int, seed: int = 0, kv_scales: KVScales | None = None) -> nn.Module:
+    """Build the model on `device` in `dtype` and fill its weights (seeded random for dummy).
+    The checkpoint's KV cache scales, if any, go to `kv_scales`."""
     with _default_dtype(dtype), torch.device(device):
         model = build_model(ckpt.config, max_positions)
     if ckpt.tensors is None:
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(ckpt.tensors())  # type: ignore[operator]
+        model.load_weights(split_kv_scales(ckpt.tensors(), kv_scales))  # type: ignore[operator]
     return model.eval()

@@ -43,6 +43,8 @@ class WorkerSpec:
     chunked_prefill_size: int | None = None  # largest prefill step: sizes the memory profile
     log_level: str = "info"
     recv_timeout_ms: int = 1000
+    kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3 / fp8_e5m2: fp8 KV cache
+    quantization_param_path: str | None = None  # its per-layer scales (JSON)
 
 
 def _die_with_parent() -> None:
@@ -79,6 +81,8 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             disable_cuda_graph=spec.disable_cuda_graph,
             cuda_graph_max_bs=spec.cuda_graph_max_bs,
             chunked_prefill_size=spec.chunked_prefill_size,
+            kv_cache_dtype=spec.kv_cache_dtype,
+            quantization_param_path=spec.quantization_param_path,
         )
         channel = WorkerChannel.attach(spec.channel_name, spec.rank)
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device)})

@@ -107,7 +107,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_CAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -117,8 +117,8 @@ def _decode_split_kernel(
 
     FUSED_REDUCE: the last program of the (request, kv head) also writes out [B, Hq, D] (strides
     stride_fb/stride_fh) from all splits' partials; sem_ptr: [B * Hkv] int32 zeros (left zero).
-    KV_FP8: the cache holds fp8, converted to q's dtype in registers (exact); the K scale is in
-    qk_scale and v_scale multiplies each split's output.
+    KV_CAST: the cache's dtype is not q's (fp8): converted to q's dtype in registers (exact for
+    fp8); the K scale is in qk_scale and v_scale multiplies each split's output.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -158,7 +158,7 @@ def _decode_split_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
+        if KV_CAST:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         if UPCAST:
@@ -177,7 +177,7 @@ def _decode_split_kernel(
     # Empty splits (start >= end) store lse = -inf and zeros; the reduce gives them weight 0.
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if KV_FP8:
+    if KV_CAST:
         out = out * v_scale
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if FUSED_REDUCE:  # noqa: SIM102  (constexpr test kept apart from the runtime one)
@@ -309,8 +309,10 @@ def paged_decode_attention(
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = hq // hkv
-    kv_fp8 = is_fp8(k_cache.dtype)
-    assert v_cache.dtype == k_cache.dtype and (kv_fp8 or (k_scale == 1.0 and v_scale == 1.0))
+    # fp8 (or any other cache dtype than q's): converted to q's dtype in registers.
+    kv_cast = k_cache.dtype != q.dtype
+    assert v_cache.dtype == k_cache.dtype
+    assert is_fp8(k_cache.dtype) or (k_scale == 1.0 and v_scale == 1.0), "scales need an fp8 cache"
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -371,7 +373,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=upcast_dot(q.dtype),
-        KV_FP8=kv_fp8,
+        KV_CAST=kv_cast,
         FUSED_REDUCE=fused_reduce,
         BLOCK_G=triton.next_power_of_2(group),
         BLOCK_S=block_s,

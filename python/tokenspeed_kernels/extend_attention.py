@@ -39,10 +39,10 @@ def _attn_tile(
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_CAST: tl.constexpr,
 ):
-    """One online-softmax step over keys [n0, n0 + BLOCK_N) of the paged cache (KV_FP8: fp8
-    K/V converted to q's dtype in registers, exact; their scales are applied by the caller)."""
+    """One online-softmax step over keys [n0, n0 + BLOCK_N) of the paged cache (KV_CAST: K/V of
+    another dtype (fp8) converted to q's in registers, exact; scales applied by the caller)."""
     pos = n0 + offs_n
     if MASKED:
         mask_n = pos < seq_len
@@ -59,7 +59,7 @@ def _attn_tile(
     else:
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-    if KV_FP8:
+    if KV_CAST:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     if UPCAST:
@@ -108,9 +108,9 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_CAST: tl.constexpr,
 ):
-    """One program = one (request, q head, BLOCK_M new tokens). KV_FP8: the K scale is in
+    """One program = one (request, q head, BLOCK_M new tokens). KV_CAST: the K scale is in
     qk_scale, v_scale multiplies the output."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -148,7 +148,7 @@ def _extend_kernel(
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, qk_scale,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST, KV_FP8,
+            offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST, KV_CAST,
         )  # fmt: skip
     # Diagonal tiles: causal + sequence-end masks.
     diag_end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
@@ -156,11 +156,11 @@ def _extend_kernel(
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, qk_scale,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_FP8,
+            offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if KV_FP8:
+    if KV_CAST:
         out = out * v_scale
     tl.store(
         out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -198,8 +198,10 @@ def paged_extend_attention(
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     batch = seq_lens.shape[0]
-    kv_fp8 = is_fp8(k_cache.dtype)
-    assert v_cache.dtype == k_cache.dtype and (kv_fp8 or (k_scale == 1.0 and v_scale == 1.0))
+    # fp8 (or any other cache dtype than q's): converted to q's dtype in registers.
+    kv_cast = k_cache.dtype != q.dtype
+    assert v_cache.dtype == k_cache.dtype
+    assert is_fp8(k_cache.dtype) or (k_scale == 1.0 and v_scale == 1.0), "scales need an fp8 cache"
     if out is None:
         out = torch.empty_like(q)
     if total == 0 or batch == 0:
@@ -246,7 +248,7 @@ def paged_extend_attention(
         PAGE_SIZE=page_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=upcast_dot(q.dtype),
-        KV_FP8=kv_fp8,
+        KV_CAST=kv_cast,
         num_warps=warps,
         num_stages=stages,
     )

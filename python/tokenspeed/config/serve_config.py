@@ -30,8 +30,10 @@ class ServeConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # None: the model path
     chat_template: str | None = None
-    # Data type.
+    # Data type and quantization.
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3 / fp8_e5m2: an fp8 KV cache
+    quantization_param_path: str | None = None  # FP8 KV cache scales (JSON)
     # Memory and scheduling.
     mem_fraction_static: float | None = None  # None: chosen by the worker
     max_running_requests: int | None = None  # None: derived from the KV cache size
