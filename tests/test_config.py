@@ -364,7 +364,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
         "--enable-metrics", "--dry-run", "--config",
-        "--kv-cache-dtype", "--quantization-param-path",
+        "--kv-cache-dtype", "--quantization-param-path", "--quantization",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -30,6 +30,7 @@ from tokenspeed.layers.quantization.kv_cache import (
     load_kv_scales_json,
     resolve_kv_cache_dtype,
 )
+from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
 from tokenspeed.sampler import Sampler
@@ -96,7 +97,8 @@ class ModelRunner:
                  attention_backend: str | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None,
                  chunked_prefill_size: int | None = None, kv_cache_dtype: str = "auto",
-                 quantization_param_path: str | None = None) -> None:
+                 quantization_param_path: str | None = None,
+                 quantization: str | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -112,9 +114,14 @@ class ModelRunner:
         self.attention_backend = resolve_backend_name(attention_backend, self.device)
         check_backend(self.attention_backend, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        # FP8 weights (--quantization or the checkpoint's quantization_config); fails here, before
+        # any weight is read, for methods TokenSpeed does not run.
+        self.fp8 = resolve_quantization(quantization, c.raw,
+                                        model_path if ckpt.load_format != "gguf" else None)
         ckpt_scales = KVScales()
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
-                                max_positions=max_context_len, seed=seed, kv_scales=ckpt_scales)
+                                max_positions=max_context_len, seed=seed, kv_scales=ckpt_scales,
+                                fp8=self.fp8)
         self.kv_scales = self._kv_scales(ckpt_scales, quantization_param_path)
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
@@ -141,9 +148,10 @@ class ModelRunner:
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
                                             self.last_tokens)
             self.graphs.capture()
-        logger.info("model %s loaded: dtype=%s device=%s attention=%s kv pages=%d x %d tokens "
-                    "(%s), cuda graphs up to batch %d", c.architecture, self.dtype, self.device,
-                    self.attention_backend, self.num_pages, page_size, self.kv_dtype,
+        logger.info("model %s loaded: dtype=%s%s device=%s attention=%s kv pages=%d x %d tokens "
+                    "(%s), cuda graphs up to batch %d", c.architecture, self.dtype,
+                    "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'})",
+                    self.device, self.attention_backend, self.num_pages, page_size, self.kv_dtype,
                     self.cuda_graph_max_bs)
 
     def _kv_scales(self, from_checkpoint: KVScales,

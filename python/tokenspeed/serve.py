@@ -40,6 +40,18 @@ def model_context_length(model_dir: Path) -> int:
     return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
 
 
+def check_quantization(method: str | None, model_dir: Path) -> None:
+    """An unsupported --quantization or checkpoint quantization_config: one line, before any
+    worker starts (the worker would refuse it too, after a spawn)."""
+    from tokenspeed.layers.quantization.methods import QuantizationError, resolve_quantization
+
+    try:
+        resolve_quantization(method, json.loads((model_dir / "config.json").read_text()),
+                             str(model_dir))
+    except QuantizationError as e:
+        raise LaunchError(str(e)) from None
+
+
 def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         import torch
@@ -72,6 +84,7 @@ def launch(cfg: Any) -> int:
             check_backend(cfg.attention_backend, torch.device(device))
         except ValueError as e:
             raise LaunchError(str(e)) from None
+    check_quantization(cfg.quantization, model_dir)
     world = int(cfg.tp_size or 1)
     max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
     chunk = int(cfg.chunked_prefill_size or 8192)
@@ -108,6 +121,7 @@ def launch(cfg: Any) -> int:
             log_level=cfg.log_level or "info",
             kv_cache_dtype=cfg.kv_cache_dtype or "auto",
             quantization_param_path=cfg.quantization_param_path,
+            quantization=cfg.quantization,
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)

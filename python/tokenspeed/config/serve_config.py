@@ -32,6 +32,7 @@ class ServeConfig:
     chat_template: str | None = None
     # Data type and quantization.
     dtype: str = "auto"
+    quantization: str | None = None  # fp8; None: whatever config.json declares
     kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3 / fp8_e5m2: an fp8 KV cache
     quantization_param_path: str | None = None  # FP8 KV cache scales (JSON)
     # Memory and scheduling.

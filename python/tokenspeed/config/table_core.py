@@ -112,8 +112,11 @@ QUANT_FLAGS: list[Flag] = [
       "checkpoint's dtype. 'half' and 'float' are accepted as float16 and float32.", G_QUANT, ("auto", "float16", "bfloat16", "float32"), "auto",
       value_aliases={"half": "float16", "float": "float32"}, component="worker",
       implemented=True),
-    s("--quantization", "Weight quantization method (fp8, awq, gptq, ...).", G_QUANT,
-      component="worker", metavar="METHOD"),
+    s("--quantization", "Weight quantization method. Available now: fp8 (per-channel FP8 weights, "
+      "per-token FP8 activations; a bf16/fp16/fp32 checkpoint is quantised while loading). FP8 "
+      "checkpoints (compressed-tensors, ModelOpt) are detected from config.json without it; other "
+      "methods (awq, gptq, bitsandbytes, ...) fail at start.", G_QUANT, component="worker",
+      implemented=True, metavar="METHOD"),
     s("--quantization-param-path", "JSON file with per-layer scaling factors for an FP8 KV "
       "cache, in vLLM's kv_cache_scales layout ({\"kv_cache\": {\"scaling_factor\": {tp_rank: "
       "{layer: scale}}}}). Default: the checkpoint's k_scale/v_scale tensors, else 1.0.", G_QUANT,
