@@ -5,6 +5,8 @@ inside CUDA graphs with bench_kernels.graph_ms, as bench_gemv.py does):
   bf16        F.linear (cuBLAS), the bf16 baseline
   bf16_gemv   skinny_linear (the runtime's bf16 path for M <= 8)
   fp8_gemv    skinny_linear(weight_scale=): fp8 weights, bf16 activations (runtime, M <= 8)
+  fp8_gemv_k2 the same with BLOCK_K doubled (the bf16-tuned tile streams half the bytes per step
+              with fp8: a hint for retuning gemv._pick_config for fp8 weights)
   scaled_mm   per_token_quant_fp8 + torch._scaled_mm row-wise (runtime, M > 8)
   mm_only     torch._scaled_mm alone (activations already fp8): the cuBLAS kernel's own time
   triton_mm   per_token_quant_fp8 + tokenspeed_kernels.fp8_matmul (TOKENSPEED_FP8_GEMM=triton)
@@ -18,6 +20,7 @@ Run: cd kernels && PYTHONPATH=.:../python python3 bench/bench_fp8.py [--ms 1,2,4
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_kernels import graph_ms, rel_err
 
-from tokenspeed_kernels import fp8_matmul, per_token_quant_fp8, skinny_linear
+from tokenspeed_kernels import fp8_matmul, gemv, per_token_quant_fp8, skinny_linear
 
 LAYERS = 32
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -41,7 +44,7 @@ SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
 COLD_BYTES = 256 << 20
 FP8 = torch.float8_e4m3fn
 GEMV_MAX_M = 8
-TOL = {"bf16_gemv": 2e-2, "fp8_gemv": 2e-2, "scaled_mm": 5e-2, "mm_only": 5e-2, "triton_mm": 5e-2}
+TOL = {"bf16_gemv": 2e-2, "fp8_gemv": 2e-2, "fp8_gemv_k2": 2e-2, "scaled_mm": 5e-2, "mm_only": 5e-2, "triton_mm": 5e-2}
 
 
 def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,12 +56,15 @@ def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Ten
     return torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
 
 
-def impls_for(m: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]]:
+def impls_for(m: int, n: int, k: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]]:
     """name -> fn(x, w_bf16, (w_fp8, w_scale, x_fp8, x_scale))."""
     out: dict[str, Callable[..., torch.Tensor]] = {"bf16": lambda x, w, q: F.linear(x, w)}
     if m <= 16:
+        cfg = gemv._pick_config(m, n, k, torch.bfloat16, torch.cuda.get_device_properties(0).multi_processor_count)
+        k2 = dataclasses.replace(cfg, block_k=min(2 * cfg.block_k, 4096))
         out["bf16_gemv"] = lambda x, w, q: skinny_linear(x, w)
         out["fp8_gemv"] = lambda x, w, q: skinny_linear(x, q[0], weight_scale=q[1])
+        out["fp8_gemv_k2"] = lambda x, w, q: skinny_linear(x, q[0], weight_scale=q[1], config=k2)
     out["scaled_mm"] = lambda x, w, q: scaled_mm(*per_token_quant_fp8(x), q[0], q[1])
     out["mm_only"] = lambda x, w, q: scaled_mm(q[2], q[3], q[0], q[1])
     out["triton_mm"] = lambda x, w, q: fp8_matmul(*per_token_quant_fp8(x), q[0], q[1], torch.bfloat16)
@@ -86,7 +92,7 @@ def main() -> int:
             ref = xs[0].float() @ (qs[0][0].float() * qs[0][1][:, None]).T
             row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m}
             cells = []
-            for impl, fn in impls_for(m).items():
+            for impl, fn in impls_for(m, n, k).items():
                 try:
                     if impl != "bf16":
                         err = rel_err(fn(xs[0], ws[0], packs[0]), ref)
