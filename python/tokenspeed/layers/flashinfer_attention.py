@@ -175,5 +175,7 @@ class FlashInferBackend(AttentionBackend):
         m: FlashInferMetadata = batch.metadata
         if self.kv_dtype == self.dtype:
             return m.wrapper.run(q, (k_cache, v_cache)).flatten(1)
-        return m.wrapper.run(q, (k_cache, v_cache), k_scale=self.kv_cache.k_scale[layer.layer_id],
-                             v_scale=self.kv_cache.v_scale[layer.layer_id]).flatten(1)
+        # A scale of 1.0 is left out: FlashInfer multiplies the output by v_scale in an extra op.
+        ks, vs = self.kv_cache.k_scale[layer.layer_id], self.kv_cache.v_scale[layer.layer_id]
+        return m.wrapper.run(q, (k_cache, v_cache), k_scale=None if ks == 1.0 else ks,
+                             v_scale=None if vs == 1.0 else vs).flatten(1)
