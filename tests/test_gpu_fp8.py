@@ -110,8 +110,9 @@ def test_fp8_kv_pool_holds_twice_the_pages(llama8b_x4: str) -> None:
 @NEEDS_FLASHINFER
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_flashinfer_fp8_kv_matches_triton_fp8_kv(llama8b_x4: str, graphs: bool) -> None:
-    """Both attend over the same fp8 cache contents (written by the same kernel, same scales):
-    only the attention arithmetic differs, so the logits agree closely."""
+    """Both attend over the same fp8 cache contents (written by the same kernel, same scales; the
+    eager run uses scales other than 1.0): only the attention arithmetic differs, so the logits
+    agree closely."""
     from test_gpu import Driver
 
     prompts = prompts_for(LLAMA31_8B["vocab_size"], seed=4)
@@ -119,6 +120,10 @@ def test_flashinfer_fp8_kv_matches_triton_fp8_kv(llama8b_x4: str, graphs: bool) 
     for backend in ("triton", "flashinfer"):
         runner = make_runner(llama8b_x4, "bfloat16", graphs=graphs, attention_backend=backend,
                              kv_cache_dtype="fp8")
+        if not graphs:  # eager: scales other than 1.0 (graphs bake the scales in at capture)
+            layers = len(runner.kv_cache.k_scale)  # type: ignore[attr-defined]
+            runner.kv_cache.k_scale[:] = [0.25] * layers  # type: ignore[attr-defined]
+            runner.kv_cache.v_scale[:] = [0.5] * layers  # type: ignore[attr-defined]
         tokens = Driver(runner).greedy(prompts, 8) if backend == "triton" else res["triton"][0]
         res[backend] = (tokens, teacher_forced(runner, prompts, tokens))
         del runner
