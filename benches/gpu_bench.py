@@ -13,6 +13,8 @@ dummy architecture, and prints one markdown table. Every step has a timeout; a s
 longer fits in --budget-s is skipped and says so. Writes under --out: summary.md,
 gpu_bench.jsonl (one line per table row), bench_serve.jsonl (raw `bench serve` records) and
 the server logs. --quick shrinks the model (2 layers) and every workload for a smoke test.
+--quantization fp8 / --kv-cache-dtype fp8 serve FP8 weights / an FP8 KV cache (the summary's
+title says which), e.g. `--only S3 --skip-hf --quantization fp8`.
 """
 
 from __future__ import annotations
@@ -352,6 +354,8 @@ def main() -> int:
     p.add_argument("--only", default=None, help="comma-separated scenario ids (S3,S4c1,S4all,S1r,S5)")
     p.add_argument("--serve-args", default="", help="extra `tokenspeed serve` flags, one string")
     p.add_argument("--config-overrides", default="{}", help="JSON merged into config.json")
+    p.add_argument("--quantization", default=None, help="serve with --quantization (fp8)")
+    p.add_argument("--kv-cache-dtype", default=None, help="serve with --kv-cache-dtype (fp8)")
     p.add_argument(HF_WORKER, action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     layers = a.layers or (2 if a.quick else MODELS[a.model][0]["num_hidden_layers"])
@@ -366,6 +370,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="ts-bench-"))
     model_dir = write_model_dir(tmp, Path(a.tokenizer), layers, json.loads(a.config_overrides), a.model)
     sc = scenarios(a.quick, a.full)
+    precision = "bf16" + (f", --quantization {a.quantization}" if a.quantization else "") + (
+        f", --kv-cache-dtype {a.kv_cache_dtype}" if a.kv_cache_dtype else "")
+    quant_args = (["--quantization", a.quantization] if a.quantization else []) + (
+        ["--kv-cache-dtype", a.kv_cache_dtype] if a.kv_cache_dtype else [])
     only = set(a.only.split(",")) if a.only else None
 
     def wanted(sid: str) -> bool:
@@ -380,7 +388,7 @@ def main() -> int:
         if ctx.left() < 60:
             ctx.row(f"server ({tag})", "skipped", "out of time", "-")
             continue
-        started = start_server(ctx, model_dir, tag, extra + a.serve_args.split(),
+        started = start_server(ctx, model_dir, tag, extra + quant_args + a.serve_args.split(),
                                min(300.0, ctx.left() - 30))
         if started is None:
             ctx.row(f"server ({tag})", "FAILED to start", f"see server_{tag}.log", "-")
@@ -397,7 +405,7 @@ def main() -> int:
     if not a.skip_hf:
         run_hf(ctx, layers, a.quick, a.model)
     shutil.rmtree(tmp, ignore_errors=True)
-    lines = [(f"GPU bench: {MODELS[a.model][1]} config ({layers} layers), dummy weights, bf16; "
+    lines = [(f"GPU bench: {MODELS[a.model][1]} config ({layers} layers), dummy weights, {precision}; "
               f"total {time.monotonic() - t_start:.0f} s"), "",
              "| scenario | metric | value | floor / target |", "|---|---|---|---|"]
     lines += [f"| {r['scenario']} | {r['metric']} | {r['value']} | {r['floor_target']} |" for r in ctx.rows]

@@ -196,7 +196,7 @@ def test_value_normalisation() -> None:
         (["--chunked-prefill-size", "-1"], "--chunked-prefill-size"),
         (["--revision", "main"], "--revision"),
         (["--download-dir", "/tmp/hf"], "--download-dir"),
-        (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
+        (["--quantization-param-path", "s.json", "--modelopt-quant", "fp8"], "--modelopt-quant"),
         (["--enable-lora"], "--enable-lora"),
         (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
     ],
@@ -364,6 +364,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
         "--enable-metrics", "--dry-run", "--config", "--moe-backend", "--ep-size",
+        "--kv-cache-dtype", "--quantization-param-path", "--quantization",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

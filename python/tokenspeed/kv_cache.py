@@ -15,11 +15,25 @@ class PagedKVCache:
     has p at index j; pages may be shared by several slots (radix prefix cache). The page table is
     kept twice: on the host (numpy, to build per-step metadata without a device sync) and on the
     device (for kernels that walk it themselves).
+
+    An fp8 cache (float8_e4m3fn / float8_e5m2) stores K / k_scale[l] and V / v_scale[l] of layer l
+    (layers/quantization/kv_cache.py says where the scales come from); other dtypes store K and V
+    as they are and keep the scales at 1.0.
     """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, max_slots: int,
-                 max_context_len: int) -> None:
+                 max_context_len: int, k_scale: list[float] | None = None,
+                 v_scale: list[float] | None = None) -> None:
+        self.dtype = dtype
+        self.k_scale = list(k_scale) if k_scale is not None else [1.0] * num_layers
+        self.v_scale = list(v_scale) if v_scale is not None else [1.0] * num_layers
+        if len(self.k_scale) != num_layers or len(self.v_scale) != num_layers:
+            raise ValueError(f"need {num_layers} K and V scales, got {len(self.k_scale)} and "
+                             f"{len(self.v_scale)}")
+        if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) and any(
+                s != 1.0 for s in self.k_scale + self.v_scale):
+            raise ValueError(f"KV cache scales other than 1.0 need an fp8 cache, not {dtype}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_slots = max_slots

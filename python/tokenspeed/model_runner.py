@@ -30,6 +30,13 @@ from tokenspeed.layers.moe import (
     MoeParallel,
     resolve_moe_backend,
 )
+from tokenspeed.layers.quantization.kv_cache import (
+    KVScales,
+    is_fp8,
+    load_kv_scales_json,
+    resolve_kv_cache_dtype,
+)
+from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
 from tokenspeed.sampler import SAMPLING_FIELDS, Sampler
@@ -94,7 +101,9 @@ class ModelRunner:
                  attention_backend: str | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None,
                  chunked_prefill_size: int | None = None, moe_backend: str | None = None,
-                 moe_parallel: MoeParallel | None = None) -> None:
+                 moe_parallel: MoeParallel | None = None, kv_cache_dtype: str = "auto",
+                 quantization_param_path: str | None = None,
+                 quantization: str | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -113,9 +122,17 @@ class ModelRunner:
         # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
         moe_parallel = moe_parallel or MoeParallel()
         check_expert_parallel(c, moe_parallel.ep_size, moe_parallel.tp_size)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        # FP8 weights (--quantization or the checkpoint's quantization_config); fails here, before
+        # any weight is read, for methods TokenSpeed does not run.
+        self.fp8 = resolve_quantization(quantization, c.raw,
+                                        model_path if ckpt.load_format != "gguf" else None)
+        ckpt_scales = KVScales()
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
                                 max_positions=max_context_len, seed=seed,
-                                moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel))
+                                moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel),
+                                kv_scales=ckpt_scales, fp8=self.fp8)
+        self.kv_scales = self._kv_scales(ckpt_scales, quantization_param_path)
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
         # torch_native MoE reads expert counts on the host: it cannot be captured in a graph.
@@ -129,8 +146,9 @@ class ModelRunner:
         self.num_pages = num_pages
         self.kv_cache = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=page_size,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
-            device=self.device, max_slots=max_slots, max_context_len=max_context_len)
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
+            device=self.device, max_slots=max_slots, max_context_len=max_context_len,
+            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         self.backend = self._make_backend(self.kv_cache)
         self.sampler = Sampler(self.device, seed, capacity=max_slots)
         # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
@@ -142,25 +160,42 @@ class ModelRunner:
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
                                             self.last_tokens)
             self.graphs.capture()
-        logger.info("model %s loaded: dtype=%s device=%s attention=%s%s kv pages=%d x %d tokens, "
-                    "cuda graphs up to batch %d", c.architecture, self.dtype, self.device,
-                    self.attention_backend,
+        logger.info("model %s loaded: dtype=%s%s device=%s attention=%s%s kv pages=%d x %d tokens "
+                    "(%s), cuda graphs up to batch %d", c.architecture, self.dtype,
+                    "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'})",
+                    self.device, self.attention_backend,
                     f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok})"
-                    if c.num_experts else "", self.num_pages, page_size, self.cuda_graph_max_bs)
+                    if c.num_experts else "", self.num_pages, page_size, self.kv_dtype,
+                    self.cuda_graph_max_bs)
+
+    def _kv_scales(self, from_checkpoint: KVScales,
+                   param_path: str | None) -> tuple[list[float], list[float]]:
+        """Per-layer (K, V) scales of an fp8 cache: --quantization-param-path, else the
+        checkpoint's, else 1.0 (layers/quantization/kv_cache.py); all 1.0 for other caches."""
+        layers = self.config.num_hidden_layers
+        if not is_fp8(self.kv_dtype):
+            if param_path:
+                raise ValueError("--quantization-param-path holds FP8 KV cache scales; it needs "
+                                 "--kv-cache-dtype fp8 (or fp8_e4m3 / fp8_e5m2)")
+            return KVScales().lists(layers)
+        scales = load_kv_scales_json(param_path, layers) if param_path else from_checkpoint
+        logger.info("fp8 KV cache (%s): scales from %s", self.kv_dtype, scales.source)
+        return scales.lists(layers)
 
     def _make_backend(self, kv_cache: PagedKVCache) -> AttentionBackend:
         return create_backend(self.attention_backend, kv_cache,
                               num_heads=self.config.num_attention_heads, head_dim=self.config.head_dim,
-                              max_context_len=self.max_context_len, sliding_window=self._window)
+                              max_context_len=self.max_context_len, sliding_window=self._window,
+                              q_dtype=self.dtype)
 
     def _profile_num_pages(self, mem_fraction_static: float | None,
                            chunked_prefill_size: int | None) -> int:
         """KV pages that fit beside the weights, the activations of the largest step the
         scheduler can send (measured by a profile forward), the sampler and the CUDA graphs."""
         c = self.config
-        per_page = PagedKVCache.bytes_per_page(
+        per_page = PagedKVCache.bytes_per_page(  # fp8: half the bytes of bf16, twice the pages
             num_layers=c.num_hidden_layers, page_size=self.page_size,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype)
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.kv_dtype)
         if self.device.type != "cuda":
             return -(-CPU_DEFAULT_KV_TOKENS // self.page_size)
         # A step holds at most max(chunked_prefill_size, running decodes) tokens.
@@ -199,8 +234,9 @@ class ModelRunner:
         c = self.config
         scratch = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=1, page_size=self.page_size,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype,
-            device=self.device, max_slots=1, max_context_len=tokens)
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
+            device=self.device, max_slots=1, max_context_len=tokens,
+            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         backend = self._make_backend(scratch)
         positions = np.arange(tokens, dtype=np.int64)
         dev = self.device

@@ -40,6 +40,18 @@ def model_context_length(model_dir: Path) -> int:
     return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
 
 
+def check_quantization(method: str | None, model_dir: Path) -> None:
+    """An unsupported --quantization or checkpoint quantization_config: one line, before any
+    worker starts (the worker would refuse it too, after a spawn)."""
+    from tokenspeed.layers.quantization.methods import QuantizationError, resolve_quantization
+
+    try:
+        resolve_quantization(method, json.loads((model_dir / "config.json").read_text()),
+                             str(model_dir))
+    except QuantizationError as e:
+        raise LaunchError(str(e)) from None
+
+
 def check_moe_settings(cfg: Any, model_dir: Path, device: str) -> None:
     """MoE flags against the model and the device, before any worker starts: an EP size that does
     not divide the expert count (or EP on a dense model), a MoE backend that cannot run here."""
@@ -84,6 +96,7 @@ def launch(cfg: Any) -> int:
         except ValueError as e:
             raise LaunchError(str(e)) from None
     check_moe_settings(cfg, model_dir, device)
+    check_quantization(cfg.quantization, model_dir)
     world = int(cfg.tp_size)
     # No flag default: the table leaves it to the device (as SGLang sizes it from memory).
     max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
@@ -120,6 +133,9 @@ def launch(cfg: Any) -> int:
             chunked_prefill_size=chunk,
             moe_backend=cfg.moe_backend or None,
             log_level=cfg.log_level,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            quantization_param_path=cfg.quantization_param_path,
+            quantization=cfg.quantization,
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)

@@ -15,6 +15,8 @@ from torch import nn
 from tqdm import tqdm
 
 from tokenspeed.layers.moe import MoeOptions
+from tokenspeed.layers.quantization.kv_cache import KVScales, split_kv_scales
+from tokenspeed.layers.quantization.methods import Fp8Config
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
 from tokenspeed.models.registry import build_model
 
@@ -207,12 +209,21 @@ def open_checkpoint(model_path: str, load_format: str = "auto") -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
-               max_positions: int, seed: int = 0, moe: MoeOptions | None = None) -> nn.Module:
-    """Build the model on `device` in `dtype` and fill its weights (seeded random for dummy)."""
+               max_positions: int, seed: int = 0, moe: MoeOptions | None = None,
+               kv_scales: KVScales | None = None, fp8: Fp8Config | None = None) -> nn.Module:
+    """Build the model on `device` in `dtype` and fill its weights (seeded random for dummy).
+    The checkpoint's KV cache scales, if any, go to `kv_scales`. fp8: FP8 linear weights, read
+    as they are from an FP8 checkpoint, else quantised once loaded."""
+    from tokenspeed.layers.quantization.fp8 import prepare_fp8_checkpoint, quantize_model
+
     with _default_dtype(dtype), torch.device(device):
         model = build_model(ckpt.config, max_positions, moe)
+    if fp8 is not None and fp8.checkpoint_format and ckpt.tensors is not None:
+        prepare_fp8_checkpoint(model, fp8)
     if ckpt.tensors is None:
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(ckpt.tensors())  # type: ignore[operator]
+        model.load_weights(split_kv_scales(ckpt.tensors(), kv_scales))  # type: ignore[operator]
+    if fp8 is not None:
+        quantize_model(model, fp8)
     return model.eval()

@@ -44,6 +44,9 @@ class WorkerSpec:
     moe_backend: str | None = None  # None/"auto": triton on CUDA, torch_native on CPU
     log_level: str = "info"
     recv_timeout_ms: int = 1000
+    kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3 / fp8_e5m2: fp8 KV cache
+    quantization_param_path: str | None = None  # its per-layer scales (JSON)
+    quantization: str | None = None  # fp8 weights; None: as the checkpoint declares
 
 
 def _die_with_parent() -> None:
@@ -81,6 +84,9 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             cuda_graph_max_bs=spec.cuda_graph_max_bs,
             chunked_prefill_size=spec.chunked_prefill_size,
             moe_backend=spec.moe_backend,
+            kv_cache_dtype=spec.kv_cache_dtype,
+            quantization_param_path=spec.quantization_param_path,
+            quantization=spec.quantization,
         )
         channel = WorkerChannel.attach(spec.channel_name, spec.rank)
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device)})

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="(default 16)")
     p.add_argument("--num-runs", type=int, default=3, help="timed runs per batch size (default 3)")
     p.add_argument("--attention-backend", default=None, help="(default: ModelRunner's)")
+    p.add_argument("--quantization", default=None, help="fp8: FP8 weights (default: as the checkpoint)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2 (default auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-file", help="append one JSON line per batch size")
     return p
@@ -108,6 +110,7 @@ def main(argv: list[str]) -> int:
     kwargs: dict = {}
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
+    kwargs["quantization"], kwargs["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
     t0 = time.perf_counter()
     runner = ModelRunner(args.model_path, dtype=args.dtype, device=device, load_format=args.load_format,
                          page_size=args.page_size, num_pages=max_bs * pages_per_slot, max_slots=max_bs,

@@ -38,6 +38,9 @@ class ServeConfig:
     chat_template: str | None = _default("chat_template")
     # Data type.
     dtype: str = _default("dtype")
+    quantization: str | None = _default("quantization")  # fp8; None: whatever config.json declares
+    kv_cache_dtype: str = _default("kv_cache_dtype")  # fp8 / fp8_e4m3 / fp8_e5m2: an fp8 KV cache
+    quantization_param_path: str | None = _default("quantization_param_path")  # FP8 KV scales (JSON)
     # Memory and scheduling.
     mem_fraction_static: float | None = _default("mem_fraction_static")  # None: chosen by the worker
     max_running_requests: int | None = _default("max_running_requests")  # None: derived from the KV cache size

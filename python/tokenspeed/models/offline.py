@@ -20,6 +20,7 @@ class _Req:
     pages: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    forced: list[int] | None = None  # teacher forcing: decode inputs, in place of the outputs
 
     @property
     def done(self) -> bool:
@@ -54,13 +55,18 @@ class OfflineScheduler:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, chunk_size: int = 16,
                  decode_after_all_prefills: bool = True, keep_logits: bool = False,
-                 sampling: dict[str, list[float]] | None = None) -> OfflineResult:
+                 sampling: dict[str, list[float]] | None = None,
+                 teacher: list[list[int]] | None = None) -> OfflineResult:
         """Run every prompt to max_new_tokens: chunked prefill, then batched decode.
 
         `sampling` maps sampling field names (the plan's `new_*` arrays without the prefix,
-        e.g. "temperature", "seed") to one value per prompt; greedy by default.
+        e.g. "temperature", "seed") to one value per prompt; greedy by default. `teacher` (teacher
+        forcing): per prompt, the tokens fed as decode inputs (at least max_new_tokens - 1 of
+        them) whatever the model samples; the result still reports what it sampled, so two
+        models can be compared step by step.
         """
-        reqs = [_Req(slot=i, prompt=list(p), max_new_tokens=max_new_tokens)
+        reqs = [_Req(slot=i, prompt=list(p), max_new_tokens=max_new_tokens,
+                     forced=list(teacher[i]) if teacher is not None else None)
                 for i, p in enumerate(prompts)]
         sampling = {"temperature": [0.0] * len(reqs), **(sampling or {})}
         new: list[dict] = [{"slot": i, **{k: v[i] for k, v in sampling.items()}}
@@ -93,7 +99,8 @@ class OfflineScheduler:
                 toks = r.prompt[r.fed:r.fed + chunk_size]
                 last = r.fed + len(toks) == len(r.prompt)
             else:
-                toks, last = [r.output[-1]], True
+                toks = [r.forced[len(r.output) - 1] if r.forced is not None else r.output[-1]]
+                last = True
             end = r.fed + len(toks)
             need = -(-end // self.page_size) - len(r.pages)
             if need > 0:
