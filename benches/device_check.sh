@@ -6,6 +6,15 @@
 #   profile   benches/profile_decode.py (where a decode step's time goes)
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
 #   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
+#   moe       MoE: kernels/tests/test_moe.py and tests/test_gpu_moe.py on the GPU, then
+#             kernels/bench/bench_moe.py (fused MoE vs roofline, Qwen3-30B-A3B expert shape)
+#   moe_e2e   benches/gpu_bench.py --model qwen3-30b-a3b (dummy weights; BENCH_ARGS as for e2e)
+#   fp8tests  FP8 kernel tests (kernels/tests/test_fp8_*.py) and tests/test_gpu_fp8.py
+#   fp8acc    benches/fp8_accuracy.py (fp8 KV / weights / both vs bf16, 4-layer 8B-shaped)
+#   fp8micro  kernels/bench/bench_fp8.py (FP8 GEMV, _scaled_mm, Triton vs bf16) and decode/extend
+#             attention over an fp8 KV cache (bench_kernels.py --kv-dtype fp8)
+#   fp8w      gpu_bench S3 with --quantization fp8;  fp8kv  S1r with --kv-cache-dtype fp8;
+#   fp8both   S1r and S3 with both (each in its own folder; FP8_BENCH_ARGS adds flags, e.g. --full)
 # FlashInfer (optional, not on the device image): .carry/fi/ holds the apache-tvm-ffi wheel and
 # flashinfer.tar.gz (the flashinfer-python package minus sources its FA2 kernels never compile;
 # see benches/RESULTS.md), plus fi_jit.tar.gz, the JIT-compiled modules a previous call sent
@@ -80,6 +89,39 @@ for arg in "$@"; do
         # shellcheck disable=SC2086
         phase gpu_bench python3 benches/gpu_bench.py --tokenizer .carry/llama3/tokenizer.json \
             --out "$OUT" ${BENCH_ARGS:-}
+        ;;
+    moe)
+        phase moe_kernel_tests bash -c "cd kernels && PYTHONPATH=. python3 -m pytest tests/test_moe.py -q -x -p no:cacheprovider"
+        phase moe_gpu_tests python3 -m pytest tests/test_gpu_moe.py -q -s -p no:cacheprovider
+        phase bench_moe bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_moe.py --out $OUT/moe.jsonl"
+        ;;
+    moe_e2e)
+        mkdir -p "$OUT/moe_e2e"
+        # shellcheck disable=SC2086
+        phase gpu_bench_moe python3 benches/gpu_bench.py --model qwen3-30b-a3b \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/moe_e2e" ${BENCH_ARGS:-}
+        ;;
+    fp8tests)
+        phase fp8_kernel_tests bash -c "cd kernels && PYTHONPATH=. python3 -m pytest tests/test_fp8_kv.py tests/test_fp8_gemm.py -q -p no:cacheprovider"
+        phase fp8_gpu_tests python3 -m pytest tests/test_gpu_fp8.py -q -s -p no:cacheprovider
+        ;;
+    fp8acc)
+        phase fp8_accuracy python3 benches/fp8_accuracy.py --out "$OUT"
+        ;;
+    fp8micro)
+        phase bench_fp8 bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_fp8.py --out $OUT/fp8.jsonl"
+        phase bench_kernels_fp8kv bash -c "cd kernels && PYTHONPATH=. python3 bench/bench_kernels.py --only decode,extend --kv-dtype fp8 --out $OUT/kernels_fp8kv.jsonl"
+        ;;
+    fp8w|fp8kv|fp8both)
+        case $p in
+        fp8w) fp8_args=(--only S3 --quantization fp8) ;;
+        fp8kv) fp8_args=(--only S1r --kv-cache-dtype fp8) ;;
+        *) fp8_args=(--only S3,S1r --quantization fp8 --kv-cache-dtype fp8) ;;
+        esac
+        mkdir -p "$OUT/$p"
+        # shellcheck disable=SC2086
+        phase "gpu_bench_$p" python3 benches/gpu_bench.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/$p" --skip-hf --budget-s "$((LIMIT - 20))" "${fp8_args[@]}" ${FP8_BENCH_ARGS:-}
         ;;
     *) echo "unknown phase $p" ;;
     esac

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""BENCHMARKS.md scenarios on one GPU in one time-bounded run (Llama-3.1-8B config, dummy weights).
+"""BENCHMARKS.md scenarios on one GPU in one time-bounded run (Llama-3.1-8B config, dummy weights;
+`--model qwen3-30b-a3b` serves the Qwen3-30B-A3B MoE config instead).
 
 Run on the GPU machine from the repo root, with `tokenspeed._core` importable:
 
@@ -12,6 +13,8 @@ dummy architecture, and prints one markdown table. Every step has a timeout; a s
 longer fits in --budget-s is skipped and says so. Writes under --out: summary.md,
 gpu_bench.jsonl (one line per table row), bench_serve.jsonl (raw `bench serve` records) and
 the server logs. --quick shrinks the model (2 layers) and every workload for a smoke test.
+--quantization fp8 / --kv-cache-dtype fp8 serve FP8 weights / an FP8 KV cache (the summary's
+title says which), e.g. `--only S3 --skip-hf --quantization fp8`.
 """
 
 from __future__ import annotations
@@ -31,9 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenspeed.bench.model_configs import LLAMA31_8B
+from tokenspeed.bench.model_configs import LLAMA31_8B, QWEN3_30B_A3B
 
 HF_WORKER = "--hf-worker"
+# --model → (config, label). Served with the Llama-3 tokenizer: a MoE config's vocabulary is cut to
+# the tokenizer's 128256 ids, so that every id a dummy model samples can be detokenized.
+MODELS: dict[str, tuple[dict[str, Any], str]] = {
+    "llama31-8b": (LLAMA31_8B, "Llama-3.1-8B"),
+    "qwen3-30b-a3b": ({**QWEN3_30B_A3B, "vocab_size": 128256, "bos_token_id": LLAMA31_8B["bos_token_id"],
+                       "eos_token_id": LLAMA31_8B["eos_token_id"]},
+                      "Qwen3-30B-A3B (vocab 128256)"),
+}
 
 
 @dataclass
@@ -241,15 +252,17 @@ def ratio(ctx: Ctx, a: str, b: str, label: str, target: str) -> None:
         ctx.row(label, "throughput ratio", round(x / y, 3), target)
 
 
-def hf_worker(layers: int, quick: bool) -> None:
+def hf_worker(layers: int, quick: bool, model_name: str = "llama31-8b") -> None:
     """Runs in a subprocess: HF transformers generate on the same dummy architecture."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig(**{**LLAMA31_8B, "num_hidden_layers": layers, "eos_token_id": None})
+    base = MODELS[model_name][0]
+    cfg = AutoConfig.for_model(base["model_type"], **{k: v for k, v in base.items() if k != "model_type"}
+                               | {"num_hidden_layers": layers, "eos_token_id": None})
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).eval()
+        model = AutoModelForCausalLM.from_config(cfg).eval()
     gen = model.generation_config
     gen.eos_token_id, gen.pad_token_id = None, 0
 
@@ -274,12 +287,13 @@ def hf_worker(layers: int, quick: bool) -> None:
           flush=True)
 
 
-def run_hf(ctx: Ctx, layers: int, quick: bool) -> None:
+def run_hf(ctx: Ctx, layers: int, quick: bool, model_name: str = "llama31-8b") -> None:
     timeout = min(150.0, ctx.left())
     if timeout < 30:
         ctx.row("HF transformers baseline", "skipped", "out of time", "-")
         return
-    cmd = [sys.executable, __file__, HF_WORKER, "--layers", str(layers)] + (["--quick"] if quick else [])
+    cmd = [sys.executable, __file__, HF_WORKER, "--layers", str(layers), "--model", model_name] + \
+        (["--quick"] if quick else [])
     print(f"\n=== HF transformers baseline\n$ {' '.join(cmd)}", flush=True)
     try:
         res = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True, check=False)
@@ -310,14 +324,16 @@ def run_hf(ctx: Ctx, layers: int, quick: bool) -> None:
                 round(got["hf_batch_output_tok_s"], 1), "BENCHMARKS: HF generate_batch 494 tok/s")
 
 
-def write_model_dir(root: Path, tokenizer: Path, layers: int, overrides: dict[str, Any]) -> Path:
-    d = root / "llama-3.1-8b-dummy"
+def write_model_dir(root: Path, tokenizer: Path, layers: int, overrides: dict[str, Any],
+                    model_name: str = "llama31-8b") -> Path:
+    base = MODELS[model_name][0]
+    d = root / f"{model_name}-dummy"
     d.mkdir(parents=True, exist_ok=True)
-    cfg = {**LLAMA31_8B, "num_hidden_layers": layers, **overrides}
+    cfg = {**base, "num_hidden_layers": layers, **overrides}
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     tok_file = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
     shutil.copy(tok_file, d / "tokenizer.json")
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": LLAMA31_8B["eos_token_id"]}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": base["eos_token_id"]}))
     return d
 
 
@@ -327,7 +343,10 @@ def main() -> int:
                    help="Llama-3 tokenizer.json (or its directory)")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     p.add_argument("--budget-s", type=float, default=500.0, help="wall-clock budget of the whole run")
-    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (default 32)")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama31-8b",
+                   help="architecture served with dummy weights (bench/model_configs.py)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="override num_hidden_layers (default: the model's, 32 / 48)")
     p.add_argument("--quick", action="store_true", help="smoke test: 2 layers, tiny workloads")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--full", action="store_true",
@@ -335,11 +354,13 @@ def main() -> int:
     p.add_argument("--only", default=None, help="comma-separated scenario ids (S3,S4c1,S4all,S1r,S5)")
     p.add_argument("--serve-args", default="", help="extra `tokenspeed serve` flags, one string")
     p.add_argument("--config-overrides", default="{}", help="JSON merged into config.json")
+    p.add_argument("--quantization", default=None, help="serve with --quantization (fp8)")
+    p.add_argument("--kv-cache-dtype", default=None, help="serve with --kv-cache-dtype (fp8)")
     p.add_argument(HF_WORKER, action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
-    layers = a.layers or (2 if a.quick else 32)
+    layers = a.layers or (2 if a.quick else MODELS[a.model][0]["num_hidden_layers"])
     if a.hf_worker:
-        hf_worker(layers, a.quick)
+        hf_worker(layers, a.quick, a.model)
         return 0
     t_start = time.monotonic()
     out = Path(a.out)
@@ -347,8 +368,12 @@ def main() -> int:
     ctx = Ctx(out=out, deadline=t_start + a.budget_s)
     hf_reserve = 0.0 if a.skip_hf else (45.0 if a.quick else 150.0)
     tmp = Path(tempfile.mkdtemp(prefix="ts-bench-"))
-    model_dir = write_model_dir(tmp, Path(a.tokenizer), layers, json.loads(a.config_overrides))
+    model_dir = write_model_dir(tmp, Path(a.tokenizer), layers, json.loads(a.config_overrides), a.model)
     sc = scenarios(a.quick, a.full)
+    precision = "bf16" + (f", --quantization {a.quantization}" if a.quantization else "") + (
+        f", --kv-cache-dtype {a.kv_cache_dtype}" if a.kv_cache_dtype else "")
+    quant_args = (["--quantization", a.quantization] if a.quantization else []) + (
+        ["--kv-cache-dtype", a.kv_cache_dtype] if a.kv_cache_dtype else [])
     only = set(a.only.split(",")) if a.only else None
 
     def wanted(sid: str) -> bool:
@@ -363,7 +388,7 @@ def main() -> int:
         if ctx.left() < 60:
             ctx.row(f"server ({tag})", "skipped", "out of time", "-")
             continue
-        started = start_server(ctx, model_dir, tag, extra + a.serve_args.split(),
+        started = start_server(ctx, model_dir, tag, extra + quant_args + a.serve_args.split(),
                                min(300.0, ctx.left() - 30))
         if started is None:
             ctx.row(f"server ({tag})", "FAILED to start", f"see server_{tag}.log", "-")
@@ -378,9 +403,9 @@ def main() -> int:
     ratio(ctx, "S5zero_on", "S5zero_off", "S5 0% sharing, cache on vs off", "~ 1.0 (overhead)")
     ctx.deadline = t_start + a.budget_s
     if not a.skip_hf:
-        run_hf(ctx, layers, a.quick)
+        run_hf(ctx, layers, a.quick, a.model)
     shutil.rmtree(tmp, ignore_errors=True)
-    lines = [(f"GPU bench: Llama-3.1-8B config ({layers} layers), dummy weights, bf16; "
+    lines = [(f"GPU bench: {MODELS[a.model][1]} config ({layers} layers), dummy weights, {precision}; "
               f"total {time.monotonic() - t_start:.0f} s"), "",
              "| scenario | metric | value | floor / target |", "|---|---|---|---|"]
     lines += [f"| {r['scenario']} | {r['metric']} | {r['value']} | {r['floor_target']} |" for r in ctx.rows]

@@ -232,14 +232,14 @@ class _FakeRunner:
 
         assert isinstance(plan, StepPlan)
         self.plans.append(plan)
-        self.live -= set(plan.finished_slots.tolist())
-        assert not self.live & set(plan.new_slots.tolist())
-        self.live |= set(plan.new_slots.tolist())
-        assert set(plan.slots.tolist()) <= self.live and int(plan.num_tokens.sum()) == len(plan.input_ids)
+        self.live -= set(plan.finished_slot.tolist())
+        assert not self.live & set(plan.new_slot.tolist())
+        self.live |= set(plan.new_slot.tolist())
+        assert set(plan.sched_slot.tolist()) <= self.live
         assert len(plan.pt_pages) == int(plan.pt_count.sum())
-        n = len(plan.slots)
-        pos = plan.start_pos + plan.num_tokens
-        return StepOutput(slots=plan.slots, tokens=pos.astype(np.uint32), logprobs=np.zeros(n, np.float32))
+        n = len(plan.sched_slot)
+        pos = plan.sched_start_pos + plan.sched_tokens_len
+        return StepOutput(slots=plan.sched_slot, tokens=pos.astype(np.uint32), logprobs=np.zeros(n, np.float32))
 
 
 def test_one_batch_plans() -> None:
@@ -252,10 +252,10 @@ def test_one_batch_plans() -> None:
     assert len(steps) == 3 and prefill_s >= 0 and tokens.shape == (2, 4)
     assert tokens.tolist() == [[6, 7, 8, 9]] * 2  # decode positions advance one per step
     first = runner.plans[0]
-    assert first.pt_pages.tolist() == list(range(6)) and first.new_slots.tolist() == [0, 1]
-    assert runner.plans[1].input_ids.tolist() == [6, 6] and runner.plans[1].start_pos.tolist() == [6, 6]
+    assert first.pt_pages.tolist() == list(range(6)) and first.new_slot.tolist() == [0, 1]
+    assert runner.plans[1].sched_tokens.tolist() == [6, 6] and runner.plans[1].sched_start_pos.tolist() == [6, 6]
     bench.run(prompts, output_len=1)  # the next batch finishes the previous slots first
-    assert runner.plans[4].finished_slots.tolist() == [0, 1] and len(runner.plans) == 5
+    assert runner.plans[4].finished_slot.tolist() == [0, 1] and len(runner.plans) == 5
 
 
 # --- live: a fake OpenAI SSE server -----------------------------------------------------------

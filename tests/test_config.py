@@ -199,7 +199,7 @@ def test_value_normalisation() -> None:
         (["--chunked-prefill-size", "-1"], "--chunked-prefill-size"),
         (["--revision", "main"], "--revision"),
         (["--download-dir", "/tmp/hf"], "--download-dir"),
-        (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
+        (["--quantization-param-path", "s.json", "--modelopt-quant", "fp8"], "--modelopt-quant"),
         (["--enable-lora"], "--enable-lora"),
         (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
     ],
@@ -366,8 +366,10 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--disable-radix-cache", "--disable-overlap-schedule", "--mem-fraction-static", "--device",
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
-        "--enable-metrics", "--dry-run", "--config", "--dense-tp-size", "--moe-tp-size", "--world-size",
-        "--nprocs-per-node", "--dist-init-addr", "--dist-timeout", "--nnodes", "--node-rank",
+        "--enable-metrics", "--dry-run", "--config", "--moe-backend", "--ep-size",
+        "--kv-cache-dtype", "--quantization-param-path", "--quantization", "--dense-tp-size",
+        "--moe-tp-size", "--world-size", "--nprocs-per-node", "--dist-init-addr", "--dist-timeout", "--nnodes",
+        "--node-rank", "--max-queued-requests", "--decode-log-interval",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

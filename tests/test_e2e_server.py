@@ -217,3 +217,60 @@ def test_all_pages_free_after_flush(server: Server) -> None:
     info = wait_idle_and_flush(server)
     kv = info["kv_pages"]
     assert kv["free"] == kv["total"] and kv["used"] == 0 and kv["cached"] == 0, kv
+
+
+# --- the step protocol's bug fixes (issue 9), with the real model ---------------------------
+
+
+def greedy_ids(server: Server, prompt: str, n: int, **params: object) -> dict:
+    r = httpx.post(f"{server.url}/generate", json={
+        "text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, **params}}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_stop_token_ids_stop_even_with_ignore_eos(server: Server, client: openai.OpenAI) -> None:
+    ids = greedy_ids(server, "The capital of France is", 8)["output_ids"]
+    stop = ids[3]
+    first = ids.index(stop)
+    out = client.completions.create(model=model_name(client), prompt="The capital of France is",
+                                    max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == first + 1
+
+
+def test_min_tokens_holds_off_the_end_on_every_route(server: Server, client: openai.OpenAI) -> None:
+    chat = [{"role": "user", "content": "Reply with the single word OK."}]
+    free = client.chat.completions.create(model=model_name(client), messages=chat, max_tokens=64, temperature=0)
+    natural = free.usage.completion_tokens
+    assert free.choices[0].finish_reason == "stop" and natural < 30, natural
+    want = natural + 10
+    held = client.chat.completions.create(model=model_name(client), messages=chat, max_tokens=64,
+                                          temperature=0, extra_body={"min_tokens": want})
+    assert held.usage.completion_tokens >= want
+    done = client.completions.create(model=model_name(client), prompt="Hi", max_tokens=64, temperature=0,
+                                     extra_body={"min_tokens": want})
+    assert done.usage.completion_tokens >= want
+    native = greedy_ids(server, "Hi", 64, min_new_tokens=want)
+    assert native["meta_info"]["completion_tokens"] >= want
+
+
+def test_generate_returns_logprobs_like_completions(server: Server, client: openai.OpenAI) -> None:
+    r = httpx.post(f"{server.url}/generate", json={
+        "text": "The capital of France is", "return_logprob": True, "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0}}, timeout=60).json()
+    lps = r["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == r["output_ids"]
+    assert all(len(top) == 2 and top[0][0] >= top[1][0] for top in r["meta_info"]["output_top_logprobs"])
+    ref = client.completions.create(model=model_name(client), prompt="The capital of France is",
+                                    max_tokens=5, temperature=0, logprobs=1)
+    assert ref.choices[0].logprobs.token_logprobs == pytest.approx([lp for lp, _, _ in lps], abs=1e-4)
+
+
+def test_metrics_route_is_served_with_enable_metrics(server: Server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert "tokenspeed_generation_tokens" in names or "tokenspeed_generation_tokens_total" in names

@@ -86,34 +86,19 @@ class Driver:
         from tokenspeed.plan import StepPlan
 
         new = [s for s, _ in reqs if s not in self.lens]
-        pt_slots, pt_first, pt_count, pt_pages = [], [], [], []
+        page_tables = []
         for slot, toks in reqs:
             self.lens.setdefault(slot, 0)
             have = self.pages.get(slot, 0)
             need = -(-(self.lens[slot] + len(toks)) // PAGE) - have
             if need > 0:
-                pt_slots.append(slot)
-                pt_first.append(have)
-                pt_count.append(need)
-                pt_pages.extend(range(self.next_page, self.next_page + need))
+                page_tables.append((slot, have, range(self.next_page, self.next_page + need)))
                 self.next_page += need
                 self.pages[slot] = have + need
-        n = len(new)
-        plan = StepPlan(
-            step_id=self.step_id, new_slots=np.asarray(new, U32),
-            new_temperature=np.zeros(n, np.float32), new_top_p=np.ones(n, np.float32),
-            new_top_k=np.zeros(n, np.int32), new_min_p=np.zeros(n, np.float32),
-            new_repetition_penalty=np.ones(n, np.float32),
-            new_frequency_penalty=np.zeros(n, np.float32),
-            new_presence_penalty=np.zeros(n, np.float32), new_seed=np.full(n, -1, np.int64),
-            new_top_logprobs=np.zeros(n, U32),
-            pt_slots=np.asarray(pt_slots, U32), pt_first=np.asarray(pt_first, U32),
-            pt_count=np.asarray(pt_count, U32), pt_pages=np.asarray(pt_pages, U32),
-            slots=np.asarray([s for s, _ in reqs], U32),
-            num_tokens=np.asarray([len(t) for _, t in reqs], U32),
-            start_pos=np.asarray([self.lens[s] for s, _ in reqs], U32),
-            sample=np.ones(len(reqs), np.uint8),
-            input_ids=np.asarray([t for _, ts in reqs for t in ts], U32))
+        plan = StepPlan.build(
+            self.step_id, new=[{"slot": s, "temperature": 0.0} for s in new],
+            page_tables=page_tables,
+            scheduled=[(s, self.lens[s], toks, True) for s, toks in reqs])
         self.step_id += 1
         for slot, toks in reqs:
             self.lens[slot] += len(toks)
@@ -131,15 +116,16 @@ class Driver:
 
 
 def hf_from_ours(path: str, ours: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """An HF LlamaForCausalLM from the same config.json holding our (unfused) weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The HF model of the same config.json holding our (unfused) weights. MoE expert tensors
+    need no renaming: ours have the layout and names of transformers 5's fused experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(DEVICE):
-            hf = LlamaForCausalLM(cfg)
+            hf = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(old)
     for prm in hf.parameters():  # parameters only: HF keeps its rotary inv_freq in float32

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
-from tokenspeed.plan import LAST_SAMPLED, StepPlan
+from tokenspeed.plan import LAST_SAMPLED, PLAN_DTYPES, StepPlan
 
 U32 = np.uint32
 
@@ -33,33 +33,23 @@ def runner_for(path: str, page_size: int = 4, **kw: object) -> ModelRunner:
 
 def new_requests(slots: list[int], temperature: float = 0.0, seed: int = -1,
                  top_logprobs: int = 0) -> dict[str, np.ndarray]:
-    n = len(slots)
-    return {
-        "new_slots": np.asarray(slots, U32),
-        "new_temperature": np.full(n, temperature, np.float32),
-        "new_top_p": np.ones(n, np.float32),
-        "new_top_k": np.zeros(n, np.int32),
-        "new_min_p": np.zeros(n, np.float32),
-        "new_repetition_penalty": np.ones(n, np.float32),
-        "new_frequency_penalty": np.zeros(n, np.float32),
-        "new_presence_penalty": np.zeros(n, np.float32),
-        "new_seed": np.full(n, seed, np.int64),
-        "new_top_logprobs": np.full(n, top_logprobs, U32),
-    }
-
+    rows = [{"slot": s, "temperature": temperature, "seed": seed, "top_logprobs": top_logprobs}
+            for s in slots]
+    plan = StepPlan.build(new=rows)
+    return {n: getattr(plan, n) for n in PLAN_DTYPES if n.startswith("new_")}
 
 def pages(slot: int, first: int, ids: list[int]) -> dict[str, np.ndarray]:
-    return {"pt_slots": np.asarray([slot], U32), "pt_first": np.asarray([first], U32),
-            "pt_count": np.asarray([len(ids)], U32), "pt_pages": np.asarray(ids, U32)}
+    return {"pt_slot": np.asarray([slot], U32), "pt_first": np.asarray([first], U32),
+            "pt_pages_len": np.asarray([len(ids)], U32), "pt_pages": np.asarray(ids, U32)}
 
 
 def schedule(reqs: list[tuple[int, int, list[int], int]]) -> dict[str, np.ndarray]:
     """reqs: (slot, start_pos, tokens, sample)."""
-    return {"slots": np.asarray([r[0] for r in reqs], U32),
-            "num_tokens": np.asarray([len(r[2]) for r in reqs], U32),
-            "start_pos": np.asarray([r[1] for r in reqs], U32),
-            "sample": np.asarray([r[3] for r in reqs], np.uint8),
-            "input_ids": np.asarray([t for r in reqs for t in r[2]], U32)}
+    return {"sched_slot": np.asarray([r[0] for r in reqs], U32),
+            "sched_tokens_len": np.asarray([len(r[2]) for r in reqs], U32),
+            "sched_start_pos": np.asarray([r[1] for r in reqs], U32),
+            "sched_sample": np.asarray([r[3] for r in reqs], np.uint8),
+            "sched_tokens": np.asarray([t for r in reqs for t in r[2]], U32)}
 
 
 PREFIX = [(11 * i) % 190 + 5 for i in range(12)]  # three pages of 4
@@ -79,7 +69,7 @@ def decode_steps(runner: ModelRunner, slot: int, pos: int, first_token: int, pag
         plan_kw = schedule([(slot, pos, [tok], 1)])
         if pos % runner.page_size == 0:
             plan_kw |= pages(slot, pos // runner.page_size, [page_ids.pop(0)])
-        plan = StepPlan(**plan_kw)
+        plan = StepPlan.of(**plan_kw)
         lg = runner.forward(plan)
         tok = int(runner.sample(plan, lg).tokens[0])
         tokens.append(tok)
@@ -91,11 +81,11 @@ def decode_steps(runner: ModelRunner, slot: int, pos: int, first_token: int, pag
 def test_shared_prefix_pages_give_the_same_tokens_as_recomputing(tiny_llama: str) -> None:
     runner = runner_for(tiny_llama)
     # Request A (slot 0) computes PREFIX + TAIL_A into pages 9, 3, 6, 1.
-    plan = StepPlan(**new_requests([0]), **pages(0, 0, [9, 3, 6, 1]),
+    plan = StepPlan.of(**new_requests([0]), **pages(0, 0, [9, 3, 6, 1]),
                     **schedule([(0, 0, PREFIX + TAIL_A, 1)]))
     runner.step(plan)
     # A finishes; B (slot 5) reuses A's three prefix pages and only feeds its own tail.
-    plan = StepPlan(finished_slots=np.asarray([0], U32), **new_requests([5]),
+    plan = StepPlan.of(finished_slot=np.asarray([0], U32), **new_requests([5]),
                     **pages(5, 0, [9, 3, 6, 12, 13]), **schedule([(5, 12, TAIL_B, 1)]))
     lg = runner.forward(plan)
     first = int(runner.sample(plan, lg).tokens[0])
@@ -111,11 +101,11 @@ def test_shared_prefix_pages_give_the_same_tokens_as_recomputing(tiny_llama: str
 def test_prefix_shared_while_the_owner_keeps_decoding(tiny_llama: str) -> None:
     runner = runner_for(tiny_llama, page_size=1)
     prefix_pages = list(range(40, 52))
-    runner.step(StepPlan(**new_requests([0]), **pages(0, 0, prefix_pages + [60, 61, 62]),
+    runner.step(StepPlan.of(**new_requests([0]), **pages(0, 0, prefix_pages + [60, 61, 62]),
                          **schedule([(0, 0, PREFIX + TAIL_A, 1)])))
     # Same step: A decodes one token while B joins on A's first 12 pages.
-    plan = StepPlan(**new_requests([1]), pt_slots=np.asarray([0, 1], U32),
-                    pt_first=np.asarray([15, 0], U32), pt_count=np.asarray([1, 17], U32),
+    plan = StepPlan.of(**new_requests([1]), pt_slot=np.asarray([0, 1], U32),
+                    pt_first=np.asarray([15, 0], U32), pt_pages_len=np.asarray([1, 17], U32),
                     pt_pages=np.asarray([63, *prefix_pages, 70, 71, 72, 73, 74], U32),
                     **schedule([(0, 15, [3], 1), (1, 12, TAIL_B, 1)]))
     out = runner.step(plan)
@@ -131,15 +121,15 @@ def test_last_sampled_placeholders_queued_ahead_match_explicit_tokens(tiny_llama
     ref_b, _ = greedy_from_scratch(tiny_llama, TAIL_B * 2, 4)
     runner = runner_for(tiny_llama)
     hole = LAST_SAMPLED
-    steps = [StepPlan(**new_requests([2]), **pages(2, 0, [5, 6, 7, 8]),
+    steps = [StepPlan.of(**new_requests([2]), **pages(2, 0, [5, 6, 7, 8]),
                       **schedule([(2, 0, PREFIX, 1)]))]
-    steps += [StepPlan(**schedule([(2, pos, [hole], 1)])) for pos in (12, 13)]
+    steps += [StepPlan.of(**schedule([(2, pos, [hole], 1)])) for pos in (12, 13)]
     # A mixed step: B's first prefill chunk (no sample) beside A's placeholder decode.
-    steps.append(StepPlan(**new_requests([4]), **pages(4, 0, [0, 1, 2]),
+    steps.append(StepPlan.of(**new_requests([4]), **pages(4, 0, [0, 1, 2]),
                           **schedule([(4, 0, (TAIL_B * 2)[:6], 0), (2, 14, [hole], 1)])))
-    steps.append(StepPlan(**schedule([(4, 6, (TAIL_B * 2)[6:], 1), (2, 15, [hole], 1)])))
-    steps.append(StepPlan(**pages(2, 4, [9]), **schedule([(2, 16, [hole], 1), (4, 10, [hole], 1)])))
-    steps.append(StepPlan(**schedule([(4, 11, [hole], 1)])))
+    steps.append(StepPlan.of(**schedule([(4, 6, (TAIL_B * 2)[6:], 1), (2, 15, [hole], 1)])))
+    steps.append(StepPlan.of(**pages(2, 4, [9]), **schedule([(2, 16, [hole], 1), (4, 10, [hole], 1)])))
+    steps.append(StepPlan.of(**schedule([(4, 11, [hole], 1)])))
     pending = [runner.launch(plan) for plan in steps]  # nothing waited for until here
     outs = [p.wait() for p in pending]
     got: dict[int, list[int]] = {2: [], 4: []}
@@ -152,9 +142,9 @@ def test_last_sampled_placeholders_queued_ahead_match_explicit_tokens(tiny_llama
 
 def test_output_follows_plan_order_and_skips_unsampled_chunks(tiny_llama: str) -> None:
     runner = runner_for(tiny_llama)
-    plan = StepPlan(**new_requests([3, 1, 2]),
-                    pt_slots=np.asarray([3, 1, 2], U32), pt_first=np.zeros(3, U32),
-                    pt_count=np.asarray([1, 2, 1], U32), pt_pages=np.asarray([0, 1, 2, 3], U32),
+    plan = StepPlan.of(**new_requests([3, 1, 2]),
+                    pt_slot=np.asarray([3, 1, 2], U32), pt_first=np.zeros(3, U32),
+                    pt_pages_len=np.asarray([1, 2, 1], U32), pt_pages=np.asarray([0, 1, 2, 3], U32),
                     **schedule([(3, 0, [5, 6], 1), (1, 0, [7, 8, 9, 10, 11], 0), (2, 0, [4], 1)]))
     out = runner.step(plan)
     assert out.slots.tolist() == [3, 2]
@@ -163,13 +153,13 @@ def test_output_follows_plan_order_and_skips_unsampled_chunks(tiny_llama: str) -
 
 
 def test_empty_plan_gives_empty_output(tiny_llama: str) -> None:
-    out = runner_for(tiny_llama).step(StepPlan())
+    out = runner_for(tiny_llama).step(StepPlan.of())
     assert len(out.slots) == len(out.tokens) == len(out.logprobs) == 0
 
 
 def test_top_logprobs_are_the_log_softmax_top_k(tiny_llama: str) -> None:
     runner = runner_for(tiny_llama)
-    plan = StepPlan(**new_requests([0], top_logprobs=4), **pages(0, 0, [0, 1]),
+    plan = StepPlan.of(**new_requests([0], top_logprobs=4), **pages(0, 0, [0, 1]),
                     **schedule([(0, 0, PREFIX[:6], 1)]))
     logits = runner.forward(plan)
     out = runner.sample(plan, logits)
@@ -203,17 +193,14 @@ def test_reused_slot_starts_fresh(tiny_llama: str) -> None:
 
 
 def test_plan_errors_name_the_problem(tiny_llama: str) -> None:
+    # (Token counts that disagree with the tokens cannot reach the worker: the codec refuses
+    # them, see rust/ipc/tests/codec.rs.)
     runner = runner_for(tiny_llama)
-    bad = StepPlan(**new_requests([0]), **pages(0, 0, [0]),
-                   slots=np.asarray([0], U32), num_tokens=np.asarray([3], U32),
-                   start_pos=np.zeros(1, U32), sample=np.ones(1, np.uint8),
-                   input_ids=np.asarray([1, 2], U32))
-    with pytest.raises(ValueError, match="num_tokens sum to 3"):
-        runner.step(bad)
+    runner.step(StepPlan.of(**new_requests([0])))
     with pytest.raises(ValueError, match="out of range"):
-        runner.step(StepPlan(**pages(0, 0, [runner.num_pages])))
+        runner.step(StepPlan.of(**pages(0, 0, [runner.num_pages])))
     with pytest.raises(ValueError, match="max_context_len"):
-        runner.step(StepPlan(**schedule([(0, 127, [1, 2], 1)])))
+        runner.step(StepPlan.of(**schedule([(0, 127, [1, 2], 1)])))
 
 
 def test_defaults_on_cpu(tiny_llama: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenspeed.plan import NEUTRAL_SAMPLING
 from tokenspeed.sampler import Sampler
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -14,10 +15,15 @@ def batch_of(logits: torch.Tensor, n: int) -> torch.Tensor:
     return logits[None, :].repeat(n, 1)
 
 
-def sampler_with(n: int, **params: float) -> Sampler:
+def params(**overrides: float) -> dict:
+    """A request's sampling fields: neutral (from the Rust core) but for `overrides`."""
+    return {**NEUTRAL_SAMPLING, **overrides}
+
+
+def sampler_with(n: int, **overrides: float) -> Sampler:
     s = Sampler("cpu", seed=0)
     for slot in range(n):
-        s.add(slot, **params)
+        s.add(slot, params(**overrides))
     return s
 
 
@@ -35,9 +41,9 @@ def test_greedy_is_argmax() -> None:
 def test_logprobs_are_log_softmax_of_chosen_and_top_tokens() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
     s = Sampler("cpu")
-    s.add(0, temperature=0.0, top_logprobs=5)
-    s.add(1, temperature=1.0, seed=3)
-    s.add(2, temperature=0.7, top_k=10, top_logprobs=2)
+    s.add(0, params(temperature=0.0, top_logprobs=5))
+    s.add(1, params(temperature=1.0, seed=3))
+    s.add(2, params(temperature=0.7, top_k=10, top_logprobs=2))
     res = s.sample([0, 1, 2], logits)
     ref = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(res.logprobs, ref.gather(1, res.tokens[:, None]).squeeze(1))
@@ -51,8 +57,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
 
     def run(seed: int, with_neighbour: bool) -> list[int]:
         s = Sampler("cpu", seed=123)
-        s.add(0, temperature=1.0, seed=seed)
-        s.add(1, temperature=1.0)  # unseeded neighbour draws from the shared generator
+        s.add(0, params(temperature=1.0, seed=seed))
+        s.add(1, params(temperature=1.0))  # unseeded neighbour draws from the shared generator
         out = []
         for step in range(20):
             slots = [1, 0] if with_neighbour else [0]
@@ -99,7 +105,7 @@ def test_low_temperature_sharpens() -> None:
 def test_repetition_penalty_demotes_seen_tokens() -> None:
     logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]])
     s = Sampler("cpu")
-    s.add(0, temperature=0.0, repetition_penalty=1.2)
+    s.add(0, params(temperature=0.0, repetition_penalty=1.2))
     s.observe_inputs(0, [0])  # token 0 in the prompt: 2.0 / 1.2 < 1.9
     assert s.sample([0], logits).tokens.item() == 1
 
@@ -107,17 +113,17 @@ def test_repetition_penalty_demotes_seen_tokens() -> None:
 def test_frequency_and_presence_penalties_count_outputs() -> None:
     logits = torch.tensor([[3.0, 2.5, 0.0]])
     s = Sampler("cpu")
-    s.add(0, temperature=0.0, frequency_penalty=0.3, presence_penalty=0.0)
+    s.add(0, params(temperature=0.0, frequency_penalty=0.3, presence_penalty=0.0))
     got = [s.sample([0], logits).tokens.item() for _ in range(3)]
     assert got == [0, 0, 1]  # 3.0 - 0.3 * 2 = 2.4 < 2.5
-    s.add(1, temperature=0.0, presence_penalty=0.6)
+    s.add(1, params(temperature=0.0, presence_penalty=0.6))
     assert [s.sample([1], logits).tokens.item() for _ in range(2)] == [0, 1]
 
 
 def test_logprobs_ignore_penalties() -> None:
     logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]])
     s = Sampler("cpu")
-    s.add(0, temperature=0.0, repetition_penalty=1.5)
+    s.add(0, params(temperature=0.0, repetition_penalty=1.5))
     s.observe_inputs(0, [0])
     res = s.sample([0], logits)
     assert res.logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item())
@@ -126,3 +132,21 @@ def test_logprobs_ignore_penalties() -> None:
 def test_unknown_slot_is_an_error() -> None:
     with pytest.raises(KeyError, match="slot 5"):
         Sampler("cpu").sample([5], torch.zeros(1, 4))
+
+
+def test_stop_ids_are_masked_until_min_tokens() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 5.0  # the stop token is the favourite
+    s = Sampler("cpu")
+    s.add(0, params(temperature=0.0, min_tokens=2), stop_ids=[3])
+    drawn = [s.sample([0], logits).tokens.item() for _ in range(3)]
+    assert drawn[0] != 3 and drawn[1] != 3, "masked for the first min_tokens samples"
+    assert drawn[2] == 3, "allowed afterwards"
+    lp = s.sample([0], logits).logprobs
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[:, 3], msg="logprobs stay raw")
+
+
+def test_parameters_are_all_required() -> None:
+    s = Sampler("cpu")
+    with pytest.raises(KeyError, match="miss"):
+        s.add(0, {"temperature": 0.0})

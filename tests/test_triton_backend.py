@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
-from tokenspeed.plan import StepPlan
+from tokenspeed.plan import PLAN_DTYPES, StepPlan
 
 U32 = np.uint32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,28 +78,24 @@ def runner_for(path: str, backend: str, page_size: int = 4) -> ModelRunner:
                        dtype="float32", attention_backend=backend, disable_cuda_graph=True)
 
 
-def new_requests(slots: list[int]) -> dict[str, np.ndarray]:
-    n = len(slots)
-    return {"new_slots": np.asarray(slots, U32), "new_temperature": np.zeros(n, np.float32),
-            "new_top_p": np.ones(n, np.float32), "new_top_k": np.zeros(n, np.int32),
-            "new_min_p": np.zeros(n, np.float32),
-            "new_repetition_penalty": np.ones(n, np.float32),
-            "new_frequency_penalty": np.zeros(n, np.float32),
-            "new_presence_penalty": np.zeros(n, np.float32),
-            "new_seed": np.full(n, -1, np.int64), "new_top_logprobs": np.zeros(n, U32)}
-
+def new_requests(slots: list[int], temperature: float = 0.0, seed: int = -1,
+                 top_logprobs: int = 0) -> dict[str, np.ndarray]:
+    rows = [{"slot": s, "temperature": temperature, "seed": seed, "top_logprobs": top_logprobs}
+            for s in slots]
+    plan = StepPlan.build(new=rows)
+    return {n: getattr(plan, n) for n in PLAN_DTYPES if n.startswith("new_")}
 
 def pages(slot: int, first: int, ids: list[int]) -> dict[str, np.ndarray]:
-    return {"pt_slots": np.asarray([slot], U32), "pt_first": np.asarray([first], U32),
-            "pt_count": np.asarray([len(ids)], U32), "pt_pages": np.asarray(ids, U32)}
+    return {"pt_slot": np.asarray([slot], U32), "pt_first": np.asarray([first], U32),
+            "pt_pages_len": np.asarray([len(ids)], U32), "pt_pages": np.asarray(ids, U32)}
 
 
 def schedule(reqs: list[tuple[int, int, list[int], int]]) -> dict[str, np.ndarray]:
-    return {"slots": np.asarray([r[0] for r in reqs], U32),
-            "num_tokens": np.asarray([len(r[2]) for r in reqs], U32),
-            "start_pos": np.asarray([r[1] for r in reqs], U32),
-            "sample": np.asarray([r[3] for r in reqs], np.uint8),
-            "input_ids": np.asarray([t for r in reqs for t in r[2]], U32)}
+    return {"sched_slot": np.asarray([r[0] for r in reqs], U32),
+            "sched_tokens_len": np.asarray([len(r[2]) for r in reqs], U32),
+            "sched_start_pos": np.asarray([r[1] for r in reqs], U32),
+            "sched_sample": np.asarray([r[3] for r in reqs], np.uint8),
+            "sched_tokens": np.asarray([t for r in reqs for t in r[2]], U32)}
 
 
 def prefix_sharing_run(runner: ModelRunner) -> tuple[list[int], list[torch.Tensor]]:
@@ -115,10 +111,10 @@ def prefix_sharing_run(runner: ModelRunner) -> tuple[list[int], list[torch.Tenso
         logits.extend(lg.float().cpu())
         return out
 
-    (a,) = run(StepPlan(**new_requests([0]), **pages(0, 0, [9, 3, 6, 1]),
+    (a,) = run(StepPlan.of(**new_requests([0]), **pages(0, 0, [9, 3, 6, 1]),
                         **schedule([(0, 0, PREFIX + TAIL_A, 1)])))
-    a, b = run(StepPlan(**new_requests([5]), pt_slots=np.asarray([5], U32),
-                        pt_first=np.asarray([0], U32), pt_count=np.asarray([5], U32),
+    a, b = run(StepPlan.of(**new_requests([5]), pt_slot=np.asarray([5], U32),
+                        pt_first=np.asarray([0], U32), pt_pages_len=np.asarray([5], U32),
                         pt_pages=np.asarray([9, 3, 6, 12, 13], U32),
                         **schedule([(0, 15, [a], 1), (5, 12, TAIL_B, 1)])))
     pos_a, pos_b = 16, 17
@@ -126,11 +122,11 @@ def prefix_sharing_run(runner: ModelRunner) -> tuple[list[int], list[torch.Tenso
         kw = schedule([(0, pos_a, [a], 1), (5, pos_b, [b], 1)])
         new_pages = [(s, p // 4) for s, p in ((0, pos_a), (5, pos_b)) if p % 4 == 0]
         if new_pages:  # a page fills up: hand out the next one
-            kw |= {"pt_slots": np.asarray([s for s, _ in new_pages], U32),
+            kw |= {"pt_slot": np.asarray([s for s, _ in new_pages], U32),
                    "pt_first": np.asarray([j for _, j in new_pages], U32),
-                   "pt_count": np.ones(len(new_pages), U32),
+                   "pt_pages_len": np.ones(len(new_pages), U32),
                    "pt_pages": np.asarray([100 + 10 * s + j for s, j in new_pages], U32)}
-        a, b = run(StepPlan(**kw))
+        a, b = run(StepPlan.of(**kw))
         pos_a, pos_b = pos_a + 1, pos_b + 1
     return tokens, logits
 
@@ -191,13 +187,13 @@ def test_mixed_step_decodes_run_the_decode_kernel_and_match_torch_native(
         runner = runner_for(tiny_llama, backend)
         # Two requests prefill 6 and 9 tokens (pages 1-2 and 3-5), then decode in the same step
         # as a third request's 7-token prefill (pages 6-7).
-        runner.forward(StepPlan(**new_requests([0, 1]), pt_slots=np.asarray([0, 1], U32),
-                                pt_first=np.asarray([0, 0], U32), pt_count=np.asarray([2, 3], U32),
+        runner.forward(StepPlan.of(**new_requests([0, 1]), pt_slot=np.asarray([0, 1], U32),
+                                pt_first=np.asarray([0, 0], U32), pt_pages_len=np.asarray([2, 3], U32),
                                 pt_pages=np.asarray([1, 2, 3, 4, 5], U32),
                                 **schedule([(0, 0, TAIL_B + [7], 1), (1, 0, PREFIX[:9], 1)])))
         decodes = [(0, 6, [40], 1), (1, 9, [41], 1)]
         chunk = [(2, 0, PREFIX[2:9], 1)]
-        plan = StepPlan(**new_requests([2]), **pages(2, 0, [6, 7]),
+        plan = StepPlan.of(**new_requests([2]), **pages(2, 0, [6, 7]),
                         **schedule(decodes + chunk if decodes_first else chunk + decodes))
         seen: list[object] = []
         prepare = runner.backend.prepare

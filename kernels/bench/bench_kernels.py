@@ -22,6 +22,7 @@ from tokenspeed_kernels import reference as ref
 
 # Ceilings: measured at start on the device in hand (H100 reference: copy 2.99 TB/s, bf16 GEMM 795 TF/s).
 CEIL = {"copy_tbps": 2.99, "bf16_tflops": 795.0}
+KV_DTYPE: torch.dtype | None = None  # --kv-dtype fp8*: paged caches stored in fp8 (scale 1)
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 HIDDEN, INTER = 4096, 14336
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -140,8 +141,8 @@ def paged_inputs(seq_lens: list[int], dtype: torch.dtype) -> Inputs:
     """Random caches with a shuffled page table (pages scattered as after churn)."""
     pages_per = [triton.cdiv(n, PAGE) for n in seq_lens]
     total = sum(pages_per)
-    k_cache = torch.randn(total, PAGE, HKV, D, device="cuda", dtype=dtype)
-    v_cache = torch.randn(total, PAGE, HKV, D, device="cuda", dtype=dtype)
+    k_cache = torch.randn(total, PAGE, HKV, D, device="cuda", dtype=dtype).to(KV_DTYPE or dtype)
+    v_cache = torch.randn(total, PAGE, HKV, D, device="cuda", dtype=dtype).to(KV_DTYPE or dtype)
     perm = torch.randperm(total).to(torch.int32)
     page_table = torch.zeros(len(seq_lens), max(pages_per), dtype=torch.int32)
     used = 0
@@ -183,7 +184,7 @@ def bench_decode(tab: Table, dtype: torch.dtype, splits_override: int | None = N
                                                            chunk=8)  # fmt: skip
                 return rel_err(out, r)
 
-            kv_bytes = 2 * batch * ctx * HKV * D * es
+            kv_bytes = 2 * batch * ctx * HKV * D * torch.tensor([], dtype=KV_DTYPE or dtype).element_size()
             nbytes = kv_bytes + 2 * batch * HQ * D * es
             measure(tab, kernel, f"B={batch} ctx={ctx} splits={splits}", build, run,
                     None if splits_override else base, check,
@@ -345,7 +346,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--only", default="decode,extend,elementwise", help="comma list of groups")
     ap.add_argument("--sweep", action="store_true", help="also sweep decode splits and extend tile configs")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"],
+                    help="paged decode/extend over an fp8 KV cache (the references read it dequantised)")
     args = ap.parse_args()
+    global KV_DTYPE
+    KV_DTYPE = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.kv_dtype]
     assert torch.cuda.is_available(), "benchmarks need a CUDA GPU"
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -373,7 +378,7 @@ def main() -> int:
     if "elementwise" in groups:
         bench_elementwise(tab, dtype)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "dtype": args.dtype, **CEIL}  # fmt: skip
+            "triton": triton.__version__, "dtype": args.dtype, "kv_dtype": args.kv_dtype, **CEIL}  # fmt: skip
     tab.write(meta)
     print(f"{len(tab.rows)} rows, {tab.failed} correctness failures")
     return 1 if tab.failed else 0

@@ -21,6 +21,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -250,6 +251,28 @@ def tp_all_reduce(x: torch.Tensor, group: str = "attn_tp") -> torch.Tensor:
 def tp_all_gather(x: torch.Tensor, dim: int = -1, group: str = "attn_tp") -> torch.Tensor:
     """Concatenate per-rank shards along `dim` (vocab-parallel logits)."""
     return _STATE.group(group).all_gather(x, dim)
+
+
+class MoeAllReduce:
+    """`SparseMoeBlock.comm` under TP/EP: every rank holds every token (attention TP replicates
+    the activations) and computes a partial output over its experts and intermediate slice; the
+    partials of the ep x moe-TP grid, which is the whole world, sum to the layer's output."""
+
+    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, router_logits
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        return _STATE.world.all_reduce(partial)
+
+
+def moe_parallel(st: ParallelState | None = None) -> Any:
+    """This rank's place in the MoE grid (`layers.moe.MoeParallel`) from its groups."""
+    from tokenspeed.layers.moe import MoeParallel
+
+    st = st or _STATE
+    return MoeParallel(ep_rank=st.ep.rank, ep_size=st.ep.size, tp_rank=st.moe_tp.rank,
+                       tp_size=st.moe_tp.size)
 
 
 def sync_sampled_tokens(tokens: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,25 @@ class PagedKVCache:
     has p at index j; pages may be shared by several slots (radix prefix cache). The page table is
     kept twice: on the host (numpy, to build per-step metadata without a device sync) and on the
     device (for kernels that walk it themselves).
+
+    An fp8 cache (float8_e4m3fn / float8_e5m2) stores K / k_scale[l] and V / v_scale[l] of layer l
+    (layers/quantization/kv_cache.py says where the scales come from); other dtypes store K and V
+    as they are and keep the scales at 1.0.
     """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, max_slots: int,
-                 max_context_len: int) -> None:
+                 max_context_len: int, k_scale: list[float] | None = None,
+                 v_scale: list[float] | None = None) -> None:
+        self.dtype = dtype
+        self.k_scale = list(k_scale) if k_scale is not None else [1.0] * num_layers
+        self.v_scale = list(v_scale) if v_scale is not None else [1.0] * num_layers
+        if len(self.k_scale) != num_layers or len(self.v_scale) != num_layers:
+            raise ValueError(f"need {num_layers} K and V scales, got {len(self.k_scale)} and "
+                             f"{len(self.v_scale)}")
+        if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) and any(
+                s != 1.0 for s in self.k_scale + self.v_scale):
+            raise ValueError(f"KV cache scales other than 1.0 need an fp8 cache, not {dtype}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_slots = max_slots
@@ -41,6 +55,21 @@ class PagedKVCache:
         """K and V of a layer viewed as [num_pages * page_size, num_kv_heads, head_dim]."""
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """KV page `dst[i]` of every layer = page `src[i]` (the plan's copy section), queued on
+        the stream before the step's forward."""
+        if len(src) != len(dst):
+            raise ValueError(f"page copies: {len(src)} sources, {len(dst)} destinations")
+        ids = np.concatenate([src, dst]).astype(np.int64)
+        if len(ids) and (int(ids.max()) >= self.num_pages or int(ids.min()) < 0):
+            raise ValueError(f"page copy: page id out of range (num_pages={self.num_pages})")
+        device = self.k[0].device
+        s = torch.from_numpy(src.astype(np.int64)).to(device, non_blocking=True)
+        d = torch.from_numpy(dst.astype(np.int64)).to(device, non_blocking=True)
+        for k, v in zip(self.k, self.v):
+            k[d] = k[s]
+            v[d] = v[s]
 
     def update_page_table(self, slots: np.ndarray, first: np.ndarray, count: np.ndarray,
                           pages: np.ndarray) -> None:

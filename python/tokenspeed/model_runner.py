@@ -13,6 +13,7 @@ from tokenspeed.cuda_graph import (
     capture_sizes,
     graph_memory_estimate,
 )
+from tokenspeed.distributed import moe_parallel as distributed_moe_parallel
 from tokenspeed.distributed import state, sync_sampled_tokens
 from tokenspeed.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
@@ -25,9 +26,22 @@ from tokenspeed.layers.attention import (
     create_backend,
     resolve_backend_name,
 )
-from tokenspeed.models.config import ModelConfig, local_heads
+from tokenspeed.layers.moe import (
+    GRAPH_SAFE_MOE_BACKENDS,
+    MoeOptions,
+    MoeParallel,
+    resolve_moe_backend,
+)
+from tokenspeed.layers.quantization.kv_cache import (
+    KVScales,
+    is_fp8,
+    load_kv_scales_json,
+    resolve_kv_cache_dtype,
+)
+from tokenspeed.layers.quantization.methods import resolve_quantization
+from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
-from tokenspeed.sampler import Sampler
+from tokenspeed.sampler import SAMPLING_FIELDS, Sampler
 from tokenspeed.weights import load_model, open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -55,8 +69,10 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
 class PendingStep:
     """A launched step whose sampled tokens are on their way to the host."""
 
-    def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None) -> None:
+    def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None,
+                 top_k: np.ndarray | None = None) -> None:
         self.slots = slots
+        self.top_k = top_k
         self._outputs = outputs
 
     def ready(self) -> bool:
@@ -65,22 +81,18 @@ class PendingStep:
 
     def wait(self) -> StepOutput:
         if self._outputs is None:
-            return StepOutput(slots=self.slots, tokens=np.zeros(0, np.uint32),
-                              logprobs=np.zeros(0, np.float32),
-                              top_ids=np.zeros((0, 0), np.uint32),
-                              top_logprobs=np.zeros((0, 0), np.float32))
+            return StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0))
         tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
-        return StepOutput(slots=self.slots, tokens=tokens.astype(np.uint32),
-                          logprobs=logprobs.astype(np.float32),
-                          top_ids=top_ids.astype(np.uint32),
-                          top_logprobs=top_logprobs.astype(np.float32))
+        return StepOutput(slots=self.slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
+                          top_logprobs=top_logprobs, top_k=self.top_k)
 
 
 class ModelRunner:
     """Owns the model, the paged KV cache, the attention backend and the sampler of one worker.
 
-    `step(plan)`: drop finished slots → register new requests → page-table updates → forward of
-    the scheduled requests → sample the last token of every request with sample == 1.
+    `step(plan)`: drop finished slots → register new requests → page-table updates → page
+    copies → forward of the scheduled requests → sample the last token of every request with
+    sample == 1.
     On CUDA, pure-decode steps of up to `cuda_graph_max_bs` requests replay a captured graph.
     """
 
@@ -90,7 +102,10 @@ class ModelRunner:
                  mem_fraction_static: float | None = None,
                  attention_backend: str | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None,
-                 chunked_prefill_size: int | None = None) -> None:
+                 chunked_prefill_size: int | None = None, moe_backend: str | None = None,
+                 moe_parallel: MoeParallel | None = None, kv_cache_dtype: str = "auto",
+                 quantization_param_path: str | None = None,
+                 quantization: str | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -107,12 +122,27 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
         self.attention_backend = resolve_backend_name(attention_backend, self.device)
         check_backend(self.attention_backend, self.device)
+        self.moe_backend = resolve_moe_backend(moe_backend, self.device)
+        # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
+        moe_parallel = moe_parallel or distributed_moe_parallel()  # TP/EP groups (distributed.py)
+        check_expert_parallel(c, moe_parallel.ep_size, moe_parallel.tp_size)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        # FP8 weights (--quantization or the checkpoint's quantization_config); fails here, before
+        # any weight is read, for methods TokenSpeed does not run.
+        self.fp8 = resolve_quantization(quantization, c.raw,
+                                        model_path if ckpt.load_format != "gguf" else None)
+        ckpt_scales = KVScales()
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
-                                max_positions=max_context_len, seed=seed)
+                                max_positions=max_context_len, seed=seed,
+                                moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel),
+                                kv_scales=ckpt_scales, fp8=self.fp8)
+        self.kv_scales = self._kv_scales(ckpt_scales, quantization_param_path)
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
+        # torch_native MoE reads expert counts on the host: it cannot be captured in a graph.
+        moe_graph_safe = not c.num_experts or self.moe_backend in GRAPH_SAFE_MOE_BACKENDS
         use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
-                      and self.attention_backend in GRAPH_BACKENDS)
+                      and self.attention_backend in GRAPH_BACKENDS and moe_graph_safe)
         self.cuda_graph_max_bs = (min(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_slots)
                                   if use_graphs else 0)
         if num_pages is None:
@@ -120,8 +150,9 @@ class ModelRunner:
         self.num_pages = num_pages
         self.kv_cache = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=page_size,
-            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
-            device=self.device, max_slots=max_slots, max_context_len=max_context_len)
+            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
+            device=self.device, max_slots=max_slots, max_context_len=max_context_len,
+            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         self.backend = self._make_backend(self.kv_cache)
         self.sampler = Sampler(self.device, seed, capacity=max_slots)
         # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
@@ -133,23 +164,42 @@ class ModelRunner:
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
                                             self.last_tokens)
             self.graphs.capture()
-        logger.info("model %s loaded: dtype=%s device=%s attention=%s kv pages=%d x %d tokens, "
-                    "cuda graphs up to batch %d", c.architecture, self.dtype, self.device,
-                    self.attention_backend, self.num_pages, page_size, self.cuda_graph_max_bs)
+        logger.info("model %s loaded: dtype=%s%s device=%s attention=%s%s kv pages=%d x %d tokens "
+                    "(%s), cuda graphs up to batch %d", c.architecture, self.dtype,
+                    "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'})",
+                    self.device, self.attention_backend,
+                    f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok})"
+                    if c.num_experts else "", self.num_pages, page_size, self.kv_dtype,
+                    self.cuda_graph_max_bs)
+
+    def _kv_scales(self, from_checkpoint: KVScales,
+                   param_path: str | None) -> tuple[list[float], list[float]]:
+        """Per-layer (K, V) scales of an fp8 cache: --quantization-param-path, else the
+        checkpoint's, else 1.0 (layers/quantization/kv_cache.py); all 1.0 for other caches."""
+        layers = self.config.num_hidden_layers
+        if not is_fp8(self.kv_dtype):
+            if param_path:
+                raise ValueError("--quantization-param-path holds FP8 KV cache scales; it needs "
+                                 "--kv-cache-dtype fp8 (or fp8_e4m3 / fp8_e5m2)")
+            return KVScales().lists(layers)
+        scales = load_kv_scales_json(param_path, layers) if param_path else from_checkpoint
+        logger.info("fp8 KV cache (%s): scales from %s", self.kv_dtype, scales.source)
+        return scales.lists(layers)
 
     def _make_backend(self, kv_cache: PagedKVCache) -> AttentionBackend:
         return create_backend(self.attention_backend, kv_cache,
                               num_heads=self.num_heads, head_dim=self.config.head_dim,
-                              max_context_len=self.max_context_len, sliding_window=self._window)
+                              max_context_len=self.max_context_len, sliding_window=self._window,
+                              q_dtype=self.dtype)
 
     def _profile_num_pages(self, mem_fraction_static: float | None,
                            chunked_prefill_size: int | None) -> int:
         """KV pages that fit beside the weights, the activations of the largest step the
         scheduler can send (measured by a profile forward), the sampler and the CUDA graphs."""
         c = self.config
-        per_page = PagedKVCache.bytes_per_page(
+        per_page = PagedKVCache.bytes_per_page(  # fp8: half the bytes of bf16, twice the pages
             num_layers=c.num_hidden_layers, page_size=self.page_size,
-            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
+            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype)
         if self.device.type != "cuda":
             return -(-CPU_DEFAULT_KV_TOKENS // self.page_size)
         # A step holds at most max(chunked_prefill_size, running decodes) tokens.
@@ -188,8 +238,9 @@ class ModelRunner:
         c = self.config
         scratch = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=1, page_size=self.page_size,
-            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype,
-            device=self.device, max_slots=1, max_context_len=tokens)
+            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
+            device=self.device, max_slots=1, max_context_len=tokens,
+            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         backend = self._make_backend(scratch)
         positions = np.arange(tokens, dtype=np.int64)
         dev = self.device
@@ -236,7 +287,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> StepOutput:
-        """Sample one token for every scheduled request with sample == 1, in plan order."""
+        """Sample one token for every scheduled request with sched_sample, in plan order."""
         return self._sample(plan, logits, None).wait()
 
     def _forward(self, plan: StepPlan,
@@ -244,14 +295,14 @@ class ModelRunner:
         """Logits of the sampled rows, and their slots on the device when already there.
         `copy_logits`: copy them out of the CUDA graph's buffer (which the next replay reuses)."""
         self._apply_state(plan)
-        if len(plan.slots) == 0:
+        if len(plan.sched_slot) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device), None
         positions, out_loc, query_start = self._token_indices(plan)
-        sample = plan.sample.astype(bool)
-        if (self.graphs is not None and self.graphs.can_run(len(plan.slots))
-                and bool((plan.num_tokens == 1).all())):
-            logits, slots_dev = self.graphs.run(plan.input_ids.astype(np.int64), positions,
-                                                out_loc, plan.slots)
+        sample = plan.sched_sample.astype(bool)
+        if (self.graphs is not None and self.graphs.can_run(len(plan.sched_slot))
+                and bool((plan.sched_tokens_len == 1).all())):
+            logits, slots_dev = self.graphs.run(plan.sched_tokens.astype(np.int64), positions,
+                                                out_loc, plan.sched_slot)
             if sample.all():
                 return (logits.clone() if copy_logits else logits), slots_dev
             rows = to_device_int64([np.flatnonzero(sample)], self.device)[0]
@@ -265,12 +316,12 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor,
                 slots_dev: torch.Tensor | None) -> PendingStep:
-        sample = plan.sample.astype(bool)
-        slots = plan.slots[sample].astype(np.uint32)  # a copy: plan arrays die at the next recv
-        if self.sampler.any_penalized(plan.slots):
-            starts = np.concatenate([[0], np.cumsum(plan.num_tokens.astype(np.int64))])
-            for i, slot in enumerate(plan.slots.tolist()):
-                ids = plan.input_ids[starts[i]:starts[i + 1]]
+        sample = plan.sched_sample.astype(bool)
+        slots = plan.sched_slot[sample].astype(np.uint32)  # a copy: plan arrays die at next recv
+        if self.sampler.any_penalized(plan.sched_slot):
+            starts = np.concatenate([[0], np.cumsum(plan.sched_tokens_len.astype(np.int64))])
+            for i, slot in enumerate(plan.sched_slot.tolist()):
+                ids = plan.sched_tokens[starts[i]:starts[i + 1]]
                 # A LAST_SAMPLED input is a sampled token: the sampler already holds it.
                 self.sampler.observe_inputs(slot, ids[ids != LAST_SAMPLED].tolist())
         if len(slots) == 0:
@@ -281,41 +332,31 @@ class ModelRunner:
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
         self.last_tokens[slots_dev] = res.tokens
         return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,
-                                                res.top_logprobs]))
+                                                res.top_logprobs]), self.sampler.top_k_of(slots))
 
     # --- plan → state and batch ------------------------------------------------------------
 
     def _apply_state(self, plan: StepPlan) -> None:
-        for slot in plan.finished_slots.tolist():
+        for slot in plan.finished_slot.tolist():
             self.sampler.drop(slot)
-
-        def at(arr: np.ndarray, i: int, default: float) -> float:
-            return arr[i].item() if i < len(arr) else default
-
-        for i, slot in enumerate(plan.new_slots.tolist()):
+        stop_ends = np.cumsum(plan.new_stop_ids_len.astype(np.int64))
+        for i, slot in enumerate(plan.new_slot.tolist()):
             if slot >= self.max_slots:
                 raise ValueError(f"new request slot {slot} >= max_slots {self.max_slots}")
-            self.sampler.add(
-                slot, temperature=at(plan.new_temperature, i, 0.0),
-                top_p=at(plan.new_top_p, i, 1.0), top_k=int(at(plan.new_top_k, i, 0)),
-                min_p=at(plan.new_min_p, i, 0.0),
-                repetition_penalty=at(plan.new_repetition_penalty, i, 1.0),
-                frequency_penalty=at(plan.new_frequency_penalty, i, 0.0),
-                presence_penalty=at(plan.new_presence_penalty, i, 0.0),
-                seed=int(at(plan.new_seed, i, -1)),
-                top_logprobs=int(at(plan.new_top_logprobs, i, 0)))
-        self.kv_cache.update_page_table(plan.pt_slots, plan.pt_first, plan.pt_count,
+            stop_ids = plan.new_stop_ids[stop_ends[i] - plan.new_stop_ids_len[i]:stop_ends[i]]
+            self.sampler.add(slot, {name: getattr(plan, f"new_{name}")[i].item()
+                                    for name in SAMPLING_FIELDS}, stop_ids=stop_ids.tolist())
+        self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
                                         plan.pt_pages)
+        if len(plan.copy_src):
+            self.kv_cache.copy_pages(plan.copy_src, plan.copy_dst)
 
     def _token_indices(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per token: position and flat KV-cache index; per request: cumulative token offsets."""
-        slots = plan.slots.astype(np.int64)
-        num_tokens = plan.num_tokens.astype(np.int64)
-        start_pos = plan.start_pos.astype(np.int64)
+        slots = plan.sched_slot.astype(np.int64)
+        num_tokens = plan.sched_tokens_len.astype(np.int64)
+        start_pos = plan.sched_start_pos.astype(np.int64)
         total = int(num_tokens.sum())
-        if total != len(plan.input_ids):
-            raise ValueError(f"step {plan.step_id}: num_tokens sum to {total} but input_ids has "
-                             f"{len(plan.input_ids)} tokens")
         ends = start_pos + num_tokens
         if len(ends) and int(ends.max()) > self.max_context_len:
             i = int(ends.argmax())
@@ -334,10 +375,10 @@ class ModelRunner:
 
     def _build_batch(self, plan: StepPlan, positions: np.ndarray, out_loc: np.ndarray,
                      query_start: np.ndarray) -> ForwardBatch:
-        slots = plan.slots.astype(np.int64)
-        num_tokens = plan.num_tokens.astype(np.int64)
-        start_pos = plan.start_pos.astype(np.int64)
-        ids = plan.input_ids.astype(np.int64)
+        slots = plan.sched_slot.astype(np.int64)
+        num_tokens = plan.sched_tokens_len.astype(np.int64)
+        start_pos = plan.sched_start_pos.astype(np.int64)
+        ids = plan.sched_tokens.astype(np.int64)
         # Placeholders (one-step-ahead decodes): token index and slot of each.
         holes = np.flatnonzero(ids == LAST_SAMPLED)
         hole_slots = np.repeat(slots, num_tokens)[holes]

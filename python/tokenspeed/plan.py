@@ -1,67 +1,137 @@
-"""The step plan as the worker sees it: flat numpy arrays (views into shared memory).
+"""The step plan and result as the worker sees them: flat arrays named and typed by the schema
+declared once in Rust (`rust/engine/src/plan.rs`), read here from `tokenspeed._core`.
 
-`tokenspeed._core.PlanChannel.recv()` returns the fields below as a dict; `StepPlan.from_dict`
-wraps them. Tests build a `StepPlan` directly. The arrays stay valid until the next `recv()`.
-Mirrors `rust/engine/src/plan.rs`.
+A plan arrives from `WorkerChannel.recv()` as a dict of numpy views into shared memory (valid
+until the next `recv()`); `StepPlan` gives attribute access to it. Array names are
+`{section}_{field}`; a list field `f` comes as `{section}_f_len` (one length per row) and
+`{section}_f` (all rows' elements). A result goes back as `StepOutput.arrays()`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-# An input id meaning "the token this slot sampled in its latest sampling step" (one-step-ahead
-# scheduling: the engine plans the next decode before it knows that token). Mirrors
-# `LAST_SAMPLED` in rust/engine/src/plan.rs.
-LAST_SAMPLED = 0xFFFFFFFF
+from tokenspeed._core import LAST_SAMPLED, NO_SEED, neutral_sampling, plan_schema, result_schema
+
+__all__ = [
+    "LAST_SAMPLED",
+    "NEUTRAL_SAMPLING",
+    "NO_SEED",
+    "PLAN_DTYPES",
+    "RESULT_DTYPES",
+    "StepOutput",
+    "StepPlan",
+]
+
+PLAN_DTYPES: dict[str, np.dtype] = {name: np.dtype(dt) for name, dt in plan_schema()}
+RESULT_DTYPES: dict[str, np.dtype] = {name: np.dtype(dt) for name, dt in result_schema()}
+# What a request that sets nothing samples with (SamplingParams::neutral in Rust).
+NEUTRAL_SAMPLING: dict[str, Any] = dict(neutral_sampling())
 
 
-def _u32(values: list[int] | None = None) -> np.ndarray:
-    return np.asarray(values or [], dtype=np.uint32)
+def _lists(rows: Iterable[Iterable[int]], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    rows = [list(r) for r in rows]
+    lens = np.asarray([len(r) for r in rows], np.uint32)
+    flat = np.asarray([x for r in rows for x in r], dtype)
+    return lens, flat
 
 
-@dataclass
 class StepPlan:
-    step_id: int = 0
-    # Slots to drop before anything else (finished, aborted or retracted requests).
-    finished_slots: np.ndarray = field(default_factory=_u32)
-    # New requests: slot and sampling parameters, one entry per new request.
-    new_slots: np.ndarray = field(default_factory=_u32)
-    new_temperature: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    new_top_p: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    new_top_k: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    new_min_p: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    new_repetition_penalty: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    new_frequency_penalty: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    new_presence_penalty: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    # -1 = no per-request seed.
-    new_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    new_top_logprobs: np.ndarray = field(default_factory=_u32)
-    # Page-table updates: slot's entries [first, first + count) = the next `count` of pt_pages.
-    pt_slots: np.ndarray = field(default_factory=_u32)
-    pt_first: np.ndarray = field(default_factory=_u32)
-    pt_count: np.ndarray = field(default_factory=_u32)
-    pt_pages: np.ndarray = field(default_factory=_u32)
-    # Scheduled requests, in the order of their tokens in input_ids.
-    slots: np.ndarray = field(default_factory=_u32)
-    num_tokens: np.ndarray = field(default_factory=_u32)
-    start_pos: np.ndarray = field(default_factory=_u32)
-    sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    input_ids: np.ndarray = field(default_factory=_u32)
+    """One received plan: `plan.sched_slot`, `plan.new_temperature`, ... (see the module doc)."""
+
+    def __init__(self, arrays: Mapping[str, Any]) -> None:
+        self.__dict__.update(arrays)
 
     @classmethod
-    def from_dict(cls, d: dict) -> StepPlan:
-        return cls(**d)
+    def from_dict(cls, d: Mapping[str, Any]) -> StepPlan:
+        return cls(d)
+
+    @classmethod
+    def of(cls, step_id: int = 0, **arrays: Any) -> StepPlan:
+        """A plan from arrays by schema name; missing ones are empty. Unknown names are an
+        error (a misspelt array would otherwise be silently empty)."""
+        unknown = set(arrays) - set(PLAN_DTYPES)
+        if unknown:
+            raise KeyError(f"not plan arrays: {sorted(unknown)}")
+        full = {n: np.asarray(arrays.get(n, ()), dt) for n, dt in PLAN_DTYPES.items()}
+        return cls({"step_id": step_id, **full})
+
+    @classmethod
+    def build(cls, step_id: int = 0, *, finished: Iterable[int] = (),
+              new: Iterable[Mapping[str, Any]] = (),
+              page_tables: Iterable[tuple[int, int, Iterable[int]]] = (),
+              copies: Iterable[tuple[int, int]] = (),
+              scheduled: Iterable[tuple[int, int, Iterable[int], bool]] = ()) -> StepPlan:
+        """A plan from rows, for tests and offline drivers: `new` rows are dicts of sampling
+        fields (unset ones are neutral, `slot` required); `page_tables` rows are
+        (slot, first, pages); `scheduled` rows are (slot, start_pos, tokens, sample)."""
+        a: dict[str, np.ndarray] = {n: np.zeros(0, dt) for n, dt in PLAN_DTYPES.items()}
+        a["finished_slot"] = np.asarray(list(finished), PLAN_DTYPES["finished_slot"])
+        new = [{**NEUTRAL_SAMPLING, **row} for row in new]
+        for name, dt in PLAN_DTYPES.items():
+            field = name.removeprefix("new_")
+            if name.startswith("new_") and not name.endswith("_len") and field != "stop_ids":
+                a[name] = np.asarray([row[field] for row in new], dt)
+        a["new_stop_ids_len"], a["new_stop_ids"] = _lists(
+            (row.get("stop_ids", ()) for row in new), PLAN_DTYPES["new_stop_ids"])
+        pts = list(page_tables)
+        a["pt_slot"] = np.asarray([p[0] for p in pts], PLAN_DTYPES["pt_slot"])
+        a["pt_first"] = np.asarray([p[1] for p in pts], PLAN_DTYPES["pt_first"])
+        a["pt_pages_len"], a["pt_pages"] = _lists((p[2] for p in pts), PLAN_DTYPES["pt_pages"])
+        cps = list(copies)
+        a["copy_src"] = np.asarray([c[0] for c in cps], PLAN_DTYPES["copy_src"])
+        a["copy_dst"] = np.asarray([c[1] for c in cps], PLAN_DTYPES["copy_dst"])
+        sch = list(scheduled)
+        a["sched_slot"] = np.asarray([r[0] for r in sch], PLAN_DTYPES["sched_slot"])
+        a["sched_start_pos"] = np.asarray([r[1] for r in sch], PLAN_DTYPES["sched_start_pos"])
+        a["sched_sample"] = np.asarray([bool(r[3]) for r in sch], PLAN_DTYPES["sched_sample"])
+        a["sched_num_draft_tokens"] = np.zeros(len(sch), PLAN_DTYPES["sched_num_draft_tokens"])
+        a["sched_tokens_len"], a["sched_tokens"] = _lists(
+            (r[2] for r in sch), PLAN_DTYPES["sched_tokens"])
+        return cls({"step_id": step_id, **a})
+
+    def arrays(self) -> dict[str, bytes]:
+        """The plan as {array name: little-endian bytes} (what the test writer sends)."""
+        return {n: np.ascontiguousarray(getattr(self, n), dt).tobytes()
+                for n, dt in PLAN_DTYPES.items()}
 
 
-@dataclass
 class StepOutput:
-    """One entry per scheduled request with sample=1, in plan order."""
+    """What one step produced: one event per scheduled request that sampled, in plan order.
+    `top_ids`/`top_logprobs` are [n, k] (k = the most top logprobs any of them asked for;
+    each event reports its own `top_k` columns)."""
 
-    slots: np.ndarray  # uint32
-    tokens: np.ndarray  # uint32
-    logprobs: np.ndarray  # float32
-    # [n, k] top-k token ids and logprobs (k = max requested this step; 0 columns if none).
-    top_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
+    def __init__(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                 top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None,
+                 top_k: np.ndarray | None = None) -> None:
+        n = len(slots)
+        self.slots = np.asarray(slots, RESULT_DTYPES["event_slot"])
+        self.tokens = np.asarray(tokens, RESULT_DTYPES["event_tokens"])
+        self.logprobs = np.asarray(logprobs, RESULT_DTYPES["event_logprobs"])
+        self.top_ids = np.zeros((n, 0), np.int64) if top_ids is None else top_ids
+        self.top_logprobs = np.zeros((n, 0), np.float32) if top_logprobs is None else top_logprobs
+        self.top_k = np.zeros(n, np.int64) if top_k is None else np.asarray(top_k)
+
+    def arrays(self) -> dict[str, bytes]:
+        """{result array name: bytes}: one accepted token per event; each event's top-k rows
+        cut to the k it asked for."""
+        n = len(self.slots)
+        k = np.minimum(self.top_k.astype(np.int64), self.top_ids.shape[1] if self.top_ids.ndim == 2 else 0)
+        keep = np.arange(self.top_ids.shape[1] if self.top_ids.ndim == 2 else 0)[None, :] < k[:, None]
+        ones = np.ones(n, np.uint32).tobytes()
+        d = RESULT_DTYPES
+        return {
+            "event_slot": self.slots.tobytes(),
+            "event_top_k": k.astype(d["event_top_k"]).tobytes(),
+            "event_tokens_len": ones,
+            "event_tokens": self.tokens.tobytes(),
+            "event_logprobs_len": ones,
+            "event_logprobs": self.logprobs.tobytes(),
+            "event_top_ids_len": k.astype(np.uint32).tobytes(),
+            "event_top_ids": np.asarray(self.top_ids[keep], d["event_top_ids"]).tobytes(),
+            "event_top_logprobs_len": k.astype(np.uint32).tobytes(),
+            "event_top_logprobs": np.asarray(self.top_logprobs[keep], d["event_top_logprobs"]).tobytes(),
+        }

@@ -10,14 +10,15 @@ source sends a tick, so an idle server never runs into the collective timeout, a
 use the ticks to check their local ranks: a dead rank ends its sink, which breaks the relay
 group, which ends the source, which the server sees.
 
-Plans travel as JSON and are written with `_core.create_test_writer(...).send_plan_json`:
-the only way Python can write a plan today. A raw-bytes path (`WorkerChannel.recv_raw()` →
-bytes, `ServerChannel.send_raw(bytes)`) would skip the re-encoding; it needs `rust/py` changes.
+Plans travel as {schema array name: bytes} (what `WorkerChannel.recv` shows, copied) and are
+written with `_core.testing.create_test_writer(...).send_plan`, the one way Python can write a
+plan today: it re-encodes them through the schema's codec. A raw-slot path
+(`WorkerChannel.recv_raw() -> bytes`, a writer's `send_raw(bytes)`) would skip that; it needs
+`rust/py` changes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -61,8 +62,9 @@ def _min_pages(pages: int) -> int:
     return int(t.item())
 
 
-def _plan_json(raw: dict[str, Any]) -> str:
-    return json.dumps({k: (v if k == "step_id" else v.tolist()) for k, v in raw.items()})
+def _plan_message(raw: dict[str, Any]) -> tuple[int, dict[str, bytes]]:
+    """A received plan as (step id, {array name: bytes}), a copy out of the shm slot."""
+    return int(raw["step_id"]), {k: v.tobytes() for k, v in raw.items() if k != "step_id"}
 
 
 def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
@@ -92,7 +94,7 @@ def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
     while True:
         try:
             raw = None if stopping else channel.recv(int(TICK_S * 1000))
-            msg = _SHUTDOWN if stopping else None if raw is None else _plan_json(raw)
+            msg = _SHUTDOWN if stopping else None if raw is None else _plan_message(raw)
         except ConnectionError:  # the server closed the channel
             msg = _SHUTDOWN
         dist.broadcast_object_list([msg], src=0)
@@ -123,7 +125,7 @@ def run_sink(writer: Any, node_rank: int, nnodes: int, dist_init_addr: str, time
             writer.shutdown()
             return 0
         if msg is not None:
-            writer.send_plan_json(msg, None)
+            writer.send_plan(msg[0], msg[1], None)
         for i, proc in enumerate(workers):
             if not proc.is_alive():
                 logger.error("node %d: local rank %d (pid %d) exited (code %s); leaving the "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,19 +13,28 @@ from tokenspeed.host_copy import to_device_int64
 _GREEDY_EPS = 1e-5
 
 
+# The plan's per-request sampling fields the sampler reads (names of the schema's `new_*`
+# arrays, declared with their meaning in rust/engine/src/plan.rs::SamplingParams).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "frequency_penalty", "presence_penalty", "seed", "top_logprobs", "min_tokens")
+
+
 @dataclass
 class SlotSampling:
-    """A slot's sampling parameters (set when the request arrives) and penalty history."""
+    """A slot's sampling parameters (set when the request arrives) and its history."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # <= 0: disabled
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    top_logprobs: int = 0
-    generator: torch.Generator | None = None  # None: the sampler's shared generator
+    temperature: float
+    top_p: float
+    top_k: int  # <= 0: disabled
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    top_logprobs: int
+    generator: torch.Generator | None  # None: the sampler's shared generator
+    # `stop_ids` are masked until the slot has sampled `min_tokens` tokens.
+    min_tokens: int = 0
+    stop_ids: list[int] = field(default_factory=list)
     # Only kept when a penalty is active: every token fed to the slot, and the tokens sampled.
     seen: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
@@ -85,22 +95,30 @@ class Sampler:
         self._greedy = keep(getattr(self, "_greedy", None), np.ones(n, dtype=bool))
         self._penalized = keep(getattr(self, "_penalized", None), np.zeros(n, dtype=bool))
         self._top_logprobs = keep(getattr(self, "_top_logprobs", None), np.zeros(n, np.int64))
+        # Samples each slot must still draw before its stop ids are allowed (min_tokens).
+        self._min_left = keep(getattr(self, "_min_left", None), np.zeros(n, np.int64))
         self._capacity = capacity
 
-    def add(self, slot: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-            min_p: float = 0.0, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
-            presence_penalty: float = 0.0, seed: int = -1, top_logprobs: int = 0) -> None:
+    def add(self, slot: int, params: dict[str, Any], stop_ids: list[int] | None = None) -> None:
+        """A request enters `slot` with `params` = {field of SAMPLING_FIELDS: value}, as the
+        plan's new-request section carries them (every field: no defaults here)."""
+        missing = [f for f in SAMPLING_FIELDS if f not in params]
+        if missing:
+            raise KeyError(f"sampling parameters miss {missing}")
         gen = None
-        if seed >= 0:
+        if params["seed"] >= 0:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(int(seed))
+            gen.manual_seed(int(params["seed"]))
+        top_p, rep = float(params["top_p"]), float(params["repetition_penalty"])
         state = SlotSampling(
-            temperature=float(temperature), top_p=float(top_p) if top_p > 0 else 1.0,
-            top_k=int(top_k), min_p=float(min_p),
-            # 0 means "unset" on the wire; a penalty of 0 would divide by zero.
-            repetition_penalty=float(repetition_penalty) if repetition_penalty > 0 else 1.0,
-            frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
-            top_logprobs=int(top_logprobs), generator=gen)
+            temperature=float(params["temperature"]), top_p=top_p if top_p > 0 else 1.0,
+            top_k=int(params["top_k"]), min_p=float(params["min_p"]),
+            # A penalty of 0 would divide by zero: 0 cannot come from validated requests.
+            repetition_penalty=rep if rep > 0 else 1.0,
+            frequency_penalty=float(params["frequency_penalty"]),
+            presence_penalty=float(params["presence_penalty"]),
+            top_logprobs=int(params["top_logprobs"]), generator=gen,
+            min_tokens=int(params["min_tokens"]), stop_ids=list(stop_ids or []))
         self.slots[slot] = state
         if slot >= self._capacity:
             self._grow(max(2 * self._capacity, slot + 1))
@@ -113,9 +131,14 @@ class Sampler:
         self._greedy[slot] = state.greedy
         self._penalized[slot] = state.penalized
         self._top_logprobs[slot] = state.top_logprobs
+        self._min_left[slot] = state.min_tokens if state.stop_ids else 0
 
     def drop(self, slot: int) -> None:
         self.slots.pop(slot, None)
+
+    def top_k_of(self, slots: np.ndarray) -> np.ndarray:
+        """Top logprobs each of `slots` asked for."""
+        return self._top_logprobs[np.asarray(slots, np.int64)].copy()
 
     def any_penalized(self, slots: np.ndarray) -> bool:
         return bool(len(slots)) and bool(self._penalized[slots.astype(np.int64)].any())
@@ -138,6 +161,7 @@ class Sampler:
         penalized = bool(self._penalized[idx].any()) if len(idx) else False
         if penalized:
             logits = self._apply_penalties(logits, [self.slots[s] for s in slots])
+        logits = self._mask_early_stops(logits, slots, idx)
         tokens = logits.argmax(dim=-1)
         rows = np.flatnonzero(~self._greedy[idx])
         if len(rows):
@@ -161,6 +185,25 @@ class Sampler:
                 if state.penalized:
                     state.outputs.append(tok)
         return SampleResult(tokens, chosen, top_ids, top_lp)
+
+    def _mask_early_stops(self, logits: torch.Tensor, slots: list[int],
+                          idx: np.ndarray) -> torch.Tensor:
+        """Stop tokens cannot be sampled before `min_tokens` (vLLM's min_tokens). The host
+        counts down each slot's remaining minimum, so this needs no device sync."""
+        left = self._min_left[idx]
+        if not left.any():
+            return logits
+        self._min_left[idx] = np.maximum(left - 1, 0)
+        vocab = logits.shape[-1]
+        pairs = [(i, t) for i in np.flatnonzero(left).tolist()
+                 for t in self.slots[slots[i]].stop_ids if t < vocab]
+        if not pairs:
+            return logits
+        rows, cols = to_device_int64([np.asarray([p[0] for p in pairs]),
+                                      np.asarray([p[1] for p in pairs])], self.device)
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
+        return logits
 
     def _apply_penalties(self, logits: torch.Tensor, states: list[SlotSampling]) -> torch.Tensor:
         logits = logits.clone()

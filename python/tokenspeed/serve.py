@@ -41,19 +41,42 @@ def model_context_length(model_dir: Path) -> int:
     return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
 
 
+def check_quantization(method: str | None, model_dir: Path) -> None:
+    """An unsupported --quantization or checkpoint quantization_config: one line, before any
+    worker starts (the worker would refuse it too, after a spawn)."""
+    from tokenspeed.layers.quantization.methods import QuantizationError, resolve_quantization
+
+    try:
+        resolve_quantization(method, json.loads((model_dir / "config.json").read_text()),
+                             str(model_dir))
+    except QuantizationError as e:
+        raise LaunchError(str(e)) from None
+
+
+def check_moe_settings(cfg: Any, model_dir: Path, device: str) -> None:
+    """MoE flags against the model and the device, before any worker starts: an EP size that does
+    not divide the expert count (or EP on a dense model), a MoE backend that cannot run here."""
+    from tokenspeed.models.config import check_expert_parallel, load_hf_config
+
+    try:
+        config = load_hf_config(str(model_dir))
+        check_expert_parallel(config, int(cfg.ep_size or 1))
+        if cfg.moe_backend and config.num_experts:
+            import torch
+
+            from tokenspeed.layers.moe import resolve_moe_backend
+
+            resolve_moe_backend(cfg.moe_backend, torch.device(device))
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
 def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def plan_slot_bytes(max_running: int, chunk: int, context: int, page_size: int) -> int:
-    """Upper bound of one encoded plan: per-request records, input ids and page-table updates."""
-    pages_per_request = context // page_size + 2
-    words = 64 + 32 * max_running + (chunk + max_running) + 2 * max_running * pages_per_request
-    return max(1 << 20, 4 * words + (64 << 10))
 
 
 def launch(cfg: Any) -> int:
@@ -73,6 +96,8 @@ def launch(cfg: Any) -> int:
             check_backend(cfg.attention_backend, torch.device(device))
         except ValueError as e:
             raise LaunchError(str(e)) from None
+    check_moe_settings(cfg, model_dir, device)
+    check_quantization(cfg.quantization, model_dir)
     sizes = parallel_sizes(cfg, model_dir)
     world = sizes.nprocs_per_node  # ranks on this node: all of them read the one plan ring
     node_rank = int(cfg.node_rank or 0)
@@ -90,16 +115,17 @@ def launch(cfg: Any) -> int:
             raise LaunchError(f"--tp-size {world} needs {world} GPUs, this node has "
                               f"{torch.cuda.device_count()}")
     max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
-    chunk = int(cfg.chunked_prefill_size or 8192)
-    page_size = int(cfg.page_size or 16)
+    chunk = int(cfg.chunked_prefill_size)
+    page_size = int(cfg.page_size)
 
     channel_name = f"/tokenspeed-{os.getpid()}"
-    slot_bytes = plan_slot_bytes(max_running, chunk, context, page_size)
+    # A slot holds the largest plan and result of a step, a bound derived from the schema.
+    slot_bytes = _core.slot_bytes(max_running, chunk + max_running, -(-context // page_size))
     if node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         channel = _core.ServerChannel.create(channel_name, world + (sizes.nnodes > 1), 4,
                                              slot_bytes)
     else:  # written by this node's relay (relay.py)
-        channel = _core.create_test_writer(channel_name, world, 4, slot_bytes)
+        channel = _core.testing.create_test_writer(channel_name, world, 4, slot_bytes)
     num_pages = None
     if cfg.max_total_tokens:
         num_pages = max(1, int(cfg.max_total_tokens) // page_size)
@@ -113,8 +139,8 @@ def launch(cfg: Any) -> int:
             model_path=str(model_dir),
             channel_name=channel_name,
             device=f"cuda:{local}" if device == "cuda" and world > 1 else device,
-            dtype=cfg.dtype or "auto",
-            load_format=cfg.load_format or "auto",
+            dtype=cfg.dtype,
+            load_format=cfg.load_format,
             page_size=page_size,
             num_pages=num_pages,
             max_slots=max_running,
@@ -125,10 +151,14 @@ def launch(cfg: Any) -> int:
             disable_cuda_graph=bool(cfg.disable_cuda_graph),
             cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             chunked_prefill_size=chunk,
-            log_level=cfg.log_level or "info",
+            moe_backend=cfg.moe_backend or None,
+            log_level=cfg.log_level,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            quantization_param_path=cfg.quantization_param_path,
+            quantization=cfg.quantization,
             parallel=sizes,
             dist_init_method=init_method,
-            dist_timeout_s=float(cfg.dist_timeout or 300),
+            dist_timeout_s=float(cfg.dist_timeout),
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)
@@ -172,12 +202,15 @@ def launch(cfg: Any) -> int:
             "num_pages": pages,
             "max_running_requests": max_running,
             "chunked_prefill_size": chunk,
-            "max_prefill_tokens": int(cfg.max_prefill_tokens or chunk),
-            "schedule_policy": cfg.schedule_policy or "fcfs",
+            "max_prefill_tokens": int(cfg.max_prefill_tokens),
+            "schedule_policy": cfg.schedule_policy,
             "disable_radix_cache": bool(cfg.disable_radix_cache),
             "disable_overlap_schedule": bool(cfg.disable_overlap_schedule),
             "log_requests": bool(cfg.log_requests),
             "skip_server_warmup": bool(cfg.skip_server_warmup),
+            "max_queued_requests": int(cfg.max_queued_requests),
+            "step_log_interval": int(cfg.decode_log_interval),
+            "enable_metrics": bool(cfg.enable_metrics),
             "worker_pids": [p.pid for p in workers],
             "server_info": {
                 "device": capacities[0]["device"],
@@ -194,7 +227,7 @@ def launch(cfg: Any) -> int:
             "workers ready on %s: %d KV pages x %d tokens; starting HTTP on %s:%s",
             device, pages, page_size, cfg.host, cfg.port,
         )
-        _core.serve(json.dumps(server_config), channel, cfg.log_level or "info")
+        _core.serve(json.dumps(server_config), channel, cfg.log_level)
         return 0
     finally:
         channel.close()
@@ -212,7 +245,8 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
 
     try:
         sizes = resolve_sizes(int(cfg.tp_size or 1), cfg.dense_tp_size, cfg.moe_tp_size,
-                              cfg.world_size, cfg.nprocs_per_node, int(cfg.nnodes or 1))
+                              cfg.world_size, cfg.nprocs_per_node, int(cfg.nnodes or 1),
+                              int(cfg.ep_size or 1))
         if sizes.world_size > 1:
             from tokenspeed.weights import open_checkpoint
 

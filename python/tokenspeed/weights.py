@@ -23,6 +23,9 @@ from torch import nn
 from tqdm import tqdm
 
 from tokenspeed.distributed import ParallelState, single_rank, state
+from tokenspeed.layers.moe import MoeOptions
+from tokenspeed.layers.quantization.kv_cache import KVScales, split_kv_scales
+from tokenspeed.layers.quantization.methods import Fp8Config
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
 from tokenspeed.models.registry import build_model
 
@@ -113,6 +116,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router and the experts stacked on dim 0 ([E, I, H], down [E, H, I]).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -253,19 +261,28 @@ def open_checkpoint(model_path: str, load_format: str = "auto") -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
-               max_positions: int, seed: int = 0,
+               max_positions: int, seed: int = 0, moe: MoeOptions | None = None,
+               kv_scales: KVScales | None = None, fp8: Fp8Config | None = None,
                parallel: ParallelState | None = None) -> nn.Module:
-    """Build this rank's shard of the model on `device` in `dtype` and fill its weights
-    (seeded random for dummy). `parallel`: the rank's groups (None: `distributed.state()`)."""
+    """Build this rank's shard of the model on `device` in `dtype` and fill its weights (seeded
+    random for dummy). The checkpoint's KV cache scales, if any, go to `kv_scales`. fp8: FP8
+    linear weights, read as they are from an FP8 checkpoint, else quantised once loaded.
+    `parallel`: the rank's groups (None: `distributed.state()`)."""
+    from tokenspeed.layers.quantization.fp8 import prepare_fp8_checkpoint, quantize_model
+
     parallel = parallel or state()
     with _default_dtype(dtype), torch.device(device):
-        model = build_model(ckpt.config, max_positions, parallel)
+        model = build_model(ckpt.config, max_positions, moe, parallel)
+    if fp8 is not None and fp8.checkpoint_format and ckpt.tensors is not None:
+        prepare_fp8_checkpoint(model, fp8)
     if ckpt.tensors is None:
         full = None
         if parallel.world.size > 1:
             with _default_dtype(dtype), torch.device("meta"):
-                full = build_model(ckpt.config, max_positions, single_rank())
+                full = build_model(ckpt.config, max_positions, moe, single_rank())
         init_dummy_weights(model, seed, full_model=full)
     else:
-        model.load_weights(ckpt.tensors())  # type: ignore[operator]
+        model.load_weights(split_kv_scales(ckpt.tensors(), kv_scales))  # type: ignore[operator]
+    if fp8 is not None:
+        quantize_model(model, fp8)
     return model.eval()

@@ -42,8 +42,12 @@ class WorkerSpec:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None  # largest prefill step: sizes the memory profile
+    moe_backend: str | None = None  # None/"auto": triton on CUDA, torch_native on CPU
     log_level: str = "info"
     recv_timeout_ms: int = 1000
+    kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3 / fp8_e5m2: fp8 KV cache
+    quantization_param_path: str | None = None  # its per-layer scales (JSON)
+    quantization: str | None = None  # fp8 weights; None: as the checkpoint declares
     # Tensor parallelism (distributed.py): this replica's sizes and where its ranks meet.
     parallel: ParallelSizes | None = None
     dist_init_method: str = ""
@@ -92,6 +96,10 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             disable_cuda_graph=spec.disable_cuda_graph,
             cuda_graph_max_bs=spec.cuda_graph_max_bs,
             chunked_prefill_size=spec.chunked_prefill_size,
+            moe_backend=spec.moe_backend,
+            kv_cache_dtype=spec.kv_cache_dtype,
+            quantization_param_path=spec.quantization_param_path,
+            quantization=spec.quantization,
         )
         # Reader index on this node's ring (multi-node: rank is global, world_size per node).
         channel = WorkerChannel.attach(spec.channel_name, spec.rank % spec.world_size)
@@ -143,15 +151,5 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
 
 def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingStep) -> None:
     out = step.wait()
-    if spec.rank != 0:
-        return
-    top_k = 0 if out.top_ids is None or out.top_ids.ndim != 2 else int(out.top_ids.shape[1])
-    channel.send_results(
-        step_id,
-        out.slots.astype("uint32").tobytes(),
-        out.tokens.astype("uint32").tobytes(),
-        out.logprobs.astype("float32").tobytes(),
-        b"" if top_k == 0 else out.top_ids.astype("uint32").tobytes(),
-        b"" if top_k == 0 else out.top_logprobs.astype("float32").tobytes(),
-        top_k,
-    )
+    if spec.rank == 0:
+        channel.send_result(step_id, out.arrays())

@@ -3,8 +3,10 @@
 from tokenspeed_kernels.activation import silu_and_mul
 from tokenspeed_kernels.decode_attention import default_num_splits, paged_decode_attention
 from tokenspeed_kernels.extend_attention import paged_extend_attention
+from tokenspeed_kernels.fp8_gemm import fp8_matmul, per_token_quant_fp8
 from tokenspeed_kernels.gemv import skinny_linear
 from tokenspeed_kernels.kv_cache import write_kv_to_pages
+from tokenspeed_kernels.moe import fused_moe, moe_align, moe_route
 from tokenspeed_kernels.norm import fused_add_rmsnorm, rmsnorm
 from tokenspeed_kernels.rotary import build_cos_sin_cache, rotary_embedding
 from tokenspeed_kernels.rotary_kv import rotary_embedding_write_kv
@@ -12,9 +14,14 @@ from tokenspeed_kernels.rotary_kv import rotary_embedding_write_kv
 __all__ = [
     "build_cos_sin_cache",
     "default_num_splits",
+    "fp8_matmul",
     "fused_add_rmsnorm",
+    "fused_moe",
+    "moe_align",
+    "moe_route",
     "paged_decode_attention",
     "paged_extend_attention",
+    "per_token_quant_fp8",
     "rmsnorm",
     "rotary_embedding",
     "rotary_embedding_write_kv",

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed_kernels._utils import dot_precision, num_sms, upcast_dot
+from tokenspeed_kernels.fp8 import is_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -80,6 +81,7 @@ def _decode_split_kernel(
     out_ptr,
     sem_ptr,
     qk_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_kp,
@@ -105,6 +107,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_CAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -114,6 +117,8 @@ def _decode_split_kernel(
 
     FUSED_REDUCE: the last program of the (request, kv head) also writes out [B, Hq, D] (strides
     stride_fb/stride_fh) from all splits' partials; sem_ptr: [B * Hkv] int32 zeros (left zero).
+    KV_CAST: the cache's dtype is not q's (fp8): converted to q's dtype in registers (exact for
+    fp8); the K scale is in qk_scale and v_scale multiplies each split's output.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -153,6 +158,9 @@ def _decode_split_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_CAST:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -169,6 +177,8 @@ def _decode_split_kernel(
     # Empty splits (start >= end) store lse = -inf and zeros; the reduce gives them weight 0.
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_CAST:
+        out = out * v_scale
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if FUSED_REDUCE:  # noqa: SIM102  (constexpr test kept apart from the runtime one)
         if num_splits == 1:  # the reduce of one split is the identity
@@ -280,6 +290,8 @@ def paged_decode_attention(
     num_stages: int = 2,
     fused_reduce: bool = True,
     semaphores: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged KV cache.
 
@@ -290,12 +302,17 @@ def paged_decode_attention(
     fused_reduce: one kernel (the last split program per kv head reduces) instead of split kernel
     + reduce kernel; semaphores: its [>= B * Hkv] int32 zero counters, zero again on return
     (default: decode_semaphores(q.device, ...), shared by the launches of one stream).
+    An fp8 cache (float8_e4m3fn / float8_e5m2) holds K / k_scale and V / v_scale.
     """
     batch, hq, head_dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = hq // hkv
+    # fp8 (or any other cache dtype than q's): converted to q's dtype in registers.
+    kv_cast = k_cache.dtype != q.dtype
+    assert v_cache.dtype == k_cache.dtype
+    assert is_fp8(k_cache.dtype) or (k_scale == 1.0 and v_scale == 1.0), "scales need an fp8 cache"
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -329,7 +346,8 @@ def paged_decode_attention(
         part_lse,
         out,
         semaphores if fused_reduce else part_lse,  # (unused without the fused reduce)
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -355,6 +373,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=upcast_dot(q.dtype),
+        KV_CAST=kv_cast,
         FUSED_REDUCE=fused_reduce,
         BLOCK_G=triton.next_power_of_2(group),
         BLOCK_S=block_s,

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed_kernels._utils import dot_precision, upcast_dot
+from tokenspeed_kernels.fp8 import is_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -38,8 +39,10 @@ def _attn_tile(
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_CAST: tl.constexpr,
 ):
-    """One online-softmax step over keys [n0, n0 + BLOCK_N) of the paged cache."""
+    """One online-softmax step over keys [n0, n0 + BLOCK_N) of the paged cache (KV_CAST: K/V of
+    another dtype (fp8) converted to q's in registers, exact; scales applied by the caller)."""
     pos = n0 + offs_n
     if MASKED:
         mask_n = pos < seq_len
@@ -56,6 +59,9 @@ def _attn_tile(
     else:
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+    if KV_CAST:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -82,6 +88,7 @@ def _extend_kernel(
     prefix_lens_ptr,
     seq_lens_ptr,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -101,8 +108,10 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_CAST: tl.constexpr,
 ):
-    """One program = one (request, q head, BLOCK_M new tokens)."""
+    """One program = one (request, q head, BLOCK_M new tokens). KV_CAST: the K scale is in
+    qk_scale, v_scale multiplies the output."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.num_programs(2) - 1 - tl.program_id(2)  # longest (most keys) tiles launch first
@@ -139,7 +148,7 @@ def _extend_kernel(
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, qk_scale,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST,
+            offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST, KV_CAST,
         )  # fmt: skip
     # Diagonal tiles: causal + sequence-end masks.
     diag_end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
@@ -147,10 +156,12 @@ def _extend_kernel(
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, qk_scale,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST,
+            offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_CAST:
+        out = out * v_scale
     tl.store(
         out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -170,6 +181,8 @@ def paged_extend_attention(
     out: torch.Tensor | None = None,
     max_new_tokens: int | None = None,
     config: tuple[int, int, int, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of new tokens over their request's paged cache (their own K/V already written).
 
@@ -178,12 +191,17 @@ def paged_extend_attention(
     Causal within the new tokens, full over the prefix. Returns out [T, Hq, D] in q.dtype.
     max_new_tokens bounds the grid (read from q_start_loc, a host sync, when not given); pass it
     under CUDA graphs. config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override for tuning.
+    An fp8 cache (float8_e4m3fn / float8_e5m2) holds K / k_scale and V / v_scale.
     """
     total, hq, head_dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     batch = seq_lens.shape[0]
+    # fp8 (or any other cache dtype than q's): converted to q's dtype in registers.
+    kv_cast = k_cache.dtype != q.dtype
+    assert v_cache.dtype == k_cache.dtype
+    assert is_fp8(k_cache.dtype) or (k_scale == 1.0 and v_scale == 1.0), "scales need an fp8 cache"
     if out is None:
         out = torch.empty_like(q)
     if total == 0 or batch == 0:
@@ -209,7 +227,8 @@ def paged_extend_attention(
         q_start_loc,
         prefix_lens,
         seq_lens,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -229,6 +248,7 @@ def paged_extend_attention(
         PAGE_SIZE=page_size,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=upcast_dot(q.dtype),
+        KV_CAST=kv_cast,
         num_warps=warps,
         num_stages=stages,
     )

@@ -16,6 +16,10 @@ only M multiply-adds. So the kernel is built to stream W at DRAM speed:
   K=14336): each (row block, K slice) program writes an fp32 partial, a second tiny kernel sums the
   slices in a fixed order (deterministic: no atomics) and adds the bias.
 
+* FP8 weights (weight_scale=): W is float8 with one fp32 scale per output row; tiles are converted
+  to x's dtype in registers (exact) and the scale multiplies the fp32 accumulator: weight-only
+  FP8 (W8A16), half the bytes streamed, no activation quantisation.
+
 Everything is CUDA-graph safe: no host syncs, the config is a pure function of (M, N, K, dtype, SM count)
 and the only allocations are torch.empty (output, split-K workspace).
 """
@@ -70,6 +74,7 @@ def _gemv_step(
     USE_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_FP8: tl.constexpr,
 ):
     """acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ X^T[BLOCK_K, BLOCK_M] for one K step."""
     if MASKED:
@@ -82,6 +87,8 @@ def _gemv_step(
             xt = tl.load(x_ptrs, mask=offs_k[:, None] < k_rem, other=0.0)
         else:
             xt = tl.load(x_ptrs)
+        if W_FP8:  # fp8 -> x's dtype is exact; the row scales are applied to the accumulator
+            w = w.to(xt.dtype)
         if UPCAST:  # the interpreter's dot mishandles bf16
             w = w.to(tl.float32)
             xt = xt.to(tl.float32)
@@ -102,6 +109,7 @@ def _gemv_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
+    s_ptr,
     out_ptr,
     M,
     N,
@@ -112,6 +120,7 @@ def _gemv_kernel(
     stride_os,
     k_per_split,
     HAS_BIAS: tl.constexpr,
+    W_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -122,7 +131,7 @@ def _gemv_kernel(
     """Program (i, s): out[:, i*BLOCK_N : (i+1)*BLOCK_N] over K slice s (whole K when unsplit).
 
     With split-K, out_ptr is the fp32 workspace [splits, M, N] (slice stride stride_os) and the bias is
-    added by the reduction kernel.
+    added by the reduction kernel. W_FP8: s_ptr holds W's per-row fp32 scales.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -142,12 +151,14 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     n_full = k_len // BLOCK_K
     for _ in range(n_full):
-        acc = _gemv_step(acc, w_ptrs, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST)
+        acc = _gemv_step(acc, w_ptrs, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     k_rem = k_len - n_full * BLOCK_K
     if k_rem > 0:
-        acc = _gemv_step(acc, w_ptrs, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST)
+        acc = _gemv_step(acc, w_ptrs, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST, W_FP8)
+    if W_FP8:
+        acc *= tl.load(s_ptr + rows_w)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows_w).to(tl.float32)[:, None]
     o_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -217,15 +228,24 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias[N]) -> [M, N] in x.dtype, fp32 accumulation (small M).
 
     x, weight, bias share one dtype (bf16, fp16 or fp32); x and weight need a contiguous last dim.
+    FP8 weights: weight is float8_e4m3fn/e5m2 and weight_scale [N] fp32 its per-row scales
+    (out = x @ (weight * weight_scale[:, None]).T).
     out, when given, is [M, N] with a contiguous last dim. M > MAX_M falls back to F.linear.
     Deterministic and CUDA-graph capturable (no syncs; output via torch.empty when out is None).
     """
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
-    assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
+    w_fp8 = weight_scale is not None
+    if w_fp8:
+        assert weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2), weight.dtype
+        assert weight_scale.shape == (weight.shape[0],) and weight_scale.dtype == torch.float32
+        assert weight_scale.stride(0) == 1
+    else:
+        assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight need a contiguous last dim"
     m, k = x.shape
     n = weight.shape[0]
@@ -240,7 +260,8 @@ def skinny_linear(
         out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out
     if m > MAX_M:
-        out.copy_(F.linear(x, weight, bias))
+        w = (weight.float() * weight_scale[:, None]).to(x.dtype) if w_fp8 else weight
+        out.copy_(F.linear(x, w, bias))
         return out
     dev = x.device.index if x.device.type == "cuda" else 0
     cfg = config or _pick_config(m, n, k, x.dtype, _num_sms(dev if dev is not None else 0))
@@ -253,13 +274,15 @@ def skinny_linear(
     grid = (triton.cdiv(n, cfg.block_n), splits)
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "USE_DOT": cfg.use_dot,
               "DOT_PREC": dot_prec, "UPCAST": upcast, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}  # fmt: skip
-    b_arg = bias if bias is not None else weight  # never read when HAS_BIAS is False
+    b_arg = bias if bias is not None else x  # never read when HAS_BIAS is False
+    s_arg = weight_scale if w_fp8 else x  # never read when W_FP8 is False
+    common["W_FP8"] = w_fp8
     if splits == 1:
-        _gemv_kernel[grid](x, weight, b_arg, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), 0,
-                           k_per_split, HAS_BIAS=bias is not None, **common)  # fmt: skip
+        _gemv_kernel[grid](x, weight, b_arg, s_arg, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                           0, k_per_split, HAS_BIAS=bias is not None, **common)  # fmt: skip
         return out
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    _gemv_kernel[grid](x, weight, b_arg, ws, m, n, k, x.stride(0), weight.stride(0), n, m * n,
+    _gemv_kernel[grid](x, weight, b_arg, s_arg, ws, m, n, k, x.stride(0), weight.stride(0), n, m * n,
                        k_per_split, HAS_BIAS=False, **common)  # fmt: skip
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, b_arg, out, m, n, out.stride(0), SPLITS=splits,

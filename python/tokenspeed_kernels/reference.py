@@ -187,3 +187,30 @@ def ref_rotary_embedding_write_kv(
     ref_write_kv_to_pages(ref_k.reshape(t, -1, head_dim), v.reshape(t, -1, head_dim), k_cache, v_cache,
                           slot_mapping)  # fmt: skip
     return ref_q, ref_k
+
+
+def ref_moe_route(router_logits: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (fp32) → top-k → optional renormalisation: (weights [T, k] fp32, ids [T, k] int64)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, expert_start: int = 0,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts e = ids[t, j] held
+    here ([expert_start, expert_start + w13.shape[0])), computed in `dtype`; returns [T, H] in `dtype`."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(topk_ids == e + expert_start, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok].to(dtype) @ w13[e].to(dtype).T
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, tok, (h @ w2[e].to(dtype).T) * topk_weights[tok, slot, None].to(dtype))
+    return out

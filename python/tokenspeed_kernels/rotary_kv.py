@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenspeed_kernels.fp8 import cache_value, store_args
 from tokenspeed_kernels.rotary import _as_heads, _rope_heads
 
 
@@ -38,6 +39,8 @@ def _rotary_kv_kernel(
     stride_vc_slot,
     stride_vc_h,
     n_q_heads,
+    inv_k_scale,
+    inv_v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -48,6 +51,10 @@ def _rotary_kv_kernel(
     BLOCK_TAIL: tl.constexpr,
     IS_NEOX: tl.constexpr,
     ROTATE_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     """One program = one token: rotate its q heads in place, write rotated k and v to its slot."""
     t = tl.program_id(0).to(tl.int64)
@@ -82,18 +89,19 @@ def _rotary_kv_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # negative slot: CUDA-graph padding row, nothing goes to the cache
         kc_row = k_cache_ptr + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h
-        tl.store(kc_row + c1, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(kc_row + c2, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        kc_ty = k_cache_ptr.dtype.element_ty
+        tl.store(kc_row + c1, cache_value(o1, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
+        tl.store(kc_row + c2, cache_value(o2, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
         if BLOCK_TAIL > 0:  # partial rotary: features [2 * HALF, HEAD_DIM) are copied unrotated
             offs_t = 2 * HALF + tl.arange(0, BLOCK_TAIL)[None, :]
             mask_t = mask_h & (offs_t < HEAD_DIM)
             tail = tl.load(k_row + offs_t, mask=mask_t)
-            tl.store(kc_row + offs_t, tail.to(k_cache_ptr.dtype.element_ty), mask=mask_t)
+            tl.store(kc_row + offs_t, cache_value(tail, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask_t)
         offs_d = tl.arange(0, BLOCK_D)[None, :]
         mask_v = mask_h & (offs_d < HEAD_DIM)
         v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=mask_v)
         vc = v_cache_ptr + slot * stride_vc_slot + offs_h[:, None] * stride_vc_h + offs_d
-        tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
+        tl.store(vc, cache_value(v, inv_v_scale, v_cache_ptr.dtype.element_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask_v)
 
 
 def rotary_embedding_write_kv(
@@ -107,6 +115,8 @@ def rotary_embedding_write_kv(
     slot_mapping: torch.Tensor,
     is_neox: bool = True,
     rotate_k: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """RoPE on q (in place) and k, then k and v into the paged cache, in one launch.
 
@@ -114,6 +124,7 @@ def rotary_embedding_write_kv(
     fused qkv tensor are fine); cos_sin_cache: [max_pos, rotary_dim] as for rotary_embedding;
     caches: [num_pages, page_size, Hkv, D]; slot_mapping: [T] int flat slot (negative = skip the
     cache write; q is still rotated). rotate_k: also store the rotated k back into k.
+    An fp8 cache stores k / k_scale and v / v_scale (tokenspeed_kernels.fp8.quantize_fp8).
     Equivalent to rotary_embedding(positions, q, k, ...) + write_kv_to_pages(k, v, ..., slots).
     """
     head_dim = k_cache.shape[-1]
@@ -129,6 +140,9 @@ def rotary_embedding_write_kv(
     assert v_cache.stride(0) == v_cache.shape[1] * v_cache.stride(1), "pages must be contiguous"
     if total == 0:
         return
+    assert k_cache.dtype == v_cache.dtype
+    k_cache, inv_k, quant = store_args(k_cache, k_scale)
+    v_cache, inv_v, _ = store_args(v_cache, v_scale)
     half = rotary_dim // 2
     block_r = triton.next_power_of_2(half)
     tail = head_dim - rotary_dim
@@ -153,6 +167,8 @@ def rotary_embedding_write_kv(
         v_cache.stride(1),
         v_cache.stride(2),
         qh.shape[1],
+        inv_k,
+        inv_v,
         NUM_KV_HEADS=hkv,
         HEAD_DIM=head_dim,
         HALF=half,
@@ -163,5 +179,6 @@ def rotary_embedding_write_kv(
         BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
         IS_NEOX=is_neox,
         ROTATE_K=rotate_k,
+        **quant,
         num_warps=4,
     )

@@ -32,42 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="(default 16)")
     p.add_argument("--num-runs", type=int, default=3, help="timed runs per batch size (default 3)")
     p.add_argument("--attention-backend", default=None, help="(default: ModelRunner's)")
+    p.add_argument("--quantization", default=None, help="fp8: FP8 weights (default: as the checkpoint)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2 (default auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-file", help="append one JSON line per batch size")
     return p
 
 
-def _new_request_fields(slots: list[int]) -> dict[str, np.ndarray]:
-    n = len(slots)
-    return {"new_slots": np.asarray(slots, np.uint32), "new_temperature": np.zeros(n, np.float32),
-            "new_top_p": np.ones(n, np.float32), "new_top_k": np.zeros(n, np.int32),
-            "new_min_p": np.zeros(n, np.float32), "new_repetition_penalty": np.ones(n, np.float32),
-            "new_frequency_penalty": np.zeros(n, np.float32),
-            "new_presence_penalty": np.zeros(n, np.float32), "new_seed": np.full(n, -1, np.int64),
-            "new_top_logprobs": np.zeros(n, np.uint32)}
-
-
 def prefill_plan(step_id: int, prompts: list[list[int]], pages_per_slot: int,
                  finished: list[int]) -> StepPlan:
-    """New requests in slots 0..n-1, each with pages [slot*pps, (slot+1)*pps), whole prompts, sampled."""
+    """New greedy requests in slots 0..n-1, each with pages [slot*pps, (slot+1)*pps), whole
+    prompts, sampled."""
     n = len(prompts)
-    slots = list(range(n))
-    pages = np.arange(n * pages_per_slot, dtype=np.uint32)
-    return StepPlan(
-        step_id=step_id, finished_slots=np.asarray(finished, np.uint32), **_new_request_fields(slots),
-        pt_slots=np.asarray(slots, np.uint32), pt_first=np.zeros(n, np.uint32),
-        pt_count=np.full(n, pages_per_slot, np.uint32), pt_pages=pages,
-        slots=np.asarray(slots, np.uint32), num_tokens=np.asarray([len(p) for p in prompts], np.uint32),
-        start_pos=np.zeros(n, np.uint32), sample=np.ones(n, np.uint8),
-        input_ids=np.concatenate([np.asarray(p, np.uint32) for p in prompts]))
+    return StepPlan.build(
+        step_id, finished=finished, new=[{"slot": i, "temperature": 0.0} for i in range(n)],
+        page_tables=[(i, 0, range(i * pages_per_slot, (i + 1) * pages_per_slot)) for i in range(n)],
+        scheduled=[(i, 0, p, True) for i, p in enumerate(prompts)])
 
 
 def decode_plan(step_id: int, last_tokens: np.ndarray, pos: int) -> StepPlan:
     """One token for every slot 0..n-1 at position `pos`."""
-    n = len(last_tokens)
-    return StepPlan(step_id=step_id, slots=np.arange(n, dtype=np.uint32), num_tokens=np.ones(n, np.uint32),
-                    start_pos=np.full(n, pos, np.uint32), sample=np.ones(n, np.uint8),
-                    input_ids=np.asarray(last_tokens, np.uint32))
+    return StepPlan.build(step_id, scheduled=[(i, pos, [int(t)], True)
+                                              for i, t in enumerate(last_tokens)])
 
 
 class BatchRun:
@@ -124,6 +110,7 @@ def main(argv: list[str]) -> int:
     kwargs: dict = {}
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
+    kwargs["quantization"], kwargs["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
     t0 = time.perf_counter()
     runner = ModelRunner(args.model_path, dtype=args.dtype, device=device, load_format=args.load_format,
                          page_size=args.page_size, num_pages=max_bs * pages_per_slot, max_slots=max_bs,

@@ -1,13 +1,14 @@
 """`ServeConfig`: the resolved settings of `tokenspeed serve`.
 
 Only implemented flags get a field: every other flag must still hold its default (anything
-else is refused as "not supported yet"), so there is nothing for the runtime to read.
+else is refused as "not supported yet"), so there is nothing for the runtime to read. Defaults
+come from the flag table; nothing here restates one.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tokenspeed.config.table import BY_DEST
@@ -15,57 +16,69 @@ from tokenspeed.config.table import BY_DEST
 REDACTED = "<redacted>"
 
 
+def _default(dest: str) -> Any:
+    """A field's default is its flag's, read from the table (the one owner of defaults)."""
+    return field(default=BY_DEST[dest].default)
+
+
 @dataclass
 class ServeConfig:
     # Model and tokenizer.
-    model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
-    tokenizer_path: str | None = None  # None: same as the model
-    load_format: str = "auto"
-    trust_remote_code: bool = False  # accepted; no effect (remote code never runs)
-    context_length: int | None = None  # None: from the model config
+    model_path: str | None = _default("model_path")  # None: the default model (SmolLM2-135M-Instruct)
+    tokenizer_path: str | None = _default("tokenizer_path")  # None: same as the model
+    load_format: str = _default("load_format")
+    trust_remote_code: bool = _default("trust_remote_code")  # accepted; no effect (remote code never runs)
+    context_length: int | None = _default("context_length")  # None: from the model config
     # HTTP server and API.
-    host: str = "127.0.0.1"
-    port: int = 30000
-    skip_server_warmup: bool = False
-    api_key: str | None = None
-    served_model_name: str | None = None  # None: the model path
-    chat_template: str | None = None
+    host: str = _default("host")
+    port: int = _default("port")
+    skip_server_warmup: bool = _default("skip_server_warmup")
+    api_key: str | None = _default("api_key")
+    served_model_name: str | None = _default("served_model_name")  # None: the model path
+    chat_template: str | None = _default("chat_template")
     # Data type.
-    dtype: str = "auto"
+    dtype: str = _default("dtype")
+    quantization: str | None = _default("quantization")  # fp8; None: whatever config.json declares
+    kv_cache_dtype: str = _default("kv_cache_dtype")  # fp8 / fp8_e4m3 / fp8_e5m2: an fp8 KV cache
+    quantization_param_path: str | None = _default("quantization_param_path")  # FP8 KV scales (JSON)
     # Memory and scheduling.
-    mem_fraction_static: float | None = None  # None: chosen by the worker
-    max_running_requests: int | None = None  # None: derived from the KV cache size
-    max_total_tokens: int | None = None  # None: derived from mem_fraction_static
-    chunked_prefill_size: int = 8192
-    max_prefill_tokens: int = 16384
-    schedule_policy: str = "fcfs"
-    page_size: int = 16
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
+    mem_fraction_static: float | None = _default("mem_fraction_static")  # None: chosen by the worker
+    max_running_requests: int | None = _default("max_running_requests")  # None: derived from the KV cache size
+    max_total_tokens: int | None = _default("max_total_tokens")  # None: derived from mem_fraction_static
+    chunked_prefill_size: int = _default("chunked_prefill_size")
+    max_prefill_tokens: int = _default("max_prefill_tokens")
+    max_queued_requests: int = _default("max_queued_requests")
+    schedule_policy: str = _default("schedule_policy")
+    page_size: int = _default("page_size")
+    disable_radix_cache: bool = _default("disable_radix_cache")
+    disable_overlap_schedule: bool = _default("disable_overlap_schedule")
     # Runtime.
-    device: str = "auto"
-    random_seed: int | None = None
+    device: str = _default("device")
+    random_seed: int | None = _default("random_seed")
     # Logging.
-    log_level: str = "info"
-    log_requests: bool = False
-    enable_metrics: bool = False
+    log_level: str = _default("log_level")
+    log_requests: bool = _default("log_requests")
+    enable_metrics: bool = _default("enable_metrics")
+    decode_log_interval: int = _default("decode_log_interval")
     # Parallelism (checked together by tokenspeed.distributed.ParallelSizes at launch).
-    tp_size: int = 1
-    dense_tp_size: int | None = None  # None: the attention TP size
-    moe_tp_size: int | None = None  # None: world size / expert-parallel size
-    world_size: int | None = None  # None: the attention TP size
-    nprocs_per_node: int | None = None  # None: world size / nodes
-    dist_init_addr: str | None = None  # None: a free port on 127.0.0.1
-    dist_timeout: int = 300
-    nnodes: int = 1
-    node_rank: int = 0
+    tp_size: int = _default("tp_size")
+    ep_size: int = _default("ep_size")
+    dense_tp_size: int | None = _default("dense_tp_size")  # None: the attention TP size
+    moe_tp_size: int | None = _default("moe_tp_size")  # None: world size / expert-parallel size
+    world_size: int | None = _default("world_size")  # None: the attention TP size
+    nprocs_per_node: int | None = _default("nprocs_per_node")  # None: world size / nodes
+    dist_init_addr: str | None = _default("dist_init_addr")  # None: a free port on 127.0.0.1
+    dist_timeout: int = _default("dist_timeout")
+    nnodes: int = _default("nnodes")
+    node_rank: int = _default("node_rank")
     # Kernels and CUDA graphs.
-    attention_backend: str | None = None  # None: picked from the device
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None  # None: chosen by the worker
+    attention_backend: str | None = _default("attention_backend")  # None: picked from the device
+    disable_cuda_graph: bool = _default("disable_cuda_graph")
+    cuda_graph_max_bs: int | None = _default("cuda_graph_max_bs")  # None: chosen by the worker
+    moe_backend: str | None = _default("moe_backend")  # None: triton on CUDA, torch_native on CPU
     # Launcher.
-    config_file: str | None = None
-    dry_run: bool = False
+    config_file: str | None = _default("config_file")
+    dry_run: bool = _default("dry_run")
 
     def to_dict(self) -> dict[str, Any]:
         """All settings, JSON-ready."""

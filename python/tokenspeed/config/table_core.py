@@ -112,18 +112,26 @@ QUANT_FLAGS: list[Flag] = [
       "checkpoint's dtype. 'half' and 'float' are accepted as float16 and float32.", G_QUANT, ("auto", "float16", "bfloat16", "float32"), "auto",
       value_aliases={"half": "float16", "float": "float32"}, component="worker",
       implemented=True),
-    s("--quantization", "Weight quantization method (fp8, awq, gptq, ...).", G_QUANT,
-      component="worker", metavar="METHOD"),
-    s("--quantization-param-path", "JSON file with KV cache scaling factors for FP8 KV cache.",
-      G_QUANT, component="worker", metavar="PATH"),
+    s("--quantization", "Weight quantization method. Available now: fp8 (per-channel FP8 weights, "
+      "per-token FP8 activations; a bf16/fp16/fp32 checkpoint is quantised while loading). FP8 "
+      "checkpoints (compressed-tensors, ModelOpt) are detected from config.json without it; other "
+      "methods (awq, gptq, bitsandbytes, ...) fail at start.", G_QUANT, component="worker",
+      implemented=True, metavar="METHOD"),
+    s("--quantization-param-path", "JSON file with per-layer scaling factors for an FP8 KV "
+      "cache, in vLLM's kv_cache_scales layout ({\"kv_cache\": {\"scaling_factor\": {tp_rank: "
+      "{layer: scale}}}}). Default: the checkpoint's k_scale/v_scale tensors, else 1.0.", G_QUANT,
+      component="worker", implemented=True, metavar="PATH"),
     s("--modelopt-quant", "Quantize with NVIDIA ModelOpt using this scheme at load time.",
       G_QUANT, component="worker"),
     s("--modelopt-checkpoint-restore-path", "Load an already ModelOpt-quantized checkpoint from "
       "here.", G_QUANT, component="worker", metavar="PATH"),
     s("--modelopt-checkpoint-save-path", "Save the ModelOpt-quantized model here.", G_QUANT,
       component="worker", metavar="PATH"),
-    c("--kv-cache-dtype", "Storage type of the KV cache. 'auto' uses the model dtype.", G_QUANT,
-      ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16"), "auto", component="worker"),
+    c("--kv-cache-dtype", "Storage type of the KV cache. 'auto' uses the model dtype; 'fp8' "
+      "(= fp8_e4m3) and fp8_e5m2 store 8-bit floats with per-layer scales (see "
+      "--quantization-param-path), so the same memory holds twice the tokens of bfloat16.",
+      G_QUANT, ("auto", "fp8", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16"), "auto",
+      component="worker", implemented=True),
     b("--enable-fp32-lm-head", "Compute the output logits in float32.", G_QUANT,
       component="worker"),
     s("--torchao-config", "Quantize with torchao using this recipe (int8dq, int4wo-128, ...).",
@@ -140,8 +148,9 @@ MEMORY_FLAGS: list[Flag] = [
       implemented=True),
     i("--prefill-max-requests", "Most new requests admitted in one prefill batch.", G_MEMORY,
       minimum=1),
-    i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected.",
-      G_MEMORY, minimum=1),
+    i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected. "
+      "Bounded by default (SGLang's is unbounded) so that a burst cannot grow memory without "
+      "limit.", G_MEMORY, 4096, minimum=1, component="server", implemented=True),
     i("--max-total-tokens", "Size of the KV cache pool in tokens, overriding the size worked out "
       "from --mem-fraction-static. Mostly for testing.", G_MEMORY, minimum=1, component="both",
       implemented=True),
@@ -243,7 +252,7 @@ LOGGING_FLAGS: list[Flag] = [
     f("--gc-warning-threshold-secs", "Warn when a Python garbage collection pause is longer "
       "than this; 0 turns the warning off.", G_LOGGING, 0.0, minimum=0.0),
     i("--decode-log-interval", "Write a decode progress line every this many steps.", G_LOGGING,
-      40, minimum=1),
+      40, minimum=1, component="server", implemented=True),
     b("--enable-request-time-stats-logging", "Log per-request timing breakdowns.", G_LOGGING),
     j("--kv-events-config", "JSON settings for publishing KV cache events (NVIDIA Dynamo).",
       G_LOGGING),

@@ -3,8 +3,9 @@
 TokenSpeed splits tensor parallelism by layer family: attention (`--attn-tp-size`, which the
 familiar `--tensor-parallel-size` / `--tp` / `--tp-size` map to), dense MLP (`--dense-tp-size`)
 and MoE (`--moe-tp-size`). The combinations are checked in `tokenspeed.distributed.ParallelSizes`
-(which names both values of an impossible pair); attention TP smaller than the world (data-parallel
-attention), expert parallelism and data parallelism are not built yet.
+(which names both values of an impossible pair); the MoE layers take their expert-parallel /
+MoE-TP slice from those groups (layers/moe.py). Attention TP smaller than the world
+(data-parallel attention) and data parallelism are not built yet.
 """
 
 from __future__ import annotations
@@ -74,11 +75,16 @@ MULTINODE_FLAGS: list[Flag] = [
 ]
 
 EP_FLAGS: list[Flag] = [
-    i("--ep-size", "Expert-parallel size: ranks the MoE experts are spread over.", G_EP, 1,
-      aliases=("--expert-parallel-size", "--ep"), minimum=1, component="both", metavar="N"),
+    i("--ep-size", "Expert-parallel size: ranks the MoE experts are spread over (each holds a "
+      "contiguous 1/N of them; N must divide the model's expert count). Only 1 works for now.",
+      G_EP, 1, aliases=("--expert-parallel-size", "--ep"), minimum=1, max_supported=1,
+      component="both", implemented=True, metavar="N"),
     b("--enable-expert-parallel", "Spread MoE experts over all ranks of the deployment.", G_EP,
       component="both"),
-    s("--moe-backend", "TokenSpeed MoE kernel family.", G_EP, component="worker"),
+    c("--moe-backend", "Kernels of the mixture-of-experts layers: triton (fused routing, grouped "
+      "GEMMs and combine; runs in decode CUDA graphs) or torch_native (a loop over the experts: "
+      "the reference, and no CUDA graphs for MoE models). Default: triton on CUDA, torch_native "
+      "on CPU.", G_EP, ("triton", "torch_native"), component="worker", implemented=True),
     s("--all2all-backend", "Communication backend for MoE token dispatch across ranks.", G_EP,
       component="worker"),
     c("--moe-a2a-backend", "All-to-all backend for expert parallelism.", G_EP,

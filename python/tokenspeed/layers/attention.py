@@ -158,10 +158,10 @@ def backend_memory_bytes(name: str, num_graphs: int) -> int:
 
 
 def create_backend(name: str, kv_cache: PagedKVCache, *, num_heads: int, head_dim: int,
-                   max_context_len: int | None = None,
-                   sliding_window: int | None = None) -> AttentionBackend:
+                   max_context_len: int | None = None, sliding_window: int | None = None,
+                   q_dtype: torch.dtype | None = None) -> AttentionBackend:
     """num_heads/head_dim: the model's query heads and head size (FlashInfer plans with them
-    once per step, before any layer runs)."""
+    once per step, before any layer runs); q_dtype: the model's dtype (default: the cache's)."""
     check_backend(name)
     max_context_len = max_context_len or kv_cache.max_pages_per_slot * kv_cache.page_size
     if name == "torch_native":
@@ -171,7 +171,7 @@ def create_backend(name: str, kv_cache: PagedKVCache, *, num_heads: int, head_di
     if name == "flashinfer":
         from tokenspeed.layers.flashinfer_attention import FlashInferBackend
 
-        return FlashInferBackend(kv_cache, num_heads, head_dim, sliding_window)
+        return FlashInferBackend(kv_cache, num_heads, head_dim, sliding_window, q_dtype)
     from tokenspeed.layers.triton_attention import TritonBackend
 
     return TritonBackend(kv_cache, max_context_len, sliding_window)

@@ -14,6 +14,11 @@ asynchronously, so a wrapper is planned again only after the event recorded behi
 plan has passed; otherwise the host could overwrite the buffer while that copy is pending. In
 the one-step-ahead loop the copy has run by then (the step before it has finished): the wait is
 free.
+
+FP8 KV cache (--kv-cache-dtype fp8*): the wrappers are planned with kv_data_type fp8 and the
+query's own dtype, and each layer's run passes its k_scale/v_scale as Python floats (FlashInfer
+folds them into the softmax scale and the output; floats, not tensors, so a CUDA graph captures
+them without a device read).
 """
 
 from __future__ import annotations
@@ -62,15 +67,18 @@ class FlashInferBackend(AttentionBackend):
     fuses_rope = True  # the shared rotary_embedding_write_kv kernel
 
     def __init__(self, kv_cache: PagedKVCache, num_heads: int, head_dim: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, q_dtype: torch.dtype | None = None) -> None:
         import flashinfer
 
         import tokenspeed_kernels  # noqa: F401  (the KV write; fail at start-up)
 
-        self.dtype = kv_cache.k[0].dtype if kv_cache.k else torch.bfloat16
-        if self.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"attention_backend 'flashinfer' needs a bfloat16 or float16 KV cache, "
-                             f"not {self.dtype}; use --dtype bfloat16 or --attention-backend triton")
+        self.kv_dtype = kv_cache.k[0].dtype if kv_cache.k else torch.bfloat16
+        self.dtype = q_dtype or self.kv_dtype  # queries and outputs
+        if self.dtype not in (torch.bfloat16, torch.float16) or self.kv_dtype not in (
+                torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"attention_backend 'flashinfer' needs bfloat16 or float16 queries and a "
+                             f"bfloat16, float16 or fp8 KV cache, not {self.dtype} / {self.kv_dtype}; "
+                             "use --dtype bfloat16 or --attention-backend triton")
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.num_kv_heads = int(kv_cache.k[0].shape[2]) if kv_cache.k else 1
@@ -103,7 +111,7 @@ class FlashInferBackend(AttentionBackend):
         done = self._planned.get(id(wrapper))
         if done is not None:
             done.synchronize()  # the last plan's copy out of the pinned buffer has run
-        kw = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.scaling}
+        kw = {"q_data_type": self.dtype, "kv_data_type": self.kv_dtype, "sm_scale": self.scaling}
         geometry = (self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache.page_size)
         if num_tokens is None:
             wrapper.plan(indptr, indices, last, *geometry, **kw)
@@ -165,4 +173,9 @@ class FlashInferBackend(AttentionBackend):
                              f"{layer.layer_id} uses {layer.scaling}")
         k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc, rope)
         m: FlashInferMetadata = batch.metadata
-        return m.wrapper.run(q, (k_cache, v_cache)).flatten(1)
+        if self.kv_dtype == self.dtype:
+            return m.wrapper.run(q, (k_cache, v_cache)).flatten(1)
+        # A scale of 1.0 is left out: FlashInfer multiplies the output by v_scale in an extra op.
+        ks, vs = self.kv_cache.k_scale[layer.layer_id], self.kv_cache.v_scale[layer.layer_id]
+        return m.wrapper.run(q, (k_cache, v_cache), k_scale=None if ks == 1.0 else ks,
+                             v_scale=None if vs == 1.0 else vs).flatten(1)

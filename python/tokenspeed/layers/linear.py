@@ -39,8 +39,14 @@ def shard_cols(full: Any, tp_rank: int, tp_size: int) -> Any:
 SKINNY_MAX_ROWS = 8
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): the skinny GEMV kernel for small decode batches on CUDA, cuBLAS otherwise."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b): the skinny GEMV kernel for small decode batches on CUDA, cuBLAS otherwise.
+    weight_scale: FP8 weights (layers/quantization/fp8.py picks their kernels)."""
+    if weight_scale is not None:
+        from tokenspeed.layers.quantization.fp8 import fp8_linear
+
+        return fp8_linear(x, weight, weight_scale, bias)
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
             and x.stride(1) == 1):
@@ -80,6 +86,7 @@ class ColumnLinear(nn.Module):
         out = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.weight_scale: nn.Parameter | None = None  # set by FP8 quantization
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard: int = 0) -> None:
         offset = sum(self.output_sizes[:shard])
@@ -89,7 +96,7 @@ class ColumnLinear(nn.Module):
         _copy(param.data.narrow(0, offset, size), local.to(param.dtype), f"shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class QKVLinear(ColumnLinear):
@@ -136,6 +143,7 @@ class RowLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_scale: nn.Parameter | None = None  # set by FP8 quantization
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard: int = 0) -> None:
         if param is self.bias:
@@ -145,6 +153,6 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = tp_all_reduce(linear(x, self.weight), self.group)
+            return linear(x, self.weight, self.bias, self.weight_scale)
+        y = tp_all_reduce(linear(x, self.weight, None, self.weight_scale), self.group)
         return y if self.bias is None else y + self.bias

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
+from tokenspeed.layers.quantization.kv_cache import is_fp8, quantize_fp8
 
 
 @dataclass
@@ -80,8 +81,23 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.flat(layer.layer_id)
-        k_cache.index_copy_(0, batch.out_cache_loc, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.out_cache_loc, v.to(v_cache.dtype))
+        ks, vs = self.kv_cache.k_scale[layer.layer_id], self.kv_cache.v_scale[layer.layer_id]
+        fp8 = is_fp8(k_cache.dtype)
+        if fp8:  # quantise on the way in; torch has no fp8 index_copy_ on the CPU: copy bytes
+            k_cache.view(torch.uint8).index_copy_(
+                0, batch.out_cache_loc, quantize_fp8(k, ks, k_cache.dtype).view(torch.uint8))
+            v_cache.view(torch.uint8).index_copy_(
+                0, batch.out_cache_loc, quantize_fp8(v, vs, v_cache.dtype).view(torch.uint8))
+        else:
+            k_cache.index_copy_(0, batch.out_cache_loc, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, batch.out_cache_loc, v.to(v_cache.dtype))
+
+        def gather(cache: torch.Tensor, locs: torch.Tensor, scale: float) -> torch.Tensor:
+            """Cached rows in q's dtype (fp8: dequantised, stored * scale, in fp32 first)."""
+            if not fp8:
+                return cache[locs].to(q.dtype)
+            return (cache.view(torch.uint8)[locs].view(cache.dtype).float() * scale).to(q.dtype)
+
         hk, group, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
         window = layer.sliding_window
         meta: _Metadata = batch.metadata
@@ -90,8 +106,8 @@ class TorchNativeBackend(AttentionBackend):
         if meta.decode is not None:
             m = meta.decode
             qd = q[m.q_rows].view(-1, hk, group, d)  # [B, Hk, group, D]
-            kd = k_cache[m.kv_locs].to(q.dtype).transpose(1, 2)  # [B, Hk, L, D]
-            vd = v_cache[m.kv_locs].to(q.dtype).transpose(1, 2)
+            kd = gather(k_cache, m.kv_locs, ks).transpose(1, 2)  # [B, Hk, L, D]
+            vd = gather(v_cache, m.kv_locs, vs).transpose(1, 2)
             mask = m.valid
             if window is not None:
                 mask = mask & (torch.arange(mask.shape[1], device=q.device) > m.q_pos - window)
@@ -103,8 +119,8 @@ class TorchNativeBackend(AttentionBackend):
             n = r.q_end - r.q_start
             # [n, Hk * group, D] → [Hk, group * n, D]: query heads of one KV head side by side.
             qe = q[r.q_start:r.q_end].view(n, hk, group, d).permute(1, 2, 0, 3).reshape(hk, -1, d)
-            ke = k_cache[r.kv_locs].to(q.dtype).transpose(0, 1)  # [Hk, L, D]
-            ve = v_cache[r.kv_locs].to(q.dtype).transpose(0, 1)
+            ke = gather(k_cache, r.kv_locs, ks).transpose(0, 1)  # [Hk, L, D]
+            ve = gather(v_cache, r.kv_locs, vs).transpose(0, 1)
             k_pos = torch.arange(ke.shape[1], device=q.device)[None, :]
             mask = k_pos <= r.q_pos
             if window is not None:

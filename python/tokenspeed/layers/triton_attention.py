@@ -113,21 +113,24 @@ class TritonBackend(AttentionBackend):
         from tokenspeed_kernels import paged_decode_attention, paged_extend_attention
 
         k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc, rope)
+        # fp8 cache: K/V dequantised in the kernels' registers with the layer's scales (1.0 else).
+        scales = {"k_scale": self.kv_cache.k_scale[layer.layer_id],
+                  "v_scale": self.kv_cache.v_scale[layer.layer_id]}
         m: TritonMetadata = batch.metadata
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if m.decode:
             paged_decode_attention(q, k_cache, v_cache, m.page_table, m.seq_lens, layer.scaling,
-                                   out=out, num_splits=m.num_splits)
+                                   out=out, num_splits=m.num_splits, **scales)
             return out.flatten(1)
         d = 0
         if m.leading_decodes is not None:
             lead = m.leading_decodes
             d = lead.page_table.shape[0]
             paged_decode_attention(q[:d], k_cache, v_cache, lead.page_table, lead.seq_lens,
-                                   layer.scaling, out=out[:d], num_splits=lead.num_splits)
+                                   layer.scaling, out=out[:d], num_splits=lead.num_splits, **scales)
         paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
                                m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
-                               max_new_tokens=m.max_new_tokens)
+                               max_new_tokens=m.max_new_tokens, **scales)
         return out.flatten(1)
 
 
@@ -135,14 +138,15 @@ def store_kv(kv_cache: PagedKVCache, layer_id: int, q: torch.Tensor, k: torch.Te
              v: torch.Tensor, out_cache_loc: torch.Tensor,
              rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write a layer's new K/V into the paged cache (slots with out_cache_loc -1 are skipped);
-    with `rope`, rotate q in place and k on its way in, in the same kernel. Returns the layer's
-    (k_cache, v_cache)."""
+    with `rope`, rotate q in place and k on its way in, in the same kernel. An fp8 cache stores
+    K / k_scale and V / v_scale of the layer. Returns the layer's (k_cache, v_cache)."""
     from tokenspeed_kernels import rotary_embedding_write_kv, write_kv_to_pages
 
     k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]
+    scales = {"k_scale": kv_cache.k_scale[layer_id], "v_scale": kv_cache.v_scale[layer_id]}
     if rope is None:
-        write_kv_to_pages(k, v, k_cache, v_cache, out_cache_loc)
+        write_kv_to_pages(k, v, k_cache, v_cache, out_cache_loc, **scales)
     else:
         rotary_embedding_write_kv(rope.positions, q, k, v, rope.cos_sin_cache(), k_cache, v_cache,
-                                  out_cache_loc, is_neox=True)
+                                  out_cache_loc, is_neox=True, **scales)
     return k_cache, v_cache

@@ -1,1 +1,1 @@
-"""Model families (Llama, Qwen2, Qwen3) built from tokenspeed.layers."""
+"""Model families (Llama, Qwen2, Qwen3, and the MoE Qwen3-MoE and Mixtral) built from tokenspeed.layers."""

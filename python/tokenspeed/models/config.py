@@ -31,6 +31,12 @@ class ModelConfig:
     sliding_windows: list[int | None] = field(default_factory=list)
     torch_dtype: str = "bfloat16"
     hidden_act: str = "silu"
+    # Mixture of experts (0 experts: a dense model). `moe_layers[i]`: layer i's MLP is sparse.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: list[bool] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -41,6 +47,9 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer_id]
+
 
 def local_heads(config: ModelConfig, tp_size: int) -> tuple[int, int]:
     """(query heads, KV heads) one rank of an attention-TP group of `tp_size` holds: KV heads
@@ -50,7 +59,28 @@ def local_heads(config: ModelConfig, tp_size: int) -> tuple[int, int]:
 
 
 _QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM"}
-_QK_NORM = {"Qwen3ForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+
+
+def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
+    """Expert count, top-k, expert width, renormalisation and which layers are sparse.
+
+    Mixtral: every layer sparse, experts as wide as `intermediate_size`, top-k always
+    renormalised. Qwen3-MoE: `norm_topk_prob`; layer i is dense when listed in `mlp_only_layers`
+    or when (i + 1) is not a multiple of `decoder_sparse_step` (as in HF Qwen3MoeDecoderLayer)."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if experts == 0:
+        return {}
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": experts, "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+                "moe_intermediate_size": int(raw["intermediate_size"]), "norm_topk_prob": True,
+                "moe_layers": [True] * layers}
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    return {"num_experts": experts, "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+            "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "moe_layers": [i not in dense and (i + 1) % step == 0 for i in range(layers)]}
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -82,8 +112,16 @@ def _sliding_windows(raw: dict[str, Any], arch: str, layers: int) -> list[int | 
     return [window] * layers  # Mistral
 
 
+# HF `model_type` → architecture, for config.json files without `architectures` (a config saved
+# on its own rather than with a model).
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
-    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    arch = (raw.get("architectures")
+            or [_ARCH_BY_MODEL_TYPE.get(raw.get("model_type", ""), "LlamaForCausalLM")])[0]
     heads = raw["num_attention_heads"]
     theta, scaling = _rope(raw)
     layers = raw["num_hidden_layers"]
@@ -107,8 +145,22 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         sliding_windows=_sliding_windows(raw, arch, layers),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         hidden_act=raw.get("hidden_act", "silu"),
+        **_moe(raw, arch, layers),
         raw=raw,
     )
+
+
+def check_expert_parallel(config: ModelConfig, ep_size: int, moe_tp_size: int = 1) -> None:
+    """Start-up check of the MoE parallel sizes against the model; the message names both values."""
+    if ep_size > 1 and config.num_experts == 0:
+        raise ValueError(f"--ep-size {ep_size}: model {config.architecture} has no experts "
+                         "(expert parallelism needs a mixture-of-experts model)")
+    if config.num_experts and config.num_experts % ep_size:
+        raise ValueError(f"--ep-size {ep_size} does not divide the model's {config.num_experts} "
+                         f"experts ({config.architecture})")
+    if config.num_experts and config.moe_intermediate_size % moe_tp_size:
+        raise ValueError(f"--moe-tp-size {moe_tp_size} does not divide the experts' intermediate "
+                         f"size {config.moe_intermediate_size} ({config.architecture})")
 
 
 def load_hf_config(model_dir: str) -> ModelConfig:
@@ -124,6 +176,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -155,6 +208,17 @@ def config_from_gguf_fields(fields: dict[str, Any], has_output_tensor: bool) -> 
         "tie_word_embeddings": not has_output_tensor,
         "torch_dtype": "bfloat16",
     }
+    experts = get("expert_count") or 0
+    if experts:
+        # llama.cpp stores Mixtral as `llama` with experts; it renormalises the top-k weights of
+        # both Mixtral and Qwen3-MoE unless the file says otherwise (`expert_weights_norm`).
+        if arch == "llama":
+            raw["architectures"] = ["MixtralForCausalLM"]
+        raw.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
+                   norm_topk_prob=bool(get("expert_weights_norm", True)))
+        if raw["intermediate_size"] is None:  # every layer sparse: no dense width in the file
+            raw["intermediate_size"] = raw["moe_intermediate_size"]
     if get("rope.scaling.type") == "linear":
         raw["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     return config_from_hf_dict(raw)

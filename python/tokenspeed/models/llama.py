@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from tokenspeed.layers.activation import SiluAndMul
 from tokenspeed.layers.attention import Attention, ForwardBatch
 from tokenspeed.layers.embedding import LMHead, VocabEmbedding
 from tokenspeed.layers.linear import GateUpLinear, QKVLinear, RowLinear
+from tokenspeed.layers.moe import MoeOptions
 from tokenspeed.layers.norm import RMSNorm
 from tokenspeed.layers.rotary import Rope, RotaryEmbedding
 from tokenspeed.models.config import ModelConfig, local_heads
@@ -74,12 +75,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 parallel: ParallelState) -> None:
+                 parallel: ParallelState, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_id, rotary, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, parallel)
+        self.mlp = mlp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,14 +97,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, parallel: ParallelState) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, parallel: ParallelState,
+                 make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         tp = parallel.attn_tp
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                           config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, parallel)
+            LlamaDecoderLayer(config, i, self.rotary_emb, parallel, make_mlp(i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -130,14 +132,16 @@ STACKED_PARAMS = [
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None,
-                 parallel: ParallelState | None = None) -> None:
+                 moe: MoeOptions | None = None, parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = config
-        parallel = parallel or state()
-        parallel.sizes.check_model(config.num_attention_heads, config.num_key_value_heads,
-                                   config.intermediate_size)
-        tp = parallel.attn_tp
-        self.model = LlamaModel(config, max_positions or config.max_position_embeddings, parallel)
+        self.moe_options = moe or MoeOptions()  # used by the MoE families' make_mlp
+        self.parallel = parallel or state()
+        self.parallel.sizes.check_model(config.num_attention_heads, config.num_key_value_heads,
+                                        config.intermediate_size)
+        tp = self.parallel.attn_tp
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings,
+                                self.parallel, self.make_mlp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -146,6 +150,10 @@ class LlamaForCausalLM(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden]; `compute_logits` projects the rows that sample."""
         return self.model(input_ids, positions, batch)
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        """The MLP of layer `layer_id` (dense here; the MoE families return a SparseMoeBlock)."""
+        return LlamaMLP(self.config, self.parallel)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -156,30 +164,37 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb." in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            shard = 0
-            for hf, ours, idx in STACKED_PARAMS:
-                if hf in name:
-                    name, shard = name.replace(hf, ours), idx
-                    break
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in "
-                               f"{type(self).__name__}")
-            param = params[name]
-            owner = modules[name.rsplit(".", 1)[0]]
-            loader = getattr(owner, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard)
-            else:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                     f"parameter shape {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
-            loaded.add(name)
+            target = self.load_tensor(name, tensor, params, modules)
+            if target is not None:
+                loaded.add(target)
         missing = set(params) - loaded
         if missing:
             raise KeyError(f"parameters missing from the checkpoint: {sorted(missing)[:8]}")
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                    modules: dict[str, nn.Module]) -> str | None:
+        """Load one HF tensor; return the name of the parameter it filled (None: not used)."""
+        if "rotary_emb." in name:
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        shard = 0
+        for hf, ours, idx in STACKED_PARAMS:
+            if hf in name:
+                name, shard = name.replace(hf, ours), idx
+                break
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no parameter in "
+                           f"{type(self).__name__}")
+        param = params[name]
+        owner = modules[name.rsplit(".", 1)[0]]
+        loader = getattr(owner, "weight_loader", None)
+        if loader is not None:
+            loader(param, tensor, shard)
+        else:
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"parameter shape {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+        return name

@@ -6,14 +6,16 @@ pub mod pages;
 pub mod plan;
 pub mod radix;
 pub mod scheduler;
+pub mod schema;
 
 pub use pages::{PagePool, Pages};
 pub use plan::{
-    NewRequestPlan, PageTableUpdate, Plan, SampledToken, SamplingParams, ScheduledRequest,
-    StepResult, LAST_SAMPLED,
+    CopyOp, FinishedSlot, PageTableUpdate, Plan, RequestEvent, SamplingParams, ScheduledRequest,
+    StepLimits, StepResult, LAST_SAMPLED, MAX_TOP_LOGPROBS, NO_SEED,
 };
 pub use radix::{NodeId, PrefixMatch, RadixCache};
 pub use scheduler::{
     ConfigError, FinishReason, Request, RequestOutput, SchedulePolicy, Scheduler, SchedulerConfig,
     SchedulerStats, SubmitError,
 };
+pub use schema::Message;

@@ -1,129 +1,257 @@
-//! The step plan (scheduler → worker) and the step result (worker → scheduler).
+//! The step protocol, declared once: the plan (scheduler → worker) and the step result
+//! (worker → scheduler). `schema.rs` derives the codec, the size bound of a shm slot and the
+//! array names Python reads from these declarations (see its module doc for the layout).
 //!
-//! A plan is a *diff*: the worker keeps per-slot state (sampling params, page table row)
+//! A plan is a *diff*: the worker keeps per-slot state (sampling parameters, page-table row)
 //! across steps, so a plan carries new requests in full and running ones only as what
-//! changed. `tokenspeed-ipc` encodes these into shared memory; Python sees flat numpy arrays.
+//! changed. The worker applies a plan's sections in order: finished slots are dropped, new
+//! requests take their slots, page tables are updated, KV pages are copied, then the
+//! scheduled requests run. A result holds one event per scheduled request that sampled
+//! (or failed).
 
-use serde::{Deserialize, Serialize};
+use crate::{message, section};
 
-/// An entry of `Plan::input_ids` equal to this stands for "the token the worker sampled for this
-/// slot in the most recent step that sampled for it": the worker resolves it on the GPU, so the
-/// scheduler can send step N+1 before step N's sampled token has come back (one-step-ahead, or
-/// "overlap", scheduling). It only appears as the single input token of a decode
-/// (`num_tokens == 1`), for a request whose previous scheduled step (still in flight) has
-/// `sample == true` and whose `start_pos` is exactly the position after that step's last token.
+/// An input token equal to this stands for "the token the worker sampled for this slot in the
+/// most recent step that sampled for it": the worker resolves it on the GPU, so the scheduler
+/// can send step N+1 before step N's sampled token has come back (one-step-ahead, or "overlap",
+/// scheduling). It only appears as the single input token of a decode, for a request whose
+/// previous scheduled step (still in flight) samples and proposes no draft tokens.
 pub const LAST_SAMPLED: u32 = u32::MAX;
 
-/// Per-request sampling parameters, fixed when the request is admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct SamplingParams {
-    /// 0.0 means greedy.
-    pub temperature: f32,
-    /// 1.0 disables nucleus sampling.
-    pub top_p: f32,
-    /// -1 (or 0) disables top-k.
-    pub top_k: i32,
-    /// 0.0 disables min-p.
-    pub min_p: f32,
-    /// 1.0 disables.
-    pub repetition_penalty: f32,
-    /// 0.0 disables.
-    pub frequency_penalty: f32,
-    /// 0.0 disables.
-    pub presence_penalty: f32,
-    /// Per-request RNG seed; `None` draws from the worker's global generator.
-    pub seed: Option<u64>,
-    /// Number of top logprobs to return per sampled token (0 = only the chosen token's).
-    pub top_logprobs: u32,
+/// `SamplingParams::seed` when the request has none (the worker's shared generator draws).
+pub const NO_SEED: i64 = -1;
+
+/// The most top logprobs a request may ask for per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+section! {
+    /// A slot whose request finished or was aborted/retracted since the last plan: the worker
+    /// drops its state before taking new requests.
+    pub struct FinishedSlot("finished") {
+        pub slot: u32,
+    }
+    lists {}
 }
 
-impl Default for SamplingParams {
-    fn default() -> Self {
+section! {
+    /// How a request samples; fixed at admission. In a plan's `new_requests` section it enters
+    /// worker slot `slot` (the worker resets that slot's state). Neutral values disable a knob
+    /// (temperature 0 is greedy).
+    pub struct SamplingParams("new") {
+        pub slot: u32,
+        pub temperature: f32,
+        /// 1.0 disables nucleus sampling.
+        pub top_p: f32,
+        /// -1 (or 0) disables top-k.
+        pub top_k: i32,
+        pub min_p: f32,
+        /// 1.0 disables.
+        pub repetition_penalty: f32,
+        pub frequency_penalty: f32,
+        pub presence_penalty: f32,
+        /// Per-request RNG seed (63 bits), or `NO_SEED`.
+        pub seed: i64,
+        /// Top logprobs to return per sampled token (0: only the chosen token's).
+        pub top_logprobs: u32,
+        /// `stop_ids` cannot be sampled while the slot has sampled fewer tokens than this.
+        pub min_tokens: u32,
+    }
+    lists {
+        /// The tokens that would end the request (masked while `min_tokens` is not reached).
+        pub stop_ids: Vec<u32>,
+    }
+}
+
+impl SamplingParams {
+    /// The neutral parameters: plain sampling at temperature 1 from the full distribution.
+    pub fn neutral() -> Self {
         SamplingParams {
             temperature: 1.0,
             top_p: 1.0,
             top_k: -1,
-            min_p: 0.0,
             repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            seed: None,
-            top_logprobs: 0,
+            seed: NO_SEED,
+            ..Default::default()
+        }
+    }
+
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            ..Self::neutral()
         }
     }
 }
 
-/// A request entering a worker slot: the worker resets that slot's state.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NewRequestPlan {
-    pub slot: u32,
-    pub sampling: SamplingParams,
+section! {
+    /// Pages appended to a slot's page table: entries `first..first + pages.len()`.
+    pub struct PageTableUpdate("pt") {
+        pub slot: u32,
+        pub first: u32,
+    }
+    lists {
+        pub pages: Vec<u32>,
+    }
 }
 
-/// One request's share of this step.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ScheduledRequest {
-    pub slot: u32,
-    /// Tokens of this request in `Plan::input_ids` (in order of `Plan::scheduled`).
-    pub num_tokens: u32,
-    /// Position (0-based, in the request's full sequence) of the first of those tokens.
-    /// The KV of positions `< start_pos` is already in the slot's pages.
-    pub start_pos: u32,
-    /// Prompt tokens served from the radix cache when this request was admitted.
-    pub cached_len: u32,
-    /// True when this step ends at the sequence's last known token, so the worker samples
-    /// one token for it (false for a prefill chunk that is not the prompt's last).
-    pub sample: bool,
+section! {
+    /// A KV page copy, `src` → `dst`, done before this step's forward (none are planned yet:
+    /// the section is where host offload and copy-on-write prefixes will plug in).
+    pub struct CopyOp("copy") {
+        pub src: u32,
+        pub dst: u32,
+    }
+    lists {}
 }
 
-/// Pages appended to a slot's page table: entries `first_index..first_index+pages.len()`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PageTableUpdate {
-    pub slot: u32,
-    pub first_index: u32,
-    pub pages: Vec<u32>,
+section! {
+    /// One request's share of this step.
+    pub struct ScheduledRequest("sched") {
+        pub slot: u32,
+        /// Position (0-based, in the request's full sequence) of the first input token. The KV
+        /// of positions `< start_pos` is already in the slot's pages.
+        pub start_pos: u32,
+        /// The step ends at the sequence's last known token, so the worker samples for it
+        /// (false for a prefill chunk that is not the prompt's last).
+        pub sample: bool,
+        /// Draft tokens the worker may propose and verify after the input (speculative
+        /// decoding; 0 for now). KV pages are reserved for them.
+        pub num_draft_tokens: u32,
+    }
+    lists {
+        /// Input token ids (`LAST_SAMPLED` for a one-step-ahead decode).
+        pub tokens: Vec<u32>,
+    }
 }
 
-/// One step of work for the worker group.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Plan {
-    pub step_id: u64,
-    /// Slots whose requests finished or were aborted/retracted since the last plan:
-    /// the worker drops their state *before* applying `new_requests`.
-    pub finished_slots: Vec<u32>,
-    pub new_requests: Vec<NewRequestPlan>,
-    pub page_table_updates: Vec<PageTableUpdate>,
-    pub scheduled: Vec<ScheduledRequest>,
-    /// Concatenated input token ids of `scheduled`, in order.
-    pub input_ids: Vec<u32>,
+message! {
+    /// One step of work for the worker group.
+    pub struct Plan(magic = 0x4e4c_5054) {
+        pub finished: Vec<FinishedSlot>,
+        pub new_requests: Vec<SamplingParams>,
+        pub page_tables: Vec<PageTableUpdate>,
+        pub copies: Vec<CopyOp>,
+        pub scheduled: Vec<ScheduledRequest>,
+    }
 }
 
 impl Plan {
+    /// Input tokens of the step.
     pub fn num_tokens(&self) -> usize {
-        self.input_ids.len()
+        self.scheduled.iter().map(|r| r.tokens.len()).sum()
     }
     /// True when every scheduled request feeds exactly one token (a decode-only step).
     pub fn is_pure_decode(&self) -> bool {
-        self.scheduled.iter().all(|r| r.num_tokens == 1)
+        self.scheduled.iter().all(|r| r.tokens.len() == 1)
     }
     pub fn is_empty(&self) -> bool {
-        self.scheduled.is_empty() && self.finished_slots.is_empty()
+        self.scheduled.is_empty() && self.finished.is_empty() && self.copies.is_empty()
     }
 }
 
-/// A sampled token for one slot.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SampledToken {
-    pub slot: u32,
-    pub token: u32,
-    pub logprob: f32,
-    /// (token, logprob) pairs, best first; empty unless the request asked for top logprobs.
-    pub top_logprobs: Vec<(u32, f32)>,
+/// Upper bounds of one step, from which the size of a shm slot follows.
+#[derive(Debug, Clone, Copy)]
+pub struct StepLimits {
+    /// Worker slots (`--max-running-requests`).
+    pub max_running: usize,
+    /// Input tokens of one step (the chunked-prefill budget; decodes may add one per slot).
+    pub max_step_tokens: usize,
+    /// Pages of the longest request (context length / page size, rounded up).
+    pub max_pages_per_request: usize,
 }
 
-/// What the worker sends back after a step: one entry per scheduled request with `sample`.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct StepResult {
-    pub step_id: u64,
-    pub sampled: Vec<SampledToken>,
+impl Plan {
+    /// Bytes of the largest plan within `l`. Each section's bound is stated here, next to
+    /// the declaration, so a new section or list field states its own.
+    pub fn max_encoded_len(l: &StepLimits) -> usize {
+        use crate::schema::Message;
+        let (r, pages) = (l.max_running, l.max_pages_per_request);
+        let counts = [
+            r, // finished
+            r,
+            r * pages, // new requests, their stop ids (bounded by the vocabulary in practice)
+            2 * r,
+            2 * r * pages, // page-table updates: a rewrite of a shared prefix plus new pages
+            r * pages,     // copies
+            r,
+            l.max_step_tokens + r, // scheduled, their tokens
+        ];
+        <Plan as Message>::max_encoded_len(&counts)
+    }
+}
+
+/// `RequestEvent::error` values.
+pub mod event_error {
+    pub const NONE: u32 = 0;
+    /// The worker could not produce this request's tokens (e.g. non-finite logits).
+    pub const FAILED: u32 = 1;
+}
+
+section! {
+    /// What one scheduled request produced in a step.
+    pub struct RequestEvent("event") {
+        pub slot: u32,
+        /// `event_error::*`; tokens are empty unless NONE.
+        pub error: u32,
+        /// Columns of the `top_*` lists per token (0 when the request asked for none).
+        pub top_k: u32,
+    }
+    lists {
+        /// Accepted tokens, in order: one for a plain decode, up to `1 + num_draft_tokens`
+        /// with speculative decoding, none for a step that only computed KV.
+        pub tokens: Vec<u32>,
+        /// Logprob of each accepted token under the model's distribution.
+        pub logprobs: Vec<f32>,
+        /// `tokens.len() * top_k` ids, best first per token.
+        pub top_ids: Vec<u32>,
+        pub top_logprobs: Vec<f32>,
+        /// Logprob of each of this step's input prompt tokens given the ones before it (the
+        /// first prompt token has none), when the request asked for prompt logprobs.
+        pub prompt_logprobs: Vec<f32>,
+        /// `prompt_logprobs.len() * top_k` ids and logprobs, best first.
+        pub prompt_top_ids: Vec<u32>,
+        pub prompt_top_logprobs: Vec<f32>,
+        /// A pooled hidden state (embedding requests).
+        pub pooled: Vec<f32>,
+    }
+}
+
+impl RequestEvent {
+    /// The top logprobs of accepted token `i`, as (id, logprob) pairs.
+    pub fn top(&self, i: usize) -> Vec<(u32, f32)> {
+        let k = self.top_k as usize;
+        let ids = self.top_ids.get(i * k..(i + 1) * k).unwrap_or(&[]);
+        let lps = self.top_logprobs.get(i * k..(i + 1) * k).unwrap_or(&[]);
+        ids.iter().copied().zip(lps.iter().copied()).collect()
+    }
+}
+
+message! {
+    /// What the worker sends back after a step.
+    pub struct StepResult(magic = 0x5345_5254) {
+        pub events: Vec<RequestEvent>,
+    }
+}
+
+impl StepResult {
+    /// Bytes of the largest result within `l`.
+    pub fn max_encoded_len(l: &StepLimits) -> usize {
+        use crate::schema::Message;
+        let r = l.max_running;
+        let k = MAX_TOP_LOGPROBS as usize;
+        // Tokens: one per slot without drafts (spec decoding raises it with its draft bound).
+        let (tokens, prompt) = (r, l.max_step_tokens);
+        let counts = [
+            r,
+            tokens,
+            tokens,
+            tokens * k,
+            tokens * k,
+            prompt,
+            prompt * k,
+            prompt * k,
+            0, // pooled vectors: none until embedding models exist
+        ];
+        <StepResult as Message>::max_encoded_len(&counts)
+    }
 }

@@ -7,8 +7,9 @@ use common::{config, prompt, reference, request, Harness};
 use tokenspeed_engine::{FinishReason, Plan, Request, SchedulePolicy, StepResult, LAST_SAMPLED};
 
 fn placeholders(plan: &Plan) -> usize {
-    plan.input_ids
+    plan.scheduled
         .iter()
+        .flat_map(|r| &r.tokens)
         .filter(|&&t| t == LAST_SAMPLED)
         .count()
 }
@@ -76,14 +77,14 @@ fn prefill_chunks_follow_each_other_without_waiting_for_results() {
     let steps: Vec<(u32, u32, bool, Vec<u32>)> = h
         .plans
         .iter()
-        .filter_map(|p| p.scheduled.first().map(|r| (r, &p.input_ids)))
-        .map(|(r, ids)| {
-            let ids = if r.num_tokens == 1 {
-                ids.clone()
+        .filter_map(|p| p.scheduled.first())
+        .map(|r| {
+            let ids = if r.tokens.len() == 1 {
+                r.tokens.clone()
             } else {
                 vec![]
             };
-            (r.start_pos, r.num_tokens, r.sample, ids)
+            (r.start_pos, r.tokens.len() as u32, r.sample, ids)
         })
         .collect();
     assert_eq!(
@@ -145,7 +146,7 @@ fn no_placeholder_is_planned_for_a_token_past_max_new_tokens() {
             .plans
             .iter()
             .flat_map(|p| &p.scheduled)
-            .map(|r| r.start_pos + r.num_tokens)
+            .map(|r| r.start_pos + r.tokens.len() as u32)
             .max();
         assert_eq!(
             last,
@@ -185,7 +186,11 @@ fn page_pressure_retracts_requests_with_steps_in_flight_and_all_complete_exactly
         .map(|id| request(id, prompt(id as u32, 6), 18))
         .collect();
     let mut h = run(&reqs, true, config(16, 4));
-    let released: usize = h.plans.iter().map(|p| p.finished_slots.len()).sum();
+    let released: usize = h
+        .plans
+        .iter()
+        .map(|p| p.finished.iter().map(|f| f.slot).collect::<Vec<_>>().len())
+        .sum();
     assert!(released > reqs.len(), "some requests were retracted");
     for r in &reqs {
         assert_eq!(h.tokens(r.id), reference(&r.prompt, 18), "request {}", r.id);
@@ -258,18 +263,21 @@ fn a_missing_sample_with_a_placeholder_in_flight_retracts_and_ignores_the_stale_
     h.plans.push(plan);
     // The older one comes back without the token: the placeholder after it read nothing valid.
     let mut lost = h.in_flight.pop_front().expect("in flight");
-    lost.sampled.clear();
+    lost.events.clear();
     assert!(h.sched.advance(&lost).is_empty());
     // The request goes back to the queue and is readmitted, in the same slot, in a new plan
     // while the stale placeholder's result is still to come.
     let readmit = h.sched.schedule().expect("readmission");
-    assert_eq!(readmit.finished_slots, vec![0]);
+    assert_eq!(
+        readmit.finished.iter().map(|f| f.slot).collect::<Vec<_>>(),
+        vec![0]
+    );
     assert_eq!(readmit.new_requests.len(), 1);
     assert_eq!(readmit.new_requests[0].slot, 0);
     h.in_flight.push_back(h.worker.execute(&readmit));
     h.plans.push(readmit);
     let stale = h.in_flight.pop_front().expect("in flight");
-    assert_eq!(stale.sampled.len(), 1, "the worker did sample for slot 0");
+    assert_eq!(stale.events.len(), 1, "the worker did sample for slot 0");
     assert!(
         h.sched.advance(&stale).is_empty(),
         "a result planned for the earlier admission is stale"
@@ -297,7 +305,7 @@ fn a_whole_step_result_lost_counts_as_answered_with_nothing() {
     assert!(h.sched.advance(&newer).is_empty());
     let outs = h.sched.advance(&StepResult {
         step_id: newer.step_id,
-        sampled: vec![],
+        events: vec![],
     });
     assert!(outs.is_empty(), "an answered step is not answered twice");
     h.run(100);

@@ -21,7 +21,7 @@ fn chunked_prefill_splits_a_long_prompt_across_steps_within_the_budget() {
         .map(|p| {
             (
                 p.scheduled[0].start_pos,
-                p.scheduled[0].num_tokens,
+                p.scheduled[0].tokens.len() as u32,
                 p.scheduled[0].sample,
             )
         })
@@ -48,7 +48,10 @@ fn prefill_chunks_share_the_budget_with_running_decodes() {
     let plan = &h.plans[1];
     assert_eq!(plan.scheduled.len(), 2);
     assert_eq!(
-        (plan.scheduled[0].num_tokens, plan.scheduled[1].num_tokens),
+        (
+            plan.scheduled[0].tokens.len() as u32,
+            plan.scheduled[1].tokens.len() as u32
+        ),
         (1, 9)
     );
     h.run(100);
@@ -103,7 +106,10 @@ fn max_running_requests_caps_slots_and_freed_slots_are_reused() {
     assert_eq!(h.plans[0].new_requests.len(), 3);
     h.step();
     let reuse = &h.plans[1];
-    assert_eq!(reuse.finished_slots, vec![0]);
+    assert_eq!(
+        reuse.finished.iter().map(|f| f.slot).collect::<Vec<_>>(),
+        vec![0]
+    );
     assert_eq!(reuse.new_requests.len(), 1);
     assert_eq!(
         reuse.new_requests[0].slot, 0,
@@ -152,21 +158,20 @@ fn prefix_hit_reuses_cached_pages_and_reports_cached_tokens() {
     let shared = prompt(3, 16);
     h.submit(request(1, shared.clone(), 2));
     h.run(10);
-    let first_pages = h.plans[0].page_table_updates[0].pages[..4].to_vec();
+    let first_pages = h.plans[0].page_tables[0].pages[..4].to_vec();
 
     let second = [shared.clone(), vec![5, 6]].concat();
     h.submit(request(2, second.clone(), 2));
     h.step();
     let plan = h.plans.last().expect("a plan");
     assert_eq!(
-        plan.page_table_updates[0].pages[..4],
+        plan.page_tables[0].pages[..4],
         first_pages[..],
         "cached pages come first"
     );
     assert_eq!(plan.scheduled[0].start_pos, 16);
-    assert_eq!(plan.scheduled[0].cached_len, 16);
     assert_eq!(
-        plan.input_ids,
+        plan.scheduled[0].tokens,
         vec![5, 6],
         "only the uncached tail is computed"
     );
@@ -196,7 +201,10 @@ fn a_fully_cached_prompt_still_computes_its_last_token() {
         .expect("admitted");
     // 15 tokens are matchable, whole pages only: 12 cached, the last 4 recomputed.
     assert_eq!(
-        (plan.scheduled[0].cached_len, plan.scheduled[0].num_tokens),
+        (
+            plan.scheduled[0].start_pos,
+            plan.scheduled[0].tokens.len() as u32
+        ),
         (12, 4)
     );
     assert_eq!(h.tokens(2), h.tokens(1));
@@ -228,7 +236,11 @@ fn page_pressure_retracts_the_youngest_and_every_request_still_completes() {
         h.submit(r.clone());
     }
     h.run(2_000);
-    let released: usize = h.plans.iter().map(|p| p.finished_slots.len()).sum();
+    let released: usize = h
+        .plans
+        .iter()
+        .map(|p| p.finished.iter().map(|f| f.slot).collect::<Vec<_>>().len())
+        .sum();
     assert!(
         released > reqs.len(),
         "some requests were retracted and readmitted"
@@ -313,7 +325,10 @@ fn abort_frees_slot_and_pages_of_waiting_and_running_requests() {
     let stats = h.sched.stats();
     assert_eq!((stats.running, stats.waiting, stats.used_pages), (0, 0, 0));
     let plan = h.sched.schedule().expect("the freed slot must be reported");
-    assert_eq!(plan.finished_slots, vec![0]);
+    assert_eq!(
+        plan.finished.iter().map(|f| f.slot).collect::<Vec<_>>(),
+        vec![0]
+    );
     assert!(plan.scheduled.is_empty());
     let result = h.worker.execute(&plan);
     assert!(h.sched.advance(&result).is_empty());
@@ -345,35 +360,44 @@ fn a_missing_sample_makes_the_request_recompute_its_last_position() {
     h.worker.execute(&plan);
     let outs = h.sched.advance(&StepResult {
         step_id: plan.step_id,
-        sampled: vec![],
+        events: vec![],
     });
     assert!(outs.is_empty());
     let retry = h.sched.schedule().expect("retry plan");
     assert_eq!(
-        (retry.scheduled[0].start_pos, retry.scheduled[0].num_tokens),
+        (
+            retry.scheduled[0].start_pos,
+            retry.scheduled[0].tokens.len() as u32
+        ),
         (5, 1)
     );
 }
 
 #[test]
-fn stop_token_finishes_with_stop_unless_ignore_eos() {
+fn eos_stops_unless_ignore_eos_but_user_stop_ids_always_stop() {
     let p = prompt(4, 5);
     let expected = reference(&p, 10);
-    let stop = expected[2];
+    let (eos, stop) = (expected[2], expected[4]);
     let mut h = Harness::new(config(64, 4));
     h.submit(Request {
-        stop_token_ids: vec![stop],
+        eos_token_ids: vec![eos],
         ..request(1, p.clone(), 10)
     });
     h.submit(Request {
-        stop_token_ids: vec![stop],
+        eos_token_ids: vec![eos],
         ignore_eos: true,
         ..request(2, p.clone(), 10)
     });
     h.submit(Request {
+        eos_token_ids: vec![eos],
         stop_token_ids: vec![stop],
+        ignore_eos: true,
+        ..request(3, p.clone(), 10)
+    });
+    h.submit(Request {
+        eos_token_ids: vec![eos],
         min_new_tokens: 4,
-        ..request(3, p, 10)
+        ..request(4, p, 10)
     });
     h.run(30);
     assert_eq!(
@@ -382,17 +406,69 @@ fn stop_token_finishes_with_stop_unless_ignore_eos() {
         "the stop token is the last output"
     );
     assert_eq!(h.finish_reason(1), Some(FinishReason::Stop));
-    assert_eq!(h.tokens(2), expected);
+    assert_eq!(h.tokens(2), expected, "ignore_eos runs to max_new_tokens");
     assert_eq!(h.finish_reason(2), Some(FinishReason::Length));
-    assert_ne!(
-        h.finish_reason(3),
-        Some(FinishReason::Stop).filter(|_| h.tokens(3).len() < 4)
+    assert_eq!(
+        h.tokens(3),
+        expected[..5],
+        "a user's stop id stops despite ignore_eos"
     );
+    assert_eq!(h.finish_reason(3), Some(FinishReason::Stop));
     assert!(
-        h.tokens(3).len() >= 4,
+        h.tokens(4).len() >= 4,
         "min_new_tokens suppresses an early stop"
     );
     h.assert_no_leak();
+}
+
+#[test]
+fn min_new_tokens_sends_the_stop_ids_for_the_worker_to_mask() {
+    let mut h = Harness::new(config(64, 4));
+    h.submit(Request {
+        eos_token_ids: vec![7],
+        stop_token_ids: vec![9],
+        min_new_tokens: 3,
+        ..request(1, prompt(5, 5), 6)
+    });
+    h.submit(Request {
+        eos_token_ids: vec![7],
+        ..request(2, prompt(6, 5), 6)
+    });
+    h.step();
+    let new = &h.plans[0].new_requests;
+    assert_eq!(
+        (new[0].min_tokens, new[0].stop_ids.clone()),
+        (3, vec![9, 7])
+    );
+    assert_eq!((new[1].min_tokens, new[1].stop_ids.clone()), (0, vec![]));
+}
+
+#[test]
+fn accepts_zero_one_and_three_tokens_for_different_requests_in_one_step() {
+    for overlap in [false, true] {
+        let mut h = Harness::with_overlap(config(256, 4), overlap);
+        for id in 1..=3 {
+            h.submit(request(id, prompt(id as u32 + 10, 6), 12));
+        }
+        // Admitted in one step into slots 0, 1, 2: slot 0 returns nothing at the first sampling
+        // step, slot 1 one token each step, slot 2 three tokens each step.
+        h.worker.accept.insert(0, 1);
+        h.worker.accept.insert(2, 3);
+        h.lose_samples_at.push(0);
+        h.run(200);
+        for id in 1..=3 {
+            let p = prompt(id as u32 + 10, 6);
+            assert_eq!(
+                h.tokens(id),
+                reference(&p, 12),
+                "request {id}, overlap {overlap}"
+            );
+            assert_eq!(h.finish_reason(id), Some(FinishReason::Length));
+        }
+        let multi = h.outputs[&3].iter().filter(|o| o.tokens.len() == 3).count();
+        assert!(multi > 0, "request 3 got several tokens in one output");
+        h.assert_no_leak();
+    }
 }
 
 #[test]
@@ -559,7 +635,11 @@ fn requests_that_ignore_eos_are_admitted_with_room_to_finish() {
         h.submit(r.clone());
     }
     h.run(2_000);
-    let released: usize = h.plans.iter().map(|p| p.finished_slots.len()).sum();
+    let released: usize = h
+        .plans
+        .iter()
+        .map(|p| p.finished.iter().map(|f| f.slot).collect::<Vec<_>>().len())
+        .sum();
     assert_eq!(released, reqs.len(), "no request was retracted");
     for r in &reqs {
         assert_eq!(h.tokens(r.id), reference(&r.prompt, 32));

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokenspeed_engine::{Plan, StepResult};
+use tokenspeed_engine::{Message, Plan, StepResult};
 
-use crate::codec::{self, ResultBytes};
+use crate::codec;
 use crate::ring::{Ring, RingReader, RingWriter, MAX_READERS, RING_HEADER_LEN};
 use crate::shm::{my_pid, pid_alive, Segment};
 use crate::IpcError;
@@ -17,7 +17,7 @@ use crate::IpcError;
 /// "TSPDCHAN" — marks an initialised tokenspeed channel segment.
 const MAGIC: u64 = 0x4e41_4843_4450_5354;
 /// Bumped on any change of the segment, ring or payload layout.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 #[repr(C, align(64))]
 struct SegHeader {
@@ -130,9 +130,9 @@ impl PlanChannel {
     /// released the oldest slot); Err(Timeout) after `timeout`, Err(TooLarge) at once if
     /// the plan does not fit a slot, Err(Shutdown) once shut down.
     pub fn send_plan(&mut self, plan: &Plan, timeout: Option<Duration>) -> Result<(), IpcError> {
-        let need = codec::plan_encoded_len(plan);
+        let need = plan.encoded_len();
         self.plans
-            .send_with(need, timeout, |buf| codec::encode_plan(plan, buf))
+            .send_with(need, timeout, |buf| codec::encode(plan, buf))
     }
 
     /// The next result from rank 0, or None after `timeout`.
@@ -143,7 +143,7 @@ impl PlanChannel {
         let Some(payload) = self.results.recv(timeout)? else {
             return Ok(None);
         };
-        let result = codec::decode_result(payload);
+        let result = codec::decode::<StepResult>(payload);
         self.results.release();
         result.map(Some)
     }
@@ -295,7 +295,7 @@ impl WorkerChannel {
         let Some(payload) = self.plans.recv(timeout)? else {
             return Ok(None);
         };
-        let plan = codec::decode_plan(payload);
+        let plan = codec::decode::<Plan>(payload);
         self.plans.release();
         plan.map(Some)
     }
@@ -316,20 +316,24 @@ impl WorkerChannel {
         r: &StepResult,
         timeout: Option<Duration>,
     ) -> Result<(), IpcError> {
-        let need = codec::result_encoded_len(r);
+        let need = r.encoded_len();
         self.result_writer()?
-            .send_with(need, timeout, |buf| codec::encode_result(r, buf))
+            .send_with(need, timeout, |buf| codec::encode(r, buf))
     }
 
-    /// Sends a step result given as raw little-endian arrays (rank 0 only).
-    pub fn send_result_bytes(
+    /// Sends a step result given as raw little-endian arrays by schema name (rank 0 only):
+    /// what the Python worker has from numpy. See `Message::encode_arrays`.
+    pub fn send_result_arrays<'a>(
         &mut self,
-        r: &ResultBytes,
+        step_id: u64,
+        get: impl Fn(&str) -> Option<&'a [u8]>,
         timeout: Option<Duration>,
     ) -> Result<(), IpcError> {
-        let need = r.encoded_len()?;
-        self.result_writer()?
-            .send_with(need, timeout, |buf| codec::encode_result_bytes(r, buf))
+        let writer = self.result_writer()?;
+        let cap = writer.ring().slot_bytes();
+        writer.send_with(cap, timeout, |buf| {
+            codec::encode_arrays::<StepResult>(step_id, get, buf)
+        })
     }
 
     /// Whether the server that created the segment is still alive.

@@ -17,7 +17,7 @@ mod ring;
 mod shm;
 
 pub use channel::{ChannelStatus, PlanChannel, ShutdownHandle, WorkerChannel, LAYOUT_VERSION};
-pub use codec::{ArrayDesc, DType, Layout, ResultBytes, TOP_PAD_ID};
+pub use codec::{ArrayDesc, DType, Layout};
 pub use ring::MAX_READERS;
 
 /// Everything that can go wrong on a channel.

@@ -1,267 +1,329 @@
-//! Codec tests: plan/result round trips (proptest), layout alignment and size errors.
+//! Codec tests: every plan section and result event round-trips (proptest), the layout is
+//! aligned and named after the schema, raw arrays encode like rows, bad input is rejected.
 
 use proptest::prelude::*;
-use tokenspeed_engine::plan::{NewRequestPlan, PageTableUpdate, SampledToken, ScheduledRequest};
-use tokenspeed_engine::{Plan, SamplingParams, StepResult};
-use tokenspeed_ipc::codec::{
-    decode_plan, decode_result, encode_plan, encode_result, encode_result_bytes, plan_encoded_len,
-    plan_layout_of, result_encoded_len,
+use tokenspeed_engine::plan::{
+    CopyOp, FinishedSlot, PageTableUpdate, RequestEvent, ScheduledRequest,
 };
-use tokenspeed_ipc::{IpcError, ResultBytes};
-
-/// Keys of `python/tokenspeed/plan.py::StepPlan` besides `step_id`.
-const WORKER_KEYS: [&str; 20] = [
-    "finished_slots",
-    "new_slots",
-    "new_temperature",
-    "new_top_p",
-    "new_top_k",
-    "new_min_p",
-    "new_repetition_penalty",
-    "new_frequency_penalty",
-    "new_presence_penalty",
-    "new_seed",
-    "new_top_logprobs",
-    "pt_slots",
-    "pt_first",
-    "pt_count",
-    "pt_pages",
-    "slots",
-    "num_tokens",
-    "start_pos",
-    "sample",
-    "input_ids",
-];
+use tokenspeed_engine::schema::Message;
+use tokenspeed_engine::{Plan, SamplingParams, StepLimits, StepResult};
+use tokenspeed_ipc::codec::{decode, encode, encode_arrays, layout_of, DType};
+use tokenspeed_ipc::IpcError;
 
 fn f() -> impl Strategy<Value = f32> {
     -1.0e6f32..1.0e6
 }
 
+fn ids(max: usize) -> impl Strategy<Value = Vec<u32>> {
+    prop::collection::vec(any::<u32>(), 0..max)
+}
+
 fn sampling() -> impl Strategy<Value = SamplingParams> {
     (
-        (f(), f(), any::<i32>(), f()),
+        (any::<u32>(), f(), f(), any::<i32>(), f()),
         (f(), f(), f()),
-        proptest::option::of(0u64..(1 << 63)),
-        any::<u32>(),
+        (any::<i64>(), any::<u32>(), any::<u32>(), ids(5)),
     )
-        .prop_map(|((t, p, k, m), (r, fr, pr), seed, lp)| SamplingParams {
-            temperature: t,
-            top_p: p,
-            top_k: k,
-            min_p: m,
-            repetition_penalty: r,
-            frequency_penalty: fr,
-            presence_penalty: pr,
-            seed,
-            top_logprobs: lp,
-        })
+        .prop_map(
+            |((slot, t, p, k, m), (r, fr, pr), (seed, lp, min_tokens, stop_ids))| SamplingParams {
+                slot,
+                temperature: t,
+                top_p: p,
+                top_k: k,
+                min_p: m,
+                repetition_penalty: r,
+                frequency_penalty: fr,
+                presence_penalty: pr,
+                seed,
+                top_logprobs: lp,
+                min_tokens,
+                stop_ids,
+            },
+        )
 }
 
 fn plan() -> impl Strategy<Value = Plan> {
-    let new =
-        (any::<u32>(), sampling()).prop_map(|(slot, sampling)| NewRequestPlan { slot, sampling });
-    let pt = (
-        any::<u32>(),
-        any::<u32>(),
-        prop::collection::vec(any::<u32>(), 0..9),
-    )
-        .prop_map(|(slot, first_index, pages)| PageTableUpdate {
-            slot,
-            first_index,
-            pages,
-        });
+    let pt = (any::<u32>(), any::<u32>(), ids(9))
+        .prop_map(|(slot, first, pages)| PageTableUpdate { slot, first, pages });
     let sched = (
         any::<u32>(),
         any::<u32>(),
-        any::<u32>(),
-        any::<u32>(),
         any::<bool>(),
+        any::<u32>(),
+        ids(12),
     )
         .prop_map(
-            |(slot, num_tokens, start_pos, cached_len, sample)| ScheduledRequest {
+            |(slot, start_pos, sample, num_draft_tokens, tokens)| ScheduledRequest {
                 slot,
-                num_tokens,
                 start_pos,
-                cached_len,
                 sample,
+                num_draft_tokens,
+                tokens,
             },
         );
+    let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp { src, dst });
     (
         any::<u64>(),
-        prop::collection::vec(any::<u32>(), 0..7),
-        prop::collection::vec(new, 0..5),
+        prop::collection::vec(any::<u32>().prop_map(|slot| FinishedSlot { slot }), 0..7),
+        prop::collection::vec(sampling(), 0..5),
         prop::collection::vec(pt, 0..5),
+        prop::collection::vec(copy, 0..4),
         prop::collection::vec(sched, 0..9),
-        prop::collection::vec(any::<u32>(), 0..40),
     )
         .prop_map(
-            |(step_id, finished_slots, new_requests, page_table_updates, scheduled, input_ids)| {
-                Plan {
-                    step_id,
-                    finished_slots,
-                    new_requests,
-                    page_table_updates,
-                    scheduled,
-                    input_ids,
-                }
+            |(step_id, finished, new_requests, page_tables, copies, scheduled)| Plan {
+                step_id,
+                finished,
+                new_requests,
+                page_tables,
+                copies,
+                scheduled,
+            },
+        )
+}
+
+fn event() -> impl Strategy<Value = RequestEvent> {
+    let floats = |n: usize| prop::collection::vec(f(), 0..n);
+    (
+        (any::<u32>(), any::<u32>(), any::<u32>()),
+        (ids(4), floats(4), ids(8), floats(8)),
+        (floats(6), ids(6), floats(6), floats(5)),
+    )
+        .prop_map(
+            |(
+                (slot, error, top_k),
+                (tokens, logprobs, top_ids, top_logprobs),
+                (prompt_logprobs, prompt_top_ids, prompt_top_logprobs, pooled),
+            )| RequestEvent {
+                slot,
+                error,
+                top_k,
+                tokens,
+                logprobs,
+                top_ids,
+                top_logprobs,
+                prompt_logprobs,
+                prompt_top_ids,
+                prompt_top_logprobs,
+                pooled,
             },
         )
 }
 
 fn result() -> impl Strategy<Value = StepResult> {
-    let top = prop::collection::vec((0u32..u32::MAX, f()), 0..6);
-    let entry =
-        (any::<u32>(), any::<u32>(), f(), top).prop_map(|(slot, token, logprob, top_logprobs)| {
-            SampledToken {
-                slot,
-                token,
-                logprob,
-                top_logprobs,
-            }
-        });
-    (any::<u64>(), prop::collection::vec(entry, 0..12))
-        .prop_map(|(step_id, sampled)| StepResult { step_id, sampled })
+    (any::<u64>(), prop::collection::vec(event(), 0..12))
+        .prop_map(|(step_id, events)| StepResult { step_id, events })
 }
 
 proptest! {
     #[test]
     fn plan_round_trip(p in plan()) {
-        let mut buf = vec![0u8; plan_encoded_len(&p)];
-        let n = encode_plan(&p, &mut buf).unwrap();
+        let mut buf = vec![0u8; p.encoded_len()];
+        let n = encode(&p, &mut buf).unwrap();
         prop_assert_eq!(n, buf.len());
-        prop_assert_eq!(decode_plan(&buf).unwrap(), p.clone());
-        let lay = plan_layout_of(&buf).unwrap();
+        prop_assert_eq!(decode::<Plan>(&buf).unwrap(), p.clone());
+        let lay = layout_of::<Plan>(&buf).unwrap();
         prop_assert_eq!(lay.step_id, p.step_id);
         for a in &lay.arrays {
             prop_assert_eq!(a.offset % 8, 0);
             prop_assert!(a.offset + a.count * a.dtype.size() <= buf.len());
         }
-        prop_assert_eq!(lay.array("input_ids").unwrap().count, p.input_ids.len());
+        prop_assert_eq!(lay.array("sched_tokens").unwrap().count, p.num_tokens());
     }
 
     #[test]
     fn result_round_trip(r in result()) {
-        let mut buf = vec![0u8; result_encoded_len(&r)];
-        let n = encode_result(&r, &mut buf).unwrap();
+        let mut buf = vec![0u8; r.encoded_len()];
+        let n = encode(&r, &mut buf).unwrap();
         prop_assert_eq!(n, buf.len());
-        prop_assert_eq!(decode_result(&buf).unwrap(), r);
+        prop_assert_eq!(decode::<StepResult>(&buf).unwrap(), r);
+    }
+
+    /// Raw arrays by name (what Python sends) encode exactly like the rows they hold.
+    #[test]
+    fn arrays_encode_like_rows(r in result()) {
+        let mut rows = vec![0u8; r.encoded_len()];
+        encode(&r, &mut rows).unwrap();
+        let lay = layout_of::<StepResult>(&rows).unwrap();
+        let arrays: Vec<(String, Vec<u8>)> = lay
+            .arrays
+            .iter()
+            .map(|a| (a.name.clone(), rows[a.offset..a.offset + a.count * a.dtype.size()].to_vec()))
+            .collect();
+        let get = |n: &str| arrays.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_slice());
+        let mut raw = vec![0u8; rows.len()];
+        let n = encode_arrays::<StepResult>(r.step_id, get, &mut raw).unwrap();
+        prop_assert_eq!(&raw[..n], &rows[..]);
     }
 }
 
 #[test]
-fn worker_visible_arrays_match_plan_py() {
-    let mut buf = vec![0u8; 256];
-    encode_plan(&Plan::default(), &mut buf).unwrap();
-    let lay = plan_layout_of(&buf).unwrap();
-    let visible: Vec<_> = lay
-        .arrays
+fn array_names_follow_the_declaration() {
+    let names: Vec<(String, DType)> = Plan::array_names();
+    let find = |n: &str| names.iter().find(|(k, _)| k == n).map(|(_, d)| d.numpy());
+    assert_eq!(find("finished_slot"), Some("<u4"));
+    assert_eq!(find("new_temperature"), Some("<f4"));
+    assert_eq!(find("new_top_k"), Some("<i4"));
+    assert_eq!(find("new_seed"), Some("<i8"));
+    assert_eq!(find("new_stop_ids_len"), Some("<u4"));
+    assert_eq!(find("pt_pages"), Some("<u4"));
+    assert_eq!(find("sched_sample"), Some("u1"));
+    assert_eq!(find("sched_tokens"), Some("<u4"));
+    assert_eq!(find("copy_src"), Some("<u4"));
+    let names = StepResult::array_names();
+    assert!(names
         .iter()
-        .filter(|a| a.worker_visible)
-        .map(|a| a.name)
-        .collect();
-    assert_eq!(visible, WORKER_KEYS);
-    let dt = |n: &str| lay.array(n).unwrap().dtype.numpy();
-    assert_eq!(dt("new_seed"), "<i8");
-    assert_eq!(dt("new_top_k"), "<i4");
-    assert_eq!(dt("sample"), "u1");
-    assert_eq!(dt("new_temperature"), "<f4");
-    assert_eq!(dt("input_ids"), "<u4");
+        .any(|(n, d)| n == "event_tokens" && *d == DType::U32));
+    assert!(names
+        .iter()
+        .any(|(n, d)| n == "event_logprobs" && *d == DType::F32));
 }
 
 #[test]
-fn seed_none_is_minus_one() {
-    let mut p = Plan {
-        step_id: 3,
-        ..Default::default()
-    };
-    let seeds = [None, Some(7), Some(u64::MAX)];
-    for (i, s) in seeds.iter().enumerate() {
-        let sampling = SamplingParams {
-            seed: *s,
-            ..Default::default()
-        };
-        p.new_requests.push(NewRequestPlan {
-            slot: i as u32,
-            sampling,
-        });
-    }
-    let mut buf = vec![0u8; plan_encoded_len(&p)];
-    encode_plan(&p, &mut buf).unwrap();
-    let lay = plan_layout_of(&buf).unwrap();
-    let a = lay.array("new_seed").unwrap();
-    let got: Vec<i64> = (0..3)
-        .map(|i| {
-            i64::from_le_bytes(
-                buf[a.offset + 8 * i..a.offset + 8 * i + 8]
-                    .try_into()
-                    .unwrap(),
-            )
-        })
+fn missing_arrays_are_zeros_and_mismatched_ones_are_refused() {
+    let le = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let slot = le(&[4, 9]);
+    let (lens, toks) = (le(&[1, 2]), le(&[100, 200, 201]));
+    let lps: Vec<u8> = [-0.5f32, -1.0, -1.5]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
         .collect();
-    assert_eq!(got, [-1, 7, i64::MAX]);
+    let arrays = [
+        ("event_slot", &slot),
+        ("event_tokens_len", &lens),
+        ("event_tokens", &toks),
+        ("event_logprobs_len", &lens),
+        ("event_logprobs", &lps),
+    ];
+    let get = |n: &str| {
+        arrays
+            .iter()
+            .find(|(k, _)| *k == n)
+            .map(|(_, v)| v.as_slice())
+    };
+    let mut buf = vec![0u8; 4096];
+    encode_arrays::<StepResult>(11, get, &mut buf).unwrap();
+    let r = decode::<StepResult>(&buf).unwrap();
+    assert_eq!(r.step_id, 11);
+    assert_eq!(r.events[1].tokens, vec![200, 201]);
+    assert_eq!(r.events[1].logprobs, vec![-1.0, -1.5]);
+    assert_eq!((r.events[0].error, r.events[0].top_k), (0, 0));
+    let short = le(&[4]);
+    let bad = |n: &str| {
+        if n == "event_slot" {
+            Some(short.as_slice())
+        } else {
+            get(n)
+        }
+    };
+    assert!(matches!(
+        encode_arrays::<StepResult>(1, bad, &mut buf),
+        Err(IpcError::BadResult(_))
+    ));
+    let wrong_sum = le(&[1, 1]);
+    let bad = |n: &str| {
+        if n == "event_tokens_len" {
+            Some(wrong_sum.as_slice())
+        } else {
+            get(n)
+        }
+    };
+    assert!(matches!(
+        encode_arrays::<StepResult>(1, bad, &mut buf),
+        Err(IpcError::BadResult(_))
+    ));
 }
 
 #[test]
 fn too_small_buffer_is_an_error() {
     let p = Plan {
-        input_ids: vec![1; 100],
+        scheduled: vec![ScheduledRequest {
+            tokens: vec![1; 100],
+            ..Default::default()
+        }],
         ..Default::default()
     };
     let mut buf = vec![0u8; 64];
-    match encode_plan(&p, &mut buf) {
+    match encode(&p, &mut buf) {
         Err(IpcError::TooLarge { need, cap: 64 }) => assert!(need > 400),
         other => panic!("{other:?}"),
     }
 }
 
 #[test]
-fn result_bytes_checks_lengths_and_matches_struct_encoding() {
-    let le = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let lf = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let (slots, tokens, lps) = (le(&[4, 9]), le(&[100, 200]), lf(&[-0.5, -1.5]));
-    let (ids, tlps) = (le(&[1, 2, 3, 4]), lf(&[-0.1, -0.2, -0.3, -0.4]));
-    let ok = ResultBytes {
-        step_id: 11,
-        top_k: 2,
-        slots: &slots,
-        tokens: &tokens,
-        logprobs: &lps,
-        top_ids: &ids,
-        top_logprobs: &tlps,
+fn the_slot_bound_holds_the_largest_step() {
+    let l = StepLimits {
+        max_running: 4,
+        max_step_tokens: 32,
+        max_pages_per_request: 8,
     };
-    let mut buf = vec![0u8; ok.encoded_len().unwrap()];
-    encode_result_bytes(&ok, &mut buf).unwrap();
-    let r = decode_result(&buf).unwrap();
-    assert_eq!(r.step_id, 11);
-    assert_eq!(r.sampled[1].top_logprobs, vec![(3, -0.3), (4, -0.4)]);
-    let bad = ResultBytes { top_k: 3, ..ok };
-    assert!(matches!(bad.encoded_len(), Err(IpcError::BadResult(_))));
-    let bad = ResultBytes {
-        tokens: &tokens[..4],
-        ..ok
+    let full = Plan {
+        finished: vec![FinishedSlot::default(); 4],
+        new_requests: vec![
+            SamplingParams {
+                stop_ids: vec![1; 8],
+                ..Default::default()
+            };
+            4
+        ],
+        page_tables: vec![
+            PageTableUpdate {
+                pages: vec![1; 8],
+                ..Default::default()
+            };
+            8
+        ],
+        copies: vec![CopyOp::default(); 32],
+        scheduled: vec![
+            ScheduledRequest {
+                tokens: vec![1; 9],
+                ..Default::default()
+            };
+            4
+        ],
+        ..Default::default()
     };
-    assert!(matches!(
-        encode_result_bytes(&bad, &mut buf),
-        Err(IpcError::BadResult(_))
-    ));
+    assert!(full.encoded_len() <= Plan::max_encoded_len(&l));
+    let one_more = Plan {
+        scheduled: vec![
+            ScheduledRequest {
+                tokens: vec![1; 10],
+                ..Default::default()
+            };
+            4
+        ],
+        ..full
+    };
+    assert!(one_more.encoded_len() > Plan::max_encoded_len(&l));
 }
 
 #[test]
 fn garbage_is_rejected() {
-    assert!(matches!(decode_plan(&[0u8; 64]), Err(IpcError::Corrupt(_))));
     assert!(matches!(
-        decode_result(&[1u8; 10]),
+        decode::<Plan>(&[0u8; 64]),
         Err(IpcError::Corrupt(_))
     ));
-    // A plan header claiming more data than the payload holds.
+    assert!(matches!(
+        decode::<StepResult>(&[1u8; 10]),
+        Err(IpcError::Corrupt(_))
+    ));
     let p = Plan {
-        input_ids: vec![5; 10],
+        scheduled: vec![ScheduledRequest {
+            tokens: vec![5; 10],
+            ..Default::default()
+        }],
         ..Default::default()
     };
-    let mut buf = vec![0u8; plan_encoded_len(&p)];
-    encode_plan(&p, &mut buf).unwrap();
+    let mut buf = vec![0u8; p.encoded_len()];
+    encode(&p, &mut buf).unwrap();
+    // A header claiming more data than the payload holds.
     assert!(matches!(
-        decode_plan(&buf[..buf.len() - 8]),
+        decode::<Plan>(&buf[..buf.len() - 8]),
         Err(IpcError::Corrupt(_))
     ));
+    // List lengths that do not add up to the list's array.
+    let lay = layout_of::<Plan>(&buf).unwrap();
+    let lens = lay.array("sched_tokens_len").unwrap().offset;
+    buf[lens..lens + 4].copy_from_slice(&11u32.to_le_bytes());
+    assert!(matches!(decode::<Plan>(&buf), Err(IpcError::Corrupt(_))));
 }

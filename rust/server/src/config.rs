@@ -3,7 +3,9 @@
 use serde::{Deserialize, Serialize};
 
 /// Everything the Rust core needs to serve. Python resolves flags, spawns the workers and
-/// learns the KV capacity (`num_pages`) from them before building this.
+/// learns the KV capacity (`num_pages`) from them before building this. Values come from the
+/// flag table (`python/tokenspeed/config/table_*.py`), the one owner of defaults: nothing
+/// here restates one.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
@@ -22,7 +24,6 @@ pub struct ServerConfig {
     pub max_running_requests: u32,
     pub chunked_prefill_size: u32,
     pub max_prefill_tokens: u32,
-    #[serde(default = "default_policy")]
     pub schedule_policy: String,
     #[serde(default)]
     pub disable_radix_cache: bool,
@@ -34,26 +35,17 @@ pub struct ServerConfig {
     /// Skip the one-token generation that proves the whole path works before binding HTTP.
     #[serde(default)]
     pub skip_server_warmup: bool,
-    /// Requests waiting beyond this are refused with 503 (overload), not queued forever.
-    #[serde(default = "default_max_queued")]
+    /// Requests waiting beyond this are refused (overload), not queued forever.
     pub max_queued_requests: u32,
     /// Process ids of the worker ranks, watched for liveness.
     #[serde(default)]
     pub worker_pids: Vec<i32>,
-    /// Log a step line every this many steps (0 = never).
-    #[serde(default = "default_step_log_interval")]
+    /// Log a step line every this many steps (`--decode-log-interval`; 0 = never).
     pub step_log_interval: u64,
+    /// Serve Prometheus metrics at /metrics (`--enable-metrics`); without it the route is absent.
+    #[serde(default)]
+    pub enable_metrics: bool,
     /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
     #[serde(default)]
     pub server_info: serde_json::Value,
-}
-
-fn default_policy() -> String {
-    "fcfs".to_string()
-}
-fn default_max_queued() -> u32 {
-    4096
-}
-fn default_step_log_interval() -> u64 {
-    50
 }

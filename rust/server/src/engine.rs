@@ -46,7 +46,11 @@ pub struct EngineRequest {
     pub prompt_ids: Vec<u32>,
     pub sampling: SamplingParams,
     pub max_new_tokens: u32,
+    pub min_new_tokens: u32,
+    /// The user's stop token ids (they stop even with `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
+    /// The model's EOS ids (they stop unless `ignore_eos`).
+    pub eos_token_ids: Vec<u32>,
     pub ignore_eos: bool,
 }
 
@@ -58,12 +62,14 @@ pub struct TokenUsage {
     pub cached_tokens: u32,
 }
 
-/// One sampled token for a request, possibly its last.
+/// The tokens one step produced for a request (usually one), possibly its last.
 #[derive(Debug, Clone)]
 pub struct TokenEvent {
-    pub token: u32,
-    pub logprob: f32,
-    pub top_logprobs: Vec<(u32, f32)>,
+    pub tokens: Vec<u32>,
+    /// One per token.
+    pub logprobs: Vec<f32>,
+    /// One list per token; empty unless asked for.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub finish: Option<FinishReason>,
     pub usage: TokenUsage,
 }
@@ -186,17 +192,6 @@ pub struct EngineOptions {
     pub overlap: bool,
 }
 
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions {
-            max_queued_requests: 4096,
-            step_log_interval: 0,
-            liveness_interval: Duration::from_millis(200),
-            overlap: true,
-        }
-    }
-}
-
 /// Starts the engine thread.
 pub fn spawn_engine(
     config: SchedulerConfig,
@@ -240,13 +235,24 @@ pub fn spawn_engine(
                 max_batch: 0,
             };
             engine.publish_stats(0, 0);
-            engine.run();
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run()));
+            if let Err(panic) = run {
+                engine.after_panic(panic_message(panic.as_ref()));
+            }
         })
         .map_err(|e| format!("spawning the engine thread: {e}"))?;
     started_rx
         .recv()
         .map_err(|_| "the engine thread died at start".to_string())??;
     Ok((handle, thread))
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 struct LiveRequest {
@@ -391,8 +397,9 @@ impl EngineLoop {
             prompt: request.prompt_ids,
             sampling: request.sampling,
             max_new_tokens: request.max_new_tokens,
-            min_new_tokens: 0,
+            min_new_tokens: request.min_new_tokens,
             stop_token_ids: request.stop_token_ids,
+            eos_token_ids: request.eos_token_ids,
             ignore_eos: request.ignore_eos,
         };
         match self.scheduler.submit(req) {
@@ -483,10 +490,23 @@ impl EngineLoop {
                 .cached_prompt_tokens
                 .inc_by(u64::from(out.cached_tokens));
         }
+        if let Some(message) = out.error {
+            // The scheduler has dropped it already.
+            if let Some(live) = self.requests.remove(&id) {
+                let _ = live.events.send(EngineEvent::Error {
+                    message,
+                    kind: EngineErrorKind::Unavailable,
+                });
+            }
+            return;
+        }
         let finished = out.finished.is_some();
+        self.metrics
+            .generation_tokens
+            .inc_by(out.tokens.len() as u64);
         let event = EngineEvent::Token(TokenEvent {
-            token: out.token,
-            logprob: out.logprob,
+            tokens: out.tokens,
+            logprobs: out.logprobs,
             top_logprobs: out.top_logprobs,
             finish: out.finished,
             usage: TokenUsage {
@@ -495,7 +515,6 @@ impl EngineLoop {
                 cached_tokens: out.cached_tokens,
             },
         });
-        self.metrics.generation_tokens.inc();
         let delivered = live.events.send(event).is_ok();
         if finished {
             if let Some(live) = self.requests.remove(&id) {
@@ -508,6 +527,33 @@ impl EngineLoop {
             self.requests.remove(&id);
             self.scheduler.abort(id);
             self.metrics.requests_aborted.inc();
+        }
+    }
+
+    /// The engine thread panicked (a bug): /health fails, every request in flight ends with an
+    /// error, and so does every later one, until shutdown. The scheduler is not touched again:
+    /// its state may be what the panic left half-changed.
+    fn after_panic(&mut self, message: String) {
+        self.healthy.store(false, Ordering::Release);
+        tracing::error!(%message, "the engine thread panicked; failing all requests");
+        let error = |m: &str| EngineEvent::Error {
+            message: format!("the engine failed: {m}"),
+            kind: EngineErrorKind::Unavailable,
+        };
+        for (_, live) in self.requests.drain() {
+            let _ = live.events.send(error(&message));
+        }
+        while let Ok(cmd) = self.commands.recv() {
+            match cmd {
+                Command::Submit { events, .. } => {
+                    let _ = events.send(error(&message));
+                }
+                Command::FlushCache { reply } => {
+                    let _ = reply.send(false);
+                }
+                Command::Abort { .. } => {}
+                Command::Shutdown => return,
+            }
         }
     }
 
@@ -528,7 +574,7 @@ impl EngineLoop {
         if let Some(last) = self.in_flight.back().map(|p| p.step_id) {
             self.scheduler.advance(&StepResult {
                 step_id: last,
-                sampled: Vec::new(),
+                events: Vec::new(),
             });
         }
         self.in_flight.clear();

@@ -33,6 +33,8 @@ pub struct GenerationSpec {
     pub sampling: SamplingParams,
     /// None: up to the context length.
     pub max_new_tokens: Option<u32>,
+    /// No stop ends the request before this many tokens.
+    pub min_new_tokens: u32,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -99,11 +101,9 @@ pub async fn probe(
 ) -> Result<(), ApiError> {
     let spec = GenerationSpec {
         prompt,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        },
+        sampling: SamplingParams::greedy(),
         max_new_tokens: Some(1),
+        min_new_tokens: 0,
         stop: vec![],
         stop_token_ids: vec![],
         ignore_eos: true,
@@ -140,15 +140,22 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
         Some(m) => m,
         None => room,
     };
-    let mut stop_token_ids = spec.stop_token_ids.clone();
-    if !spec.ignore_eos {
-        stop_token_ids.extend_from_slice(state.tokenizer.eos_token_ids());
+    if spec.min_new_tokens > max_new_tokens {
+        return Err(ApiError::bad_param(
+            "min_tokens",
+            format!(
+                "min_tokens ({}) must not exceed max_tokens ({max_new_tokens})",
+                spec.min_new_tokens
+            ),
+        ));
     }
     let request = EngineRequest {
         prompt_ids: prompt_ids.clone(),
         sampling: spec.sampling,
         max_new_tokens,
-        stop_token_ids,
+        min_new_tokens: spec.min_new_tokens,
+        stop_token_ids: spec.stop_token_ids,
+        eos_token_ids: state.tokenizer.eos_token_ids().to_vec(),
         ignore_eos: spec.ignore_eos,
     };
     state.metrics.requests_total.inc();
@@ -233,31 +240,36 @@ impl Generation {
             }
         };
         let mut chunk = Chunk {
-            token_ids: vec![token.token],
-            logprobs: vec![TokenLogprob {
-                token: token.token,
-                logprob: token.logprob,
-                top: token.top_logprobs,
-            }],
             usage: token.usage,
             ..Chunk::default()
         };
-        let piece = match self.detok.push(&self.tokenizer, token.token) {
-            Ok(p) => p,
-            Err(e) => return Some(Err(ApiError::internal(format!("detokenizer: {e}")))),
-        };
-        let step = self.stops.push(&piece);
-        chunk.text = step.emit;
-        if step.stopped {
-            self.finished = true;
-            // The engine would keep generating: end the request now.
-            self.guard.engine.abort(self.guard.id);
-            self.guard.done = true;
-            chunk.finish = Some(Finish {
-                reason: "stop",
-                matched: step.matched.map(Value::String),
+        let n = token.tokens.len();
+        for (i, &id) in token.tokens.iter().enumerate() {
+            chunk.token_ids.push(id);
+            chunk.logprobs.push(TokenLogprob {
+                token: id,
+                logprob: token.logprobs.get(i).copied().unwrap_or(f32::NAN),
+                top: token.top_logprobs.get(i).cloned().unwrap_or_default(),
             });
-            return Some(Ok(chunk));
+            let piece = match self.detok.push(&self.tokenizer, id) {
+                Ok(p) => p,
+                Err(e) => return Some(Err(ApiError::internal(format!("detokenizer: {e}")))),
+            };
+            let step = self.stops.push(&piece);
+            chunk.text.push_str(&step.emit);
+            if step.stopped {
+                self.finished = true;
+                // The engine would keep generating: end the request now.
+                if i + 1 < n || token.finish.is_none() {
+                    self.guard.engine.abort(self.guard.id);
+                }
+                self.guard.done = true;
+                chunk.finish = Some(Finish {
+                    reason: "stop",
+                    matched: step.matched.map(Value::String),
+                });
+                return Some(Ok(chunk));
+            }
         }
         if let Some(reason) = token.finish {
             self.finished = true;
@@ -281,7 +293,7 @@ impl Generation {
                 },
                 FinishReason::Stop => Finish {
                     reason: "stop",
-                    matched: Some(Value::from(token.token)),
+                    matched: token.tokens.last().map(|&t| Value::from(t)),
                 },
             });
             return Some(Ok(chunk));

@@ -87,7 +87,7 @@ pub fn build_state(
         max_queued_requests: config.max_queued_requests as usize,
         step_log_interval: config.step_log_interval,
         overlap: !config.disable_overlap_schedule,
-        ..EngineOptions::default()
+        liveness_interval: std::time::Duration::from_millis(200),
     };
     let (engine, _thread) =
         engine::spawn_engine(scheduler_config(&config)?, link, options, metrics.clone())

@@ -1,7 +1,7 @@
 //! Request validation: one place that turns bad parameters into 400s naming the parameter
 //! and the numbers involved.
 
-use tokenspeed_engine::SamplingParams;
+use tokenspeed_engine::{SamplingParams, MAX_TOP_LOGPROBS, NO_SEED};
 
 use crate::http::error::ApiError;
 use crate::http::protocol::SamplingFields;
@@ -10,7 +10,7 @@ use crate::http::protocol::SamplingFields;
 pub fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingParams, ApiError> {
     let mut p = SamplingParams {
         top_logprobs,
-        ..SamplingParams::default()
+        ..SamplingParams::neutral()
     };
     if let Some(t) = f.temperature {
         if !t.is_finite() || t < 0.0 {
@@ -79,7 +79,8 @@ pub fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<Sampling
         }
         p.repetition_penalty = v;
     }
-    p.seed = f.seed;
+    // The worker seeds a 63-bit generator state.
+    p.seed = f.seed.map_or(NO_SEED, |s| (s & i64::MAX as u64) as i64);
     if let Some(n) = f.n {
         if n != 1 {
             return Err(ApiError::bad_param(
@@ -101,12 +102,12 @@ pub fn max_tokens(name: &str, value: Option<u32>) -> Result<Option<u32>, ApiErro
     }
 }
 
-/// Top logprobs asked for: OpenAI allows at most 20.
+/// Top logprobs asked for: at most `MAX_TOP_LOGPROBS` (OpenAI's limit).
 pub fn top_logprobs(name: &str, value: Option<u32>) -> Result<u32, ApiError> {
     match value {
-        Some(v) if v > 20 => Err(ApiError::bad_param(
+        Some(v) if v > MAX_TOP_LOGPROBS => Err(ApiError::bad_param(
             name,
-            format!("{name} must be at most 20, got {v}"),
+            format!("{name} must be at most {MAX_TOP_LOGPROBS}, got {v}"),
         )),
         v => Ok(v.unwrap_or(0)),
     }

@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use tokenspeed_engine::plan::SampledToken;
+use tokenspeed_engine::plan::RequestEvent;
 use tokenspeed_engine::{Plan, StepResult, LAST_SAMPLED};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
@@ -52,6 +52,9 @@ struct ScriptedWorker {
     dead: Arc<AtomicBool>,
     log: Arc<WorkerLog>,
     in_flight: usize,
+    /// Panics (on the engine thread, where links run) when asked to send this many plans.
+    panic_after: Option<usize>,
+    sent: usize,
 }
 
 impl ScriptedWorker {
@@ -63,13 +66,11 @@ impl ScriptedWorker {
             // Per slot: tokens sampled so far, and whether its previous step sampled.
             let mut produced = std::collections::HashMap::<u32, (usize, bool)>::new();
             for plan in plan_rx {
-                for slot in &plan.finished_slots {
-                    produced.remove(slot);
+                for f in &plan.finished {
+                    produced.remove(&f.slot);
                 }
-                let mut offset = 0;
                 for r in &plan.scheduled {
-                    let ids = &plan.input_ids[offset..offset + r.num_tokens as usize];
-                    offset += r.num_tokens as usize;
+                    let ids = &r.tokens;
                     let state = produced.entry(r.slot).or_insert((0, false));
                     if ids.contains(&LAST_SAMPLED) {
                         seen.placeholders.fetch_add(1, Ordering::Relaxed);
@@ -88,18 +89,18 @@ impl ScriptedWorker {
                         let (n, _) = produced.entry(r.slot).or_insert((0, false));
                         let token = script[*n % script.len()];
                         *n += 1;
-                        SampledToken {
+                        RequestEvent {
                             slot: r.slot,
-                            token,
-                            logprob: -0.5,
-                            top_logprobs: vec![],
+                            tokens: vec![token],
+                            logprobs: vec![-0.5],
+                            ..Default::default()
                         }
                     })
                     .collect();
                 if res_tx
                     .send(StepResult {
                         step_id: plan.step_id,
-                        sampled,
+                        events: sampled,
                     })
                     .is_err()
                 {
@@ -113,6 +114,8 @@ impl ScriptedWorker {
             dead,
             log,
             in_flight: 0,
+            panic_after: None,
+            sent: 0,
         }
     }
 }
@@ -120,6 +123,10 @@ impl ScriptedWorker {
 impl WorkerLink for ScriptedWorker {
     fn send_plan(&mut self, plan: &Plan) -> Result<(), LinkError> {
         self.check_alive()?;
+        self.sent += 1;
+        if self.panic_after.is_some_and(|n| self.sent > n) {
+            panic!("test hook: the engine thread panics");
+        }
         self.in_flight += 1;
         self.log
             .max_in_flight
@@ -163,6 +170,15 @@ fn harness(api_key: Option<&str>) -> Harness {
 }
 
 fn harness_with(api_key: Option<&str>, disable_overlap_schedule: bool) -> Harness {
+    harness_opts(api_key, disable_overlap_schedule, false, None)
+}
+
+fn harness_opts(
+    api_key: Option<&str>,
+    disable_overlap_schedule: bool,
+    enable_metrics: bool,
+    panic_after: Option<usize>,
+) -> Harness {
     let dir = smollm2_dir();
     let tok = TextTokenizer::from_dir(&dir, None).expect("tokenizer");
     let answer = " Paris is the capital.".to_string();
@@ -191,10 +207,12 @@ fn harness_with(api_key: Option<&str>, disable_overlap_schedule: bool) -> Harnes
         max_queued_requests: 100,
         worker_pids: vec![],
         step_log_interval: 0,
+        enable_metrics,
         server_info: Value::Null,
     };
     let log = Arc::new(WorkerLog::default());
-    let link = Box::new(ScriptedWorker::start(script, dead.clone(), log.clone()));
+    let mut link = Box::new(ScriptedWorker::start(script, dead.clone(), log.clone()));
+    link.panic_after = panic_after;
     let state = build_state(config, link).expect("state");
     Harness {
         state,
@@ -533,4 +551,129 @@ async fn dead_worker_fails_health_and_requests() {
         .contains("worker"));
     let (s, _) = call(&h.state, "GET", "/health", None, None).await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test]
+async fn an_engine_thread_panic_fails_health_and_every_request() {
+    let h = harness_opts(None, false, false, Some(2));
+    let body = r#"{"prompt": "The capital of France is", "max_tokens": 50}"#;
+    let (status, text) = call(&h.state, "POST", "/v1/completions", Some(body), None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    assert!(text.contains("engine failed"), "{text}");
+    let (status, _) = call(&h.state, "GET", "/health", None, None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let (status, text) = call(&h.state, "POST", "/v1/completions", Some(body), None).await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "later requests fail too: {text}"
+    );
+}
+
+#[tokio::test]
+async fn metrics_route_exists_only_with_enable_metrics() {
+    let off = harness_opts(None, false, false, None);
+    let (status, _) = call(&off.state, "GET", "/metrics", None, None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let on = harness_opts(None, false, true, None);
+    let (status, text) = call(&on.state, "GET", "/metrics", None, None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(text.contains("tokenspeed"), "{text}");
+}
+
+#[tokio::test]
+async fn stop_token_ids_are_honoured_with_ignore_eos() {
+    let h = harness(None);
+    let tok = &h.state.tokenizer;
+    let is = tok.encode(" is", false).expect("encode")[0];
+    let body = format!(
+        r#"{{"prompt": "The capital of France is", "max_tokens": 40, "ignore_eos": true,
+            "stop_token_ids": [{is}]}}"#
+    );
+    let (status, text) = call(&h.state, "POST", "/v1/completions", Some(&body), None).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v = json_of(&text);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["matched_stop"], is);
+    assert_eq!(v["choices"][0]["text"], " Paris is");
+}
+
+#[tokio::test]
+async fn min_tokens_holds_off_eos_on_every_route() {
+    let h = harness(None);
+    let script_len = h
+        .state
+        .tokenizer
+        .encode(&h.answer, false)
+        .expect("encode")
+        .len()
+        + 1;
+    let min = script_len as u32 + 3;
+    for (path, body) in [
+        (
+            "/v1/completions",
+            format!(r#"{{"prompt": "Hi", "max_tokens": 40, "min_tokens": {min}}}"#),
+        ),
+        (
+            "/v1/chat/completions",
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "Hi"}}], "max_tokens": 40,
+                    "min_tokens": {min}}}"#
+            ),
+        ),
+        (
+            "/generate",
+            format!(
+                r#"{{"text": "Hi", "sampling_params": {{"max_new_tokens": 40,
+                    "min_new_tokens": {min}}}}}"#
+            ),
+        ),
+    ] {
+        let (status, text) = call(&h.state, "POST", path, Some(&body), None).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {text}");
+        let v = json_of(&text);
+        let usage = if path == "/generate" {
+            &v["meta_info"]
+        } else {
+            &v["usage"]
+        };
+        let n = usage["completion_tokens"].as_u64().unwrap_or(0);
+        assert!(
+            n >= u64::from(min),
+            "{path}: {n} tokens < min_tokens {min}: {text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn native_generate_returns_logprobs_when_asked() {
+    let h = harness(None);
+    let body = r#"{"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                   "return_logprob": true, "top_logprobs_num": 2}"#;
+    let (status, text) = call(&h.state, "POST", "/generate", Some(body), None).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v = json_of(&text);
+    let lps = v["meta_info"]["output_token_logprobs"]
+        .as_array()
+        .expect("logprobs");
+    assert_eq!(lps.len(), 4);
+    assert_eq!(lps[0][0], -0.5);
+    assert_eq!(lps[0][1], v["output_ids"][0]);
+    assert_eq!(
+        v["meta_info"]["output_top_logprobs"]
+            .as_array()
+            .map(Vec::len),
+        Some(4)
+    );
+    let (_, plain) = call(
+        &h.state,
+        "POST",
+        "/generate",
+        Some(r#"{"text": "Hi"}"#),
+        None,
+    )
+    .await;
+    assert!(json_of(&plain)["meta_info"]
+        .get("output_token_logprobs")
+        .is_none());
 }

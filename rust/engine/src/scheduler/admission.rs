@@ -5,8 +5,7 @@
 //! uncached prompt and expected growth too; an idle engine always admits.
 
 use super::{
-    Active, NewRequestPlan, Phase, SchedulePolicy, Scheduler, Sequence, StepBuilder,
-    LPM_MAX_WAITING, RESERVE_CLIP,
+    Active, Phase, SchedulePolicy, Scheduler, Sequence, StepBuilder, LPM_MAX_WAITING, RESERVE_CLIP,
 };
 
 impl Scheduler {
@@ -80,10 +79,7 @@ impl Scheduler {
             };
             seq.cached_tokens
                 .get_or_insert(m.len.min(seq.req.prompt.len()) as u32);
-            step.plan.new_requests.push(NewRequestPlan {
-                slot,
-                sampling: seq.req.sampling,
-            });
+            step.plan.new_requests.push(seq.worker_params(slot));
             step.add_pages(slot, 0, &m.pages);
             seq.phase = Phase::Prefilling(Active {
                 slot,
@@ -92,9 +88,8 @@ impl Scheduler {
                 prefix_pages: m.pages,
                 own,
                 computed: m.len,
-                cached_len: m.len as u32,
                 in_flight: 0,
-                pending_samples: 0,
+                drafting: false,
                 pending_table: None,
             });
             self.next_epoch += 1;

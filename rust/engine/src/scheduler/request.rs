@@ -51,21 +51,6 @@ pub struct SchedulerConfig {
     pub max_context_len: u32,
 }
 
-impl Default for SchedulerConfig {
-    fn default() -> Self {
-        SchedulerConfig {
-            page_size: 1,
-            num_pages: 4096,
-            max_running_requests: 256,
-            chunked_prefill_size: 8192,
-            max_prefill_tokens: 16384,
-            policy: SchedulePolicy::Fcfs,
-            enable_radix_cache: true,
-            max_context_len: 4096,
-        }
-    }
-}
-
 impl SchedulerConfig {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         let positive = [
@@ -98,33 +83,37 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// At least 1.
     pub max_new_tokens: u32,
-    /// No stop token ends the request before this many tokens.
+    /// No stop token ends the request before this many tokens (the worker masks them).
     pub min_new_tokens: u32,
-    /// Tokens that end generation (the model's EOS ids and the user's stop_token_ids); the
-    /// stop token itself is the last output.
+    /// The user's tokens that end generation; the stop token itself is the last output.
     pub stop_token_ids: Vec<u32>,
-    /// Generate until `max_new_tokens`, ignoring `stop_token_ids`.
+    /// The model's end-of-sequence ids: they end generation unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
     pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FinishReason {
-    /// A stop token was sampled (it is the output's `token`).
+    /// A stop token was sampled (the output's last token).
     Stop,
     /// `max_new_tokens` reached.
     Length,
 }
 
-/// One sampled token of one request.
+/// What one step produced for one request: its accepted tokens (usually one), or an error.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestOutput {
     pub id: u64,
-    pub token: u32,
-    pub logprob: f32,
-    pub top_logprobs: Vec<(u32, f32)>,
+    pub tokens: Vec<u32>,
+    /// One per token.
+    pub logprobs: Vec<f32>,
+    /// One list of (token, logprob) per token, best first; empty lists unless asked for.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Set on the request's last output; the request is gone from the scheduler afterwards.
     pub finished: Option<FinishReason>,
+    /// The worker failed this request; it is gone from the scheduler.
+    pub error: Option<String>,
     pub prompt_tokens: u32,
     /// Prompt tokens served from the prefix cache (at first admission).
     pub cached_tokens: u32,

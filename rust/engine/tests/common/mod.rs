@@ -13,9 +13,23 @@
 use std::collections::{HashMap, VecDeque};
 
 use tokenspeed_engine::{
-    FinishReason, Plan, Request, RequestOutput, SampledToken, Scheduler, SchedulerConfig,
-    StepResult, LAST_SAMPLED,
+    FinishReason, Plan, Request, RequestEvent, RequestOutput, SchedulePolicy, Scheduler,
+    SchedulerConfig, StepResult, LAST_SAMPLED,
 };
+
+/// A small engine's settings; tests override what they exercise.
+pub fn base_config() -> SchedulerConfig {
+    SchedulerConfig {
+        page_size: 1,
+        num_pages: 4096,
+        max_running_requests: 256,
+        chunked_prefill_size: 8192,
+        max_prefill_tokens: 16384,
+        policy: SchedulePolicy::Fcfs,
+        enable_radix_cache: true,
+        max_context_len: 4096,
+    }
+}
 
 pub fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
     SchedulerConfig {
@@ -26,7 +40,7 @@ pub fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
         max_prefill_tokens: 1024,
         enable_radix_cache: true,
         max_context_len: 1024,
-        ..SchedulerConfig::default()
+        ..base_config()
     }
 }
 
@@ -80,6 +94,9 @@ pub struct FakeWorker {
     /// The KV cache: which token's KV sits at `page * page_size + offset`.
     kv: Vec<Option<u32>>,
     last_step: Option<u64>,
+    /// Tokens a slot's sampling steps return: the true continuation, as a perfect drafter
+    /// would (speculative decoding accepting several tokens); 1 when absent.
+    pub accept: HashMap<u32, usize>,
 }
 
 impl FakeWorker {
@@ -89,6 +106,7 @@ impl FakeWorker {
             slots: HashMap::new(),
             kv: vec![None; (config.num_pages * config.page_size) as usize],
             last_step: None,
+            accept: HashMap::new(),
         }
     }
 
@@ -99,7 +117,8 @@ impl FakeWorker {
             assert_eq!(plan.step_id, last + 1, "step ids increment");
         }
         self.last_step = Some(plan.step_id);
-        for slot in &plan.finished_slots {
+        for f in &plan.finished {
+            let slot = &f.slot;
             assert!(
                 self.slots.remove(slot).is_some(),
                 "finished slot {slot} was live"
@@ -112,7 +131,7 @@ impl FakeWorker {
                 new.slot
             );
         }
-        for u in &plan.page_table_updates {
+        for u in &plan.page_tables {
             let table = &mut self
                 .slots
                 .get_mut(&u.slot)
@@ -120,7 +139,7 @@ impl FakeWorker {
                 .table;
             // Updates append, or rewrite a prefix with pages of identical content (the radix
             // tree's copy): the KV checks below catch a rewrite to the wrong pages.
-            let first = u.first_index as usize;
+            let first = u.first as usize;
             assert!(first <= table.len(), "page update leaves a hole");
             for (i, &p) in u.pages.iter().enumerate() {
                 match table.get_mut(first + i) {
@@ -129,21 +148,12 @@ impl FakeWorker {
                 }
             }
         }
-        let total: u32 = plan.scheduled.iter().map(|r| r.num_tokens).sum();
-        assert_eq!(
-            total as usize,
-            plan.input_ids.len(),
-            "input ids are the scheduled tokens"
-        );
-        let mut sampled = Vec::new();
-        let mut offset = 0;
+        let mut events = Vec::new();
         for r in &plan.scheduled {
             let slot = self.slots.get_mut(&r.slot).expect("scheduled slot is live");
+            assert!(!r.tokens.is_empty(), "a scheduled request feeds tokens");
             if slot.computed == 0 {
-                assert_eq!(
-                    r.start_pos, r.cached_len,
-                    "a new request starts after its cached prefix"
-                );
+                // A new request starts after its cached prefix (its KV is in the table).
                 slot.computed = r.start_pos as usize;
             }
             // The one overlap allowed: the last position fed again after its sampled token was
@@ -155,17 +165,16 @@ impl FakeWorker {
                 r.start_pos,
                 slot.computed
             );
-            let end = (r.start_pos + r.num_tokens) as usize;
+            let end = r.start_pos as usize + r.tokens.len();
             assert!(
                 slot.table.len() * ps >= end,
                 "pages cover every position written"
             );
-            let input = &plan.input_ids[offset..offset + r.num_tokens as usize];
-            for (i, &tok) in input.iter().enumerate() {
+            for (i, &tok) in r.tokens.iter().enumerate() {
                 let tok = if tok == LAST_SAMPLED {
                     // Only as a lone decode token right after a sampling step of this slot,
                     // at the position that step's token belongs to (checked above).
-                    assert_eq!(r.num_tokens, 1, "LAST_SAMPLED only in a one-token decode");
+                    assert_eq!(r.tokens.len(), 1, "LAST_SAMPLED only in a one-token decode");
                     assert!(
                         slot.prev_sampled,
                         "LAST_SAMPLED right after a sampling step"
@@ -178,28 +187,33 @@ impl FakeWorker {
                 let pos = r.start_pos as usize + i;
                 self.kv[slot.table[pos / ps] as usize * ps + pos % ps] = Some(tok);
             }
-            offset += r.num_tokens as usize;
             slot.computed = end;
             slot.prev_sampled = r.sample;
             if r.sample {
-                let seq: Vec<u32> = (0..end)
+                let mut seq: Vec<u32> = (0..end)
                     .map(|pos| {
                         self.kv[slot.table[pos / ps] as usize * ps + pos % ps].expect("KV present")
                     })
                     .collect();
-                let token = next_token(&seq);
-                slot.last_sampled = Some(token);
-                sampled.push(SampledToken {
+                let n = self.accept.get(&r.slot).copied().unwrap_or(1);
+                let mut tokens = Vec::new();
+                for _ in 0..n {
+                    let t = next_token(&seq);
+                    seq.push(t);
+                    tokens.push(t);
+                }
+                slot.last_sampled = tokens.last().copied();
+                events.push(RequestEvent {
                     slot: r.slot,
-                    token,
-                    logprob: -0.5,
-                    top_logprobs: vec![],
+                    logprobs: vec![-0.5; tokens.len()],
+                    tokens,
+                    ..RequestEvent::default()
                 });
             }
         }
         StepResult {
             step_id: plan.step_id,
-            sampled,
+            events,
         }
     }
 }
@@ -254,8 +268,8 @@ impl Harness {
         let made = plan.is_some();
         if let Some(plan) = plan {
             let mut result = self.worker.execute(&plan);
-            if self.lose_samples_at.contains(&plan.step_id) && !result.sampled.is_empty() {
-                result.sampled.remove(0);
+            if self.lose_samples_at.contains(&plan.step_id) && !result.events.is_empty() {
+                result.events.remove(0);
             }
             self.in_flight.push_back(result);
             self.plans.push(plan);
@@ -286,9 +300,15 @@ impl Harness {
             "request {}: output after its last",
             out.id
         );
+        let before: usize = outs.iter().map(|o| o.tokens.len()).sum();
+        assert!(
+            !out.tokens.is_empty(),
+            "request {}: an output has tokens",
+            out.id
+        );
         assert_eq!(
             out.completion_tokens as usize,
-            outs.len() + 1,
+            before + out.tokens.len(),
             "request {}: each token counted once",
             out.id
         );
@@ -319,7 +339,7 @@ impl Harness {
     pub fn tokens(&self, id: u64) -> Vec<u32> {
         self.outputs
             .get(&id)
-            .map(|o| o.iter().map(|o| o.token).collect())
+            .map(|o| o.iter().flat_map(|o| o.tokens.iter().copied()).collect())
             .unwrap_or_default()
     }
 

@@ -66,12 +66,13 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             require_api_key,
         ));
-    Router::new()
-        .route("/health", get(native::health))
-        .route("/metrics", get(native::metrics))
-        .merge(api)
-        .fallback(not_found)
-        .with_state(state)
+    let open = Router::new().route("/health", get(native::health));
+    let open = if state.config.enable_metrics {
+        open.route("/metrics", get(native::metrics))
+    } else {
+        open
+    };
+    open.merge(api).fallback(not_found).with_state(state)
 }
 
 async fn not_found(req: Request) -> ApiError {

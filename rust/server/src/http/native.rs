@@ -17,19 +17,36 @@ use super::{ok_json, AppState};
 use crate::generate::{self, Chunk, GenerationSpec, Prompt};
 use crate::validate;
 
-fn meta_info(id: &str, chunk: &Chunk, started: Instant) -> Value {
+/// SGLang's `meta_info`; with `return_logprob`, `output_token_logprobs` as
+/// `[logprob, token_id, null]` per token and `output_top_logprobs` as a list of those per token.
+fn meta_info(id: &str, chunk: &Chunk, started: Instant, logprobs: bool) -> Value {
     let finish = chunk.finish.as_ref().map(|f| match f.reason {
         "length" => json!({"type": "length", "length": chunk.usage.completion_tokens}),
         reason => json!({"type": reason, "matched": f.matched}),
     });
-    json!({
+    let mut meta = json!({
         "id": id,
         "prompt_tokens": chunk.usage.prompt_tokens,
         "completion_tokens": chunk.usage.completion_tokens,
         "cached_tokens": chunk.usage.cached_tokens,
         "finish_reason": finish,
         "e2e_latency": started.elapsed().as_secs_f64(),
-    })
+    });
+    if logprobs {
+        let tokens: Vec<Value> = chunk
+            .logprobs
+            .iter()
+            .map(|l| json!([l.logprob, l.token, null]))
+            .collect();
+        let tops: Vec<Value> = chunk
+            .logprobs
+            .iter()
+            .map(|l| Value::Array(l.top.iter().map(|(t, lp)| json!([lp, t, null])).collect()))
+            .collect();
+        meta["output_token_logprobs"] = Value::Array(tokens);
+        meta["output_top_logprobs"] = Value::Array(tops);
+    }
+    meta
 }
 
 pub async fn generate(State(state): State<AppState>, body: Bytes) -> Response {
@@ -54,7 +71,8 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         }
     };
     let sp = &req.sampling_params;
-    let top = if req.return_logprob.unwrap_or(false) {
+    let want_logprobs = req.return_logprob.unwrap_or(false);
+    let top = if want_logprobs {
         validate::top_logprobs("top_logprobs_num", req.top_logprobs_num)?
     } else {
         0
@@ -66,6 +84,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
             "max_new_tokens",
             Some(sp.max_new_tokens.unwrap_or(128)),
         )?,
+        min_new_tokens: sp.min_new_tokens.or(sp.sampling.min_tokens).unwrap_or(0),
         stop: sp
             .sampling
             .stop
@@ -94,10 +113,11 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
                     Ok(c) => {
                         acc.text.push_str(&c.text);
                         acc.token_ids.extend(c.token_ids);
+                        acc.logprobs.extend(c.logprobs);
                         acc.usage = c.usage;
                         acc.finish = c.finish;
                         yield Ok::<_, Infallible>(Event::default().data(json!({
-                            "text": acc.text, "output_ids": acc.token_ids, "meta_info": meta_info(&id, &acc, started),
+                            "text": acc.text, "output_ids": acc.token_ids, "meta_info": meta_info(&id, &acc, started, want_logprobs),
                         }).to_string()));
                     }
                     Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
@@ -109,7 +129,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     }
     let all = gen.collect().await?;
     Ok(ok_json(
-        json!({"text": all.text, "output_ids": all.token_ids, "meta_info": meta_info(&id, &all, started)}),
+        json!({"text": all.text, "output_ids": all.token_ids, "meta_info": meta_info(&id, &all, started, want_logprobs)}),
     ))
 }
 

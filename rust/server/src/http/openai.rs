@@ -47,6 +47,7 @@ fn spec_from(
         prompt,
         sampling: validate::sampling_params(f, top_logprobs)?,
         max_new_tokens: max_tokens,
+        min_new_tokens: f.min_tokens.unwrap_or(0),
         stop: f.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: f.ignore_eos.unwrap_or(false),

@@ -44,6 +44,8 @@ pub struct SamplingFields {
     pub presence_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub seed: Option<u64>,
+    /// vLLM's: no stop ends generation before this many tokens.
+    pub min_tokens: Option<u32>,
     pub stop: Option<StopField>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,

@@ -1,0 +1,131 @@
+"""FP8 linear kernels vs bf16 at Llama-3.1-8B shapes (GPU only): decode (M = 1..8) and prefill-sized M.
+
+Implementations (GPU us per call, weights cycled over copies > 5x L2 so they come from DRAM, timed
+inside CUDA graphs with bench_kernels.graph_ms, as bench_gemv.py does):
+  bf16        F.linear (cuBLAS), the bf16 baseline
+  bf16_gemv   skinny_linear (the runtime's bf16 path for M <= 8)
+  fp8_gemv    skinny_linear(weight_scale=): fp8 weights, bf16 activations (runtime, M <= 8)
+  fp8_gemv_k2 the same with BLOCK_K doubled (the bf16-tuned tile streams half the bytes per step
+              with fp8: a hint for retuning gemv._pick_config for fp8 weights)
+  scaled_mm   per_token_quant_fp8 + torch._scaled_mm row-wise (runtime, M > 8)
+  mm_only     torch._scaled_mm alone (activations already fp8): the cuBLAS kernel's own time
+  triton_mm   per_token_quant_fp8 + tokenspeed_kernels.fp8_matmul (TOKENSPEED_FP8_GEMM=triton)
+"whole step" = 32 x (qkv + o_proj + gate_up + down) + lm_head (lm_head stays bf16 in the runtime:
+its bf16 time is used in every column). Each fp8 result is checked against the fp32 matmul of
+the dequantised weights (and, for W8A8, of the exact activations: per-token rounding adds ~1-2%).
+
+Run: cd kernels && PYTHONPATH=.:../python python3 bench/bench_fp8.py [--ms 1,2,4,8,64,512,4096] [--out f.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_kernels import graph_ms, rel_err
+
+from tokenspeed_kernels import fp8_matmul, gemv, per_token_quant_fp8, skinny_linear
+
+LAYERS = 32
+SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+          ("lm_head", 128256, 4096)]  # fmt: skip
+COLD_BYTES = 256 << 20
+FP8 = torch.float8_e4m3fn
+GEMV_MAX_M = 8
+TOL = {"bf16_gemv": 2e-2, "fp8_gemv": 2e-2, "fp8_gemv_k2": 2e-2, "scaled_mm": 5e-2, "mm_only": 5e-2, "triton_mm": 5e-2}
+
+
+def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = w.float().abs().amax(dim=1).clamp_min(1e-12) / 448.0
+    return (w.float() / s[:, None]).clamp(-448, 448).to(FP8), s
+
+
+def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    return torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
+
+
+def impls_for(m: int, n: int, k: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]]:
+    """name -> fn(x, w_bf16, (w_fp8, w_scale, x_fp8, x_scale))."""
+    out: dict[str, Callable[..., torch.Tensor]] = {"bf16": lambda x, w, q: F.linear(x, w)}
+    if m <= 16:
+        cfg = gemv._pick_config(m, n, k, torch.bfloat16, torch.cuda.get_device_properties(0).multi_processor_count)
+        k2 = dataclasses.replace(cfg, block_k=min(2 * cfg.block_k, 4096))
+        out["bf16_gemv"] = lambda x, w, q: skinny_linear(x, w)
+        out["fp8_gemv"] = lambda x, w, q: skinny_linear(x, q[0], weight_scale=q[1])
+        out["fp8_gemv_k2"] = lambda x, w, q: skinny_linear(x, q[0], weight_scale=q[1], config=k2)
+    out["scaled_mm"] = lambda x, w, q: scaled_mm(*per_token_quant_fp8(x), q[0], q[1])
+    out["mm_only"] = lambda x, w, q: scaled_mm(q[2], q[3], q[0], q[1])
+    out["triton_mm"] = lambda x, w, q: fp8_matmul(*per_token_quant_fp8(x), q[0], q[1], torch.bfloat16)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,2,4,8,64,512,4096")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    rows: list[dict[str, Any]] = []
+    step: dict[int, dict[str, float]] = {m: {} for m in ms}
+    failures = 0
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name, n, k in SHAPES:
+        copies = max(2, math.ceil(COLD_BYTES / (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        qs = [per_channel(w) for w in ws]
+        mult = 1 if name == "lm_head" else LAYERS
+        for m in ms:
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in ws]
+            packs = [(q, s, *per_token_quant_fp8(x)) for (q, s), x in zip(qs, xs)]
+            ref = xs[0].float() @ (qs[0][0].float() * qs[0][1][:, None]).T
+            row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m}
+            cells = []
+            for impl, fn in impls_for(m, n, k).items():
+                try:
+                    if impl != "bf16":
+                        err = rel_err(fn(xs[0], ws[0], packs[0]), ref)
+                        row[f"{impl}_err"] = err
+                        if err > TOL[impl]:
+                            failures += 1
+                            cells.append(f"{impl} ERR {err:.1e}")
+                    calls = max(2 * copies, min(256, math.ceil(4.0 / (n * k * 2 / 2.5e9))))
+                    fns = [lambda x=x, w=w, p=p, fn=fn: fn(x, w, p) for x, w, p in zip(xs, ws, packs)]
+                    us = graph_ms(fns, calls, 10) * 1e3
+                    row[f"{impl}_us"] = us
+                    cells.append(f"{impl} {us:.1f}")
+                    key = "bf16" if name == "lm_head" else impl  # lm_head stays bf16
+                    step[m][impl] = step[m].get(impl, 0.0) + mult * row.get(f"{key}_us", us) / 1e3
+                except Exception as e:  # noqa: BLE001 - report, go on
+                    failures += 1
+                    row[f"{impl}_error"] = repr(e)
+                    cells.append(f"{impl} FAILED {e!r}")
+                    traceback.print_exc()
+            print(f"| {name} {n}x{k} | M={m} | " + " | ".join(cells) + " |", flush=True)
+            rows.append(row)
+        del ws, qs
+        torch.cuda.empty_cache()
+    print("\nwhole step, ms (32 x (qkv + o_proj + gate_up + down) + lm_head in bf16):")
+    for m in ms:
+        print(f"| M={m} | " + " | ".join(f"{k} {v:.3f}" for k, v in step[m].items()) + " |")
+        rows.append({"shape": "decode_step", "m": m, **{f"{k}_ms": v for k, v in step[m].items()}})
+    print(f"{len(rows)} rows, {failures} failures")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps({"device": torch.cuda.get_device_name(), **r}) + "\n" for r in rows)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

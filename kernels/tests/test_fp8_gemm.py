@@ -1,0 +1,82 @@
+"""FP8 linear kernels: per-token activation quantisation (vs torch, and its round-trip error
+bound), the Triton W8A8 matmul and the FP8-weight GEMV (skinny_linear(weight_scale=)) against
+dequantise-then-matmul fp32 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import TOL, rel_err
+from tokenspeed_kernels import fp8_matmul, per_token_quant_fp8, skinny_linear
+from tokenspeed_kernels.fp8_gemm import ref_per_token_quant_fp8
+from tokenspeed_kernels.gemv import GemvConfig
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row fp8 weights and scales (the layout the runtime keeps)."""
+    scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 448.0
+    return (w.float() / scale[:, None]).clamp(-448, 448).to(E4M3), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 300), (3, 5000)])
+def test_per_token_quant(dtype: torch.dtype, m: int, k: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]  # rows of any size
+    x[0, :3] = 0.0
+    x = x.to(dtype)
+    q, s = per_token_quant_fp8(x.to(device))
+    rq, rs = ref_per_token_quant_fp8(x)
+    torch.testing.assert_close(s.cpu(), rs, rtol=1e-6, atol=0)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+    # Round trip: 3 mantissa bits -> relative error <= 2^-4 (subnormals: half a step of 2^-9).
+    err = (q.cpu().float() * rs[:, None] - x.float()).abs()
+    assert (err <= torch.maximum(x.float().abs() * 2**-4, rs[:, None] * 2**-10) * 1.0001).all()
+    assert q.float().abs().amax(dim=1).min() == 448.0  # each row's amax maps to the max
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (37, 70, 100), (64, 33, 257)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_matmul_matches_dequantised_reference(m: int, n: int, k: int, bias: bool, device: str) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    a, a_s = ref_per_token_quant_fp8(torch.randn(m, k, generator=gen))
+    b, b_s = _per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    bvec = torch.randn(n, generator=gen) if bias else None
+    ref = (a.float() * a_s[:, None]) @ (b.float() * b_s[:, None]).T
+    if bvec is not None:
+        ref += bvec
+    dev = [t.to(device) if t is not None else None for t in (a, a_s, b, b_s, bvec)]
+    out = fp8_matmul(dev[0], dev[1], dev[2], dev[3], torch.float32, bias=dev[4])
+    assert out.shape == (m, n) and rel_err(out.cpu(), ref) < 1e-5
+    out16 = fp8_matmul(*dev[:4], torch.bfloat16, bias=dev[4])
+    assert out16.dtype == torch.bfloat16 and rel_err(out16.cpu(), ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(37, 100), (130, 2100)])  # ragged; long K: the split-K path
+def test_fp8_gemv_matches_dequantised_reference(dtype: torch.dtype, m: int, n: int, k: int,
+                                                device: str) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w, s = _per_channel(torch.randn(n, k, generator=gen) * 0.05)
+    b = torch.randn(n, generator=gen).to(dtype)
+    ref = x.float() @ (w.float() * s[:, None]).T + b.float()
+    out = skinny_linear(x.to(device), w.to(device), b.to(device), weight_scale=s.to(device))
+    assert out.dtype == dtype and rel_err(out.cpu(), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=32, num_warps=1),
+                                 GemvConfig(block_n=16, block_k=32, use_dot=True, split_k=3)],
+                         ids=["fma", "dot-split3"])
+def test_fp8_gemv_configs(cfg: GemvConfig, device: str) -> None:
+    """Both inner products (the dot path converts fp8 tiles to x's dtype) and split-K."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 333, generator=gen).to(torch.bfloat16)
+    w, s = _per_channel(torch.randn(45, 333, generator=gen))
+    ref = x.float() @ (w.float() * s[:, None]).T
+    out = skinny_linear(x.to(device), w.to(device), weight_scale=s.to(device), config=cfg)
+    assert rel_err(out.cpu(), ref) < TOL[torch.bfloat16]

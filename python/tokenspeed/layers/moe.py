@@ -1,0 +1,200 @@
+"""Mixture-of-experts MLP: a router and a bank of gated experts, with expert and MoE tensor
+parallelism as parameters.
+
+Parallel layout (split TP of seed 001): the ranks of one MoE layer form an ep_size x tp_size grid.
+EP rank r owns the contiguous experts [r * E / ep_size, (r + 1) * E / ep_size); moe-TP rank t owns
+the slice [t * I / tp_size, (t + 1) * I / tp_size) of every expert's intermediate dimension (rows
+of gate and up, columns of down). Every rank sees every token (attention TP replicates the
+activations) and computes a partial output: zero for the experts it does not hold, a partial sum
+over its intermediate slice for the ones it does. The partials of all ep_size * tp_size ranks sum
+to the full output, so `MoeCommunication.combine` is an all-reduce over that group. With data
+parallel attention (DP + EP) `dispatch` all-gathers the replicas' tokens first and `combine`
+reduce-scatters instead. The process groups come from the parallel runtime; this module only
+calls the hook.
+
+Backends: `torch_native` (CPU and reference: a loop over the experts that receive tokens, which
+reads the per-expert counts on the host, so it cannot run inside a CUDA graph) and `triton`
+(tokenspeed_kernels.fused_moe: no host syncs, the default on CUDA, used in decode graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tokenspeed.layers.linear import linear
+from tokenspeed.models.config import ModelConfig
+
+MOE_BACKENDS = ("triton", "torch_native")
+GRAPH_SAFE_MOE_BACKENDS = ("triton",)
+
+
+def resolve_moe_backend(name: str | None, device: torch.device) -> str:
+    """None/"auto": triton on CUDA, torch_native elsewhere."""
+    if name in (None, "", "auto"):
+        return "triton" if device.type == "cuda" else "torch_native"
+    if name not in MOE_BACKENDS:
+        raise ValueError(f"--moe-backend {name!r} is not one of {', '.join(MOE_BACKENDS)}")
+    if name == "triton" and device.type != "cuda":
+        from tokenspeed_kernels._utils import interpreting
+
+        if not interpreting():
+            raise ValueError(f"--moe-backend triton needs a CUDA device (device is {device.type}; "
+                             "use torch_native, or TRITON_INTERPRET=1 for a slow CPU run)")
+    return name
+
+
+@dataclass(frozen=True)
+class MoeParallel:
+    """This rank's place in the MoE grid (see the module docstring)."""
+
+    ep_rank: int = 0
+    ep_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """Runtime choices for the MoE layers of a model (not architecture facts)."""
+
+    backend: str = "torch_native"
+    parallel: MoeParallel = MoeParallel()
+
+
+class MoeCommunication(Protocol):
+    """Where tokens meet the experts across ranks; the parallel runtime provides it."""
+
+    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+
+class SingleRank:
+    """One rank holds every expert whole: nothing to exchange."""
+
+    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, router_logits
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+
+def moe_torch_native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     expert_start: int = 0) -> torch.Tensor:
+    """Reference: per local expert, gather its tokens, gate_up → SiLU-and-mul → down, scale by the
+    routing weight and add into the token's output (fp32)."""
+    tokens, hidden = x.shape
+    num_local, top_k = w13.shape[0], topk_ids.shape[1]
+    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
+    local = topk_ids.reshape(-1).long() - expert_start
+    key = torch.where((local >= 0) & (local < num_local), local, num_local)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_local + 1).tolist()  # host sync: eager only
+    weights = topk_weights.reshape(-1)
+    start = 0
+    for e, count in enumerate(counts[:num_local]):
+        if count:
+            assign = order[start:start + count]
+            rows = assign // top_k
+            gate, up = linear(x[rows], w13[e]).chunk(2, dim=-1)
+            h = linear(nn.functional.silu(gate) * up, w2[e])
+            out.index_add_(0, rows, h.float() * weights[assign, None].float())
+        start += count
+    return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """This rank's experts: gate_up_proj [E_local, 2 * I_local, H] (gate rows, then up rows) and
+    down_proj [E_local, H, I_local], the layout of HF's fused expert tensors (transformers 5).
+    `forward` returns this rank's partial output (see the module docstring)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, options: MoeOptions = MoeOptions()) -> None:
+        super().__init__()
+        p = options.parallel
+        if num_experts % p.ep_size or intermediate_size % p.tp_size:
+            raise ValueError(f"{num_experts} experts x {intermediate_size} intermediate do not "
+                             f"split over ep_size {p.ep_size} x moe tp_size {p.tp_size}")
+        if options.backend not in MOE_BACKENDS:
+            raise ValueError(f"moe backend {options.backend!r} not in {MOE_BACKENDS}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.backend = options.backend
+        self.parallel = p
+        self.num_local = num_experts // p.ep_size
+        self.expert_start = p.ep_rank * self.num_local
+        self.inter_local = intermediate_size // p.tp_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(self.num_local, 2 * self.inter_local, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(
+            torch.empty(self.num_local, hidden_size, self.inter_local), requires_grad=False)
+
+    def local_expert(self, expert: int) -> int | None:
+        """Index of global expert `expert` on this rank, None when another EP rank holds it."""
+        e = expert - self.expert_start
+        return e if 0 <= e < self.num_local else None
+
+    def load_expert(self, expert: int, shard: str, loaded: torch.Tensor) -> bool:
+        """Copy this rank's slice of one expert's HF tensor: shard "gate"/"up" ([I, H]) or
+        "down" ([H, I]). False when the expert lives on another EP rank (nothing copied)."""
+        e = self.local_expert(expert)
+        if e is None:
+            return False
+        i, t = self.inter_local, self.parallel.tp_rank
+        if shard == "down":
+            dst, src = self.down_proj.data[e], loaded.narrow(1, t * i, i)
+        elif shard in ("gate", "up"):
+            offset = 0 if shard == "gate" else i
+            dst, src = self.gate_up_proj.data[e].narrow(0, offset, i), loaded.narrow(0, t * i, i)
+        else:
+            raise ValueError(f"unknown expert shard {shard!r}")
+        if dst.shape != src.shape:
+            raise ValueError(f"expert {expert} {shard}: checkpoint slice {tuple(src.shape)} != "
+                             f"parameter {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src.to(dst.dtype))
+        return True
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        from tokenspeed_kernels.moe import fused_moe, moe_route
+
+        weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
+        if self.backend == "triton":
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_start)
+        return moe_torch_native(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                self.expert_start)
+
+
+class Router(nn.Module):
+    """Replicated linear hidden → one logit per expert (HF `mlp.gate`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """router → experts → combine across ranks. Parameter names follow HF (`gate`, `experts`)."""
+
+    def __init__(self, config: ModelConfig, options: MoeOptions = MoeOptions()) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} (only silu)")
+        self.gate = Router(config.hidden_size, config.num_experts)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size, config.norm_topk_prob, options)
+        # The hook of the parallel runtime: all-reduce (or all-gather / reduce-scatter) goes here.
+        self.comm: MoeCommunication = SingleRank()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, router_logits = self.comm.dispatch(x, self.gate(x))
+        return self.comm.combine(self.experts(x, router_logits))

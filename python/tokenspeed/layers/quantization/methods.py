@@ -1,0 +1,123 @@
+"""Which weight quantization a model runs with: `--quantization` and the checkpoint's own
+`quantization_config`, resolved once at start, before any weight is read.
+
+Supported: FP8 (e4m3) weights with one scale per output channel and dynamic per-token activation
+scales. They come from either
+* `--quantization fp8` on a bf16/fp16/fp32 checkpoint: each linear weight is quantised while
+  loading (scale = max |row| / 448);
+* an FP8 checkpoint, loaded as it is:
+  - compressed-tensors (llm-compressor): `quantization_config = {"quant_method":
+    "compressed-tensors", "format": "float-quantized" | "naive-quantized", "config_groups":
+    {name: {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy":
+    "channel" | "tensor", ...}, "input_activations": {...} | null}}, "ignore": [...]}`; tensors
+    `weight` (fp8), `weight_scale` ([N, 1] or [1]), `input_scale` (static; dropped);
+  - ModelOpt: `quantization_config = {"quant_method": "modelopt", "quant_algo": "FP8" |
+    "FP8_PER_CHANNEL_PER_TOKEN", "exclude_modules": [...]}` or the same under "quantization" in
+    `hf_quant_config.json`; tensors `weight`, `weight_scale` (scalar or [N]), `input_scale`;
+  - vLLM/HF `{"quant_method": "fp8"}` with per-tensor `weight_scale` (no `weight_block_size`).
+Per-tensor weight scales are expanded to per-channel ones (the same numbers, exactly). Static
+activation scales are replaced by dynamic per-token ones, which are at least as accurate.
+Anything else (AWQ, GPTQ, bitsandbytes, block-wise FP8, INT8, ...) fails here, naming the method.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED = ("fp8: '--quantization fp8' quantises a bf16/fp16/fp32 checkpoint while loading; FP8 "
+             "checkpoints in the compressed-tensors, ModelOpt (FP8, FP8_PER_CHANNEL_PER_TOKEN) and "
+             "per-tensor 'fp8' formats load as they are")
+# Spellings of --quantization that name FP8 (vLLM/SGLang accept the checkpoint formats' names).
+FP8_FLAG_NAMES = ("fp8", "compressed-tensors", "compressed_tensors", "modelopt", "modelopt_fp8")
+
+
+class QuantizationError(ValueError):
+    """An unsupported or malformed quantization setting (raised before loading weights)."""
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """FP8 weights. checkpoint_format: None when TokenSpeed quantises a high-precision checkpoint;
+    else the format the checkpoint's fp8 tensors are in. ignore: module-name patterns (HF names)
+    kept in high precision."""
+
+    checkpoint_format: str | None = None
+    ignore: tuple[str, ...] = ()
+
+    def ignores(self, hf_name: str) -> bool:
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], hf_name):
+                    return True
+            elif fnmatch.fnmatchcase(hf_name, pattern) or hf_name.endswith("." + pattern):
+                return True
+        return False
+
+
+def _unsupported(method: str, where: str) -> QuantizationError:
+    return QuantizationError(f"quantization method {method!r} ({where}) is not supported; "
+                             f"supported: {SUPPORTED}")
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> Fp8Config:
+    where = "compressed-tensors checkpoint"
+    fmt = qc.get("format", "float-quantized")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise _unsupported(f"compressed-tensors/{fmt}", where)
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
+            raise _unsupported(f"compressed-tensors/{w.get('type')}{w.get('num_bits')}", where)
+        if w.get("strategy") not in ("channel", "tensor"):
+            raise _unsupported(f"compressed-tensors FP8 with {w.get('strategy')!r} weight scales "
+                               f"(group {name})", where)
+        act = group.get("input_activations")
+        if act and (act.get("type") != "float" or int(act.get("num_bits", 0)) != 8):
+            raise _unsupported(f"compressed-tensors activations {act.get('type')}{act.get('num_bits')}",
+                               where)
+    return Fp8Config("compressed-tensors", tuple(qc.get("ignore") or ()))
+
+
+def _modelopt(qc: dict[str, Any]) -> Fp8Config:
+    inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+    algo = str(inner.get("quant_algo") or "")
+    if algo.upper() not in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
+        raise _unsupported(f"modelopt/{algo}", "ModelOpt checkpoint")
+    return Fp8Config("modelopt", tuple(inner.get("exclude_modules") or ()))
+
+
+def checkpoint_quantization(hf_config: dict[str, Any], model_dir: str | None = None) -> Fp8Config | None:
+    """The quantization a checkpoint's config.json (or ModelOpt's hf_quant_config.json) declares."""
+    qc = hf_config.get("quantization_config")
+    if qc is None and model_dir and os.path.isfile(os.path.join(model_dir, "hf_quant_config.json")):
+        with open(os.path.join(model_dir, "hf_quant_config.json")) as f:
+            qc = {"quant_method": "modelopt", **json.load(f)}
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method == "modelopt":
+        return _modelopt(qc)
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise _unsupported(f"fp8 with weight_block_size {qc['weight_block_size']} (block-wise "
+                               "FP8)", "checkpoint quantization_config")
+        return Fp8Config("fp8", tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
+    raise _unsupported(method or str(qc), "checkpoint quantization_config")
+
+
+def resolve_quantization(method: str | None, hf_config: dict[str, Any],
+                         model_dir: str | None = None) -> Fp8Config | None:
+    """The FP8 setup to load with, or None for no quantization; QuantizationError otherwise."""
+    from_ckpt = checkpoint_quantization(hf_config, model_dir)
+    if method in (None, "", "none"):
+        return from_ckpt
+    if method.lower() not in FP8_FLAG_NAMES:
+        raise _unsupported(method, "--quantization")
+    return from_ckpt or Fp8Config()

@@ -1,0 +1,69 @@
+"""The shared base of the MoE families: a Llama-family decoder whose sparse layers' MLP is a
+SparseMoeBlock, and the loading of expert tensors in their several checkpoint spellings."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tokenspeed.distributed import MoeAllReduce
+from tokenspeed.layers.moe import FusedMoE, SparseMoeBlock
+from tokenspeed.models.llama import LlamaForCausalLM, LlamaMLP
+
+# One expert's matrix: HF safetensors (`mlp.experts.3.gate_proj.weight`, Mixtral's `w1`/`w2`/`w3`).
+_ONE_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+# All experts stacked on dim 0: transformers 5's fused tensors (`mlp.experts.gate_up_proj`
+# [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) and the GGUF stacks (`gate_proj`/`up_proj` [E, I, H]).
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    # HF name fragment → ours, applied before anything else (Mixtral's `block_sparse_moe`).
+    RENAMES: tuple[tuple[str, str], ...] = ()
+    # Per-expert HF matrix name → FusedMoE shard.
+    EXPERT_SHARDS: ClassVar[dict[str, str]] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        if self.config.is_moe_layer(layer_id):
+            block = SparseMoeBlock(self.config, self.moe_options)
+            if self.parallel.world.size > 1:  # partial outputs summed over the ranks
+                block.comm = MoeAllReduce()
+            return block
+        return LlamaMLP(self.config, self.parallel)
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                    modules: dict[str, nn.Module]) -> str | None:
+        for hf, ours in self.RENAMES:
+            name = name.replace(hf, ours)
+        if m := _ONE_EXPERT.match(name):
+            experts = self._experts(modules, m[1], name)
+            shard = self.EXPERT_SHARDS.get(m[3])
+            if shard is None:
+                raise KeyError(f"checkpoint tensor {name!r}: unknown expert matrix {m[3]!r}")
+            experts.load_expert(int(m[2]), shard, tensor)
+            return f"{m[1]}.{'down_proj' if shard == 'down' else 'gate_up_proj'}"
+        if m := _STACKED.match(name):
+            experts = self._experts(modules, m[1], name)
+            if tensor.shape[0] != experts.num_experts:
+                raise ValueError(f"{name}: {tensor.shape[0]} stacked experts, the model has "
+                                 f"{experts.num_experts}")
+            for e in range(experts.num_experts):
+                if m[2] == "gate_up_proj":
+                    gate, up = tensor[e].chunk(2, dim=0)
+                    experts.load_expert(e, "gate", gate)
+                    experts.load_expert(e, "up", up)
+                else:
+                    experts.load_expert(e, m[2].removesuffix("_proj"), tensor[e])
+            return f"{m[1]}.{'down_proj' if m[2] == 'down_proj' else 'gate_up_proj'}"
+        return super().load_tensor(name, tensor, params, modules)
+
+    @staticmethod
+    def _experts(modules: dict[str, nn.Module], path: str, name: str) -> FusedMoE:
+        experts = modules.get(path)
+        if not isinstance(experts, FusedMoE):
+            raise KeyError(f"checkpoint tensor {name!r}: {path!r} is not an expert bank here "
+                           "(a dense layer, or a config that disagrees with the checkpoint)")
+        return experts

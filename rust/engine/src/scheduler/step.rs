@@ -1,0 +1,172 @@
+//! Building a step: decodes first, then prefill chunks of running requests, then admission;
+//! pages come from the pool, the cache, or a retracted younger request.
+
+use super::{Expected, Phase, Scheduler, Sequence, StepBuilder, Work, RESERVE_RATIO_BUMP};
+use crate::pages::Pages;
+use crate::plan::{FinishedSlot, Plan, ScheduledRequest, LAST_SAMPLED};
+
+impl Scheduler {
+    /// Builds the next step, or `None` when there is nothing to run or report.
+    ///
+    /// May be called again before the last plan's result is `advance`d (one step ahead): see
+    /// the module doc. The worker must run plans in order, on one GPU stream.
+    pub fn schedule(&mut self) -> Option<Plan> {
+        let mut step = StepBuilder::default();
+        let decodes = self
+            .running
+            .iter()
+            .filter(|id| self.decode_work(id).is_some())
+            .count();
+        // Decodes always run (one token is the least progress a request can make); prefill
+        // chunks get what is left of the budget.
+        let mut budget = (self.config.chunked_prefill_size as usize)
+            .saturating_sub(decodes)
+            .min(self.config.max_prefill_tokens as usize);
+        let mut retracted = false;
+
+        let mut i = 0;
+        while i < self.running.len() {
+            let id = self.running[i];
+            let decode = self.decode_work(&id);
+            let want = match (decode, self.requests.get(&id).map(Sequence::work)) {
+                (Some(n), _) => n,
+                (None, Some(Work::Known(n))) => n.min(budget),
+                _ => 0,
+            };
+            if want == 0 {
+                i += 1;
+                continue;
+            }
+            let fit = self.fit_tokens(id, want);
+            if fit == 0 {
+                // Out of pages even after eviction: free the youngest other request's.
+                if let Some(victim) = self.youngest_retractable(i) {
+                    self.retract(victim);
+                    retracted = true;
+                    continue;
+                }
+                // This one is the youngest: a decode gives way itself, a prefill chunk waits.
+                if i > 0 && decode.is_some() {
+                    self.retract(id);
+                    retracted = true;
+                    continue;
+                }
+                i += 1;
+                continue;
+            }
+            if decode.is_none() {
+                budget -= fit;
+            }
+            self.schedule_chunk(id, fit, &mut step);
+            i += 1;
+        }
+
+        // Readmitting what was just retracted would only thrash; wait for a step with room.
+        if retracted {
+            self.reserve_ratio = (self.reserve_ratio + RESERVE_RATIO_BUMP).min(1.0);
+        } else {
+            self.admit(&mut budget, &mut step);
+        }
+
+        step.plan.finished = std::mem::take(&mut self.released_slots)
+            .into_iter()
+            .map(|slot| FinishedSlot { slot })
+            .collect();
+        if step.plan.is_empty() {
+            return None;
+        }
+        step.plan.step_id = self.next_step;
+        self.next_step += 1;
+        self.in_flight.push_back((step.plan.step_id, step.expected));
+        Some(step.plan)
+    }
+
+    /// Tokens `id` feeds in the next step if that is a decode (one token: the last sampled one,
+    /// or the placeholder for the one in flight). Decodes always run; prefill shares the budget.
+    fn decode_work(&self, id: &u64) -> Option<usize> {
+        let seq = self.requests.get(id)?;
+        match (seq.work(), &seq.phase) {
+            (Work::Placeholder, _) => Some(1),
+            (Work::Known(n), Phase::Decoding(_)) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// How many of `want` next tokens of `id` can get KV pages now (evicting cache if needed).
+    fn fit_tokens(&mut self, id: u64, want: usize) -> usize {
+        let ps = self.config.page_size as usize;
+        let Some(a) = self.requests[&id].active() else {
+            return 0;
+        };
+        let have = a.num_pages() * ps - a.computed;
+        let spare = self.pool.free_count() + self.cache.evictable_pages();
+        want.min(have + spare * ps)
+    }
+
+    /// Makes `n` pages free, evicting cached ones if needed, and takes them.
+    fn take_pages(&mut self, n: usize) -> Option<Pages> {
+        let free = self.pool.free_count();
+        if free < n {
+            self.cache.evict(n - free);
+        }
+        self.pool.alloc(n)
+    }
+
+    /// Allocates pages for `n` more tokens of running request `id`, emits its share of the step.
+    pub(super) fn schedule_chunk(&mut self, id: u64, n: usize, step: &mut StepBuilder) {
+        let ps = self.config.page_size as usize;
+        let Some(a) = self.requests[&id].active() else {
+            return;
+        };
+        let need = (a.computed + n).div_ceil(ps).saturating_sub(a.num_pages());
+        let Some(new_pages) = self.take_pages(need) else {
+            // `fit_tokens` counted these pages as free or evictable; nothing to do but skip.
+            return;
+        };
+        let Some(seq) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let tokens = &seq.tokens;
+        let Some(a) = (match &mut seq.phase {
+            Phase::Prefilling(a) | Phase::Decoding(a) => Some(a),
+            _ => None,
+        }) else {
+            return;
+        };
+        if let Some(table) = a.pending_table.take() {
+            step.add_pages(a.slot, 0, &table);
+        }
+        step.add_pages(a.slot, a.num_pages(), new_pages.ids());
+        a.own.append(new_pages);
+        // Past the known tokens only by one placeholder decode (`Work::Placeholder`).
+        let (input, sample) = match tokens.get(a.computed..a.computed + n) {
+            Some(known) => (known.to_vec(), a.computed + n == tokens.len()),
+            None => (vec![LAST_SAMPLED], true),
+        };
+        let n = input.len();
+        step.plan.scheduled.push(ScheduledRequest {
+            slot: a.slot,
+            start_pos: a.computed as u32,
+            sample,
+            num_draft_tokens: 0,
+            tokens: input,
+        });
+        step.expected.push(Expected {
+            id,
+            epoch: a.epoch,
+            slot: a.slot,
+            sample,
+        });
+        a.computed += n;
+        a.in_flight += 1;
+        a.drafting = false;
+    }
+
+    /// The youngest running request after position `i`. One with steps in flight qualifies
+    /// too (with overlap nearly every request has one when the next plan is built): their
+    /// results are dropped as stale (`Active::epoch`), their pages are safe to hand out again
+    /// (see `release`). Only younger requests give way, so the oldest always progresses.
+    fn youngest_retractable(&self, i: usize) -> Option<u64> {
+        self.running.get(i + 1..)?.last().copied()
+    }
+}
