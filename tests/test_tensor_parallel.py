@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 from tp_ranks import generate_on_rank, layers_on_rank, run_ranks
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from server_harness import Server, start_server, stop_server
 from tokenspeed.distributed import (
@@ -77,6 +77,11 @@ TINY = {
     "llama_mqa_odd_vocab": LlamaConfig(**_TINY, vocab_size=251, num_key_value_heads=1,
                                        tie_word_embeddings=True),
     "qwen3_qk_norm": Qwen3Config(**_TINY, vocab_size=256, num_key_value_heads=2, head_dim=32),
+    # MoE layers under TP: each rank holds half of every expert (moe-TP 2), partials all-reduced;
+    # layer 1 stays dense.
+    "qwen3_moe": Qwen3MoeConfig(**_TINY, vocab_size=256, num_key_value_heads=2, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, mlp_only_layers=[1]),
 }
 
 
@@ -84,8 +89,11 @@ def _tiny_checkpoint(tmp_path: Path, name: str) -> str:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(TINY[name]).eval()
     with torch.no_grad():  # weights far from the init scale, so that a wrong shard shows
-        for p in model.parameters():
-            p.normal_(0.0, 0.08)
+        for name, p in model.named_parameters():
+            if "norm" in name:  # scales near 1: every layer's output must count
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0.0, 0.08)
     model.save_pretrained(tmp_path)
     return str(tmp_path)
 
@@ -116,6 +124,16 @@ def test_split_tp_dense_layers_replicated_under_attention_tp(tmp_path: Path) -> 
     path = _tiny_checkpoint(tmp_path, "qwen3_qk_norm")
     ref_tokens, ref_logits, _ = generate_on_rank(0, path, PROMPTS, NEW_TOKENS)
     sizes = ParallelSizes(world_size=2, attn_tp=2, dense_tp=1, moe_tp=2)
+    tokens, logits, _ = run_ranks(generate_on_rank, 2, path, PROMPTS, NEW_TOKENS, sizes=sizes)[0]
+    assert tokens == ref_tokens
+    assert max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r)) < 1e-3
+
+
+def test_expert_parallel_2_matches_tp1(tmp_path: Path) -> None:
+    """--tp 2 --ep-size 2: attention split, each rank holds 4 of the 8 experts whole."""
+    path = _tiny_checkpoint(tmp_path, "qwen3_moe")
+    ref_tokens, ref_logits, _ = generate_on_rank(0, path, PROMPTS, NEW_TOKENS)
+    sizes = ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=1, ep=2)
     tokens, logits, _ = run_ranks(generate_on_rank, 2, path, PROMPTS, NEW_TOKENS, sizes=sizes)[0]
     assert tokens == ref_tokens
     assert max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r)) < 1e-3
