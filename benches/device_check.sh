@@ -5,6 +5,8 @@
 #   sweep     decode attention at serving batch sizes: triton knobs vs FlashInfer
 #   profile   benches/profile_decode.py (where a decode step's time goes)
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
+#   tp        benches/tp_check.py phase 1: TP=2 vs TP=1 tokens, all-reduce cost (2 GPUs)
+#   tps3      benches/tp_check.py phase 2: S3 with --tp 1 and --tp 2 (2 GPUs)
 #   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
 #   moe       MoE: kernels/tests/test_moe.py and tests/test_gpu_moe.py on the GPU, then
 #             kernels/bench/bench_moe.py (fused MoE vs roofline, Qwen3-30B-A3B expert shape)
@@ -84,6 +86,14 @@ for arg in "$@"; do
         ;;
     profile)
         phase profile_decode python3 benches/profile_decode.py --tokenizer .carry/llama3/tokenizer.json
+        ;;
+    tp)
+        phase tp_check python3 benches/tp_check.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/tp" --skip-serve
+        ;;
+    tps3)
+        phase tp_s3 python3 benches/tp_check.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/tps3" --skip-tokens
         ;;
     e2e)
         # shellcheck disable=SC2086

@@ -138,12 +138,35 @@ def compare(name: str, ref: tuple, got: tuple) -> dict[str, Any]:
     return {"check": name, "identical": same, "agreeing_prefix": agree, "gaps_at_divergence": gaps}
 
 
+def token_checks(a: argparse.Namespace, tmp: Path, shrink: dict[str, Any],
+                 prompts: list[list[int]], model: Path) -> list[dict[str, Any]]:
+    """Phase 1 (see the module docstring): one row per check."""
+    rows = []
+    small_layers = 2 if CPU else 4
+    small = gpu_bench.write_model_dir(tmp / "small", Path(a.tokenizer), small_layers, shrink)
+    ref = generate(1, small, "float32", True, prompts)
+    rows.append(compare(f"fp32 {small_layers} layers, TP=2 vs TP=1 (must be identical)", ref,
+                        generate(2, small, "float32", True, prompts)))
+    ref = generate(1, model, "bfloat16", True, prompts)
+    tp2 = generate(2, model, "bfloat16", True, prompts, allreduce_bench=True)
+    rows.append(compare(f"bf16 {a.layers} layers, TP=2 vs TP=1", ref, tp2))
+    rows.append(compare(f"bf16 {a.layers} layers TP=2, graphs vs eager", tp2,
+                        generate(2, model, "bfloat16", False, prompts)))
+    if tp2[3] is not None:
+        print(f"[all-reduce] 64 x [1, 4096] bf16 in one CUDA graph: {tp2[3]:.3f} ms per decode "
+              "step", flush=True)
+        rows.append({"check": "all-reduce ms per 8B decode step (64 x 8 KiB, graph)",
+                     "value": round(tp2[3], 4)})
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", default=".carry/llama3/tokenizer.json")
     p.add_argument("--out", default=os.environ.get("OUT") or "tp_out")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--skip-serve", action="store_true", help="phase 1 only")
+    p.add_argument("--skip-tokens", action="store_true", help="phase 2 only (S3)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="check the script on CPU: a narrow 2-layer model, phase 1 only")
     a = p.parse_args()
@@ -160,22 +183,9 @@ def main() -> int:
     prompts = [rng.integers(100, 120000, PROMPT_LEN).tolist() for _ in range(NUM_PROMPTS)]
     rows: list[dict[str, Any]] = []
 
-    small_layers = 2 if CPU else 4
-    small = gpu_bench.write_model_dir(tmp / "small", Path(a.tokenizer), small_layers, shrink)
-    ref = generate(1, small, "float32", True, prompts)
-    rows.append(compare(f"fp32 {small_layers} layers, TP=2 vs TP=1 (must be identical)", ref,
-                        generate(2, small, "float32", True, prompts)))
     model = gpu_bench.write_model_dir(tmp / "full", Path(a.tokenizer), a.layers, shrink)
-    ref = generate(1, model, "bfloat16", True, prompts)
-    tp2 = generate(2, model, "bfloat16", True, prompts, allreduce_bench=True)
-    rows.append(compare(f"bf16 {a.layers} layers, TP=2 vs TP=1", ref, tp2))
-    rows.append(compare(f"bf16 {a.layers} layers TP=2, graphs vs eager", tp2,
-                        generate(2, model, "bfloat16", False, prompts)))
-    if tp2[3] is not None:
-        print(f"[all-reduce] 64 x [1, 4096] bf16 in one CUDA graph: {tp2[3]:.3f} ms per decode "
-              "step", flush=True)
-        rows.append({"check": "all-reduce ms per 8B decode step (64 x 8 KiB, graph)",
-                     "value": round(tp2[3], 4)})
+    if not a.skip_tokens:
+        rows = token_checks(a, tmp, shrink, prompts, model)
 
     s3: dict[int, Any] = {}
     if not a.skip_serve:
@@ -205,6 +215,8 @@ def main() -> int:
     (out / "tp_check.md").write_text(table + "\n")
     (out / "tp_check.json").write_text(json.dumps({"rows": rows, "s3": s3}, default=str))
     print("\n" + table, flush=True)
+    if a.skip_tokens:
+        return 0
     return 0 if rows[0]["identical"] and rows[2]["identical"] else 1
 
 
