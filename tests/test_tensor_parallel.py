@@ -89,8 +89,8 @@ def _tiny_checkpoint(tmp_path: Path, name: str) -> str:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(TINY[name]).eval()
     with torch.no_grad():  # weights far from the init scale, so that a wrong shard shows
-        for name, p in model.named_parameters():
-            if "norm" in name:  # scales near 1: every layer's output must count
+        for pname, p in model.named_parameters():
+            if "norm" in pname:  # scales near 1: every layer's output must count
                 p.normal_(1.0, 0.2)
             else:
                 p.normal_(0.0, 0.08)
