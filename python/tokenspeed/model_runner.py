@@ -40,8 +40,8 @@ from tokenspeed.layers.quantization.kv_cache import (
 )
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
-from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan
-from tokenspeed.sampler import SAMPLING_FIELDS, Sampler
+from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
+from tokenspeed.sampler import Sampler
 from tokenspeed.weights import load_model, open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -339,13 +339,11 @@ class ModelRunner:
     def _apply_state(self, plan: StepPlan) -> None:
         for slot in plan.finished_slot.tolist():
             self.sampler.drop(slot)
-        stop_ends = np.cumsum(plan.new_stop_ids_len.astype(np.int64))
         for i, slot in enumerate(plan.new_slot.tolist()):
             if slot >= self.max_slots:
                 raise ValueError(f"new request slot {slot} >= max_slots {self.max_slots}")
-            stop_ids = plan.new_stop_ids[stop_ends[i] - plan.new_stop_ids_len[i]:stop_ends[i]]
-            self.sampler.add(slot, {name: getattr(plan, f"new_{name}")[i].item()
-                                    for name in SAMPLING_FIELDS}, stop_ids=stop_ids.tolist())
+        for slot, params, lists in new_request_rows(plan):
+            self.sampler.add(slot, params, **lists)
         self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
                                         plan.pt_pages)
         if len(plan.copy_src):

@@ -39,6 +39,23 @@ def _lists(rows: Iterable[Iterable[int]], dtype: np.dtype) -> tuple[np.ndarray, 
     return lens, flat
 
 
+def new_request_rows(plan: StepPlan) -> list[tuple[int, dict[str, Any], dict[str, list]]]:
+    """Per new request: its slot, its scalar sampling fields and its list fields, by schema name
+    (`new_temperature` → "temperature"), so a field added to the schema reaches the sampler
+    without a change here."""
+    names = [n.removeprefix("new_") for n in PLAN_DTYPES if n.startswith("new_") and n != "new_slot"]
+    lists = [n.removesuffix("_len") for n in names if n.endswith("_len")]
+    scalars = [n for n in names if not n.endswith("_len") and n not in lists]
+    ends = {f: np.cumsum(getattr(plan, f"new_{f}_len").astype(np.int64)) for f in lists}
+    rows = []
+    for i, slot in enumerate(plan.new_slot.tolist()):
+        params = {f: getattr(plan, f"new_{f}")[i].item() for f in scalars}
+        row_lists = {f: getattr(plan, f"new_{f}")[ends[f][i] - getattr(plan, f"new_{f}_len")[i]:ends[f][i]].tolist()
+                     for f in lists}
+        rows.append((slot, params, row_lists))
+    return rows
+
+
 class StepPlan:
     """One received plan: `plan.sched_slot`, `plan.new_temperature`, ... (see the module doc)."""
 

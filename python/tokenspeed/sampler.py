@@ -13,12 +13,6 @@ from tokenspeed.host_copy import to_device_int64
 _GREEDY_EPS = 1e-5
 
 
-# The plan's per-request sampling fields the sampler reads (names of the schema's `new_*`
-# arrays, declared with their meaning in rust/engine/src/plan.rs::SamplingParams).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "frequency_penalty", "presence_penalty", "seed", "top_logprobs", "min_tokens")
-
-
 @dataclass
 class SlotSampling:
     """A slot's sampling parameters (set when the request arrives) and its history."""
@@ -100,9 +94,12 @@ class Sampler:
         self._capacity = capacity
 
     def add(self, slot: int, params: dict[str, Any], stop_ids: list[int] | None = None) -> None:
-        """A request enters `slot` with `params` = {field of SAMPLING_FIELDS: value}, as the
-        plan's new-request section carries them (every field: no defaults here)."""
-        missing = [f for f in SAMPLING_FIELDS if f not in params]
+        """A request enters `slot` with `params`: the scalar fields of the plan's new-request
+        section by name (meanings in rust/engine/src/plan.rs::SamplingParams; every field, no
+        defaults here), and its list fields as keyword arguments."""
+        missing = [f for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                               "frequency_penalty", "presence_penalty", "seed", "top_logprobs",
+                               "min_tokens") if f not in params]
         if missing:
             raise KeyError(f"sampling parameters miss {missing}")
         gen = None
