@@ -1,0 +1,78 @@
+//! Structured outputs: grammar-constrained token masks (llguidance), tool-call parsers and
+//! reasoning parsers. Pure, synchronous types: no threads, sockets or GPU; the server and the
+//! engine wire them in.
+//!
+//! # Grammars: from a request to a mask
+//!
+//! Request fields map to one [`GrammarSpec`]:
+//!
+//! | request field | spec |
+//! |---|---|
+//! | OpenAI `response_format: {"type": "json_object"}` | `JsonObject` |
+//! | OpenAI `response_format: {"type": "json_schema", "json_schema": {"schema": S}}`, SGLang `json_schema`, vLLM `guided_json` / `structured_outputs.json` | `JsonSchema(S)` |
+//! | SGLang `regex`, vLLM `guided_regex` / `structured_outputs.regex` | `Regex` |
+//! | SGLang `ebnf`, vLLM `guided_grammar` / `structured_outputs.grammar` (GBNF `::=` or Lark) | `Grammar` |
+//! | vLLM `guided_choice` / `structured_outputs.choice` | `Choice` |
+//! | SGLang `structural_tag` (`structures` + `triggers` form) | `StructuralTag` |
+//!
+//! One [`GrammarCompiler`] per model (`GrammarCompiler::new(&text_tokenizer, model_vocab_size)`;
+//! the model's vocab may be padded past the tokenizer's, padded ids are never allowed).
+//! `compile(&spec)` returns a cached `Arc<CompiledGrammar>` or a [`GrammarError`] whose message
+//! names the problem: call it in the HTTP handler's validation stage (on the blocking pool: a
+//! large schema takes tens of ms the first time), so an invalid schema is a 400 before the
+//! request reaches the scheduler and before any KV page is spent. The request then carries the
+//! `Arc<CompiledGrammar>`; the engine calls `compiled.matcher()` when it admits the request and
+//! owns that [`Matcher`] with the request's state.
+//!
+//! # Where masks are computed, relative to the GPU step
+//!
+//! A mask row is `GrammarCompiler::bitmask_words()` `u32`s (32 ids per word, bit set = allowed,
+//! xgrammar's and vLLM's layout); a step's mask is one row per grammar request, with the rows'
+//! slot indices. The sampler applies it to the logits (`-inf` where the bit is clear) before
+//! temperature/top-k/top-p. Per token, for each grammar request: `consume_token(sampled)` when
+//! the step's result arrives, then `fill_next_token_bitmask(row)` for the next step. Measured on
+//! the Llama-3 vocab (128k ids) for a JSON schema (`benches/mask.rs`): see the report's numbers;
+//! tens of µs per request, and a batch's rows are independent (each matcher is a deep copy, no
+//! shared lock), so `rayon` over the grammar requests computes a batch of 64 in parallel.
+//!
+//! # Grammar requests and one-step-ahead scheduling
+//!
+//! Without a grammar, plan N+1 is sent while step N runs: its inputs are "the token step N
+//! samples", resolved on the GPU, and the CPU never waits. A grammar request's *mask* for step
+//! N+1 depends on the token step N samples, which the CPU only learns when result N arrives, so
+//! the mask cannot ride in plan N+1 when that plan is sent early. Its *input* still can. So:
+//!
+//! 1. Plan N+1 is built and sent as for any request (input = step N's sample, resolved on the
+//!    GPU); it marks which slots need a mask and carries a mask sequence number, not the mask.
+//! 2. When result N arrives, the engine thread first, before detokenizing or streaming, runs
+//!    `consume_token` + `fill_next_token_bitmask` for the grammar requests (in parallel) and
+//!    publishes the rows for step N+1 (a mask slot beside the plan ring, with the sequence
+//!    number). That overlaps step N+1's forward pass, which takes milliseconds.
+//! 3. The worker runs step N+1's forward, then waits for the mask with that sequence number
+//!    (a spin/futex on the slot header, like the plan ring) before sampling. The GPU waits only
+//!    when the masks take longer than a forward pass; at batch 1 they take well under 1% of one.
+//!
+//! The same idea is SGLang's overlap scheduler (its forward thread waits on a "sampling info
+//! done" event before sampling grammar batches). A simpler first version that is still correct:
+//! when any request in the batch has a grammar, build plan N+1 only after result N (masks in the
+//! plan, no overlap for that batch); requests without grammars keep the overlap otherwise.
+//!
+//! Finishing: after `consume_token`, `is_finished()` means only eos can follow: finish the
+//! request now (finish_reason "stop"). Step N+1 already has it in flight, exactly as for a request
+//! that hit a stop string: discard that token. (Its mask row, if computed, allows only eos.)
+//! A request that hits `max_tokens` first ends with an incomplete output ("length"), as in vLLM.
+//! A `MatchError` ends only its request (finish_reason "error"), never the batch. Retraction or
+//! speculative decoding: `rollback(n)` undoes consumed tokens.
+//!
+//! Reasoning models: with a reasoning parser, the grammar applies after the reasoning ends. The
+//! engine feeds the matcher nothing, and masks nothing, until the think-end token id (e.g.
+//! `</think>`, looked up with `TextTokenizer::token_to_id`) is sampled; from the next token on the
+//! request is a grammar request.
+
+mod error;
+mod grammar;
+mod lark;
+mod vocab;
+
+pub use error::{GrammarError, MatchError};
+pub use grammar::{CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher, DEFAULT_CACHE_CAPACITY};
