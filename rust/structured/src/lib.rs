@@ -71,8 +71,13 @@
 
 mod error;
 mod grammar;
+mod json_scan;
 mod lark;
+pub mod tool_call;
 mod vocab;
 
 pub use error::{GrammarError, MatchError};
 pub use grammar::{CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher, DEFAULT_CACHE_CAPACITY};
+pub use tool_call::{
+    ParsedToolCalls, ToolCall, ToolCallDelta, ToolCallFormat, ToolCallStream, ToolStreamDelta,
+};
