@@ -69,6 +69,27 @@
 //! `</think>`, looked up with `TextTokenizer::token_to_id`) is sampled; from the next token on the
 //! request is a grammar request.
 
+//!
+//! # Tool calls and reasoning: a named stage after stop matching
+//!
+//! Per response, after the detokenizer and stop matching (so text past a stop string never
+//! reaches them): the reasoning parser first (`ReasoningFormat::stream(enable_thinking)`), its
+//! `content` then through the tool-call parser (`ToolCallFormat::stream()`); non-streaming
+//! responses call `parse` on the final text. Both are pure and chunk-independent: streamed
+//! deltas concatenate to the non-streamed result. Tool-call markers that are special tokens
+//! (`<|python_tag|>`, `[TOOL_CALLS]`) only reach the parser when the request detokenizes with
+//! special tokens kept, so keep them when `tools` are given. The API layer adds the call ids
+//! (`call_...`), `type: "function"`, `finish_reason: "tool_calls"` when there are calls, and
+//! maps empty `content` / `reasoning_content` to null.
+//!
+//! `tool_choice`: "none" skips the tool parser (and leaves tools out of the template if the
+//! API says so); "auto" runs it as above; "required" and a named function are enforced with a
+//! grammar (`tool_call::forced`), as vLLM does: "required" compiles
+//! `forced::required_schema(tools, parallel_tool_calls)` and parses the output with
+//! `ToolCallFormat::JsonArray`; a named function compiles `forced::named_schema(tools, name)`
+//! and the whole output is that call's arguments (stream the name first, then each text delta as
+//! an argument fragment). Either way the arguments always parse against the function's schema.
+
 mod error;
 mod grammar;
 mod json_scan;

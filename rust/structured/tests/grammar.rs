@@ -494,3 +494,35 @@ fn disallowed_token_is_rejected_and_rollback_restores_the_mask() {
         Err(MatchError::TokenRejected { token, .. }) if token == letter
     ));
 }
+
+#[test]
+fn required_tool_choice_walks_parse_into_valid_calls() {
+    use tokenspeed_structured::tool_call::forced;
+    use tokenspeed_structured::ToolCallFormat;
+    let h = Harness::new(&LLAMA3);
+    let weather = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false});
+    let tools = vec![
+        json!({"type": "function", "function": {"name": "get_weather", "parameters": weather}}),
+        json!({"type": "function", "function": {"name": "now", "parameters":
+            {"type": "object", "properties": {}, "additionalProperties": false}}}),
+    ];
+    let spec = GrammarSpec::JsonSchema(forced::required_schema(&tools, true).unwrap());
+    for seed in 0..4 {
+        let text = h.walk(&mut h.compile(spec.clone()), seed);
+        let parsed = ToolCallFormat::JsonArray.parse(&text);
+        assert!(!parsed.tool_calls.is_empty(), "seed {seed}: {text:?}");
+        for call in parsed.tool_calls {
+            let schema = forced::named_schema(&tools, &call.name).expect("a known tool");
+            let args = parse_json(&call.arguments).expect("arguments are JSON");
+            assert!(
+                jsonschema::is_valid(&schema, &args),
+                "seed {seed}: {} {} breaks its schema",
+                call.name,
+                call.arguments
+            );
+        }
+    }
+}

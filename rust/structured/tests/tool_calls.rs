@@ -1,6 +1,8 @@
 //! Tool-call parsers on recorded-style model outputs: the non-streamed parse is as specified,
 //! and streaming the same text split at every char boundary (and char by char) reassembles to it.
 
+use serde_json::json;
+use tokenspeed_structured::tool_call::forced;
 use tokenspeed_structured::{ParsedToolCalls, ToolCall, ToolCallFormat};
 
 fn call(name: &str, arguments: &str) -> ToolCall {
@@ -268,4 +270,47 @@ fn parser_names_resolve() {
         assert!(ToolCallFormat::from_name(name).is_some(), "{name}");
     }
     assert_eq!(ToolCallFormat::from_name("nope"), None);
+}
+
+#[test]
+fn required_tool_choice_output_parses_as_a_json_array() {
+    check(
+        ToolCallFormat::JsonArray,
+        "[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Zürich\"}}, {\"name\": \"now\", \"parameters\": {}}]",
+        expect(
+            "",
+            vec![call("get_weather", r#"{"city": "Zürich"}"#), call("now", "{}")],
+        ),
+    );
+}
+
+#[test]
+fn forced_schemas_follow_the_tools() {
+    let tools = vec![
+        json!({"type": "function", "function": {"name": "get_weather",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                              "required": ["city"]}}}),
+        json!({"type": "function", "function": {"name": "now"}}),
+    ];
+    let required = forced::required_schema(&tools, false).unwrap();
+    assert_eq!(required["maxItems"], json!(1));
+    assert_eq!(
+        required["items"]["anyOf"][0]["properties"]["name"],
+        json!({"const": "get_weather"})
+    );
+    assert_eq!(
+        required["items"]["anyOf"][1]["properties"]["parameters"],
+        json!({"type": "object"})
+    );
+    assert!(forced::required_schema(&tools, true)
+        .unwrap()
+        .get("maxItems")
+        .is_none());
+    assert_eq!(
+        forced::named_schema(&tools, "get_weather").unwrap(),
+        tools[0]["function"]["parameters"]
+    );
+    let err = forced::named_schema(&tools, "missing").unwrap_err();
+    assert!(err.contains("\"missing\""), "{err}");
+    assert!(forced::required_schema(&[], true).is_err());
 }

@@ -36,7 +36,7 @@ pub(crate) fn snapshot(text: &str, finished: bool) -> Snapshot {
 }
 
 /// `[{..}, {..}]` starting after the `[`.
-fn array_calls(text: &str, mut i: usize, snap: &mut Snapshot) {
+pub(crate) fn array_calls(text: &str, mut i: usize, snap: &mut Snapshot) {
     let bytes = text.as_bytes();
     loop {
         i = skip_ws(bytes, i);

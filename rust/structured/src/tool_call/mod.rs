@@ -12,6 +12,7 @@
 //! Special-token markers (`<|python_tag|>`, `[TOOL_CALLS]`) reach the parser only when the
 //! request detokenizes with special tokens kept: do so when tools are in play.
 
+pub mod forced;
 mod hermes;
 mod llama3_json;
 mod mistral;
@@ -68,6 +69,9 @@ pub enum ToolCallFormat {
     Mistral,
     /// Llama 3.2 / 4 pythonic: `[f(a=1, b="x"), g()]`.
     Pythonic,
+    /// `[{"name": .., "parameters": ..}, ..]`: the grammar-forced output of
+    /// `tool_choice: "required"` (see `forced`), whatever the model's own format.
+    JsonArray,
 }
 
 impl ToolCallFormat {
@@ -90,6 +94,7 @@ impl ToolCallFormat {
             ToolCallFormat::Llama3Json => llama3_json::snapshot(text, finished),
             ToolCallFormat::Mistral => mistral::snapshot(text, finished),
             ToolCallFormat::Pythonic => pythonic::snapshot(text, finished),
+            ToolCallFormat::JsonArray => forced::snapshot(text, finished),
         }
     }
 
