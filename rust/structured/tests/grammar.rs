@@ -4,7 +4,7 @@
 #[path = "../../text/tests/common/mod.rs"]
 mod common;
 
-use common::{LLAMA3, QWEN2, SMOLLM2};
+use common::{LLAMA3, QWEN2, SMOLLM2, SPM_LEGACY, SPM_METASPACE};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use tokenspeed_structured::{GrammarCompiler, GrammarError, GrammarSpec, MatchError, Matcher};
@@ -523,6 +523,25 @@ fn required_tool_choice_walks_parse_into_valid_calls() {
                 call.name,
                 call.arguments
             );
+        }
+    }
+}
+
+#[test]
+fn sentencepiece_byte_fallback_vocabularies_constrain_too() {
+    for (name, tok) in [
+        ("spm-legacy", &*SPM_LEGACY),
+        ("spm-metaspace", &*SPM_METASPACE),
+    ] {
+        let h = Harness::new(tok);
+        let choices = vec![
+            "Hello world".to_string(),
+            "the 中文 end".into(),
+            "é, ñ!".into(),
+        ];
+        for seed in 0..6 {
+            let text = h.walk(&mut h.compile(GrammarSpec::Choice(choices.clone())), seed);
+            assert!(choices.contains(&text), "{name} seed {seed}: {text:?}");
         }
     }
 }
