@@ -330,3 +330,19 @@ impl Matcher {
         self.inner.get_error()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The compiler and compiled grammars are shared across the HTTP and engine threads; a
+    /// matcher moves to whichever thread computes its mask.
+    #[test]
+    fn types_cross_threads() {
+        fn shared<T: Send + Sync>() {}
+        fn sent<T: Send>() {}
+        shared::<GrammarCompiler>();
+        shared::<CompiledGrammar>();
+        sent::<Matcher>();
+    }
+}
