@@ -248,12 +248,14 @@ pub struct CompiledGrammar {
 }
 
 impl CompiledGrammar {
-    /// A fresh matcher at the start of the output, for one request. Cheap (a copy of the parser
-    /// state, no compilation). The copy is deep: matchers share no lock, so masks for a batch
-    /// can be computed in parallel.
+    /// A fresh matcher at the start of the output, for one request: a copy of the parser state
+    /// (under 1 µs, no compilation) that shares the grammar's lexer cache with every other
+    /// request of this grammar, behind llguidance's lock. Measured (benches/mask.rs), sharing
+    /// beats llguidance's `deep_clone` (25 µs, a private cold cache): at batch 64 the median
+    /// step took 0.9 ms instead of 4.1 ms sequentially, and parallel (rayon) steps still gain.
     pub fn matcher(&self) -> Matcher {
         Matcher {
-            inner: self.template.deep_clone(),
+            inner: self.template.clone(),
             vocab_size: self.vocab_size,
         }
     }
