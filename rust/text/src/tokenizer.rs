@@ -122,6 +122,12 @@ impl TextTokenizer {
             .map_err(|e| TextError::Decode(e.to_string()))
     }
 
+    /// The HF tokenizer itself, for crates that build on its vocabulary (the grammar engine's
+    /// token trie in `tokenspeed-structured`).
+    pub fn hf_tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)

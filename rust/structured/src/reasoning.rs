@@ -1,0 +1,147 @@
+//! Reasoning parsers: split `<think>..</think>` reasoning from the answer, whole or streamed.
+//!
+//! - `deepseek-r1`: the output is reasoning until `</think>`; the opening `<think>` is optional
+//!   (R1's chat template writes it into the prompt). No `</think>` at all: all reasoning.
+//! - `qwen3`: the same while thinking is enabled (`chat_template_kwargs.enable_thinking`, default
+//!   true; Qwen3-2507 templates also open the block in the prompt); with thinking disabled the
+//!   template closes an empty block in the prompt, so the whole output is content.
+//!
+//! As with tool calls, parsing is a snapshot of the text so far and streaming diffs snapshots,
+//! so streamed pieces concatenate to the non-streamed result. Text is kept verbatim (the
+//! newlines after `</think>` included); mapping empty strings to `null` is the API layer's.
+
+use crate::tool_call::stable_len;
+
+pub const THINK_START: &str = "<think>";
+pub const THINK_END: &str = "</think>";
+
+/// `--reasoning-parser` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningFormat {
+    DeepSeekR1,
+    Qwen3,
+}
+
+impl ReasoningFormat {
+    pub const NAMES: [&'static str; 2] = ["deepseek-r1", "qwen3"];
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "deepseek-r1" | "deepseek_r1" => Some(ReasoningFormat::DeepSeekR1),
+            "qwen3" | "qwen3-thinking" => Some(ReasoningFormat::Qwen3),
+            _ => None,
+        }
+    }
+
+    /// The text whose appearance ends reasoning (the engine starts a grammar after it).
+    pub fn end_marker(self) -> &'static str {
+        THINK_END
+    }
+
+    /// Whether output starts in reasoning, given the request's `enable_thinking` (`None`:
+    /// not given, the template's default of thinking).
+    pub fn starts_in_reasoning(self, enable_thinking: Option<bool>) -> bool {
+        match self {
+            ReasoningFormat::DeepSeekR1 => true,
+            ReasoningFormat::Qwen3 => enable_thinking.unwrap_or(true),
+        }
+    }
+
+    /// Splits a whole output.
+    pub fn parse(self, text: &str, enable_thinking: Option<bool>) -> ReasoningOutput {
+        snapshot(text, self.starts_in_reasoning(enable_thinking), true)
+    }
+
+    /// A parser for one streamed response.
+    pub fn stream(self, enable_thinking: Option<bool>) -> ReasoningStream {
+        ReasoningStream {
+            thinking: self.starts_in_reasoning(enable_thinking),
+            text: String::new(),
+            sent: ReasoningOutput::default(),
+        }
+    }
+}
+
+/// Reasoning and answer, whole or as one streamed delta.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ReasoningOutput {
+    pub reasoning_content: String,
+    pub content: String,
+}
+
+impl ReasoningOutput {
+    pub fn is_empty(&self) -> bool {
+        self.reasoning_content.is_empty() && self.content.is_empty()
+    }
+}
+
+/// What `text` says for sure; `finished` releases held-back partial tags.
+fn snapshot(text: &str, thinking: bool, finished: bool) -> ReasoningOutput {
+    let mut out = ReasoningOutput::default();
+    if !thinking {
+        out.content = text.to_string();
+        return out;
+    }
+    let body = match text.strip_prefix(THINK_START) {
+        Some(rest) => rest,
+        // Hold a partial opening tag back: it is not reasoning text.
+        None if !finished && THINK_START.starts_with(text) => return out,
+        None => text,
+    };
+    match body.find(THINK_END) {
+        Some(end) => {
+            out.reasoning_content = body[..end].to_string();
+            out.content = body[end + THINK_END.len()..].to_string();
+        }
+        None => {
+            let keep = if finished {
+                body.len()
+            } else {
+                stable_len(body, &[THINK_END])
+            };
+            out.reasoning_content = body[..keep].to_string();
+        }
+    }
+    out
+}
+
+/// Streaming state: the text so far and what was sent of it.
+pub struct ReasoningStream {
+    thinking: bool,
+    text: String,
+    sent: ReasoningOutput,
+}
+
+impl ReasoningStream {
+    /// Whether the reasoning has ended (everything from now on is the answer).
+    pub fn reasoning_ended(&self) -> bool {
+        !self.thinking || self.text.contains(THINK_END)
+    }
+
+    pub fn push(&mut self, delta: &str) -> ReasoningOutput {
+        self.text.push_str(delta);
+        let snap = snapshot(&self.text, self.thinking, false);
+        self.diff(snap)
+    }
+
+    pub fn finish(&mut self) -> ReasoningOutput {
+        let snap = snapshot(&self.text, self.thinking, true);
+        self.diff(snap)
+    }
+
+    fn diff(&mut self, snap: ReasoningOutput) -> ReasoningOutput {
+        let mut out = ReasoningOutput::default();
+        if let Some(new) = snap
+            .reasoning_content
+            .strip_prefix(self.sent.reasoning_content.as_str())
+        {
+            out.reasoning_content = new.to_string();
+            self.sent.reasoning_content = snap.reasoning_content;
+        }
+        if let Some(new) = snap.content.strip_prefix(self.sent.content.as_str()) {
+            out.content = new.to_string();
+            self.sent.content = snap.content;
+        }
+        out
+    }
+}
