@@ -481,7 +481,7 @@ pub trait Message: Sized {
 }
 
 fn elements(bytes: &[u8], size: usize, name: &str) -> Result<usize, SchemaError> {
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(SchemaError::BadArrays(format!(
             "{name}: {} bytes is not a whole number of {size}-byte elements",
             bytes.len()
