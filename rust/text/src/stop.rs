@@ -61,12 +61,15 @@ impl StopMatcher {
         let mut buf = std::mem::take(&mut self.held);
         buf.push_str(text);
 
-        // Any stop string must start inside `buf` (see the invariant), so the earliest match wins.
+        // Any stop string must start inside `buf` (see the invariant). The match that completes
+        // first wins (ties: the one that starts first), as if the text arrived byte by byte: the
+        // result then does not depend on how the text was split into tokens, and generation never
+        // has to run past a completed stop string to learn whether an earlier one completes too.
         let earliest = self
             .stops
             .iter()
             .filter_map(|s| buf.find(s.as_str()).map(|pos| (pos, s)))
-            .min_by_key(|&(pos, _)| pos);
+            .min_by_key(|&(pos, s)| (pos + s.len(), pos));
         if let Some((pos, stop)) = earliest {
             let matched = Some(stop.clone());
             buf.truncate(pos);
@@ -175,6 +178,15 @@ mod tests {
         assert_eq!(run(&["abcd", "bc"], &["xa", "b", "c"]).0, "xa");
         // A longer candidate that fails does not swallow a later, shorter one.
         assert_eq!(run(&["abcd", "bcx"], &["a", "bc", "x"]).0, "a");
+    }
+
+    #[test]
+    fn the_stop_string_that_completes_first_wins_however_the_text_is_split() {
+        // "中a中" starts earlier but "a" completes first, in one chunk or in three.
+        assert_eq!(run(&["a", "中a中"], &["x中a中y"]).0, "x中");
+        assert_eq!(run(&["a", "中a中"], &["x中", "a", "中y"]).0, "x中");
+        // Same end: the longer (earlier-starting) match is cut.
+        assert_eq!(run(&["bc", "abc"], &["xabcy"]).0, "x");
     }
 
     #[test]

@@ -45,10 +45,15 @@ fn generate(tok: &TextTokenizer, text: &str, stops: &[&str]) -> Outcome {
     }
 }
 
-/// Expected client text: the decoded text cut before the earliest stop string.
+/// Expected client text: the decoded text cut before the stop string that completes first
+/// (ties: the one that starts first), whatever the token boundaries.
 fn expected(decoded: &str, stops: &[&str]) -> (String, bool) {
-    match stops.iter().filter_map(|s| decoded.find(s)).min() {
-        Some(cut) => (decoded[..cut].to_owned(), true),
+    let first = stops
+        .iter()
+        .filter_map(|s| decoded.find(s).map(|pos| (pos + s.len(), pos)))
+        .min();
+    match first {
+        Some((_, cut)) => (decoded[..cut].to_owned(), true),
         None => (decoded.to_owned(), false),
     }
 }
