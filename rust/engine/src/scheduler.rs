@@ -134,6 +134,10 @@ impl Sequence {
             id: self.req.id,
             logprobs: ev.logprobs.iter().copied().take(n).collect(),
             top_logprobs: (0..n).map(|i| ev.top(i)).collect(),
+            prompt_logprobs: ev.prompt_logprobs.clone(),
+            prompt_top_logprobs: (0..ev.prompt_logprobs.len())
+                .map(|i| ev.prompt_top(i))
+                .collect(),
             tokens,
             finished,
             error: None,

@@ -70,6 +70,9 @@ pub struct TokenEvent {
     pub logprobs: Vec<f32>,
     /// One list per token; empty unless asked for.
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// Logprobs of prompt tokens computed in this step (prompt logprobs requests only).
+    pub prompt_logprobs: Vec<f32>,
+    pub prompt_top_logprobs: Vec<Vec<(u32, f32)>>,
     pub finish: Option<FinishReason>,
     pub usage: TokenUsage,
 }
@@ -111,7 +114,7 @@ pub struct EngineStats {
 enum Command {
     Submit {
         id: u64,
-        request: EngineRequest,
+        request: Box<EngineRequest>,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
     },
     Abort {
@@ -142,7 +145,7 @@ impl EngineHandle {
         let (events, rx) = tokio_mpsc::unbounded_channel();
         let sent = self.commands.send(Command::Submit {
             id,
-            request,
+            request: Box::new(request),
             events: events.clone(),
         });
         if sent.is_err() {
@@ -350,7 +353,7 @@ impl EngineLoop {
                 id,
                 request,
                 events,
-            } => self.submit(id, request, events),
+            } => self.submit(id, *request, events),
             Command::Abort { id } => {
                 if self.requests.remove(&id).is_some() {
                     self.scheduler.abort(id);
@@ -481,7 +484,7 @@ impl EngineLoop {
         let Some(live) = self.requests.get_mut(&id) else {
             return;
         };
-        if live.first_token {
+        if live.first_token && (!out.tokens.is_empty() || out.error.is_some()) {
             live.first_token = false;
             self.metrics
                 .ttft
@@ -508,6 +511,8 @@ impl EngineLoop {
             tokens: out.tokens,
             logprobs: out.logprobs,
             top_logprobs: out.top_logprobs,
+            prompt_logprobs: out.prompt_logprobs,
+            prompt_top_logprobs: out.prompt_top_logprobs,
             finish: out.finished,
             usage: TokenUsage {
                 prompt_tokens: out.prompt_tokens,

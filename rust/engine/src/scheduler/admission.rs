@@ -52,7 +52,13 @@ impl Scheduler {
                 continue;
             };
             // Never match the whole sequence: the last token must be computed to get logits.
-            let m = self.cache.match_prefix(&seq.tokens[..seq.tokens.len() - 1]);
+            // Prompt logprobs need every prompt position computed: no cached prefix then.
+            let matchable = if seq.req.sampling.prompt_logprobs && seq.completion_tokens() == 0 {
+                0
+            } else {
+                seq.tokens.len() - 1
+            };
+            let m = self.cache.match_prefix(&seq.tokens[..matchable]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
             let growth = self.expected_growth(seq);

@@ -4,6 +4,7 @@ pub mod error;
 pub mod native;
 pub mod openai;
 pub mod protocol;
+pub mod response;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -52,6 +53,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
         .route("/generate", post(native::generate))
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))

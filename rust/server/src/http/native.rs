@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use super::error::ApiError;
 use super::protocol::{parse_body, DetokenizeRequest, GenerateRequest, TokenizeRequest};
 use super::{ok_json, AppState};
-use crate::generate::{self, Chunk, GenerationSpec, Prompt};
+use crate::generate::{self, Chunk, Prompt};
 use crate::validate;
 
 /// SGLang's `meta_info`; with `return_logprob`, `output_token_logprobs` as
@@ -59,8 +59,8 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Response {
 async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let started = Instant::now();
     let req: GenerateRequest = parse_body(body)?;
-    super::protocol::log_unknown_fields("/generate", &req.extra);
-    super::protocol::log_unknown_fields("/generate sampling_params", &req.sampling_params.extra);
+    super::protocol::check_extra_fields("/generate", &req.extra)?;
+    super::protocol::check_extra_fields("/generate sampling_params", &req.sampling_params.extra)?;
     let prompt = match (req.text, req.input_ids) {
         (Some(t), None) => Prompt::Text(t),
         (None, Some(ids)) => Prompt::Ids(ids),
@@ -77,24 +77,18 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     } else {
         0
     };
-    let spec = GenerationSpec {
-        prompt,
-        sampling: validate::sampling_params(&sp.sampling, top)?,
-        max_new_tokens: validate::max_tokens(
-            "max_new_tokens",
-            Some(sp.max_new_tokens.unwrap_or(128)),
-        )?,
-        min_new_tokens: sp.min_new_tokens.or(sp.sampling.min_tokens).unwrap_or(0),
-        stop: sp
-            .sampling
-            .stop
-            .clone()
-            .map(|s| s.into_vec())
-            .unwrap_or_default(),
-        stop_token_ids: sp.sampling.stop_token_ids.clone().unwrap_or_default(),
-        ignore_eos: sp.sampling.ignore_eos.unwrap_or(false),
-        skip_special_tokens: sp.sampling.skip_special_tokens.unwrap_or(true),
-    };
+    if sp.sampling.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_param(
+            "n",
+            "/generate returns one sample: use /v1/completions for n > 1",
+        ));
+    }
+    let max_new_tokens =
+        validate::max_tokens("max_new_tokens", Some(sp.max_new_tokens.unwrap_or(128)))?;
+    let vocab = state.tokenizer.vocab_size() as u32;
+    let mut spec = validate::generation_spec(&sp.sampling, max_new_tokens, top, vocab)?;
+    spec.prompt = prompt;
+    spec.min_new_tokens = sp.min_new_tokens.unwrap_or(spec.min_new_tokens);
     let mut gen = generate::start(&state, spec).await?;
     let id = format!("{:x}", gen.id());
     if req.stream.unwrap_or(false) {
@@ -149,6 +143,8 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
             (None, Some(messages)) => Prompt::Chat {
                 messages,
                 template_vars: None,
+                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+                continue_final_message: false,
             },
             _ => {
                 return Err(ApiError::bad_request(
