@@ -369,7 +369,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--enable-metrics", "--dry-run", "--config", "--moe-backend", "--ep-size",
         "--kv-cache-dtype", "--quantization-param-path", "--quantization", "--dense-tp-size",
         "--moe-tp-size", "--world-size", "--nprocs-per-node", "--dist-init-addr", "--dist-timeout", "--nnodes",
-        "--node-rank", "--max-queued-requests", "--decode-log-interval",
+        "--node-rank", "--max-queued-requests", "--decode-log-interval", "--sampling-defaults",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
@@ -413,3 +413,14 @@ def test_config_package_does_not_import_torch() -> None:
                 assert root not in ("torch", "numpy", "transformers"), f"{src.name} imports {name}"
                 if root == "tokenspeed":
                     assert name.startswith("tokenspeed.config"), f"{src.name} imports {name}"
+
+
+def test_sampling_defaults_come_from_generation_config_unless_openai(tmp_path) -> None:
+    import json
+
+    from tokenspeed.serve import sampling_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True, "eos_token_id": 2}))
+    assert sampling_defaults(tmp_path, "model") == {"temperature": 0.6, "top_p": 0.9, "top_k": 20.0}
+    assert sampling_defaults(tmp_path, "openai") == {}
+    assert sampling_defaults(tmp_path / "missing", "model") == {}

@@ -4,6 +4,8 @@ extras, chat roles and prefill, and the 400s for what is not implemented."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -252,3 +254,47 @@ def test_unknown_fields_are_accepted(server: Server) -> None:
 def test_model_by_id(server: Server, model: str) -> None:
     assert httpx.get(f"{server.url}/v1/models/{model}").json()["id"] == model
     assert httpx.get(f"{server.url}/v1/models/other").status_code == 404
+
+
+def test_info_routes(server: Server) -> None:
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.post(f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/server_info").json()["kv_pages"]["total"] > 0
+    ids = httpx.post(f"{server.url}/v1/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert httpx.post(f"{server.url}/v1/detokenize", json={"tokens": ids}).json()["prompt"].endswith(PROMPT)
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "zz"}).status_code == 400
+
+
+def test_abort_request_ends_a_generate_request(server: Server) -> None:
+    body = {"text": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 1:  # /generate reports the engine's request id
+                rid = events[0]["meta_info"]["id"]
+                assert httpx.post(f"{server.url}/abort_request", json={"rid": rid}).status_code == 200
+    assert "error" in events[-1], events[-1]
+    assert events[-2]["meta_info"]["completion_tokens"] < 2000
+
+
+def test_vllm_metric_names(server: Server, client: openai.OpenAI, model: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    families = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(f"{server.url}/metrics").text)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+                 "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        family = families[f"tokenspeed:{name}"]
+        assert all(s.labels.get("model_name") == model for s in family.samples), name
+    success = {s.labels.get("finished_reason"): s.value for s in families["tokenspeed:request_success"].samples
+               if s.name.endswith("_total")}
+    assert success.get("length", 0) >= 1

@@ -53,7 +53,7 @@ def test_per_channel_round_trip_error_is_bounded() -> None:
 
 def test_fp8_linear_is_the_dequantised_matmul() -> None:
     gen = torch.Generator().manual_seed(1)
-    layer = QKVLinear(64, 64, 32, bias=True)
+    layer = QKVLinear(64, 16, 4, 2, bias=True)  # hidden 64: q 4 x 16, k and v 2 x 16
     layer.weight.data.normal_(0, 0.1, generator=gen)
     layer.bias.data.normal_(0, 1.0, generator=gen)
     x = torch.randn(7, 64, generator=gen)

@@ -211,6 +211,7 @@ def launch(cfg: Any) -> int:
             "max_queued_requests": int(cfg.max_queued_requests),
             "step_log_interval": int(cfg.decode_log_interval),
             "enable_metrics": bool(cfg.enable_metrics),
+            "sampling_defaults": sampling_defaults(model_dir, cfg.sampling_defaults),
             "worker_pids": [p.pid for p in workers],
             "server_info": {
                 "device": capacities[0]["device"],
@@ -286,3 +287,25 @@ def _wait_ready(workers: list[Any], links: list[Any], timeout_s: float = 900.0,
                                   f"(exit code {proc.exitcode})")
         time.sleep(0.05)
     return [ready[r] for r in range(len(workers))]
+
+
+# The generation_config.json fields vLLM takes as request defaults (its `--generation-config auto`).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_dir: Path, source: str) -> dict[str, float]:
+    """Sampling values a request gets for the fields it omits: with `--sampling-defaults model`
+    the model's generation_config.json values (as vLLM applies them), with `openai` none."""
+    path = Path(model_dir) / "generation_config.json"
+    if source != "model" or not path.is_file():
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+    out = {k: float(gen[k]) for k in GENERATION_DEFAULT_FIELDS if isinstance(gen.get(k), (int, float))}
+    if out:
+        logger.info("default sampling parameters from %s: %s (--sampling-defaults openai to ignore)",
+                    path, out)
+    return out
+

@@ -82,6 +82,10 @@ class LazyTensor:
     def to(self, dtype: torch.dtype) -> torch.Tensor:
         return self.full().to(dtype)
 
+    def float(self) -> torch.Tensor:
+        """All of it in float32 (small tensors such as quantization scales)."""
+        return self.to(torch.float32)
+
 
 def iter_safetensors(model_dir: str, progress: bool = True,
                      lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

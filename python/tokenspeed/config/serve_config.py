@@ -60,6 +60,8 @@ class ServeConfig:
     log_requests: bool = _default("log_requests")
     enable_metrics: bool = _default("enable_metrics")
     decode_log_interval: int = _default("decode_log_interval")
+    # API.
+    sampling_defaults: str = _default("sampling_defaults")  # "model": generation_config.json's
     # Parallelism (checked together by tokenspeed.distributed.ParallelSizes at launch).
     tp_size: int = _default("tp_size")
     ep_size: int = _default("ep_size")

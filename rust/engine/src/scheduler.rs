@@ -234,9 +234,17 @@ pub struct Scheduler {
     /// Share of running requests' remaining tokens that admission keeps pages back for.
     reserve_ratio: f64,
     in_flight: VecDeque<(u64, Vec<Expected>)>,
+    /// Requests admitted for the first time since the last `take_admitted` (queue-time metrics).
+    admitted: Vec<u64>,
 }
 
 impl Scheduler {
+    /// Ids of the requests admitted for the first time (their first prefill chunk scheduled)
+    /// since the last call.
+    pub fn take_admitted(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.admitted)
+    }
+
     pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         let pool = PagePool::new(config.num_pages);
@@ -258,6 +266,7 @@ impl Scheduler {
             next_epoch: 0,
             reserve_ratio: RESERVE_RATIO_INIT,
             in_flight: VecDeque::new(),
+            admitted: Vec::new(),
         })
     }
 

@@ -462,7 +462,10 @@ fn prompt_logprobs_cover_every_prompt_token_once_uncached_and_chunked() {
             .collect();
         let want: Vec<f32> = (1..150).map(|pos| -(pos as f32)).collect();
         assert_eq!(got, want, "overlap {overlap}");
-        assert!(outs.len() > 3, "the 150-token prompt runs in 64-token chunks");
+        assert!(
+            outs.len() > 3,
+            "the 150-token prompt runs in 64-token chunks"
+        );
         assert_eq!(h.tokens(2), reference(&p, 3), "overlap {overlap}");
         assert_eq!(h.last_output(2).cached_tokens, 0);
         h.assert_no_leak();

@@ -5,14 +5,12 @@
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
-use tokenspeed_engine::scheduler::FinishReason;
+use tokenspeed_engine::scheduler::{FinishReason, Request};
 use tokenspeed_engine::SamplingParams;
 use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, TextTokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{
-    EngineErrorKind, EngineEvent, EngineHandle, EngineRequest, TokenEvent, TokenUsage,
-};
+use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle, TokenEvent, TokenUsage};
 use crate::http::error::ApiError;
 use crate::http::AppState;
 
@@ -173,8 +171,9 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
             ),
         ));
     }
-    let request = EngineRequest {
-        prompt_ids: prompt_ids.clone(),
+    let request = Request {
+        id: 0, // the engine assigns it
+        prompt: prompt_ids.clone(),
         sampling: spec.sampling,
         max_new_tokens,
         min_new_tokens: spec.min_new_tokens,
@@ -182,7 +181,6 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
         eos_token_ids: state.tokenizer.eos_token_ids().to_vec(),
         ignore_eos: spec.ignore_eos,
     };
-    state.metrics.requests_total.inc();
     state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
     let (id, events) = state.engine.submit(request);
     if state.config.log_requests {

@@ -3,6 +3,7 @@
 
 use tokenspeed_engine::{SamplingParams, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, NO_SEED};
 
+use crate::config::SamplingDefaults;
 use crate::generate::{GenerationSpec, Prompt};
 use crate::http::error::ApiError;
 use crate::http::protocol::SamplingFields;
@@ -19,10 +20,21 @@ pub const MAX_STOP_TOKEN_IDS: usize = 256;
 /// prompt's generation (the caller sets the prompt per choice).
 pub fn generation_spec(
     f: &SamplingFields,
+    defaults: &SamplingDefaults,
     max_new_tokens: Option<u32>,
     top_logprobs: u32,
     vocab_size: u32,
 ) -> Result<GenerationSpec, ApiError> {
+    // The model's defaults (vLLM's behaviour) stand in for what the request omits, and are
+    // checked like the request's own values.
+    let f = &SamplingFields {
+        temperature: f.temperature.or(defaults.temperature),
+        top_p: f.top_p.or(defaults.top_p),
+        top_k: f.top_k.or(defaults.top_k.map(|k| k as i32)),
+        min_p: f.min_p.or(defaults.min_p),
+        repetition_penalty: f.repetition_penalty.or(defaults.repetition_penalty),
+        ..f.clone()
+    };
     let stop = f.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > MAX_STOP_STRINGS {
         return Err(ApiError::bad_param(
@@ -264,4 +276,57 @@ pub fn check_prompt(ids: &[u32], vocab_size: u32, context_length: u32) -> Result
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(f: SamplingFields, d: &SamplingDefaults) -> Result<GenerationSpec, ApiError> {
+        generation_spec(&f, d, Some(4), 0, 1000)
+    }
+
+    #[test]
+    fn model_defaults_fill_only_what_the_request_omits() {
+        let d = SamplingDefaults {
+            temperature: Some(0.25),
+            top_k: Some(7.0),
+            repetition_penalty: Some(1.1),
+            ..Default::default()
+        };
+        let s = spec(SamplingFields::default(), &d).expect("valid").sampling;
+        assert_eq!(
+            (s.temperature, s.top_k, s.repetition_penalty),
+            (0.25, 7, 1.1)
+        );
+        let own = SamplingFields {
+            temperature: Some(1.0),
+            ..Default::default()
+        };
+        let s = spec(own, &d).expect("valid").sampling;
+        assert_eq!((s.temperature, s.top_k), (1.0, 7));
+        let neutral = spec(SamplingFields::default(), &SamplingDefaults::default())
+            .expect("valid")
+            .sampling;
+        assert_eq!(neutral.temperature, SamplingParams::neutral().temperature);
+    }
+
+    #[test]
+    fn logit_bias_is_checked_and_sorted() {
+        let f = |pairs: &[(&str, f32)]| SamplingFields {
+            logit_bias: Some(pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()),
+            ..Default::default()
+        };
+        let s = spec(f(&[("9", 1.0), ("3", -2.0)]), &SamplingDefaults::default())
+            .expect("valid")
+            .sampling;
+        assert_eq!(
+            (s.logit_bias_ids, s.logit_bias_values),
+            (vec![3, 9], vec![-2.0, 1.0])
+        );
+        for bad in [&[("x", 1.0)][..], &[("1000", 1.0)], &[("1", 101.0)]] {
+            let err = spec(f(bad), &SamplingDefaults::default()).expect_err("invalid");
+            assert_eq!(err.param.as_deref(), Some("logit_bias"), "{bad:?}");
+        }
+    }
 }

@@ -83,8 +83,10 @@ impl Scheduler {
             let Some(seq) = self.requests.get_mut(&id) else {
                 continue;
             };
-            seq.cached_tokens
-                .get_or_insert(m.len.min(seq.req.prompt.len()) as u32);
+            if seq.cached_tokens.is_none() {
+                seq.cached_tokens = Some(m.len.min(seq.req.prompt.len()) as u32);
+                self.admitted.push(id);
+            }
             step.plan.new_requests.push(seq.worker_params(slot));
             step.add_pages(slot, 0, &m.pages);
             seq.phase = Phase::Prefilling(Active {

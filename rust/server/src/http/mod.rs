@@ -57,6 +57,11 @@ pub fn router(state: AppState) -> Router {
         .route("/generate", post(native::generate))
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))
+        .route("/v1/tokenize", post(native::tokenize))
+        .route("/v1/detokenize", post(native::detokenize))
+        .route("/version", get(native::version))
+        .route("/abort_request", post(native::abort_request))
+        .route("/server_info", get(native::server_info))
         .route("/get_model_info", get(native::model_info))
         .route("/get_server_info", get(native::server_info))
         .route(
@@ -68,7 +73,9 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             require_api_key,
         ));
-    let open = Router::new().route("/health", get(native::health));
+    let open = Router::new()
+        .route("/health", get(native::health))
+        .route("/ping", get(native::health).post(native::health));
     let open = if state.config.enable_metrics {
         open.route("/metrics", get(native::metrics))
     } else {

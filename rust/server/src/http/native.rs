@@ -12,7 +12,9 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::protocol::{parse_body, DetokenizeRequest, GenerateRequest, TokenizeRequest};
+use super::protocol::{
+    parse_body, AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest,
+};
 use super::{ok_json, AppState};
 use crate::generate::{self, Chunk, Prompt};
 use crate::validate;
@@ -86,7 +88,13 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     let max_new_tokens =
         validate::max_tokens("max_new_tokens", Some(sp.max_new_tokens.unwrap_or(128)))?;
     let vocab = state.tokenizer.vocab_size() as u32;
-    let mut spec = validate::generation_spec(&sp.sampling, max_new_tokens, top, vocab)?;
+    let mut spec = validate::generation_spec(
+        &sp.sampling,
+        &state.config.sampling_defaults,
+        max_new_tokens,
+        top,
+        vocab,
+    )?;
     spec.prompt = prompt;
     spec.min_new_tokens = sp.min_new_tokens.unwrap_or(spec.min_new_tokens);
     let mut gen = generate::start(&state, spec).await?;
@@ -258,4 +266,21 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         state.metrics.render(),
     )
         .into_response()
+}
+
+pub async fn version() -> Response {
+    ok_json(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
+/// SGLang's `/abort_request`: ends the request whose id `/generate` reported in
+/// `meta_info.id`, freeing its slot and KV pages; its client's request ends with an error.
+pub async fn abort_request(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = async {
+        let req: AbortRequest = parse_body(&body)?;
+        let id = u64::from_str_radix(&req.rid, 16)
+            .map_err(|_| ApiError::bad_param("rid", format!("unknown request id {:?}", req.rid)))?;
+        state.engine.abort(id);
+        Ok::<_, ApiError>(StatusCode::OK.into_response())
+    };
+    run.await.unwrap_or_else(|e| e.into_response())
 }

@@ -184,7 +184,13 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
     let top = validate::top_logprobs("logprobs", req.logprobs)?;
     let max_tokens = validate::max_tokens("max_tokens", Some(req.max_tokens.unwrap_or(16)))?;
     let vocab = state.tokenizer.vocab_size() as u32;
-    let mut base = validate::generation_spec(&req.sampling, max_tokens, top, vocab)?;
+    let mut base = validate::generation_spec(
+        &req.sampling,
+        &state.config.sampling_defaults,
+        max_tokens,
+        top,
+        vocab,
+    )?;
     let echo_logprobs = echo && want_logprobs;
     if echo_logprobs {
         // The echoed prompt's tokens come with their logprobs (the first has none).
@@ -547,7 +553,13 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     )?;
     let n = validate::choices(req.sampling.n, 1)?;
     let vocab = state.tokenizer.vocab_size() as u32;
-    let base = validate::generation_spec(&req.sampling, max_tokens, top, vocab)?;
+    let base = validate::generation_spec(
+        &req.sampling,
+        &state.config.sampling_defaults,
+        max_tokens,
+        top,
+        vocab,
+    )?;
     // vLLM's echo: the reply starts with the last message when that is the assistant's.
     let echo = match req.messages.last() {
         Some(m) if req.echo == Some(true) && last_role == "assistant" => message_text(m),

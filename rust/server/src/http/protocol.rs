@@ -158,6 +158,13 @@ pub struct TokenizeRequest {
     pub add_generation_prompt: Option<bool>,
 }
 
+/// SGLang's `/abort_request` body.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AbortRequest {
+    pub rid: String,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct DetokenizeRequest {
     pub model: Option<String>,
