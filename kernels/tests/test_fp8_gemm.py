@@ -95,10 +95,12 @@ def test_fp8_gemv_matches_dequantised_reference(dtype: torch.dtype, m: int, n: i
 
 
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=32, num_warps=1),
+                                 GemvConfig(block_n=4, block_k=64, num_warps=2, reduce_once=True, split_k=2),
                                  GemvConfig(block_n=16, block_k=32, use_dot=True, split_k=3)],
-                         ids=["fma", "dot-split3"])
+                         ids=["fma", "fma-reduce-once-split2", "dot-split3"])
 def test_fp8_gemv_configs(cfg: GemvConfig, device: str) -> None:
-    """Both inner products (the dot path converts fp8 tiles to x's dtype) and split-K."""
+    """Both inner products (the dot path converts fp8 tiles to x's dtype), the fma path's
+    reduce-once accumulator, and split-K."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5, 333, generator=gen).to(torch.bfloat16)
     w, s = _per_channel(torch.randn(45, 333, generator=gen))
