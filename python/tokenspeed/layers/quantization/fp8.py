@@ -147,7 +147,7 @@ def _scale_loader(module: nn.Module, loader: object) -> object:
                 rows = module.output_sizes[shard] * module.tp_size
             else:
                 rows = module.weight.shape[0]
-            loaded = loaded.float().reshape(-1)
+            loaded = loaded.to(torch.float32).reshape(-1)  # a Tensor or a weights.LazyTensor
             if loaded.numel() == 1:
                 loaded = loaded.expand(rows)
         loader(param, loaded, shard)  # type: ignore[operator]
