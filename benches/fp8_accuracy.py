@@ -27,7 +27,7 @@ agreement >= 0.9 and cosine min >= 0.99 for every variant.
 Run (repo root, GPU): python benches/fp8_accuracy.py [--layers 4] [--backends triton,flashinfer]
 Real weights on the CPU (no twins: the CPU paths are the torch ones):
   python benches/fp8_accuracy.py --device cpu --model ~/.cache/tokenspeed/models/SmolLM2-135M-Instruct
-CPU smoke test of the script itself: python benches/fp8_accuracy.py --device cpu --small
+CPU smoke test of the script itself: python benches/fp8_accuracy.py --device cpu --small [--twins]
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def main() -> int:
     p.add_argument("--backends", default="triton,flashinfer",
                    help="attention backends for the fp8 KV variants (flashinfer: if installed)")
     p.add_argument("--out", default=None, help="directory for fp8_accuracy.jsonl")
+    p.add_argument("--twins", action="store_true", help="twins on the CPU too (a smoke test of that path)")
     a = p.parse_args()
     real = a.model is not None
     if real:
@@ -162,7 +163,8 @@ def main() -> int:
     # (label, runner kwargs, twin label): the twin does the same fp8 rounding in torch.
     ref_w = {"gemm": "reference"}  # the CPU's fp8 linear is torch anyway; this adds the W8A8 rule
     variants: list[tuple[str, dict[str, object], str | None]] = []
-    if not cpu:
+    twins = not cpu or a.twins
+    if twins:
         variants += [
             ("bf16 (torch_native attention)", {"attention_backend": "torch_native",
                                                "disable_cuda_graph": True}, None),
@@ -178,7 +180,7 @@ def main() -> int:
         ]
 
     def twin(label: str) -> str | None:
-        return None if cpu else label
+        return label if twins else None
 
     variants += [
         (f"fp8 KV ({base})", {"attention_backend": base, "kv_cache_dtype": "fp8"}, twin("twin: fp8 KV")),
