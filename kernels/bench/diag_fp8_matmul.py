@@ -49,6 +49,9 @@ def cublas(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tenso
     k = a.shape[1]
     n = b.shape[0]
     pk, pn = -k % 16, -n % 16  # cuBLAS fp8 needs K and N multiples of 16
+    if pk == 0 and pn == 0:  # no copies inside the timed shapes
+        return torch._scaled_mm(a, b.t(), scale_a=a_s.view(-1, 1), scale_b=b_s.view(1, -1),
+                                out_dtype=torch.float32)
     a_p = F.pad(a.view(torch.uint8), (0, pk)).view(E4M3)
     b_p = F.pad(b.view(torch.uint8), (0, pk, 0, pn)).view(E4M3)
     b_sp = F.pad(b_s, (0, pn), value=1.0)
