@@ -15,6 +15,11 @@
 #   fp8acc    benches/fp8_accuracy.py (fp8 KV / weights / both vs bf16, 4-layer 8B-shaped)
 #   fp8micro  kernels/bench/bench_fp8.py (FP8 GEMV, _scaled_mm, Triton vs bf16) and decode/extend
 #             attention over an fp8 KV cache (bench_kernels.py --kv-dtype fp8)
+#   fp8diag   kernels/bench/diag_fp8_matmul.py (Triton W8A8 matmul: error per shape vs cuBLAS,
+#             partial-sum promotion 0/32/128, and its time)
+#   fp8gemv   kernels/bench/bench_fp8.py at decode M (1,2,4,8,64): fp8 GEMV with its fp8 tiles vs
+#             the bf16 tile, cuBLAS, bf16; whole-step sums
+#   fp8sweep  kernels/bench/bench_fp8.py --sweep (fp8 GEMV config grid, M = FP8_SWEEP_MS or 1,2,4)
 #   fp8w      gpu_bench S3 with --quantization fp8;  fp8kv  S1r with --kv-cache-dtype fp8;
 #   fp8both   S1r and S3 with both (each in its own folder; FP8_BENCH_ARGS adds flags, e.g. --full)
 # FlashInfer (optional, not on the device image): .carry/fi/ holds the apache-tvm-ffi wheel and
@@ -114,6 +119,15 @@ for arg in "$@"; do
     fp8tests)
         phase fp8_kernel_tests bash -c "cd kernels && PYTHONPATH=. python3 -m pytest tests/test_fp8_kv.py tests/test_fp8_gemm.py -q -p no:cacheprovider"
         phase fp8_gpu_tests python3 -m pytest tests/test_gpu_fp8.py -q -s -p no:cacheprovider
+        ;;
+    fp8diag)
+        phase fp8_diag bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/diag_fp8_matmul.py"
+        ;;
+    fp8gemv)
+        phase bench_fp8_decode bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_fp8.py --ms 1,2,4,8,64 --out $OUT/fp8_decode.jsonl"
+        ;;
+    fp8sweep)
+        phase bench_fp8_sweep bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_fp8.py --sweep --ms ${FP8_SWEEP_MS:-1,2,4} --out $OUT/fp8_sweep.jsonl"
         ;;
     fp8acc)
         phase fp8_accuracy python3 benches/fp8_accuracy.py --out "$OUT"
