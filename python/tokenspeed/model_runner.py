@@ -300,15 +300,6 @@ class ModelRunner:
         logits, rows = self._forward(plan, copy_logits=False)
         return self._sample(plan, logits, rows)
 
-    def _wants_prompt_logprobs(self, plan: StepPlan) -> list[int]:
-        """Indices (in plan order) of scheduled requests still reporting prompt logprobs."""
-        out = []
-        for i, slot in enumerate(plan.sched_slot.tolist()):
-            state = self.sampler.slots.get(slot)
-            if state is not None and state.prompt_logprobs:
-                out.append(i)
-        return out
-
     def _score_prompt(self, plan: StepPlan, hidden: torch.Tensor, query_start: np.ndarray,
                       wanted: list[int]) -> None:
         """Prompt logprobs of the wanted requests' input tokens: token t is scored by the
@@ -338,7 +329,7 @@ class ModelRunner:
                     tops.append(t)
                 prev = rows[-1:]
             if plan.sched_sample[i]:
-                state.prompt_logprobs = False  # the prompt is complete: its first token follows
+                self.sampler.prompt_logprobs_done(slot)
             elif prev is not None:
                 self._prompt_carry[slot] = prev[0]
             m = sum(len(x) for x in lps)
@@ -366,7 +357,7 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size, device=self.device), None
         positions, out_loc, query_start = self._token_indices(plan)
         sample = plan.sched_sample.astype(bool)
-        wanted = self._wants_prompt_logprobs(plan)
+        wanted = self.sampler.prompt_logprobs_pending(plan.sched_slot).tolist()
         if (not wanted and self.graphs is not None and self.graphs.can_run(len(plan.sched_slot))
                 and bool((plan.sched_tokens_len == 1).all())):
             logits, slots_dev = self.graphs.run(plan.sched_tokens.astype(np.int64), positions,

@@ -97,6 +97,7 @@ class Sampler:
         # Samples each slot must still draw before its stop ids are allowed (min_tokens).
         self._min_left = keep(getattr(self, "_min_left", None), np.zeros(n, np.int64))
         self._biased = keep(getattr(self, "_biased", None), np.zeros(n, dtype=bool))
+        self._prompt_logprobs = keep(getattr(self, "_prompt_logprobs", None), np.zeros(n, dtype=bool))
         self._capacity = capacity
 
     def add(self, slot: int, params: dict[str, Any], stop_ids: list[int] | None = None,
@@ -143,9 +144,22 @@ class Sampler:
         self._top_logprobs[slot] = state.top_logprobs
         self._min_left[slot] = state.min_tokens if state.stop_ids else 0
         self._biased[slot] = bool(state.bias_ids)
+        self._prompt_logprobs[slot] = state.prompt_logprobs
 
     def drop(self, slot: int) -> None:
         self.slots.pop(slot, None)
+        if slot < self._capacity:
+            self._prompt_logprobs[slot] = False
+
+    def prompt_logprobs_pending(self, slots: np.ndarray) -> np.ndarray:
+        """Indices of `slots` whose requests still report prompt logprobs (vectorized: this
+        runs every step)."""
+        return np.flatnonzero(self._prompt_logprobs[slots.astype(np.int64)])
+
+    def prompt_logprobs_done(self, slot: int) -> None:
+        """The slot's prompt is complete: its first sampled token follows."""
+        self._prompt_logprobs[slot] = False
+        self.slots[slot].prompt_logprobs = False
 
     def top_k_of(self, slots: np.ndarray) -> np.ndarray:
         """Top logprobs each of `slots` asked for."""
