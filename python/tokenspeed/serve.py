@@ -53,14 +53,15 @@ def check_quantization(method: str | None, model_dir: Path) -> None:
         raise LaunchError(str(e)) from None
 
 
-def check_moe_settings(cfg: Any, model_dir: Path, device: str) -> None:
+def check_moe_settings(cfg: Any, model_dir: Path, device: str, sizes: Any) -> None:
     """MoE flags against the model and the device, before any worker starts: an EP size that does
-    not divide the expert count (or EP on a dense model), a MoE backend that cannot run here."""
+    not divide the expert count (or EP on a dense model), a MoE-TP size that does not divide the
+    experts' intermediate size, a MoE backend that cannot run here."""
     from tokenspeed.models.config import check_expert_parallel, load_hf_config
 
     try:
         config = load_hf_config(str(model_dir))
-        check_expert_parallel(config, int(cfg.ep_size or 1))
+        check_expert_parallel(config, sizes.ep, sizes.moe_tp if config.num_experts else 1)
         if cfg.moe_backend and config.num_experts:
             import torch
 
@@ -96,9 +97,9 @@ def launch(cfg: Any) -> int:
             check_backend(cfg.attention_backend, torch.device(device))
         except ValueError as e:
             raise LaunchError(str(e)) from None
-    check_moe_settings(cfg, model_dir, device)
-    check_quantization(cfg.quantization, model_dir)
     sizes = parallel_sizes(cfg, model_dir)
+    check_moe_settings(cfg, model_dir, device, sizes)
+    check_quantization(cfg.quantization, model_dir)
     world = sizes.nprocs_per_node  # ranks on this node: all of them read the one plan ring
     node_rank = int(cfg.node_rank or 0)
     if sizes.nnodes > 1 and not cfg.dist_init_addr:
@@ -246,7 +247,7 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
     try:
         sizes = resolve_sizes(int(cfg.tp_size or 1), cfg.dense_tp_size, cfg.moe_tp_size,
                               cfg.world_size, cfg.nprocs_per_node, int(cfg.nnodes or 1),
-                              int(cfg.ep_size or 1))
+                              int(cfg.ep_size or 1), bool(cfg.enable_expert_parallel))
         if sizes.world_size > 1:
             from tokenspeed.weights import open_checkpoint
 
