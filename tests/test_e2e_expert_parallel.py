@@ -1,15 +1,20 @@
 """Expert parallelism end to end: `tokenspeed serve --tp 2 --ep-size 2` on CPU (gloo) with a tiny
 random Qwen3-MoE (SmolLM2's tokenizer) answers the `openai` client's greedy completions with
-exactly the text of `--tp 1`, each rank holding half of the experts; the all-to-all backends that
-are not built stop the launch naming the value."""
+exactly the text of `--tp 1`, each rank holding half of the experts, and a rank killed under it
+stops the server with a non-zero exit and a log line naming the rank; the all-to-all backends
+that are not built stop the launch naming the value."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -54,23 +59,35 @@ def _greedy_texts(srv: Server) -> list[str]:
     return texts
 
 
-def test_serve_ep2_gives_tp1_text(moe_dir: Path, tmp_path: Path) -> None:
+def test_serve_ep2_gives_tp1_text_and_a_dead_rank_stops_it(moe_dir: Path, tmp_path: Path) -> None:
     srv = start_server(str(tmp_path), str(moe_dir), *FLAGS)
     try:
         ref = _greedy_texts(srv)
     finally:
         stop_server(srv)
+    assert len(set(ref)) == len(ref) and all(ref), ref  # the model is not degenerate
     srv = start_server(str(tmp_path), str(moe_dir), "--tp", "2", "--ep-size", "2", *FLAGS)
     try:
-        parallel = srv.info()["parallel"]
+        info = srv.info()
+        parallel = info["parallel"]
         assert (parallel["world_size"], parallel["ep_size"], parallel["moe_tp_size"]) == (2, 2, 1)
         assert _greedy_texts(srv) == ref
         log = srv.log()
         # Each rank loaded only its half of the experts.
         assert "ep rank 0/2 holds experts [0, 4)" in log and "ep rank 1/2 holds experts [4, 8)" in log
+        # A rank dies: requests fail with 503 at once, then the server exits non-zero, its log
+        # naming the rank (the Rust core alone knows only the pid).
+        victim = info["worker_pids"][1]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while httpx.get(f"{srv.url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "the server still looks healthy with a dead rank"
+            time.sleep(0.2)
+        code = srv.proc.wait(timeout=60)
+        assert code != 0, srv.log()
+        assert f"worker rank 1 of 2 (pid {victim}) was killed by SIGKILL" in srv.log(), srv.log()
     finally:
         stop_server(srv)
-    assert len(set(ref)) == len(ref) and all(ref), ref  # the model is not degenerate
 
 
 def _serve_fails(*args: str) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed.distributed import free_tcp_port
+from tokenspeed.supervisor import DeathWatch, Watched, describe
 from tokenspeed.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger("tokenspeed.serve")
@@ -131,7 +132,7 @@ def launch(cfg: Any) -> int:
     if cfg.max_total_tokens:
         num_pages = max(1, int(cfg.max_total_tokens) // page_size)
     ctx = mp.get_context("spawn")
-    workers, links = [], []
+    workers, links, watched = [], [], []
     for rank in range(node_rank * world, (node_rank + 1) * world):
         local = rank - node_rank * world
         spec = WorkerSpec(
@@ -167,11 +168,13 @@ def launch(cfg: Any) -> int:
         child_end.close()
         workers.append(proc)
         links.append(parent_end)
+        watched.append(Watched(proc, f"worker rank {rank} of {sizes.world_size}"))
 
+    watch = DeathWatch(watched, node_rank, sizes.nnodes)
     try:
         logger.info("node %d: started %d worker rank(s): %s", node_rank, world, ", ".join(
             f"rank {node_rank * world + r} pid {p.pid}" for r, p in enumerate(workers)))
-        capacities = _wait_ready(workers, links)
+        capacities = _wait_ready(watched, links, where=watch.where)
         pages = min(c["num_pages"] for c in capacities)  # every rank's pool holds these pages
         if sizes.nnodes > 1:
             from tokenspeed import relay
@@ -179,7 +182,7 @@ def launch(cfg: Any) -> int:
             timeout = float(cfg.dist_timeout or 300)
             if node_rank > 0:  # no HTTP here: relay node 0's plans until it shuts down
                 return relay.run_sink(channel, node_rank, sizes.nnodes, cfg.dist_init_addr,
-                                      timeout, pages, workers)
+                                      timeout, pages, watched, watch.where)
             parent_end, child_end = ctx.Pipe(duplex=False)
             source = ctx.Process(target=relay.run_source, name="tokenspeed-relay", daemon=True,
                                  args=(channel_name, world, sizes.nnodes, cfg.dist_init_addr,
@@ -187,9 +190,12 @@ def launch(cfg: Any) -> int:
             source.start()
             child_end.close()
             workers.append(source)  # watched like a rank: its death fails the server
+            # Its link stays open after the ready report: a rank that dies on another node is
+            # named there (relay.run_source).
+            watched.append(Watched(source, "plan relay to the other nodes", link=parent_end))
             logger.info("plan relay to %d other node(s): pid %d", sizes.nnodes - 1, source.pid)
-            pages = _wait_ready([source], [parent_end], timeout_s=timeout + 60,
-                                what="plan relay")[0]["num_pages"]
+            pages = _wait_ready(watched[-1:], [parent_end], timeout_s=timeout + 60,
+                                where=watch.where)[0]["num_pages"]
         server_config = {
             "host": cfg.host,
             "port": int(cfg.port),
@@ -228,9 +234,19 @@ def launch(cfg: Any) -> int:
             "workers ready on %s: %d KV pages x %d tokens; starting HTTP on %s:%s",
             device, pages, page_size, cfg.host, cfg.port,
         )
-        _core.serve(json.dumps(server_config), channel, cfg.log_level)
+        watch.start()
+        try:
+            _core.serve(json.dumps(server_config), channel, cfg.log_level)
+        except RuntimeError as e:  # e.g. the warm-up request failed: say which child died
+            died = watch.report()
+            if died is None:
+                raise
+            raise LaunchError(f"{died} ({e})") from None
+        if watch.failure:  # the watch stopped the server because a child died
+            return 1
         return 0
     finally:
+        watch.stop()  # before the workers are stopped on purpose
         channel.close()
         for proc in workers:
             proc.join(timeout=5)
@@ -258,32 +274,31 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
     return sizes
 
 
-def _wait_ready(workers: list[Any], links: list[Any], timeout_s: float = 900.0,
-                what: str = "worker rank") -> list[dict]:
-    """Every rank's start-up report, watching all ranks at once: a rank that dies fails the
-    start naming it at once (the others would otherwise wait in the process group)."""
+def _wait_ready(watched: list[Watched], links: list[Any], timeout_s: float = 900.0,
+                where: str = "") -> list[dict]:
+    """Every child's start-up report, watching all of them at once: one that dies fails the
+    start naming it (its global rank; node and host on several nodes) at once (the others
+    would otherwise wait in the process group)."""
     deadline = time.monotonic() + timeout_s
     ready: dict[int, dict] = {}
-    while len(ready) < len(workers):
+    while len(ready) < len(watched):
         if time.monotonic() > deadline:
-            missing = [r for r in range(len(workers)) if r not in ready]
-            raise LaunchError(f"{what}(s) {missing} did not become ready within "
-                              f"{timeout_s:.0f}s")
-        for rank, (proc, link) in enumerate(zip(workers, links)):
-            if rank in ready:
+            missing = ", ".join(w.what for i, w in enumerate(watched) if i not in ready)
+            raise LaunchError(f"{missing}{where} did not become ready within {timeout_s:.0f}s")
+        for i, (w, link) in enumerate(zip(watched, links)):
+            if i in ready:
                 continue
-            if link.poll(0.1 if len(workers) == 1 else 0.02):
+            if link.poll(0.1 if len(watched) == 1 else 0.02):
                 try:
                     msg = link.recv()
                 except EOFError:
-                    msg = {"ok": False, "error": "worker exited during start-up"}
+                    msg = {"ok": False, "error": "exited during start-up"}
                 if not msg.get("ok"):
                     sys.stderr.write(msg.get("traceback", ""))
-                    raise LaunchError(f"{what} {rank} (pid {proc.pid}) failed to start: "
+                    raise LaunchError(f"{w.what} (pid {w.proc.pid}{where}) failed to start: "
                                       f"{msg.get('error')}")
-                ready[rank] = msg
-            elif not proc.is_alive():
-                raise LaunchError(f"{what} {rank} (pid {proc.pid}) exited during start-up "
-                                  f"(exit code {proc.exitcode})")
+                ready[i] = msg
+            elif not w.proc.is_alive():
+                raise LaunchError(f"{describe(w, where)} during start-up")
         time.sleep(0.05)
-    return [ready[r] for r in range(len(workers))]
+    return [ready[i] for i in range(len(watched))]
