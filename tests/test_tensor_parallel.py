@@ -179,8 +179,7 @@ def _greedy_texts(srv: Server) -> list[str]:
 
 def test_serve_tp3_gives_tp1_tokens_and_a_dead_rank_fails_fast(tmp_path: Path) -> None:
     """SmolLM2 (9 heads, 3 KV heads) on three gloo ranks answers exactly like one rank; killing
-    one rank turns /health to 503 at once and the server logs that rank's pid (the launcher logged
-rank→pid at start)."""
+    one rank turns /health to 503 at once, the server logs that rank, then exits non-zero."""
     srv = start_server(str(tmp_path), *E2E_FLAGS)
     try:
         ref = _greedy_texts(srv)
@@ -203,6 +202,9 @@ rank→pid at start)."""
                        timeout=10)
         assert r.status_code == 503
         assert f"worker process {victim} exited" in srv.log()  # the Rust core names the pid
+        # ... and the launcher names the rank, then stops the server with a non-zero exit.
+        assert srv.proc.wait(timeout=60) != 0
+        assert f"worker rank 2 of 3 (pid {victim}) was killed by SIGKILL" in srv.log()
     finally:
         stop_server(srv)
 

@@ -163,6 +163,7 @@ def run_sink(writer: Any, node_rank: int, nnodes: int, dist_init_addr: str, time
                 logger.error("%s; leaving the relay group so that node 0 fails", died)
                 try:  # for node 0's log: which rank, where
                     store.set(_DEATH_KEY, died)
+                    store.get(_DEATH_KEY)  # a round trip: stored before the group breaks
                 except Exception as e:  # noqa: BLE001  (node 0 still fails, less precisely)
                     logger.error("could not tell node 0: %s", e)
                 os._exit(1)  # no clean teardown: node 0 must see the group break
