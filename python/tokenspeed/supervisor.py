@@ -98,7 +98,8 @@ class DeathWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # started (not on a relay node, nor before serving)
+            self._thread.join(timeout=5)
 
     def _dead(self, timeout: float = 0) -> list[Watched]:
         # By sentinel, not is_alive(): once the Rust core has reaped a pid, is_alive() (waitpid)
@@ -124,7 +125,7 @@ class DeathWatch:
                     pass
         # A note naming a remote death, then a process killed by a signal, then ranks that
         # exited on their own (often a collective failing because the first one died).
-        dead.sort(key=lambda w: (w.note is None, (w.proc.exitcode or 0) >= 0))
+        dead.sort(key=lambda w: (w.note is None, (w.exitcode() or 0) >= 0))
         msg = f"{describe(dead[0], self.where)}; the worker group cannot serve without it"
         if len(dead) > 1:
             msg += "; also ended: " + "; ".join(describe(w, self.where) for w in dead[1:])
