@@ -119,6 +119,19 @@ def test_dummy_weights_are_the_same_model_at_any_tp(tmp_path: Path) -> None:
                         load_format="dummy")
 
 
+@pytest.mark.parametrize(("moe_tp", "ep"), [(1, 2), (2, 1)], ids=["ep2", "moe_tp2"])
+def test_dummy_moe_weights_are_the_same_model_at_any_ep(tmp_path: Path, moe_tp: int, ep: int) -> None:
+    """Dummy experts are drawn whole and cut (by expert under EP, by intermediate slice under
+    moe-TP), so EP=2 serves EP=1's model: a GPU EP check on dummy weights compares like with like."""
+    path = _tiny_checkpoint(tmp_path, "qwen3_moe")
+    ref_tokens, ref_logits, _ = generate_on_rank(0, path, PROMPTS, NEW_TOKENS, load_format="dummy")
+    sizes = ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=moe_tp, ep=ep)
+    tokens, logits, _ = run_ranks(generate_on_rank, 2, path, PROMPTS, NEW_TOKENS, None, False,
+                                  "dummy", sizes=sizes)[0]
+    assert max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r)) < 1e-5
+    assert tokens == ref_tokens
+
+
 def test_split_tp_dense_layers_replicated_under_attention_tp(tmp_path: Path) -> None:
     """--tp 2 --dense-tp-size 1: attention split over two ranks, each MLP whole on both."""
     path = _tiny_checkpoint(tmp_path, "qwen3_qk_norm")
