@@ -24,6 +24,7 @@ from tokenspeed.distributed import (
     ParallelSizes,
     free_tcp_port,
     init_distributed,
+    resolve_sizes,
 )
 
 # --- layers ------------------------------------------------------------------------------------
@@ -50,6 +51,20 @@ def test_impossible_sizes_name_both_values() -> None:
         for w in words:
             assert w in str(info.value), (str(info.value), w)
     ParallelSizes(world_size=4, attn_tp=4, dense_tp=2, moe_tp=2, ep=2).check()
+
+
+def test_expert_parallel_sizes() -> None:
+    """--ep-size N takes N ranks' worth of experts each, MoE TP the rest of the world;
+    --enable-expert-parallel (vLLM) is EP over the whole world."""
+    s = resolve_sizes(tp_size=4, ep_size=2)
+    assert (s.world_size, s.ep, s.moe_tp) == (4, 2, 2)
+    s = resolve_sizes(tp_size=2, enable_expert_parallel=True)
+    assert (s.world_size, s.ep, s.moe_tp) == (2, 2, 1)
+    assert resolve_sizes(tp_size=4, ep_size=4, enable_expert_parallel=True).ep == 4
+    with pytest.raises(ParallelConfigError, match="--world-size 4 ranks, but --ep-size is 2"):
+        resolve_sizes(tp_size=4, ep_size=2, enable_expert_parallel=True)
+    with pytest.raises(ParallelConfigError, match="--ep-size 3 does not divide --world-size 2"):
+        resolve_sizes(tp_size=2, ep_size=3)
 
 
 def test_heads_must_split_over_the_ranks() -> None:
