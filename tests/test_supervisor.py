@@ -90,3 +90,15 @@ def test_how_it_ended() -> None:
     assert how_it_ended(-9) == "was killed by SIGKILL"
     assert how_it_ended(3) == "exited with code 3"
     assert "already collected" in how_it_ended(None)
+
+
+def test_ctrl_c_is_a_shutdown_not_a_death(tmp_path) -> None:
+    """SIGINT reaches the whole process group; the workers ignore it, the server stops them, and
+    the launcher exits 0 without reporting a death."""
+    from server_harness import start_server
+
+    srv = start_server(str(tmp_path), "--max-total-tokens", "1024")
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    assert srv.proc.wait(timeout=60) == 0, srv.log()
+    assert "cannot serve without it" not in srv.log()
+    assert "KeyboardInterrupt" not in srv.log()

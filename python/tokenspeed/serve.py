@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed.distributed import free_tcp_port
-from tokenspeed.supervisor import DeathWatch, Watched, describe
+from tokenspeed.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger("tokenspeed.serve")
@@ -163,7 +163,8 @@ def launch(cfg: Any) -> int:
             dist_timeout_s=float(cfg.dist_timeout),
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)
+        proc = ctx.Process(target=without_sigint, args=(run_worker, spec, child_end),
+                           name=f"tokenspeed-worker-{rank}", daemon=True)
         proc.start()
         child_end.close()
         workers.append(proc)
@@ -184,9 +185,9 @@ def launch(cfg: Any) -> int:
                 return relay.run_sink(channel, node_rank, sizes.nnodes, cfg.dist_init_addr,
                                       timeout, pages, watched, watch.where)
             parent_end, child_end = ctx.Pipe(duplex=False)
-            source = ctx.Process(target=relay.run_source, name="tokenspeed-relay", daemon=True,
-                                 args=(channel_name, world, sizes.nnodes, cfg.dist_init_addr,
-                                       timeout, pages, child_end))
+            source = ctx.Process(target=without_sigint, name="tokenspeed-relay", daemon=True,
+                                 args=(relay.run_source, channel_name, world, sizes.nnodes,
+                                       cfg.dist_init_addr, timeout, pages, child_end))
             source.start()
             child_end.close()
             workers.append(source)  # watched like a rank: its death fails the server

@@ -7,7 +7,9 @@ The Rust engine notices a dead pid on its own (every 200 ms) and fails in-flight
 processes' sentinels (a pipe that closes when the process exits, independent of who reaps it),
 waits `COLLECT_S` so that ranks dying of the first death (a gloo peer gone) are reported with
 it, the likeliest cause first, keeps serving the 503s for `GRACE_S`, then sends the server
-SIGTERM: the core shuts down as on Ctrl-C and `launch` returns 1.
+SIGTERM: the core shuts down as on Ctrl-C and `launch` returns 1. Children ignore SIGINT
+(`without_sigint`), so a Ctrl-C is a shutdown, not a death; a SIGTERM sent to the whole process
+group kills them too, and should the server take over `COLLECT_S` to stop, it is reported as one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -26,6 +29,14 @@ logger = logging.getLogger("tokenspeed.supervisor")
 
 COLLECT_S = 1.0
 GRACE_S = 3.0
+
+
+def without_sigint(target: Callable[..., Any], *args: Any) -> Any:
+    """A child's entry point that ignores SIGINT: Ctrl-C reaches the whole process group, and
+    only the server should act on it (it stops, then stops its children). A child killed by it
+    would look like a death."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return target(*args)
 
 
 @dataclass
