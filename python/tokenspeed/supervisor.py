@@ -28,7 +28,7 @@ from typing import Any
 logger = logging.getLogger("tokenspeed.supervisor")
 
 COLLECT_S = 1.0
-GRACE_S = 3.0
+GRACE_S = 10.0  # long enough for load balancers and slow clients to see the 503s
 
 
 def without_sigint(target: Callable[..., Any], *args: Any) -> Any:
