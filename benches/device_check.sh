@@ -7,6 +7,10 @@
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
 #   tp        benches/tp_check.py phase 1: TP=2 vs TP=1 tokens, all-reduce cost (2 GPUs)
 #   tps3      benches/tp_check.py phase 2: S3 with --tp 1 and --tp 2 (2 GPUs)
+#   ep        benches/ep_check.py --checks fp32: EP=2 vs EP=1 greedy tokens, Qwen3-30B-A3B shape,
+#             4 layers fp32, must be identical (2 GPUs)
+#   eps3      benches/ep_check.py --checks bf16: the whole 48-layer bf16 model at EP=1 and EP=2,
+#             token agreement and S3 on each (2 GPUs)
 #   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
 #   moe       MoE: kernels/tests/test_moe.py and tests/test_gpu_moe.py on the GPU, then
 #             kernels/bench/bench_moe.py (fused MoE vs roofline, Qwen3-30B-A3B expert shape)
@@ -99,6 +103,14 @@ for arg in "$@"; do
     tps3)
         phase tp_s3 python3 benches/tp_check.py --tokenizer .carry/llama3/tokenizer.json \
             --out "$OUT/tps3" --skip-tokens
+        ;;
+    ep)
+        phase ep_check python3 benches/ep_check.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/ep" --checks fp32
+        ;;
+    eps3)
+        phase ep_s3 python3 benches/ep_check.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/eps3" --checks bf16
         ;;
     e2e)
         # shellcheck disable=SC2086

@@ -188,7 +188,8 @@ class ModelRunner:
                     "(%s), cuda graphs up to batch %d", c.architecture, self.dtype,
                     "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'})",
                     self.device, self.attention_backend,
-                    f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok})"
+                    f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok}"
+                    f"{_expert_slice(c.num_experts, moe_parallel)})"
                     if c.num_experts else "", self.num_pages, page_size, self.kv_dtype,
                     self.cuda_graph_max_bs)
 
@@ -455,3 +456,12 @@ class ModelRunner:
             num_tokens=num_tokens, start_pos=start_pos, query_start=query_start,
             kv_cache=self.kv_cache, backend=self.backend,
             request_arrays=(slots_d, seq_lens_d, qs_d, sp_d))
+
+
+def _expert_slice(num_experts: int, p: MoeParallel) -> str:
+    """This rank's share of the experts, for the start-up log ("" on one rank)."""
+    if p.ep_size == 1 and p.tp_size == 1:
+        return ""
+    n = num_experts // p.ep_size
+    return (f"; ep rank {p.ep_rank}/{p.ep_size} holds experts [{p.ep_rank * n}, "
+            f"{(p.ep_rank + 1) * n}), moe-tp rank {p.tp_rank}/{p.tp_size}")

@@ -65,6 +65,7 @@ class ServeConfig:
     # Parallelism (checked together by tokenspeed.distributed.ParallelSizes at launch).
     tp_size: int = _default("tp_size")
     ep_size: int = _default("ep_size")
+    enable_expert_parallel: bool = _default("enable_expert_parallel")  # EP size = world size
     dense_tp_size: int | None = _default("dense_tp_size")  # None: the attention TP size
     moe_tp_size: int | None = _default("moe_tp_size")  # None: world size / expert-parallel size
     world_size: int | None = _default("world_size")  # None: the attention TP size
@@ -78,6 +79,7 @@ class ServeConfig:
     disable_cuda_graph: bool = _default("disable_cuda_graph")
     cuda_graph_max_bs: int | None = _default("cuda_graph_max_bs")  # None: chosen by the worker
     moe_backend: str | None = _default("moe_backend")  # None: triton on CUDA, torch_native on CPU
+    all2all_backend: str = _default("all2all_backend")  # naive: partial outputs all-reduced
     # Launcher.
     config_file: str | None = _default("config_file")
     dry_run: bool = _default("dry_run")
