@@ -298,3 +298,13 @@ def test_vllm_metric_names(server: Server, client: openai.OpenAI, model: str) ->
     success = {s.labels.get("finished_reason"): s.value for s in families["tokenspeed:request_success"].samples
                if s.name.endswith("_total")}
     assert success.get("length", 0) >= 1
+
+
+def test_openapi_document_validates_and_lists_every_route(server: Server) -> None:
+    from openapi_spec_validator import validate
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    validate(doc)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/generate",
+                 "/tokenize", "/detokenize", "/health", "/metrics", "/get_server_info", "/flush_cache",
+                 "/abort_request", "/version", "/health_generate", "/get_model_info"):
+        assert path in doc["paths"], path

@@ -5,6 +5,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use super::response::{ErrorDetail, ErrorResponse};
+
 #[derive(Debug, Clone)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -78,12 +80,14 @@ impl ApiError {
     }
 
     pub fn body(&self) -> serde_json::Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.status.as_u16(),
-        }})
+        json!(ErrorResponse {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: self.kind.to_string(),
+                param: self.param.clone(),
+                code: self.status.as_u16(),
+            },
+        })
     }
 }
 

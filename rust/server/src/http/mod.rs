@@ -3,6 +3,7 @@
 pub mod error;
 pub mod native;
 pub mod openai;
+pub mod openapi;
 pub mod protocol;
 pub mod response;
 
@@ -75,7 +76,8 @@ pub fn router(state: AppState) -> Router {
         ));
     let open = Router::new()
         .route("/health", get(native::health))
-        .route("/ping", get(native::health).post(native::health));
+        .route("/ping", get(native::health).post(native::health))
+        .route("/openapi.json", get(openapi::openapi_json));
     let open = if state.config.enable_metrics {
         open.route("/metrics", get(native::metrics))
     } else {

@@ -15,6 +15,8 @@ use super::error::ApiError;
 use super::protocol::{
     parse_body, AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest,
 };
+#[allow(unused_imports)] // named by the #[utoipa::path] attributes
+use super::response::ErrorResponse;
 use super::{ok_json, AppState};
 use crate::generate::{self, Chunk, Prompt};
 use crate::validate;
@@ -51,6 +53,7 @@ fn meta_info(id: &str, chunk: &Chunk, started: Instant, logprobs: bool) -> Value
     meta
 }
 
+#[utoipa::path(post, path = "/generate", request_body = GenerateRequest, responses((status = 200, description = "SGLang native generation"), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
 pub async fn generate(State(state): State<AppState>, body: Bytes) -> Response {
     match generate_inner(state, &body).await {
         Ok(r) => r,
@@ -135,6 +138,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     ))
 }
 
+#[utoipa::path(post, path = "/tokenize", request_body = TokenizeRequest, responses((status = 200, description = "token ids"), (status = 400, body = ErrorResponse)))]
 pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
     let run = async {
         let req: TokenizeRequest = parse_body(&body)?;
@@ -168,6 +172,7 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
     run.await.unwrap_or_else(|e| e.into_response())
 }
 
+#[utoipa::path(post, path = "/detokenize", request_body = DetokenizeRequest, responses((status = 200, description = "text"), (status = 400, body = ErrorResponse)))]
 pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response {
     let run = async {
         let req: DetokenizeRequest = parse_body(&body)?;
@@ -188,6 +193,7 @@ pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response 
     run.await.unwrap_or_else(|e| e.into_response())
 }
 
+#[utoipa::path(get, path = "/get_model_info", responses((status = 200, description = "model facts")))]
 pub async fn model_info(State(state): State<AppState>) -> Response {
     ok_json(json!({
         "model_path": state.config.model_path,
@@ -200,6 +206,7 @@ pub async fn model_info(State(state): State<AppState>) -> Response {
     }))
 }
 
+#[utoipa::path(get, path = "/get_server_info", responses((status = 200, description = "engine state and configuration")))]
 pub async fn server_info(State(state): State<AppState>) -> Response {
     let stats = state.engine.stats();
     let mut info = json!({
@@ -228,6 +235,7 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
     ok_json(info)
 }
 
+#[utoipa::path(post, path = "/flush_cache", responses((status = 200, description = "flushed"), (status = 400, description = "requests are running")))]
 pub async fn flush_cache(State(state): State<AppState>) -> Response {
     if state.engine.flush_cache().await {
         (StatusCode::OK, "Cache flushed.\n").into_response()
@@ -240,6 +248,7 @@ pub async fn flush_cache(State(state): State<AppState>) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/health", responses((status = 200, description = "healthy"), (status = 503, body = ErrorResponse)))]
 pub async fn health(State(state): State<AppState>) -> Response {
     if state.engine.is_healthy() {
         StatusCode::OK.into_response()
@@ -249,6 +258,7 @@ pub async fn health(State(state): State<AppState>) -> Response {
 }
 
 /// Health that proves the whole path works: generates one token.
+#[utoipa::path(get, path = "/health_generate", responses((status = 200, description = "a one-token generation worked"), (status = 503, body = ErrorResponse)))]
 pub async fn health_generate(State(state): State<AppState>) -> Response {
     if !state.engine.is_healthy() {
         return ApiError::unavailable("the model worker is not running").into_response();
@@ -260,6 +270,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text")))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -268,12 +279,14 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
+#[utoipa::path(get, path = "/version", responses((status = 200, description = "server version")))]
 pub async fn version() -> Response {
     ok_json(json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
 /// SGLang's `/abort_request`: ends the request whose id `/generate` reported in
 /// `meta_info.id`, freeing its slot and KV pages; its client's request ends with an error.
+#[utoipa::path(post, path = "/abort_request", request_body = AbortRequest, responses((status = 200, description = "aborted"), (status = 400, body = ErrorResponse)))]
 pub async fn abort_request(State(state): State<AppState>, body: Bytes) -> Response {
     let run = async {
         let req: AbortRequest = parse_body(&body)?;

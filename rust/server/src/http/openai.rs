@@ -18,6 +18,8 @@ use super::protocol::{
     check_extra_fields, parse_body, ChatCompletionRequest, CompletionRequest, PromptField,
     SamplingFields,
 };
+#[allow(unused_imports)] // named by the #[utoipa::path] attributes
+use super::response::ErrorResponse;
 use super::response::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobEntry,
     ChatLogprobs, ChatMessage, Completion, CompletionChoice, CompletionLogprobs, PromptLogprob,
@@ -39,10 +41,12 @@ fn model_card(state: &AppState) -> Value {
     })
 }
 
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "the served model")))]
 pub async fn models(State(state): State<AppState>) -> Response {
     ok_json(json!({"object": "list", "data": [model_card(&state)]}))
 }
 
+#[utoipa::path(get, path = "/v1/models/{id}", params(("id" = String, Path, description = "model id")), responses((status = 200, description = "the model"), (status = 404, body = ErrorResponse)))]
 pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
     match state.check_model(Some(&id)) {
         Ok(()) => ok_json(model_card(&state)),
@@ -141,6 +145,7 @@ where
 
 // --- /v1/completions ------------------------------------------------------------------------
 
+#[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest, responses((status = 200, description = "a completion, or server-sent CompletionChunks with stream", body = Completion), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
 pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
     match completions_inner(state, &body).await {
         Ok(r) => r,
@@ -428,6 +433,7 @@ fn vllm_prompt_logprobs(
 
 // --- /v1/chat/completions -------------------------------------------------------------------
 
+#[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest, responses((status = 200, description = "a chat completion, or server-sent ChatCompletionChunks with stream", body = ChatCompletion), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
 pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
     match chat_inner(state, &body).await {
         Ok(r) => r,

@@ -7,11 +7,12 @@ use std::sync::{Mutex, OnceLock};
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
+use utoipa::ToSchema;
 
 use super::error::ApiError;
 
 /// `"stop": "x"` or `"stop": ["x", "y"]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum StopField {
     One(String),
@@ -28,7 +29,7 @@ impl StopField {
 }
 
 /// `/v1/completions` prompt: text, token ids, or a batch of one of them.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum PromptField {
     Text(String),
@@ -37,18 +38,9 @@ pub enum PromptField {
     IdBatches(Vec<Vec<u32>>),
 }
 
-/// A chat message's `content`: a string or a list of parts (only text parts until multimodal
-/// models exist).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum ContentField {
-    Text(String),
-    Parts(Vec<Map<String, Value>>),
-}
-
 /// Sampling and output fields shared by every generating route (OpenAI, plus the vLLM/SGLang
 /// extras that clients send at the top level or through `extra_body`).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct SamplingFields {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
@@ -79,14 +71,14 @@ pub struct SamplingFields {
     pub user: Option<String>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
     /// vLLM's: usage in every chunk.
     pub continuous_usage_stats: Option<bool>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: PromptField,
@@ -99,10 +91,11 @@ pub struct CompletionRequest {
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatCompletionRequest {
     pub model: Option<String>,
     pub messages: Vec<Map<String, Value>>,
@@ -121,11 +114,12 @@ pub struct ChatCompletionRequest {
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
 /// SGLang's native `/generate`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct GenerateRequest {
     pub text: Option<String>,
     pub input_ids: Option<Vec<u32>>,
@@ -135,20 +129,22 @@ pub struct GenerateRequest {
     pub return_logprob: Option<bool>,
     pub top_logprobs_num: Option<u32>,
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct NativeSamplingParams {
     pub max_new_tokens: Option<u32>,
     pub min_new_tokens: Option<u32>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct TokenizeRequest {
     pub model: Option<String>,
     pub prompt: Option<String>,
@@ -159,13 +155,13 @@ pub struct TokenizeRequest {
 }
 
 /// SGLang's `/abort_request` body.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AbortRequest {
     pub rid: String,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct DetokenizeRequest {
     pub model: Option<String>,
     pub tokens: Vec<u32>,

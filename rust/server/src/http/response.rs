@@ -5,10 +5,11 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use crate::engine::TokenUsage;
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
@@ -16,7 +17,7 @@ pub struct Usage {
     pub prompt_tokens_details: PromptTokensDetails,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct PromptTokensDetails {
     pub cached_tokens: u32,
 }
@@ -36,7 +37,7 @@ impl Usage {
 
 /// Legacy completions logprobs: parallel lists, one entry per token (prompt tokens first with
 /// `echo`; the first prompt token has no logprob).
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq, ToSchema)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<Option<f32>>,
@@ -44,7 +45,7 @@ pub struct CompletionLogprobs {
     pub text_offset: Vec<usize>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
@@ -59,8 +60,23 @@ pub struct CompletionChoice {
 
 pub type PromptLogprobs = Vec<Option<BTreeMap<String, PromptLogprob>>>;
 
+/// The OpenAI error body (`error.rs` builds it).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ErrorResponse {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub param: Option<String>,
+    pub code: u16,
+}
+
 /// One entry of vLLM's `prompt_logprobs` map.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct PromptLogprob {
     pub logprob: f32,
     /// 1 for the most likely token; the prompt's own token may rank anywhere.
@@ -70,7 +86,7 @@ pub struct PromptLogprob {
 
 /// `/v1/completions` (non-streamed) and each of its stream chunks (`object` differs only in
 /// the chat API; for completions both are "text_completion").
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct Completion {
     pub id: String,
     pub object: &'static str,
@@ -81,14 +97,14 @@ pub struct Completion {
     pub usage: Option<Usage>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct TopLogprob {
     pub token: String,
     pub logprob: f32,
     pub bytes: Vec<u8>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatLogprobEntry {
     pub token: String,
     pub logprob: f32,
@@ -96,18 +112,18 @@ pub struct ChatLogprobEntry {
     pub top_logprobs: Vec<TopLogprob>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq, ToSchema)]
 pub struct ChatLogprobs {
     pub content: Vec<ChatLogprobEntry>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatMessage {
     pub role: &'static str,
     pub content: String,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatChoice {
     pub index: u32,
     pub message: ChatMessage,
@@ -118,7 +134,7 @@ pub struct ChatChoice {
     pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatCompletion {
     pub id: String,
     pub object: &'static str,
@@ -128,7 +144,7 @@ pub struct ChatCompletion {
     pub usage: Usage,
 }
 
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq, ToSchema)]
 pub struct ChatDelta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
@@ -136,7 +152,7 @@ pub struct ChatDelta {
     pub content: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatChunkChoice {
     pub index: u32,
     pub delta: ChatDelta,
@@ -145,7 +161,7 @@ pub struct ChatChunkChoice {
     pub matched_stop: Option<Value>,
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatCompletionChunk {
     pub id: String,
     pub object: &'static str,
