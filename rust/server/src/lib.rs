@@ -63,6 +63,7 @@ pub fn scheduler_config(c: &ServerConfig) -> Result<SchedulerConfig, ServeError>
         max_running_requests: c.max_running_requests,
         chunked_prefill_size: c.chunked_prefill_size,
         max_prefill_tokens: c.max_prefill_tokens,
+        max_mixed_prefill_tokens: c.max_mixed_prefill_tokens,
         policy,
         enable_radix_cache: !c.disable_radix_cache,
         max_context_len: c.context_length,

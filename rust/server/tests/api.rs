@@ -199,6 +199,7 @@ fn harness_opts(
         max_running_requests: 16,
         chunked_prefill_size: 64,
         max_prefill_tokens: 64,
+        max_mixed_prefill_tokens: 0,
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
         disable_overlap_schedule,
