@@ -27,7 +27,7 @@ def make_plan(step_id: int, slot: int, tokens: int, page_size: int, first_page: 
     pages = list(range(first_page, first_page + -(-tokens // page_size)))
     ids = np.random.default_rng(step_id).integers(10, min(vocab, 30000), tokens).tolist()
     return StepPlan.build(step_id, finished=[slot] if step_id else [],
-                          new=[{"slot": slot}], page_tables=[(slot, 0, pages)],
+                          new=[{"slot": slot, "temperature": 0.0}], page_tables=[(slot, 0, pages)],
                           scheduled=[(slot, 0, ids, True)])
 
 
