@@ -136,6 +136,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--serve-args", default="", help="extra `tokenspeed serve` flags, space separated")
     p.add_argument("--start-timeout", type=float, default=300)
+    p.add_argument("--config-overrides", default="{}",
+                   help="JSON merged into config.json (a CPU smoke test shrinks the model)")
     args = p.parse_args()
 
     out = Path(args.out)
@@ -148,7 +150,8 @@ def main() -> int:
     os.environ["RUST_LOG"] = "info,tokenspeed_server::engine=debug"
     tag = "ttft"
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(Path(tmp), Path(args.tokenizer), args.layers, {})
+        model_dir = write_model_dir(Path(tmp), Path(args.tokenizer), args.layers,
+                                    json.loads(args.config_overrides))
         started = start_server(ctx, model_dir, tag, args.serve_args.split(), args.start_timeout)
         if started is None:
             return 1

@@ -147,6 +147,6 @@ def format_metrics(m: dict, header: dict[str, object]) -> str:
     if isinstance(idle, dict):
         lines.append("{s:{c}^{n}}".format(s=" Server (TokenSpeed engine counters) ", n=51, c="-"))
         lines.append(_line("GPU idle between steps (%):", 100.0 * idle["idle_share"]))
-        lines.append(_line("Engine stalled, no step queued (s):", idle["stalled_s"]))
+        lines.append(_line("Engine stalled, no step queued (ms):", 1e3 * idle["stalled_s"]))
     lines.append("=" * 51)
     return "\n".join(lines)
