@@ -11,6 +11,10 @@
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
 #   tp        benches/tp_check.py phase 1: TP=2 vs TP=1 tokens, all-reduce cost (2 GPUs)
 #   tps3      benches/tp_check.py phase 2: S3 with --tp 1 and --tp 2 (2 GPUs)
+#   ep        benches/ep_check.py --checks fp32: EP=2 vs EP=1 greedy tokens, Qwen3-30B-A3B shape,
+#             4 layers fp32, must be identical (2 GPUs)
+#   eps3      benches/ep_check.py --checks bf16: the whole 48-layer bf16 model at EP=1 and EP=2,
+#             token agreement and S3 on each (2 GPUs)
 #   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
 #   moe       MoE: kernels/tests/test_moe.py and tests/test_gpu_moe.py on the GPU, then
 #             kernels/bench/bench_moe.py (fused MoE vs roofline, Qwen3-30B-A3B expert shape)
@@ -19,6 +23,11 @@
 #   fp8acc    benches/fp8_accuracy.py (fp8 KV / weights / both vs bf16, 4-layer 8B-shaped)
 #   fp8micro  kernels/bench/bench_fp8.py (FP8 GEMV, _scaled_mm, Triton vs bf16) and decode/extend
 #             attention over an fp8 KV cache (bench_kernels.py --kv-dtype fp8)
+#   fp8diag   kernels/bench/diag_fp8_matmul.py (Triton W8A8 matmul: error per shape vs cuBLAS,
+#             partial-sum promotion 0/32/128, and its time)
+#   fp8gemv   kernels/bench/bench_fp8.py at decode M (1,2,4,8,64): fp8 GEMV with its fp8 tiles vs
+#             the bf16 tile, cuBLAS, bf16; whole-step sums
+#   fp8sweep  kernels/bench/bench_fp8.py --sweep (fp8 GEMV config grid, M = FP8_SWEEP_MS or 1,2,4)
 #   fp8w      gpu_bench S3 with --quantization fp8;  fp8kv  S1r with --kv-cache-dtype fp8;
 #   fp8both   S1r and S3 with both (each in its own folder; FP8_BENCH_ARGS adds flags, e.g. --full)
 # FlashInfer (optional, not on the device image): .carry/fi/ holds the apache-tvm-ffi wheel and
@@ -109,6 +118,14 @@ for arg in "$@"; do
         phase tp_s3 python3 benches/tp_check.py --tokenizer .carry/llama3/tokenizer.json \
             --out "$OUT/tps3" --skip-tokens
         ;;
+    ep)
+        phase ep_check python3 benches/ep_check.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/ep" --checks fp32
+        ;;
+    eps3)
+        phase ep_s3 python3 benches/ep_check.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/eps3" --checks bf16
+        ;;
     e2e)
         # shellcheck disable=SC2086
         phase gpu_bench python3 benches/gpu_bench.py --tokenizer .carry/llama3/tokenizer.json \
@@ -128,6 +145,15 @@ for arg in "$@"; do
     fp8tests)
         phase fp8_kernel_tests bash -c "cd kernels && PYTHONPATH=. python3 -m pytest tests/test_fp8_kv.py tests/test_fp8_gemm.py -q -p no:cacheprovider"
         phase fp8_gpu_tests python3 -m pytest tests/test_gpu_fp8.py -q -s -p no:cacheprovider
+        ;;
+    fp8diag)
+        phase fp8_diag bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/diag_fp8_matmul.py"
+        ;;
+    fp8gemv)
+        phase bench_fp8_decode bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_fp8.py --ms 1,2,4,8,64 --out $OUT/fp8_decode.jsonl"
+        ;;
+    fp8sweep)
+        phase bench_fp8_sweep bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_fp8.py --sweep --ms ${FP8_SWEEP_MS:-1,2,4} --out $OUT/fp8_sweep.jsonl"
         ;;
     fp8acc)
         phase fp8_accuracy python3 benches/fp8_accuracy.py --out "$OUT"

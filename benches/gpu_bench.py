@@ -127,17 +127,18 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def cache_counters(url: str) -> tuple[float, float] | None:
-    """(prompt tokens, cached prompt tokens) from /metrics, if exposed."""
+    """(prompt tokens looked up in the prefix cache, those found) from /metrics, if exposed."""
     code, text = http_get(f"{url}/metrics")
     if code != 200:
         return None
     vals = {}
-    for name in ("tokenspeed_prompt_tokens_total", "tokenspeed_cached_prompt_tokens_total"):
+    queries, hits = "tokenspeed:prefix_cache_queries_total", "tokenspeed:prefix_cache_hits_total"
+    for name in (queries, hits):
         m = re.search(rf"^{name}(?:{{[^}}]*}})?\s+([0-9.eE+-]+)", text, re.MULTILINE)
         vals[name] = float(m.group(1)) if m else None
     if None in vals.values():
         return None
-    return vals["tokenspeed_prompt_tokens_total"], vals["tokenspeed_cached_prompt_tokens_total"]
+    return vals[queries], vals[hits]
 
 
 def dig(record: dict[str, Any], path: str) -> Any:

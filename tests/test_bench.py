@@ -236,7 +236,7 @@ class _FakeRunner:
         assert not self.live & set(plan.new_slot.tolist())
         self.live |= set(plan.new_slot.tolist())
         assert set(plan.sched_slot.tolist()) <= self.live
-        assert len(plan.pt_pages) == int(plan.pt_count.sum())
+        assert len(plan.pt_pages) == int(plan.pt_pages_len.sum())
         n = len(plan.sched_slot)
         pos = plan.sched_start_pos + plan.sched_tokens_len
         return StepOutput(slots=plan.sched_slot, tokens=pos.astype(np.uint32), logprobs=np.zeros(n, np.float32))

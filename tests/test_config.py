@@ -68,14 +68,30 @@ def test_default_values() -> None:
 @pytest.mark.parametrize(
     ("argv", "name"),
     [
-        (["--expert-parallel-size", "2"], "--expert-parallel-size"),
-        (["--ep-size", "2"], "--ep-size"),
         (["--dp", "2"], "--dp"),
+        (["--data-parallel-size", "2"], "--data-parallel-size"),
     ],
 )
 def test_parallel_sizes_above_one_are_not_supported_yet(argv: list[str], name: str) -> None:
     with pytest.raises(NotSupportedError, match=f"^not supported yet: {name} \\("):
         parse_serve_args(argv)
+
+
+@pytest.mark.parametrize("spelling", ["--ep-size", "--expert-parallel-size", "--ep"])
+def test_expert_parallel_sizes_parse(spelling: str) -> None:
+    cfg = parse_serve_args(["--tp", "4", spelling, "2"])
+    assert (cfg.tp_size, cfg.ep_size, cfg.enable_expert_parallel) == (4, 2, False)
+    cfg = parse_serve_args(["--tp", "2", "--enable-expert-parallel"])
+    assert cfg.enable_expert_parallel and cfg.all2all_backend == "naive"
+
+
+@pytest.mark.parametrize("backend", ["allgather_reducescatter", "pplx", "deepep_high_throughput",
+                                     "deepep_low_latency", "flashinfer_all2allv"])
+def test_all2all_backends_not_built_are_refused_by_name(backend: str) -> None:
+    with pytest.raises(NotSupportedError, match=f"--all2all-backend .*'{backend}' is not available yet"):
+        parse_serve_args(["--tp", "2", "--ep-size", "2", "--all2all-backend", backend])
+    with pytest.raises(ConfigError, match="invalid choice 'bogus'"):
+        parse_serve_args(["--all2all-backend", "bogus"])
 
 
 def test_parallel_sizes_of_one_are_fine() -> None:
@@ -368,9 +384,10 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",
         "--enable-metrics", "--dry-run", "--config", "--moe-backend", "--ep-size",
+        "--enable-expert-parallel", "--all2all-backend",
         "--kv-cache-dtype", "--quantization-param-path", "--quantization", "--dense-tp-size",
         "--moe-tp-size", "--world-size", "--nprocs-per-node", "--dist-init-addr", "--dist-timeout", "--nnodes",
-        "--node-rank", "--max-queued-requests", "--decode-log-interval",
+        "--node-rank", "--max-queued-requests", "--decode-log-interval", "--sampling-defaults",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
@@ -414,3 +431,14 @@ def test_config_package_does_not_import_torch() -> None:
                 assert root not in ("torch", "numpy", "transformers"), f"{src.name} imports {name}"
                 if root == "tokenspeed":
                     assert name.startswith("tokenspeed.config"), f"{src.name} imports {name}"
+
+
+def test_sampling_defaults_come_from_generation_config_unless_openai(tmp_path) -> None:
+    import json
+
+    from tokenspeed.serve import sampling_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True, "eos_token_id": 2}))
+    assert sampling_defaults(tmp_path, "model") == {"temperature": 0.6, "top_p": 0.9, "top_k": 20.0}
+    assert sampling_defaults(tmp_path, "openai") == {}
+    assert sampling_defaults(tmp_path / "missing", "model") == {}

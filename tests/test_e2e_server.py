@@ -111,7 +111,7 @@ def test_repeated_prompt_reports_cached_tokens(server: Server, client: openai.Op
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens // 2, (cached, first.usage.prompt_tokens)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    counted = re.search(r"^tokenspeed_cached_prompt_tokens_total (\S+)$", metrics, re.MULTILINE)
+    counted = re.search(r"^tokenspeed:prefix_cache_hits_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
     assert counted and float(counted.group(1)) >= cached, "the cache hit is counted in /metrics"
     assert second.choices[0].message.content == first.choices[0].message.content
 
@@ -143,7 +143,7 @@ def test_info_endpoints(server: Server, client: openai.OpenAI) -> None:
     info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
     assert info["is_generation"] is True
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    assert "tokenspeed_generation_tokens_total" in metrics
+    assert "tokenspeed:generation_tokens_total" in metrics
     kv = server.info()["kv_pages"]
     assert kv["total"] == kv["free"] + kv["used"] + kv["cached"] > 0
 
@@ -160,7 +160,7 @@ def test_info_endpoints(server: Server, client: openai.OpenAI) -> None:
          "no-such-model"),
         (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000000}).encode(), 400,
          "1000000"),
-        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(), 400, "n"),
+        (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 1000}).encode(), 400, "n"),
     ],
 )
 def test_bad_input_gets_openai_error(server: Server, body: bytes, status: int, needle: str) -> None:
@@ -242,17 +242,17 @@ def test_stop_token_ids_stop_even_with_ignore_eos(server: Server, client: openai
 
 def test_min_tokens_holds_off_the_end_on_every_route(server: Server, client: openai.OpenAI) -> None:
     chat = [{"role": "user", "content": "Reply with the single word OK."}]
-    free = client.chat.completions.create(model=model_name(client), messages=chat, max_tokens=64, temperature=0)
+    free = client.chat.completions.create(model=model_name(client), messages=chat, max_tokens=96, temperature=0)
     natural = free.usage.completion_tokens
-    assert free.choices[0].finish_reason == "stop" and natural < 30, natural
+    assert free.choices[0].finish_reason == "stop" and natural < 80, natural
     want = natural + 10
-    held = client.chat.completions.create(model=model_name(client), messages=chat, max_tokens=64,
+    held = client.chat.completions.create(model=model_name(client), messages=chat, max_tokens=96,
                                           temperature=0, extra_body={"min_tokens": want})
     assert held.usage.completion_tokens >= want
-    done = client.completions.create(model=model_name(client), prompt="Hi", max_tokens=64, temperature=0,
+    done = client.completions.create(model=model_name(client), prompt="Hi", max_tokens=96, temperature=0,
                                      extra_body={"min_tokens": want})
     assert done.usage.completion_tokens >= want
-    native = greedy_ids(server, "Hi", 64, min_new_tokens=want)
+    native = greedy_ids(server, "Hi", 96, min_new_tokens=want)
     assert native["meta_info"]["completion_tokens"] >= want
 
 
@@ -273,4 +273,4 @@ def test_metrics_route_is_served_with_enable_metrics(server: Server) -> None:
 
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     names = {f.name for f in text_string_to_metric_families(text)}
-    assert "tokenspeed_generation_tokens" in names or "tokenspeed_generation_tokens_total" in names
+    assert "tokenspeed:generation_tokens" in names

@@ -21,6 +21,7 @@ from tokenspeed.layers.quantization.fp8 import (
     fp8_linear,
     quantize_model,
     quantize_per_channel,
+    reference_linear,
 )
 from tokenspeed.layers.quantization.methods import Fp8Config, QuantizationError, resolve_quantization
 from tokenspeed.model_runner import ModelRunner
@@ -53,7 +54,7 @@ def test_per_channel_round_trip_error_is_bounded() -> None:
 
 def test_fp8_linear_is_the_dequantised_matmul() -> None:
     gen = torch.Generator().manual_seed(1)
-    layer = QKVLinear(64, 64, 32, bias=True)
+    layer = QKVLinear(64, 16, 4, 2, bias=True)  # q 64 + k 32 + v 32 rows
     layer.weight.data.normal_(0, 0.1, generator=gen)
     layer.bias.data.normal_(0, 1.0, generator=gen)
     x = torch.randn(7, 64, generator=gen)
@@ -64,6 +65,23 @@ def test_fp8_linear_is_the_dequantised_matmul() -> None:
     torch.testing.assert_close(layer(x), ref, rtol=0, atol=0)
     torch.testing.assert_close(fp8_linear(x, layer.weight, layer.weight_scale, layer.bias), ref)
     assert ((layer(x) - before).norm() / before.norm()).item() < 0.05  # and close to the original
+
+
+def test_reference_linear_mirrors_the_cuda_kernels_rules() -> None:
+    """GEMV rows (<= SKINNY_MAX_ROWS): weight-only; more rows: per-token fp8 activations too."""
+    from tokenspeed_kernels.fp8_gemm import ref_per_token_quant_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    q, s = quantize_per_channel(torch.randn(40, 96, generator=gen) * 0.05)
+    x = torch.randn(12, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(40, generator=gen).to(torch.bfloat16)
+    w = q.float() * s[:, None]
+    few = reference_linear(x[:8], q, s, b)
+    torch.testing.assert_close(few, (x[:8].float() @ w.T + b.float()).to(torch.bfloat16), rtol=0, atol=0)
+    xq, xs = ref_per_token_quant_fp8(x)
+    many = reference_linear(x, q, s, b)
+    torch.testing.assert_close(many, ((xq.float() * xs[:, None]) @ w.T + b.float()).to(torch.bfloat16))
+    assert not torch.equal(many[:8], few)  # the activations were rounded to fp8
 
 
 def test_quantization_fp8_tracks_the_full_precision_model(tiny_llama: str) -> None:

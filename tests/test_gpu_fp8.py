@@ -3,9 +3,12 @@
 on vs off; the KV pool the memory profile gives an fp8 cache; FlashInfer's fp8 KV path against
 the triton kernels; the FP8 linear's kernels against the dequantised matmul.
 
-Criteria as in tests/test_gpu.py (dummy weights make flat logits, so bf16 noise alone flips
-near-ties): logits cosine >= 0.99, teacher-forced greedy agreement >= 0.85 (issue 15 expects
->= 0.9; benches/fp8_accuracy.py prints the numbers), and no flip outside a near-tie.
+The dummy model's logits are flat (top-1 - top-2 gap median ~0.19) and fp8's own rounding moves
+them by ~0.14 (KV) / ~0.23 (weights) std, so any fp8 implementation agrees on only ~0.75 / ~0.6 of
+its greedy tokens (benches/fp8_numerics_cpu.py). Each kernel variant is therefore compared with its
+kernel-free twin, the same fp8 rounding done in torch (torch_native attention over the fp8 cache;
+fp8.GEMM_BACKEND = "reference"): error std <= 1.25 x the twin's, agreement >= the twin's - 0.05,
+cosine >= 0.95 (benches/fp8_accuracy.py prints the same numbers).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gpu import LLAMA31_8B, NEW_TOKENS, bf16_ulp, make_runner, prompts_for, teacher_forced, write_config
+from test_gpu import LLAMA31_8B, NEW_TOKENS, make_runner, prompts_for, teacher_forced, write_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -42,26 +45,15 @@ def bf16_reference(llama8b_x4: str) -> tuple[list[list[int]], list[list[int]], t
     return prompts, tokens, logits
 
 
-def check_against(ref: tuple[list[list[int]], list[list[int]], torch.Tensor], runner: object,
-                  name: str) -> None:
+def vs_bf16(ref: tuple[list[list[int]], list[list[int]], torch.Tensor], runner: object
+            ) -> tuple[float, float, float]:
+    """(teacher-forced greedy agreement, cosine min, error std) of runner's logits vs bf16's."""
     prompts, tokens, ref_logits = ref
     ours = teacher_forced(runner, prompts, tokens)
     cos = torch.nn.functional.cosine_similarity(ours, ref_logits, dim=-1)
-    top = ours.argmax(-1)
     want = torch.tensor(tokens, device=ours.device)
-    agree = (top == want).float().mean().item()
-    noise = (ours - ref_logits).std().item()
-    bad = []
-    for p, s in (top != want).nonzero().tolist():
-        best = ref_logits[p, s, want[p, s]].item()
-        margin = best - ref_logits[p, s, top[p, s]].item()
-        if margin > max(6 * noise, 4 * bf16_ulp(best)):
-            bad.append((p, s, margin))
-    print(f"\n[{name}] vs bf16: teacher-forced agreement {agree:.3f}, cosine min "
-          f"{cos.min().item():.4f} mean {cos.mean().item():.4f}, error std {noise:.4f}, "
-          f"non-tie flips {len(bad)}")
-    assert cos.min().item() >= 0.99 and agree >= 0.85
-    assert not bad, bad[:5]
+    agree = (ours.argmax(-1) == want).float().mean().item()
+    return agree, cos.min().item(), (ours - ref_logits).std().item()
 
 
 @pytest.mark.parametrize(("name", "kw"), [
@@ -70,10 +62,46 @@ def check_against(ref: tuple[list[list[int]], list[list[int]], torch.Tensor], ru
     ("fp8 weights", {"quantization": "fp8"}),
     ("fp8 weights + fp8 KV", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
 ])
-def test_fp8_tracks_bf16(llama8b_x4: str, bf16_reference: tuple, name: str, kw: dict) -> None:
+def test_fp8_kernels_track_the_torch_fp8_twin(llama8b_x4: str, bf16_reference: tuple, name: str, kw: dict,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenspeed.layers.quantization import fp8
+
     runner = make_runner(llama8b_x4, "bfloat16", **kw)
-    check_against(bf16_reference, runner, name)
+    agree, cos, err = vs_bf16(bf16_reference, runner)
     assert runner.graphs is not None and runner.graphs.replays > 0  # type: ignore[attr-defined]
+    del runner
+    torch.cuda.empty_cache()
+    twin_kw = dict(kw)
+    if "kv_cache_dtype" in kw:
+        twin_kw["attention_backend"] = "torch_native"
+    if "quantization" in kw:
+        monkeypatch.setattr(fp8, "GEMM_BACKEND", "reference")
+    twin = make_runner(llama8b_x4, "bfloat16", graphs=False, **twin_kw)
+    t_agree, t_cos, t_err = vs_bf16(bf16_reference, twin)
+    del twin
+    torch.cuda.empty_cache()
+    print(f"\n[{name}] vs bf16: kernels agreement {agree:.3f} cosine min {cos:.4f} error std {err:.4f}; "
+          f"torch twin {t_agree:.3f} / {t_cos:.4f} / {t_err:.4f}; error ratio {err / t_err:.2f}")
+    assert err <= 1.25 * t_err and agree >= t_agree - 0.05 and cos >= 0.95
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_fp8_linear_tracks_bf16_on_realistic_weights(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 weights ~ N(0, 0.02) (Llama-3.1-8B's are ~0.01-0.03), activations O(1) (RMS-normed):
+    fp8 vs the bf16 linear is e4m3's per-channel rounding, 2.6% relative for weight-only (GEMV
+    rows) and 3.7% with per-token activations (measured with reference_linear on the CPU)."""
+    from tokenspeed.layers.quantization import fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(64, k, device="cuda", generator=gen).to(torch.bfloat16)
+    q, s = fp8.quantize_per_channel(w)
+    for m, tol in ((1, 0.035), (8, 0.035), (64, 0.05)):
+        ref = torch.nn.functional.linear(x[:m], w).float()
+        for backend in ("cublas", "triton"):
+            monkeypatch.setattr(fp8, "GEMM_BACKEND", backend)
+            err = ((fp8.fp8_linear(x[:m], q, s).float() - ref).norm() / ref.norm()).item()
+            assert 0.005 < err < tol, (m, backend, err)  # > 0.005: it is fp8, not a bf16 fallback
 
 
 def test_fp8_graphs_on_and_off_give_identical_tokens(llama8b_x4: str) -> None:

@@ -16,6 +16,7 @@ from test_models_numerics import TINY_NEW_TOKENS, TINY_PROMPTS, assert_matches_h
 from test_models_weights import llama_cpp_permute
 from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
+from tokenspeed.distributed import ParallelSizes
 from tokenspeed.layers.moe import FusedMoE, MoeOptions, MoeParallel, SparseMoeBlock
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.config import check_expert_parallel, config_from_hf_dict
@@ -268,22 +269,24 @@ def test_moe_flags_reach_the_worker_and_are_checked_at_launch(tmp_path: Path) ->
     assert cfg.worker_dict()["moe_backend"] == "torch_native" and cfg.ep_size == 1
     with pytest.raises(ConfigError, match="moe-backend"):
         parse_serve_args(["m", "--moe-backend", "cutlass"])
-    with pytest.raises(ConfigError, match="not available yet"):  # until the multi-GPU runtime lands
-        parse_serve_args(["m", "--ep-size", "2"])
+    with pytest.raises(ConfigError, match="'pplx' is not available yet; available now: naive"):
+        parse_serve_args(["m", "--all2all-backend", "pplx"])
     # The launcher's model-dependent check (the flag table alone cannot know the expert count).
     TINY_MOE_CONFIGS["mixtral"].save_pretrained(tmp_path / "moe")
-    cfg.ep_size = 3
+
+    def ep(n: int) -> ParallelSizes:
+        return ParallelSizes(world_size=n, attn_tp=n, dense_tp=n, moe_tp=1, ep=n)
+
     with pytest.raises(LaunchError, match=r"--ep-size 3 does not divide the model's 8 experts \(Mixtral"):
-        check_moe_settings(cfg, tmp_path / "moe", "cpu")
+        check_moe_settings(cfg, tmp_path / "moe", "cpu", ep(3))
     (tmp_path / "dense").mkdir()
     (tmp_path / "dense" / "config.json").write_text(json.dumps(
         {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
          "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4}))
-    cfg.ep_size = 2
     with pytest.raises(LaunchError, match=r"--ep-size 2: model LlamaForCausalLM has no experts"):
-        check_moe_settings(cfg, tmp_path / "dense", "cpu")
-    cfg.ep_size = 1
-    check_moe_settings(cfg, tmp_path / "moe", "cpu")
+        check_moe_settings(cfg, tmp_path / "dense", "cpu", ep(2))
+    check_moe_settings(cfg, tmp_path / "moe", "cpu", ep(2))
+    check_moe_settings(cfg, tmp_path / "moe", "cpu", ep(1))
 
 
 def test_moe_dummy_weights_are_seeded_and_sane(tmp_path: Path) -> None:

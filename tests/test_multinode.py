@@ -1,15 +1,21 @@
 """Two simulated nodes on loopback (two `tokenspeed serve --nnodes 2` processes, one gloo rank
-each, TP=2 across them) answer exactly like one node with TP=1; node 1 exits when node 0 stops."""
+each, TP=2 across them) answer exactly like one node with TP=1; node 1 exits when node 0 stops;
+a rank killed on node 1 stops both, node 0's log naming that rank and its node and host."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import openai
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,8 +50,12 @@ def _greedy(srv: Server) -> list[str]:
             .choices[0].text for p in PROMPTS]
 
 
-def test_two_nodes_give_one_nodes_tokens(tmp_path: Path) -> None:
-    model = str(_tiny_model(tmp_path / "model"))
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(_tiny_model(tmp_path_factory.mktemp("model")))
+
+
+def test_two_nodes_give_one_nodes_tokens(model: str, tmp_path: Path) -> None:
     srv = start_server(str(tmp_path), model, *FLAGS)
     try:
         ref = _greedy(srv)
@@ -72,6 +82,36 @@ def test_two_nodes_give_one_nodes_tokens(tmp_path: Path) -> None:
             time.sleep(0.5)
         assert node1.returncode == 0, log1.read_text()
         assert "relaying plans from node 0" in log1.read_text()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_a_rank_dying_on_node_1_stops_node_0_naming_it(model: str, tmp_path: Path) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    multi = ("--nnodes", "2", "--tp", "2", "--dist-init-addr", addr, *FLAGS)
+    log1 = tmp_path / "node1.log"
+    with open(log1, "w") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", model,
+                                  "--device", "cpu", "--node-rank", "1", *multi],
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        srv = start_server(str(tmp_path), model, "--node-rank", "0", *multi)
+        try:
+            started = re.search(r"node 1: started 1 worker rank\(s\): rank 1 pid (\d+)",
+                                log1.read_text())
+            assert started, log1.read_text()
+            victim = int(started[1])
+            os.kill(victim, signal.SIGKILL)
+            assert srv.proc.wait(timeout=60) != 0
+            assert node1.wait(timeout=60) != 0
+            named = (f"worker rank 1 of 2 (pid {victim}, node 1 host {socket.gethostname()}) "
+                     "was killed by SIGKILL")
+            assert named in log1.read_text(), log1.read_text()
+            assert named in srv.log(), srv.log()  # node 0 learnt it through the relay
+        finally:
+            stop_server(srv)
     finally:
         if node1.poll() is None:
             node1.kill()

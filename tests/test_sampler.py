@@ -150,3 +150,16 @@ def test_parameters_are_all_required() -> None:
     s = Sampler("cpu")
     with pytest.raises(KeyError, match="miss"):
         s.add(0, {"temperature": 0.0})
+
+
+def test_logit_bias_moves_only_its_own_slot_and_not_the_logprobs() -> None:
+    s = Sampler("cpu")
+    s.add(0, params(temperature=0.0), logit_bias_ids=[3, 5], logit_bias_values=[100.0, -100.0])
+    s.add(1, params(temperature=0.0))
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5, 0.1, 3.0]] * 2)
+    res = s.sample([0, 1], logits)
+    assert res.tokens.tolist() == [3, 5]  # slot 0: 3 forced, 5 forbidden; slot 1: plain argmax
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert res.logprobs.tolist() == pytest.approx([raw[3].item(), raw[5].item()])
+    with pytest.raises(ValueError, match="logit bias"):
+        s.add(2, params(), logit_bias_ids=[1], logit_bias_values=[])

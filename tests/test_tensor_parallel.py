@@ -24,6 +24,7 @@ from tokenspeed.distributed import (
     ParallelSizes,
     free_tcp_port,
     init_distributed,
+    resolve_sizes,
 )
 
 # --- layers ------------------------------------------------------------------------------------
@@ -50,6 +51,20 @@ def test_impossible_sizes_name_both_values() -> None:
         for w in words:
             assert w in str(info.value), (str(info.value), w)
     ParallelSizes(world_size=4, attn_tp=4, dense_tp=2, moe_tp=2, ep=2).check()
+
+
+def test_expert_parallel_sizes() -> None:
+    """--ep-size N takes N ranks' worth of experts each, MoE TP the rest of the world;
+    --enable-expert-parallel (vLLM) is EP over the whole world."""
+    s = resolve_sizes(tp_size=4, ep_size=2)
+    assert (s.world_size, s.ep, s.moe_tp) == (4, 2, 2)
+    s = resolve_sizes(tp_size=2, enable_expert_parallel=True)
+    assert (s.world_size, s.ep, s.moe_tp) == (2, 2, 1)
+    assert resolve_sizes(tp_size=4, ep_size=4, enable_expert_parallel=True).ep == 4
+    with pytest.raises(ParallelConfigError, match="--world-size 4 ranks, but --ep-size is 2"):
+        resolve_sizes(tp_size=4, ep_size=2, enable_expert_parallel=True)
+    with pytest.raises(ParallelConfigError, match="--ep-size 3 does not divide --world-size 2"):
+        resolve_sizes(tp_size=2, ep_size=3)
 
 
 def test_heads_must_split_over_the_ranks() -> None:
@@ -119,6 +134,19 @@ def test_dummy_weights_are_the_same_model_at_any_tp(tmp_path: Path) -> None:
                         load_format="dummy")
 
 
+@pytest.mark.parametrize(("moe_tp", "ep"), [(1, 2), (2, 1)], ids=["ep2", "moe_tp2"])
+def test_dummy_moe_weights_are_the_same_model_at_any_ep(tmp_path: Path, moe_tp: int, ep: int) -> None:
+    """Dummy experts are drawn whole and cut (by expert under EP, by intermediate slice under
+    moe-TP), so EP=2 serves EP=1's model: a GPU EP check on dummy weights compares like with like."""
+    path = _tiny_checkpoint(tmp_path, "qwen3_moe")
+    ref_tokens, ref_logits, _ = generate_on_rank(0, path, PROMPTS, NEW_TOKENS, load_format="dummy")
+    sizes = ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=moe_tp, ep=ep)
+    tokens, logits, _ = run_ranks(generate_on_rank, 2, path, PROMPTS, NEW_TOKENS, None, False,
+                                  "dummy", sizes=sizes)[0]
+    assert max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r)) < 1e-5
+    assert tokens == ref_tokens
+
+
 def test_split_tp_dense_layers_replicated_under_attention_tp(tmp_path: Path) -> None:
     """--tp 2 --dense-tp-size 1: attention split over two ranks, each MLP whole on both."""
     path = _tiny_checkpoint(tmp_path, "qwen3_qk_norm")
@@ -179,8 +207,7 @@ def _greedy_texts(srv: Server) -> list[str]:
 
 def test_serve_tp3_gives_tp1_tokens_and_a_dead_rank_fails_fast(tmp_path: Path) -> None:
     """SmolLM2 (9 heads, 3 KV heads) on three gloo ranks answers exactly like one rank; killing
-    one rank turns /health to 503 at once and the server logs that rank's pid (the launcher logged
-rank→pid at start)."""
+    one rank turns /health to 503 at once, the server logs that rank, then exits non-zero."""
     srv = start_server(str(tmp_path), *E2E_FLAGS)
     try:
         ref = _greedy_texts(srv)
@@ -203,6 +230,9 @@ rank→pid at start)."""
                        timeout=10)
         assert r.status_code == 503
         assert f"worker process {victim} exited" in srv.log()  # the Rust core names the pid
+        # ... and the launcher names the rank, then stops the server with a non-zero exit.
+        assert srv.proc.wait(timeout=60) != 0
+        assert f"worker rank 2 of 3 (pid {victim}) was killed by SIGKILL" in srv.log()
     finally:
         stop_server(srv)
 

@@ -35,7 +35,9 @@ def random_plan(rng: np.random.Generator, step_id: int) -> StepPlan:
             "min_p": float(rng.random()), "repetition_penalty": float(rng.random() + 0.5),
             "frequency_penalty": float(rng.random()), "presence_penalty": float(rng.random()),
             "seed": int(rng.integers(-1, 2**62)), "top_logprobs": int(rng.integers(0, 21)),
-            "min_tokens": int(rng.integers(0, 9)), "stop_ids": ids(int(rng.integers(0, 4)))}
+            "min_tokens": int(rng.integers(0, 9)), "stop_ids": ids(int(rng.integers(0, 4))),
+            "prompt_logprobs": bool(rng.integers(0, 2)),
+            "logit_bias_ids": ids(2), "logit_bias_values": [float(x) for x in rng.normal(size=2)]}
            for _ in range(int(rng.integers(0, 4)))]
     return StepPlan.build(
         step_id, finished=ids(int(rng.integers(0, 4))), new=new,
@@ -92,15 +94,33 @@ def test_results_round_trip_per_request_events(name):
     r = w.recv_result(1000)
     assert np.frombuffer(r["event_tokens"], np.uint32).tolist() == [10, 11, 12]
     assert np.frombuffer(r["event_error"], np.uint32).tolist() == [0, 1]
+    # Prompt logprobs: on slot 5's sampled event, and as a token-less event for slot 9's chunk.
+    from tokenspeed.model_runner import PromptLogprobs
+    prompt = {5: PromptLogprobs(np.array([-1.0, -2.0]), np.array([[4, 6], [1, 2]]),
+                                np.array([[-0.1, -0.2], [-0.3, -0.4]])),
+              9: PromptLogprobs(np.array([-3.0]), np.zeros((1, 0), np.int64), np.zeros((1, 0)))}
+    out = StepOutput(slots=np.array([5, 1]), tokens=np.array([7, 8]), logprobs=np.array([-0.5, -1.0]),
+                     top_ids=np.array([[7, 9], [8, 3]]), top_logprobs=np.array([[-0.5, -2.0], [-1.0, -3.0]]),
+                     top_k=np.array([2, 0]), prompt=prompt)
+    ch.send_result(44, out.arrays())
+    got = {k: np.frombuffer(v, RESULT_DTYPES[k]).tolist()
+           for k, v in w.recv_result(1000).items() if k != "step_id"}
+    assert got["event_slot"] == [5, 1, 9] and got["event_tokens_len"] == [1, 1, 0]
+    assert got["event_top_k"] == [2, 0, 0] and got["event_tokens"] == [7, 8]
+    assert got["event_prompt_logprobs_len"] == [2, 0, 1]
+    assert got["event_prompt_logprobs"] == [-1.0, -2.0, -3.0]
+    assert got["event_prompt_top_ids"] == [4, 6, 1, 2] and got["event_prompt_top_ids_len"] == [4, 0, 0]
+    assert got["event_prompt_top_logprobs"] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
     w.close()
 
 
 def test_neutral_sampling_and_constants_come_from_the_rust_core():
     assert NEUTRAL_SAMPLING["temperature"] == 1.0 and NEUTRAL_SAMPLING["top_k"] == -1
     assert NEUTRAL_SAMPLING["seed"] == _core.NO_SEED == -1
+    lists = {n.removesuffix("_len") for n in PLAN_DTYPES if n.startswith("new_") and n.endswith("_len")}
     assert set(NEUTRAL_SAMPLING) == {n.removeprefix("new_") for n in PLAN_DTYPES
                                      if n.startswith("new_") and not n.endswith("_len")
-                                     and n not in ("new_slot", "new_stop_ids")}
+                                     and n != "new_slot" and n not in lists}
     assert _core.LAST_SAMPLED == 2**32 - 1
     # The slot bound grows with what a step can hold.
     assert _core.slot_bytes(256, 8448, 512) > _core.slot_bytes(16, 128, 32) > 0

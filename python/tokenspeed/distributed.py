@@ -92,15 +92,21 @@ class ParallelSizes:
 def resolve_sizes(tp_size: int = 1, dense_tp_size: int | None = None,
                   moe_tp_size: int | None = None, world_size: int | None = None,
                   nprocs_per_node: int | None = None, nnodes: int = 1,
-                  ep_size: int = 1) -> ParallelSizes:
+                  ep_size: int = 1, enable_expert_parallel: bool = False) -> ParallelSizes:
     """The flags (seed 001) → checked sizes. `--tp`/`--tensor-parallel-size` is attention TP;
     `--world-size` alone also sets it; dense TP defaults to attention TP, MoE TP to
-    world / EP; `--nprocs-per-node` times `--nnodes` must be the world."""
+    world / EP; `--nprocs-per-node` times `--nnodes` must be the world.
+    `--enable-expert-parallel` (vLLM) is EP over the whole world: `--ep-size` may repeat it."""
     attn = world_size if (world_size and tp_size == 1) else tp_size
     world = world_size or (nprocs_per_node * nnodes if nprocs_per_node else attn)
     if nprocs_per_node and nprocs_per_node * nnodes != world:
         raise ParallelConfigError(f"--nprocs-per-node {nprocs_per_node} on --nnodes {nnodes} "
                                   f"does not make --world-size {world}")
+    if enable_expert_parallel:
+        if ep_size not in (1, world):
+            raise ParallelConfigError(f"--enable-expert-parallel spreads the experts over all "
+                                      f"--world-size {world} ranks, but --ep-size is {ep_size}")
+        ep_size = world
     if ep_size < 1 or world % ep_size:
         raise ParallelConfigError(f"--ep-size {ep_size} does not divide --world-size {world}")
     sizes = ParallelSizes(world_size=world, attn_tp=attn, dense_tp=dense_tp_size or attn,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -66,13 +67,27 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
     return _DTYPES[dtype]
 
 
+PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once (bounds the [rows, vocab] buffer)
+
+
+class PromptLogprobs(NamedTuple):
+    """One slot's prompt logprobs from one step: per scored prompt token, its logprob and the
+    top-k (ids, logprobs)."""
+
+    logprobs: np.ndarray  # [m] float32
+    top_ids: np.ndarray  # [m, k] int64
+    top_logprobs: np.ndarray  # [m, k] float32
+
+
 class PendingStep:
     """A launched step whose sampled tokens are on their way to the host."""
 
     def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None,
-                 top_k: np.ndarray | None = None) -> None:
+                 top_k: np.ndarray | None = None,
+                 prompt: dict[int, PromptLogprobs] | None = None) -> None:
         self.slots = slots
         self.top_k = top_k
+        self.prompt = prompt or {}
         self._outputs = outputs
 
     def ready(self) -> bool:
@@ -81,10 +96,11 @@ class PendingStep:
 
     def wait(self) -> StepOutput:
         if self._outputs is None:
-            return StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0))
+            return StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0),
+                              prompt=self.prompt)
         tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
         return StepOutput(slots=self.slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
-                          top_logprobs=top_logprobs, top_k=self.top_k)
+                          top_logprobs=top_logprobs, top_k=self.top_k, prompt=self.prompt)
 
 
 class ModelRunner:
@@ -158,6 +174,10 @@ class ModelRunner:
         # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
         # the next step can be queued before this one's tokens reach the host).
         self.last_tokens = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        # Prompt logprobs: per slot, the log-softmax row of the last position of its previous
+        # prompt chunk (it scores the next chunk's first token).
+        self._prompt_carry: dict[int, torch.Tensor] = {}
+        self._prompt_out: dict[int, PromptLogprobs] = {}
         self.graphs: DecodeGraphRunner | None = None
         if self.cuda_graph_max_bs:
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
@@ -168,7 +188,8 @@ class ModelRunner:
                     "(%s), cuda graphs up to batch %d", c.architecture, self.dtype,
                     "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'})",
                     self.device, self.attention_backend,
-                    f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok})"
+                    f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok}"
+                    f"{_expert_slice(c.num_experts, moe_parallel)})"
                     if c.num_experts else "", self.num_pages, page_size, self.kv_dtype,
                     self.cuda_graph_max_bs)
 
@@ -280,6 +301,44 @@ class ModelRunner:
         logits, rows = self._forward(plan, copy_logits=False)
         return self._sample(plan, logits, rows)
 
+    def _score_prompt(self, plan: StepPlan, hidden: torch.Tensor, query_start: np.ndarray,
+                      wanted: list[int]) -> None:
+        """Prompt logprobs of the wanted requests' input tokens: token t is scored by the
+        log-softmax at position t - 1 (the previous chunk's last position via the carry)."""
+        ids = plan.sched_tokens.astype(np.int64)
+        for i in wanted:
+            slot = int(plan.sched_slot[i])
+            state = self.sampler.slots[slot]
+            lo, hi = int(query_start[i]), int(query_start[i + 1])
+            k = state.top_logprobs
+            lps, tops, top_lps = [], [], []
+            carry = self._prompt_carry.pop(slot, None)
+            prev = carry[None, :] if carry is not None else None
+            for a in range(lo, hi, PROMPT_LOGPROB_ROWS):
+                b = min(hi, a + PROMPT_LOGPROB_ROWS)
+                rows = torch.log_softmax(
+                    self.model.compute_logits(hidden[a:b]).float(), dim=-1)  # type: ignore[operator]
+                if prev is None:  # the prompt's first token: nothing scores it
+                    scorers, targets = rows[:-1], ids[a + 1:b]
+                else:
+                    scorers, targets = torch.cat([prev, rows[:-1]]), ids[a:b]
+                tgt = torch.from_numpy(targets).to(self.device)
+                lps.append(scorers.gather(1, tgt[:, None]).squeeze(1))
+                if k:
+                    v, t = scorers.topk(k, dim=-1)
+                    top_lps.append(v)
+                    tops.append(t)
+                prev = rows[-1:]
+            if plan.sched_sample[i]:
+                self.sampler.prompt_logprobs_done(slot)
+            elif prev is not None:
+                self._prompt_carry[slot] = prev[0]
+            m = sum(len(x) for x in lps)
+            self._prompt_out[slot] = PromptLogprobs(
+                torch.cat(lps).cpu().numpy() if lps else np.zeros(0, np.float32),
+                torch.cat(tops).cpu().numpy() if tops else np.zeros((m, 0), np.int64),
+                torch.cat(top_lps).cpu().numpy() if top_lps else np.zeros((m, 0), np.float32))
+
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Apply the plan's state changes and return float32 logits [num sampled, vocab]."""
@@ -299,7 +358,8 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size, device=self.device), None
         positions, out_loc, query_start = self._token_indices(plan)
         sample = plan.sched_sample.astype(bool)
-        if (self.graphs is not None and self.graphs.can_run(len(plan.sched_slot))
+        wanted = self.sampler.prompt_logprobs_pending(plan.sched_slot).tolist()
+        if (not wanted and self.graphs is not None and self.graphs.can_run(len(plan.sched_slot))
                 and bool((plan.sched_tokens_len == 1).all())):
             logits, slots_dev = self.graphs.run(plan.sched_tokens.astype(np.int64), positions,
                                                 out_loc, plan.sched_slot)
@@ -310,6 +370,8 @@ class ModelRunner:
         batch = self._build_batch(plan, positions, out_loc, query_start)
         self.backend.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
+        if wanted:
+            self._score_prompt(plan, hidden, query_start, wanted)
         last = query_start[1:] - 1
         rows = to_device_int64([last[sample]], self.device)[0]
         return self.model.compute_logits(hidden[rows]), None  # type: ignore[operator]
@@ -324,26 +386,30 @@ class ModelRunner:
                 ids = plan.sched_tokens[starts[i]:starts[i + 1]]
                 # A LAST_SAMPLED input is a sampled token: the sampler already holds it.
                 self.sampler.observe_inputs(slot, ids[ids != LAST_SAMPLED].tolist())
+        prompt, self._prompt_out = self._prompt_out, {}
         if len(slots) == 0:
-            return PendingStep(slots, None)
+            return PendingStep(slots, None, prompt=prompt)
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
         res = self.sampler.sample(slots.tolist(), logits, slots_dev)
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
         self.last_tokens[slots_dev] = res.tokens
         return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,
-                                                res.top_logprobs]), self.sampler.top_k_of(slots))
+                                                res.top_logprobs]), self.sampler.top_k_of(slots),
+                           prompt)
 
     # --- plan → state and batch ------------------------------------------------------------
 
     def _apply_state(self, plan: StepPlan) -> None:
         for slot in plan.finished_slot.tolist():
             self.sampler.drop(slot)
+            self._prompt_carry.pop(slot, None)
         for i, slot in enumerate(plan.new_slot.tolist()):
             if slot >= self.max_slots:
                 raise ValueError(f"new request slot {slot} >= max_slots {self.max_slots}")
         for slot, params, lists in new_request_rows(plan):
             self.sampler.add(slot, params, **lists)
+            self._prompt_carry.pop(slot, None)
         self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
                                         plan.pt_pages)
         if len(plan.copy_src):
@@ -390,3 +456,12 @@ class ModelRunner:
             num_tokens=num_tokens, start_pos=start_pos, query_start=query_start,
             kv_cache=self.kv_cache, backend=self.backend,
             request_arrays=(slots_d, seq_lens_d, qs_d, sp_d))
+
+
+def _expert_slice(num_experts: int, p: MoeParallel) -> str:
+    """This rank's share of the experts, for the start-up log ("" on one rank)."""
+    if p.ep_size == 1 and p.tp_size == 1:
+        return ""
+    n = num_experts // p.ep_size
+    return (f"; ep rank {p.ep_rank}/{p.ep_size} holds experts [{p.ep_rank * n}, "
+            f"{(p.ep_rank + 1) * n}), moe-tp rank {p.tp_rank}/{p.tp_size}")

@@ -88,12 +88,13 @@ class StepPlan:
         a: dict[str, np.ndarray] = {n: np.zeros(0, dt) for n, dt in PLAN_DTYPES.items()}
         a["finished_slot"] = np.asarray(list(finished), PLAN_DTYPES["finished_slot"])
         new = [{**NEUTRAL_SAMPLING, **row} for row in new]
+        lists = {n.removesuffix("_len") for n in PLAN_DTYPES if n.startswith("new_") and n.endswith("_len")}
         for name, dt in PLAN_DTYPES.items():
             field = name.removeprefix("new_")
-            if name.startswith("new_") and not name.endswith("_len") and field != "stop_ids":
+            if name in lists:
+                a[f"{name}_len"], a[name] = _lists((row.get(field, ()) for row in new), dt)
+            elif name.startswith("new_") and not name.endswith("_len"):
                 a[name] = np.asarray([row[field] for row in new], dt)
-        a["new_stop_ids_len"], a["new_stop_ids"] = _lists(
-            (row.get("stop_ids", ()) for row in new), PLAN_DTYPES["new_stop_ids"])
         pts = list(page_tables)
         a["pt_slot"] = np.asarray([p[0] for p in pts], PLAN_DTYPES["pt_slot"])
         a["pt_first"] = np.asarray([p[1] for p in pts], PLAN_DTYPES["pt_first"])
@@ -119,11 +120,13 @@ class StepPlan:
 class StepOutput:
     """What one step produced: one event per scheduled request that sampled, in plan order.
     `top_ids`/`top_logprobs` are [n, k] (k = the most top logprobs any of them asked for;
-    each event reports its own `top_k` columns)."""
+    each event reports its own `top_k` columns). `prompt` maps a slot to its prompt logprobs
+    (model_runner.PromptLogprobs): they join the slot's event, or make one without tokens for a
+    prompt chunk that did not sample."""
 
     def __init__(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
                  top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None,
-                 top_k: np.ndarray | None = None) -> None:
+                 top_k: np.ndarray | None = None, prompt: Mapping[int, Any] | None = None) -> None:
         n = len(slots)
         self.slots = np.asarray(slots, RESULT_DTYPES["event_slot"])
         self.tokens = np.asarray(tokens, RESULT_DTYPES["event_tokens"])
@@ -131,6 +134,7 @@ class StepOutput:
         self.top_ids = np.zeros((n, 0), np.int64) if top_ids is None else top_ids
         self.top_logprobs = np.zeros((n, 0), np.float32) if top_logprobs is None else top_logprobs
         self.top_k = np.zeros(n, np.int64) if top_k is None else np.asarray(top_k)
+        self.prompt = dict(prompt or {})
 
     def arrays(self) -> dict[str, bytes]:
         """{result array name: bytes}: one accepted token per event; each event's top-k rows
@@ -140,7 +144,7 @@ class StepOutput:
         keep = np.arange(self.top_ids.shape[1] if self.top_ids.ndim == 2 else 0)[None, :] < k[:, None]
         ones = np.ones(n, np.uint32).tobytes()
         d = RESULT_DTYPES
-        return {
+        out = {
             "event_slot": self.slots.tobytes(),
             "event_top_k": k.astype(d["event_top_k"]).tobytes(),
             "event_tokens_len": ones,
@@ -152,3 +156,44 @@ class StepOutput:
             "event_top_logprobs_len": k.astype(np.uint32).tobytes(),
             "event_top_logprobs": np.asarray(self.top_logprobs[keep], d["event_top_logprobs"]).tobytes(),
         }
+        return self._with_prompt(out, k) if self.prompt else out
+
+    def _with_prompt(self, out: dict[str, bytes], k: np.ndarray) -> dict[str, bytes]:
+        """Adds the prompt logprobs: on the slot's sampled event, or on a new token-less event
+        (whose top_k is the prompt's own)."""
+        d = RESULT_DTYPES
+        slots = self.slots.tolist()
+        extra = [s for s in self.prompt if s not in slots]
+        ks = k.astype(np.int64).tolist() + [self.prompt[s].top_ids.shape[1] for s in extra]
+        order = slots + extra
+
+        def cols(name: str, dtype: Any) -> np.ndarray:
+            return np.frombuffer(out[name], dtype)
+
+        lens = {name: cols(f"{name}_len", np.uint32).tolist() + [0] * len(extra)
+                for name in ("event_tokens", "event_logprobs", "event_top_ids", "event_top_logprobs")}
+        res = dict(out)
+        res["event_slot"] = np.asarray(order, d["event_slot"]).tobytes()
+        res["event_top_k"] = np.asarray(ks, d["event_top_k"]).tobytes()
+        for name, values in lens.items():
+            res[f"{name}_len"] = np.asarray(values, np.uint32).tobytes()
+        p_lp, p_ids, p_tlp, p_lens, p_top_lens = [], [], [], [], []
+        for slot, kk in zip(order, ks):
+            p = self.prompt.get(slot)
+            if p is None:
+                p_lens.append(0)
+                p_top_lens.append(0)
+                continue
+            m = len(p.logprobs)
+            p_lp.append(np.asarray(p.logprobs, d["event_prompt_logprobs"]))
+            p_ids.append(np.asarray(p.top_ids[:, :kk], d["event_prompt_top_ids"]).reshape(-1))
+            p_tlp.append(np.asarray(p.top_logprobs[:, :kk], d["event_prompt_top_logprobs"]).reshape(-1))
+            p_lens.append(m)
+            p_top_lens.append(m * min(kk, p.top_ids.shape[1]))
+        res["event_prompt_logprobs_len"] = np.asarray(p_lens, np.uint32).tobytes()
+        res["event_prompt_logprobs"] = np.concatenate(p_lp).tobytes() if p_lp else b""
+        res["event_prompt_top_ids_len"] = np.asarray(p_top_lens, np.uint32).tobytes()
+        res["event_prompt_top_ids"] = np.concatenate(p_ids).tobytes() if p_ids else b""
+        res["event_prompt_top_logprobs_len"] = np.asarray(p_top_lens, np.uint32).tobytes()
+        res["event_prompt_top_logprobs"] = np.concatenate(p_tlp).tobytes() if p_tlp else b""
+        return res

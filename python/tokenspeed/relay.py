@@ -8,7 +8,9 @@ node 0's. The relays form their own gloo group, one rank per node, at the port a
 `--dist-init-addr`'s (the worker ranks use that port). When no plan comes for `TICK_S`, the
 source sends a tick, so an idle server never runs into the collective timeout, and the sinks
 use the ticks to check their local ranks: a dead rank ends its sink, which breaks the relay
-group, which ends the source, which the server sees.
+group, which ends the source, which the server sees. Before leaving, the sink writes which rank
+died (global rank, pid, node, host, how) into the relay group's TCP store on node 0; the source
+passes it to the launcher (supervisor.DeathWatch), so node 0's log names the remote rank.
 
 Plans travel as {schema array name: bytes} (what `WorkerChannel.recv` shows, copied) and are
 written with `_core.testing.create_test_writer(...).send_plan`, the one way Python can write a
@@ -32,11 +34,30 @@ logger = logging.getLogger("tokenspeed.relay")
 
 TICK_S = 1.0
 _SHUTDOWN = "shutdown"
+_DEATH_KEY = "tokenspeed/relay/death"
 
 
 def relay_init_method(dist_init_addr: str) -> str:
     host, _, port = dist_init_addr.rpartition(":")
     return f"tcp://{host}:{int(port) + 1}"
+
+
+def _death_store(dist_init_addr: str, timeout_s: float) -> Any:
+    """A client of the TCP store the relay group met at (served by node 0's source relay)."""
+    from torch.distributed import TCPStore
+
+    host, _, port = dist_init_addr.rpartition(":")
+    return TCPStore(host, int(port) + 1, is_master=False, wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout_s))
+
+
+def _remote_death(dist_init_addr: str) -> str | None:
+    """What a sink wrote before leaving, if it did."""
+    try:
+        store = _death_store(dist_init_addr, 5.0)
+        return store.get(_DEATH_KEY).decode() if store.check([_DEATH_KEY]) else None
+    except Exception:  # noqa: BLE001  (only a better message is lost)
+        return None
 
 
 def _join(node_rank: int, nnodes: int, dist_init_addr: str, timeout_s: float) -> None:
@@ -85,8 +106,7 @@ def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
         _join(0, nnodes, dist_init_addr, timeout_s)
         pages = _min_pages(local_pages)
         channel = WorkerChannel.attach(channel_name, reader)
-        ready.send({"ok": True, "num_pages": pages})
-        ready.close()
+        ready.send({"ok": True, "num_pages": pages})  # `ready` stays open for a death note
     except BaseException as e:  # noqa: BLE001  (reported to the launcher)
         ready.send({"ok": False, "error": f"{type(e).__name__}: {e}",
                     "traceback": traceback.format_exc()})
@@ -97,19 +117,30 @@ def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
             msg = _SHUTDOWN if stopping else None if raw is None else _plan_message(raw)
         except ConnectionError:  # the server closed the channel
             msg = _SHUTDOWN
-        dist.broadcast_object_list([msg], src=0)
+        try:
+            dist.broadcast_object_list([msg], src=0)
+        except RuntimeError as e:  # a node left: say why when its sink did
+            note = _remote_death(dist_init_addr) or (
+                f"lost the plan relay group (another node stopped or crashed): {e}")
+            logger.error("%s", note)
+            ready.send({"ok": False, "error": note})
+            sys.exit(1)
         if msg == _SHUTDOWN:
             return
 
 
 def run_sink(writer: Any, node_rank: int, nnodes: int, dist_init_addr: str, timeout_s: float,
-             local_pages: int, workers: list[Any]) -> int:
+             local_pages: int, workers: list[Any], where: str = "") -> int:
     """Node k's relay (k > 0), in the launcher process: writes node 0's plans into this node's
-    ring until node 0 shuts down. Returns the process exit code."""
+    ring until node 0 shuts down. `workers`: this node's ranks (supervisor.Watched); `where`
+    names the node and host. Returns the process exit code."""
     import torch.distributed as dist
+
+    from tokenspeed.supervisor import describe
 
     _join(node_rank, nnodes, dist_init_addr, timeout_s)
     _min_pages(local_pages)
+    store = _death_store(dist_init_addr, timeout_s)
     logger.info("node %d: relaying plans from node 0 to %d local rank(s)", node_rank,
                 len(workers))
     while True:
@@ -126,9 +157,13 @@ def run_sink(writer: Any, node_rank: int, nnodes: int, dist_init_addr: str, time
             return 0
         if msg is not None:
             writer.send_plan(msg[0], msg[1], None)
-        for i, proc in enumerate(workers):
-            if not proc.is_alive():
-                logger.error("node %d: local rank %d (pid %d) exited (code %s); leaving the "
-                             "relay group so that node 0 fails", node_rank, i, proc.pid,
-                             proc.exitcode)
+        for w in workers:
+            if not w.proc.is_alive():
+                died = describe(w, where)
+                logger.error("%s; leaving the relay group so that node 0 fails", died)
+                try:  # for node 0's log: which rank, where
+                    store.set(_DEATH_KEY, died)
+                    store.get(_DEATH_KEY)  # a round trip: stored before the group breaks
+                except Exception as e:  # noqa: BLE001  (node 0 still fails, less precisely)
+                    logger.error("could not tell node 0: %s", e)
                 os._exit(1)  # no clean teardown: node 0 must see the group break

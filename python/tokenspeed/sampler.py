@@ -26,9 +26,14 @@ class SlotSampling:
     presence_penalty: float
     top_logprobs: int
     generator: torch.Generator | None  # None: the sampler's shared generator
+    # Report prompt tokens' logprobs until the slot first samples (model_runner computes them).
+    prompt_logprobs: bool = False
     # `stop_ids` are masked until the slot has sampled `min_tokens` tokens.
     min_tokens: int = 0
     stop_ids: list[int] = field(default_factory=list)
+    # OpenAI's logit_bias: added to these tokens' logits before sampling.
+    bias_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)
     # Only kept when a penalty is active: every token fed to the slot, and the tokens sampled.
     seen: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
@@ -91,15 +96,19 @@ class Sampler:
         self._top_logprobs = keep(getattr(self, "_top_logprobs", None), np.zeros(n, np.int64))
         # Samples each slot must still draw before its stop ids are allowed (min_tokens).
         self._min_left = keep(getattr(self, "_min_left", None), np.zeros(n, np.int64))
+        self._biased = keep(getattr(self, "_biased", None), np.zeros(n, dtype=bool))
+        self._prompt_logprobs = keep(getattr(self, "_prompt_logprobs", None), np.zeros(n, dtype=bool))
         self._capacity = capacity
 
-    def add(self, slot: int, params: dict[str, Any], stop_ids: list[int] | None = None) -> None:
+    def add(self, slot: int, params: dict[str, Any], stop_ids: list[int] | None = None,
+            logit_bias_ids: list[int] | None = None,
+            logit_bias_values: list[float] | None = None) -> None:
         """A request enters `slot` with `params`: the scalar fields of the plan's new-request
         section by name (meanings in rust/engine/src/plan.rs::SamplingParams; every field, no
         defaults here), and its list fields as keyword arguments."""
         missing = [f for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                "frequency_penalty", "presence_penalty", "seed", "top_logprobs",
-                               "min_tokens") if f not in params]
+                               "min_tokens", "prompt_logprobs") if f not in params]
         if missing:
             raise KeyError(f"sampling parameters miss {missing}")
         gen = None
@@ -115,7 +124,12 @@ class Sampler:
             frequency_penalty=float(params["frequency_penalty"]),
             presence_penalty=float(params["presence_penalty"]),
             top_logprobs=int(params["top_logprobs"]), generator=gen,
-            min_tokens=int(params["min_tokens"]), stop_ids=list(stop_ids or []))
+            prompt_logprobs=bool(params["prompt_logprobs"]),
+            min_tokens=int(params["min_tokens"]), stop_ids=list(stop_ids or []),
+            bias_ids=list(logit_bias_ids or []), bias_values=list(logit_bias_values or []))
+        if len(state.bias_ids) != len(state.bias_values):
+            raise ValueError(f"slot {slot}: {len(state.bias_ids)} logit bias ids but "
+                             f"{len(state.bias_values)} values")
         self.slots[slot] = state
         if slot >= self._capacity:
             self._grow(max(2 * self._capacity, slot + 1))
@@ -129,9 +143,23 @@ class Sampler:
         self._penalized[slot] = state.penalized
         self._top_logprobs[slot] = state.top_logprobs
         self._min_left[slot] = state.min_tokens if state.stop_ids else 0
+        self._biased[slot] = bool(state.bias_ids)
+        self._prompt_logprobs[slot] = state.prompt_logprobs
 
     def drop(self, slot: int) -> None:
         self.slots.pop(slot, None)
+        if slot < self._capacity:
+            self._prompt_logprobs[slot] = False
+
+    def prompt_logprobs_pending(self, slots: np.ndarray) -> np.ndarray:
+        """Indices of `slots` whose requests still report prompt logprobs (vectorized: this
+        runs every step)."""
+        return np.flatnonzero(self._prompt_logprobs[slots.astype(np.int64)])
+
+    def prompt_logprobs_done(self, slot: int) -> None:
+        """The slot's prompt is complete: its first sampled token follows."""
+        self._prompt_logprobs[slot] = False
+        self.slots[slot].prompt_logprobs = False
 
     def top_k_of(self, slots: np.ndarray) -> np.ndarray:
         """Top logprobs each of `slots` asked for."""
@@ -158,6 +186,7 @@ class Sampler:
         penalized = bool(self._penalized[idx].any()) if len(idx) else False
         if penalized:
             logits = self._apply_penalties(logits, [self.slots[s] for s in slots])
+        logits = self._apply_logit_bias(logits, slots, idx)
         logits = self._mask_early_stops(logits, slots, idx)
         tokens = logits.argmax(dim=-1)
         rows = np.flatnonzero(~self._greedy[idx])
@@ -182,6 +211,26 @@ class Sampler:
                 if state.penalized:
                     state.outputs.append(tok)
         return SampleResult(tokens, chosen, top_ids, top_lp)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, slots: list[int],
+                          idx: np.ndarray) -> torch.Tensor:
+        """Adds each biased slot's logit_bias to its row (one scatter for the whole batch)."""
+        if not len(idx) or not self._biased[idx].any():
+            return logits
+        vocab = logits.shape[-1]
+        rows, cols, vals = [], [], []
+        for i in np.flatnonzero(self._biased[idx]).tolist():
+            s = self.slots[slots[i]]
+            for t, v in zip(s.bias_ids, s.bias_values):
+                if t < vocab:
+                    rows.append(i)
+                    cols.append(t)
+                    vals.append(v)
+        if not rows:
+            return logits
+        r, c = to_device_int64([np.asarray(rows), np.asarray(cols)], self.device)
+        values = torch.tensor(vals, dtype=logits.dtype).to(self.device, non_blocking=True)
+        return logits.index_put((r, c), values, accumulate=True)
 
     def _mask_early_stops(self, logits: torch.Tensor, slots: list[int],
                           idx: np.ndarray) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed.distributed import free_tcp_port
+from tokenspeed.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger("tokenspeed.serve")
@@ -53,14 +54,15 @@ def check_quantization(method: str | None, model_dir: Path) -> None:
         raise LaunchError(str(e)) from None
 
 
-def check_moe_settings(cfg: Any, model_dir: Path, device: str) -> None:
+def check_moe_settings(cfg: Any, model_dir: Path, device: str, sizes: Any) -> None:
     """MoE flags against the model and the device, before any worker starts: an EP size that does
-    not divide the expert count (or EP on a dense model), a MoE backend that cannot run here."""
+    not divide the expert count (or EP on a dense model), a MoE-TP size that does not divide the
+    experts' intermediate size, a MoE backend that cannot run here."""
     from tokenspeed.models.config import check_expert_parallel, load_hf_config
 
     try:
         config = load_hf_config(str(model_dir))
-        check_expert_parallel(config, int(cfg.ep_size or 1))
+        check_expert_parallel(config, sizes.ep, sizes.moe_tp if config.num_experts else 1)
         if cfg.moe_backend and config.num_experts:
             import torch
 
@@ -96,9 +98,9 @@ def launch(cfg: Any) -> int:
             check_backend(cfg.attention_backend, torch.device(device))
         except ValueError as e:
             raise LaunchError(str(e)) from None
-    check_moe_settings(cfg, model_dir, device)
-    check_quantization(cfg.quantization, model_dir)
     sizes = parallel_sizes(cfg, model_dir)
+    check_moe_settings(cfg, model_dir, device, sizes)
+    check_quantization(cfg.quantization, model_dir)
     world = sizes.nprocs_per_node  # ranks on this node: all of them read the one plan ring
     node_rank = int(cfg.node_rank or 0)
     if sizes.nnodes > 1 and not cfg.dist_init_addr:
@@ -130,7 +132,7 @@ def launch(cfg: Any) -> int:
     if cfg.max_total_tokens:
         num_pages = max(1, int(cfg.max_total_tokens) // page_size)
     ctx = mp.get_context("spawn")
-    workers, links = [], []
+    workers, links, watched = [], [], []
     for rank in range(node_rank * world, (node_rank + 1) * world):
         local = rank - node_rank * world
         spec = WorkerSpec(
@@ -161,16 +163,19 @@ def launch(cfg: Any) -> int:
             dist_timeout_s=float(cfg.dist_timeout),
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_worker, args=(spec, child_end), name=f"tokenspeed-worker-{rank}", daemon=True)
+        proc = ctx.Process(target=without_sigint, args=(run_worker, spec, child_end),
+                           name=f"tokenspeed-worker-{rank}", daemon=True)
         proc.start()
         child_end.close()
         workers.append(proc)
         links.append(parent_end)
+        watched.append(Watched(proc, f"worker rank {rank} of {sizes.world_size}"))
 
+    watch = DeathWatch(watched, node_rank, sizes.nnodes)
     try:
         logger.info("node %d: started %d worker rank(s): %s", node_rank, world, ", ".join(
             f"rank {node_rank * world + r} pid {p.pid}" for r, p in enumerate(workers)))
-        capacities = _wait_ready(workers, links)
+        capacities = _wait_ready(watched, links, where=watch.where)
         pages = min(c["num_pages"] for c in capacities)  # every rank's pool holds these pages
         if sizes.nnodes > 1:
             from tokenspeed import relay
@@ -178,17 +183,20 @@ def launch(cfg: Any) -> int:
             timeout = float(cfg.dist_timeout or 300)
             if node_rank > 0:  # no HTTP here: relay node 0's plans until it shuts down
                 return relay.run_sink(channel, node_rank, sizes.nnodes, cfg.dist_init_addr,
-                                      timeout, pages, workers)
+                                      timeout, pages, watched, watch.where)
             parent_end, child_end = ctx.Pipe(duplex=False)
-            source = ctx.Process(target=relay.run_source, name="tokenspeed-relay", daemon=True,
-                                 args=(channel_name, world, sizes.nnodes, cfg.dist_init_addr,
-                                       timeout, pages, child_end))
+            source = ctx.Process(target=without_sigint, name="tokenspeed-relay", daemon=True,
+                                 args=(relay.run_source, channel_name, world, sizes.nnodes,
+                                       cfg.dist_init_addr, timeout, pages, child_end))
             source.start()
             child_end.close()
             workers.append(source)  # watched like a rank: its death fails the server
+            # Its link stays open after the ready report: a rank that dies on another node is
+            # named there (relay.run_source).
+            watched.append(Watched(source, "plan relay to the other nodes", link=parent_end))
             logger.info("plan relay to %d other node(s): pid %d", sizes.nnodes - 1, source.pid)
-            pages = _wait_ready([source], [parent_end], timeout_s=timeout + 60,
-                                what="plan relay")[0]["num_pages"]
+            pages = _wait_ready(watched[-1:], [parent_end], timeout_s=timeout + 60,
+                                where=watch.where)[0]["num_pages"]
         server_config = {
             "host": cfg.host,
             "port": int(cfg.port),
@@ -212,13 +220,15 @@ def launch(cfg: Any) -> int:
             "max_queued_requests": int(cfg.max_queued_requests),
             "step_log_interval": int(cfg.decode_log_interval),
             "enable_metrics": bool(cfg.enable_metrics),
+            "sampling_defaults": sampling_defaults(model_dir, cfg.sampling_defaults),
             "worker_pids": [p.pid for p in workers],
             "server_info": {
                 "device": capacities[0]["device"],
                 "tp_size": sizes.attn_tp,
                 "parallel": {"world_size": sizes.world_size, "attn_tp_size": sizes.attn_tp,
                              "dense_tp_size": sizes.dense_tp, "moe_tp_size": sizes.moe_tp,
-                             "ep_size": sizes.ep, "nnodes": sizes.nnodes},
+                             "ep_size": sizes.ep, "all2all_backend": cfg.all2all_backend,
+                             "nnodes": sizes.nnodes},
                 "num_pages_per_rank": [int(c["num_pages"]) for c in capacities],
                 "model_dir": str(model_dir),
                 "worker_pids": [p.pid for p in workers],
@@ -228,9 +238,19 @@ def launch(cfg: Any) -> int:
             "workers ready on %s: %d KV pages x %d tokens; starting HTTP on %s:%s",
             device, pages, page_size, cfg.host, cfg.port,
         )
-        _core.serve(json.dumps(server_config), channel, cfg.log_level)
+        watch.start()
+        try:
+            _core.serve(json.dumps(server_config), channel, cfg.log_level)
+        except RuntimeError as e:  # e.g. the warm-up request failed: say which child died
+            died = watch.report()
+            if died is None:
+                raise
+            raise LaunchError(f"{died} ({e})") from None
+        if watch.failure:  # the watch stopped the server because a child died
+            return 1
         return 0
     finally:
+        watch.stop()  # before the workers are stopped on purpose
         channel.close()
         for proc in workers:
             proc.join(timeout=5)
@@ -247,7 +267,7 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
     try:
         sizes = resolve_sizes(int(cfg.tp_size or 1), cfg.dense_tp_size, cfg.moe_tp_size,
                               cfg.world_size, cfg.nprocs_per_node, int(cfg.nnodes or 1),
-                              int(cfg.ep_size or 1))
+                              int(cfg.ep_size or 1), bool(cfg.enable_expert_parallel))
         if sizes.world_size > 1:
             from tokenspeed.weights import open_checkpoint
 
@@ -258,32 +278,53 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
     return sizes
 
 
-def _wait_ready(workers: list[Any], links: list[Any], timeout_s: float = 900.0,
-                what: str = "worker rank") -> list[dict]:
-    """Every rank's start-up report, watching all ranks at once: a rank that dies fails the
-    start naming it at once (the others would otherwise wait in the process group)."""
+def _wait_ready(watched: list[Watched], links: list[Any], timeout_s: float = 900.0,
+                where: str = "") -> list[dict]:
+    """Every child's start-up report, watching all of them at once: one that dies fails the
+    start naming it (its global rank; node and host on several nodes) at once (the others
+    would otherwise wait in the process group)."""
     deadline = time.monotonic() + timeout_s
     ready: dict[int, dict] = {}
-    while len(ready) < len(workers):
+    while len(ready) < len(watched):
         if time.monotonic() > deadline:
-            missing = [r for r in range(len(workers)) if r not in ready]
-            raise LaunchError(f"{what}(s) {missing} did not become ready within "
-                              f"{timeout_s:.0f}s")
-        for rank, (proc, link) in enumerate(zip(workers, links)):
-            if rank in ready:
+            missing = ", ".join(w.what for i, w in enumerate(watched) if i not in ready)
+            raise LaunchError(f"{missing}{where} did not become ready within {timeout_s:.0f}s")
+        for i, (w, link) in enumerate(zip(watched, links)):
+            if i in ready:
                 continue
-            if link.poll(0.1 if len(workers) == 1 else 0.02):
+            if link.poll(0.1 if len(watched) == 1 else 0.02):
                 try:
                     msg = link.recv()
                 except EOFError:
-                    msg = {"ok": False, "error": "worker exited during start-up"}
+                    msg = {"ok": False, "error": "exited during start-up"}
                 if not msg.get("ok"):
                     sys.stderr.write(msg.get("traceback", ""))
-                    raise LaunchError(f"{what} {rank} (pid {proc.pid}) failed to start: "
+                    raise LaunchError(f"{w.what} (pid {w.proc.pid}{where}) failed to start: "
                                       f"{msg.get('error')}")
-                ready[rank] = msg
-            elif not proc.is_alive():
-                raise LaunchError(f"{what} {rank} (pid {proc.pid}) exited during start-up "
-                                  f"(exit code {proc.exitcode})")
+                ready[i] = msg
+            elif not w.proc.is_alive():
+                raise LaunchError(f"{describe(w, where)} during start-up")
         time.sleep(0.05)
-    return [ready[r] for r in range(len(workers))]
+    return [ready[i] for i in range(len(watched))]
+
+
+# The generation_config.json fields vLLM takes as request defaults (its `--generation-config auto`).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_dir: Path, source: str) -> dict[str, float]:
+    """Sampling values a request gets for the fields it omits: with `--sampling-defaults model`
+    the model's generation_config.json values (as vLLM applies them), with `openai` none."""
+    path = Path(model_dir) / "generation_config.json"
+    if source != "model" or not path.is_file():
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+    out = {k: float(gen[k]) for k in GENERATION_DEFAULT_FIELDS if isinstance(gen.get(k), (int, float))}
+    if out:
+        logger.info("default sampling parameters from %s: %s (--sampling-defaults openai to ignore)",
+                    path, out)
+    return out
+

@@ -15,7 +15,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tokenspeed.distributed import ParallelState, single_rank, state
-from tokenspeed.layers.moe import MoeOptions
+from tokenspeed.layers.moe import MoeOptions, MoeParallel
 from tokenspeed.layers.quantization.kv_cache import KVScales, split_kv_scales
 from tokenspeed.layers.quantization.methods import Fp8Config
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
@@ -81,6 +81,10 @@ class LazyTensor:
 
     def to(self, dtype: torch.dtype) -> torch.Tensor:
         return self.full().to(dtype)
+
+    def float(self) -> torch.Tensor:
+        """All of it in float32 (small tensors such as quantization scales)."""
+        return self.to(torch.float32)
 
 
 def iter_safetensors(model_dir: str, progress: bool = True,
@@ -278,8 +282,12 @@ def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
     if ckpt.tensors is None:
         full = None
         if parallel.world.size > 1:
+            # The whole model (experts too: one rank's MoE options would cut them) on the meta
+            # device gives every tensor's full shape, so each rank keeps its shard of the same
+            # draws and the model is the same at any TP / EP / MoE-TP size.
+            one = replace(moe, parallel=MoeParallel()) if moe is not None else None
             with _default_dtype(dtype), torch.device("meta"):
-                full = build_model(ckpt.config, max_positions, moe, single_rank())
+                full = build_model(ckpt.config, max_positions, one, single_rank())
         init_dummy_weights(model, seed, full_model=full)
     else:
         model.load_weights(split_kv_scales(ckpt.tensors(), kv_scales))  # type: ignore[operator]

@@ -16,6 +16,10 @@ from tokenspeed_kernels.fp8 import cache_value, fp8_max, store_args
 
 # A row whose largest |x| is below this gets this as its amax: the scale never reaches 0.
 MIN_AMAX = 1e-12
+# K elements per fp8 partial sum before it is added to the fp32 accumulator (see the kernel): one
+# wgmma's K. DeepSeek-V3 promotes every 128; the GPU diagnostic (kernels/bench/diag_fp8_matmul.py)
+# measures error and time for 32, 128 and no promotion.
+PROMOTE_K = 32
 
 
 @triton.jit
@@ -92,6 +96,7 @@ def _fp8_matmul_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
+    PROMOTE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -119,9 +124,12 @@ def _fp8_matmul_kernel(
         a = tl.load(a_ptrs, mask=mask_k, other=0.0)
         b = tl.load(b_ptrs, mask=mask_k, other=0.0)
         if UPCAST:  # the interpreter has no fp8 dot
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc)
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+        else:
+            # Hopper's fp8 wgmma adds into its accumulator with ~14 significant bits unless told
+            # otherwise (Triton's default there: never promote). PROMOTE K-elements at a time go
+            # through a zeroed partial accumulator, which is then added in full fp32.
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc *= tl.load(as_ptr + rows_a)[:, None]
@@ -135,11 +143,14 @@ def _fp8_matmul_kernel(
 
 def fp8_matmul(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
                out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+               config: tuple[int, int, int, int, int] | None = None,
+               promote: int | None = None) -> torch.Tensor:
     """(a_q * a_scale[:, None]) @ (b_q * b_scale[:, None]).T (+ bias) in out_dtype.
 
     a_q [M, K], b_q [N, K] fp8 (contiguous last dim); a_scale [M], b_scale [N] fp32; bias [N].
     config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) override for tuning.
+    promote: K elements per imprecise fp8 partial sum on Hopper (default PROMOTE_K; BLOCK_K or
+    more: one partial per K step, promoted; 0: Triton's default, never promoted).
     """
     m, k = a_q.shape
     n = b_q.shape[0]
@@ -154,9 +165,11 @@ def fp8_matmul(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_sc
         else:  # H100-friendly default for prefill-sized M; bench_fp8.py sweeps alternatives
             config = (128, 128, 128, 8, 3) if m > 64 else (64, 128, 128, 4, 4)
     bm, bn, bk, warps, stages = config
+    promote = PROMOTE_K if promote is None else promote
+    promote = min(promote, bk) if promote > 0 else None
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _fp8_matmul_kernel[grid](a_q, b_q, a_scale, b_scale, bias if bias is not None else b_scale, out, m, n, k,
                              a_q.stride(0), b_q.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                             UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                             UPCAST=interpreting(), PROMOTE=promote, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                              num_warps=warps, num_stages=stages)  # fmt: skip
     return out

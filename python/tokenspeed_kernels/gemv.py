@@ -48,6 +48,7 @@ class GemvConfig:
     num_stages: int = 1
     use_dot: bool = False
     split_k: int = 1
+    reduce_once: bool = False  # fma only: keep a [BLOCK_N, BLOCK_M, BLOCK_K] accumulator, reduce K at the end
 
 
 def _interpreting() -> bool:
@@ -75,8 +76,10 @@ def _gemv_step(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     W_FP8: tl.constexpr,
+    REDUCE_ONCE: tl.constexpr,
 ):
-    """acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ X^T[BLOCK_K, BLOCK_M] for one K step."""
+    """acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ X^T[BLOCK_K, BLOCK_M] for one K step
+    (REDUCE_ONCE: acc is [BLOCK_N, BLOCK_M, BLOCK_K], += the products; no shuffles per step)."""
     if MASKED:
         w = tl.load(w_ptrs, mask=offs_k[None, :] < k_rem, other=0.0)
     else:
@@ -100,7 +103,10 @@ def _gemv_step(
         else:
             x = tl.load(x_ptrs)
         prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
-        acc += tl.sum(prod, axis=2)
+        if REDUCE_ONCE:
+            acc += prod
+        else:
+            acc += tl.sum(prod, axis=2)
     return acc
 
 
@@ -127,6 +133,7 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    REDUCE_ONCE: tl.constexpr,
 ):
     """Program (i, s): out[:, i*BLOCK_N : (i+1)*BLOCK_N] over K slice s (whole K when unsplit).
 
@@ -148,15 +155,22 @@ def _gemv_kernel(
         x_ptrs = x_ptr + rows_x[None, :] * stride_xm + (k_start + offs_k)[:, None]
     else:
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if REDUCE_ONCE:
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    else:
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     n_full = k_len // BLOCK_K
     for _ in range(n_full):
-        acc = _gemv_step(acc, w_ptrs, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8)
+        acc3 = _gemv_step(acc3, w_ptrs, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     k_rem = k_len - n_full * BLOCK_K
     if k_rem > 0:
-        acc = _gemv_step(acc, w_ptrs, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST, W_FP8)
+        acc3 = _gemv_step(acc3, w_ptrs, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE)
+    if REDUCE_ONCE:
+        acc = tl.sum(acc3, axis=2)
+    else:
+        acc = acc3
     if W_FP8:
         acc *= tl.load(s_ptr + rows_w)[:, None]
     if HAS_BIAS:
@@ -191,7 +205,7 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> GemvConfig:
+def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int, w_fp8: bool = False) -> GemvConfig:
     """Deterministic config table per shape class, from `bench_gemv.py --sweep` on an H100 (and an
     H200: each choice is within ~1-2% of the per-shape best on both at the Llama-3.1-8B shapes).
 
@@ -210,6 +224,12 @@ def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> GemvCo
         if m == 1:
             return GemvConfig(block_n=2, block_k=min(256, kcap), num_warps=1)
         return GemvConfig(block_n=32, block_k=min(64, kcap), num_warps=4, num_stages=3, use_dot=True)
+    if w_fp8 and m <= 2:
+        # FP8 weights: a [1, 1024] tile is only 1 KB, half of what keeps bf16 at copy speed, and x
+        # (bf16, 2 bytes per weight byte) would be re-read from L1 once per row. Four rows per
+        # program stream 4 KB per step and share each x load (run P: this tile did M=2 in
+        # 112 us/layer where the bf16 M=1 tile took 131 us for M=1). bench_fp8.py --sweep.
+        return GemvConfig(block_n=4, block_k=min(1024, kcap), num_warps=1)
     if m == 1:
         return GemvConfig(block_n=1, block_k=min(1024, kcap), num_warps=1)
     if m == 2:
@@ -264,7 +284,7 @@ def skinny_linear(
         out.copy_(F.linear(x, w, bias))
         return out
     dev = x.device.index if x.device.type == "cuda" else 0
-    cfg = config or _pick_config(m, n, k, x.dtype, _num_sms(dev if dev is not None else 0))
+    cfg = config or _pick_config(m, n, k, x.dtype, _num_sms(dev if dev is not None else 0), w_fp8)
     upcast = _interpreting() and x.dtype == torch.bfloat16
     block_m = max(16 if cfg.use_dot else 1, triton.next_power_of_2(m))
     dot_prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
@@ -273,7 +293,8 @@ def skinny_linear(
     splits = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, cfg.block_n), splits)
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "USE_DOT": cfg.use_dot,
-              "DOT_PREC": dot_prec, "UPCAST": upcast, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}  # fmt: skip
+              "DOT_PREC": dot_prec, "UPCAST": upcast, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+              "REDUCE_ONCE": cfg.reduce_once and not cfg.use_dot}  # fmt: skip
     b_arg = bias if bias is not None else x  # never read when HAS_BIAS is False
     s_arg = weight_scale if w_fp8 else x  # never read when W_FP8 is False
     common["W_FP8"] = w_fp8

@@ -61,9 +61,12 @@ class ServeConfig:
     log_requests: bool = _default("log_requests")
     enable_metrics: bool = _default("enable_metrics")
     decode_log_interval: int = _default("decode_log_interval")
+    # API.
+    sampling_defaults: str = _default("sampling_defaults")  # "model": generation_config.json's
     # Parallelism (checked together by tokenspeed.distributed.ParallelSizes at launch).
     tp_size: int = _default("tp_size")
     ep_size: int = _default("ep_size")
+    enable_expert_parallel: bool = _default("enable_expert_parallel")  # EP size = world size
     dense_tp_size: int | None = _default("dense_tp_size")  # None: the attention TP size
     moe_tp_size: int | None = _default("moe_tp_size")  # None: world size / expert-parallel size
     world_size: int | None = _default("world_size")  # None: the attention TP size
@@ -77,6 +80,7 @@ class ServeConfig:
     disable_cuda_graph: bool = _default("disable_cuda_graph")
     cuda_graph_max_bs: int | None = _default("cuda_graph_max_bs")  # None: chosen by the worker
     moe_backend: str | None = _default("moe_backend")  # None: triton on CUDA, torch_native on CPU
+    all2all_backend: str = _default("all2all_backend")  # naive: partial outputs all-reduced
     # Launcher.
     config_file: str | None = _default("config_file")
     dry_run: bool = _default("dry_run")

@@ -101,7 +101,8 @@ API_FLAGS: list[Flag] = [
     s("--tool-call-parser", "Parser that extracts OpenAI-style tool calls from model output.",
       G_API, metavar="NAME"),
     c("--sampling-defaults", "Where default sampling parameters come from: the model's "
-      "generation config or OpenAI's defaults.", G_API, ("openai", "model"), "model"),
+      "generation config or OpenAI's defaults.", G_API, ("openai", "model"), "model",
+      implemented=True),
     s("--tool-server", "Tool server(s) to attach for built-in tool use.", G_API),
     b("--return-token-ids", "Include token IDs in every response.", G_API),
     s("--file-storage-pth", "Directory for files uploaded through the API.", G_API),

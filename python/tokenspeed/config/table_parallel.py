@@ -4,7 +4,8 @@ TokenSpeed splits tensor parallelism by layer family: attention (`--attn-tp-size
 familiar `--tensor-parallel-size` / `--tp` / `--tp-size` map to), dense MLP (`--dense-tp-size`)
 and MoE (`--moe-tp-size`). The combinations are checked in `tokenspeed.distributed.ParallelSizes`
 (which names both values of an impossible pair); the MoE layers take their expert-parallel /
-MoE-TP slice from those groups (layers/moe.py). Attention TP smaller than the world
+MoE-TP slice from those groups (layers/moe.py) and sum their partial outputs over the world
+(`--all2all-backend naive`, distributed.MoeAllReduce). Attention TP smaller than the world
 (data-parallel attention) and data parallelism are not built yet.
 """
 
@@ -76,17 +77,25 @@ MULTINODE_FLAGS: list[Flag] = [
 
 EP_FLAGS: list[Flag] = [
     i("--ep-size", "Expert-parallel size: ranks the MoE experts are spread over (each holds a "
-      "contiguous 1/N of them; N must divide the model's expert count). Only 1 works for now.",
-      G_EP, 1, aliases=("--expert-parallel-size", "--ep"), minimum=1, max_supported=1,
-      component="both", implemented=True, metavar="N"),
-    b("--enable-expert-parallel", "Spread MoE experts over all ranks of the deployment.", G_EP,
-      component="both"),
+      "contiguous 1/N of them whole; N must divide the model's expert count and the world "
+      "size; the MoE-TP size defaults to world / N).", G_EP, 1,
+      aliases=("--expert-parallel-size", "--ep"), minimum=1, component="both",
+      implemented=True, metavar="N"),
+    b("--enable-expert-parallel", "Spread MoE experts over all ranks of the deployment: the "
+      "expert-parallel size becomes the world size (vLLM's meaning; with --ep-size it must "
+      "agree).", G_EP, component="both", implemented=True),
     c("--moe-backend", "Kernels of the mixture-of-experts layers: triton (fused routing, grouped "
       "GEMMs and combine; runs in decode CUDA graphs) or torch_native (a loop over the experts: "
       "the reference, and no CUDA graphs for MoE models). Default: triton on CUDA, torch_native "
       "on CPU.", G_EP, ("triton", "torch_native"), component="worker", implemented=True),
-    s("--all2all-backend", "Communication backend for MoE token dispatch across ranks.", G_EP,
-      component="worker"),
+    c("--all2all-backend", "How MoE layers exchange tokens with the ranks holding their "
+      "experts (vLLM's names). naive: every rank already holds every token (attention TP "
+      "replicates them), computes a partial output over its experts and the partials are "
+      "all-reduced over the world. The others (all-gather/reduce-scatter, pplx, DeepEP, "
+      "FlashInfer all2allv) are not built yet.", G_EP,
+      ("naive", "allgather_reducescatter", "pplx", "deepep_high_throughput",
+       "deepep_low_latency", "flashinfer_all2allv"), "naive", supported=("naive",),
+      component="worker", implemented=True),
     c("--moe-a2a-backend", "All-to-all backend for expert parallelism.", G_EP,
       ("none", "deepep", "mooncake", "ascend_fuseep"), "none", component="worker"),
     s("--moe-runner-backend", "Kernel runner for MoE layers.", G_EP, "auto", component="worker"),

@@ -161,6 +161,20 @@ class FusedMoE(nn.Module):
             dst.copy_(src.to(dst.dtype))
         return True
 
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: int = 0) -> None:
+        """This rank's part of a stacked tensor of all experts, in this module's layout
+        (gate_up_proj [E, 2I, H] or down_proj [E, H, I]): dummy weights drawn whole."""
+        if param is self.gate_up_proj:
+            for e in range(self.expert_start, self.expert_start + self.num_local):
+                gate, up = full[e].chunk(2, dim=0)
+                self.load_expert(e, "gate", gate)
+                self.load_expert(e, "up", up)
+        elif param is self.down_proj:
+            for e in range(self.expert_start, self.expert_start + self.num_local):
+                self.load_expert(e, "down", full[e])
+        else:
+            raise ValueError("not a parameter of this expert bank")
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         from tokenspeed_kernels.moe import fused_moe, moe_route
 

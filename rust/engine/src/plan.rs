@@ -24,6 +24,9 @@ pub const NO_SEED: i64 = -1;
 /// The most top logprobs a request may ask for per token (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// The most `logit_bias` entries one request may carry (bounds the plan's slot size).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
 section! {
     /// A slot whose request finished or was aborted/retracted since the last plan: the worker
     /// drops its state before taking new requests.
@@ -55,10 +58,17 @@ section! {
         pub top_logprobs: u32,
         /// `stop_ids` cannot be sampled while the slot has sampled fewer tokens than this.
         pub min_tokens: u32,
+        /// Report the logprob of each prompt token (and `top_logprobs` alternatives) as the
+        /// prompt is computed; the prompt is then computed from its first token, uncached.
+        pub prompt_logprobs: bool,
     }
     lists {
         /// The tokens that would end the request (masked while `min_tokens` is not reached).
         pub stop_ids: Vec<u32>,
+        /// Added to the logits of these token ids before sampling (OpenAI's `logit_bias`).
+        pub logit_bias_ids: Vec<u32>,
+        /// One per id in `logit_bias_ids`.
+        pub logit_bias_values: Vec<f32>,
     }
 }
 
@@ -170,6 +180,8 @@ impl Plan {
             r, // finished
             r,
             r * pages, // new requests, their stop ids (bounded by the vocabulary in practice)
+            r * MAX_LOGIT_BIAS,
+            r * MAX_LOGIT_BIAS, // their logit bias ids and values
             2 * r,
             2 * r * pages, // page-table updates: a rewrite of a shared prefix plus new pages
             r * pages,     // copies
@@ -222,6 +234,17 @@ impl RequestEvent {
         let k = self.top_k as usize;
         let ids = self.top_ids.get(i * k..(i + 1) * k).unwrap_or(&[]);
         let lps = self.top_logprobs.get(i * k..(i + 1) * k).unwrap_or(&[]);
+        ids.iter().copied().zip(lps.iter().copied()).collect()
+    }
+
+    /// The top logprobs of prompt logprob `i`, as (id, logprob) pairs.
+    pub fn prompt_top(&self, i: usize) -> Vec<(u32, f32)> {
+        let k = self.top_k as usize;
+        let ids = self.prompt_top_ids.get(i * k..(i + 1) * k).unwrap_or(&[]);
+        let lps = self
+            .prompt_top_logprobs
+            .get(i * k..(i + 1) * k)
+            .unwrap_or(&[]);
         ids.iter().copied().zip(lps.iter().copied()).collect()
     }
 }

@@ -134,6 +134,10 @@ impl Sequence {
             id: self.req.id,
             logprobs: ev.logprobs.iter().copied().take(n).collect(),
             top_logprobs: (0..n).map(|i| ev.top(i)).collect(),
+            prompt_logprobs: ev.prompt_logprobs.clone(),
+            prompt_top_logprobs: (0..ev.prompt_logprobs.len())
+                .map(|i| ev.prompt_top(i))
+                .collect(),
             tokens,
             finished,
             error: None,
@@ -230,9 +234,17 @@ pub struct Scheduler {
     /// Share of running requests' remaining tokens that admission keeps pages back for.
     reserve_ratio: f64,
     in_flight: VecDeque<(u64, Vec<Expected>)>,
+    /// Requests admitted for the first time since the last `take_admitted` (queue-time metrics).
+    admitted: Vec<u64>,
 }
 
 impl Scheduler {
+    /// Ids of the requests admitted for the first time (their first prefill chunk scheduled)
+    /// since the last call.
+    pub fn take_admitted(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.admitted)
+    }
+
     pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         let pool = PagePool::new(config.num_pages);
@@ -254,6 +266,7 @@ impl Scheduler {
             next_epoch: 0,
             reserve_ratio: RESERVE_RATIO_INIT,
             in_flight: VecDeque::new(),
+            admitted: Vec::new(),
         })
     }
 

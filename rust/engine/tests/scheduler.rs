@@ -444,6 +444,35 @@ fn min_new_tokens_sends_the_stop_ids_for_the_worker_to_mask() {
 }
 
 #[test]
+fn prompt_logprobs_cover_every_prompt_token_once_uncached_and_chunked() {
+    for overlap in [false, true] {
+        let mut h = Harness::with_overlap(config(256, 4), overlap);
+        let p = prompt(3, 150);
+        // Cache the prompt first: the logprobs request must still compute all of it.
+        h.submit(request(1, p.clone(), 2));
+        h.run(100);
+        let mut req = request(2, p.clone(), 3);
+        req.sampling.prompt_logprobs = true;
+        h.submit(req);
+        h.run(100);
+        let outs = &h.outputs[&2];
+        let got: Vec<f32> = outs
+            .iter()
+            .flat_map(|o| o.prompt_logprobs.iter().copied())
+            .collect();
+        let want: Vec<f32> = (1..150).map(|pos| -(pos as f32)).collect();
+        assert_eq!(got, want, "overlap {overlap}");
+        assert!(
+            outs.len() > 3,
+            "the 150-token prompt runs in 64-token chunks"
+        );
+        assert_eq!(h.tokens(2), reference(&p, 3), "overlap {overlap}");
+        assert_eq!(h.last_output(2).cached_tokens, 0);
+        h.assert_no_leak();
+    }
+}
+
+#[test]
 fn accepts_zero_one_and_three_tokens_for_different_requests_in_one_step() {
     for overlap in [false, true] {
         let mut h = Harness::with_overlap(config(256, 4), overlap);

@@ -23,9 +23,15 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
         (any::<u32>(), f(), f(), any::<i32>(), f()),
         (f(), f(), f()),
         (any::<i64>(), any::<u32>(), any::<u32>(), ids(5)),
+        (ids(4), prop::collection::vec(f(), 0..4), any::<bool>()),
     )
         .prop_map(
-            |((slot, t, p, k, m), (r, fr, pr), (seed, lp, min_tokens, stop_ids))| SamplingParams {
+            |(
+                (slot, t, p, k, m),
+                (r, fr, pr),
+                (seed, lp, min_tokens, stop_ids),
+                (bias_ids, bias, prompt_logprobs),
+            )| SamplingParams {
                 slot,
                 temperature: t,
                 top_p: p,
@@ -37,7 +43,10 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
                 seed,
                 top_logprobs: lp,
                 min_tokens,
+                prompt_logprobs,
                 stop_ids,
+                logit_bias_ids: bias_ids,
+                logit_bias_values: bias,
             },
         )
 }
@@ -262,6 +271,8 @@ fn the_slot_bound_holds_the_largest_step() {
         new_requests: vec![
             SamplingParams {
                 stop_ids: vec![1; 8],
+                logit_bias_ids: vec![1; tokenspeed_engine::MAX_LOGIT_BIAS],
+                logit_bias_values: vec![1.0; tokenspeed_engine::MAX_LOGIT_BIAS],
                 ..Default::default()
             };
             4

@@ -49,7 +49,21 @@ pub struct ServerConfig {
     /// Serve Prometheus metrics at /metrics (`--enable-metrics`); without it the route is absent.
     #[serde(default)]
     pub enable_metrics: bool,
+    /// Sampling values for the fields a request omits (`--sampling-defaults model`: the model's
+    /// generation_config.json; empty with `openai`).
+    #[serde(default)]
+    pub sampling_defaults: SamplingDefaults,
     /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
     #[serde(default)]
     pub server_info: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
 }

@@ -17,10 +17,10 @@ use serde::Serialize;
 use tokenspeed_engine::scheduler::{
     FinishReason, Request, RequestOutput, Scheduler, SchedulerConfig, SchedulerStats,
 };
-use tokenspeed_engine::{Plan, SamplingParams, StepResult};
+use tokenspeed_engine::{Plan, StepResult};
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RequestTimes};
 
 /// Why the worker group cannot serve any more.
 #[derive(Debug, thiserror::Error)]
@@ -40,20 +40,6 @@ pub trait WorkerLink: Send + 'static {
     fn check_alive(&mut self) -> Result<(), LinkError>;
 }
 
-/// A request as the engine receives it: already tokenized and validated.
-#[derive(Debug, Clone)]
-pub struct EngineRequest {
-    pub prompt_ids: Vec<u32>,
-    pub sampling: SamplingParams,
-    pub max_new_tokens: u32,
-    pub min_new_tokens: u32,
-    /// The user's stop token ids (they stop even with `ignore_eos`).
-    pub stop_token_ids: Vec<u32>,
-    /// The model's EOS ids (they stop unless `ignore_eos`).
-    pub eos_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-}
-
 /// Token counts of a request so far.
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
 pub struct TokenUsage {
@@ -70,6 +56,9 @@ pub struct TokenEvent {
     pub logprobs: Vec<f32>,
     /// One list per token; empty unless asked for.
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// Logprobs of prompt tokens computed in this step (prompt logprobs requests only).
+    pub prompt_logprobs: Vec<f32>,
+    pub prompt_top_logprobs: Vec<Vec<(u32, f32)>>,
     pub finish: Option<FinishReason>,
     pub usage: TokenUsage,
 }
@@ -118,7 +107,7 @@ pub struct EngineStats {
 enum Command {
     Submit {
         id: u64,
-        request: EngineRequest,
+        request: Box<Request>,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
     },
     Abort {
@@ -140,16 +129,18 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Queues a request; its tokens arrive on the returned channel.
+    /// Queues a tokenized, validated request under a new id (its `id` is ignored); its tokens
+    /// arrive on the returned channel.
     pub fn submit(
         &self,
-        request: EngineRequest,
+        mut request: Request,
     ) -> (u64, tokio_mpsc::UnboundedReceiver<EngineEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        request.id = id;
         let (events, rx) = tokio_mpsc::unbounded_channel();
         let sent = self.commands.send(Command::Submit {
             id,
-            request,
+            request: Box::new(request),
             events: events.clone(),
         });
         if sent.is_err() {
@@ -270,7 +261,10 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 struct LiveRequest {
     events: tokio_mpsc::UnboundedSender<EngineEvent>,
     submitted: Instant,
-    first_token: bool,
+    /// When its first prefill chunk was scheduled.
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
 }
 
 struct EngineLoop {
@@ -350,6 +344,12 @@ impl EngineLoop {
                 None
             };
             let sent = plan.is_some();
+            let now = Instant::now();
+            for id in self.scheduler.take_admitted() {
+                if let Some(live) = self.requests.get_mut(&id) {
+                    live.admitted.get_or_insert(now);
+                }
+            }
             if let Some(plan) = plan {
                 // In flight from now on, even if sending fails (`fail_all` closes it).
                 self.mark();
@@ -395,11 +395,11 @@ impl EngineLoop {
                 id,
                 request,
                 events,
-            } => self.submit(id, request, events),
+            } => self.submit(id, *request, events),
             Command::Abort { id } => {
                 if self.requests.remove(&id).is_some() {
                     self.scheduler.abort(id);
-                    self.metrics.requests_aborted.inc();
+                    self.count_abort();
                 }
             }
             Command::FlushCache { reply } => {
@@ -413,12 +413,7 @@ impl EngineLoop {
         true
     }
 
-    fn submit(
-        &mut self,
-        id: u64,
-        request: EngineRequest,
-        events: tokio_mpsc::UnboundedSender<EngineEvent>,
-    ) {
+    fn submit(&mut self, id: u64, req: Request, events: tokio_mpsc::UnboundedSender<EngineEvent>) {
         let reject = |message: String, kind| {
             let _ = events.send(EngineEvent::Error { message, kind });
         };
@@ -437,16 +432,6 @@ impl EngineLoop {
                 EngineErrorKind::Overloaded,
             );
         }
-        let req = Request {
-            id,
-            prompt: request.prompt_ids,
-            sampling: request.sampling,
-            max_new_tokens: request.max_new_tokens,
-            min_new_tokens: request.min_new_tokens,
-            stop_token_ids: request.stop_token_ids,
-            eos_token_ids: request.eos_token_ids,
-            ignore_eos: request.ignore_eos,
-        };
         match self.scheduler.submit(req) {
             Ok(()) => {
                 self.last_submit = Some(Instant::now());
@@ -455,7 +440,9 @@ impl EngineLoop {
                     LiveRequest {
                         events,
                         submitted: Instant::now(),
-                        first_token: true,
+                        admitted: None,
+                        first_token: None,
+                        last_token: None,
                     },
                 );
             }
@@ -542,14 +529,21 @@ impl EngineLoop {
         let Some(live) = self.requests.get_mut(&id) else {
             return;
         };
-        if live.first_token {
-            live.first_token = false;
-            self.metrics
-                .ttft
-                .observe(live.submitted.elapsed().as_secs_f64());
-            self.metrics
-                .cached_prompt_tokens
-                .inc_by(u64::from(out.cached_tokens));
+        let now = Instant::now();
+        if !out.tokens.is_empty() {
+            if live.first_token.is_none() {
+                live.first_token = Some(now);
+                let m = &self.metrics;
+                m.time_to_first_token
+                    .observe((now - live.submitted).as_secs_f64());
+                m.prefix_cache_queries.inc_by(u64::from(out.prompt_tokens));
+                m.prefix_cache_hits.inc_by(u64::from(out.cached_tokens));
+            } else if let Some(last) = live.last_token {
+                self.metrics
+                    .inter_token_latency
+                    .observe((now - last).as_secs_f64());
+            }
+            live.last_token = Some(now);
         }
         if let Some(message) = out.error {
             // The scheduler has dropped it already.
@@ -561,7 +555,8 @@ impl EngineLoop {
             }
             return;
         }
-        let finished = out.finished.is_some();
+        let (finish, prompt_tokens, completion_tokens) =
+            (out.finished, out.prompt_tokens, out.completion_tokens);
         self.metrics
             .generation_tokens
             .inc_by(out.tokens.len() as u64);
@@ -569,6 +564,8 @@ impl EngineLoop {
             tokens: out.tokens,
             logprobs: out.logprobs,
             top_logprobs: out.top_logprobs,
+            prompt_logprobs: out.prompt_logprobs,
+            prompt_top_logprobs: out.prompt_top_logprobs,
             finish: out.finished,
             usage: TokenUsage {
                 prompt_tokens: out.prompt_tokens,
@@ -577,18 +574,36 @@ impl EngineLoop {
             },
         });
         let delivered = live.events.send(event).is_ok();
-        if finished {
+        if let Some(reason) = finish {
             if let Some(live) = self.requests.remove(&id) {
-                self.metrics
-                    .e2e
-                    .observe(live.submitted.elapsed().as_secs_f64());
+                let admitted = live.admitted.unwrap_or(live.submitted);
+                let first = live.first_token.unwrap_or(now);
+                self.metrics.observe_finished(&RequestTimes {
+                    queued: admitted - live.submitted,
+                    prefill: first.saturating_duration_since(admitted),
+                    decode: now.saturating_duration_since(first),
+                    e2e: now - live.submitted,
+                    prompt_tokens,
+                    generation_tokens: completion_tokens,
+                    finished_reason: match reason {
+                        FinishReason::Stop => "stop",
+                        FinishReason::Length => "length",
+                    },
+                });
             }
         } else if !delivered {
             // The client went away: free its slot and pages now.
             self.requests.remove(&id);
             self.scheduler.abort(id);
-            self.metrics.requests_aborted.inc();
+            self.count_abort();
         }
+    }
+
+    fn count_abort(&self) {
+        self.metrics
+            .request_success
+            .with_label_values(&["abort"])
+            .inc();
     }
 
     /// The engine thread panicked (a bug): /health fails, every request in flight ends with an

@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
-use tokenspeed_engine::scheduler::FinishReason;
+use tokenspeed_engine::scheduler::{FinishReason, Request};
 use tokenspeed_engine::SamplingParams;
 use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, TextTokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle, EngineRequest, TokenUsage};
+use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle, TokenEvent, TokenUsage};
 use crate::http::error::ApiError;
 use crate::http::AppState;
 
@@ -24,6 +24,9 @@ pub enum Prompt {
     Chat {
         messages: Vec<Map<String, Value>>,
         template_vars: Option<Value>,
+        add_generation_prompt: bool,
+        /// The last (assistant) message is continued: the text ends with its content.
+        continue_final_message: bool,
     },
 }
 
@@ -39,6 +42,13 @@ pub struct GenerationSpec {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
+    /// vLLM's: a matched stop string stays at the end of the text.
+    pub include_stop_str_in_output: bool,
+    /// Top alternatives per generated token (the worker's `top_logprobs` is the larger of this
+    /// and `prompt_logprobs`; each list is cut to what was asked for).
+    pub top_logprobs: u32,
+    /// Prompt logprobs with this many top alternatives each (vLLM's `prompt_logprobs`).
+    pub prompt_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -62,6 +72,8 @@ pub struct Chunk {
     pub text: String,
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
+    /// With prompt logprobs, on the first chunk: one per prompt token after the first.
+    pub prompt_logprobs: Vec<TokenLogprob>,
     pub finish: Option<Finish>,
     pub usage: TokenUsage,
 }
@@ -90,6 +102,13 @@ pub struct Generation {
     stops: StopMatcher,
     guard: AbortGuard,
     finished: bool,
+    include_stop_str: bool,
+    top_logprobs: usize,
+    prompt_top: usize,
+    /// Prompt logprobs received so far (they come before the first token).
+    prompt_logprobs: Vec<TokenLogprob>,
+    /// A chunk already taken from the engine (by `start_choices`), returned by the next `next`.
+    pending: Option<Chunk>,
 }
 
 /// Generates one greedy token for `prompt` and waits for it: the probe behind the warm-up and
@@ -108,6 +127,9 @@ pub async fn probe(
         stop_token_ids: vec![],
         ignore_eos: true,
         skip_special_tokens: true,
+        include_stop_str_in_output: false,
+        top_logprobs: 0,
+        prompt_logprobs: None,
     };
     let run = async { start(state, spec).await?.collect().await };
     match tokio::time::timeout(timeout, run).await {
@@ -149,8 +171,9 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
             ),
         ));
     }
-    let request = EngineRequest {
-        prompt_ids: prompt_ids.clone(),
+    let request = Request {
+        id: 0, // the engine assigns it
+        prompt: prompt_ids.clone(),
         sampling: spec.sampling,
         max_new_tokens,
         min_new_tokens: spec.min_new_tokens,
@@ -158,7 +181,6 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
         eos_token_ids: state.tokenizer.eos_token_ids().to_vec(),
         ignore_eos: spec.ignore_eos,
     };
-    state.metrics.requests_total.inc();
     state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
     let (id, events) = state.engine.submit(request);
     if state.config.log_requests {
@@ -182,6 +204,11 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
             done: false,
         },
         finished: false,
+        include_stop_str: spec.include_stop_str_in_output,
+        top_logprobs: spec.top_logprobs as usize,
+        prompt_top: spec.prompt_logprobs.unwrap_or(0) as usize,
+        prompt_logprobs: Vec::new(),
+        pending: None,
     })
 }
 
@@ -195,11 +222,31 @@ pub async fn tokenize_prompt(state: &AppState, prompt: Prompt) -> Result<Vec<u32
         Prompt::Chat {
             messages,
             template_vars,
+            add_generation_prompt,
+            continue_final_message,
         } => {
+            let final_text = messages
+                .last()
+                .and_then(|m| m.get("content"))
+                .and_then(Value::as_str)
+                .map(str::to_owned);
             let messages = Value::Array(messages.into_iter().map(Value::Object).collect());
-            let text = tokenizer
-                .apply_chat_template(&messages, true, template_vars.as_ref())
+            let mut text = tokenizer
+                .apply_chat_template(&messages, add_generation_prompt, template_vars.as_ref())
                 .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+            if continue_final_message {
+                // The template closes every message: cut after the final one's content.
+                let content = final_text.unwrap_or_default();
+                match text.rfind(&content) {
+                    Some(at) if !content.is_empty() => text.truncate(at + content.len()),
+                    _ => {
+                        return Err(ApiError::bad_param(
+                            "continue_final_message",
+                            "the final message's content (a non-empty string) is not in the rendered prompt",
+                        ))
+                    }
+                }
+            }
             tokenizer
                 .encode(&text, false)
                 .map_err(|e| ApiError::bad_param("messages", e.to_string()))
@@ -217,30 +264,41 @@ impl Generation {
 
     /// The next chunk of the answer; None after the finishing chunk.
     pub async fn next(&mut self) -> Option<Result<Chunk, ApiError>> {
+        if let Some(chunk) = self.pending.take() {
+            return Some(Ok(chunk));
+        }
         if self.finished {
             return None;
         }
-        let event = match self.events.recv().await {
-            Some(e) => e,
-            None => {
-                self.finished = true;
-                return Some(Err(ApiError::unavailable("the engine dropped the request")));
-            }
-        };
-        let token = match event {
-            EngineEvent::Token(t) => t,
-            EngineEvent::Error { message, kind } => {
-                self.finished = true;
-                self.guard.done = true;
-                return Some(Err(match kind {
-                    EngineErrorKind::BadRequest => ApiError::bad_request(message),
-                    EngineErrorKind::Overloaded => ApiError::overloaded(message),
-                    EngineErrorKind::Unavailable => ApiError::unavailable(message),
-                }));
+        let token = loop {
+            let event = match self.events.recv().await {
+                Some(e) => e,
+                None => {
+                    self.finished = true;
+                    return Some(Err(ApiError::unavailable("the engine dropped the request")));
+                }
+            };
+            match event {
+                EngineEvent::Token(t) => {
+                    self.take_prompt_logprobs(&t);
+                    if !t.tokens.is_empty() || t.finish.is_some() {
+                        break t;
+                    }
+                }
+                EngineEvent::Error { message, kind } => {
+                    self.finished = true;
+                    self.guard.done = true;
+                    return Some(Err(match kind {
+                        EngineErrorKind::BadRequest => ApiError::bad_request(message),
+                        EngineErrorKind::Overloaded => ApiError::overloaded(message),
+                        EngineErrorKind::Unavailable => ApiError::unavailable(message),
+                    }));
+                }
             }
         };
         let mut chunk = Chunk {
             usage: token.usage,
+            prompt_logprobs: std::mem::take(&mut self.prompt_logprobs),
             ..Chunk::default()
         };
         let n = token.tokens.len();
@@ -249,7 +307,7 @@ impl Generation {
             chunk.logprobs.push(TokenLogprob {
                 token: id,
                 logprob: token.logprobs.get(i).copied().unwrap_or(f32::NAN),
-                top: token.top_logprobs.get(i).cloned().unwrap_or_default(),
+                top: cut(token.top_logprobs.get(i), self.top_logprobs),
             });
             let piece = match self.detok.push(&self.tokenizer, id) {
                 Ok(p) => p,
@@ -258,6 +316,11 @@ impl Generation {
             let step = self.stops.push(&piece);
             chunk.text.push_str(&step.emit);
             if step.stopped {
+                if self.include_stop_str {
+                    chunk
+                        .text
+                        .push_str(step.matched.as_deref().unwrap_or_default());
+                }
                 self.finished = true;
                 // The engine would keep generating: end the request now.
                 if i + 1 < n || token.finish.is_none() {
@@ -278,6 +341,11 @@ impl Generation {
                 let step = self.stops.push(&rest);
                 chunk.text.push_str(&step.emit);
                 if step.stopped {
+                    if self.include_stop_str {
+                        chunk
+                            .text
+                            .push_str(step.matched.as_deref().unwrap_or_default());
+                    }
                     chunk.finish = Some(Finish {
                         reason: "stop",
                         matched: step.matched.map(Value::String),
@@ -301,6 +369,20 @@ impl Generation {
         Some(Ok(chunk))
     }
 
+    /// Keeps an event's prompt logprobs, each for the next prompt token (the first has none).
+    fn take_prompt_logprobs(&mut self, t: &TokenEvent) {
+        for (i, &logprob) in t.prompt_logprobs.iter().enumerate() {
+            let Some(&token) = self.prompt_ids.get(1 + self.prompt_logprobs.len()) else {
+                break;
+            };
+            self.prompt_logprobs.push(TokenLogprob {
+                token,
+                logprob,
+                top: cut(t.prompt_top_logprobs.get(i), self.prompt_top),
+            });
+        }
+    }
+
     /// Runs to the end and gathers every chunk into one.
     pub async fn collect(mut self) -> Result<Chunk, ApiError> {
         let mut all = Chunk::default();
@@ -309,6 +391,7 @@ impl Generation {
             all.text.push_str(&chunk.text);
             all.token_ids.extend(chunk.token_ids);
             all.logprobs.extend(chunk.logprobs);
+            all.prompt_logprobs.extend(chunk.prompt_logprobs);
             all.usage = chunk.usage;
             all.finish = chunk.finish;
         }
@@ -316,5 +399,83 @@ impl Generation {
             all.usage.prompt_tokens = self.prompt_ids.len() as u32;
         }
         Ok(all)
+    }
+}
+
+/// The first `k` of a top-logprobs list.
+fn cut(top: Option<&Vec<(u32, f32)>>, k: usize) -> Vec<(u32, f32)> {
+    top.map(|t| t.iter().take(k).copied().collect())
+        .unwrap_or_default()
+}
+
+/// The choices of one API request: `n` samples of each prompt, choice `i * n + j` being sample
+/// `j` of prompt `i` (OpenAI's indexing).
+pub struct Choices {
+    pub gens: Vec<Generation>,
+    /// Per prompt: its token ids (echo, usage).
+    pub prompts: Vec<Vec<u32>>,
+    pub n: usize,
+}
+
+/// Starts every choice. Each prompt's first sample runs alone until its first token, which
+/// proves the request valid (so an error gets a proper HTTP status) and puts the prompt in the
+/// radix cache: the prompt's other samples then reuse its KV pages, one prefill per prompt.
+pub async fn start_choices(
+    state: &AppState,
+    specs: Vec<GenerationSpec>,
+    n: usize,
+) -> Result<Choices, ApiError> {
+    let firsts = futures_util::future::join_all(specs.iter().map(|spec| async {
+        let mut gen = start(state, spec.clone()).await?;
+        let first = match gen.next().await {
+            Some(Ok(c)) => c,
+            Some(Err(e)) => return Err(e),
+            None => return Err(ApiError::internal("the request ended without output")),
+        };
+        gen.pending = Some(first);
+        Ok(gen)
+    }))
+    .await;
+    let mut by_prompt = Vec::with_capacity(specs.len());
+    for first in firsts {
+        by_prompt.push(first?);
+    }
+    let prompts = by_prompt.iter().map(|g| g.prompt_ids.clone()).collect();
+    let mut gens = Vec::with_capacity(specs.len() * n);
+    for (spec, first) in specs.into_iter().zip(by_prompt) {
+        gens.push(first);
+        for j in 1..n {
+            let mut sample = spec.clone();
+            // Seeded samples stay reproducible and differ from one another.
+            if sample.sampling.seed != tokenspeed_engine::NO_SEED {
+                sample.sampling.seed = (sample.sampling.seed + j as i64) & i64::MAX;
+            }
+            gens.push(start(state, sample).await?);
+        }
+    }
+    Ok(Choices { gens, prompts, n })
+}
+
+impl Choices {
+    /// Runs every choice to its end (concurrently).
+    pub async fn collect(self) -> Result<Vec<Chunk>, ApiError> {
+        futures_util::future::join_all(self.gens.into_iter().map(Generation::collect))
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// The chunks of all choices as they come, tagged with the choice index. Dropping the
+    /// stream aborts every unfinished choice.
+    pub fn stream(
+        self,
+    ) -> impl futures_util::Stream<Item = (usize, Result<Chunk, ApiError>)> + Send {
+        let streams = self.gens.into_iter().enumerate().map(|(i, gen)| {
+            Box::pin(futures_util::stream::unfold(
+                gen,
+                move |mut gen| async move { gen.next().await.map(|item| ((i, item), gen)) },
+            ))
+        });
+        futures_util::stream::select_all(streams)
     }
 }

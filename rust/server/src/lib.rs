@@ -84,7 +84,10 @@ pub fn build_state(
         path: config.tokenizer_path.clone(),
         message: e.to_string(),
     })?;
-    let metrics = Arc::new(metrics::Metrics::new());
+    let metrics = Arc::new(metrics::Metrics::new(
+        &config.served_model_name,
+        config.context_length,
+    ));
     let options = EngineOptions {
         max_queued_requests: config.max_queued_requests as usize,
         step_log_interval: config.step_log_interval,

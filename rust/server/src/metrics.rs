@@ -1,148 +1,278 @@
-//! Prometheus metrics for /metrics (names follow the `tokenspeed:` prefix style of SGLang/vLLM).
+//! Prometheus metrics for /metrics: vLLM's names and buckets under the `tokenspeed:` prefix
+//! (a vLLM Grafana dashboard works after a prefix change), every series labelled `model_name`,
+//! plus TokenSpeed's own engine-step series.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
-use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntGauge, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
 use tokenspeed_engine::scheduler::SchedulerStats;
 
 pub struct Metrics {
     registry: Registry,
-    pub requests_total: IntCounter,
-    pub requests_aborted: IntCounter,
+    pub num_requests_running: IntGauge,
+    pub num_requests_waiting: IntGauge,
+    pub kv_cache_usage_perc: Gauge,
+    /// Prompt tokens looked up in the prefix cache, and those found there.
+    pub prefix_cache_queries: IntCounter,
+    pub prefix_cache_hits: IntCounter,
     pub prompt_tokens: IntCounter,
-    pub cached_prompt_tokens: IntCounter,
     pub generation_tokens: IntCounter,
+    /// By `finished_reason`: stop, length, abort.
+    pub request_success: IntCounterVec,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub e2e_request_latency: Histogram,
+    pub request_queue_time: Histogram,
+    pub request_prefill_time: Histogram,
+    pub request_decode_time: Histogram,
+    pub request_prompt_tokens: Histogram,
+    pub request_generation_tokens: Histogram,
+    pub free_kv_pages: IntGauge,
+    pub cached_kv_pages: IntGauge,
     pub steps: IntCounter,
-    pub running: IntGauge,
-    pub waiting: IntGauge,
-    pub free_pages: IntGauge,
-    pub cached_pages: IntGauge,
-    pub batch_size: Histogram,
+    pub step_batch_size: Histogram,
     pub step_tokens: Histogram,
-    pub step_schedule_seconds: Histogram,
-    pub ttft: Histogram,
-    pub e2e: Histogram,
+    pub step_cpu_seconds: Histogram,
 }
 
-fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
-    let c = IntCounter::new(name, help).expect("valid metric");
-    registry
-        .register(Box::new(c.clone()))
-        .expect("unique metric");
-    c
-}
-fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
-    let g = IntGauge::new(name, help).expect("valid metric");
-    registry
-        .register(Box::new(g.clone()))
-        .expect("unique metric");
-    g
-}
-fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
-        .expect("valid metric");
-    registry
-        .register(Box::new(h.clone()))
-        .expect("unique metric");
-    h
+/// The timestamps of one finished request, for the per-request histograms.
+pub struct RequestTimes {
+    pub queued: Duration,
+    pub prefill: Duration,
+    pub decode: Duration,
+    pub e2e: Duration,
+    pub prompt_tokens: u32,
+    pub generation_tokens: u32,
+    pub finished_reason: &'static str,
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
+const PREFIX: &str = "tokenspeed:";
+
+/// vLLM's buckets (vllm/v1/metrics/loggers.py).
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// vLLM's 1-2-5 buckets up to `max` (token-count histograms).
+fn buckets_1_2_5(max: u32) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut scale = 1u64;
+    'outer: loop {
+        for m in [1, 2, 5] {
+            let v = m * scale;
+            if v > u64::from(max) {
+                break 'outer;
+            }
+            out.push(v as f64);
+        }
+        scale *= 10;
+    }
+    out
+}
+
+struct Builder {
+    registry: Registry,
+}
+
+impl Builder {
+    fn register<M: prometheus::core::Collector + Clone + 'static>(&self, m: M) -> M {
+        // Names are fixed and distinct, so registration cannot fail; a failure is a bug.
+        self.registry
+            .register(Box::new(m.clone()))
+            .expect("metric names are unique");
+        m
+    }
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.register(IntCounter::new(format!("{PREFIX}{name}"), help).expect("valid metric"))
+    }
+    fn gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.register(IntGauge::new(format!("{PREFIX}{name}"), help).expect("valid metric"))
+    }
+    fn histogram(&self, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+        let opts = HistogramOpts::new(format!("{PREFIX}{name}"), help).buckets(buckets);
+        self.register(Histogram::with_opts(opts).expect("valid metric"))
     }
 }
 
 impl Metrics {
-    pub fn new() -> Self {
-        let r = Registry::new();
-        let latency = vec![
-            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-        ];
-        let sizes = vec![
-            1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
-        ];
-        let tokens = vec![
-            1.0, 8.0, 64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
-        ];
+    pub fn new(model_name: &str, max_model_len: u32) -> Self {
+        let labels = HashMap::from([("model_name".to_string(), model_name.to_string())]);
+        let registry = Registry::new_custom(None, Some(labels)).expect("valid labels");
+        let b = Builder {
+            registry: registry.clone(),
+        };
+        let latency = || REQUEST_LATENCY_BUCKETS.to_vec();
+        let tokens = buckets_1_2_5(max_model_len.max(1));
         Metrics {
-            requests_total: counter(&r, "tokenspeed_requests_total", "Requests accepted"),
-            requests_aborted: counter(&r, "tokenspeed_requests_aborted_total", "Requests aborted"),
-            prompt_tokens: counter(&r, "tokenspeed_prompt_tokens_total", "Prompt tokens"),
-            cached_prompt_tokens: counter(
-                &r,
-                "tokenspeed_cached_prompt_tokens_total",
-                "Prompt tokens served from the radix cache",
+            num_requests_running: b.gauge("num_requests_running", "Requests holding a slot"),
+            num_requests_waiting: b.gauge("num_requests_waiting", "Requests waiting for a slot"),
+            kv_cache_usage_perc: b.register(
+                Gauge::new(
+                    format!("{PREFIX}kv_cache_usage_perc"),
+                    "KV cache usage: 1 is full (evictable cached pages count as free)",
+                )
+                .expect("valid metric"),
             ),
-            generation_tokens: counter(
-                &r,
-                "tokenspeed_generation_tokens_total",
-                "Generated tokens",
+            prefix_cache_queries: b.counter(
+                "prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache",
             ),
-            steps: counter(&r, "tokenspeed_steps_total", "Engine steps run"),
-            running: gauge(&r, "tokenspeed_num_running_reqs", "Requests holding a slot"),
-            waiting: gauge(
-                &r,
-                "tokenspeed_num_waiting_reqs",
-                "Requests waiting for a slot",
+            prefix_cache_hits: b.counter(
+                "prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache",
             ),
-            free_pages: gauge(&r, "tokenspeed_free_kv_pages", "Free KV pages"),
-            cached_pages: gauge(
-                &r,
-                "tokenspeed_cached_kv_pages",
-                "KV pages held by the radix cache",
+            prompt_tokens: b.counter("prompt_tokens_total", "Prompt tokens of accepted requests"),
+            generation_tokens: b.counter("generation_tokens_total", "Generated tokens"),
+            request_success: b.register(
+                IntCounterVec::new(
+                    Opts::new(
+                        format!("{PREFIX}request_success_total"),
+                        "Finished requests by finish reason",
+                    ),
+                    &["finished_reason"],
+                )
+                .expect("valid metric"),
             ),
-            batch_size: histogram(
-                &r,
-                "tokenspeed_step_batch_size",
-                "Requests per engine step",
-                sizes,
+            time_to_first_token: b.histogram(
+                "time_to_first_token_seconds",
+                "Time to first token",
+                TTFT_BUCKETS.to_vec(),
             ),
-            step_tokens: histogram(
-                &r,
-                "tokenspeed_step_tokens",
-                "Tokens per engine step",
+            inter_token_latency: b.histogram(
+                "inter_token_latency_seconds",
+                "Time between two outputs of a request",
+                ITL_BUCKETS.to_vec(),
+            ),
+            e2e_request_latency: b.histogram(
+                "e2e_request_latency_seconds",
+                "Request latency, arrival to finish",
+                latency(),
+            ),
+            request_queue_time: b.histogram(
+                "request_queue_time_seconds",
+                "Time waiting before the first prefill",
+                latency(),
+            ),
+            request_prefill_time: b.histogram(
+                "request_prefill_time_seconds",
+                "Time from the first prefill to the first token",
+                latency(),
+            ),
+            request_decode_time: b.histogram(
+                "request_decode_time_seconds",
+                "Time from the first token to the last",
+                latency(),
+            ),
+            request_prompt_tokens: b.histogram(
+                "request_prompt_tokens",
+                "Prompt tokens per finished request",
+                tokens.clone(),
+            ),
+            request_generation_tokens: b.histogram(
+                "request_generation_tokens",
+                "Generated tokens per finished request",
                 tokens,
             ),
-            step_schedule_seconds: histogram(
-                &r,
-                "tokenspeed_step_cpu_seconds",
-                "CPU time of the engine between two steps",
+            free_kv_pages: b.gauge("free_kv_pages", "Free KV pages"),
+            cached_kv_pages: b.gauge("cached_kv_pages", "KV pages held by the radix cache"),
+            steps: b.counter("steps_total", "Engine steps run"),
+            step_batch_size: b.histogram(
+                "step_batch_size",
+                "Requests per engine step",
+                buckets_1_2_5(4096),
+            ),
+            step_tokens: b.histogram(
+                "step_tokens",
+                "Tokens per engine step",
+                buckets_1_2_5(65536),
+            ),
+            step_cpu_seconds: b.histogram(
+                "step_cpu_seconds",
+                "Engine CPU time to apply one step's result",
                 vec![1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2],
             ),
-            ttft: histogram(
-                &r,
-                "tokenspeed_time_to_first_token_seconds",
-                "TTFT",
-                latency.clone(),
-            ),
-            e2e: histogram(
-                &r,
-                "tokenspeed_e2e_request_latency_seconds",
-                "End-to-end latency",
-                latency,
-            ),
-            registry: r,
+            registry,
         }
     }
 
     pub fn observe_step(&self, batch: usize, tokens: usize, cpu: Duration) {
         self.steps.inc();
-        self.batch_size.observe(batch as f64);
+        self.step_batch_size.observe(batch as f64);
         self.step_tokens.observe(tokens as f64);
-        self.step_schedule_seconds.observe(cpu.as_secs_f64());
+        self.step_cpu_seconds.observe(cpu.as_secs_f64());
     }
 
     pub fn observe_pool(&self, s: &SchedulerStats) {
-        self.running.set(s.running as i64);
-        self.waiting.set(s.waiting as i64);
-        self.free_pages.set(s.free_pages as i64);
-        self.cached_pages.set(s.cached_pages as i64);
+        self.num_requests_running.set(s.running as i64);
+        self.num_requests_waiting.set(s.waiting as i64);
+        self.free_kv_pages.set(s.free_pages as i64);
+        self.cached_kv_pages.set(s.cached_pages as i64);
+        if s.total_pages > 0 {
+            let busy = s
+                .total_pages
+                .saturating_sub(s.free_pages + s.evictable_pages);
+            self.kv_cache_usage_perc
+                .set(busy as f64 / s.total_pages as f64);
+        }
+    }
+
+    pub fn observe_finished(&self, t: &RequestTimes) {
+        self.request_success
+            .with_label_values(&[t.finished_reason])
+            .inc();
+        self.e2e_request_latency.observe(t.e2e.as_secs_f64());
+        self.request_queue_time.observe(t.queued.as_secs_f64());
+        self.request_prefill_time.observe(t.prefill.as_secs_f64());
+        self.request_decode_time.observe(t.decode.as_secs_f64());
+        self.request_prompt_tokens
+            .observe(f64::from(t.prompt_tokens));
+        self.request_generation_tokens
+            .observe(f64::from(t.generation_tokens));
     }
 
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_buckets_are_1_2_5_up_to_the_context() {
+        assert_eq!(
+            buckets_1_2_5(1000),
+            vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0]
+        );
+    }
+
+    #[test]
+    fn every_series_carries_the_model_name() {
+        let m = Metrics::new("m1", 64);
+        m.request_success.with_label_values(&["stop"]).inc();
+        let text = m.render();
+        assert!(
+            text.contains(
+                "tokenspeed:request_success_total{finished_reason=\"stop\",model_name=\"m1\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("tokenspeed:num_requests_running{model_name=\"m1\"} 0"));
     }
 }

@@ -1,13 +1,162 @@
 //! Request validation: one place that turns bad parameters into 400s naming the parameter
 //! and the numbers involved.
 
-use tokenspeed_engine::{SamplingParams, MAX_TOP_LOGPROBS, NO_SEED};
+use tokenspeed_engine::{SamplingParams, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, NO_SEED};
 
+use crate::config::SamplingDefaults;
+use crate::generate::{GenerationSpec, Prompt};
 use crate::http::error::ApiError;
 use crate::http::protocol::SamplingFields;
 
+/// Choices one request may ask for (prompts × n).
+pub const MAX_CHOICES: usize = 128;
+/// Stop strings per request, and bytes per stop string.
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// Stop token ids per request.
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
+
+/// Everything a generating route needs from the shared fields, checked: the spec of one
+/// prompt's generation (the caller sets the prompt per choice).
+pub fn generation_spec(
+    f: &SamplingFields,
+    defaults: &SamplingDefaults,
+    max_new_tokens: Option<u32>,
+    top_logprobs: u32,
+    vocab_size: u32,
+) -> Result<GenerationSpec, ApiError> {
+    // The model's defaults (vLLM's behaviour) stand in for what the request omits, and are
+    // checked like the request's own values.
+    let f = &SamplingFields {
+        temperature: f.temperature.or(defaults.temperature),
+        top_p: f.top_p.or(defaults.top_p),
+        top_k: f.top_k.or(defaults.top_k.map(|k| k as i32)),
+        min_p: f.min_p.or(defaults.min_p),
+        repetition_penalty: f.repetition_penalty.or(defaults.repetition_penalty),
+        ..f.clone()
+    };
+    let stop = f.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::bad_param(
+            "stop",
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                stop.len()
+            ),
+        ));
+    }
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+        return Err(ApiError::bad_param(
+            "stop",
+            format!(
+                "a stop string may have at most {MAX_STOP_STRING_BYTES} bytes, got {}",
+                long.len()
+            ),
+        ));
+    }
+    let stop_token_ids = f.stop_token_ids.clone().unwrap_or_default();
+    if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::bad_param(
+            "stop_token_ids",
+            format!(
+                "at most {MAX_STOP_TOKEN_IDS} stop token ids, got {}",
+                stop_token_ids.len()
+            ),
+        ));
+    }
+    if let Some(bad) = stop_token_ids.iter().find(|&&t| t >= vocab_size) {
+        return Err(ApiError::bad_param(
+            "stop_token_ids",
+            format!("token id {bad} is out of range (vocabulary size {vocab_size})"),
+        ));
+    }
+    if f.spaces_between_special_tokens == Some(false) {
+        return Err(ApiError::bad_param(
+            "spaces_between_special_tokens",
+            "spaces_between_special_tokens=false is not supported (the fast tokenizer's decoding \
+             is used as is)",
+        ));
+    }
+    let prompt_logprobs = match f.prompt_logprobs {
+        Some(k) => Some(self::top_logprobs("prompt_logprobs", Some(k))?),
+        None => None,
+    };
+    let mut sampling = sampling_params(f, top_logprobs.max(prompt_logprobs.unwrap_or(0)))?;
+    sampling.prompt_logprobs = prompt_logprobs.is_some();
+    (sampling.logit_bias_ids, sampling.logit_bias_values) =
+        logit_bias(f.logit_bias.as_ref(), vocab_size)?;
+    Ok(GenerationSpec {
+        prompt: Prompt::Ids(Vec::new()),
+        sampling,
+        max_new_tokens,
+        min_new_tokens: f.min_tokens.unwrap_or(0),
+        stop,
+        stop_token_ids,
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        include_stop_str_in_output: f.include_stop_str_in_output.unwrap_or(false),
+        top_logprobs,
+        prompt_logprobs,
+    })
+}
+
+/// OpenAI's `logit_bias`: token id (a string key) → bias in [-100, 100], sorted by id.
+fn logit_bias(
+    bias: Option<&std::collections::HashMap<String, f32>>,
+    vocab_size: u32,
+) -> Result<(Vec<u32>, Vec<f32>), ApiError> {
+    let Some(bias) = bias else {
+        return Ok((Vec::new(), Vec::new()));
+    };
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::bad_param(
+            "logit_bias",
+            format!("at most {MAX_LOGIT_BIAS} entries, got {}", bias.len()),
+        ));
+    }
+    let mut entries = Vec::with_capacity(bias.len());
+    for (key, &value) in bias {
+        let id: u32 = key.trim().parse().map_err(|_| {
+            ApiError::bad_param(
+                "logit_bias",
+                format!("logit_bias keys must be token ids, got {key:?}"),
+            )
+        })?;
+        if id >= vocab_size {
+            return Err(ApiError::bad_param(
+                "logit_bias",
+                format!("token id {id} is out of range (vocabulary size {vocab_size})"),
+            ));
+        }
+        if !(-100.0..=100.0).contains(&value) {
+            return Err(ApiError::bad_param(
+                "logit_bias",
+                format!("logit_bias values must be in [-100, 100], got {value} for token {id}"),
+            ));
+        }
+        entries.push((id, value));
+    }
+    entries.sort_by_key(|&(id, _)| id);
+    Ok(entries.into_iter().unzip())
+}
+
+/// Choices asked for: `n` (1 when absent) per prompt, at most `MAX_CHOICES` in all.
+pub fn choices(n: Option<u32>, prompts: usize) -> Result<usize, ApiError> {
+    let n = n.unwrap_or(1) as usize;
+    if n == 0 {
+        return Err(ApiError::bad_param("n", "n must be at least 1, got 0"));
+    }
+    if n.saturating_mul(prompts) > MAX_CHOICES {
+        return Err(ApiError::bad_param(
+            "n",
+            format!("{prompts} prompt(s) × n={n} exceeds {MAX_CHOICES} choices per request"),
+        ));
+    }
+    Ok(n)
+}
+
 /// Builds engine sampling parameters from the API's optional fields, checking ranges.
-pub fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingParams, ApiError> {
+fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingParams, ApiError> {
     let mut p = SamplingParams {
         top_logprobs,
         ..SamplingParams::neutral()
@@ -80,15 +229,7 @@ pub fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<Sampling
         p.repetition_penalty = v;
     }
     // The worker seeds a 63-bit generator state.
-    p.seed = f.seed.map_or(NO_SEED, |s| (s & i64::MAX as u64) as i64);
-    if let Some(n) = f.n {
-        if n != 1 {
-            return Err(ApiError::bad_param(
-                "n",
-                format!("n must be 1 (several choices per request are not supported yet), got {n}"),
-            ));
-        }
-    }
+    p.seed = f.seed.map_or(NO_SEED, |s| s & i64::MAX);
     Ok(p)
 }
 
@@ -135,4 +276,57 @@ pub fn check_prompt(ids: &[u32], vocab_size: u32, context_length: u32) -> Result
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(f: SamplingFields, d: &SamplingDefaults) -> Result<GenerationSpec, ApiError> {
+        generation_spec(&f, d, Some(4), 0, 1000)
+    }
+
+    #[test]
+    fn model_defaults_fill_only_what_the_request_omits() {
+        let d = SamplingDefaults {
+            temperature: Some(0.25),
+            top_k: Some(7.0),
+            repetition_penalty: Some(1.1),
+            ..Default::default()
+        };
+        let s = spec(SamplingFields::default(), &d).expect("valid").sampling;
+        assert_eq!(
+            (s.temperature, s.top_k, s.repetition_penalty),
+            (0.25, 7, 1.1)
+        );
+        let own = SamplingFields {
+            temperature: Some(1.0),
+            ..Default::default()
+        };
+        let s = spec(own, &d).expect("valid").sampling;
+        assert_eq!((s.temperature, s.top_k), (1.0, 7));
+        let neutral = spec(SamplingFields::default(), &SamplingDefaults::default())
+            .expect("valid")
+            .sampling;
+        assert_eq!(neutral.temperature, SamplingParams::neutral().temperature);
+    }
+
+    #[test]
+    fn logit_bias_is_checked_and_sorted() {
+        let f = |pairs: &[(&str, f32)]| SamplingFields {
+            logit_bias: Some(pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()),
+            ..Default::default()
+        };
+        let s = spec(f(&[("9", 1.0), ("3", -2.0)]), &SamplingDefaults::default())
+            .expect("valid")
+            .sampling;
+        assert_eq!(
+            (s.logit_bias_ids, s.logit_bias_values),
+            (vec![3, 9], vec![-2.0, 1.0])
+        );
+        for bad in [&[("x", 1.0)][..], &[("1000", 1.0)], &[("1", 101.0)]] {
+            let err = spec(f(bad), &SamplingDefaults::default()).expect_err("invalid");
+            assert_eq!(err.param.as_deref(), Some("logit_bias"), "{bad:?}");
+        }
+    }
 }

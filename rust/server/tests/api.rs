@@ -209,6 +209,7 @@ fn harness_opts(
         worker_pids: vec![],
         step_log_interval: 0,
         enable_metrics,
+        sampling_defaults: Default::default(),
         server_info: Value::Null,
     };
     let log = Arc::new(WorkerLog::default());

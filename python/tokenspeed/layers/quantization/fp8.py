@@ -9,6 +9,9 @@ fp32 [N] (W ~= weight * weight_scale[:, None]); layers/linear.py hands such a la
   (torch._scaled_mm with row-wise scales; per-tensor scales plus an fp32 rescale where a torch
   build lacks row-wise scaling) or, with TOKENSPEED_FP8_GEMM=triton, tokenspeed_kernels.fp8_matmul;
 * elsewhere (CPU tests): dequantise, then matmul (the reference).
+TOKENSPEED_FP8_GEMM=reference (or setting GEMM_BACKEND) runs `reference_linear` instead on any
+device: the same numerics in fp32 torch, kernel-free (benches/fp8_accuracy.py compares the kernels
+against it at model level).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ logger = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 SKINNY_MAX_ROWS = 8  # as for bf16 (layers/linear.py): the GEMV's range, cuBLAS above it
-GEMM_BACKEND = os.environ.get("TOKENSPEED_FP8_GEMM", "cublas")  # or "triton": to measure both
+# "cublas" (default), "triton" (to measure both) or "reference" (reference_linear).
+GEMM_BACKEND = os.environ.get("TOKENSPEED_FP8_GEMM", "cublas")
 _rowwise_ok: bool | None = None  # torch._scaled_mm with row-wise scales: learnt on first use
 
 
@@ -63,9 +67,26 @@ def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Te
     return (out * xs[:, None] * ws[None, :]).to(dtype)
 
 
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear's numerics on CUDA, in fp32 torch: weight-only up to SKINNY_MAX_ROWS rows (the
+    GEMV), per-token fp8 activations above (W8A8); fp32 accumulation, output rounded to x's dtype."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).float()
+    if x2.shape[0] > SKINNY_MAX_ROWS:
+        scale = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+        x2 = (x2 * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale  # as the kernel
+    out = x2 @ (weight.float() * weight_scale[:, None]).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) with W = weight (fp8) * weight_scale[:, None]; output in x's dtype."""
+    if GEMM_BACKEND == "reference":
+        return reference_linear(x, weight, weight_scale, bias)
     if not x.is_cuda:
         return nn.functional.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
     from tokenspeed_kernels import fp8_matmul, per_token_quant_fp8, skinny_linear
@@ -126,7 +147,7 @@ def _scale_loader(module: nn.Module, loader: object) -> object:
                 rows = module.output_sizes[shard] * module.tp_size
             else:
                 rows = module.weight.shape[0]
-            loaded = loaded.float().reshape(-1)
+            loaded = loaded.to(torch.float32).reshape(-1)  # a Tensor or a weights.LazyTensor
             if loaded.numel() == 1:
                 loaded = loaded.expand(rows)
         loader(param, loaded, shard)  # type: ignore[operator]

@@ -126,7 +126,7 @@ def split_kv_scales(tensors: Iterator[tuple[str, torch.Tensor]],
             continue
         if sink is not None:
             layer, kind = int(m.group(1)), m.group(2)
-            value = float(tensor.float().max())  # a scalar, or one value per shard: the safe one
+            value = float(tensor.to(torch.float32).max())  # scalar or per shard: the safe one (Tensor or LazyTensor)
             if kind in ("k_scale", "kv_scale"):
                 sink.k[layer] = value
             if kind in ("v_scale", "kv_scale"):

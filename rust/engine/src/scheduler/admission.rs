@@ -52,7 +52,13 @@ impl Scheduler {
                 continue;
             };
             // Never match the whole sequence: the last token must be computed to get logits.
-            let m = self.cache.match_prefix(&seq.tokens[..seq.tokens.len() - 1]);
+            // Prompt logprobs need every prompt position computed: no cached prefix then.
+            let matchable = if seq.req.sampling.prompt_logprobs && seq.completion_tokens() == 0 {
+                0
+            } else {
+                seq.tokens.len() - 1
+            };
+            let m = self.cache.match_prefix(&seq.tokens[..matchable]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
             let growth = self.expected_growth(seq);
@@ -77,8 +83,10 @@ impl Scheduler {
             let Some(seq) = self.requests.get_mut(&id) else {
                 continue;
             };
-            seq.cached_tokens
-                .get_or_insert(m.len.min(seq.req.prompt.len()) as u32);
+            if seq.cached_tokens.is_none() {
+                seq.cached_tokens = Some(m.len.min(seq.req.prompt.len()) as u32);
+                self.admitted.push(id);
+            }
             step.plan.new_requests.push(seq.worker_params(slot));
             step.add_pages(slot, 0, &m.pages);
             seq.phase = Phase::Prefilling(Active {

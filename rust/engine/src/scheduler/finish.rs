@@ -56,6 +56,8 @@ impl Sequence {
             slot,
             min_tokens,
             stop_ids,
+            // Reported once: a request re-admitted after its first token does not repeat them.
+            prompt_logprobs: self.req.sampling.prompt_logprobs && self.completion_tokens() == 0,
             ..self.req.sampling.clone()
         }
     }

@@ -58,7 +58,10 @@ impl Scheduler {
             });
         }
         if !e.sample {
-            return None;
+            // A prompt chunk: only its prompt logprobs, if the request asked for them.
+            return event
+                .filter(|ev| !ev.prompt_logprobs.is_empty())
+                .map(|ev| seq.output(Vec::new(), ev, None));
         }
         let accepted: &[u32] = event.map_or(&[], |ev| &ev.tokens);
         // A later step in flight (a placeholder decode) fed "the one token this step samples".

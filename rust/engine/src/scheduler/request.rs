@@ -115,6 +115,11 @@ pub struct RequestOutput {
     pub logprobs: Vec<f32>,
     /// One list of (token, logprob) per token, best first; empty lists unless asked for.
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// With `prompt_logprobs`: the logprobs of the prompt tokens this step computed, in order
+    /// (the prompt's first token has none, so they cover positions 1.. over all steps).
+    pub prompt_logprobs: Vec<f32>,
+    /// One list of (token, logprob) per prompt logprob, best first.
+    pub prompt_top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Set on the request's last output; the request is gone from the scheduler afterwards.
     pub finished: Option<FinishReason>,
     /// The worker failed this request; it is gone from the scheduler.

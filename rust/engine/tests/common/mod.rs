@@ -86,6 +86,8 @@ struct SlotState {
     last_sampled: Option<u32>,
     /// Whether the slot's previous scheduled step sampled.
     prev_sampled: bool,
+    /// The request asked for prompt logprobs.
+    prompt_logprobs: bool,
 }
 
 /// Mirrors what the Python worker keeps across steps, and checks each plan against it.
@@ -126,8 +128,12 @@ impl FakeWorker {
             );
         }
         for new in &plan.new_requests {
+            let state = SlotState {
+                prompt_logprobs: new.prompt_logprobs,
+                ..SlotState::default()
+            };
             assert!(
-                self.slots.insert(new.slot, SlotState::default()).is_none(),
+                self.slots.insert(new.slot, state).is_none(),
                 "slot {} reused while live",
                 new.slot
             );
@@ -188,9 +194,26 @@ impl FakeWorker {
                 let pos = r.start_pos as usize + i;
                 self.kv[slot.table[pos / ps] as usize * ps + pos % ps] = Some(tok);
             }
+            // Fake prompt logprobs: minus the position of each scored token (position 0 has none).
+            let prompt_logprobs: Vec<f32> = if slot.prompt_logprobs {
+                (r.start_pos.max(1) as usize..end)
+                    .map(|pos| -(pos as f32))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            if r.sample {
+                slot.prompt_logprobs = false;
+            }
             slot.computed = end;
             slot.prev_sampled = r.sample;
-            if r.sample {
+            if !r.sample && !prompt_logprobs.is_empty() {
+                events.push(RequestEvent {
+                    slot: r.slot,
+                    prompt_logprobs,
+                    ..RequestEvent::default()
+                });
+            } else if r.sample {
                 let mut seq: Vec<u32> = (0..end)
                     .map(|pos| {
                         self.kv[slot.table[pos / ps] as usize * ps + pos % ps].expect("KV present")
@@ -208,6 +231,7 @@ impl FakeWorker {
                     slot: r.slot,
                     logprobs: vec![-0.5; tokens.len()],
                     tokens,
+                    prompt_logprobs,
                     ..RequestEvent::default()
                 });
             }
@@ -303,8 +327,8 @@ impl Harness {
         );
         let before: usize = outs.iter().map(|o| o.tokens.len()).sum();
         assert!(
-            !out.tokens.is_empty(),
-            "request {}: an output has tokens",
+            !out.tokens.is_empty() || !out.prompt_logprobs.is_empty(),
+            "request {}: an output has tokens (or prompt logprobs)",
             out.id
         );
         assert_eq!(

@@ -4,6 +4,7 @@ pub mod error;
 pub mod native;
 pub mod openai;
 pub mod protocol;
+pub mod response;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -52,9 +53,15 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
         .route("/generate", post(native::generate))
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))
+        .route("/v1/tokenize", post(native::tokenize))
+        .route("/v1/detokenize", post(native::detokenize))
+        .route("/version", get(native::version))
+        .route("/abort_request", post(native::abort_request))
+        .route("/server_info", get(native::server_info))
         .route("/get_model_info", get(native::model_info))
         .route("/get_server_info", get(native::server_info))
         .route(
@@ -66,7 +73,9 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             require_api_key,
         ));
-    let open = Router::new().route("/health", get(native::health));
+    let open = Router::new()
+        .route("/health", get(native::health))
+        .route("/ping", get(native::health).post(native::health));
     let open = if state.config.enable_metrics {
         open.route("/metrics", get(native::metrics))
     } else {

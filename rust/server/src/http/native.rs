@@ -12,9 +12,11 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::protocol::{parse_body, DetokenizeRequest, GenerateRequest, TokenizeRequest};
+use super::protocol::{
+    parse_body, AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest,
+};
 use super::{ok_json, AppState};
-use crate::generate::{self, Chunk, GenerationSpec, Prompt};
+use crate::generate::{self, Chunk, Prompt};
 use crate::validate;
 
 /// SGLang's `meta_info`; with `return_logprob`, `output_token_logprobs` as
@@ -59,8 +61,8 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Response {
 async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let started = Instant::now();
     let req: GenerateRequest = parse_body(body)?;
-    super::protocol::log_unknown_fields("/generate", &req.extra);
-    super::protocol::log_unknown_fields("/generate sampling_params", &req.sampling_params.extra);
+    super::protocol::check_extra_fields("/generate", &req.extra)?;
+    super::protocol::check_extra_fields("/generate sampling_params", &req.sampling_params.extra)?;
     let prompt = match (req.text, req.input_ids) {
         (Some(t), None) => Prompt::Text(t),
         (None, Some(ids)) => Prompt::Ids(ids),
@@ -77,24 +79,24 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     } else {
         0
     };
-    let spec = GenerationSpec {
-        prompt,
-        sampling: validate::sampling_params(&sp.sampling, top)?,
-        max_new_tokens: validate::max_tokens(
-            "max_new_tokens",
-            Some(sp.max_new_tokens.unwrap_or(128)),
-        )?,
-        min_new_tokens: sp.min_new_tokens.or(sp.sampling.min_tokens).unwrap_or(0),
-        stop: sp
-            .sampling
-            .stop
-            .clone()
-            .map(|s| s.into_vec())
-            .unwrap_or_default(),
-        stop_token_ids: sp.sampling.stop_token_ids.clone().unwrap_or_default(),
-        ignore_eos: sp.sampling.ignore_eos.unwrap_or(false),
-        skip_special_tokens: sp.sampling.skip_special_tokens.unwrap_or(true),
-    };
+    if sp.sampling.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_param(
+            "n",
+            "/generate returns one sample: use /v1/completions for n > 1",
+        ));
+    }
+    let max_new_tokens =
+        validate::max_tokens("max_new_tokens", Some(sp.max_new_tokens.unwrap_or(128)))?;
+    let vocab = state.tokenizer.vocab_size() as u32;
+    let mut spec = validate::generation_spec(
+        &sp.sampling,
+        &state.config.sampling_defaults,
+        max_new_tokens,
+        top,
+        vocab,
+    )?;
+    spec.prompt = prompt;
+    spec.min_new_tokens = sp.min_new_tokens.unwrap_or(spec.min_new_tokens);
     let mut gen = generate::start(&state, spec).await?;
     let id = format!("{:x}", gen.id());
     if req.stream.unwrap_or(false) {
@@ -149,6 +151,8 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
             (None, Some(messages)) => Prompt::Chat {
                 messages,
                 template_vars: None,
+                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+                continue_final_message: false,
             },
             _ => {
                 return Err(ApiError::bad_request(
@@ -262,4 +266,21 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         state.metrics.render(),
     )
         .into_response()
+}
+
+pub async fn version() -> Response {
+    ok_json(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
+/// SGLang's `/abort_request`: ends the request whose id `/generate` reported in
+/// `meta_info.id`, freeing its slot and KV pages; its client's request ends with an error.
+pub async fn abort_request(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = async {
+        let req: AbortRequest = parse_body(&body)?;
+        let id = u64::from_str_radix(&req.rid, 16)
+            .map_err(|_| ApiError::bad_param("rid", format!("unknown request id {:?}", req.rid)))?;
+        state.engine.abort(id);
+        Ok::<_, ApiError>(StatusCode::OK.into_response())
+    };
+    run.await.unwrap_or_else(|e| e.into_response())
 }

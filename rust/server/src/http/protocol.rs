@@ -1,5 +1,9 @@
 //! Request bodies of the OpenAI and SGLang-native APIs, as typed serde structs.
-//! Unknown fields are collected in `extra` and logged, never rejected (clients send many).
+//! Fields nobody defines are collected in `extra` and named once in a warning (clients send
+//! many); fields OpenAI, vLLM or SGLang define that TokenSpeed does not implement are refused.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, OnceLock};
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -33,7 +37,17 @@ pub enum PromptField {
     IdBatches(Vec<Vec<u32>>),
 }
 
-/// Sampling fields shared by completions and chat completions (OpenAI + vLLM/SGLang extras).
+/// A chat message's `content`: a string or a list of parts (only text parts until multimodal
+/// models exist).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum ContentField {
+    Text(String),
+    Parts(Vec<Map<String, Value>>),
+}
+
+/// Sampling and output fields shared by every generating route (OpenAI, plus the vLLM/SGLang
+/// extras that clients send at the top level or through `extra_body`).
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct SamplingFields {
     pub temperature: Option<f32>,
@@ -43,21 +57,33 @@ pub struct SamplingFields {
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
-    pub seed: Option<u64>,
+    pub seed: Option<i64>,
     /// vLLM's: no stop ends generation before this many tokens.
     pub min_tokens: Option<u32>,
     pub stop: Option<StopField>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,
     pub skip_special_tokens: Option<bool>,
+    pub spaces_between_special_tokens: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    /// Token id (as a string key, OpenAI's format) → bias added to its logit.
+    pub logit_bias: Option<HashMap<String, f32>>,
+    /// vLLM's: logprobs of the prompt tokens, with this many top alternatives each.
+    pub prompt_logprobs: Option<u32>,
+    /// vLLM's: logprob tokens rendered as `token_id:<id>`.
+    pub return_tokens_as_token_ids: Option<bool>,
     pub n: Option<u32>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// OpenAI's end-user id: accepted (logged with the request), no effect on generation.
+    pub user: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
+    /// vLLM's: usage in every chunk.
+    pub continuous_usage_stats: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -68,6 +94,8 @@ pub struct CompletionRequest {
     /// Number of top logprobs per token (legacy completions API).
     pub logprobs: Option<u32>,
     pub echo: Option<bool>,
+    pub best_of: Option<u32>,
+    pub suffix: Option<String>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -82,8 +110,14 @@ pub struct ChatCompletionRequest {
     pub max_completion_tokens: Option<u32>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u32>,
-    pub tools: Option<Value>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's assistant prefill: the last (assistant) message is continued, not closed.
+    pub continue_final_message: Option<bool>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// vLLM's: the reply starts with the last message's content when that is the assistant's.
+    pub echo: Option<bool>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -122,6 +156,13 @@ pub struct TokenizeRequest {
     pub messages: Option<Vec<Map<String, Value>>>,
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
+}
+
+/// SGLang's `/abort_request` body.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AbortRequest {
+    pub rid: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -185,10 +226,53 @@ fn culprit_field<T: serde::de::DeserializeOwned>(value: &Value, message: &str) -
     })
 }
 
-/// Logs fields we do not act on, so a client's intent is visible rather than silently lost.
-pub fn log_unknown_fields(endpoint: &str, extra: &Map<String, Value>) {
-    if !extra.is_empty() {
-        let keys: Vec<&str> = extra.keys().map(String::as_str).collect();
-        tracing::debug!(endpoint, ?keys, "ignoring unknown request fields");
+/// Fields other servers define whose feature TokenSpeed does not have yet: refused with a 400
+/// naming them (accepting them would silently change what the client asked for).
+const NOT_IMPLEMENTED: &[(&str, &str)] = &[
+    ("response_format", "structured output"),
+    ("guided_json", "structured output"),
+    ("guided_regex", "structured output"),
+    ("guided_choice", "structured output"),
+    ("guided_grammar", "structured output"),
+    ("guided_decoding_backend", "structured output"),
+    ("structured_outputs", "structured output"),
+    ("json_schema", "structured output"),
+    ("regex", "structured output"),
+    ("ebnf", "structured output"),
+    ("structural_tag", "structured output"),
+    ("functions", "tool calling"),
+    ("function_call", "tool calling"),
+    ("lora_path", "LoRA adapters"),
+    ("lora_request", "LoRA adapters"),
+    ("audio", "audio output"),
+    ("prediction", "predicted outputs"),
+    ("logits_processors", "custom logits processors"),
+    ("bad_words", "bad words"),
+    ("truncate_prompt_tokens", "prompt truncation"),
+    ("return_hidden_states", "hidden-state output"),
+];
+
+/// Refuses a field another server defines that TokenSpeed does not implement; names the rest of
+/// the unknown fields in a warning, once per field name per process.
+pub fn check_extra_fields(endpoint: &str, extra: &Map<String, Value>) -> Result<(), ApiError> {
+    for (name, feature) in NOT_IMPLEMENTED {
+        if extra.get(*name).is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::bad_param(
+                name,
+                format!(
+                    "'{name}' is not supported yet ({feature} is not implemented in TokenSpeed)"
+                ),
+            ));
+        }
     }
+    static WARNED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let warned = WARNED.get_or_init(Default::default);
+    if let Ok(mut warned) = warned.lock() {
+        for key in extra.keys() {
+            if warned.insert(key.clone()) {
+                tracing::warn!(endpoint, field = %key, "ignoring a request field no API defines");
+            }
+        }
+    }
+    Ok(())
 }

@@ -1,0 +1,157 @@
+//! Response bodies of the OpenAI API, as typed serde structs: every route and stream builds
+//! its JSON from these, so the stream and non-stream forms cannot drift apart.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::engine::TokenUsage;
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+impl Usage {
+    pub fn of(u: &TokenUsage) -> Self {
+        Usage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_tokens,
+            },
+        }
+    }
+}
+
+/// Legacy completions logprobs: parallel lists, one entry per token (prompt tokens first with
+/// `echo`; the first prompt token has no logprob).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<BTreeMap<String, f32>>>,
+    pub text_offset: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    /// SGLang's: the stop string or stop token id that ended the choice.
+    pub matched_stop: Option<Value>,
+    /// vLLM's `prompt_logprobs`: per prompt token, null for the first, else token id → entry.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
+}
+
+pub type PromptLogprobs = Vec<Option<BTreeMap<String, PromptLogprob>>>;
+
+/// One entry of vLLM's `prompt_logprobs` map.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PromptLogprob {
+    pub logprob: f32,
+    /// 1 for the most likely token; the prompt's own token may rank anywhere.
+    pub rank: Option<u32>,
+    pub decoded_token: String,
+}
+
+/// `/v1/completions` (non-streamed) and each of its stream chunks (`object` differs only in
+/// the chat API; for completions both are "text_completion").
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatLogprobEntry {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatLogprobEntry>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: ChatMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    pub matched_stop: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatChunkChoice {
+    pub index: u32,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    pub matched_stop: Option<Value>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}

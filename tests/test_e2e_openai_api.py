@@ -1,0 +1,300 @@
+"""The OpenAI API surface clients rely on (issue 10), through the official `openai` client against
+`tokenspeed serve` on CPU with the default model: n, batched prompts, echo, logit_bias, the vLLM
+extras, chat roles and prefill, and the 400s for what is not implemented."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from server_harness import Server
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def greedy_text(client: openai.OpenAI, model: str, prompt: str | list[int], max_tokens: int = 5) -> str:
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].text
+
+
+def test_n_gives_n_choices_sharing_one_prefill(server: Server, client: openai.OpenAI, model: str) -> None:
+    prompt = "Once upon a time, in a land far away, there lived a small dragon who " * 2
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=4, n=4, temperature=1.0,
+                                  seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 16
+    # Prompt counted once; its later samples read its pages from the radix cache.
+    prompt_len = len(httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"])
+    assert r.usage.prompt_tokens == prompt_len
+    assert r.usage.prompt_tokens_details.cached_tokens >= prompt_len - 8
+    # Same seed, same texts (both runs read the prompt from the cache: a cached and an uncached
+    # prefill may round differently, which can flip a temperature-1 draw).
+    runs = [client.completions.create(model=model, prompt=prompt, max_tokens=4, n=4,
+                                      temperature=1.0, seed=7) for _ in range(2)]
+    assert [c.text for c in runs[0].choices] == [c.text for c in runs[1].choices]
+    assert len({c.text for c in r.choices}) > 1, "seeded samples must differ from one another"
+
+
+def test_batched_prompts_index_choices_prompt_major(client: openai.OpenAI, model: str) -> None:
+    prompts = [PROMPT, "1, 2, 3, 4,", "Hello"]
+    r = client.completions.create(model=model, prompt=prompts, max_tokens=4, n=2, temperature=0)
+    assert len(r.choices) == 6
+    by_index = {c.index: c.text for c in r.choices}
+    for i, p in enumerate(prompts):
+        alone = greedy_text(client, model, p, 4)
+        assert by_index[2 * i] == by_index[2 * i + 1] == alone, (i, p)
+
+
+def test_token_id_prompts_batched(server: Server, client: openai.OpenAI, model: str) -> None:
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    r = client.completions.create(model=model, prompt=[ids, ids[:3]], max_tokens=3, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == greedy_text(client, model, ids, 3)
+    assert r.choices[1].text == greedy_text(client, model, ids[:3], 3)
+
+
+def test_stream_matches_non_stream_for_several_choices(client: openai.OpenAI, model: str) -> None:
+    args = {"model": model, "prompt": [PROMPT, "Hello"], "max_tokens": 5, "n": 2, "temperature": 0.8,
+            "seed": 3}
+    whole = client.completions.create(**args)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                           **args):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_echo_prepends_the_prompt(client: openai.OpenAI, model: str) -> None:
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert r.choices[0].text == PROMPT + greedy_text(client, model, PROMPT, 4)
+    chunks = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_logit_bias_forces_and_forbids_tokens(server: Server, client: openai.OpenAI, model: str) -> None:
+    forced = httpx.post(f"{server.url}/tokenize",
+                        json={"prompt": " banana", "add_special_tokens": False}).json()["tokens"][0]
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == httpx.post(f"{server.url}/detokenize",
+                                           json={"tokens": [forced] * 3}).json()["text"]
+    first = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0,
+                                      logprobs=0)
+    top = httpx.post(f"{server.url}/tokenize", json={
+        "prompt": first.choices[0].logprobs.tokens[0], "add_special_tokens": False}).json()["tokens"][0]
+    banned = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(top): -100})
+    assert banned.choices[0].text != first.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> object:
+    transformers = pytest.importorskip("transformers")
+    from tokenspeed.assets import ensure_default_model
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(ensure_default_model()), torch_dtype=torch.float32).eval()
+
+
+def test_prompt_logprobs_and_echo_match_hf(server: Server, client: openai.OpenAI, model: str,
+                                           hf_model: object) -> None:
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT * 3}).json()["tokens"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)  # type: ignore[operator]
+    want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    r = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0, logprobs=2,
+                                  echo=True, extra_body={"prompt_logprobs": 3})
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-3)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert len(lp.tokens) == len(ids) + 2
+    assert r.choices[0].text.startswith(httpx.post(f"{server.url}/detokenize",
+                                                   json={"tokens": ids}).json()["text"])
+    # vLLM's prompt_logprobs: null first, then the prompt token and the top 3 by id.
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for i, entry in enumerate(plp[1:], start=1):
+        assert entry[str(ids[i])]["logprob"] == pytest.approx(want[i - 1], abs=1e-3)
+        ranked = sorted((e["rank"], e["logprob"]) for e in entry.values() if e["rank"] is not None)
+        assert [rank for rank, _ in ranked] == [1, 2, 3]
+        top = ref[i - 1].topk(3).values.tolist()
+        assert [v for _, v in ranked] == pytest.approx(top, abs=1e-3)
+    # Streamed, the echo and its logprobs come first, the same as above.
+    chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
+                                            logprobs=2, echo=True, stream=True))
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_logprobs_have_text_offsets_and_token_ids(client: openai.OpenAI, model: str) -> None:
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    as_ids = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in as_ids.choices[0].logprobs.tokens)
+    assert as_ids.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def test_include_stop_str_in_output(client: openai.OpenAI, model: str) -> None:
+    text = greedy_text(client, model, PROMPT, 6)
+    stop = text.strip().split()[0]
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    stop=[stop])
+    kept = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                     stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+    assert kept.choices[0].text == cut.choices[0].text + stop
+
+
+def test_continuous_usage_stats(client: openai.OpenAI, model: str) -> None:
+    chunks = list(client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counts and counts == sorted(counts) and counts[-1] == 4
+
+
+def test_chat_n_streams_role_first_for_each_choice(client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "Say hello."}]
+    firsts: dict[int, object] = {}
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=4, n=2,
+                                                temperature=0, stream=True):
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c.delta)
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(firsts) == [0, 1]
+    assert all(d.role == "assistant" for d in firsts.values())
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=4, n=2,
+                                           temperature=0)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+def test_chat_assistant_prefill_and_echo(client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=3, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True})
+    content = r.choices[0].message.content
+    assert content.startswith("The capital of France is")
+    assert "Paris" in content
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "regex": "a+"}, "regex"),
+    ("/v1/completions", {"prompt": "x", "lora_path": "/a"}, "lora_path"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {}}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 1000}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, "stop"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}}, "ebnf"),
+])
+def test_unsupported_or_invalid_fields_get_a_400_naming_them(server: Server, route: str, body: dict,
+                                                             param: str) -> None:
+    r = httpx.post(f"{server.url}{route}", json={"max_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_unknown_fields_are_accepted(server: Server) -> None:
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"prompt": PROMPT, "max_tokens": 2, "no_api_defines_this": 1, "user": "u1"},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    assert "no_api_defines_this" in server.log()
+
+
+def test_model_by_id(server: Server, model: str) -> None:
+    assert httpx.get(f"{server.url}/v1/models/{model}").json()["id"] == model
+    assert httpx.get(f"{server.url}/v1/models/other").status_code == 404
+
+
+def test_info_routes(server: Server) -> None:
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.post(f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/server_info").json()["kv_pages"]["total"] > 0
+    ids = httpx.post(f"{server.url}/v1/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert httpx.post(f"{server.url}/v1/detokenize", json={"tokens": ids}).json()["prompt"].endswith(PROMPT)
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "zz"}).status_code == 400
+
+
+def test_abort_request_ends_a_generate_request(server: Server) -> None:
+    body = {"text": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 1:  # /generate reports the engine's request id
+                rid = events[0]["meta_info"]["id"]
+                assert httpx.post(f"{server.url}/abort_request", json={"rid": rid}).status_code == 200
+    assert "error" in events[-1], events[-1]
+    assert events[-2]["meta_info"]["completion_tokens"] < 2000
+
+
+def test_vllm_metric_names(server: Server, client: openai.OpenAI, model: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    families = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(f"{server.url}/metrics").text)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+                 "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        family = families[f"tokenspeed:{name}"]
+        assert all(s.labels.get("model_name") == model for s in family.samples), name
+    success = {s.labels.get("finished_reason"): s.value for s in families["tokenspeed:request_success"].samples
+               if s.name.endswith("_total")}
+    assert success.get("length", 0) >= 1
