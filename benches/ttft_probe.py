@@ -11,7 +11,7 @@ Per request (streamed /v1/completions, token-id prompt, distinct random ids so t
 never hits, `ignore_eos`, one connection kept alive like a benchmark client) it records:
 - client: send → response headers, → first SSE event, → first event with text (TTFT as
   sglang.bench_serving / `tokenspeed bench serve` define it), and the gaps between later events;
-- engine: submit → first token routed (the server's `tokenspeed_time_to_first_token_seconds`
+- engine: submit → first token routed (the server's `tokenspeed:time_to_first_token_seconds`
   histogram, read before and after each request: its sum grows by exactly this request's TTFT);
 - worker: the prefill step's own timings (TOKENSPEED_STEP_TRACE, python/tokenspeed/step_trace.py):
   plan received → kernels queued (`launch`, host time), → outputs on the host (`gpu_wait`),
@@ -46,7 +46,8 @@ from gpu_bench import Ctx, start_server, stop_server, write_model_dir
 
 TRACE = re.compile(r"step (\d+): batch (\d+) tokens (\d+) new (\d+) \| idle ([\d.]+) launch ([\d.]+) "
                    r"gpu_wait ([\d.]+) send ([\d.]+) total ([\d.]+) ms")
-TTFT_METRIC = "tokenspeed_time_to_first_token_seconds"
+# vLLM-style name under the tokenspeed: prefix (older builds: tokenspeed_...).
+TTFT_METRIC = "tokenspeed[:_]time_to_first_token_seconds"
 FLOP_PER_TOKEN = 2 * 8.0e9
 H100_FLOPS = 795e12
 
