@@ -4,6 +4,10 @@
 #   micro     kernel micro-benchmarks + the skinny-GEMV benchmark
 #   sweep     decode attention at serving batch sizes: triton knobs vs FlashInfer
 #   profile   benches/profile_decode.py (where a decode step's time goes)
+#   ttft      benches/ttft_probe.py: S7 TTFT at concurrency 1 (16/128/1024/4096-token prompts),
+#             split into client / engine / worker / GPU time (TTFT_ARGS adds probe flags)
+#   prefill   benches/profile_prefill.py: one eager prefill step of the 8B config (16 and 1024
+#             tokens): host launch vs step time, kernel launches, syncs, top host-time items
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
 #   tp        benches/tp_check.py phase 1: TP=2 vs TP=1 tokens, all-reduce cost (2 GPUs)
 #   tps3      benches/tp_check.py phase 2: S3 with --tp 1 and --tp 2 (2 GPUs)
@@ -95,6 +99,16 @@ for arg in "$@"; do
         ;;
     profile)
         phase profile_decode python3 benches/profile_decode.py --tokenizer .carry/llama3/tokenizer.json
+        ;;
+    ttft)
+        # shellcheck disable=SC2086
+        phase ttft_probe python3 benches/ttft_probe.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/ttft" ${TTFT_ARGS:-}
+        ;;
+    prefill)
+        phase profile_prefill bash -c "python3 benches/profile_prefill.py llama31-8b --device cuda \
+            --dtype bfloat16 --tokens 16 && python3 benches/profile_prefill.py llama31-8b \
+            --device cuda --dtype bfloat16 --tokens 1024 --top 8"
         ;;
     tp)
         phase tp_check python3 benches/tp_check.py --tokenizer .carry/llama3/tokenizer.json \

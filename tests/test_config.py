@@ -378,7 +378,8 @@ def test_exactly_these_flags_are_implemented() -> None:
     expected = {
         "--model-path", "--tokenizer-path", "--host", "--port", "--served-model-name", "--api-key",
         "--chat-template", "--context-length", "--page-size", "--max-running-requests",
-        "--chunked-prefill-size", "--max-prefill-tokens", "--max-total-tokens", "--schedule-policy",
+        "--chunked-prefill-size", "--max-prefill-tokens", "--max-mixed-prefill-tokens",
+        "--max-total-tokens", "--schedule-policy",
         "--disable-radix-cache", "--disable-overlap-schedule", "--mem-fraction-static", "--device",
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--tp-size", "--skip-server-warmup",

@@ -211,6 +211,7 @@ def launch(cfg: Any) -> int:
             "max_running_requests": max_running,
             "chunked_prefill_size": chunk,
             "max_prefill_tokens": int(cfg.max_prefill_tokens),
+            "max_mixed_prefill_tokens": int(cfg.max_mixed_prefill_tokens),
             "schedule_policy": cfg.schedule_policy,
             "disable_radix_cache": bool(cfg.disable_radix_cache),
             "disable_overlap_schedule": bool(cfg.disable_overlap_schedule),

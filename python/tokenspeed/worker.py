@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from tokenspeed.step_trace import StepTrace
+
 if TYPE_CHECKING:
     from tokenspeed._core import WorkerChannel
     from tokenspeed.distributed import ParallelSizes
@@ -122,6 +124,7 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
     host. Results go back in step order."""
     from tokenspeed.plan import StepPlan
 
+    trace = StepTrace.from_env()
     pending: tuple[int, PendingStep] | None = None
     while True:
         try:
@@ -133,23 +136,32 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
         if raw is None:
             if pending is not None:
                 if pending[1].ready():
-                    _send(channel, spec, *pending)
+                    _send(channel, spec, *pending, trace)
                     pending = None
                 continue
             if os.getppid() != parent:
                 return
             continue
         plan = StepPlan.from_dict(raw)
+        if trace:
+            trace.received(plan)
         if pending is not None and pending[1].ready():  # always so on the CPU: send it first
-            _send(channel, spec, *pending)
+            _send(channel, spec, *pending, trace)
             pending = None
         launched = (plan.step_id, runner.launch(plan))
+        if trace:
+            trace.launched(plan.step_id)
         if pending is not None:
-            _send(channel, spec, *pending)
+            _send(channel, spec, *pending, trace)
         pending = launched
 
 
-def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingStep) -> None:
+def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingStep,
+          trace: StepTrace | None = None) -> None:
     out = step.wait()
+    if trace:
+        trace.done(step_id)
     if spec.rank == 0:
         channel.send_result(step_id, out.arrays())
+    if trace:
+        trace.sent(step_id)

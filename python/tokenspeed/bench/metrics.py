@@ -143,5 +143,10 @@ def format_metrics(m: dict, header: dict[str, object]) -> str:
                   _line(f"P99 {short} (ms):", s["p99"])]
         if key == "itl_ms":
             lines.append(_line(f"Max {short} (ms):", s["max"]))
+    idle = m.get("gpu_idle")
+    if isinstance(idle, dict):
+        lines.append("{s:{c}^{n}}".format(s=" Server (TokenSpeed engine counters) ", n=51, c="-"))
+        lines.append(_line("GPU idle between steps (%):", 100.0 * idle["idle_share"]))
+        lines.append(_line("Engine stalled, no step queued (ms):", 1e3 * idle["stalled_s"]))
     lines.append("=" * 51)
     return "\n".join(lines)

@@ -131,9 +131,31 @@ async def _flush_cache(client: httpx.AsyncClient, base_url: str) -> str:
     return f"HTTP {r.status_code}: {r.text.strip()[:200]}"
 
 
+async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+    """TokenSpeed's engine time counters from /get_server_info (None from other servers)."""
+    try:
+        r = await client.get(f"{base_url}/get_server_info")
+        engine = r.json().get("engine") if r.status_code == 200 else None
+        return {k: float(engine[k]) for k in ("busy_s", "stalled_s")} if engine else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def gpu_idle_share(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """Over the run: seconds the engine had a plan in flight (busy) or had requests but none in
+    flight (stalled: the GPU idle between steps, waiting for the engine); share = stalled / both."""
+    if not before or not after:
+        return None
+    busy = after["busy_s"] - before["busy_s"]
+    stalled = after["stalled_s"] - before["stalled_s"]
+    total = busy + stalled
+    return {"busy_s": busy, "stalled_s": stalled, "idle_share": stalled / total if total > 0 else math.nan}
+
+
 async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model: str | None,
-                       ignore_eos: bool) -> tuple[list[RequestResult], list[str]]:
-    """Warm-up, cache flush, then every request on its Poisson arrival; returns results and notes."""
+                       ignore_eos: bool, server: dict | None = None) -> tuple[list[RequestResult], list[str]]:
+    """Warm-up, cache flush, then every request on its Poisson arrival; returns results and notes.
+    `server`, when given, receives the server's engine counters over the run ("gpu_idle")."""
     notes: list[str] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout, connect=60)
@@ -164,6 +186,7 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
         if not args.disable_cache_flush:
             notes.append(f"flush_cache: {await _flush_cache(clients[0], args.base_url)}")
 
+        counters = await _engine_counters(clients[0], args.base_url)
         offsets = arrival_offsets(len(reqs), args.request_rate, np.random.default_rng(args.seed + 1))
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         results = [RequestResult(r.prompt_len, r.output_len) for r in reqs]
@@ -191,6 +214,8 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
         await asyncio.gather(*[one(i) for i in range(len(reqs))])
         if bar is not None:
             bar.close()
+        if server is not None:
+            server["gpu_idle"] = gpu_idle_share(counters, await _engine_counters(clients[0], args.base_url))
     return results, notes
 
 
@@ -243,11 +268,14 @@ def run_serve_bench(args: argparse.Namespace, argv: list[str], extra_record: dic
     print(f"tokenizer: {tok.source}; model: {model}; backend: {args.backend}; ignore_eos: {ignore_eos}")
     print_dataset(summary)
 
-    results, notes = asyncio.run(run_requests(args, reqs, model, ignore_eos))
+    server: dict = {}
+    results, notes = asyncio.run(run_requests(args, reqs, model, ignore_eos, server))
     for n in notes:
         print(n)
     out_source = resolve_output_tokens(results, tok)
     m = compute_metrics(results)
+    if server.get("gpu_idle"):
+        m["gpu_idle"] = server["gpu_idle"]
     header = {"Backend": args.backend, "Traffic request rate": args.request_rate,
               "Max request concurrency": args.max_concurrency or "not set"}
     print(format_metrics(m, header))

@@ -47,6 +47,7 @@ class ServeConfig:
     max_total_tokens: int | None = _default("max_total_tokens")  # None: derived from mem_fraction_static
     chunked_prefill_size: int = _default("chunked_prefill_size")
     max_prefill_tokens: int = _default("max_prefill_tokens")
+    max_mixed_prefill_tokens: int = _default("max_mixed_prefill_tokens")
     max_queued_requests: int = _default("max_queued_requests")
     schedule_policy: str = _default("schedule_policy")
     page_size: int = _default("page_size")

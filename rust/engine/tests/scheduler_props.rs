@@ -70,6 +70,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 max_running_requests: max_running,
                 chunked_prefill_size: budget,
                 max_prefill_tokens: 1024,
+                max_mixed_prefill_tokens: 0,
                 policy: if lpm {
                     SchedulePolicy::Lpm
                 } else {

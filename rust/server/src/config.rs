@@ -24,6 +24,10 @@ pub struct ServerConfig {
     pub max_running_requests: u32,
     pub chunked_prefill_size: u32,
     pub max_prefill_tokens: u32,
+    /// Prefill tokens in a step that also carries decodes (`--max-mixed-prefill-tokens`; 0: no
+    /// separate cap).
+    #[serde(default)]
+    pub max_mixed_prefill_tokens: u32,
     pub schedule_policy: String,
     #[serde(default)]
     pub disable_radix_cache: bool,

@@ -95,6 +95,13 @@ pub struct EngineStats {
     pub max_batch_size: usize,
     pub last_batch_size: usize,
     pub last_step_tokens: usize,
+    /// Seconds with at least one plan in flight (the worker has work queued).
+    pub busy_s: f64,
+    /// Seconds with requests to serve but no plan in flight: the worker, and so the GPU, waits
+    /// for the engine (scheduling, the result path). `stalled_s / (busy_s + stalled_s)` is the
+    /// share of serving time the GPU sat idle between steps, as far as the engine can see (the
+    /// worker's own host time before its first kernel is not in it).
+    pub stalled_s: f64,
 }
 
 enum Command {
@@ -224,6 +231,11 @@ pub fn spawn_engine(
                 metrics,
                 steps: 0,
                 max_batch: 0,
+                marked: Instant::now(),
+                busy: Duration::ZERO,
+                stalled: Duration::ZERO,
+                last_submit: None,
+                prefill_sent: HashMap::new(),
             };
             engine.publish_stats(0, 0);
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run()));
@@ -268,15 +280,39 @@ struct EngineLoop {
     metrics: Arc<Metrics>,
     steps: u64,
     max_batch: usize,
+    /// Time accounting for `EngineStats::{busy_s, stalled_s}`: the last `mark()`.
+    marked: Instant,
+    busy: Duration,
+    stalled: Duration,
+    /// For the debug trace of first-token latency (`RUST_LOG=tokenspeed_server::engine=debug`):
+    /// when the latest request was submitted, and per plan carrying new requests, when it was
+    /// sent and how long after that submit.
+    last_submit: Option<Instant>,
+    prefill_sent: HashMap<u64, (Instant, Duration)>,
 }
 
 impl EngineLoop {
+    /// Books the time since the last mark by the state it had: call before every change of
+    /// `in_flight` or `requests`, and after every blocking wait.
+    fn mark(&mut self) {
+        let now = Instant::now();
+        let spent = now.saturating_duration_since(self.marked);
+        self.marked = now;
+        if !self.in_flight.is_empty() {
+            self.busy += spent;
+        } else if !self.requests.is_empty() {
+            self.stalled += spent;
+        }
+    }
+
     fn run(&mut self) {
         let depth = if self.options.overlap { 2 } else { 1 };
         loop {
             // Block only when there is nothing to schedule nor to receive.
             if self.requests.is_empty() && self.in_flight.is_empty() {
-                match self.commands.recv_timeout(self.options.liveness_interval) {
+                let cmd = self.commands.recv_timeout(self.options.liveness_interval);
+                self.mark();
+                match cmd {
                     Ok(cmd) => {
                         if !self.handle(cmd) {
                             return;
@@ -292,6 +328,7 @@ impl EngineLoop {
                 }
             }
             while let Ok(cmd) = self.commands.try_recv() {
+                self.mark();
                 if !self.handle(cmd) {
                     return;
                 }
@@ -315,6 +352,12 @@ impl EngineLoop {
             }
             if let Some(plan) = plan {
                 // In flight from now on, even if sending fails (`fail_all` closes it).
+                self.mark();
+                if !plan.new_requests.is_empty() {
+                    let waited = self.last_submit.map(|t| t.elapsed()).unwrap_or_default();
+                    self.prefill_sent
+                        .insert(plan.step_id, (Instant::now(), waited));
+                }
                 self.in_flight.push_back(plan);
                 let sending = self.in_flight.back().map(|p| self.link.send_plan(p));
                 if let Some(Err(e)) = sending {
@@ -330,7 +373,9 @@ impl EngineLoop {
                 }
             } else if !sent {
                 // Nothing runnable and nothing in flight: wait for a command rather than spin.
-                match self.commands.recv_timeout(self.options.liveness_interval) {
+                let cmd = self.commands.recv_timeout(self.options.liveness_interval);
+                self.mark();
+                match cmd {
                     Ok(cmd) => {
                         if !self.handle(cmd) {
                             return;
@@ -389,6 +434,7 @@ impl EngineLoop {
         }
         match self.scheduler.submit(req) {
             Ok(()) => {
+                self.last_submit = Some(Instant::now());
                 self.requests.insert(
                     id,
                     LiveRequest {
@@ -427,6 +473,7 @@ impl EngineLoop {
                 );
                 continue;
             }
+            self.mark();
             while let Some(plan) = self.in_flight.pop_front() {
                 if plan.step_id == result.step_id {
                     return Ok(Some((plan, result)));
@@ -441,6 +488,20 @@ impl EngineLoop {
         let outputs = self.scheduler.advance(&result);
         for out in outputs {
             self.route(out);
+        }
+        if let Some((sent, waited)) = self.prefill_sent.remove(&plan.step_id) {
+            // Where a first token's time goes on the engine's side (the worker's side:
+            // TOKENSPEED_STEP_TRACE); plans dropped as skipped leave entries behind: drop them.
+            self.prefill_sent.retain(|&step, _| step > plan.step_id);
+            tracing::debug!(
+                step = plan.step_id,
+                new = plan.new_requests.len(),
+                tokens = plan.num_tokens(),
+                submit_to_sent_us = waited.as_micros() as u64,
+                sent_to_result_us = started.saturating_duration_since(sent).as_micros() as u64,
+                route_us = started.elapsed().as_micros() as u64,
+                "prefill step"
+            );
         }
         self.steps += 1;
         let batch = plan.scheduled.len();
@@ -593,6 +654,7 @@ impl EngineLoop {
             });
         }
         self.in_flight.clear();
+        self.prefill_sent.clear();
         self.publish_stats(0, 0);
     }
 
@@ -612,6 +674,8 @@ impl EngineLoop {
                 max_batch_size: self.max_batch,
                 last_batch_size: batch,
                 last_step_tokens: tokens,
+                busy_s: self.busy.as_secs_f64(),
+                stalled_s: self.stalled.as_secs_f64(),
             };
         }
     }

@@ -14,6 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use axum::serve::ListenerExt;
 use tokenspeed_engine::scheduler::{SchedulePolicy, SchedulerConfig};
 use tokenspeed_text::TextTokenizer;
 
@@ -63,6 +64,7 @@ pub fn scheduler_config(c: &ServerConfig) -> Result<SchedulerConfig, ServeError>
         max_running_requests: c.max_running_requests,
         chunked_prefill_size: c.chunked_prefill_size,
         max_prefill_tokens: c.max_prefill_tokens,
+        max_mixed_prefill_tokens: c.max_mixed_prefill_tokens,
         policy,
         enable_radix_cache: !c.disable_radix_cache,
         max_context_len: c.context_length,
@@ -125,6 +127,15 @@ pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), Serv
             })?;
         let local: SocketAddr = listener.local_addr()?;
         tracing::info!("TokenSpeed serving on http://{local}");
+        // Streams are many small writes: with Nagle's algorithm a chunk written while the
+        // previous one is unacknowledged waits for the client's delayed ACK (40 ms on Linux),
+        // which lands on time to first token (the first chunk with text often follows an empty
+        // one) and on inter-token gaps. Every serving HTTP stack turns it off.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!("TCP_NODELAY on an accepted connection: {e}");
+            }
+        });
         axum::serve(listener, http::router(state))
             .with_graceful_shutdown(shutdown_signal())
             .await?;

@@ -199,6 +199,7 @@ fn harness_opts(
         max_running_requests: 16,
         chunked_prefill_size: 64,
         max_prefill_tokens: 64,
+        max_mixed_prefill_tokens: 0,
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
         disable_overlap_schedule,
@@ -677,4 +678,30 @@ async fn native_generate_returns_logprobs_when_asked() {
     assert!(json_of(&plain)["meta_info"]
         .get("output_token_logprobs")
         .is_none());
+}
+
+#[tokio::test]
+async fn server_info_reports_engine_busy_and_stalled_time() {
+    let h = harness(None);
+    let started = std::time::Instant::now();
+    let (s, b) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "x", "max_tokens": 6}"#),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let (_, b) = call(&h.state, "GET", "/get_server_info", None, None).await;
+    let engine = &json_of(&b)["engine"];
+    let busy = engine["busy_s"].as_f64().unwrap_or(-1.0);
+    let stalled = engine["stalled_s"].as_f64().unwrap_or(-1.0);
+    // Six steps ran, each with its plan in flight for a while; nothing is booked twice.
+    assert!(busy > 0.0, "{b}");
+    assert!(stalled >= 0.0, "{b}");
+    assert!(
+        busy + stalled <= started.elapsed().as_secs_f64() + 1.0,
+        "{b}"
+    );
 }

@@ -16,6 +16,9 @@ pub struct TextTokenizer {
     eos_token_ids: Vec<u32>,
     bos_token_id: Option<u32>,
     chat_template: Option<ChatTemplate>,
+    /// `Tokenizer::get_vocab_size(true)` clones the whole vocabulary map (128k strings for
+    /// Llama 3: tens of milliseconds), and every request's validation asks for it: counted once.
+    vocab_size: usize,
 }
 
 impl TextTokenizer {
@@ -99,6 +102,7 @@ impl TextTokenizer {
         };
 
         Ok(Self {
+            vocab_size: tokenizer.get_vocab_size(true),
             tokenizer,
             eos_token_ids,
             bos_token_id,
@@ -130,7 +134,7 @@ impl TextTokenizer {
 
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
+        self.vocab_size
     }
 
     /// Ids that end generation: generation_config (or config) `eos_token_id` plus the tokenizer's

@@ -44,6 +44,11 @@ pub struct SchedulerConfig {
     pub chunked_prefill_size: u32,
     /// Prefill tokens per step (`--max-prefill-tokens`).
     pub max_prefill_tokens: u32,
+    /// Prefill tokens in a step that also carries decodes (`--max-mixed-prefill-tokens`; 0: no
+    /// cap beyond the two above). A step's time grows with its prefill tokens and every running
+    /// stream waits for the step, so this bounds the inter-token gap while a wave of prompts
+    /// prefills: the wave is spread over more, shorter steps.
+    pub max_mixed_prefill_tokens: u32,
     pub policy: SchedulePolicy,
     /// False for `--disable-radix-cache`.
     pub enable_radix_cache: bool,

@@ -22,6 +22,11 @@ impl Scheduler {
         let mut budget = (self.config.chunked_prefill_size as usize)
             .saturating_sub(decodes)
             .min(self.config.max_prefill_tokens as usize);
+        // Running streams wait for the whole step: while any decodes, cap its prefill share.
+        let mixed_cap = self.config.max_mixed_prefill_tokens as usize;
+        if decodes > 0 && mixed_cap > 0 {
+            budget = budget.min(mixed_cap);
+        }
         let mut retracted = false;
 
         let mut i = 0;

@@ -25,6 +25,7 @@ pub fn base_config() -> SchedulerConfig {
         max_running_requests: 256,
         chunked_prefill_size: 8192,
         max_prefill_tokens: 16384,
+        max_mixed_prefill_tokens: 0,
         policy: SchedulePolicy::Fcfs,
         enable_radix_cache: true,
         max_context_len: 4096,

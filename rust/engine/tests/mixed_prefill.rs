@@ -1,0 +1,101 @@
+//! `max_mixed_prefill_tokens`: while requests decode, a step carries at most that many prompt
+//! tokens, so a wave of prompts is spread over several short steps instead of stalling every
+//! running stream for a few long ones; with nothing decoding the full budget applies.
+
+mod common;
+
+use common::{config, prompt, reference, request, Harness};
+use tokenspeed_engine::{Plan, SchedulerConfig};
+
+/// Prompt tokens of a plan (entries longer than one token: the prompts below never leave a
+/// one-token chunk) and whether it carries a decode (a one-token entry).
+fn split(plan: &Plan) -> (usize, bool) {
+    let prefill = plan
+        .scheduled
+        .iter()
+        .filter(|s| s.tokens.len() > 1)
+        .map(|s| s.tokens.len())
+        .sum();
+    (prefill, plan.scheduled.iter().any(|s| s.tokens.len() == 1))
+}
+
+fn cfg(cap: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        chunked_prefill_size: 64,
+        max_mixed_prefill_tokens: cap,
+        ..config(512, 1)
+    }
+}
+
+/// One request decoding, then a wave of four 30-token prompts; returns the harness after the
+/// run and the index of the first plan of the wave.
+fn wave(cap: u32, overlap: bool) -> (Harness, usize) {
+    let mut h = Harness::with_overlap(cfg(cap), overlap);
+    h.submit(request(1, prompt(1, 4), 40));
+    h.step();
+    h.step();
+    let first = h.plans.len();
+    for id in 2..=5 {
+        h.submit(request(id, prompt(id as u32, 30), 3));
+    }
+    h.run(200);
+    (h, first)
+}
+
+#[test]
+fn a_wave_is_spread_over_capped_steps_while_a_request_decodes() {
+    for overlap in [false, true] {
+        let (mut h, first) = wave(8, overlap);
+        let wave_plans: Vec<(usize, bool)> = h.plans[first..].iter().map(split).collect();
+        let prefill: usize = wave_plans.iter().map(|p| p.0).sum();
+        assert_eq!(prefill, 4 * 30, "every prompt token prefilled once");
+        for (i, &(tokens, decodes)) in wave_plans.iter().enumerate() {
+            assert!(
+                !decodes || tokens <= 8,
+                "overlap {overlap}: plan {i} carries {tokens} prompt tokens beside decodes"
+            );
+        }
+        // 120 prompt tokens, 8 a step (request 1 decodes 40 tokens, longer than the wave).
+        assert!(wave_plans.iter().filter(|p| p.0 > 0).count() >= 15);
+        assert!(wave_plans.iter().all(|p| p.0 == 0 || p.1));
+        // Request 1 decoded in every step until it finished: no stream stalls for the wave.
+        let slot1 = h.plans[0].scheduled[0].slot;
+        let done = h
+            .plans
+            .iter()
+            .rposition(|p| p.scheduled.iter().any(|s| s.slot == slot1));
+        let done = done.expect("request 1 was scheduled");
+        assert!(h.plans[..=done]
+            .iter()
+            .all(|p| p.scheduled.iter().any(|s| s.slot == slot1)));
+        assert_eq!(h.tokens(1), reference(&prompt(1, 4), 40));
+        for id in 2..=5u64 {
+            assert_eq!(h.tokens(id), reference(&prompt(id as u32, 30), 3));
+        }
+        h.assert_no_leak();
+    }
+}
+
+#[test]
+fn without_decodes_the_full_budget_applies() {
+    for overlap in [false, true] {
+        let mut h = Harness::with_overlap(cfg(8), overlap);
+        for id in 1..=3 {
+            h.submit(request(id, prompt(id as u32, 30), 2));
+        }
+        h.step();
+        assert_eq!(split(&h.plans[0]), (64, false), "overlap {overlap}");
+        h.run(100);
+        for id in 1..=3u64 {
+            assert_eq!(h.tokens(id), reference(&prompt(id as u32, 30), 2));
+        }
+    }
+}
+
+#[test]
+fn cap_zero_keeps_the_chunked_prefill_budget_in_mixed_steps() {
+    let (h, first) = wave(0, false);
+    let (tokens, decodes) = split(&h.plans[first]);
+    assert!(decodes);
+    assert_eq!(tokens, 63, "64-token budget minus one decode");
+}
