@@ -209,6 +209,9 @@ def launch(cfg: Any) -> int:
             "log_requests": bool(cfg.log_requests),
             "skip_server_warmup": bool(cfg.skip_server_warmup),
             "max_queued_requests": int(cfg.max_queued_requests),
+            "max_request_body_bytes": int(cfg.max_request_body_bytes),
+            "shutdown_timeout": float(cfg.shutdown_timeout),
+            "watchdog_timeout": float(cfg.watchdog_timeout),
             "step_log_interval": int(cfg.decode_log_interval),
             "enable_metrics": bool(cfg.enable_metrics),
             "worker_pids": [p.pid for p in workers],
@@ -227,15 +230,29 @@ def launch(cfg: Any) -> int:
             "workers ready on %s: %d KV pages x %d tokens; starting HTTP on %s:%s",
             device, pages, page_size, cfg.host, cfg.port,
         )
-        _core.serve(json.dumps(server_config), channel, cfg.log_level)
+        try:
+            _core.serve(json.dumps(server_config), channel, cfg.log_level)
+        except RuntimeError as e:  # a worker died or hung, or the engine failed: exit non-zero
+            raise LaunchError(str(e)) from None
         return 0
     finally:
         channel.close()
-        for proc in workers:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
+        _stop_workers(workers)
+
+
+def _stop_workers(workers: list[Any]) -> None:
+    """Workers exit by themselves once the channel is shut down; a hung one (the watchdog's
+    case) is terminated, then killed, so no process outlives the server."""
+    deadline = time.monotonic() + 5
+    for proc in workers:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in workers:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=3)
 
 
 def parallel_sizes(cfg: Any, model_dir: Path) -> Any:

@@ -9,6 +9,7 @@ pub struct Metrics {
     registry: Registry,
     pub requests_total: IntCounter,
     pub requests_aborted: IntCounter,
+    pub requests_rejected: IntCounter,
     pub prompt_tokens: IntCounter,
     pub cached_prompt_tokens: IntCounter,
     pub generation_tokens: IntCounter,
@@ -68,6 +69,11 @@ impl Metrics {
         Metrics {
             requests_total: counter(&r, "tokenspeed_requests_total", "Requests accepted"),
             requests_aborted: counter(&r, "tokenspeed_requests_aborted_total", "Requests aborted"),
+            requests_rejected: counter(
+                &r,
+                "tokenspeed_requests_rejected_total",
+                "Requests refused with 429 (overload)",
+            ),
             prompt_tokens: counter(&r, "tokenspeed_prompt_tokens_total", "Prompt tokens"),
             cached_prompt_tokens: counter(
                 &r,
