@@ -93,18 +93,18 @@ def test_malformed_utf8_gets_400(srv: Server) -> None:
 
 
 def test_a_full_queue_gets_a_fast_429_with_retry_after(srv: Server) -> None:
-    body = {"prompt": "Count to one hundred:", "max_tokens": 24, "ignore_eos": True}
+    body = {"prompt": "Count to one hundred:", "max_tokens": 6, "ignore_eos": True}
 
     def one(_: int) -> tuple[int, float, httpx.Response]:
         start = time.monotonic()
-        r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=AUTH, timeout=120)
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=AUTH, timeout=300)
         return r.status_code, time.monotonic() - start, r
 
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, range(16)))
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
     statuses = sorted(s for s, _, _ in results)
     assert set(statuses) <= {200, 429}, statuses
-    assert statuses.count(200) >= 4 and statuses.count(429) >= 1, statuses
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
     for status, elapsed, r in results:
         if status == 429:
             err = _is_openai_error(r, 429)
@@ -112,7 +112,7 @@ def test_a_full_queue_gets_a_fast_429_with_retry_after(srv: Server) -> None:
             assert r.headers.get("retry-after", "").isdigit(), r.headers
             assert elapsed < 2.0, elapsed  # refused before tokenizing, not after waiting
         else:
-            assert r.json()["usage"]["completion_tokens"] == 24
+            assert r.json()["usage"]["completion_tokens"] == 6
     metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
     assert "tokenspeed_requests_rejected_total" in metrics
     r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=AUTH, timeout=120)

@@ -107,14 +107,19 @@ def test_dead_worker_fails_health_requests_and_exits(doomed_server: Server) -> N
     assert "exited" in doomed_server.log()
 
 
-@pytest.mark.parametrize("doomed_server", [("--watchdog-timeout", "3")], indirect=True)
+# Long enough that a normal step on a loaded 2-core CI machine never trips it.
+WATCHDOG_S = 10.0
+
+
+@pytest.mark.parametrize("doomed_server", [("--watchdog-timeout", str(WATCHDOG_S))], indirect=True)
 def test_hung_worker_trips_the_watchdog(doomed_server: Server) -> None:
     url = doomed_server.url
     pids = doomed_server.info()["worker_pids"]
     threads, plain, streamed = _start_in_flight(url)
+    assert plain == {} and "exception" not in streamed, (plain, streamed)
     os.kill(pids[0], signal.SIGSTOP)  # alive but never answers: a hang, not a death
     try:
-        assert _wait_health_503(url, 3 + 2.0) < 5.0
+        assert _wait_health_503(url, WATCHDOG_S + 2.0) < WATCHDOG_S + 2.0
         _check_failed_everything(doomed_server, threads, plain, streamed, pids, "watchdog")
     finally:
         for p in pids:
