@@ -569,7 +569,9 @@ impl EngineLoop {
         self.metrics
             .observe_step(batch, plan.num_tokens(), started.elapsed());
         self.publish_stats(batch, plan.num_tokens());
-        if self.options.step_log_interval > 0 && self.steps % self.options.step_log_interval == 1 {
+        // The first step, then every interval-th (`% == 1` never held for an interval of 1).
+        let interval = self.options.step_log_interval;
+        if interval > 0 && (self.steps - 1).is_multiple_of(interval) {
             let s = self.scheduler.stats();
             tracing::info!(
                 step = plan.step_id,

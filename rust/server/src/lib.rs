@@ -92,15 +92,20 @@ pub fn build_state(
         message: e.to_string(),
     })?;
     let metrics = Arc::new(metrics::Metrics::new());
+    // The HTTP layer admits at most max_running + max_queued generating requests (a fast 429
+    // before tokenizing), so the waiting queue stays within --max-queued-requests once the
+    // running slots are full. The engine's own check is a backstop at that same total: a
+    // request waiting only because the scheduler has not run since a slot freed up is not
+    // over the limit, and refusing it there would come late (after tokenizing, between steps).
+    let max_in_flight = config.max_running_requests as usize + config.max_queued_requests as usize;
     let options = EngineOptions {
-        max_queued_requests: config.max_queued_requests as usize,
+        max_queued_requests: max_in_flight,
         step_log_interval: config.step_log_interval,
         overlap: !config.disable_overlap_schedule,
         liveness_interval: std::time::Duration::from_millis(200),
         watchdog: (config.watchdog_timeout > 0.0)
             .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
     };
-    let max_in_flight = config.max_running_requests as usize + config.max_queued_requests as usize;
     let (engine, _thread) =
         engine::spawn_engine(scheduler_config(&config)?, link, options, metrics.clone())
             .map_err(ServeError::Config)?;
