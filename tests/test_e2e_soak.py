@@ -53,9 +53,11 @@ def _request(rng: random.Random) -> tuple[str, dict | bytes, str]:
             body["stop"] = stop
     roll = rng.random()
     if roll < 0.10:
-        return path, rng.choice([b"{oops", b"", b"[]", json.dumps({**body, "temperature": -3}).encode(),
-                                 json.dumps({**body, "max_tokens": 10**9}).encode()
-                                 if path != "/generate" else b'{"text": 5}']), "invalid"
+        if path == "/generate":  # sampling fields live in sampling_params there
+            bad = [{**body, "sampling_params": {**body["sampling_params"], "temperature": -3}}, {"text": 5}]
+        else:
+            bad = [{**body, "temperature": -3}, {**body, "max_tokens": 10**9}]
+        return path, rng.choice([b"{oops", b"", b"[]", *(json.dumps(x).encode() for x in bad)]), "invalid"
     if roll < 0.15 and path != "/generate":
         return path, {**body, "n": 2}, "n"
     if roll < 0.30:
@@ -78,18 +80,17 @@ async def _one(client: httpx.AsyncClient, url: str, rng: random.Random, tally: c
     three times before it counts as refused."""
     path, body, kind = _request(rng)
     for _ in range(3):
-        before = tally["refused-429"]
-        await _attempt(client, url, rng, tally, failures, path, body, kind)
-        if tally["refused-429"] == before:
+        if not await _attempt(client, url, rng, tally, failures, path, body, kind):
             return
-        tally["refused-429"] -= 1
         tally["retried-after-429"] += 1
         await asyncio.sleep(rng.uniform(0.1, 0.5))
-    await _attempt(client, url, rng, tally, failures, path, body, kind)
+    if await _attempt(client, url, rng, tally, failures, path, body, kind):
+        tally["refused-429"] += 1
 
 
 async def _attempt(client: httpx.AsyncClient, url: str, rng: random.Random, tally: collections.Counter,
-                   failures: list, path: str, body: dict | bytes, kind: str) -> None:
+                   failures: list, path: str, body: dict | bytes, kind: str) -> bool:
+    """Tallies the outcome, except a 429 (the caller may retry it): True for that."""
     limit = (body.get("max_tokens") or body.get("sampling_params", {}).get("max_new_tokens", 0)
              if isinstance(body, dict) else 0)
     stream = isinstance(body, dict) and body.get("stream", False)
@@ -101,7 +102,7 @@ async def _attempt(client: httpx.AsyncClient, url: str, rng: random.Random, tall
                 tally["cancel-too-late"] += 1
             except asyncio.TimeoutError:
                 tally["cancelled"] += 1
-            return
+            return False
         if stream:
             async with client.stream("POST", url + path, **kwargs) as r:
                 if r.status_code != 200:
@@ -116,7 +117,7 @@ async def _attempt(client: httpx.AsyncClient, url: str, rng: random.Random, tall
             else:
                 assert any(c["choices"] and c["choices"][0].get("finish_reason") for c in chunks), chunks[-2:]
             tally[f"{kind}-answered"] += 1
-            return
+            return False
         r = await client.post(url + path, **kwargs)
         if r.status_code != 200:
             return _refusal(kind, r, tally, failures, path, body)
@@ -125,10 +126,12 @@ async def _attempt(client: httpx.AsyncClient, url: str, rng: random.Random, tall
         tally[f"{kind}-answered"] += 1
     except Exception as e:  # noqa: BLE001  (any other outcome is a failure to report)
         failures.append((path, kind, str(body)[:150], repr(e)[:300]))
+    return False
 
 
 def _refusal(kind: str, r: httpx.Response, tally: collections.Counter, failures: list, path: str,
-             body: object) -> None:
+             body: object) -> bool:
+    """True for a 429 with Retry-After (not tallied); tallies a 400 where one is due."""
     try:
         error = r.json()["error"]
     except (ValueError, KeyError):
@@ -136,11 +139,12 @@ def _refusal(kind: str, r: httpx.Response, tally: collections.Counter, failures:
     if error is None:
         failures.append((path, kind, str(body)[:150], f"{r.status_code} without an OpenAI error: {r.text[:200]}"))
     elif r.status_code == 429 and r.headers.get("retry-after"):
-        tally["refused-429"] += 1
+        return True
     elif r.status_code == 400 and kind in ("invalid", "n"):
         tally[f"{kind}-400"] += 1
     else:
         failures.append((path, kind, str(body)[:150], f"{r.status_code}: {r.text[:200]}"))
+    return False
 
 
 async def _soak(url: str, n: int, seed: int) -> tuple[collections.Counter, list, float]:
