@@ -63,3 +63,43 @@ def stop_server(server: Server) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.proc.pid, signal.SIGKILL)
             server.proc.wait()
+
+
+def shm_segments(server: Server) -> list[str]:
+    """The server's shared-memory channel segments still in /dev/shm (named after its pid)."""
+    shm = Path("/dev/shm")
+    if not shm.exists():
+        return []
+    return sorted(p.name for p in shm.iterdir() if p.name.startswith(f"tokenspeed-{server.proc.pid}"))
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def wait_exit(server: Server, timeout_s: float) -> int | None:
+    """The server's exit code, or None if it still runs after `timeout_s`."""
+    try:
+        return server.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def flushed_pages(server: Server, timeout_s: float = 30, headers: dict | None = None) -> dict:
+    """The KV page counts once the engine is idle and the prefix cache flushed: every page must
+    then be free (a leak shows as free < total)."""
+    deadline = time.monotonic() + timeout_s
+    info: dict = {}
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{server.url}/get_server_info", timeout=10, headers=headers).json()
+        idle = info["engine"]["running_requests"] == 0 and info["engine"]["waiting_requests"] == 0
+        if idle and httpx.post(f"{server.url}/flush_cache", timeout=10, headers=headers).status_code == 200:
+            info = httpx.get(f"{server.url}/get_server_info", timeout=10, headers=headers).json()
+            return info["kv_pages"]
+        time.sleep(0.1)
+    raise AssertionError(f"server never went idle: {info}")

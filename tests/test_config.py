@@ -388,6 +388,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--kv-cache-dtype", "--quantization-param-path", "--quantization", "--dense-tp-size",
         "--moe-tp-size", "--world-size", "--nprocs-per-node", "--dist-init-addr", "--dist-timeout", "--nnodes",
         "--node-rank", "--max-queued-requests", "--decode-log-interval", "--sampling-defaults",
+        "--max-request-body-bytes", "--shutdown-timeout", "--watchdog-timeout",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -218,6 +218,9 @@ def launch(cfg: Any) -> int:
             "log_requests": bool(cfg.log_requests),
             "skip_server_warmup": bool(cfg.skip_server_warmup),
             "max_queued_requests": int(cfg.max_queued_requests),
+            "max_request_body_bytes": int(cfg.max_request_body_bytes),
+            "shutdown_timeout": float(cfg.shutdown_timeout),
+            "watchdog_timeout": float(cfg.watchdog_timeout),
             "step_log_interval": int(cfg.decode_log_interval),
             "enable_metrics": bool(cfg.enable_metrics),
             "sampling_defaults": sampling_defaults(model_dir, cfg.sampling_defaults),
@@ -241,22 +244,31 @@ def launch(cfg: Any) -> int:
         watch.start()
         try:
             _core.serve(json.dumps(server_config), channel, cfg.log_level)
-        except RuntimeError as e:  # e.g. the warm-up request failed: say which child died
-            died = watch.report()
-            if died is None:
-                raise
-            raise LaunchError(f"{died} ({e})") from None
+        except RuntimeError as e:  # a worker died or hung, or the engine failed: exit non-zero
+            died = watch.report()  # which child died, if one did
+            raise LaunchError(f"{died} ({e})" if died else str(e)) from None
         if watch.failure:  # the watch stopped the server because a child died
             return 1
         return 0
     finally:
         watch.stop()  # before the workers are stopped on purpose
         channel.close()
-        for proc in workers:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
+        _stop_workers(workers)
+
+
+def _stop_workers(workers: list[Any]) -> None:
+    """Workers exit by themselves once the channel is shut down; a hung one (the watchdog's
+    case) is terminated, then killed, so no process outlives the server."""
+    deadline = time.monotonic() + 5
+    for proc in workers:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in workers:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=3)
 
 
 def parallel_sizes(cfg: Any, model_dir: Path) -> Any:

@@ -67,6 +67,9 @@ def _die_with_parent() -> None:
 def run_worker(spec: WorkerSpec, ready: Connection) -> None:
     """Entry point of the worker process."""
     _die_with_parent()
+    # Ctrl-C reaches the whole process group: the server drains, then closes the channel,
+    # which ends this worker; dying on the SIGINT would fail the requests being drained.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=spec.log_level.upper(), format=f"[worker {spec.rank}] %(asctime)s %(levelname)s %(message)s"
     )

@@ -36,6 +36,8 @@ class ServeConfig:
     api_key: str | None = _default("api_key")
     served_model_name: str | None = _default("served_model_name")  # None: the model path
     chat_template: str | None = _default("chat_template")
+    max_request_body_bytes: int = _default("max_request_body_bytes")
+    shutdown_timeout: float = _default("shutdown_timeout")  # seconds to drain on SIGTERM/SIGINT
     # Data type.
     dtype: str = _default("dtype")
     quantization: str | None = _default("quantization")  # fp8; None: whatever config.json declares
@@ -56,6 +58,7 @@ class ServeConfig:
     # Runtime.
     device: str = _default("device")
     random_seed: int | None = _default("random_seed")
+    watchdog_timeout: float = _default("watchdog_timeout")  # seconds one step may take
     # Logging.
     log_level: str = _default("log_level")
     log_requests: bool = _default("log_requests")

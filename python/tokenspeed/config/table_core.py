@@ -82,6 +82,12 @@ HTTP_FLAGS: list[Flag] = [
       G_HTTP),
     i("--nccl-port", "Port for the NCCL rendezvous between workers. Default: a free port.", G_HTTP,
       minimum=1, maximum=65535, component="worker"),
+    i("--max-request-body-bytes", "Largest request body accepted; a larger one is refused with "
+      "413 before it is read in full.", G_HTTP, 8 << 20, minimum=1, component="server",
+      implemented=True, metavar="BYTES"),
+    f("--shutdown-timeout", "Seconds in-flight requests get to finish after SIGTERM/SIGINT "
+      "(new requests get 503 meanwhile) before they are aborted; 0 aborts them at once "
+      "(vLLM's flag).", G_HTTP, 30.0, minimum=0.0, component="server", implemented=True),
 ]
 
 API_FLAGS: list[Flag] = [
@@ -210,7 +216,8 @@ RUNTIME_FLAGS: list[Flag] = [
     b("--constrained-json-disable-any-whitespace", "Force compact JSON in JSON-constrained "
       "output.", G_RUNTIME),
     f("--watchdog-timeout", "Abort the server when one forward step takes longer than this many "
-      "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="both"),
+      "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="server",
+      implemented=True),
     f("--soft-watchdog-timeout", "Dump debugging state when one forward step takes longer than "
       "this many seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="both"),
     i("--dist-timeout", "Seconds a rank waits for the others, to form the process group and in "

@@ -41,6 +41,12 @@ pub struct ServerConfig {
     pub skip_server_warmup: bool,
     /// Requests waiting beyond this are refused (overload), not queued forever.
     pub max_queued_requests: u32,
+    /// Larger request bodies are refused with 413 before they are read in full.
+    pub max_request_body_bytes: u64,
+    /// On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted.
+    pub shutdown_timeout: f64,
+    /// A forward step running longer than this many seconds fails the worker group.
+    pub watchdog_timeout: f64,
     /// Process ids of the worker ranks, watched for liveness.
     #[serde(default)]
     pub worker_pids: Vec<i32>,

@@ -29,6 +29,8 @@ pub enum LinkError {
     WorkerDied { pid: i32 },
     #[error("worker channel failed: {0}")]
     Channel(String),
+    #[error("step {step} ran longer than --watchdog-timeout {seconds}s")]
+    StepTimeout { step: u64, seconds: f64 },
 }
 
 /// The engine's view of its worker group (shared memory in production, a fake in tests).
@@ -116,7 +118,41 @@ enum Command {
     FlushCache {
         reply: oneshot::Sender<bool>,
     },
+    /// Ends every live request with an error (the shutdown drain ran out of time).
+    AbortAll {
+        message: String,
+    },
     Shutdown,
+}
+
+/// How the engine thread tells the server it can no longer serve (worker death, a step over
+/// the watchdog, a panic), and that it has stopped.
+#[derive(Default)]
+struct Lifeline {
+    failure: Mutex<Option<String>>,
+    failed: tokio::sync::Notify,
+    stopped: AtomicBool,
+}
+
+impl Lifeline {
+    fn fail(&self, message: String) {
+        if let Ok(mut f) = self.failure.lock() {
+            if f.is_none() {
+                *f = Some(message);
+                // notify_one keeps a permit, so a waiter that comes later still wakes.
+                self.failed.notify_one();
+            }
+        }
+    }
+}
+
+/// Marks the engine stopped when its thread ends, however it ends.
+struct StoppedOnDrop(Arc<Lifeline>);
+
+impl Drop for StoppedOnDrop {
+    fn drop(&mut self) {
+        self.0.stopped.store(true, Ordering::Release);
+    }
 }
 
 /// Cheap to clone; every HTTP task holds one.
@@ -126,6 +162,7 @@ pub struct EngineHandle {
     next_id: Arc<AtomicU64>,
     healthy: Arc<AtomicBool>,
     stats: Arc<Mutex<EngineStats>>,
+    lifeline: Arc<Lifeline>,
 }
 
 impl EngineHandle {
@@ -176,6 +213,36 @@ impl EngineHandle {
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
     }
+
+    /// Ends every live request with an error carrying `message`.
+    pub fn abort_all(&self, message: impl Into<String>) {
+        let _ = self.commands.send(Command::AbortAll {
+            message: message.into(),
+        });
+    }
+
+    /// Resolves once the engine can no longer serve, with the reason.
+    pub async fn failed(&self) -> String {
+        loop {
+            if let Some(m) = self.lifeline.failure.lock().ok().and_then(|f| f.clone()) {
+                return m;
+            }
+            self.lifeline.failed.notified().await;
+        }
+    }
+
+    /// Waits up to `timeout` for the engine thread to end (after `shutdown`); true if it did.
+    /// Its end drops the worker link, which closes and unlinks the shared-memory channel.
+    pub fn wait_stopped(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.lifeline.stopped.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
 }
 
 /// Tunables of the loop itself (not of scheduling).
@@ -188,6 +255,8 @@ pub struct EngineOptions {
     /// Keep two plans in flight (schedule step N+1 while the worker runs step N); off for
     /// `--disable-overlap-schedule`: one plan at a time.
     pub overlap: bool,
+    /// A step whose result takes longer than this fails the worker group (`--watchdog-timeout`).
+    pub watchdog: Option<Duration>,
 }
 
 /// Starts the engine thread.
@@ -203,14 +272,17 @@ pub fn spawn_engine(
         next_id: Arc::new(AtomicU64::new(1)),
         healthy: Arc::new(AtomicBool::new(true)),
         stats: Arc::new(Mutex::new(EngineStats::default())),
+        lifeline: Arc::new(Lifeline::default()),
     };
     let (healthy, stats) = (handle.healthy.clone(), handle.stats.clone());
+    let lifeline = handle.lifeline.clone();
     // The scheduler is single-threaded by design (it shares pages through Rc), so it is built
     // on the engine thread and never leaves it.
     let (started_tx, started_rx) = mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("tokenspeed-engine".into())
         .spawn(move || {
+            let _stopped = StoppedOnDrop(lifeline.clone());
             let scheduler = match Scheduler::new(config) {
                 Ok(s) => s,
                 Err(e) => {
@@ -227,6 +299,7 @@ pub fn spawn_engine(
                 in_flight: VecDeque::new(),
                 healthy,
                 stats,
+                lifeline,
                 options,
                 metrics,
                 steps: 0,
@@ -276,6 +349,7 @@ struct EngineLoop {
     in_flight: VecDeque<Plan>,
     healthy: Arc<AtomicBool>,
     stats: Arc<Mutex<EngineStats>>,
+    lifeline: Arc<Lifeline>,
     options: EngineOptions,
     metrics: Arc<Metrics>,
     steps: u64,
@@ -408,6 +482,19 @@ impl EngineLoop {
                 self.publish_stats(0, 0);
                 let _ = reply.send(flushed);
             }
+            Command::AbortAll { message } => {
+                for (id, live) in self.requests.drain() {
+                    self.scheduler.abort(id);
+                    self.metrics
+                        .request_success
+                        .with_label_values(&["abort"])
+                        .inc();
+                    let _ = live.events.send(EngineEvent::Error {
+                        message: message.clone(),
+                        kind: EngineErrorKind::Unavailable,
+                    });
+                }
+            }
             Command::Shutdown => return false,
         }
         true
@@ -458,9 +545,12 @@ impl EngineLoop {
         let Some(oldest) = self.in_flight.front().map(|p| p.step_id) else {
             return Ok(None);
         };
+        // The watchdog times the wait for each result, a lower bound of the step's run time.
+        let waiting_since = Instant::now();
         loop {
             let Some(result) = self.link.recv_result(self.options.liveness_interval)? else {
                 self.link.check_alive()?;
+                self.check_watchdog(waiting_since)?;
                 continue;
             };
             if result.step_id < oldest
@@ -481,6 +571,27 @@ impl EngineLoop {
                 tracing::warn!(step = plan.step_id, "the worker skipped a step");
             }
         }
+    }
+
+    fn check_watchdog(&self, waiting_since: Instant) -> Result<(), LinkError> {
+        let (Some(limit), Some(plan)) = (self.options.watchdog, self.in_flight.front()) else {
+            return Ok(());
+        };
+        if waiting_since.elapsed() <= limit {
+            return Ok(());
+        }
+        tracing::error!(
+            step = plan.step_id,
+            batch = plan.scheduled.len(),
+            tokens = plan.num_tokens(),
+            "watchdog: step {} has run for more than {:.1}s (--watchdog-timeout)",
+            plan.step_id,
+            limit.as_secs_f64()
+        );
+        Err(LinkError::StepTimeout {
+            step: plan.step_id,
+            seconds: limit.as_secs_f64(),
+        })
     }
 
     fn deliver(&mut self, plan: &Plan, result: StepResult) {
@@ -509,7 +620,9 @@ impl EngineLoop {
         self.metrics
             .observe_step(batch, plan.num_tokens(), started.elapsed());
         self.publish_stats(batch, plan.num_tokens());
-        if self.options.step_log_interval > 0 && self.steps % self.options.step_log_interval == 1 {
+        // The first step, then every interval-th (`% == 1` never held for an interval of 1).
+        let interval = self.options.step_log_interval;
+        if interval > 0 && (self.steps - 1).is_multiple_of(interval) {
             let s = self.scheduler.stats();
             tracing::info!(
                 step = plan.step_id,
@@ -612,6 +725,8 @@ impl EngineLoop {
     fn after_panic(&mut self, message: String) {
         self.healthy.store(false, Ordering::Release);
         tracing::error!(%message, "the engine thread panicked; failing all requests");
+        self.lifeline
+            .fail(format!("the engine thread panicked: {message}"));
         let error = |m: &str| EngineEvent::Error {
             message: format!("the engine failed: {m}"),
             kind: EngineErrorKind::Unavailable,
@@ -627,7 +742,7 @@ impl EngineLoop {
                 Command::FlushCache { reply } => {
                     let _ = reply.send(false);
                 }
-                Command::Abort { .. } => {}
+                Command::Abort { .. } | Command::AbortAll { .. } => {}
                 Command::Shutdown => return,
             }
         }
@@ -637,6 +752,8 @@ impl EngineLoop {
     fn fail_all(&mut self, error: &LinkError) {
         if self.healthy.swap(false, Ordering::AcqRel) {
             tracing::error!(%error, "worker group failed; failing all requests");
+            self.lifeline
+                .fail(format!("the model worker failed: {error}"));
         }
         for (id, live) in self.requests.drain() {
             self.scheduler.abort(id);

@@ -1,5 +1,6 @@
 //! The server process's Rust core: HTTP front end + engine thread. `serve` runs until
-//! SIGINT/SIGTERM; Python calls it (GIL released) once the workers are up.
+//! SIGINT/SIGTERM (then drains: Ok) or until the worker group fails (Err, so the process exits
+//! non-zero and a supervisor restarts it); Python calls it (GIL released) once the workers are up.
 
 pub mod config;
 pub mod engine;
@@ -12,7 +13,7 @@ pub mod worker_link;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::serve::ListenerExt;
 use tokenspeed_engine::scheduler::{SchedulePolicy, SchedulerConfig};
@@ -36,7 +37,15 @@ pub enum ServeError {
     Warmup(String),
     #[error("server I/O: {0}")]
     Io(#[from] std::io::Error),
+    #[error("the engine stopped serving: {0}")]
+    EngineFailed(String),
 }
+
+/// After the worker group fails, /health answers 503 this long before the process exits, so a
+/// health checker sees why.
+const FAILED_LINGER: Duration = Duration::from_secs(1);
+/// Once every request has ended, how long open connections get to finish writing.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 pub fn init_logging(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
@@ -88,11 +97,19 @@ pub fn build_state(
         &config.served_model_name,
         config.context_length,
     ));
+    // The HTTP layer admits at most max_running + max_queued generating requests (a fast 429
+    // before tokenizing), so the waiting queue stays within --max-queued-requests once the
+    // running slots are full. The engine's own check is a backstop at that same total: a
+    // request waiting only because the scheduler has not run since a slot freed up is not
+    // over the limit, and refusing it there would come late (after tokenizing, between steps).
+    let max_in_flight = config.max_running_requests as usize + config.max_queued_requests as usize;
     let options = EngineOptions {
-        max_queued_requests: config.max_queued_requests as usize,
+        max_queued_requests: max_in_flight,
         step_log_interval: config.step_log_interval,
         overlap: !config.disable_overlap_schedule,
         liveness_interval: std::time::Duration::from_millis(200),
+        watchdog: (config.watchdog_timeout > 0.0)
+            .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
     };
     let (engine, _thread) =
         engine::spawn_engine(scheduler_config(&config)?, link, options, metrics.clone())
@@ -103,10 +120,12 @@ pub fn build_state(
         engine,
         metrics,
         started: Instant::now(),
+        lifecycle: Arc::new(http::Lifecycle::new(max_in_flight)),
     })
 }
 
-/// Serves HTTP until SIGINT or SIGTERM.
+/// Serves HTTP until SIGINT or SIGTERM (Ok, after the drain) or until the engine can no longer
+/// serve (Err). Either way the engine thread ends, which closes and unlinks the worker channel.
 pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), ServeError> {
     let addr = format!("{}:{}", config.host, config.port);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -115,34 +134,94 @@ pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), Serv
         .build()?;
     let state = build_state(config, link)?;
     let engine = state.engine.clone();
-    let result = runtime.block_on(async move {
-        if !state.config.skip_server_warmup {
-            warm_up(&state).await?;
-        }
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .map_err(|source| ServeError::Bind {
-                addr: addr.clone(),
-                source,
-            })?;
-        let local: SocketAddr = listener.local_addr()?;
-        tracing::info!("TokenSpeed serving on http://{local}");
-        // Streams are many small writes: with Nagle's algorithm a chunk written while the
-        // previous one is unacknowledged waits for the client's delayed ACK (40 ms on Linux),
-        // which lands on time to first token (the first chunk with text often follows an empty
-        // one) and on inter-token gaps. Every serving HTTP stack turns it off.
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!("TCP_NODELAY on an accepted connection: {e}");
-            }
-        });
-        axum::serve(listener, http::router(state))
-            .with_graceful_shutdown(shutdown_signal())
-            .await?;
-        Ok(())
-    });
+    let result = runtime.block_on(run_http(state, addr));
     engine.shutdown();
+    if !engine.wait_stopped(Duration::from_secs(10)) {
+        tracing::warn!("the engine thread did not stop within 10s");
+    }
+    // A task stuck on a dead client must not hold the exit.
+    runtime.shutdown_timeout(Duration::from_secs(1));
     result
+}
+
+async fn run_http(state: http::AppState, addr: String) -> Result<(), ServeError> {
+    if !state.config.skip_server_warmup {
+        warm_up(&state).await?;
+    }
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+    let local: SocketAddr = listener.local_addr()?;
+    tracing::info!("TokenSpeed serving on http://{local}");
+    // Streams are many small writes: with Nagle's algorithm a chunk written while the previous
+    // one is unacknowledged waits for the client's delayed ACK (40 ms on Linux), which lands on
+    // time to first token (the first chunk with text often follows an empty one) and on
+    // inter-token gaps. Every serving HTTP stack turns it off.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY on an accepted connection: {e}");
+        }
+    });
+    let (close_tx, close_rx) = tokio::sync::oneshot::channel::<()>();
+    let server =
+        axum::serve(listener, http::router(state.clone())).with_graceful_shutdown(async move {
+            let _ = close_rx.await;
+        });
+    let mut server = tokio::spawn(async move { server.await });
+    let outcome = tokio::select! {
+        _ = shutdown_signal() => Ok(()),
+        message = state.engine.failed() => Err(ServeError::EngineFailed(message)),
+        ended = &mut server => {
+            return match ended {
+                Ok(r) => r.map_err(ServeError::Io),
+                Err(e) => Err(ServeError::Io(std::io::Error::other(e))),
+            };
+        }
+    };
+    state.lifecycle.start_draining();
+    match &outcome {
+        Ok(()) => drain(&state).await,
+        Err(e) => {
+            tracing::error!("{e}; exiting");
+            tokio::time::sleep(FAILED_LINGER).await;
+        }
+    }
+    let _ = close_tx.send(());
+    if tokio::time::timeout(CLOSE_GRACE, &mut server)
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after {CLOSE_GRACE:?}; closing them");
+        server.abort();
+    }
+    outcome
+}
+
+/// New requests already get 503; in-flight ones get --shutdown-timeout seconds to finish (a
+/// second signal cuts that short), then the rest end with an error.
+async fn drain(state: &http::AppState) {
+    let timeout = Duration::from_secs_f64(state.config.shutdown_timeout.max(0.0));
+    tracing::info!(
+        in_flight = state.lifecycle.in_flight(),
+        "shutting down: new requests get 503; waiting up to {:.0}s for requests in flight",
+        timeout.as_secs_f64()
+    );
+    let finished = tokio::select! {
+        r = tokio::time::timeout(timeout, state.lifecycle.wait_idle()) => r.is_ok(),
+        _ = shutdown_signal() => false,
+        _ = state.engine.failed() => false,
+    };
+    if !finished {
+        tracing::warn!(
+            in_flight = state.lifecycle.in_flight(),
+            "aborting the requests still in flight"
+        );
+        state.engine.abort_all("the server is shutting down");
+        let _ = tokio::time::timeout(CLOSE_GRACE, state.lifecycle.wait_idle()).await;
+    }
 }
 
 /// Generates one token through the whole path (tokenizer, scheduler, shm, worker) before the
@@ -173,5 +252,5 @@ async fn shutdown_signal() {
         }
     };
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-    tracing::info!("shutting down");
+    tracing::info!("shutdown signal received");
 }

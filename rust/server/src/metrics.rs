@@ -31,6 +31,8 @@ pub struct Metrics {
     pub request_decode_time: Histogram,
     pub request_prompt_tokens: Histogram,
     pub request_generation_tokens: Histogram,
+    /// Generating requests refused at admission (429: running + queued at the limit).
+    pub requests_rejected: IntCounter,
     pub free_kv_pages: IntGauge,
     pub cached_kv_pages: IntGauge,
     pub steps: IntCounter,
@@ -185,6 +187,10 @@ impl Metrics {
                 "request_generation_tokens",
                 "Generated tokens per finished request",
                 tokens,
+            ),
+            requests_rejected: b.counter(
+                "requests_rejected_total",
+                "Generating requests refused with 429 (the admission limit was reached)",
             ),
             free_kv_pages: b.gauge("free_kv_pages", "Free KV pages"),
             cached_kv_pages: b.gauge("cached_kv_pages", "KV pages held by the radix cache"),

@@ -1,6 +1,6 @@
 //! Errors in the OpenAI error schema: `{"error": {"message", "type", "param", "code"}}`.
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
@@ -54,11 +54,22 @@ impl ApiError {
             param: None,
         }
     }
+    /// 429 with `Retry-After` (see `into_response`): the queue is full, try again shortly.
     pub fn overloaded(message: impl Into<String>) -> Self {
         ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
+            status: StatusCode::TOO_MANY_REQUESTS,
             message: message.into(),
             kind: "overloaded_error",
+            param: None,
+        }
+    }
+    pub fn payload_too_large(limit: u64) -> Self {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!(
+                "the request body is larger than {limit} bytes (--max-request-body-bytes)"
+            ),
+            kind: "invalid_request_error",
             param: None,
         }
     }
@@ -91,9 +102,19 @@ impl ApiError {
     }
 }
 
+/// Seconds a refused client should wait before retrying (429, and 503 while shutting down).
+pub const RETRY_AFTER_SECONDS: &str = "1";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECONDS),
+            );
+        }
+        response
     }
 }
 

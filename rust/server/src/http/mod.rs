@@ -1,6 +1,8 @@
-//! The HTTP front end: routes, shared state, auth. Handlers live in `openai` and `native`.
+//! The HTTP front end: routes, shared state, and the layers every request passes before its
+//! handler: drain refusal, auth, body limit, admission. Handlers live in `openai` and `native`.
 
 pub mod error;
+pub mod lifecycle;
 pub mod native;
 pub mod openai;
 pub mod openapi;
@@ -10,7 +12,8 @@ pub mod response;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::{Request, State};
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -22,6 +25,9 @@ use crate::config::ServerConfig;
 use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
 use error::ApiError;
+use futures_util::StreamExt;
+pub use lifecycle::Lifecycle;
+use subtle::ConstantTimeEq;
 
 #[derive(Clone)]
 pub struct AppState {
@@ -30,6 +36,8 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
+    /// Draining (shutdown) and the count of generating requests in flight.
+    pub lifecycle: Arc<Lifecycle>,
 }
 
 impl AppState {
@@ -49,13 +57,18 @@ impl AppState {
     }
 }
 
+/// Layers run outermost first: drain refusal (every route but /metrics), then on the API routes
+/// auth (before any body byte is read), the body limit, and on the generating routes admission
+/// (before tokenizing).
 pub fn router(state: AppState) -> Router {
-    let api = Router::new()
+    let generating = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/generate", post(native::generate))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admit));
+    let api = Router::new()
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
-        .route("/generate", post(native::generate))
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))
         .route("/v1/tokenize", post(native::tokenize))
@@ -70,6 +83,8 @@ pub fn router(state: AppState) -> Router {
             post(native::flush_cache).get(native::flush_cache),
         )
         .route("/health_generate", get(native::health_generate))
+        .merge(generating)
+        .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -83,7 +98,15 @@ pub fn router(state: AppState) -> Router {
     } else {
         open
     };
-    open.merge(api).fallback(not_found).with_state(state)
+    open.merge(api)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            refuse_while_draining,
+        ))
+        // `limit_body` enforces --max-request-body-bytes; axum's own 2 MB default must not.
+        .layer(DefaultBodyLimit::disable())
+        .with_state(state)
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -94,6 +117,8 @@ async fn not_found(req: Request) -> ApiError {
     ))
 }
 
+/// Compares the bearer token in constant time (only the key's length can leak), so the key
+/// cannot be guessed byte by byte from response times.
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = state.config.api_key.as_deref() {
         let given = req
@@ -101,11 +126,81 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key) {
+        let ok = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
+        if !ok {
             return ApiError::unauthorized().into_response();
         }
     }
     next.run(req).await
+}
+
+/// While shutting down, new requests get 503 at once (a load balancer moves on); /metrics stays
+/// readable.
+async fn refuse_while_draining(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if state.lifecycle.is_draining() && req.uri().path() != "/metrics" {
+        return ApiError::unavailable("the server is shutting down").into_response();
+    }
+    next.run(req).await
+}
+
+/// Reads the body up to --max-request-body-bytes: a larger declared length gets 413 before any
+/// byte is read, a longer chunked body 413 as soon as it passes the limit.
+async fn limit_body(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let limit = state.config.max_request_body_bytes;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return ApiError::payload_too_large(limit).into_response();
+    }
+    let (parts, body) = req.into_parts();
+    let mut data = body.into_data_stream();
+    let mut bytes = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    while let Some(chunk) = data.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                return ApiError::bad_request(format!("reading the request body: {e}"))
+                    .into_response()
+            }
+        };
+        if (bytes.len() + chunk.len()) as u64 > limit {
+            return ApiError::payload_too_large(limit).into_response();
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
+}
+
+/// Admission for the generating routes, before the handler tokenizes: 503 when the engine
+/// cannot serve, 429 (with Retry-After) when --max-running-requests + --max-queued-requests
+/// requests are already in flight. The slot is held until the response body ends or is
+/// dropped (a stream lives past the handler), which bounds the memory of any burst.
+async fn admit(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if !state.engine.is_healthy() {
+        return ApiError::unavailable("the model worker is not running").into_response();
+    }
+    let Some(slot) = state.lifecycle.try_admit() else {
+        state.metrics.requests_rejected.inc();
+        return ApiError::overloaded(format!(
+            "server overloaded: {} requests in flight; retry later",
+            state.lifecycle.max_in_flight()
+        ))
+        .into_response();
+    };
+    let (parts, body) = next.run(req).await.into_parts();
+    let body = body.into_data_stream().map(move |frame| {
+        let _held = &slot;
+        frame
+    });
+    Response::from_parts(parts, Body::from_stream(body))
 }
 
 /// Unix seconds for the `created` field.
