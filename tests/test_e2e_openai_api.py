@@ -306,5 +306,6 @@ def test_openapi_document_validates_and_lists_every_route(server: Server) -> Non
     validate(doc)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/generate",
                  "/tokenize", "/detokenize", "/health", "/metrics", "/get_server_info", "/flush_cache",
-                 "/abort_request", "/version", "/health_generate", "/get_model_info"):
+                 "/abort_request", "/version", "/health_generate", "/get_model_info", "/ping",
+                 "/v1/tokenize", "/v1/detokenize", "/server_info"):
         assert path in doc["paths"], path

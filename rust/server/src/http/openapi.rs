@@ -32,8 +32,27 @@ use super::{native, openai};
 )]
 pub struct ApiDoc;
 
+/// Routes served by the same handler as another: (alias, documented path).
+const ALIASES: &[(&str, &str)] = &[
+    ("/v1/tokenize", "/tokenize"),
+    ("/v1/detokenize", "/detokenize"),
+    ("/server_info", "/get_server_info"),
+    ("/ping", "/health"),
+];
+
+/// The document, alias routes included.
+pub fn document() -> utoipa::openapi::OpenApi {
+    let mut doc = ApiDoc::openapi();
+    for (alias, path) in ALIASES {
+        if let Some(item) = doc.paths.paths.get(*path).cloned() {
+            doc.paths.paths.insert((*alias).to_string(), item);
+        }
+    }
+    doc
+}
+
 pub async fn openapi_json() -> Response {
-    axum::Json(ApiDoc::openapi()).into_response()
+    axum::Json(document()).into_response()
 }
 
 #[cfg(test)]
@@ -42,12 +61,14 @@ mod tests {
 
     #[test]
     fn the_document_has_every_generating_route_and_its_fields() {
-        let doc = serde_json::to_value(ApiDoc::openapi()).expect("serializable");
+        let doc = serde_json::to_value(document()).expect("serializable");
         for path in [
             "/v1/completions",
             "/v1/chat/completions",
             "/generate",
             "/v1/models/{id}",
+            "/v1/tokenize",
+            "/ping",
         ] {
             assert!(doc["paths"].get(path).is_some(), "{path} missing");
         }
