@@ -44,7 +44,12 @@ const ALIASES: &[(&str, &str)] = &[
 pub fn document() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
     for (alias, path) in ALIASES {
-        if let Some(item) = doc.paths.paths.get(*path).cloned() {
+        if let Some(mut item) = doc.paths.paths.get(*path).cloned() {
+            // Operation ids must be unique: the alias's get its path as a suffix.
+            let suffix = alias.trim_start_matches('/').replace('/', "_");
+            for op in [&mut item.get, &mut item.post].into_iter().flatten() {
+                op.operation_id = op.operation_id.take().map(|id| format!("{id}_{suffix}"));
+            }
             doc.paths.paths.insert((*alias).to_string(), item);
         }
     }
@@ -71,6 +76,14 @@ mod tests {
             "/ping",
         ] {
             assert!(doc["paths"].get(path).is_some(), "{path} missing");
+        }
+        let mut ids = std::collections::HashSet::new();
+        for item in doc["paths"].as_object().expect("paths").values() {
+            for op in item.as_object().expect("item").values() {
+                if let Some(id) = op.get("operationId").and_then(|v| v.as_str()) {
+                    assert!(ids.insert(id.to_string()), "operation id {id} twice");
+                }
+            }
         }
         let schemas = &doc["components"]["schemas"];
         // The shared sampling fields are one component, referenced by every generating route.
