@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 use tokenspeed_engine::scheduler::{FinishReason, Request};
 use tokenspeed_engine::SamplingParams;
-use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, TextTokenizer};
+use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, StopStep, TextTokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle, TokenEvent, TokenUsage};
@@ -316,21 +316,13 @@ impl Generation {
             let step = self.stops.push(&piece);
             chunk.text.push_str(&step.emit);
             if step.stopped {
-                if self.include_stop_str {
-                    chunk
-                        .text
-                        .push_str(step.matched.as_deref().unwrap_or_default());
-                }
                 self.finished = true;
                 // The engine would keep generating: end the request now.
                 if i + 1 < n || token.finish.is_none() {
                     self.guard.engine.abort(self.guard.id);
                 }
                 self.guard.done = true;
-                chunk.finish = Some(Finish {
-                    reason: "stop",
-                    matched: step.matched.map(Value::String),
-                });
+                self.stop_at(&mut chunk, step);
                 return Some(Ok(chunk));
             }
         }
@@ -341,15 +333,7 @@ impl Generation {
                 let step = self.stops.push(&rest);
                 chunk.text.push_str(&step.emit);
                 if step.stopped {
-                    if self.include_stop_str {
-                        chunk
-                            .text
-                            .push_str(step.matched.as_deref().unwrap_or_default());
-                    }
-                    chunk.finish = Some(Finish {
-                        reason: "stop",
-                        matched: step.matched.map(Value::String),
-                    });
+                    self.stop_at(&mut chunk, step);
                     return Some(Ok(chunk));
                 }
             }
@@ -367,6 +351,20 @@ impl Generation {
             return Some(Ok(chunk));
         }
         Some(Ok(chunk))
+    }
+
+    /// Ends `chunk` at the stop string `step` matched (kept in the text with
+    /// `include_stop_str_in_output`).
+    fn stop_at(&self, chunk: &mut Chunk, step: StopStep) {
+        if self.include_stop_str {
+            chunk
+                .text
+                .push_str(step.matched.as_deref().unwrap_or_default());
+        }
+        chunk.finish = Some(Finish {
+            reason: "stop",
+            matched: step.matched.map(Value::String),
+        });
     }
 
     /// Keeps an event's prompt logprobs, each for the next prompt token (the first has none).

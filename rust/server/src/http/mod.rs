@@ -1,6 +1,7 @@
 //! The HTTP front end: routes, shared state, and the layers every request passes before its
 //! handler: drain refusal, auth, body limit, admission. Handlers live in `openai` and `native`.
 
+pub mod chat;
 pub mod error;
 pub mod lifecycle;
 pub mod native;
@@ -63,7 +64,7 @@ impl AppState {
 pub fn router(state: AppState) -> Router {
     let generating = Router::new()
         .route("/v1/completions", post(openai::completions))
-        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/generate", post(native::generate))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit));
     let api = Router::new()

@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use super::{native, openai};
+use super::{chat, native, openai};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -16,7 +16,7 @@ use super::{native, openai};
         openai::models,
         openai::model,
         openai::completions,
-        openai::chat_completions,
+        chat::chat_completions,
         native::generate,
         native::tokenize,
         native::detokenize,

@@ -1,0 +1,490 @@
+//! The engine loop itself (spawned by `super::spawn_engine`): commands in, plans out, step
+//! results routed to each request's event channel.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokenspeed_engine::scheduler::{FinishReason, RequestOutput, Scheduler, SchedulerStats};
+use tokenspeed_engine::{Plan, StepResult};
+use tokio::sync::mpsc as tokio_mpsc;
+
+use super::*;
+use crate::metrics::{Metrics, RequestTimes};
+
+pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+pub(super) struct LiveRequest {
+    pub(super) events: tokio_mpsc::UnboundedSender<EngineEvent>,
+    pub(super) submitted: Instant,
+    /// When its first prefill chunk was scheduled.
+    pub(super) admitted: Option<Instant>,
+    pub(super) first_token: Option<Instant>,
+    pub(super) last_token: Option<Instant>,
+}
+
+pub(super) struct EngineLoop {
+    pub(super) scheduler: Scheduler,
+    pub(super) link: Box<dyn WorkerLink>,
+    pub(super) commands: mpsc::Receiver<Command>,
+    pub(super) requests: HashMap<u64, LiveRequest>,
+    /// Plans sent whose results have not come back, oldest first.
+    pub(super) in_flight: VecDeque<Plan>,
+    pub(super) healthy: Arc<AtomicBool>,
+    pub(super) stats: Arc<Mutex<EngineStats>>,
+    pub(super) lifeline: Arc<Lifeline>,
+    pub(super) options: EngineOptions,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) steps: u64,
+    pub(super) max_batch: usize,
+    /// Time accounting for `EngineStats::{busy_s, stalled_s}`: the last `mark()`.
+    pub(super) marked: Instant,
+    pub(super) busy: Duration,
+    pub(super) stalled: Duration,
+    /// For the debug trace of first-token latency (`RUST_LOG=tokenspeed_server::engine=debug`):
+    /// when the latest request was submitted, and per plan carrying new requests, when it was
+    /// sent and how long after that submit.
+    pub(super) last_submit: Option<Instant>,
+    pub(super) prefill_sent: HashMap<u64, (Instant, Duration)>,
+}
+
+impl EngineLoop {
+    /// Books the time since the last mark by the state it had: call before every change of
+    /// `in_flight` or `requests`, and after every blocking wait.
+    fn mark(&mut self) {
+        let now = Instant::now();
+        let spent = now.saturating_duration_since(self.marked);
+        self.marked = now;
+        if !self.in_flight.is_empty() {
+            self.busy += spent;
+        } else if !self.requests.is_empty() {
+            self.stalled += spent;
+        }
+    }
+
+    pub(super) fn run(&mut self) {
+        let depth = if self.options.overlap { 2 } else { 1 };
+        loop {
+            // Block only when there is nothing to schedule nor to receive.
+            if self.requests.is_empty() && self.in_flight.is_empty() {
+                let cmd = self.commands.recv_timeout(self.options.liveness_interval);
+                self.mark();
+                match cmd {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            return;
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {
+                        if let Err(e) = self.link.check_alive() {
+                            self.fail_all(&e);
+                        }
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            while let Ok(cmd) = self.commands.try_recv() {
+                self.mark();
+                if !self.handle(cmd) {
+                    return;
+                }
+            }
+            if !self.healthy.load(Ordering::Acquire) {
+                continue;
+            }
+            // With one plan in flight the scheduler plans the next on top of it (the worker
+            // runs plans in order, and resolves `LAST_SAMPLED` inputs on the GPU).
+            let plan = if self.in_flight.len() < depth {
+                self.scheduler.schedule().filter(|p| !p.is_empty())
+            } else {
+                None
+            };
+            let sent = plan.is_some();
+            let now = Instant::now();
+            for id in self.scheduler.take_admitted() {
+                if let Some(live) = self.requests.get_mut(&id) {
+                    live.admitted.get_or_insert(now);
+                }
+            }
+            if let Some(plan) = plan {
+                // In flight from now on, even if sending fails (`fail_all` closes it).
+                self.mark();
+                if !plan.new_requests.is_empty() {
+                    let waited = self.last_submit.map(|t| t.elapsed()).unwrap_or_default();
+                    self.prefill_sent
+                        .insert(plan.step_id, (Instant::now(), waited));
+                }
+                self.in_flight.push_back(plan);
+                let sending = self.in_flight.back().map(|p| self.link.send_plan(p));
+                if let Some(Err(e)) = sending {
+                    self.fail_all(&e);
+                    continue;
+                }
+            }
+            if self.in_flight.len() >= depth || (!sent && !self.in_flight.is_empty()) {
+                match self.recv_oldest() {
+                    Ok(Some((plan, result))) => self.deliver(&plan, result),
+                    Ok(None) => {}
+                    Err(e) => self.fail_all(&e),
+                }
+            } else if !sent {
+                // Nothing runnable and nothing in flight: wait for a command rather than spin.
+                let cmd = self.commands.recv_timeout(self.options.liveness_interval);
+                self.mark();
+                match cmd {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            return;
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+        }
+    }
+
+    /// Returns false on shutdown.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit {
+                id,
+                request,
+                events,
+            } => self.submit(id, *request, events),
+            Command::Abort { id } => {
+                if self.requests.remove(&id).is_some() {
+                    self.scheduler.abort(id);
+                    self.count_abort();
+                }
+            }
+            Command::FlushCache { reply } => {
+                let flushed = self.scheduler.flush_cache();
+                // Publish first: the caller may read the stats as soon as it has the reply.
+                self.publish_stats(0, 0);
+                let _ = reply.send(flushed);
+            }
+            Command::AbortAll { message } => {
+                for (id, live) in self.requests.drain() {
+                    self.scheduler.abort(id);
+                    self.metrics
+                        .request_success
+                        .with_label_values(&["abort"])
+                        .inc();
+                    let _ = live.events.send(EngineEvent::Error {
+                        message: message.clone(),
+                        kind: EngineErrorKind::Unavailable,
+                    });
+                }
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn submit(&mut self, id: u64, req: Request, events: tokio_mpsc::UnboundedSender<EngineEvent>) {
+        let reject = |message: String, kind| {
+            let _ = events.send(EngineEvent::Error { message, kind });
+        };
+        if !self.healthy.load(Ordering::Acquire) {
+            return reject(
+                "the model worker is not running".into(),
+                EngineErrorKind::Unavailable,
+            );
+        }
+        if self.scheduler.stats().waiting >= self.options.max_queued_requests {
+            return reject(
+                format!(
+                    "server overloaded: {} requests already waiting",
+                    self.options.max_queued_requests
+                ),
+                EngineErrorKind::Overloaded,
+            );
+        }
+        match self.scheduler.submit(req) {
+            Ok(()) => {
+                self.last_submit = Some(Instant::now());
+                self.requests.insert(
+                    id,
+                    LiveRequest {
+                        events,
+                        submitted: Instant::now(),
+                        admitted: None,
+                        first_token: None,
+                        last_token: None,
+                    },
+                );
+            }
+            Err(e) => reject(e.to_string(), EngineErrorKind::BadRequest),
+        }
+    }
+
+    /// Waits for the result of the oldest plan in flight (checking that the workers live),
+    /// and pops it with its plan. A result older than that plan is stale and dropped; one for
+    /// a newer plan in flight means the worker skipped the plans before it: they are dropped
+    /// too, and the scheduler counts them as answered with nothing.
+    fn recv_oldest(&mut self) -> Result<Option<(Plan, StepResult)>, LinkError> {
+        let Some(oldest) = self.in_flight.front().map(|p| p.step_id) else {
+            return Ok(None);
+        };
+        // The watchdog times the wait for each result, a lower bound of the step's run time.
+        let waiting_since = Instant::now();
+        loop {
+            let Some(result) = self.link.recv_result(self.options.liveness_interval)? else {
+                self.link.check_alive()?;
+                self.check_watchdog(waiting_since)?;
+                continue;
+            };
+            if result.step_id < oldest
+                || !self.in_flight.iter().any(|p| p.step_id == result.step_id)
+            {
+                tracing::warn!(
+                    expected = oldest,
+                    got = result.step_id,
+                    "stale step result dropped"
+                );
+                continue;
+            }
+            self.mark();
+            while let Some(plan) = self.in_flight.pop_front() {
+                if plan.step_id == result.step_id {
+                    return Ok(Some((plan, result)));
+                }
+                tracing::warn!(step = plan.step_id, "the worker skipped a step");
+            }
+        }
+    }
+
+    fn check_watchdog(&self, waiting_since: Instant) -> Result<(), LinkError> {
+        let (Some(limit), Some(plan)) = (self.options.watchdog, self.in_flight.front()) else {
+            return Ok(());
+        };
+        if waiting_since.elapsed() <= limit {
+            return Ok(());
+        }
+        tracing::error!(
+            step = plan.step_id,
+            batch = plan.scheduled.len(),
+            tokens = plan.num_tokens(),
+            "watchdog: step {} has run for more than {:.1}s (--watchdog-timeout)",
+            plan.step_id,
+            limit.as_secs_f64()
+        );
+        Err(LinkError::StepTimeout {
+            step: plan.step_id,
+            seconds: limit.as_secs_f64(),
+        })
+    }
+
+    fn deliver(&mut self, plan: &Plan, result: StepResult) {
+        let started = Instant::now();
+        let outputs = self.scheduler.advance(&result);
+        for out in outputs {
+            self.route(out);
+        }
+        if let Some((sent, waited)) = self.prefill_sent.remove(&plan.step_id) {
+            // Where a first token's time goes on the engine's side (the worker's side:
+            // TOKENSPEED_STEP_TRACE); plans dropped as skipped leave entries behind: drop them.
+            self.prefill_sent.retain(|&step, _| step > plan.step_id);
+            tracing::debug!(
+                step = plan.step_id,
+                new = plan.new_requests.len(),
+                tokens = plan.num_tokens(),
+                submit_to_sent_us = waited.as_micros() as u64,
+                sent_to_result_us = started.saturating_duration_since(sent).as_micros() as u64,
+                route_us = started.elapsed().as_micros() as u64,
+                "prefill step"
+            );
+        }
+        self.steps += 1;
+        let batch = plan.scheduled.len();
+        self.max_batch = self.max_batch.max(batch);
+        self.metrics
+            .observe_step(batch, plan.num_tokens(), started.elapsed());
+        self.publish_stats(batch, plan.num_tokens());
+        // The first step, then every interval-th (`% == 1` never held for an interval of 1).
+        let interval = self.options.step_log_interval;
+        if interval > 0 && (self.steps - 1).is_multiple_of(interval) {
+            let s = self.scheduler.stats();
+            tracing::info!(
+                step = plan.step_id,
+                batch,
+                tokens = plan.num_tokens(),
+                running = s.running,
+                waiting = s.waiting,
+                free_pages = s.free_pages,
+                cached_pages = s.cached_pages,
+                "step"
+            );
+        }
+    }
+
+    fn route(&mut self, out: RequestOutput) {
+        let id = out.id;
+        let Some(live) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let now = Instant::now();
+        if !out.tokens.is_empty() {
+            if live.first_token.is_none() {
+                live.first_token = Some(now);
+                let m = &self.metrics;
+                m.time_to_first_token
+                    .observe((now - live.submitted).as_secs_f64());
+                m.prefix_cache_queries.inc_by(u64::from(out.prompt_tokens));
+                m.prefix_cache_hits.inc_by(u64::from(out.cached_tokens));
+            } else if let Some(last) = live.last_token {
+                self.metrics
+                    .inter_token_latency
+                    .observe((now - last).as_secs_f64());
+            }
+            live.last_token = Some(now);
+        }
+        if let Some(message) = out.error {
+            // The scheduler has dropped it already.
+            if let Some(live) = self.requests.remove(&id) {
+                let _ = live.events.send(EngineEvent::Error {
+                    message,
+                    kind: EngineErrorKind::Unavailable,
+                });
+            }
+            return;
+        }
+        let (finish, prompt_tokens, completion_tokens) =
+            (out.finished, out.prompt_tokens, out.completion_tokens);
+        self.metrics
+            .generation_tokens
+            .inc_by(out.tokens.len() as u64);
+        let event = EngineEvent::Token(TokenEvent {
+            tokens: out.tokens,
+            logprobs: out.logprobs,
+            top_logprobs: out.top_logprobs,
+            prompt_logprobs: out.prompt_logprobs,
+            prompt_top_logprobs: out.prompt_top_logprobs,
+            finish: out.finished,
+            usage: TokenUsage {
+                prompt_tokens: out.prompt_tokens,
+                completion_tokens: out.completion_tokens,
+                cached_tokens: out.cached_tokens,
+            },
+        });
+        let delivered = live.events.send(event).is_ok();
+        if let Some(reason) = finish {
+            if let Some(live) = self.requests.remove(&id) {
+                let admitted = live.admitted.unwrap_or(live.submitted);
+                let first = live.first_token.unwrap_or(now);
+                self.metrics.observe_finished(&RequestTimes {
+                    queued: admitted - live.submitted,
+                    prefill: first.saturating_duration_since(admitted),
+                    decode: now.saturating_duration_since(first),
+                    e2e: now - live.submitted,
+                    prompt_tokens,
+                    generation_tokens: completion_tokens,
+                    finished_reason: match reason {
+                        FinishReason::Stop => "stop",
+                        FinishReason::Length => "length",
+                    },
+                });
+            }
+        } else if !delivered {
+            // The client went away: free its slot and pages now.
+            self.requests.remove(&id);
+            self.scheduler.abort(id);
+            self.count_abort();
+        }
+    }
+
+    fn count_abort(&self) {
+        self.metrics
+            .request_success
+            .with_label_values(&["abort"])
+            .inc();
+    }
+
+    /// The engine thread panicked (a bug): /health fails, every request in flight ends with an
+    /// error, and so does every later one, until shutdown. The scheduler is not touched again:
+    /// its state may be what the panic left half-changed.
+    pub(super) fn after_panic(&mut self, message: String) {
+        self.healthy.store(false, Ordering::Release);
+        tracing::error!(%message, "the engine thread panicked; failing all requests");
+        self.lifeline
+            .fail(format!("the engine thread panicked: {message}"));
+        let error = |m: &str| EngineEvent::Error {
+            message: format!("the engine failed: {m}"),
+            kind: EngineErrorKind::Unavailable,
+        };
+        for (_, live) in self.requests.drain() {
+            let _ = live.events.send(error(&message));
+        }
+        while let Ok(cmd) = self.commands.recv() {
+            match cmd {
+                Command::Submit { events, .. } => {
+                    let _ = events.send(error(&message));
+                }
+                Command::FlushCache { reply } => {
+                    let _ = reply.send(false);
+                }
+                Command::Abort { .. } | Command::AbortAll { .. } => {}
+                Command::Shutdown => return,
+            }
+        }
+    }
+
+    /// The worker group is gone: every request ends with an error and /health fails.
+    fn fail_all(&mut self, error: &LinkError) {
+        if self.healthy.swap(false, Ordering::AcqRel) {
+            tracing::error!(%error, "worker group failed; failing all requests");
+            self.lifeline
+                .fail(format!("the model worker failed: {error}"));
+        }
+        for (id, live) in self.requests.drain() {
+            self.scheduler.abort(id);
+            let _ = live.events.send(EngineEvent::Error {
+                message: format!("the model worker failed: {error}"),
+                kind: EngineErrorKind::Unavailable,
+            });
+        }
+        // No result will come for the plans in flight: close them in the scheduler too (every
+        // request is aborted, so answering them with nothing changes nothing else).
+        if let Some(last) = self.in_flight.back().map(|p| p.step_id) {
+            self.scheduler.advance(&StepResult {
+                step_id: last,
+                events: Vec::new(),
+            });
+        }
+        self.in_flight.clear();
+        self.prefill_sent.clear();
+        self.publish_stats(0, 0);
+    }
+
+    pub(super) fn publish_stats(&mut self, batch: usize, tokens: usize) {
+        let s: SchedulerStats = self.scheduler.stats();
+        self.metrics.observe_pool(&s);
+        if let Ok(mut stats) = self.stats.lock() {
+            *stats = EngineStats {
+                total_pages: s.total_pages,
+                free_pages: s.free_pages,
+                used_pages: s.used_pages,
+                cached_pages: s.cached_pages,
+                evictable_pages: s.evictable_pages,
+                running_requests: s.running,
+                waiting_requests: s.waiting,
+                steps: self.steps,
+                max_batch_size: self.max_batch,
+                last_batch_size: batch,
+                last_step_tokens: tokens,
+                busy_s: self.busy.as_secs_f64(),
+                stalled_s: self.stalled.as_secs_f64(),
+            };
+        }
+    }
+}
