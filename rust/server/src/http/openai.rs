@@ -346,12 +346,15 @@ fn completion_logprobs(
 ) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     for l in lps {
-        let token = style.token(tokenizer, l.token);
+        // One decode gives both the offset step and (unless ids are asked for) the token.
+        let text = tokenizer.decode(&[l.token], false).unwrap_or_default();
         out.text_offset.push(*offset);
-        *offset += tokenizer
-            .decode(&[l.token], false)
-            .map_or(0, |t| t.chars().count());
-        out.tokens.push(token);
+        *offset += text.chars().count();
+        out.tokens.push(if style.as_ids {
+            style.token(tokenizer, l.token)
+        } else {
+            text
+        });
         out.token_logprobs.push(Some(l.logprob));
         let top: BTreeMap<String, f32> = l
             .top
