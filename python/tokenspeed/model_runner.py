@@ -42,7 +42,7 @@ from tokenspeed.layers.quantization.kv_cache import (
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
-from tokenspeed.sampler import Sampler
+from tokenspeed.sampler import Sampler, TokenMasks
 from tokenspeed.weights import load_model, open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,20 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
 
 
 PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once (bounds the [rows, vocab] buffer)
+
+
+def token_masks(plan: StepPlan, sampled_slots: np.ndarray) -> TokenMasks | None:
+    """The plan's grammar masks as rows of the sampled batch (`sampled_slots`, in plan order)."""
+    if not len(plan.mask_slot):
+        return None
+    row_of = {int(s): i for i, s in enumerate(sampled_slots.tolist())}
+    try:
+        rows = np.asarray([row_of[int(s)] for s in plan.mask_slot.tolist()], np.int64)
+    except KeyError as e:
+        raise ValueError(f"a token mask for slot {e.args[0]}, which does not sample this "
+                         "step") from None
+    words = np.array(plan.mask_allowed, np.uint32).reshape(len(rows), -1)  # a copy: plan arrays die at the next recv
+    return TokenMasks(rows, words)
 
 
 class PromptLogprobs(NamedTuple):
@@ -391,7 +405,7 @@ class ModelRunner:
             return PendingStep(slots, None, prompt=prompt)
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
-        res = self.sampler.sample(slots.tolist(), logits, slots_dev)
+        res = self.sampler.sample(slots.tolist(), logits, slots_dev, token_masks(plan, slots))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
         self.last_tokens[slots_dev] = res.tokens
         return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,

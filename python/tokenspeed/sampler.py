@@ -49,6 +49,30 @@ class SlotSampling:
 
 
 @dataclass
+class TokenMasks:
+    """Allowed tokens of some rows of a batch (the plan's `mask` section): `rows` index the
+    batch, `words` holds one bitmask per row (bit i % 32 of word i // 32 set: token i allowed)."""
+
+    rows: np.ndarray  # [R] int64
+    words: np.ndarray  # [R, W] uint32, W * 32 >= vocab
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with every disallowed token of the masked rows at -inf (a new tensor: the
+        raw logits stay intact for logprobs)."""
+        if not len(self.rows):
+            return logits
+        dev, vocab = logits.device, logits.shape[-1]
+        words = torch.from_numpy(np.ascontiguousarray(self.words).view(np.int32)).to(dev)
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)
+        allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(self.rows), -1).bool()
+        if allowed.shape[1] < vocab:  # columns past the mask (padded vocab) are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        rows = to_device_int64([self.rows], dev)[0]
+        masked = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+        return logits.index_put((rows,), masked)
+
+
+@dataclass
 class SampleResult:
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B] float32, log_softmax of the raw logits at the chosen token
@@ -175,8 +199,10 @@ class Sampler:
             state.seen.extend(tokens)
 
     def sample(self, slots: list[int], logits: torch.Tensor,
-               slots_dev: torch.Tensor | None = None) -> SampleResult:
-        """`slots_dev`: the same slots already on the device (saves a copy)."""
+               slots_dev: torch.Tensor | None = None,
+               masks: TokenMasks | None = None) -> SampleResult:
+        """`slots_dev`: the same slots already on the device (saves a copy). `masks`: the
+        grammar-constrained rows' allowed tokens (structured output)."""
         idx = np.asarray(slots, dtype=np.int64)
         missing = [s for s in slots if s not in self.slots]
         if missing:
@@ -188,6 +214,8 @@ class Sampler:
             logits = self._apply_penalties(logits, [self.slots[s] for s in slots])
         logits = self._apply_logit_bias(logits, slots, idx)
         logits = self._mask_early_stops(logits, slots, idx)
+        if masks is not None:
+            logits = masks.apply(logits)
         tokens = logits.argmax(dim=-1)
         rows = np.flatnonzero(~self._greedy[idx])
         if len(rows):

@@ -42,6 +42,12 @@ def model_context_length(model_dir: Path) -> int:
     return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
 
 
+def model_vocab_size(model_dir: Path) -> int:
+    """The model's vocabulary (its logits' width; may exceed the tokenizer's)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+
+
 def check_quantization(method: str | None, model_dir: Path) -> None:
     """An unsupported --quantization or checkpoint quantization_config: one line, before any
     worker starts (the worker would refuse it too, after a spawn)."""
@@ -121,8 +127,12 @@ def launch(cfg: Any) -> int:
     page_size = int(cfg.page_size)
 
     channel_name = f"/tokenspeed-{os.getpid()}"
-    # A slot holds the largest plan and result of a step, a bound derived from the schema.
-    slot_bytes = _core.slot_bytes(max_running, chunk + max_running, -(-context // page_size))
+    # A slot holds the largest plan and result of a step, a bound derived from the schema
+    # (with structured output, one token mask row per slot: the model's vocabulary in bits).
+    vocab_size = model_vocab_size(model_dir)
+    mask_words = -(-vocab_size // 32) if cfg.grammar_backend != "none" else 0
+    slot_bytes = _core.slot_bytes(max_running, chunk + max_running, -(-context // page_size),
+                                  mask_words)
     if node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         channel = _core.ServerChannel.create(channel_name, world + (sizes.nnodes > 1), 4,
                                              slot_bytes)
@@ -224,6 +234,11 @@ def launch(cfg: Any) -> int:
             "step_log_interval": int(cfg.decode_log_interval),
             "enable_metrics": bool(cfg.enable_metrics),
             "sampling_defaults": sampling_defaults(model_dir, cfg.sampling_defaults),
+            "vocab_size": vocab_size,
+            "grammar_backend": cfg.grammar_backend,
+            "tool_call_parser": cfg.tool_call_parser,
+            "reasoning_parser": cfg.reasoning_parser,
+            "enable_auto_tool_choice": bool(cfg.enable_auto_tool_choice),
             "worker_pids": [p.pid for p in workers],
             "server_info": {
                 "device": capacities[0]["device"],

@@ -66,6 +66,11 @@ class ServeConfig:
     decode_log_interval: int = _default("decode_log_interval")
     # API.
     sampling_defaults: str = _default("sampling_defaults")  # "model": generation_config.json's
+    # Structured output, tool calls, reasoning.
+    grammar_backend: str = _default("grammar_backend")  # llguidance, or none (refused)
+    tool_call_parser: str | None = _default("tool_call_parser")
+    reasoning_parser: str | None = _default("reasoning_parser")
+    enable_auto_tool_choice: bool = _default("enable_auto_tool_choice")
     # Parallelism (checked together by tokenspeed.distributed.ParallelSizes at launch).
     tp_size: int = _default("tp_size")
     ep_size: int = _default("ep_size")

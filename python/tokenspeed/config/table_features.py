@@ -77,8 +77,11 @@ KERNEL_FLAGS: list[Flag] = [
       "--attention-backend.", G_KERNEL, ATTENTION_BACKENDS, component="worker"),
     c("--sampling-backend", "Kernels used for token sampling.", G_KERNEL,
       ("flashinfer", "pytorch", "ascend"), component="worker"),
-    c("--grammar-backend", "Engine for grammar- and JSON-schema-constrained decoding.", G_KERNEL,
-      ("xgrammar", "outlines", "llguidance", "none"), component="both"),
+    c("--grammar-backend", "Engine for grammar- and JSON-schema-constrained decoding "
+      "(response_format, guided_*, tool_choice required): llguidance computes token masks in "
+      "the Rust core; none refuses such requests.", G_KERNEL,
+      ("xgrammar", "outlines", "llguidance", "none"), "llguidance",
+      supported=("llguidance", "none"), implemented=True),
     c("--mm-attention-backend", "Attention kernels for multimodal encoders.", G_KERNEL,
       ("sdpa", "fa3", "triton_attn", "ascend_attn"), component="worker"),
     c("--nsa-prefill-backend", "Sparse-attention (NSA) kernels for prefill.", G_KERNEL,

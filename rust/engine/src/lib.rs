@@ -11,7 +11,7 @@ pub mod schema;
 pub use pages::{PagePool, Pages};
 pub use plan::{
     CopyOp, FinishedSlot, PageTableUpdate, Plan, RequestEvent, SamplingParams, ScheduledRequest,
-    StepLimits, StepResult, LAST_SAMPLED, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, NO_SEED,
+    StepLimits, StepResult, TokenMask, LAST_SAMPLED, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, NO_SEED,
 };
 pub use radix::{NodeId, PrefixMatch, RadixCache};
 pub use scheduler::{

@@ -134,6 +134,19 @@ section! {
     }
 }
 
+section! {
+    /// The tokens a grammar-constrained request may sample this step (structured output). Only
+    /// for requests the step samples for, and only those whose next token is constrained.
+    pub struct TokenMask("mask") {
+        pub slot: u32,
+    }
+    lists {
+        /// Bit `i % 32` of word `i / 32` set: token `i` is allowed; `StepLimits::mask_words`
+        /// words (the model's vocabulary, padded ids never allowed).
+        pub allowed: Vec<u32>,
+    }
+}
+
 message! {
     /// One step of work for the worker group.
     pub struct Plan(magic = 0x4e4c_5054) {
@@ -142,6 +155,7 @@ message! {
         pub page_tables: Vec<PageTableUpdate>,
         pub copies: Vec<CopyOp>,
         pub scheduled: Vec<ScheduledRequest>,
+        pub masks: Vec<TokenMask>,
     }
 }
 
@@ -168,6 +182,9 @@ pub struct StepLimits {
     pub max_step_tokens: usize,
     /// Pages of the longest request (context length / page size, rounded up).
     pub max_pages_per_request: usize,
+    /// Words of one token mask row (the model's vocabulary / 32, rounded up); 0 without
+    /// structured output.
+    pub mask_words: usize,
 }
 
 impl Plan {
@@ -187,6 +204,8 @@ impl Plan {
             r * pages,     // copies
             r,
             l.max_step_tokens + r, // scheduled, their tokens
+            r,
+            r * l.mask_words, // token masks: at most one row per slot
         ];
         <Plan as Message>::max_encoded_len(&counts)
     }

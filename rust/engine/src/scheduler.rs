@@ -180,6 +180,7 @@ impl Sequence {
         let unknown_ahead = a.computed + 1 - known;
         if unknown_ahead == 1
             && !a.drafting
+            && !self.req.lockstep
             && self.completion_tokens() + 1 < self.req.max_new_tokens as usize
         {
             Work::Placeholder
@@ -243,6 +244,15 @@ impl Scheduler {
     /// since the last call.
     pub fn take_admitted(&mut self) -> Vec<u64> {
         std::mem::take(&mut self.admitted)
+    }
+
+    /// The requests of the plan `schedule` returned last, as (id, slot, samples this step), in
+    /// the plan's order (the server attaches grammar masks to that plan before sending it).
+    pub fn last_planned(&self) -> impl Iterator<Item = (u64, u32, bool)> + '_ {
+        self.in_flight
+            .back()
+            .into_iter()
+            .flat_map(|(_, expected)| expected.iter().map(|e| (e.id, e.slot, e.sample)))
     }
 
     pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {

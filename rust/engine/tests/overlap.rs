@@ -312,3 +312,43 @@ fn a_whole_step_result_lost_counts_as_answered_with_nothing() {
     assert_eq!(h.tokens(1), reference(&p, 6));
     h.assert_no_leak();
 }
+
+#[test]
+fn lockstep_requests_never_run_ahead_while_the_others_do() {
+    let mut reqs: Vec<Request> = (0..4)
+        .map(|id| request(id, prompt(id as u32, 6), 10))
+        .collect();
+    reqs[1].lockstep = true;
+    reqs[3].lockstep = true;
+    let mut h = run(&reqs, true, config(256, 2));
+    for r in &reqs {
+        assert_eq!(h.tokens(r.id), reference(&r.prompt, 10), "request {}", r.id);
+    }
+    let slots: Vec<u32> = h
+        .plans
+        .iter()
+        .flat_map(|p| &p.new_requests)
+        .map(|n| n.slot)
+        .collect();
+    assert_eq!(slots.len(), 4);
+    // Slots are handed out in admission order: requests 1 and 3 hold the second and fourth.
+    let locked = [slots[1], slots[3]];
+    let free = [slots[0], slots[2]];
+    let fed_ahead = |slot: u32| {
+        h.plans
+            .iter()
+            .flat_map(|p| &p.scheduled)
+            .filter(|r| r.slot == slot && r.tokens.contains(&LAST_SAMPLED))
+            .count()
+    };
+    for slot in locked {
+        assert_eq!(fed_ahead(slot), 0, "lockstep slot {slot} ran ahead");
+    }
+    for slot in free {
+        assert!(
+            fed_ahead(slot) > 0,
+            "slot {slot} should decode one step ahead"
+        );
+    }
+    h.assert_no_leak();
+}

@@ -6,7 +6,7 @@ use tokenspeed_engine::plan::{
     CopyOp, FinishedSlot, PageTableUpdate, RequestEvent, ScheduledRequest,
 };
 use tokenspeed_engine::schema::Message;
-use tokenspeed_engine::{Plan, SamplingParams, StepLimits, StepResult};
+use tokenspeed_engine::{Plan, SamplingParams, StepLimits, StepResult, TokenMask};
 use tokenspeed_ipc::codec::{decode, encode, encode_arrays, layout_of, DType};
 use tokenspeed_ipc::IpcError;
 
@@ -71,6 +71,7 @@ fn plan() -> impl Strategy<Value = Plan> {
             },
         );
     let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp { src, dst });
+    let mask = (any::<u32>(), ids(6)).prop_map(|(slot, allowed)| TokenMask { slot, allowed });
     (
         any::<u64>(),
         prop::collection::vec(any::<u32>().prop_map(|slot| FinishedSlot { slot }), 0..7),
@@ -78,15 +79,17 @@ fn plan() -> impl Strategy<Value = Plan> {
         prop::collection::vec(pt, 0..5),
         prop::collection::vec(copy, 0..4),
         prop::collection::vec(sched, 0..9),
+        prop::collection::vec(mask, 0..3),
     )
         .prop_map(
-            |(step_id, finished, new_requests, page_tables, copies, scheduled)| Plan {
+            |(step_id, finished, new_requests, page_tables, copies, scheduled, masks)| Plan {
                 step_id,
                 finished,
                 new_requests,
                 page_tables,
                 copies,
                 scheduled,
+                masks,
             },
         )
 }
@@ -265,6 +268,7 @@ fn the_slot_bound_holds_the_largest_step() {
         max_running: 4,
         max_step_tokens: 32,
         max_pages_per_request: 8,
+        mask_words: 5,
     };
     let full = Plan {
         finished: vec![FinishedSlot::default(); 4],
@@ -288,6 +292,13 @@ fn the_slot_bound_holds_the_largest_step() {
         scheduled: vec![
             ScheduledRequest {
                 tokens: vec![1; 9],
+                ..Default::default()
+            };
+            4
+        ],
+        masks: vec![
+            TokenMask {
+                allowed: vec![u32::MAX; 5],
                 ..Default::default()
             };
             4

@@ -206,13 +206,21 @@ fn result_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
     schema_of::<StepResult>(py)
 }
 
-/// Bytes of a shm slot that holds the largest plan and result of a step within these limits.
+/// Bytes of a shm slot that holds the largest plan and result of a step within these limits
+/// (`mask_words`: words of a token mask row, 0 without structured output).
 #[pyfunction]
-fn slot_bytes(max_running: usize, max_step_tokens: usize, max_pages_per_request: usize) -> usize {
+#[pyo3(signature = (max_running, max_step_tokens, max_pages_per_request, mask_words = 0))]
+fn slot_bytes(
+    max_running: usize,
+    max_step_tokens: usize,
+    max_pages_per_request: usize,
+    mask_words: usize,
+) -> usize {
     let l = StepLimits {
         max_running,
         max_step_tokens,
         max_pages_per_request,
+        mask_words,
     };
     Plan::max_encoded_len(&l).max(StepResult::max_encoded_len(&l))
 }

@@ -59,6 +59,22 @@ pub struct ServerConfig {
     /// generation_config.json; empty with `openai`).
     #[serde(default)]
     pub sampling_defaults: SamplingDefaults,
+    /// The model's vocabulary size (config.json; may exceed the tokenizer's, padded ids are
+    /// never sampled under a grammar); 0: the tokenizer's.
+    #[serde(default)]
+    pub vocab_size: u32,
+    /// `--grammar-backend`: "llguidance", or absent / "none" (structured output refused).
+    #[serde(default)]
+    pub grammar_backend: Option<String>,
+    /// `--tool-call-parser`: how tool calls are read from chat output (tools need it).
+    #[serde(default)]
+    pub tool_call_parser: Option<String>,
+    /// `--reasoning-parser`: splits think-tag reasoning from the answer in chat output.
+    #[serde(default)]
+    pub reasoning_parser: Option<String>,
+    /// `--enable-auto-tool-choice`: tool_choice "auto" (and absent, with tools) is allowed.
+    #[serde(default)]
+    pub enable_auto_tool_choice: bool,
     /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
     #[serde(default)]
     pub server_info: serde_json::Value,

@@ -21,6 +21,7 @@ use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 use crate::metrics::Metrics;
 
 mod event_loop;
+mod grammar;
 use event_loop::{panic_message, EngineLoop};
 
 /// Why the worker group cannot serve any more.
@@ -81,6 +82,8 @@ pub enum EngineErrorKind {
     BadRequest,
     Overloaded,
     Unavailable,
+    /// This request failed on the server's side (e.g. its grammar matcher); others go on.
+    Internal,
 }
 
 /// What the HTTP side can read about the engine without a round trip.
@@ -111,6 +114,7 @@ enum Command {
     Submit {
         id: u64,
         request: Box<Request>,
+        constraint: Option<Constraint>,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
     },
     Abort {
@@ -169,16 +173,21 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Queues a tokenized, validated request under a new id (its `id` is ignored); its tokens
     /// arrive on the returned channel.
+    /// With a `constraint`, its tokens follow the grammar (and the request runs in lockstep:
+    /// see `engine/grammar.rs`).
     pub fn submit(
         &self,
         mut request: Request,
+        constraint: Option<Constraint>,
     ) -> (u64, tokio_mpsc::UnboundedReceiver<EngineEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         request.id = id;
+        request.lockstep = constraint.is_some();
         let (events, rx) = tokio_mpsc::unbounded_channel();
         let sent = self.commands.send(Command::Submit {
             id,
             request: Box::new(request),
+            constraint,
             events: events.clone(),
         });
         if sent.is_err() {
@@ -258,6 +267,16 @@ pub struct EngineOptions {
     pub overlap: bool,
     /// A step whose result takes longer than this fails the worker group (`--watchdog-timeout`).
     pub watchdog: Option<Duration>,
+    /// Words of a grammar's token mask row (`GrammarCompiler::bitmask_words`; 0: no grammars).
+    pub mask_words: usize,
+}
+
+/// A request's structured-output constraint, as the engine applies it.
+pub struct Constraint {
+    pub grammar: Arc<tokenspeed_structured::CompiledGrammar>,
+    /// With a reasoning parser: the think-end token, after which the grammar starts (the
+    /// reasoning itself is unconstrained). None: from the first generated token.
+    pub starts_after: Option<u32>,
 }
 
 /// Starts the engine thread.
@@ -277,6 +296,7 @@ pub fn spawn_engine(
     };
     let (healthy, stats) = (handle.healthy.clone(), handle.stats.clone());
     let lifeline = handle.lifeline.clone();
+    let mask_words = options.mask_words;
     // The scheduler is single-threaded by design (it shares pages through Rc), so it is built
     // on the engine thread and never leaves it.
     let (started_tx, started_rx) = mpsc::channel();
@@ -310,6 +330,7 @@ pub fn spawn_engine(
                 stalled: Duration::ZERO,
                 last_submit: None,
                 prefill_sent: HashMap::new(),
+                grammars: grammar::Grammars::new(mask_words),
             };
             engine.publish_stats(0, 0);
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run()));

@@ -10,7 +10,10 @@ use tokenspeed_engine::SamplingParams;
 use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, StopStep, TextTokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle, TokenEvent, TokenUsage};
+use crate::constraint::GrammarRequest;
+use crate::engine::{
+    Constraint, EngineErrorKind, EngineEvent, EngineHandle, TokenEvent, TokenUsage,
+};
 use crate::http::error::ApiError;
 use crate::http::AppState;
 
@@ -49,6 +52,10 @@ pub struct GenerationSpec {
     pub top_logprobs: u32,
     /// Prompt logprobs with this many top alternatives each (vLLM's `prompt_logprobs`).
     pub prompt_logprobs: Option<u32>,
+    /// Structured output: the grammar the generated text follows.
+    pub grammar: Option<GrammarRequest>,
+    /// The grammar starts after this token (a reasoning model's think-end), if set.
+    pub grammar_starts_after: Option<u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -130,6 +137,8 @@ pub async fn probe(
         include_stop_str_in_output: false,
         top_logprobs: 0,
         prompt_logprobs: None,
+        grammar: None,
+        grammar_starts_after: None,
     };
     let run = async { start(state, spec).await?.collect().await };
     match tokio::time::timeout(timeout, run).await {
@@ -171,6 +180,14 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
             ),
         ));
     }
+    // Compiled before submitting: an invalid grammar is a 400 before any KV is spent.
+    let constraint = match &spec.grammar {
+        Some(g) => Some(Constraint {
+            grammar: crate::constraint::compile(state, g).await?,
+            starts_after: spec.grammar_starts_after,
+        }),
+        None => None,
+    };
     let request = Request {
         id: 0, // the engine assigns it
         prompt: prompt_ids.clone(),
@@ -180,9 +197,10 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
         stop_token_ids: spec.stop_token_ids,
         eos_token_ids: state.tokenizer.eos_token_ids().to_vec(),
         ignore_eos: spec.ignore_eos,
+        lockstep: false, // the engine sets it for constrained requests
     };
     state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
-    let (id, events) = state.engine.submit(request);
+    let (id, events) = state.engine.submit(request, constraint);
     if state.config.log_requests {
         tracing::info!(
             id,
@@ -292,6 +310,7 @@ impl Generation {
                         EngineErrorKind::BadRequest => ApiError::bad_request(message),
                         EngineErrorKind::Overloaded => ApiError::overloaded(message),
                         EngineErrorKind::Unavailable => ApiError::unavailable(message),
+                        EngineErrorKind::Internal => ApiError::internal(message),
                     }));
                 }
             }

@@ -3,6 +3,7 @@
 //! non-zero and a supervisor restarts it); Python calls it (GIL released) once the workers are up.
 
 pub mod config;
+pub mod constraint;
 pub mod engine;
 pub mod generate;
 pub mod http;
@@ -93,6 +94,7 @@ pub fn build_state(
         path: config.tokenizer_path.clone(),
         message: e.to_string(),
     })?;
+    let grammar = grammar_compiler(&config, &tokenizer)?;
     let metrics = Arc::new(metrics::Metrics::new(
         &config.served_model_name,
         config.context_length,
@@ -110,6 +112,7 @@ pub fn build_state(
         liveness_interval: std::time::Duration::from_millis(200),
         watchdog: (config.watchdog_timeout > 0.0)
             .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
+        mask_words: grammar.as_ref().map_or(0, |g| g.bitmask_words()),
     };
     let (engine, _thread) =
         engine::spawn_engine(scheduler_config(&config)?, link, options, metrics.clone())
@@ -118,6 +121,7 @@ pub fn build_state(
         config: Arc::new(config),
         tokenizer: Arc::new(tokenizer),
         engine,
+        grammar,
         metrics,
         started: Instant::now(),
         lifecycle: Arc::new(http::Lifecycle::new(max_in_flight)),
@@ -126,6 +130,28 @@ pub fn build_state(
 
 /// Serves HTTP until SIGINT or SIGTERM (Ok, after the drain) or until the engine can no longer
 /// serve (Err). Either way the engine thread ends, which closes and unlinks the worker channel.
+/// The grammar compiler `--grammar-backend` asks for, over the model's vocabulary.
+fn grammar_compiler(
+    config: &ServerConfig,
+    tokenizer: &TextTokenizer,
+) -> Result<Option<Arc<tokenspeed_structured::GrammarCompiler>>, ServeError> {
+    match config.grammar_backend.as_deref() {
+        None | Some("none") => Ok(None),
+        Some("llguidance") => {
+            let vocab = match config.vocab_size {
+                0 => tokenizer.vocab_size(),
+                n => n as usize,
+            };
+            tokenspeed_structured::GrammarCompiler::new(tokenizer, vocab)
+                .map(|c| Some(Arc::new(c)))
+                .map_err(|e| ServeError::Config(format!("--grammar-backend llguidance: {e}")))
+        }
+        Some(other) => Err(ServeError::Config(format!(
+            "--grammar-backend {other} is not supported (llguidance, none)"
+        ))),
+    }
+}
+
 pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), ServeError> {
     let addr = format!("{}:{}", config.host, config.port);
     let runtime = tokio::runtime::Builder::new_multi_thread()

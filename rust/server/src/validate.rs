@@ -97,6 +97,8 @@ pub fn generation_spec(
         include_stop_str_in_output: f.include_stop_str_in_output.unwrap_or(false),
         top_logprobs,
         prompt_logprobs,
+        grammar: crate::constraint::grammar_request(&f.constraint)?,
+        grammar_starts_after: None,
     })
 }
 

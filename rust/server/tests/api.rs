@@ -213,6 +213,11 @@ fn harness_opts(
         step_log_interval: 0,
         enable_metrics,
         sampling_defaults: Default::default(),
+        vocab_size: 0,
+        grammar_backend: None,
+        tool_call_parser: None,
+        reasoning_parser: None,
+        enable_auto_tool_choice: false,
         server_info: Value::Null,
     };
     let log = Arc::new(WorkerLog::default());

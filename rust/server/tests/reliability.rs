@@ -74,6 +74,11 @@ fn state(watchdog_timeout: f64) -> AppState {
         enable_metrics: true,
         max_mixed_prefill_tokens: 0,
         sampling_defaults: Default::default(),
+        vocab_size: 0,
+        grammar_backend: None,
+        tool_call_parser: None,
+        reasoning_parser: None,
+        enable_auto_tool_choice: false,
         server_info: Value::Null,
     };
     build_state(config, Box::new(SilentWorker)).expect("state")

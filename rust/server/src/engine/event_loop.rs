@@ -11,6 +11,7 @@ use tokenspeed_engine::scheduler::{FinishReason, RequestOutput, Scheduler, Sched
 use tokenspeed_engine::{Plan, StepResult};
 use tokio::sync::mpsc as tokio_mpsc;
 
+use super::grammar::Verdict;
 use super::*;
 use crate::metrics::{Metrics, RequestTimes};
 
@@ -54,6 +55,8 @@ pub(super) struct EngineLoop {
     /// sent and how long after that submit.
     pub(super) last_submit: Option<Instant>,
     pub(super) prefill_sent: HashMap<u64, (Instant, Duration)>,
+    /// Matchers of the grammar-constrained requests.
+    pub(super) grammars: super::grammar::Grammars,
 }
 
 impl EngineLoop {
@@ -103,11 +106,17 @@ impl EngineLoop {
             }
             // With one plan in flight the scheduler plans the next on top of it (the worker
             // runs plans in order, and resolves `LAST_SAMPLED` inputs on the GPU).
-            let plan = if self.in_flight.len() < depth {
+            let mut plan = if self.in_flight.len() < depth {
                 self.scheduler.schedule().filter(|p| !p.is_empty())
             } else {
                 None
             };
+            if let Some(plan) = plan.as_mut().filter(|_| !self.grammars.is_empty()) {
+                let planned: Vec<_> = self.scheduler.last_planned().collect();
+                for (id, message) in self.grammars.attach_masks(plan, planned.into_iter()) {
+                    self.fail_request(id, format!("structured output failed: {message}"));
+                }
+            }
             let sent = plan.is_some();
             let now = Instant::now();
             for id in self.scheduler.take_admitted() {
@@ -159,9 +168,17 @@ impl EngineLoop {
             Command::Submit {
                 id,
                 request,
+                constraint,
                 events,
-            } => self.submit(id, *request, events),
+            } => {
+                if self.submit(id, *request, events) {
+                    if let Some(c) = constraint {
+                        self.grammars.insert(id, c);
+                    }
+                }
+            }
             Command::Abort { id } => {
+                self.grammars.remove(id);
                 if self.requests.remove(&id).is_some() {
                     self.scheduler.abort(id);
                     self.count_abort();
@@ -174,6 +191,7 @@ impl EngineLoop {
                 let _ = reply.send(flushed);
             }
             Command::AbortAll { message } => {
+                self.grammars.clear();
                 for (id, live) in self.requests.drain() {
                     self.scheduler.abort(id);
                     self.metrics
@@ -191,9 +209,16 @@ impl EngineLoop {
         true
     }
 
-    fn submit(&mut self, id: u64, req: Request, events: tokio_mpsc::UnboundedSender<EngineEvent>) {
+    /// Queues a request; false (and an error event sent) when refused.
+    fn submit(
+        &mut self,
+        id: u64,
+        req: Request,
+        events: tokio_mpsc::UnboundedSender<EngineEvent>,
+    ) -> bool {
         let reject = |message: String, kind| {
             let _ = events.send(EngineEvent::Error { message, kind });
+            false
         };
         if !self.healthy.load(Ordering::Acquire) {
             return reject(
@@ -223,9 +248,49 @@ impl EngineLoop {
                         last_token: None,
                     },
                 );
+                true
             }
             Err(e) => reject(e.to_string(), EngineErrorKind::BadRequest),
         }
+    }
+
+    /// Ends one request with an error (its slot and pages freed); the others go on.
+    fn fail_request(&mut self, id: u64, message: String) {
+        self.grammars.remove(id);
+        self.scheduler.abort(id);
+        if let Some(live) = self.requests.remove(&id) {
+            tracing::warn!(id, %message, "request failed");
+            self.metrics
+                .request_success
+                .with_label_values(&["error"])
+                .inc();
+            let _ = live.events.send(EngineEvent::Error {
+                message,
+                kind: EngineErrorKind::Internal,
+            });
+        }
+    }
+
+    /// Applies a constrained request's new tokens to its grammar: a completed grammar finishes
+    /// the request now ("stop"), a failed matcher ends it with an error.
+    fn apply_grammar(&mut self, mut out: RequestOutput) -> Option<RequestOutput> {
+        if out.tokens.is_empty() || out.error.is_some() {
+            return Some(out);
+        }
+        match self.grammars.advance(out.id, &out.tokens) {
+            Verdict::Continue => {}
+            Verdict::Complete => {
+                if out.finished.is_none() {
+                    self.scheduler.abort(out.id);
+                    out.finished = Some(FinishReason::Stop);
+                }
+            }
+            Verdict::Failed(message) => {
+                self.fail_request(out.id, format!("structured output failed: {message}"));
+                return None;
+            }
+        }
+        Some(out)
     }
 
     /// Waits for the result of the oldest plan in flight (checking that the workers live),
@@ -289,7 +354,14 @@ impl EngineLoop {
         let started = Instant::now();
         let outputs = self.scheduler.advance(&result);
         for out in outputs {
-            self.route(out);
+            let out = if self.grammars.is_empty() {
+                Some(out)
+            } else {
+                self.apply_grammar(out)
+            };
+            if let Some(out) = out {
+                self.route(out);
+            }
         }
         if let Some((sent, waited)) = self.prefill_sent.remove(&plan.step_id) {
             // Where a first token's time goes on the engine's side (the worker's side:
@@ -351,6 +423,7 @@ impl EngineLoop {
         }
         if let Some(message) = out.error {
             // The scheduler has dropped it already.
+            self.grammars.remove(id);
             if let Some(live) = self.requests.remove(&id) {
                 let _ = live.events.send(EngineEvent::Error {
                     message,
@@ -378,6 +451,9 @@ impl EngineLoop {
             },
         });
         let delivered = live.events.send(event).is_ok();
+        if finish.is_some() || !delivered {
+            self.grammars.remove(id);
+        }
         if let Some(reason) = finish {
             if let Some(live) = self.requests.remove(&id) {
                 let admitted = live.admitted.unwrap_or(live.submitted);
@@ -441,6 +517,7 @@ impl EngineLoop {
 
     /// The worker group is gone: every request ends with an error and /health fails.
     fn fail_all(&mut self, error: &LinkError) {
+        self.grammars.clear();
         if self.healthy.swap(false, Ordering::AcqRel) {
             tracing::error!(%error, "worker group failed; failing all requests");
             self.lifeline

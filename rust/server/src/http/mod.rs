@@ -35,6 +35,9 @@ pub struct AppState {
     pub config: Arc<ServerConfig>,
     pub tokenizer: Arc<TextTokenizer>,
     pub engine: EngineHandle,
+    /// Compiles structured-output grammars against the model's vocabulary (None:
+    /// `--grammar-backend none`).
+    pub grammar: Option<Arc<tokenspeed_structured::GrammarCompiler>>,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
     /// Draining (shutdown) and the count of generating requests in flight.

@@ -69,6 +69,31 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// OpenAI's end-user id: accepted (logged with the request), no effect on generation.
     pub user: Option<String>,
+    #[serde(flatten)]
+    pub constraint: ConstraintFields,
+}
+
+/// Every request form that constrains the output (structured output), as OpenAI, SGLang and
+/// vLLM spell them; `crate::constraint` maps them to one grammar. At most one may be set.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct ConstraintFields {
+    /// OpenAI's `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ..}}`.
+    pub response_format: Option<Value>,
+    /// SGLang's: a JSON schema, as JSON text or an object.
+    pub json_schema: Option<Value>,
+    /// SGLang's: a regex the whole output matches.
+    pub regex: Option<String>,
+    /// SGLang's: a grammar (GBNF `::=` rules with a `root`, or Lark).
+    pub ebnf: Option<String>,
+    /// SGLang's `{"structures": [...], "triggers": [...]}`, as JSON text or an object.
+    pub structural_tag: Option<Value>,
+    /// vLLM's (older) guided decoding fields.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+    /// vLLM's: `{"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag": ..}`.
+    pub structured_outputs: Option<Map<String, Value>>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
@@ -225,17 +250,14 @@ fn culprit_field<T: serde::de::DeserializeOwned>(value: &Value, message: &str) -
 /// Fields other servers define whose feature TokenSpeed does not have yet: refused with a 400
 /// naming them (accepting them would silently change what the client asked for).
 const NOT_IMPLEMENTED: &[(&str, &str)] = &[
-    ("response_format", "structured output"),
-    ("guided_json", "structured output"),
-    ("guided_regex", "structured output"),
-    ("guided_choice", "structured output"),
-    ("guided_grammar", "structured output"),
-    ("guided_decoding_backend", "structured output"),
-    ("structured_outputs", "structured output"),
-    ("json_schema", "structured output"),
-    ("regex", "structured output"),
-    ("ebnf", "structured output"),
-    ("structural_tag", "structured output"),
+    (
+        "guided_decoding_backend",
+        "choosing the grammar backend per request",
+    ),
+    (
+        "guided_whitespace_pattern",
+        "a custom JSON whitespace pattern",
+    ),
     ("functions", "tool calling"),
     ("function_call", "tool calling"),
     ("lora_path", "LoRA adapters"),
