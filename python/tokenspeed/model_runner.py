@@ -70,18 +70,35 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
 PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once (bounds the [rows, vocab] buffer)
 
 
-def token_masks(plan: StepPlan, sampled_slots: np.ndarray) -> TokenMasks | None:
-    """The plan's grammar masks as rows of the sampled batch (`sampled_slots`, in plan order)."""
+def has_pending_masks(plan: StepPlan) -> bool:
+    """Whether some of the plan's mask rows come later, in a mask completion (plan.rs TokenMask)."""
+    return bool(len(plan.mask_slot)) and bool((plan.mask_allowed_len == 0).any())
+
+
+def token_masks(plan: StepPlan, sampled_slots: np.ndarray,
+                completion: StepPlan | None = None) -> TokenMasks | None:
+    """The grammar masks of the plan's sampled rows (`sampled_slots`, in plan order): the plan's
+    own rows, with the pending ones taken from its mask `completion`."""
     if not len(plan.mask_slot):
         return None
+    rows_by_slot: dict[int, np.ndarray] = {}
+    for source in (plan, completion):
+        if source is None:
+            continue
+        ends = np.cumsum(source.mask_allowed_len.astype(np.int64))
+        for slot, n, end in zip(source.mask_slot.tolist(), source.mask_allowed_len.tolist(), ends.tolist()):
+            if n:  # a copy: plan arrays die at the next recv
+                rows_by_slot[int(slot)] = np.array(source.mask_allowed[end - n:end], np.uint32)
     row_of = {int(s): i for i, s in enumerate(sampled_slots.tolist())}
-    try:
-        rows = np.asarray([row_of[int(s)] for s in plan.mask_slot.tolist()], np.int64)
-    except KeyError as e:
-        raise ValueError(f"a token mask for slot {e.args[0]}, which does not sample this "
-                         "step") from None
-    words = np.array(plan.mask_allowed, np.uint32).reshape(len(rows), -1)  # a copy: plan arrays die at the next recv
-    return TokenMasks(rows, words)
+    missing = [s for s in plan.mask_slot.tolist() if int(s) not in rows_by_slot]
+    if missing:
+        raise ValueError(f"no token mask arrived for slot {missing[0]} of step {plan.step_id}")
+    unknown = [s for s in rows_by_slot if s not in row_of]
+    if unknown:
+        raise ValueError(f"a token mask for slot {unknown[0]}, which does not sample this step")
+    slots = list(rows_by_slot)
+    return TokenMasks(np.asarray([row_of[s] for s in slots], np.int64),
+                      np.stack([rows_by_slot[s] for s in slots]))
 
 
 class PromptLogprobs(NamedTuple):
@@ -315,6 +332,18 @@ class ModelRunner:
         logits, rows = self._forward(plan, copy_logits=False)
         return self._sample(plan, logits, rows)
 
+    @torch.inference_mode()
+    def launch_forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first half of `launch`, for a plan whose masks come later: state changes and the
+        forward pass, queued. Returns what `launch_sample` takes."""
+        return self._forward(plan, copy_logits=False)
+
+    @torch.inference_mode()
+    def launch_sample(self, plan: StepPlan, forward: tuple[torch.Tensor, torch.Tensor | None],
+                      completion: StepPlan) -> PendingStep:
+        """The second half: sampling under the plan's masks and their `completion`."""
+        return self._sample(plan, *forward, completion=completion)
+
     def _score_prompt(self, plan: StepPlan, hidden: torch.Tensor, query_start: np.ndarray,
                       wanted: list[int]) -> None:
         """Prompt logprobs of the wanted requests' input tokens: token t is scored by the
@@ -390,8 +419,8 @@ class ModelRunner:
         rows = to_device_int64([last[sample]], self.device)[0]
         return self.model.compute_logits(hidden[rows]), None  # type: ignore[operator]
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor,
-                slots_dev: torch.Tensor | None) -> PendingStep:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, slots_dev: torch.Tensor | None,
+                completion: StepPlan | None = None) -> PendingStep:
         sample = plan.sched_sample.astype(bool)
         slots = plan.sched_slot[sample].astype(np.uint32)  # a copy: plan arrays die at next recv
         if self.sampler.any_penalized(plan.sched_slot):
@@ -405,7 +434,8 @@ class ModelRunner:
             return PendingStep(slots, None, prompt=prompt)
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
-        res = self.sampler.sample(slots.tolist(), logits, slots_dev, token_masks(plan, slots))
+        res = self.sampler.sample(slots.tolist(), logits, slots_dev,
+                                  token_masks(plan, slots, completion))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
         self.last_tokens[slots_dev] = res.tokens
         return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,

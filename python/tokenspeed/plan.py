@@ -66,6 +66,12 @@ class StepPlan:
     def from_dict(cls, d: Mapping[str, Any]) -> StepPlan:
         return cls(d)
 
+    def copy(self) -> StepPlan:
+        """A plan that owns its arrays (a received plan's are views into shared memory, valid
+        until the next recv)."""
+        return StepPlan({k: (np.array(v) if isinstance(v, np.ndarray) else v)
+                         for k, v in self.__dict__.items()})
+
     @classmethod
     def of(cls, step_id: int = 0, **arrays: Any) -> StepPlan:
         """A plan from arrays by schema name; missing ones are empty. Unknown names are an

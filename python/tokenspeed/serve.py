@@ -239,6 +239,8 @@ def launch(cfg: Any) -> int:
             "tool_call_parser": cfg.tool_call_parser,
             "reasoning_parser": cfg.reasoning_parser,
             "enable_auto_tool_choice": bool(cfg.enable_auto_tool_choice),
+            "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
+                                else cfg.constrained_json_whitespace_pattern),
             "worker_pids": [p.pid for p in workers],
             "server_info": {
                 "device": capacities[0]["device"],

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tokenspeed._core import WorkerChannel
     from tokenspeed.distributed import ParallelSizes
     from tokenspeed.model_runner import ModelRunner, PendingStep
+    from tokenspeed.plan import StepPlan
 
 logger = logging.getLogger("tokenspeed.worker")
 
@@ -125,6 +126,7 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
     the loop polls for the next plan, so a plan the engine sends ahead (one-step-ahead
     scheduling) is queued on the GPU behind the running step and the GPU never waits for the
     host. Results go back in step order."""
+    from tokenspeed.model_runner import has_pending_masks
     from tokenspeed.plan import StepPlan
 
     trace = StepTrace.from_env()
@@ -151,12 +153,50 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
         if pending is not None and pending[1].ready():  # always so on the CPU: send it first
             _send(channel, spec, *pending, trace)
             pending = None
+        if has_pending_masks(plan):
+            # Grammar masks that depend on the step in flight: run the forward pass, send that
+            # step's result (the server computes the masks from it), then sample.
+            plan = plan.copy()  # its arrays are views the next recv invalidates
+            forward = runner.launch_forward(plan)
+            if pending is not None:
+                _send(channel, spec, *pending, trace)
+                pending = None
+            completion = _recv_mask_completion(channel, spec, plan.step_id, parent)
+            if completion is None:
+                return
+            pending = (plan.step_id, runner.launch_sample(plan, forward, completion))
+            if trace:
+                trace.launched(plan.step_id)
+            continue
         launched = (plan.step_id, runner.launch(plan))
         if trace:
             trace.launched(plan.step_id)
         if pending is not None:
             _send(channel, spec, *pending, trace)
         pending = launched
+
+
+def _recv_mask_completion(channel: WorkerChannel, spec: WorkerSpec, step_id: int,
+                          parent: int) -> StepPlan | None:
+    """The mask completion of plan `step_id`: the next message the server sends (None when the
+    channel closed or the server died)."""
+    from tokenspeed.plan import StepPlan
+
+    while True:
+        try:
+            raw = channel.recv(spec.recv_timeout_ms)
+        except ConnectionError as e:
+            logger.info("channel closed (%s); exiting", e)
+            return None
+        if raw is None:
+            if os.getppid() != parent:
+                return None
+            continue
+        completion = StepPlan.from_dict(raw)
+        if completion.step_id != step_id or len(completion.sched_slot):
+            raise RuntimeError(f"expected the mask completion of step {step_id}, got a plan for step "
+                               f"{completion.step_id} with {len(completion.sched_slot)} requests")
+        return completion
 
 
 def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingStep,

@@ -71,6 +71,8 @@ class ServeConfig:
     tool_call_parser: str | None = _default("tool_call_parser")
     reasoning_parser: str | None = _default("reasoning_parser")
     enable_auto_tool_choice: bool = _default("enable_auto_tool_choice")
+    constrained_json_whitespace_pattern: str | None = _default("constrained_json_whitespace_pattern")
+    constrained_json_disable_any_whitespace: bool = _default("constrained_json_disable_any_whitespace")
     # Parallelism (checked together by tokenspeed.distributed.ParallelSizes at launch).
     tp_size: int = _default("tp_size")
     ep_size: int = _default("ep_size")

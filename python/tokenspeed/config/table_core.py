@@ -220,10 +220,13 @@ RUNTIME_FLAGS: list[Flag] = [
       G_RUNTIME),
     i("--random-seed", "Seed for all random number generators, for reproducible sampling.",
       G_RUNTIME, aliases=("--seed",), minimum=0, component="both", implemented=True),
+    # The default bounds whitespace (one space, or a newline and an indent): with any amount
+    # allowed, as by default in SGLang and vLLM, small models loop on whitespace until max_tokens.
     s("--constrained-json-whitespace-pattern", "Regex of whitespace allowed between tokens of "
-      "JSON-constrained output.", G_RUNTIME),
+      "JSON-constrained output; 'any' allows any run of whitespace.", G_RUNTIME,
+      r"( |\n[ \t]{0,16})", implemented=True, metavar="REGEX"),
     b("--constrained-json-disable-any-whitespace", "Force compact JSON in JSON-constrained "
-      "output.", G_RUNTIME),
+      "output.", G_RUNTIME, implemented=True),
     f("--watchdog-timeout", "Abort the server when one forward step takes longer than this many "
       "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="server",
       implemented=True),

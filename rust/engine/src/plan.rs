@@ -137,12 +137,19 @@ section! {
 section! {
     /// The tokens a grammar-constrained request may sample this step (structured output). Only
     /// for requests the step samples for, and only those whose next token is constrained.
+    ///
+    /// A row whose input is `LAST_SAMPLED` cannot be known when its plan is sent (it depends
+    /// on the token in flight): it comes *pending*, with `allowed` empty, and the server sends
+    /// it once the previous step's result is in, as a *mask completion*: a plan with the same
+    /// `step_id` carrying only `masks`, every pending row filled. The worker runs the forward
+    /// pass meanwhile and waits for the completion only to sample (the mask takes tens of
+    /// microseconds, a forward pass milliseconds, so the GPU does not wait).
     pub struct TokenMask("mask") {
         pub slot: u32,
     }
     lists {
         /// Bit `i % 32` of word `i / 32` set: token `i` is allowed; `StepLimits::mask_words`
-        /// words (the model's vocabulary, padded ids never allowed).
+        /// words (the model's vocabulary, padded ids never allowed), or none while pending.
         pub allowed: Vec<u32>,
     }
 }
@@ -170,6 +177,14 @@ impl Plan {
     }
     pub fn is_empty(&self) -> bool {
         self.scheduled.is_empty() && self.finished.is_empty() && self.copies.is_empty()
+    }
+    /// The mask completion of plan `step_id`: only the rows it left pending (`TokenMask`).
+    pub fn mask_completion(step_id: u64, masks: Vec<TokenMask>) -> Plan {
+        Plan {
+            step_id,
+            masks,
+            ..Default::default()
+        }
     }
 }
 

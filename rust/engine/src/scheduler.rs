@@ -180,7 +180,6 @@ impl Sequence {
         let unknown_ahead = a.computed + 1 - known;
         if unknown_ahead == 1
             && !a.drafting
-            && !self.req.lockstep
             && self.completion_tokens() + 1 < self.req.max_new_tokens as usize
         {
             Work::Placeholder

@@ -75,6 +75,11 @@ pub struct ServerConfig {
     /// `--enable-auto-tool-choice`: tool_choice "auto" (and absent, with tools) is allowed.
     #[serde(default)]
     pub enable_auto_tool_choice: bool,
+    /// Whitespace between JSON tokens under a schema: a regex, "any", or "compact"
+    /// (`--constrained-json-whitespace-pattern`, `--constrained-json-disable-any-whitespace`);
+    /// absent: any.
+    #[serde(default)]
+    pub json_whitespace: Option<String>,
     /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
     #[serde(default)]
     pub server_info: serde_json::Value,

@@ -173,8 +173,7 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Queues a tokenized, validated request under a new id (its `id` is ignored); its tokens
     /// arrive on the returned channel.
-    /// With a `constraint`, its tokens follow the grammar (and the request runs in lockstep:
-    /// see `engine/grammar.rs`).
+    /// With a `constraint`, its tokens follow the grammar (see `engine/grammar.rs`).
     pub fn submit(
         &self,
         mut request: Request,
@@ -182,7 +181,6 @@ impl EngineHandle {
     ) -> (u64, tokio_mpsc::UnboundedReceiver<EngineEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         request.id = id;
-        request.lockstep = constraint.is_some();
         let (events, rx) = tokio_mpsc::unbounded_channel();
         let sent = self.commands.send(Command::Submit {
             id,

@@ -197,7 +197,6 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
         stop_token_ids: spec.stop_token_ids,
         eos_token_ids: state.tokenizer.eos_token_ids().to_vec(),
         ignore_eos: spec.ignore_eos,
-        lockstep: false, // the engine sets it for constrained requests
     };
     state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
     let (id, events) = state.engine.submit(request, constraint);

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use axum::serve::ListenerExt;
 use tokenspeed_engine::scheduler::{SchedulePolicy, SchedulerConfig};
+use tokenspeed_structured::JsonWhitespace;
 use tokenspeed_text::TextTokenizer;
 
 pub use config::ServerConfig;
@@ -142,8 +143,13 @@ fn grammar_compiler(
                 0 => tokenizer.vocab_size(),
                 n => n as usize,
             };
+            let ws = match config.json_whitespace.as_deref() {
+                None | Some("any") => JsonWhitespace::Flexible,
+                Some("compact") => JsonWhitespace::Compact,
+                Some(pattern) => JsonWhitespace::Pattern(pattern.to_string()),
+            };
             tokenspeed_structured::GrammarCompiler::new(tokenizer, vocab)
-                .map(|c| Some(Arc::new(c)))
+                .map(|c| Some(Arc::new(c.with_json_whitespace(ws))))
                 .map_err(|e| ServeError::Config(format!("--grammar-backend llguidance: {e}")))
         }
         Some(other) => Err(ServeError::Config(format!(

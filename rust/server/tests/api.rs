@@ -218,6 +218,7 @@ fn harness_opts(
         tool_call_parser: None,
         reasoning_parser: None,
         enable_auto_tool_choice: false,
+        json_whitespace: None,
         server_info: Value::Null,
     };
     let log = Arc::new(WorkerLog::default());

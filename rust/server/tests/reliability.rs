@@ -79,6 +79,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         tool_call_parser: None,
         reasoning_parser: None,
         enable_auto_tool_choice: false,
+        json_whitespace: None,
         server_info: Value::Null,
     };
     build_state(config, Box::new(SilentWorker)).expect("state")

@@ -47,10 +47,10 @@ impl GrammarSpec {
     }
 
     /// llguidance's input for this spec, or the error naming why there is none.
-    fn to_llguidance(&self) -> Result<TopLevelGrammar, GrammarError> {
+    fn to_llguidance(&self, ws: &JsonWhitespace) -> Result<TopLevelGrammar, GrammarError> {
         Ok(match self {
             GrammarSpec::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+                TopLevelGrammar::from_json_schema(ws.apply(serde_json::json!({"type": "object"})))
             }
             GrammarSpec::JsonSchema(schema) => {
                 if !(schema.is_object() || schema.is_boolean()) {
@@ -59,7 +59,7 @@ impl GrammarSpec {
                         json_kind(schema)
                     )));
                 }
-                TopLevelGrammar::from_json_schema(schema.clone())
+                TopLevelGrammar::from_json_schema(ws.apply(schema.clone()))
             }
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
             GrammarSpec::Grammar(text) => TopLevelGrammar::from_lark(
@@ -85,6 +85,33 @@ impl GrammarSpec {
             GrammarSpec::Choice(_) => GrammarError::Choice(message),
             GrammarSpec::StructuralTag(_) => GrammarError::StructuralTag(message),
         }
+    }
+}
+
+/// The whitespace JSON outputs may have between tokens (`--constrained-json-*` flags).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum JsonWhitespace {
+    /// Any run of whitespace (llguidance's default; a small model can loop on it).
+    #[default]
+    Flexible,
+    /// None: compact JSON.
+    Compact,
+    /// Runs matching this regex.
+    Pattern(String),
+}
+
+impl JsonWhitespace {
+    /// The schema with llguidance's options for this whitespace, unless it names its own.
+    fn apply(&self, mut schema: Json) -> Json {
+        let options = match self {
+            JsonWhitespace::Flexible => return schema,
+            JsonWhitespace::Compact => serde_json::json!({"whitespace_flexible": false}),
+            JsonWhitespace::Pattern(p) => serde_json::json!({"whitespace_pattern": p}),
+        };
+        if let Some(obj) = schema.as_object_mut() {
+            obj.entry("x-guidance").or_insert(options);
+        }
+        schema
     }
 }
 
@@ -118,6 +145,7 @@ pub struct GrammarCompiler {
     factory: ParserFactory,
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
+    json_whitespace: JsonWhitespace,
     cache: Mutex<GrammarCache>,
 }
 
@@ -162,12 +190,19 @@ impl GrammarCompiler {
             factory,
             vocab_size,
             eos_token_ids,
+            json_whitespace: JsonWhitespace::default(),
             cache: Mutex::new(GrammarCache {
                 capacity: capacity.max(1),
                 by_key: HashMap::new(),
                 order: VecDeque::new(),
             }),
         })
+    }
+
+    /// JSON outputs (schemas, json_object) keep to this whitespace; set before compiling.
+    pub fn with_json_whitespace(mut self, ws: JsonWhitespace) -> Self {
+        self.json_whitespace = ws;
+        self
     }
 
     /// The logits' width the masks cover.
@@ -221,7 +256,7 @@ impl GrammarCompiler {
     }
 
     fn compile_uncached(&self, spec: &GrammarSpec) -> Result<CompiledGrammar, GrammarError> {
-        let grammar = spec.to_llguidance()?;
+        let grammar = spec.to_llguidance(&self.json_whitespace)?;
         let parser = self
             .factory
             .create_parser(grammar)

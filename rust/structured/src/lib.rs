@@ -102,7 +102,9 @@ pub mod tool_call;
 mod vocab;
 
 pub use error::{GrammarError, MatchError};
-pub use grammar::{CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher, DEFAULT_CACHE_CAPACITY};
+pub use grammar::{
+    CompiledGrammar, GrammarCompiler, GrammarSpec, JsonWhitespace, Matcher, DEFAULT_CACHE_CAPACITY,
+};
 pub use reasoning::{ReasoningFormat, ReasoningOutput, ReasoningStream};
 pub use tool_call::{
     ParsedToolCalls, ToolCall, ToolCallDelta, ToolCallFormat, ToolCallStream, ToolStreamDelta,

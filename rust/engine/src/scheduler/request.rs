@@ -95,9 +95,6 @@ pub struct Request {
     /// The model's end-of-sequence ids: they end generation unless `ignore_eos`.
     pub eos_token_ids: Vec<u32>,
     pub ignore_eos: bool,
-    /// Its next token is constrained by state only the server knows after this one comes
-    /// back (a grammar's token mask): never scheduled one step ahead (`LAST_SAMPLED`).
-    pub lockstep: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -363,6 +363,17 @@ impl EngineLoop {
                 self.route(out);
             }
         }
+        // The next plan's pending masks depend on the tokens just applied: the worker is
+        // running its forward pass and waits for them to sample.
+        let oldest = self.in_flight.front().map(|p| p.step_id);
+        if let Some((completion, failed)) = self.grammars.complete(oldest) {
+            for (id, message) in failed {
+                self.fail_request(id, format!("structured output failed: {message}"));
+            }
+            if let Err(e) = self.link.send_plan(&completion) {
+                self.fail_all(&e);
+            }
+        }
         if let Some((sent, waited)) = self.prefill_sent.remove(&plan.step_id) {
             // Where a first token's time goes on the engine's side (the worker's side:
             // TOKENSPEED_STEP_TRACE); plans dropped as skipped leave entries behind: drop them.

@@ -1,16 +1,17 @@
 //! Grammar-constrained requests inside the engine loop: each one's matcher, the token masks a
 //! plan carries, and what each step's sampled tokens do to the matchers.
 //!
-//! Lockstep: a constrained request's mask for step N+1 depends on the token step N samples, so
-//! it is never scheduled one step ahead (`Request::lockstep`): its next step is planned after
-//! result N arrived, with the mask computed right then and sent inside the plan. Requests
-//! without a grammar keep one-step-ahead scheduling around it in the same batches. The cost is
-//! the host round trip between a constrained request's steps (measured in benches/RESULTS.md);
-//! the mask itself takes tens of microseconds (`rust/structured/benches/mask.rs`).
+//! Constrained requests keep one-step-ahead scheduling. A plan's mask row is computed when the
+//! plan is built if the request's input token is known; if the input is the token still in
+//! flight (`LAST_SAMPLED`), the row goes *pending* and is sent as a mask completion
+//! (`Plan::mask_completion`) right after the previous step's result is applied, while the
+//! worker runs this step's forward pass (see `plan::TokenMask`). Every pending row gets an
+//! answer, even for a request that ended meanwhile (its token is then discarded), because the
+//! worker waits for it.
 
 use std::collections::HashMap;
 
-use tokenspeed_engine::{Plan, TokenMask};
+use tokenspeed_engine::{Plan, TokenMask, LAST_SAMPLED};
 use tokenspeed_structured::Matcher;
 
 use super::Constraint;
@@ -35,6 +36,8 @@ pub(super) enum Verdict {
 pub(super) struct Grammars {
     by_id: HashMap<u64, Constrained>,
     mask_words: usize,
+    /// The latest plan sent with pending rows: its step and the (request, slot) of each row.
+    pending: Option<(u64, Vec<(u64, u32)>)>,
 }
 
 impl Grammars {
@@ -42,6 +45,7 @@ impl Grammars {
         Grammars {
             by_id: HashMap::new(),
             mask_words,
+            pending: None,
         }
     }
 
@@ -59,8 +63,10 @@ impl Grammars {
         self.by_id.remove(&id);
     }
 
+    /// Every request gone (the worker group failed): nothing is pending any more either.
     pub(super) fn clear(&mut self) {
         self.by_id.clear();
+        self.pending = None;
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -68,28 +74,94 @@ impl Grammars {
     }
 
     /// Adds a mask row to `plan` for every constrained request it samples for (past its
-    /// reasoning). `planned`: the plan's (id, slot, samples) rows. Returns the requests whose
-    /// matcher failed: the caller ends them (their step runs unmasked and is discarded).
+    /// reasoning): computed now when its input is known, pending when its input is the token in
+    /// flight. `planned`: the plan's (id, slot, samples) rows. Returns the requests whose
+    /// matcher failed: the caller ends them (their row allows everything; the step's token for
+    /// them is discarded).
     pub(super) fn attach_masks(
         &mut self,
         plan: &mut Plan,
         planned: impl Iterator<Item = (u64, u32, bool)>,
     ) -> Vec<(u64, String)> {
+        let ahead: Vec<u32> = plan
+            .scheduled
+            .iter()
+            .filter(|r| r.tokens.contains(&LAST_SAMPLED))
+            .map(|r| r.slot)
+            .collect();
         let mut failed = Vec::new();
+        let mut pending = Vec::new();
         for (id, slot, sample) in planned {
             let Some(c) = self.by_id.get_mut(&id) else {
                 continue;
             };
-            if !sample || c.starts_after.is_some() {
+            if !sample {
                 continue;
             }
-            let mut allowed = vec![0u32; self.mask_words];
-            match c.matcher.fill_next_token_bitmask(&mut allowed) {
-                Ok(()) => plan.masks.push(TokenMask { slot, allowed }),
-                Err(e) => failed.push((id, e.to_string())),
+            // Pending also while reasoning: the token in flight may be the think-end.
+            if ahead.contains(&slot) {
+                pending.push((id, slot));
+                plan.masks.push(TokenMask {
+                    slot,
+                    allowed: Vec::new(),
+                });
+                continue;
+            }
+            if c.starts_after.is_some() {
+                continue;
+            }
+            let (allowed, error) = Self::mask_of(c, self.mask_words);
+            plan.masks.push(TokenMask { slot, allowed });
+            if let Some(e) = error {
+                failed.push((id, e));
             }
         }
+        if !pending.is_empty() {
+            self.pending = Some((plan.step_id, pending));
+        }
         failed
+    }
+
+    /// The mask completion for the pending rows of plan `step_id`, once every plan before it has
+    /// been answered (so each matcher has consumed the token the row depends on). Requests
+    /// that ended meanwhile get an allow-all row; matchers that fail are returned to be ended.
+    pub(super) fn complete(
+        &mut self,
+        oldest_in_flight: Option<u64>,
+    ) -> Option<(Plan, Vec<(u64, String)>)> {
+        let step = self.pending.as_ref()?.0;
+        if oldest_in_flight != Some(step) {
+            return None;
+        }
+        let (step, rows) = self.pending.take()?;
+        let mut failed = Vec::new();
+        let masks = rows
+            .into_iter()
+            .map(|(id, slot)| {
+                let allowed = match self.by_id.get_mut(&id) {
+                    Some(c) if c.starts_after.is_none() => {
+                        let (allowed, error) = Self::mask_of(c, self.mask_words);
+                        if let Some(e) = error {
+                            failed.push((id, e));
+                        }
+                        allowed
+                    }
+                    // Ended meanwhile, or still reasoning: anything goes.
+                    _ => vec![u32::MAX; self.mask_words],
+                };
+                TokenMask { slot, allowed }
+            })
+            .collect();
+        Some((Plan::mask_completion(step, masks), failed))
+    }
+
+    /// A request's next-token mask; on a matcher error, allow-all and the error.
+    fn mask_of(c: &mut Constrained, words: usize) -> (Vec<u32>, Option<String>) {
+        let mut allowed = vec![0u32; words];
+        match c.matcher.fill_next_token_bitmask(&mut allowed) {
+            Ok(()) => (allowed, None),
+            Err(e) => (vec![u32::MAX; words], Some(e.to_string())),
+        }
     }
 
     /// Feeds a request's newly accepted tokens to its matcher.
