@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,17 @@ SCHEMA = {
 }
 
 
+def sse_lines(r: httpx.Response) -> Iterator[str]:
+    """SSE lines end at \n only: httpx's iter_lines also splits at U+2028 and friends, which
+    JSON strings (random dummy-weight text) may hold unescaped."""
+    buf = b""
+    for chunk in r.iter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.decode().rstrip("\r")
+
+
 def one(client: httpx.Client, url: str, prompt: list[int], max_tokens: int,
         constrained: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -50,7 +62,7 @@ def one(client: httpx.Client, url: str, prompt: list[int], max_tokens: int,
     finish, tokens, text = None, 0, []
     with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

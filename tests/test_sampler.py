@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tokenspeed.plan import NEUTRAL_SAMPLING
-from tokenspeed.sampler import Sampler
+from tokenspeed.sampler import Sampler, TokenMasks
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 
@@ -163,3 +164,37 @@ def test_logit_bias_moves_only_its_own_slot_and_not_the_logprobs() -> None:
     assert res.logprobs.tolist() == pytest.approx([raw[3].item(), raw[5].item()])
     with pytest.raises(ValueError, match="logit bias"):
         s.add(2, params(), logit_bias_ids=[1], logit_bias_values=[])
+
+
+def bitmask(allowed: set[int], vocab: int) -> np.ndarray:
+    words = np.zeros(-(-vocab // 32), np.uint32)
+    for t in allowed:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    return words
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_token_masks_restrict_only_their_rows_and_keep_raw_logprobs(temperature: float) -> None:
+    vocab = 70  # not a multiple of 32: the last word is partial
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    allowed = {3, 33, 64, 69}
+    s = sampler_with(3, temperature=temperature, seed=5)
+    masks = TokenMasks(np.asarray([1]), np.stack([bitmask(allowed, vocab)]))
+    for _ in range(20):
+        res = s.sample([0, 1, 2], logits, masks=masks)
+        assert res.tokens[1].item() in allowed
+        # Logprobs are the model's: log_softmax of the unmasked logits.
+        ref = torch.log_softmax(logits, dim=-1)
+        torch.testing.assert_close(res.logprobs, ref.gather(1, res.tokens[:, None]).squeeze(1))
+    if temperature == 0.0:
+        best = max(allowed, key=lambda t: logits[1, t].item())
+        assert res.tokens.tolist() == [logits[0].argmax().item(), best, logits[2].argmax().item()]
+
+
+def test_token_masks_never_allow_ids_past_the_mask() -> None:
+    """Logits wider than the mask (a padded vocabulary): the extra ids stay forbidden."""
+    logits = torch.full((1, 40), -5.0)
+    logits[0, 39] = 50.0  # the padded id is the model's favourite
+    s = sampler_with(1, temperature=0.0)
+    masks = TokenMasks(np.asarray([0]), np.stack([bitmask({2}, 32)]))
+    assert s.sample([0], logits, masks=masks).tokens.tolist() == [2]

@@ -62,7 +62,9 @@ class TokenMasks:
         if not len(self.rows):
             return logits
         dev, vocab = logits.device, logits.shape[-1]
-        words = torch.from_numpy(np.ascontiguousarray(self.words).view(np.int32)).to(dev)
+        words = torch.from_numpy(np.ascontiguousarray(self.words).view(np.int32))
+        if dev.type == "cuda":  # through pinned memory: a pageable copy would wait for the GPU
+            words = words.pin_memory().to(dev, non_blocking=True)
         shifts = torch.arange(32, dtype=torch.int32, device=dev)
         allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(self.rows), -1).bool()
         if allowed.shape[1] < vocab:  # columns past the mask (padded vocab) are never allowed

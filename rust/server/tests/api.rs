@@ -41,11 +41,16 @@ struct WorkerLog {
     max_in_flight: AtomicUsize,
     /// `LAST_SAMPLED` inputs seen.
     placeholders: AtomicUsize,
+    /// Mask rows applied: sent with their plan, and sent later in a mask completion.
+    masks_in_plan: AtomicUsize,
+    masks_completed: AtomicUsize,
 }
 
 /// Answers each plan on a worker thread, in order, queueing the results: sampled token =
-/// script[position in the answer]. A plan that breaks the worker contract kills the thread,
-/// which the engine sees as a dead channel (every request then fails).
+/// script[position in the answer], or under a grammar mask that forbids it, the lowest allowed
+/// id. A plan with pending masks waits for its mask completion (the next plan). A plan that
+/// breaks the worker contract kills the thread, which the engine sees as a dead channel (every
+/// request then fails).
 struct ScriptedWorker {
     plans: mpsc::Sender<Plan>,
     results: mpsc::Receiver<StepResult>,
@@ -65,7 +70,27 @@ impl ScriptedWorker {
         std::thread::spawn(move || {
             // Per slot: tokens sampled so far, and whether its previous step sampled.
             let mut produced = std::collections::HashMap::<u32, (usize, bool)>::new();
-            for plan in plan_rx {
+            while let Ok(plan) = plan_rx.recv() {
+                let mut masks: std::collections::HashMap<u32, Vec<u32>> = plan
+                    .masks
+                    .iter()
+                    .filter(|m| !m.allowed.is_empty())
+                    .map(|m| (m.slot, m.allowed.clone()))
+                    .collect();
+                seen.masks_in_plan.fetch_add(masks.len(), Ordering::Relaxed);
+                if plan.masks.iter().any(|m| m.allowed.is_empty()) {
+                    let Ok(completion) = plan_rx.recv() else {
+                        return;
+                    };
+                    assert_eq!(
+                        completion.step_id, plan.step_id,
+                        "a mask completion follows"
+                    );
+                    assert!(completion.scheduled.is_empty());
+                    seen.masks_completed
+                        .fetch_add(completion.masks.len(), Ordering::Relaxed);
+                    masks.extend(completion.masks.into_iter().map(|m| (m.slot, m.allowed)));
+                }
                 for f in &plan.finished {
                     produced.remove(&f.slot);
                 }
@@ -87,8 +112,16 @@ impl ScriptedWorker {
                     .filter(|r| r.sample)
                     .map(|r| {
                         let (n, _) = produced.entry(r.slot).or_insert((0, false));
-                        let token = script[*n % script.len()];
+                        let mut token = script[*n % script.len()];
                         *n += 1;
+                        if let Some(allowed) = masks.get(&r.slot) {
+                            let ok = |t: u32| allowed[t as usize / 32] >> (t % 32) & 1 == 1;
+                            if !ok(token) {
+                                token = (0..allowed.len() as u32 * 32)
+                                    .find(|&t| ok(t))
+                                    .expect("a mask allows some token");
+                            }
+                        }
                         RequestEvent {
                             slot: r.slot,
                             tokens: vec![token],
@@ -179,6 +212,22 @@ fn harness_opts(
     enable_metrics: bool,
     panic_after: Option<usize>,
 ) -> Harness {
+    harness_grammar(
+        api_key,
+        disable_overlap_schedule,
+        enable_metrics,
+        panic_after,
+        None,
+    )
+}
+
+fn harness_grammar(
+    api_key: Option<&str>,
+    disable_overlap_schedule: bool,
+    enable_metrics: bool,
+    panic_after: Option<usize>,
+    grammar_backend: Option<&str>,
+) -> Harness {
     let dir = smollm2_dir();
     let tok = TextTokenizer::from_dir(&dir, None).expect("tokenizer");
     let answer = " Paris is the capital.".to_string();
@@ -214,7 +263,7 @@ fn harness_opts(
         enable_metrics,
         sampling_defaults: Default::default(),
         vocab_size: 0,
-        grammar_backend: None,
+        grammar_backend: grammar_backend.map(str::to_string),
         tool_call_parser: None,
         reasoning_parser: None,
         enable_auto_tool_choice: false,
@@ -713,4 +762,73 @@ async fn server_info_reports_engine_busy_and_stalled_time() {
         busy + stalled <= started.elapsed().as_secs_f64() + 1.0,
         "{b}"
     );
+}
+
+#[tokio::test]
+async fn grammar_masks_reach_the_worker_and_the_grammar_ends_the_request() {
+    for disable_overlap in [false, true] {
+        let h = harness_grammar(None, disable_overlap, false, None, Some("llguidance"));
+        let (status, body) = call(
+            &h.state,
+            "POST",
+            "/v1/completions",
+            Some(r#"{"prompt": "Digits:", "max_tokens": 20, "guided_regex": "[0-9]{4}"}"#),
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let v = json_of(&body);
+        let text = v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            text.len() == 4 && text.chars().all(|c| c.is_ascii_digit()),
+            "{text:?}"
+        );
+        assert_eq!(
+            v["choices"][0]["finish_reason"], "stop",
+            "the grammar ended it"
+        );
+        let completed = h.log.masks_completed.load(Ordering::Relaxed);
+        let in_plan = h.log.masks_in_plan.load(Ordering::Relaxed);
+        // The first token's mask rides in the prefill plan; with overlap, later ones follow as
+        // completions of plans sent one step ahead; without, every mask rides in its plan.
+        assert!(in_plan >= 1, "in plan {in_plan}");
+        if disable_overlap {
+            assert_eq!(completed, 0);
+        } else {
+            assert!(completed >= 2, "completed {completed}");
+        }
+        // An unconstrained request on the same server is untouched.
+        let (_, body) = call(
+            &h.state,
+            "POST",
+            "/v1/completions",
+            Some(r#"{"prompt": "The capital of France is", "max_tokens": 50}"#),
+            None,
+        )
+        .await;
+        assert_eq!(json_of(&body)["choices"][0]["text"], h.answer);
+    }
+}
+
+#[tokio::test]
+async fn structured_output_is_refused_when_the_grammar_backend_is_none() {
+    let h = harness(None);
+    let (status, body) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "x", "max_tokens": 3, "guided_regex": "[0-9]"}"#),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let v = json_of(&body);
+    assert_eq!(v["error"]["param"], "guided_regex");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("--grammar-backend none"));
 }
