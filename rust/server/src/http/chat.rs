@@ -6,6 +6,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
+use super::chat_output::{finish_reason, ChatParsers, OutputStage, OutputStream, ToolMode};
 use super::error::ApiError;
 use super::openai::{
     request_id, sse_data, sse_response, stream_options, total_usage, vllm_prompt_logprobs,
@@ -16,12 +17,17 @@ use super::protocol::{check_extra_fields, parse_body, ChatCompletionRequest};
 use super::response::ErrorResponse;
 use super::response::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobEntry,
-    ChatLogprobs, ChatMessage, TopLogprob, Usage,
+    ChatLogprobs, ChatMessage, FunctionCallChunk, FunctionCallOut, ToolCallChunk, ToolCallOut,
+    TopLogprob, Usage,
 };
 use super::{ok_json, unix_now, AppState};
+use crate::constraint::GrammarRequest;
 use crate::engine::TokenUsage;
-use crate::generate::{self, Chunk, Prompt, TokenLogprob};
+use crate::generate::{self, Chunk, GenerationSpec, Prompt, TokenLogprob};
 use crate::validate;
+use tokenspeed_structured::tool_call::forced;
+use tokenspeed_structured::{GrammarSpec, ToolCallFormat};
+use tokenspeed_text::TextTokenizer;
 
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest, responses((status = 200, description = "a chat completion, or server-sent ChatCompletionChunks with stream", body = ChatCompletion), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
 pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
@@ -76,9 +82,78 @@ fn check_messages(messages: &[Map<String, Value>]) -> Result<String, ApiError> {
                 ))
             }
         }
+        if role == "tool" && !m.get("tool_call_id").is_some_and(Value::is_string) {
+            return Err(ApiError::bad_param(
+                "messages",
+                format!("messages[{i}] (role \"tool\") needs a string 'tool_call_id'"),
+            ));
+        }
+        if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+            check_message_tool_calls(i, role, calls)?;
+        }
         last_role = role.to_string();
     }
     Ok(last_role)
+}
+
+/// An assistant message's `tool_calls`, as OpenAI sends them back.
+fn check_message_tool_calls(i: usize, role: &str, calls: &Value) -> Result<(), ApiError> {
+    let bad = |m: String| ApiError::bad_param("messages", m);
+    if role != "assistant" {
+        return Err(bad(format!(
+            "messages[{i}] has tool_calls but role {role:?}: only assistant messages make calls"
+        )));
+    }
+    let calls = calls
+        .as_array()
+        .ok_or_else(|| bad(format!("messages[{i}].tool_calls must be an array")))?;
+    for (j, call) in calls.iter().enumerate() {
+        let function = call.get("function");
+        let named = function
+            .and_then(|f| f.get("name"))
+            .is_some_and(Value::is_string);
+        let args_ok = function
+            .and_then(|f| f.get("arguments"))
+            .is_none_or(|a| a.is_string() || a.is_object());
+        if !named || !args_ok {
+            return Err(bad(format!(
+                "messages[{i}].tool_calls[{j}] needs a \"function\" with a string \"name\" and \
+                 \"arguments\" (JSON text)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Messages as chat templates expect them (vLLM's conventions): null content is "" (templates
+/// concatenate it), and a call's `arguments` JSON text is an object (templates `tojson` it).
+fn template_messages(messages: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
+    messages
+        .into_iter()
+        .map(|mut m| {
+            if m.get("content").is_none_or(Value::is_null) {
+                m.insert("content".into(), Value::String(String::new()));
+            }
+            if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
+                for call in calls {
+                    let Some(args) = call
+                        .get_mut("function")
+                        .and_then(|f| f.get_mut("arguments"))
+                    else {
+                        continue;
+                    };
+                    if let Some(parsed) = args
+                        .as_str()
+                        .and_then(|t| serde_json::from_str::<Value>(t).ok())
+                        .filter(Value::is_object)
+                    {
+                        *args = parsed;
+                    }
+                }
+            }
+            m
+        })
+        .collect()
 }
 
 /// The text content of a message (its string, or its text parts joined).
@@ -93,26 +168,219 @@ fn message_text(m: &Map<String, Value>) -> String {
     }
 }
 
-/// Tool calling is not wired yet: tools may be rendered into the prompt only with
-/// `tool_choice: "none"`, which asks for no call.
-fn check_tools(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    let choice_none = match &req.tool_choice {
-        None => false,
-        Some(Value::String(s)) if s == "none" => true,
-        Some(other) => {
-            return Err(ApiError::bad_param(
-                "tool_choice",
-                format!("tool_choice {other} is not supported yet (tool calling is not implemented); only \"none\""),
-            ))
+/// `tool_choice`, as OpenAI spells it.
+#[derive(Debug, Clone, PartialEq)]
+enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+fn tool_choice(req: &ChatCompletionRequest, has_tools: bool) -> Result<ToolChoice, ApiError> {
+    let bad = |m: String| ApiError::bad_param("tool_choice", m);
+    let choice = match &req.tool_choice {
+        None | Some(Value::Null) if has_tools => ToolChoice::Auto,
+        None | Some(Value::Null) => ToolChoice::None,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(format!(
+                    "tool_choice {other:?} is not one of \"none\", \"auto\", \"required\" \
+                     or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                )))
+            }
+        },
+        Some(v) => {
+            let name = (v.get("type").and_then(Value::as_str) == Some("function"))
+                .then(|| v.get("function")?.get("name")?.as_str())
+                .flatten()
+                .ok_or_else(|| {
+                    bad(format!(
+                        "tool_choice {v} must be {{\"type\": \"function\", \"function\": \
+                         {{\"name\": ...}}}}"
+                    ))
+                })?;
+            ToolChoice::Named(name.to_string())
         }
     };
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) && !choice_none {
-        return Err(ApiError::bad_param(
-            "tools",
-            "tools are not supported yet (tool calling is not implemented); send tool_choice \"none\" to only render them into the prompt",
+    if !has_tools && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(bad(
+            "tool_choice \"required\" or a named function needs tools".into(),
         ));
     }
+    Ok(choice)
+}
+
+/// Each tool is `{"type": "function", "function": {"name": .., "parameters": {..}}}`.
+fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+    for (i, tool) in tools.iter().enumerate() {
+        let function = tool.get("function").and_then(Value::as_object);
+        let ok = tool.get("type").and_then(Value::as_str) == Some("function")
+            && function.is_some_and(|f| {
+                f.get("name")
+                    .and_then(Value::as_str)
+                    .is_some_and(|n| !n.is_empty())
+                    && f.get("parameters")
+                        .is_none_or(|p| p.is_object() || p.is_null())
+            });
+        if !ok {
+            return Err(ApiError::bad_param(
+                "tools",
+                format!(
+                    "tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": \
+                     <non-empty string>, \"parameters\": <JSON schema object>}}}}"
+                ),
+            ));
+        }
+    }
     Ok(())
+}
+
+/// How the request's tools shape the output: how it is read, and for "required" or a named
+/// function the grammar that forces the call (so its arguments always follow the schema).
+fn tool_plan(
+    req: &ChatCompletionRequest,
+    parsers: &ChatParsers,
+) -> Result<(ToolMode, Option<GrammarRequest>), ApiError> {
+    let tools = req.tools.as_deref().unwrap_or_default();
+    check_tools(tools)?;
+    let parallel = req.parallel_tool_calls.unwrap_or(true);
+    let forced = |schema: Result<Value, String>| {
+        schema
+            .map(|s| GrammarRequest {
+                spec: GrammarSpec::JsonSchema(s),
+                field: "tool_choice",
+            })
+            .map_err(|m| ApiError::bad_param("tool_choice", m))
+    };
+    Ok(match tool_choice(req, !tools.is_empty())? {
+        ToolChoice::None => (ToolMode::Off, None),
+        ToolChoice::Auto if tools.is_empty() => (ToolMode::Off, None),
+        ToolChoice::Auto => match parsers.tool_call {
+            Some(format) if parsers.auto_tool_choice => (
+                ToolMode::Parse {
+                    format,
+                    single: !parallel,
+                },
+                None,
+            ),
+            _ => {
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    "tool_choice \"auto\" (the default when tools are given) needs the server \
+                     started with --enable-auto-tool-choice and --tool-call-parser; \
+                     \"required\", a named function and \"none\" work without them",
+                ))
+            }
+        },
+        ToolChoice::Required => (
+            ToolMode::Parse {
+                format: ToolCallFormat::JsonArray,
+                single: !parallel,
+            },
+            Some(forced(forced::required_schema(tools, parallel))?),
+        ),
+        ToolChoice::Named(name) => {
+            let grammar = forced(forced::named_schema(tools, &name))?;
+            (ToolMode::Named(name), Some(grammar))
+        }
+    })
+}
+
+/// The output stage of a request, and the spec changes it needs: the forced-call grammar,
+/// special tokens kept for the model's tool-call markers, grammars after the reasoning.
+fn output_stage(
+    req: &ChatCompletionRequest,
+    parsers: &ChatParsers,
+    spec: &mut GenerationSpec,
+) -> Result<OutputStage, ApiError> {
+    let (tools, grammar) = tool_plan(req, parsers)?;
+    if let Some(grammar) = grammar {
+        if let Some(other) = &spec.grammar {
+            return Err(ApiError::bad_param(
+                "tool_choice",
+                format!(
+                    "tool_choice \"required\" or a named function constrains the output, so it \
+                     cannot be combined with '{}'",
+                    other.field
+                ),
+            ));
+        }
+        spec.grammar = Some(grammar);
+    }
+    if matches!(tools, ToolMode::Parse { format, .. } if format != ToolCallFormat::JsonArray)
+        && req.sampling.skip_special_tokens.is_none()
+    {
+        // Tool-call markers (`<|python_tag|>`, `[TOOL_CALLS]`, Qwen's `<tool_call>`) may be
+        // special tokens: the parser must see them.
+        spec.skip_special_tokens = false;
+    }
+    let enable_thinking = req
+        .chat_template_kwargs
+        .as_ref()
+        .and_then(|k| k.get("enable_thinking"))
+        .and_then(Value::as_bool);
+    let stage = OutputStage {
+        reasoning: parsers.reasoning,
+        enable_thinking,
+        tools,
+    };
+    if let Some(grammar) = spec
+        .grammar
+        .as_ref()
+        .filter(|_| stage.starts_in_reasoning())
+    {
+        // The reasoning stays free; the grammar applies from the token after its end.
+        spec.grammar_starts_after = Some(parsers.think_end_id.ok_or_else(|| {
+            ApiError::bad_param(
+                grammar.field,
+                format!(
+                    "'{}' constrains the answer after the reasoning, but this model's tokenizer \
+                     has no single think-end token; send chat_template_kwargs \
+                     {{\"enable_thinking\": false}} if the model supports it",
+                    grammar.field
+                ),
+            )
+        })?);
+    }
+    Ok(stage)
+}
+
+/// With special tokens kept, a choice that ended on a special stop token (eos) has its text at
+/// the end: it is no part of the answer.
+fn strip_special_stop(tokenizer: &TextTokenizer, keep_special: bool, text: &mut String, c: &Chunk) {
+    let Some(id) = c
+        .finish
+        .as_ref()
+        .and_then(|f| f.matched.as_ref())
+        .and_then(Value::as_u64)
+    else {
+        return;
+    };
+    if !keep_special
+        || tokenizer
+            .decode(&[id as u32], true)
+            .is_ok_and(|t| !t.is_empty())
+    {
+        return;
+    }
+    if let Ok(marker) = tokenizer.decode(&[id as u32], false) {
+        if !marker.is_empty() && text.ends_with(&marker) {
+            text.truncate(text.len() - marker.len());
+        }
+    }
+}
+
+/// A unique tool call id in OpenAI's form.
+fn call_id() -> String {
+    format!("call_{}", request_id())
+}
+
+fn non_empty(s: String) -> Option<String> {
+    (!s.is_empty()).then_some(s)
 }
 
 async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
@@ -120,7 +388,6 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     check_extra_fields("/v1/chat/completions", &req.extra)?;
     state.check_model(req.model.as_deref())?;
     let last_role = check_messages(&req.messages)?;
-    check_tools(&req)?;
     let continue_final = req.continue_final_message.unwrap_or(false);
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(!continue_final);
     if continue_final && add_generation_prompt {
@@ -149,7 +416,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     )?;
     let n = validate::choices(req.sampling.n, 1)?;
     let vocab = state.tokenizer.vocab_size() as u32;
-    let base = validate::generation_spec(
+    let mut base = validate::generation_spec(
         &req.sampling,
         &state.config.sampling_defaults,
         max_tokens,
@@ -161,12 +428,14 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         Some(m) if req.echo == Some(true) && last_role == "assistant" => message_text(m),
         _ => String::new(),
     };
+    let stage = output_stage(&req, &state.chat_parsers, &mut base)?;
+    let keep_special = !base.skip_special_tokens;
     let mut vars = req.chat_template_kwargs.clone().unwrap_or_default();
-    if let Some(tools) = req.tools.clone() {
+    if let Some(tools) = req.tools.clone().filter(|t| !t.is_empty()) {
         vars.insert("tools".into(), Value::Array(tools));
     }
     let prompt = Prompt::Chat {
-        messages: req.messages,
+        messages: template_messages(req.messages),
         template_vars: (!vars.is_empty()).then_some(Value::Object(vars)),
         add_generation_prompt,
         continue_final_message: continue_final,
@@ -197,6 +466,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(echo.clone()),
+                            ..ChatDelta::default()
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -206,24 +476,60 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                 })
             })
             .collect();
+        // Per choice: its pass through the output stage, and its call ids.
+        let mut streams: Vec<OutputStream> =
+            (0..choices.gens.len()).map(|_| stage.stream()).collect();
+        let mut ids: Vec<Vec<String>> = vec![Vec::new(); choices.gens.len()];
         let frame = {
             let head = head.clone();
             move |i: usize, c: &Chunk| {
+                let mut text = c.text.clone();
+                strip_special_stop(&tokenizer, keep_special, &mut text, c);
+                let (stream, ids) = (streams.get_mut(i)?, ids.get_mut(i)?);
+                let out = stream.push(&text, c.finish.is_some());
                 let logprobs = want_logprobs.then(|| chat_logprobs(&tokenizer, style, &c.logprobs));
-                sse_data(&ChatCompletionChunk {
+                if out.is_empty() && c.finish.is_none() && logprobs.is_none() {
+                    return None; // held back: the next text decides it
+                }
+                let tool_calls = out
+                    .tool_calls
+                    .into_iter()
+                    .map(|d| {
+                        let first = d.name.is_some();
+                        if first {
+                            ids.push(call_id());
+                        }
+                        ToolCallChunk {
+                            index: d.index as u32,
+                            id: first.then(|| ids.get(d.index).cloned()).flatten(),
+                            kind: first.then_some("function"),
+                            function: FunctionCallChunk {
+                                name: d.name,
+                                arguments: d.arguments,
+                            },
+                        }
+                    })
+                    .collect::<Vec<_>>();
+                let finish = c
+                    .finish
+                    .as_ref()
+                    .map(|f| finish_reason(f.reason, stream.made_calls()));
+                Some(sse_data(&ChatCompletionChunk {
                     choices: vec![ChatChunkChoice {
                         index: i as u32,
                         delta: ChatDelta {
                             role: None,
-                            content: (!c.text.is_empty()).then(|| c.text.clone()),
+                            content: non_empty(out.content),
+                            reasoning_content: non_empty(out.reasoning_content),
+                            tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
                         },
                         logprobs,
-                        finish_reason: c.finish.as_ref().map(|f| f.reason),
+                        finish_reason: finish,
                         matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
                     }],
                     usage: opts.continuous_usage.then(|| Usage::of(&c.usage)),
                     ..head.clone()
-                })
+                }))
             }
         };
         let usage = opts.include_usage.then_some(move |u: &[TokenUsage]| {
@@ -239,20 +545,50 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     let choices = chunks
         .iter()
         .enumerate()
-        .map(|(i, c)| ChatChoice {
-            index: i as u32,
-            message: ChatMessage {
-                role: "assistant",
-                content: echo.clone() + &c.text,
-            },
-            logprobs: want_logprobs.then(|| chat_logprobs(&state.tokenizer, style, &c.logprobs)),
-            finish_reason: c.finish.as_ref().map(|f| f.reason),
-            matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
-            prompt_logprobs: req
-                .sampling
-                .prompt_logprobs
-                .is_some()
-                .then(|| vllm_prompt_logprobs(&state.tokenizer, &c.prompt_logprobs)),
+        .map(|(i, c)| {
+            let mut text = c.text.clone();
+            strip_special_stop(&state.tokenizer, keep_special, &mut text, c);
+            let parsed = stage.parse(&text);
+            let content = echo.clone() + &parsed.content;
+            let tool_calls: Vec<ToolCallOut> = parsed
+                .tool_calls
+                .into_iter()
+                .map(|call| ToolCallOut {
+                    id: call_id(),
+                    kind: "function",
+                    function: FunctionCallOut {
+                        name: call.name,
+                        arguments: call.arguments,
+                    },
+                })
+                .collect();
+            let made_calls = !tool_calls.is_empty();
+            ChatChoice {
+                index: i as u32,
+                message: ChatMessage {
+                    role: "assistant",
+                    // Plain chat keeps "" for an empty answer; the parsers' empty parts are null.
+                    content: if stage.is_passthrough() {
+                        Some(content)
+                    } else {
+                        non_empty(content)
+                    },
+                    reasoning_content: non_empty(parsed.reasoning_content),
+                    tool_calls,
+                },
+                logprobs: want_logprobs
+                    .then(|| chat_logprobs(&state.tokenizer, style, &c.logprobs)),
+                finish_reason: c
+                    .finish
+                    .as_ref()
+                    .map(|f| finish_reason(f.reason, made_calls)),
+                matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
+                prompt_logprobs: req
+                    .sampling
+                    .prompt_logprobs
+                    .is_some()
+                    .then(|| vllm_prompt_logprobs(&state.tokenizer, &c.prompt_logprobs)),
+            }
         })
         .collect();
     Ok(ok_json(json!(ChatCompletion {
