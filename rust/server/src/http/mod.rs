@@ -3,6 +3,7 @@
 
 pub mod chat;
 pub mod chat_output;
+mod chat_request;
 pub mod error;
 pub mod lifecycle;
 pub mod native;
