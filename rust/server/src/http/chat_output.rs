@@ -180,6 +180,7 @@ impl OutputStage {
                     sent: false,
                 },
             },
+            answering: false,
             held_space: String::new(),
             content_started: false,
             calls: 0,
@@ -203,6 +204,8 @@ enum ToolState {
 pub struct OutputStream {
     reasoning: Option<ReasoningStream>,
     tools: ToolState,
+    /// The reasoning ended (or never began) and all it said was sent: the rest is answer.
+    answering: bool,
     /// Whitespace-only content not sent yet: if the content stays whitespace-only and calls are
     /// made, it is dropped (as `parse` drops it).
     held_space: String,
@@ -217,8 +220,11 @@ impl OutputStream {
     pub fn push(&mut self, text: &str, last: bool) -> MessageDelta {
         let mut out = MessageDelta::default();
         let answer = match &mut self.reasoning {
+            // Past the think-end everything is the answer: skip re-reading the whole text.
+            Some(_) if self.answering => text.to_string(),
             Some(r) => {
                 let mut d = r.push(text);
+                self.answering = r.reasoning_ended();
                 if last {
                     let rest = r.finish();
                     d.reasoning_content.push_str(&rest.reasoning_content);
