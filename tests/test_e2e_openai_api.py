@@ -219,7 +219,7 @@ def test_chat_assistant_prefill_and_echo(client: openai.OpenAI, model: str) -> N
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),

@@ -96,6 +96,8 @@ pub fn build_state(
         message: e.to_string(),
     })?;
     let grammar = grammar_compiler(&config, &tokenizer)?;
+    let chat_parsers = http::chat_output::ChatParsers::from_config(&config, &tokenizer)
+        .map_err(ServeError::Config)?;
     let metrics = Arc::new(metrics::Metrics::new(
         &config.served_model_name,
         config.context_length,
@@ -123,6 +125,7 @@ pub fn build_state(
         tokenizer: Arc::new(tokenizer),
         engine,
         grammar,
+        chat_parsers,
         metrics,
         started: Instant::now(),
         lifecycle: Arc::new(http::Lifecycle::new(max_in_flight)),

@@ -1,11 +1,15 @@
 //! `/v1/chat/completions` (SSE or not): messages checked and rendered by the chat template, then
-//! the same choices, streams and logprobs as the completions route (`openai.rs`).
+//! the same choices, streams and logprobs as the completions route (`openai.rs`). Tools and
+//! `tool_choice` decide the output stage (`chat_output.rs`: reasoning, then tool calls) and, for
+//! "required" or a named function, the grammar that forces the call.
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
+use super::chat_output::{finish_reason, OutputStream};
+use super::chat_request::{check_messages, message_text, output_stage, template_messages};
 use super::error::ApiError;
 use super::openai::{
     request_id, sse_data, sse_response, stream_options, total_usage, vllm_prompt_logprobs,
@@ -16,12 +20,14 @@ use super::protocol::{check_extra_fields, parse_body, ChatCompletionRequest};
 use super::response::ErrorResponse;
 use super::response::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobEntry,
-    ChatLogprobs, ChatMessage, TopLogprob, Usage,
+    ChatLogprobs, ChatMessage, FunctionCallChunk, FunctionCallOut, ToolCallChunk, ToolCallOut,
+    TopLogprob, Usage,
 };
 use super::{ok_json, unix_now, AppState};
 use crate::engine::TokenUsage;
 use crate::generate::{self, Chunk, Prompt, TokenLogprob};
 use crate::validate;
+use tokenspeed_text::TextTokenizer;
 
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest, responses((status = 200, description = "a chat completion, or server-sent ChatCompletionChunks with stream", body = ChatCompletion), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
 pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
@@ -31,88 +37,38 @@ pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Res
     }
 }
 
-const CHAT_ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
-
-/// Roles OpenAI defines, and content that is a string or text parts (no images or audio until
-/// a multimodal model exists). Returns the last message's role.
-fn check_messages(messages: &[Map<String, Value>]) -> Result<String, ApiError> {
-    if messages.is_empty() {
-        return Err(ApiError::bad_param(
-            "messages",
-            "messages must be a non-empty array",
-        ));
-    }
-    let mut last_role = String::new();
-    for (i, m) in messages.iter().enumerate() {
-        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-            ApiError::bad_param("messages", format!("messages[{i}] has no string 'role'"))
-        })?;
-        if !CHAT_ROLES.contains(&role) {
-            return Err(ApiError::bad_param(
-                "messages",
-                format!("messages[{i}].role {role:?} is not one of {CHAT_ROLES:?}"),
-            ));
-        }
-        match m.get("content") {
-            None | Some(Value::Null) | Some(Value::String(_)) => {}
-            Some(Value::Array(parts)) => {
-                for (j, part) in parts.iter().enumerate() {
-                    let kind = part.get("type").and_then(Value::as_str).unwrap_or_default();
-                    if kind != "text" || !part.get("text").is_some_and(Value::is_string) {
-                        return Err(ApiError::bad_param(
-                            "messages",
-                            format!(
-                                "messages[{i}].content[{j}] has type {kind:?}: only text parts \
-                                 ({{\"type\": \"text\", \"text\": ...}}) are supported"
-                            ),
-                        ));
-                    }
-                }
-            }
-            Some(_) => {
-                return Err(ApiError::bad_param(
-                    "messages",
-                    format!("messages[{i}].content must be a string or a list of text parts"),
-                ))
-            }
-        }
-        last_role = role.to_string();
-    }
-    Ok(last_role)
-}
-
-/// The text content of a message (its string, or its text parts joined).
-fn message_text(m: &Map<String, Value>) -> String {
-    match m.get("content") {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect(),
-        _ => String::new(),
-    }
-}
-
-/// Tool calling is not wired yet: tools may be rendered into the prompt only with
-/// `tool_choice: "none"`, which asks for no call.
-fn check_tools(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    let choice_none = match &req.tool_choice {
-        None => false,
-        Some(Value::String(s)) if s == "none" => true,
-        Some(other) => {
-            return Err(ApiError::bad_param(
-                "tool_choice",
-                format!("tool_choice {other} is not supported yet (tool calling is not implemented); only \"none\""),
-            ))
-        }
+/// With special tokens kept, a choice that ended on a special stop token (eos) has its text at
+/// the end: it is no part of the answer.
+fn strip_special_stop(tokenizer: &TextTokenizer, keep_special: bool, text: &mut String, c: &Chunk) {
+    let Some(id) = c
+        .finish
+        .as_ref()
+        .and_then(|f| f.matched.as_ref())
+        .and_then(Value::as_u64)
+    else {
+        return;
     };
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) && !choice_none {
-        return Err(ApiError::bad_param(
-            "tools",
-            "tools are not supported yet (tool calling is not implemented); send tool_choice \"none\" to only render them into the prompt",
-        ));
+    if !keep_special
+        || tokenizer
+            .decode(&[id as u32], true)
+            .is_ok_and(|t| !t.is_empty())
+    {
+        return;
     }
-    Ok(())
+    if let Ok(marker) = tokenizer.decode(&[id as u32], false) {
+        if !marker.is_empty() && text.ends_with(&marker) {
+            text.truncate(text.len() - marker.len());
+        }
+    }
+}
+
+/// A unique tool call id in OpenAI's form.
+fn call_id() -> String {
+    format!("call_{}", request_id())
+}
+
+fn non_empty(s: String) -> Option<String> {
+    (!s.is_empty()).then_some(s)
 }
 
 async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
@@ -120,7 +76,6 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     check_extra_fields("/v1/chat/completions", &req.extra)?;
     state.check_model(req.model.as_deref())?;
     let last_role = check_messages(&req.messages)?;
-    check_tools(&req)?;
     let continue_final = req.continue_final_message.unwrap_or(false);
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(!continue_final);
     if continue_final && add_generation_prompt {
@@ -149,7 +104,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     )?;
     let n = validate::choices(req.sampling.n, 1)?;
     let vocab = state.tokenizer.vocab_size() as u32;
-    let base = validate::generation_spec(
+    let mut base = validate::generation_spec(
         &req.sampling,
         &state.config.sampling_defaults,
         max_tokens,
@@ -161,12 +116,14 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         Some(m) if req.echo == Some(true) && last_role == "assistant" => message_text(m),
         _ => String::new(),
     };
+    let stage = output_stage(&req, &state.chat_parsers, &mut base)?;
+    let keep_special = !base.skip_special_tokens;
     let mut vars = req.chat_template_kwargs.clone().unwrap_or_default();
-    if let Some(tools) = req.tools.clone() {
+    if let Some(tools) = req.tools.clone().filter(|t| !t.is_empty()) {
         vars.insert("tools".into(), Value::Array(tools));
     }
     let prompt = Prompt::Chat {
-        messages: req.messages,
+        messages: template_messages(req.messages),
         template_vars: (!vars.is_empty()).then_some(Value::Object(vars)),
         add_generation_prompt,
         continue_final_message: continue_final,
@@ -197,6 +154,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                         delta: ChatDelta {
                             role: Some("assistant"),
                             content: Some(echo.clone()),
+                            ..ChatDelta::default()
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -206,24 +164,60 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                 })
             })
             .collect();
+        // Per choice: its pass through the output stage, and its call ids.
+        let mut streams: Vec<OutputStream> =
+            (0..choices.gens.len()).map(|_| stage.stream()).collect();
+        let mut ids: Vec<Vec<String>> = vec![Vec::new(); choices.gens.len()];
         let frame = {
             let head = head.clone();
             move |i: usize, c: &Chunk| {
+                let mut text = c.text.clone();
+                strip_special_stop(&tokenizer, keep_special, &mut text, c);
+                let (stream, ids) = (streams.get_mut(i)?, ids.get_mut(i)?);
+                let out = stream.push(&text, c.finish.is_some());
                 let logprobs = want_logprobs.then(|| chat_logprobs(&tokenizer, style, &c.logprobs));
-                sse_data(&ChatCompletionChunk {
+                if out.is_empty() && c.finish.is_none() && logprobs.is_none() {
+                    return None; // held back: the next text decides it
+                }
+                let tool_calls = out
+                    .tool_calls
+                    .into_iter()
+                    .map(|d| {
+                        let first = d.name.is_some();
+                        if first {
+                            ids.push(call_id());
+                        }
+                        ToolCallChunk {
+                            index: d.index as u32,
+                            id: first.then(|| ids.get(d.index).cloned()).flatten(),
+                            kind: first.then_some("function"),
+                            function: FunctionCallChunk {
+                                name: d.name,
+                                arguments: d.arguments,
+                            },
+                        }
+                    })
+                    .collect::<Vec<_>>();
+                let finish = c
+                    .finish
+                    .as_ref()
+                    .map(|f| finish_reason(f.reason, stream.made_calls()));
+                Some(sse_data(&ChatCompletionChunk {
                     choices: vec![ChatChunkChoice {
                         index: i as u32,
                         delta: ChatDelta {
                             role: None,
-                            content: (!c.text.is_empty()).then(|| c.text.clone()),
+                            content: non_empty(out.content),
+                            reasoning_content: non_empty(out.reasoning_content),
+                            tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
                         },
                         logprobs,
-                        finish_reason: c.finish.as_ref().map(|f| f.reason),
+                        finish_reason: finish,
                         matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
                     }],
                     usage: opts.continuous_usage.then(|| Usage::of(&c.usage)),
                     ..head.clone()
-                })
+                }))
             }
         };
         let usage = opts.include_usage.then_some(move |u: &[TokenUsage]| {
@@ -239,20 +233,50 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     let choices = chunks
         .iter()
         .enumerate()
-        .map(|(i, c)| ChatChoice {
-            index: i as u32,
-            message: ChatMessage {
-                role: "assistant",
-                content: echo.clone() + &c.text,
-            },
-            logprobs: want_logprobs.then(|| chat_logprobs(&state.tokenizer, style, &c.logprobs)),
-            finish_reason: c.finish.as_ref().map(|f| f.reason),
-            matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
-            prompt_logprobs: req
-                .sampling
-                .prompt_logprobs
-                .is_some()
-                .then(|| vllm_prompt_logprobs(&state.tokenizer, &c.prompt_logprobs)),
+        .map(|(i, c)| {
+            let mut text = c.text.clone();
+            strip_special_stop(&state.tokenizer, keep_special, &mut text, c);
+            let parsed = stage.parse(&text);
+            let content = echo.clone() + &parsed.content;
+            let tool_calls: Vec<ToolCallOut> = parsed
+                .tool_calls
+                .into_iter()
+                .map(|call| ToolCallOut {
+                    id: call_id(),
+                    kind: "function",
+                    function: FunctionCallOut {
+                        name: call.name,
+                        arguments: call.arguments,
+                    },
+                })
+                .collect();
+            let made_calls = !tool_calls.is_empty();
+            ChatChoice {
+                index: i as u32,
+                message: ChatMessage {
+                    role: "assistant",
+                    // Plain chat keeps "" for an empty answer; the parsers' empty parts are null.
+                    content: if stage.is_passthrough() {
+                        Some(content)
+                    } else {
+                        non_empty(content)
+                    },
+                    reasoning_content: non_empty(parsed.reasoning_content),
+                    tool_calls,
+                },
+                logprobs: want_logprobs
+                    .then(|| chat_logprobs(&state.tokenizer, style, &c.logprobs)),
+                finish_reason: c
+                    .finish
+                    .as_ref()
+                    .map(|f| finish_reason(f.reason, made_calls)),
+                matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
+                prompt_logprobs: req
+                    .sampling
+                    .prompt_logprobs
+                    .is_some()
+                    .then(|| vllm_prompt_logprobs(&state.tokenizer, &c.prompt_logprobs)),
+            }
         })
         .collect();
     Ok(ok_json(json!(ChatCompletion {

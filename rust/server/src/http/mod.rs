@@ -2,6 +2,8 @@
 //! handler: drain refusal, auth, body limit, admission. Handlers live in `openai` and `native`.
 
 pub mod chat;
+pub mod chat_output;
+mod chat_request;
 pub mod error;
 pub mod lifecycle;
 pub mod native;
@@ -38,6 +40,8 @@ pub struct AppState {
     /// Compiles structured-output grammars against the model's vocabulary (None:
     /// `--grammar-backend none`).
     pub grammar: Option<Arc<tokenspeed_structured::GrammarCompiler>>,
+    /// The chat output stage's parsers (`--tool-call-parser`, `--reasoning-parser`).
+    pub chat_parsers: chat_output::ChatParsers,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
     /// Draining (shutdown) and the count of generating requests in flight.

@@ -153,7 +153,8 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
             }
             (Some(t), None) => Prompt::Text(t),
             (None, Some(messages)) => Prompt::Chat {
-                messages,
+                // Prepared as the chat route prepares them (tool calls, null content).
+                messages: super::chat_request::template_messages(messages),
                 template_vars: None,
                 add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
                 continue_final_message: false,

@@ -105,7 +105,7 @@ pub(super) fn sse_data(value: &impl Serialize) -> Event {
 }
 
 /// Streams every choice as server-sent events: `preamble` first, one event per chunk with text
-/// or a finish (`frame`), an error event if a choice fails midway (the rest are aborted), the
+/// or a finish (`frame`; None: nothing to send for it yet), an error event if a choice fails midway (the rest are aborted), the
 /// usage event (`usage`, given each choice's last usage) when asked for, then `[DONE]`.
 pub(super) fn sse_response<F, U>(
     choices: Choices,
@@ -114,7 +114,7 @@ pub(super) fn sse_response<F, U>(
     usage: Option<U>,
 ) -> Response
 where
-    F: FnMut(usize, &Chunk) -> Event + Send + 'static,
+    F: FnMut(usize, &Chunk) -> Option<Event> + Send + 'static,
     U: Fn(&[TokenUsage]) -> Event + Send + 'static,
 {
     let mut usages = vec![TokenUsage::default(); choices.gens.len()];
@@ -128,7 +128,9 @@ where
                 Ok(chunk) => {
                     usages[i] = chunk.usage;
                     if chunk.text.is_empty() && chunk.finish.is_none() { continue; }
-                    yield Ok(frame(i, &chunk));
+                    if let Some(event) = frame(i, &chunk) {
+                        yield Ok(event);
+                    }
                 }
                 Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
             }
@@ -262,11 +264,11 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
                     choice.prompt_logprobs =
                         Some(vllm_prompt_logprobs(&tokenizer2, &c.prompt_logprobs));
                 }
-                sse_data(&Completion {
+                Some(sse_data(&Completion {
                     choices: vec![choice],
                     usage: opts.continuous_usage.then(|| Usage::of(&c.usage)),
                     ..head.clone()
-                })
+                }))
             }
         };
         let usage = opts.include_usage.then_some(move |u: &[TokenUsage]| {

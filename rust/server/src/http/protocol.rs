@@ -130,6 +130,8 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<u32>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// Several calls in one answer (default true); false keeps (and forces) at most one.
+    pub parallel_tool_calls: Option<bool>,
     pub add_generation_prompt: Option<bool>,
     /// vLLM's assistant prefill: the last (assistant) message is continued, not closed.
     pub continue_final_message: Option<bool>,

@@ -120,7 +120,48 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
 pub struct ChatMessage {
     pub role: &'static str,
-    pub content: String,
+    /// Null when a tool call or the reasoning left no answer text.
+    pub content: Option<String>,
+    /// The reasoning (`--reasoning-parser`), when there was any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// One tool call of a message (OpenAI's shape).
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
+pub struct FunctionCallOut {
+    pub name: String,
+    /// JSON text, as the model wrote it.
+    pub arguments: String,
+}
+
+/// A piece of a streamed tool call: the first of call `index` carries its id, type and name,
+/// later ones argument fragments.
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
+pub struct ToolCallChunk {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallChunk,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
+pub struct FunctionCallChunk {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
@@ -150,6 +191,10 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallChunk>>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]

@@ -1,0 +1,480 @@
+//! The request side of `/v1/chat/completions`: messages checked and prepared for the chat
+//! template (tool calls and tool results included), and `tools` / `tool_choice` /
+//! `parallel_tool_calls` turned into the output stage (`chat_output.rs`) and, for "required" or
+//! a named function, the grammar that forces the call.
+
+use serde_json::{Map, Value};
+use tokenspeed_structured::tool_call::forced;
+use tokenspeed_structured::{GrammarSpec, ToolCallFormat};
+
+use super::chat_output::{ChatParsers, OutputStage, ToolMode};
+use super::error::ApiError;
+use super::protocol::ChatCompletionRequest;
+use crate::constraint::GrammarRequest;
+use crate::generate::GenerationSpec;
+
+const CHAT_ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+/// Roles OpenAI defines, and content that is a string or text parts (no images or audio until
+/// a multimodal model exists). Returns the last message's role.
+pub(super) fn check_messages(messages: &[Map<String, Value>]) -> Result<String, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "messages must be a non-empty array",
+        ));
+    }
+    let mut last_role = String::new();
+    for (i, m) in messages.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::bad_param("messages", format!("messages[{i}] has no string 'role'"))
+        })?;
+        if !CHAT_ROLES.contains(&role) {
+            return Err(ApiError::bad_param(
+                "messages",
+                format!("messages[{i}].role {role:?} is not one of {CHAT_ROLES:?}"),
+            ));
+        }
+        match m.get("content") {
+            None | Some(Value::Null) | Some(Value::String(_)) => {}
+            Some(Value::Array(parts)) => {
+                for (j, part) in parts.iter().enumerate() {
+                    let kind = part.get("type").and_then(Value::as_str).unwrap_or_default();
+                    if kind != "text" || !part.get("text").is_some_and(Value::is_string) {
+                        return Err(ApiError::bad_param(
+                            "messages",
+                            format!(
+                                "messages[{i}].content[{j}] has type {kind:?}: only text parts \
+                                 ({{\"type\": \"text\", \"text\": ...}}) are supported"
+                            ),
+                        ));
+                    }
+                }
+            }
+            Some(_) => {
+                return Err(ApiError::bad_param(
+                    "messages",
+                    format!("messages[{i}].content must be a string or a list of text parts"),
+                ))
+            }
+        }
+        if role == "tool" && !m.get("tool_call_id").is_some_and(Value::is_string) {
+            return Err(ApiError::bad_param(
+                "messages",
+                format!("messages[{i}] (role \"tool\") needs a string 'tool_call_id'"),
+            ));
+        }
+        if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+            check_message_tool_calls(i, role, calls)?;
+        }
+        last_role = role.to_string();
+    }
+    Ok(last_role)
+}
+
+/// An assistant message's `tool_calls`, as OpenAI sends them back.
+fn check_message_tool_calls(i: usize, role: &str, calls: &Value) -> Result<(), ApiError> {
+    let bad = |m: String| ApiError::bad_param("messages", m);
+    if role != "assistant" {
+        return Err(bad(format!(
+            "messages[{i}] has tool_calls but role {role:?}: only assistant messages make calls"
+        )));
+    }
+    let calls = calls
+        .as_array()
+        .ok_or_else(|| bad(format!("messages[{i}].tool_calls must be an array")))?;
+    for (j, call) in calls.iter().enumerate() {
+        let function = call.get("function");
+        let named = function
+            .and_then(|f| f.get("name"))
+            .is_some_and(Value::is_string);
+        let args_ok = function
+            .and_then(|f| f.get("arguments"))
+            .is_none_or(|a| a.is_string() || a.is_object());
+        if !named || !args_ok {
+            return Err(bad(format!(
+                "messages[{i}].tool_calls[{j}] needs a \"function\" with a string \"name\" and \
+                 \"arguments\" (JSON text)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Messages as chat templates expect them (vLLM's conventions): null content is "" (templates
+/// concatenate it), and a call's `arguments` JSON text is an object (templates `tojson` it).
+pub(super) fn template_messages(messages: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
+    messages
+        .into_iter()
+        .map(|mut m| {
+            if m.get("content").is_none_or(Value::is_null) {
+                m.insert("content".into(), Value::String(String::new()));
+            }
+            if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
+                for call in calls {
+                    let Some(args) = call
+                        .get_mut("function")
+                        .and_then(|f| f.get_mut("arguments"))
+                    else {
+                        continue;
+                    };
+                    if let Some(parsed) = args
+                        .as_str()
+                        .and_then(|t| serde_json::from_str::<Value>(t).ok())
+                        .filter(Value::is_object)
+                    {
+                        *args = parsed;
+                    }
+                }
+            }
+            m
+        })
+        .collect()
+}
+
+/// The text content of a message (its string, or its text parts joined).
+pub(super) fn message_text(m: &Map<String, Value>) -> String {
+    match m.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+/// `tool_choice`, as OpenAI spells it.
+#[derive(Debug, Clone, PartialEq)]
+enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+fn tool_choice(req: &ChatCompletionRequest, has_tools: bool) -> Result<ToolChoice, ApiError> {
+    let bad = |m: String| ApiError::bad_param("tool_choice", m);
+    let choice = match &req.tool_choice {
+        None | Some(Value::Null) if has_tools => ToolChoice::Auto,
+        None | Some(Value::Null) => ToolChoice::None,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(format!(
+                    "tool_choice {other:?} is not one of \"none\", \"auto\", \"required\" \
+                     or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                )))
+            }
+        },
+        Some(v) => {
+            let name = (v.get("type").and_then(Value::as_str) == Some("function"))
+                .then(|| v.get("function")?.get("name")?.as_str())
+                .flatten()
+                .ok_or_else(|| {
+                    bad(format!(
+                        "tool_choice {v} must be {{\"type\": \"function\", \"function\": \
+                         {{\"name\": ...}}}}"
+                    ))
+                })?;
+            ToolChoice::Named(name.to_string())
+        }
+    };
+    if !has_tools && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(bad(
+            "tool_choice \"required\" or a named function needs tools".into(),
+        ));
+    }
+    Ok(choice)
+}
+
+/// Each tool is `{"type": "function", "function": {"name": .., "parameters": {..}}}`.
+fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+    for (i, tool) in tools.iter().enumerate() {
+        let function = tool.get("function").and_then(Value::as_object);
+        let ok = tool.get("type").and_then(Value::as_str) == Some("function")
+            && function.is_some_and(|f| {
+                f.get("name")
+                    .and_then(Value::as_str)
+                    .is_some_and(|n| !n.is_empty())
+                    && f.get("parameters")
+                        .is_none_or(|p| p.is_object() || p.is_null())
+            });
+        if !ok {
+            return Err(ApiError::bad_param(
+                "tools",
+                format!(
+                    "tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": \
+                     <non-empty string>, \"parameters\": <JSON schema object>}}}}"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// How the request's tools shape the output: how it is read, and for "required" or a named
+/// function the grammar that forces the call (so its arguments always follow the schema).
+fn tool_plan(
+    req: &ChatCompletionRequest,
+    parsers: &ChatParsers,
+) -> Result<(ToolMode, Option<GrammarRequest>), ApiError> {
+    let tools = req.tools.as_deref().unwrap_or_default();
+    check_tools(tools)?;
+    let parallel = req.parallel_tool_calls.unwrap_or(true);
+    let forced = |schema: Result<Value, String>| {
+        schema
+            .map(|s| GrammarRequest {
+                spec: GrammarSpec::JsonSchema(s),
+                field: "tool_choice",
+            })
+            .map_err(|m| ApiError::bad_param("tool_choice", m))
+    };
+    Ok(match tool_choice(req, !tools.is_empty())? {
+        ToolChoice::None => (ToolMode::Off, None),
+        ToolChoice::Auto if tools.is_empty() => (ToolMode::Off, None),
+        ToolChoice::Auto => match parsers.tool_call {
+            Some(format) if parsers.auto_tool_choice => (
+                ToolMode::Parse {
+                    format,
+                    single: !parallel,
+                },
+                None,
+            ),
+            _ => {
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    "tool_choice \"auto\" (the default when tools are given) needs the server \
+                     started with --enable-auto-tool-choice and --tool-call-parser; \
+                     \"required\", a named function and \"none\" work without them",
+                ))
+            }
+        },
+        ToolChoice::Required => (
+            ToolMode::Parse {
+                format: ToolCallFormat::JsonArray,
+                single: !parallel,
+            },
+            Some(forced(forced::required_schema(tools, parallel))?),
+        ),
+        ToolChoice::Named(name) => {
+            let grammar = forced(forced::named_schema(tools, &name))?;
+            (ToolMode::Named(name), Some(grammar))
+        }
+    })
+}
+
+/// The output stage of a request, and the spec changes it needs: the forced-call grammar,
+/// special tokens kept for the model's tool-call markers, grammars after the reasoning.
+pub(super) fn output_stage(
+    req: &ChatCompletionRequest,
+    parsers: &ChatParsers,
+    spec: &mut GenerationSpec,
+) -> Result<OutputStage, ApiError> {
+    let (tools, grammar) = tool_plan(req, parsers)?;
+    if let Some(grammar) = grammar {
+        if let Some(other) = &spec.grammar {
+            return Err(ApiError::bad_param(
+                "tool_choice",
+                format!(
+                    "tool_choice \"required\" or a named function constrains the output, so it \
+                     cannot be combined with '{}'",
+                    other.field
+                ),
+            ));
+        }
+        spec.grammar = Some(grammar);
+    }
+    if matches!(tools, ToolMode::Parse { format, .. } if format != ToolCallFormat::JsonArray)
+        && req.sampling.skip_special_tokens.is_none()
+    {
+        // Tool-call markers (`<|python_tag|>`, `[TOOL_CALLS]`, Qwen's `<tool_call>`) may be
+        // special tokens: the parser must see them.
+        spec.skip_special_tokens = false;
+    }
+    let enable_thinking = req
+        .chat_template_kwargs
+        .as_ref()
+        .and_then(|k| k.get("enable_thinking"))
+        .and_then(Value::as_bool);
+    let stage = OutputStage {
+        reasoning: parsers.reasoning,
+        enable_thinking,
+        tools,
+    };
+    if let Some(grammar) = spec
+        .grammar
+        .as_ref()
+        .filter(|_| stage.starts_in_reasoning())
+    {
+        // The reasoning stays free; the grammar applies from the token after its end.
+        spec.grammar_starts_after = Some(parsers.think_end_id.ok_or_else(|| {
+            ApiError::bad_param(
+                grammar.field,
+                format!(
+                    "'{}' constrains the answer after the reasoning, but this model's tokenizer \
+                     has no single think-end token; send chat_template_kwargs \
+                     {{\"enable_thinking\": false}} if the model supports it",
+                    grammar.field
+                ),
+            )
+        })?);
+    }
+    Ok(stage)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::Prompt;
+    use serde_json::json;
+    use tokenspeed_structured::ReasoningFormat;
+
+    fn request(extra: Value) -> ChatCompletionRequest {
+        let mut body = json!({
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}],
+        });
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        serde_json::from_value(body).expect("request")
+    }
+
+    fn spec() -> GenerationSpec {
+        GenerationSpec {
+            prompt: Prompt::Ids(Vec::new()),
+            sampling: tokenspeed_engine::SamplingParams::greedy(),
+            max_new_tokens: None,
+            min_new_tokens: 0,
+            stop: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: false,
+            skip_special_tokens: true,
+            include_stop_str_in_output: false,
+            top_logprobs: 0,
+            prompt_logprobs: None,
+            grammar: None,
+            grammar_starts_after: None,
+        }
+    }
+
+    const THINK_END: u32 = 7;
+
+    fn reasoning_parsers() -> ChatParsers {
+        ChatParsers {
+            tool_call: Some(ToolCallFormat::Hermes),
+            reasoning: Some(ReasoningFormat::Qwen3),
+            auto_tool_choice: true,
+            think_end_id: Some(THINK_END),
+        }
+    }
+
+    #[test]
+    fn forced_calls_get_a_grammar_that_starts_after_the_reasoning() {
+        let named = json!({"tool_choice": {"type": "function", "function": {"name": "f"}}});
+        let mut s = spec();
+        let stage =
+            output_stage(&request(named.clone()), &reasoning_parsers(), &mut s).expect("valid");
+        assert_eq!(stage.tools, ToolMode::Named("f".into()));
+        let grammar = s.grammar.expect("forced with a grammar");
+        assert_eq!(grammar.field, "tool_choice");
+        assert!(
+            matches!(grammar.spec, GrammarSpec::JsonSchema(ref v) if v["properties"]["a"]["type"] == "integer")
+        );
+        assert_eq!(s.grammar_starts_after, Some(THINK_END));
+        assert!(
+            s.skip_special_tokens,
+            "the forced output has no special markers"
+        );
+
+        // Thinking off: the grammar applies from the first token.
+        let mut off = named.clone();
+        off["chat_template_kwargs"] = json!({"enable_thinking": false});
+        let mut s = spec();
+        output_stage(&request(off), &reasoning_parsers(), &mut s).expect("valid");
+        assert!(s.grammar.is_some());
+        assert_eq!(s.grammar_starts_after, None);
+
+        // No think-end token: refused, naming the field whose grammar could not be placed.
+        let parsers = ChatParsers {
+            think_end_id: None,
+            ..reasoning_parsers()
+        };
+        let err = output_stage(&request(named), &parsers, &mut spec()).expect_err("refused");
+        assert_eq!(err.param.as_deref(), Some("tool_choice"));
+    }
+
+    #[test]
+    fn required_parses_the_forced_array_and_auto_keeps_special_tokens() {
+        let mut s = spec();
+        let stage = output_stage(
+            &request(json!({"tool_choice": "required", "parallel_tool_calls": false})),
+            &ChatParsers::default(),
+            &mut s,
+        )
+        .expect("valid");
+        assert_eq!(
+            stage.tools,
+            ToolMode::Parse {
+                format: ToolCallFormat::JsonArray,
+                single: true
+            }
+        );
+        let Some(GrammarSpec::JsonSchema(schema)) = s.grammar.map(|g| g.spec) else {
+            panic!("required is forced with a JSON schema");
+        };
+        assert_eq!(schema["maxItems"], 1);
+
+        let mut s = spec();
+        let stage = output_stage(&request(json!({})), &reasoning_parsers(), &mut s).expect("auto");
+        assert!(matches!(
+            stage.tools,
+            ToolMode::Parse {
+                format: ToolCallFormat::Hermes,
+                ..
+            }
+        ));
+        assert!(
+            !s.skip_special_tokens,
+            "the model's markers may be special tokens"
+        );
+        assert!(s.grammar.is_none());
+    }
+
+    #[test]
+    fn a_forced_call_and_another_grammar_conflict() {
+        let mut s = spec();
+        s.grammar = Some(GrammarRequest {
+            spec: GrammarSpec::JsonObject,
+            field: "response_format",
+        });
+        let err = output_stage(
+            &request(json!({"tool_choice": "required"})),
+            &ChatParsers::default(),
+            &mut s,
+        )
+        .expect_err("two grammars");
+        assert_eq!(err.param.as_deref(), Some("tool_choice"));
+    }
+
+    #[test]
+    fn template_messages_fill_null_content_and_parse_arguments() {
+        let messages: Vec<Map<String, Value>> = serde_json::from_value(json!([
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "2"},
+        ]))
+        .expect("messages");
+        let out = template_messages(messages);
+        assert_eq!(out[0]["content"], "");
+        assert_eq!(
+            out[0]["tool_calls"][0]["function"]["arguments"],
+            json!({"a": 1})
+        );
+        assert_eq!(out[1]["content"], "2");
+    }
+}

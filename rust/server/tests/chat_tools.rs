@@ -1,0 +1,413 @@
+//! Tool calls and reasoning through the real `/v1/chat/completions` route, engine thread and
+//! scheduler, with a scripted worker that "samples" a recorded Qwen3-style answer (reasoning,
+//! then two hermes tool calls, then EOS): the server with `--reasoning-parser qwen3
+//! --tool-call-parser hermes --enable-auto-tool-choice` must split it, streamed and not, the same.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tokenspeed_engine::plan::RequestEvent;
+use tokenspeed_engine::{Plan, StepResult};
+use tokenspeed_server::engine::{LinkError, WorkerLink};
+use tokenspeed_server::http::{router, AppState};
+use tokenspeed_server::{build_state, ServerConfig};
+use tokenspeed_text::TextTokenizer;
+use tower::ServiceExt;
+
+const ANSWER: &str = "<think>The user wants the weather in Paris and the time.</think>\n\n\
+    <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \
+    \"celsius\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n\
+    </tool_call>";
+
+fn smollm2_dir() -> PathBuf {
+    let root = std::env::var("TOKENSPEED_TEST_ASSETS").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/tokenspeed/test-assets",
+            std::env::var("HOME").unwrap_or_default()
+        )
+    });
+    let dir = PathBuf::from(root).join("smollm2");
+    assert!(
+        dir.join("tokenizer.json").exists(),
+        "test assets missing at {dir:?}: run `python -m tokenspeed.assets test-assets`"
+    );
+    dir
+}
+
+/// Answers each plan in order: a request's n-th sampled token is script[n].
+struct ScriptedWorker {
+    plans: mpsc::Sender<Plan>,
+    results: mpsc::Receiver<StepResult>,
+}
+
+impl ScriptedWorker {
+    fn start(script: Vec<u32>) -> Self {
+        let (plan_tx, plan_rx) = mpsc::channel::<Plan>();
+        let (res_tx, res_rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut produced = HashMap::<u32, usize>::new();
+            for plan in plan_rx {
+                for f in &plan.finished {
+                    produced.remove(&f.slot);
+                }
+                let events = plan
+                    .scheduled
+                    .iter()
+                    .filter(|r| r.sample)
+                    .map(|r| {
+                        let n = produced.entry(r.slot).or_insert(0);
+                        let token = script[*n % script.len()];
+                        *n += 1;
+                        RequestEvent {
+                            slot: r.slot,
+                            tokens: vec![token],
+                            logprobs: vec![-0.5],
+                            ..Default::default()
+                        }
+                    })
+                    .collect();
+                let result = StepResult {
+                    step_id: plan.step_id,
+                    events,
+                };
+                if res_tx.send(result).is_err() {
+                    return;
+                }
+            }
+        });
+        ScriptedWorker {
+            plans: plan_tx,
+            results: res_rx,
+        }
+    }
+}
+
+impl WorkerLink for ScriptedWorker {
+    fn send_plan(&mut self, plan: &Plan) -> Result<(), LinkError> {
+        self.plans
+            .send(plan.clone())
+            .map_err(|e| LinkError::Channel(e.to_string()))
+    }
+    fn recv_result(&mut self, timeout: Duration) -> Result<Option<StepResult>, LinkError> {
+        match self.results.recv_timeout(timeout) {
+            Ok(r) => Ok(Some(r)),
+            Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
+            Err(e) => Err(LinkError::Channel(e.to_string())),
+        }
+    }
+    fn check_alive(&mut self) -> Result<(), LinkError> {
+        Ok(())
+    }
+}
+
+fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> ServerConfig {
+    let dir = smollm2_dir();
+    ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        model_path: "test-model".into(),
+        tokenizer_path: dir.to_string_lossy().into_owned(),
+        served_model_name: "test-model".into(),
+        api_key: None,
+        chat_template: None,
+        context_length: 1024,
+        page_size: 4,
+        num_pages: 1024,
+        max_running_requests: 8,
+        chunked_prefill_size: 256,
+        max_prefill_tokens: 256,
+        max_mixed_prefill_tokens: 0,
+        schedule_policy: "fcfs".into(),
+        disable_radix_cache: false,
+        disable_overlap_schedule: false,
+        log_requests: false,
+        skip_server_warmup: true,
+        max_queued_requests: 100,
+        max_request_body_bytes: 1 << 20,
+        shutdown_timeout: 5.0,
+        watchdog_timeout: 300.0,
+        worker_pids: vec![],
+        step_log_interval: 0,
+        enable_metrics: false,
+        sampling_defaults: Default::default(),
+        vocab_size: 0,
+        grammar_backend: None,
+        tool_call_parser: tool_parser.map(str::to_string),
+        reasoning_parser: reasoning.map(str::to_string),
+        enable_auto_tool_choice: auto,
+        server_info: Value::Null,
+    }
+}
+
+fn state(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> AppState {
+    let tok = TextTokenizer::from_dir(&smollm2_dir(), None).expect("tokenizer");
+    let mut script = tok.encode(ANSWER, false).expect("encode");
+    script.push(tok.eos_token_ids()[0]);
+    let link = Box::new(ScriptedWorker::start(script));
+    build_state(config(tool_parser, reasoning, auto), link).expect("state")
+}
+
+async fn post(state: &AppState, body: &Value) -> (StatusCode, String) {
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let resp = router(state.clone()).oneshot(req).await.expect("response");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    ])
+}
+
+fn request(extra: Value) -> Value {
+    let mut body = json!({
+        "messages": [{"role": "user", "content": "Weather and time in Paris?"}],
+        "tools": tools(),
+        "max_tokens": 200,
+    });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    body
+}
+
+/// A streamed chat completion reassembled into a non-streamed message, as OpenAI clients do;
+/// checks the delta shapes on the way. Returns (message, finish_reason).
+fn reassemble(sse: &str) -> (Value, Value) {
+    let events: Vec<&str> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{sse}");
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    let mut calls: Vec<Value> = Vec::new();
+    let mut finish = Value::Null;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).expect("chunk json");
+        let choice = &v["choices"][0];
+        let delta = &choice["delta"];
+        content.push_str(delta["content"].as_str().unwrap_or_default());
+        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or_default());
+        for c in delta["tool_calls"].as_array().into_iter().flatten() {
+            let index = c["index"].as_u64().expect("index") as usize;
+            if index == calls.len() {
+                // The first delta of a call: id, type and name, OpenAI's order.
+                assert!(
+                    c["id"].as_str().is_some_and(|id| id.starts_with("call_")),
+                    "{e}"
+                );
+                assert_eq!(c["type"], "function", "{e}");
+                assert!(c["function"]["name"].is_string(), "{e}");
+                calls.push(json!({"name": c["function"]["name"], "arguments": ""}));
+            } else {
+                assert!(
+                    c.get("id").is_none() && c["function"].get("name").is_none(),
+                    "{e}"
+                );
+            }
+            let args = c["function"]["arguments"].as_str().unwrap_or_default();
+            let slot = calls.get_mut(index).expect("a call's name comes first");
+            slot["arguments"] = Value::from(format!(
+                "{}{args}",
+                slot["arguments"].as_str().unwrap_or_default()
+            ));
+        }
+        if !choice["finish_reason"].is_null() {
+            finish = choice["finish_reason"].clone();
+        }
+    }
+    let message = json!({
+        "content": (!content.is_empty()).then_some(content),
+        "reasoning_content": (!reasoning.is_empty()).then_some(reasoning),
+        "tool_calls": calls,
+    });
+    (message, finish)
+}
+
+/// The parts of a non-streamed message that a stream reassembles to (call ids differ).
+fn comparable(message: &Value) -> Value {
+    let calls: Vec<Value> = message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| json!({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}))
+        .collect();
+    json!({
+        "content": message["content"],
+        "reasoning_content": message.get("reasoning_content").cloned().unwrap_or(Value::Null),
+        "tool_calls": calls,
+    })
+}
+
+#[tokio::test]
+async fn reasoning_and_auto_tool_calls_split_the_same_streamed_or_not() {
+    let st = state(Some("hermes"), Some("qwen3"), true);
+    let (status, text) = post(&st, &request(json!({}))).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    let choice = &v["choices"][0];
+    let message = &choice["message"];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{text}");
+    assert_eq!(
+        message["reasoning_content"],
+        "The user wants the weather in Paris and the time."
+    );
+    // Content is null: only whitespace (and the EOS marker, kept for the parser) was left.
+    assert_eq!(message["content"], Value::Null, "{text}");
+    let calls = message["tool_calls"].as_array().expect("tool_calls");
+    assert_eq!(calls.len(), 2, "{text}");
+    assert_eq!(calls[0]["type"], "function");
+    assert!(calls[0]["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("call_")));
+    assert_ne!(calls[0]["id"], calls[1]["id"]);
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().expect("text"))
+            .expect("arguments are JSON text");
+    assert_eq!(args, json!({"city": "Paris", "unit": "celsius"}));
+    assert_eq!(calls[1]["function"]["name"], "get_time");
+
+    let (status, sse) = post(&st, &request(json!({"stream": true}))).await;
+    assert_eq!(status, StatusCode::OK, "{sse}");
+    let (streamed, finish) = reassemble(&sse);
+    assert_eq!(finish, "tool_calls");
+    assert_eq!(streamed, comparable(message), "{sse}");
+}
+
+#[tokio::test]
+async fn without_parallel_tool_calls_only_the_first_call_is_kept() {
+    let st = state(Some("hermes"), Some("qwen3"), true);
+    let body = request(json!({"parallel_tool_calls": false}));
+    let (status, text) = post(&st, &body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["tool_calls"].as_array().map(Vec::len), Some(1));
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, sse) = post(&st, &streamed).await;
+    assert_eq!(reassemble(&sse).0, comparable(message));
+}
+
+#[tokio::test]
+async fn thinking_disabled_leaves_the_think_block_in_the_content() {
+    let st = state(None, Some("qwen3"), false);
+    let body = json!({
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 200,
+        "chat_template_kwargs": {"enable_thinking": false},
+    });
+    let (status, text) = post(&st, &body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message.get("reasoning_content"), None, "{text}");
+    assert_eq!(message["content"], ANSWER);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // Thinking on (the default): the reasoning is split off, the rest is content (no tools).
+    let mut on = body.clone();
+    on["chat_template_kwargs"] = json!({});
+    let (_, text) = post(&st, &on).await;
+    let v: Value = serde_json::from_str(&text).expect("json");
+    let message = &v["choices"][0]["message"];
+    assert_eq!(
+        message["reasoning_content"],
+        "The user wants the weather in Paris and the time."
+    );
+    let content = message["content"].as_str().expect("content");
+    assert!(content.starts_with("\n\n<tool_call>"), "{content:?}");
+    on["stream"] = json!(true);
+    let (_, sse) = post(&st, &on).await;
+    assert_eq!(reassemble(&sse).0, comparable(message));
+}
+
+#[tokio::test]
+async fn auto_tool_choice_needs_the_flags() {
+    for st in [state(Some("hermes"), None, false), state(None, None, false)] {
+        for extra in [json!({}), json!({"tool_choice": "auto"})] {
+            let (status, text) = post(&st, &request(extra)).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+            let v: Value = serde_json::from_str(&text).expect("json");
+            assert_eq!(v["error"]["param"], "tool_choice", "{text}");
+            assert!(text.contains("--enable-auto-tool-choice"), "{text}");
+        }
+        // "none" renders the tools and parses nothing.
+        let (status, text) = post(&st, &request(json!({"tool_choice": "none"}))).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert!(!text.contains("\"tool_calls\":["), "{text}");
+    }
+}
+
+#[tokio::test]
+async fn tool_results_render_and_bad_tool_fields_are_400s() {
+    let st = state(Some("hermes"), None, true);
+    let conversation = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]);
+    let (status, text) = post(&st, &request(json!({"messages": conversation}))).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    for (extra, param) in [
+        (
+            json!({"messages": [{"role": "tool", "content": "x"}]}),
+            "messages",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}),
+            "messages",
+        ),
+        (json!({"tools": [{"type": "function"}]}), "tools"),
+        (
+            json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (json!({"tool_choice": "sometimes"}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [], "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        // Forced calls need a grammar; this server has --grammar-backend none.
+        (json!({"tool_choice": "required"}), "tool_choice"),
+    ] {
+        let (status, text) = post(&st, &request(extra.clone())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{extra}: {text}");
+        let v: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(v["error"]["param"], param, "{extra}: {text}");
+    }
+}
+
+#[test]
+fn unknown_parsers_fail_at_startup() {
+    for cfg in [
+        config(Some("nonesuch"), None, false),
+        config(None, Some("nonesuch"), false),
+        config(None, None, true),
+    ] {
+        let link = Box::new(ScriptedWorker::start(vec![0]));
+        let err = build_state(cfg, link).err().expect("refused");
+        assert!(err.to_string().contains("--"), "{err}");
+    }
+}
