@@ -217,7 +217,7 @@ def test_chat_assistant_prefill_and_echo(client: openai.OpenAI, model: str) -> N
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -225,16 +225,17 @@ def test_chat_assistant_prefill_and_echo(client: openai.OpenAI, model: str) -> N
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": "x", "regex": "a+"}, "regex"),
+    ("/v1/completions", {"prompt": "x", "regex": "a+", "ebnf": "root ::= \"a\""}, "ebnf"),
+    ("/v1/completions", {"prompt": "x", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ("/v1/completions", {"prompt": "x", "lora_path": "/a"}, "lora_path"),
-    ("/v1/completions", {"prompt": "x", "guided_json": {}}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_json": "{not json"}, "guided_json"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 1000}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, "stop"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
-    ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}}, "ebnf"),
+    ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= missing_rule"}}, "ebnf"),
 ])
 def test_unsupported_or_invalid_fields_get_a_400_naming_them(server: Server, route: str, body: dict,
                                                              param: str) -> None:

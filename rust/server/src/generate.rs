@@ -365,6 +365,11 @@ impl Generation {
                     reason: "stop",
                     matched: token.tokens.last().map(|&t| Value::from(t)),
                 },
+                // Nothing was matched: the grammar allows no more.
+                FinishReason::Complete => Finish {
+                    reason: "stop",
+                    matched: None,
+                },
             });
             return Some(Ok(chunk));
         }

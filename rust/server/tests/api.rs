@@ -790,6 +790,10 @@ async fn grammar_masks_reach_the_worker_and_the_grammar_ends_the_request() {
             v["choices"][0]["finish_reason"], "stop",
             "the grammar ended it"
         );
+        assert!(
+            v["choices"][0]["matched_stop"].is_null(),
+            "no stop was matched"
+        );
         let completed = h.log.masks_completed.load(Ordering::Relaxed);
         let in_plan = h.log.masks_in_plan.load(Ordering::Relaxed);
         // The first token's mask rides in the prefill plan; with overlap, later ones follow as

@@ -141,6 +141,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         tool_call_parser: tool_parser.map(str::to_string),
         reasoning_parser: reasoning.map(str::to_string),
         enable_auto_tool_choice: auto,
+        json_whitespace: None,
         server_info: Value::Null,
     }
 }

@@ -31,8 +31,9 @@
 //! slot indices. The sampler applies it to the logits (`-inf` where the bit is clear) before
 //! temperature/top-k/top-p. Per token, for each grammar request: `consume_token(sampled)` when
 //! the step's result arrives, then `fill_next_token_bitmask(row)` for the next step. Rows are
-//! independent, so `rayon` over a batch's grammar requests computes them in parallel (matchers of
-//! one grammar share its lexer cache behind a lock; that still scales, see the benchmark).
+//! independent, but matchers of one grammar share its lexer cache behind a lock: computing a
+//! batch's rows with rayon scaled on the benchmark yet slowed serving on the H100 box (the
+//! engine computes them one by one; see `rust/server/src/engine/grammar.rs`).
 //! Costs on the Llama-3 vocab (128k ids) for a realistic JSON schema (`benches/mask.rs`, a
 //! loaded 2-core dev box): median ~16-20 µs per mask, mean ~100 µs (the first masks of a new
 //! grammar build lexer states and take up to ~0.6 ms), compile ~2 ms uncached, a matcher < 1 µs.
@@ -42,23 +43,20 @@
 //! Without a grammar, plan N+1 is sent while step N runs: its inputs are "the token step N
 //! samples", resolved on the GPU, and the CPU never waits. A grammar request's *mask* for step
 //! N+1 depends on the token step N samples, which the CPU only learns when result N arrives, so
-//! the mask cannot ride in plan N+1 when that plan is sent early. Its *input* still can. So:
+//! the mask cannot ride in plan N+1 when that plan is sent early. Its *input* still can. So
+//! (as built in `rust/server/src/engine/grammar.rs` and `python/tokenspeed/worker.py`):
 //!
-//! 1. Plan N+1 is built and sent as for any request (input = step N's sample, resolved on the
-//!    GPU); it marks which slots need a mask and carries a mask sequence number, not the mask.
-//! 2. When result N arrives, the engine thread first, before detokenizing or streaming, runs
-//!    `consume_token` + `fill_next_token_bitmask` for the grammar requests (in parallel) and
-//!    publishes the rows for step N+1 (a mask slot beside the plan ring, with the sequence
-//!    number). That overlaps step N+1's forward pass, which takes milliseconds.
-//! 3. The worker runs step N+1's forward, then waits for the mask with that sequence number
-//!    (a spin/futex on the slot header, like the plan ring) before sampling. The GPU waits only
-//!    when the masks take longer than a forward pass; at batch 1 a mask takes ~20 µs median
-//!    (~100 µs mean) against a decode step of ~6 ms (S3 on the H100).
+//! 1. Plan N+1 is built and sent as for any request; its mask row for such a request is
+//!    *pending* (empty).
+//! 2. When result N arrives, the engine thread consumes the tokens, computes the pending rows
+//!    and sends them as plan N+1's *mask completion* (a plan with the same step
+//!    id carrying only masks), before scheduling plan N+2.
+//! 3. The worker runs step N+1's forward pass, sends result N, then waits for the completion
+//!    before sampling. The GPU waits only when the masks take longer than a forward pass.
 //!
 //! The same idea is SGLang's overlap scheduler (its forward thread waits on a "sampling info
-//! done" event before sampling grammar batches). A simpler first version that is still correct:
-//! when any request in the batch has a grammar, build plan N+1 only after result N (masks in the
-//! plan, no overlap for that batch); requests without grammars keep the overlap otherwise.
+//! done" event before sampling grammar batches). Measured on an H100 (Llama-3.1-8B shape): +0.8%
+//! per token at batch 1 (benches/grammar_bench.py).
 //!
 //! Finishing: after `consume_token`, `is_finished()` means only eos can follow: finish the
 //! request now (finish_reason "stop"). Step N+1 already has it in flight, exactly as for a request

@@ -104,6 +104,9 @@ pub enum FinishReason {
     Stop,
     /// `max_new_tokens` reached.
     Length,
+    /// The output is complete under its grammar (structured output): set by the server, which
+    /// owns grammars; the scheduler never reports it.
+    Complete,
 }
 
 /// What one step produced for one request: its accepted tokens (usually one), or an error.

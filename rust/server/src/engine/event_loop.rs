@@ -282,7 +282,7 @@ impl EngineLoop {
             Verdict::Complete => {
                 if out.finished.is_none() {
                     self.scheduler.abort(out.id);
-                    out.finished = Some(FinishReason::Stop);
+                    out.finished = Some(FinishReason::Complete);
                 }
             }
             Verdict::Failed(message) => {
@@ -477,7 +477,7 @@ impl EngineLoop {
                     prompt_tokens,
                     generation_tokens: completion_tokens,
                     finished_reason: match reason {
-                        FinishReason::Stop => "stop",
+                        FinishReason::Stop | FinishReason::Complete => "stop",
                         FinishReason::Length => "length",
                     },
                 });
