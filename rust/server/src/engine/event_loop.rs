@@ -352,27 +352,26 @@ impl EngineLoop {
 
     fn deliver(&mut self, plan: &Plan, result: StepResult) {
         let started = Instant::now();
-        let outputs = self.scheduler.advance(&result);
-        for out in outputs {
-            let out = if self.grammars.is_empty() {
-                Some(out)
-            } else {
-                self.apply_grammar(out)
-            };
-            if let Some(out) = out {
-                self.route(out);
+        let mut outputs = self.scheduler.advance(&result);
+        if !self.grammars.is_empty() {
+            outputs = outputs
+                .into_iter()
+                .filter_map(|out| self.apply_grammar(out))
+                .collect();
+            // The next plan's pending masks depend on the tokens just applied, and the worker
+            // waits for them to sample: they go out before the outputs are routed.
+            let oldest = self.in_flight.front().map(|p| p.step_id);
+            if let Some((completion, failed)) = self.grammars.complete(oldest) {
+                if let Err(e) = self.link.send_plan(&completion) {
+                    self.fail_all(&e);
+                }
+                for (id, message) in failed {
+                    self.fail_request(id, format!("structured output failed: {message}"));
+                }
             }
         }
-        // The next plan's pending masks depend on the tokens just applied: the worker is
-        // running its forward pass and waits for them to sample.
-        let oldest = self.in_flight.front().map(|p| p.step_id);
-        if let Some((completion, failed)) = self.grammars.complete(oldest) {
-            for (id, message) in failed {
-                self.fail_request(id, format!("structured output failed: {message}"));
-            }
-            if let Err(e) = self.link.send_plan(&completion) {
-                self.fail_all(&e);
-            }
+        for out in outputs {
+            self.route(out);
         }
         if let Some((sent, waited)) = self.prefill_sent.remove(&plan.step_id) {
             // Where a first token's time goes on the engine's side (the worker's side:
