@@ -224,11 +224,20 @@ def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int, w_fp8: bo
         if m == 1:
             return GemvConfig(block_n=2, block_k=min(256, kcap), num_warps=1)
         return GemvConfig(block_n=32, block_k=min(64, kcap), num_warps=4, num_stages=3, use_dot=True)
-    if w_fp8 and m <= 2:
+    if w_fp8 and m == 1:
+        # FP8 weights at M=1 (bench_fp8.py --sweep, H100, session 6): two rows per program for
+        # the short-K layers (qkv 12.0 us, o_proj 9.6, gate_up 43.3), and for long K (down_proj,
+        # K=14336) four rows, 2048-wide K steps and two warps (24.3 us instead of 27.9): 89 us per
+        # layer instead of 95 with the M=2 tile below.
+        if k >= 8192:
+            return GemvConfig(block_n=4, block_k=min(2048, kcap), num_warps=2)
+        return GemvConfig(block_n=2, block_k=min(1024, kcap), num_warps=1)
+    if w_fp8 and m == 2:
         # FP8 weights: a [1, 1024] tile is only 1 KB, half of what keeps bf16 at copy speed, and x
         # (bf16, 2 bytes per weight byte) would be re-read from L1 once per row. Four rows per
         # program stream 4 KB per step and share each x load (run P: this tile did M=2 in
-        # 112 us/layer where the bf16 M=1 tile took 131 us for M=1). bench_fp8.py --sweep.
+        # 112 us/layer where the bf16 M=1 tile took 131 us for M=1). Still the best single M=2
+        # config in the session-6 sweep (111 us per layer, best per shape 109).
         return GemvConfig(block_n=4, block_k=min(1024, kcap), num_warps=1)
     if m == 1:
         return GemvConfig(block_n=1, block_k=min(1024, kcap), num_warps=1)
