@@ -836,3 +836,64 @@ async fn structured_output_is_refused_when_the_grammar_backend_is_none() {
         .unwrap_or_default()
         .contains("--grammar-backend none"));
 }
+
+/// With a reasoning model, the grammar starts after the think-end token: the reasoning is
+/// sampled freely (here the script's first tokens), the answer under the grammar.
+#[tokio::test]
+async fn a_grammar_that_starts_after_the_reasoning_leaves_the_reasoning_free() {
+    use tokenspeed_engine::scheduler::FinishReason;
+    use tokenspeed_engine::SamplingParams;
+    use tokenspeed_server::engine::{Constraint, EngineEvent};
+    use tokenspeed_structured::GrammarSpec;
+
+    for disable_overlap in [false, true] {
+        let h = harness_grammar(None, disable_overlap, false, None, Some("llguidance"));
+        let tok = &h.state.tokenizer;
+        let script = tok.encode(&h.answer, false).expect("encode");
+        // Stand-in for `</think>`: the script's third token ends the reasoning.
+        let think_end = script[2];
+        let grammar = h
+            .state
+            .grammar
+            .as_ref()
+            .expect("llguidance")
+            .compile(&GrammarSpec::Regex("[0-9]{2}".into()))
+            .expect("compiles");
+        let request = tokenspeed_engine::Request {
+            prompt: tok.encode("Think, then answer:", true).expect("encode"),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 20,
+            ..Default::default()
+        };
+        let (_, mut events) = h.state.engine.submit(
+            request,
+            Some(Constraint {
+                grammar,
+                starts_after: Some(think_end),
+            }),
+        );
+        let mut tokens = Vec::new();
+        let finish = loop {
+            match events.recv().await.expect("an event") {
+                EngineEvent::Token(t) => {
+                    tokens.extend(t.tokens);
+                    if let Some(f) = t.finish {
+                        break f;
+                    }
+                }
+                EngineEvent::Error { message, .. } => panic!("{message}"),
+            }
+        };
+        assert_eq!(
+            &tokens[..3],
+            &script[..3],
+            "the reasoning is the script's, unmasked"
+        );
+        let answer = tok.decode(&tokens[3..], false).expect("decode");
+        assert!(
+            answer.len() == 2 && answer.chars().all(|c| c.is_ascii_digit()),
+            "{answer:?} (overlap off: {disable_overlap})"
+        );
+        assert_eq!(finish, FinishReason::Complete);
+    }
+}
