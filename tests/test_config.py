@@ -389,6 +389,8 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--moe-tp-size", "--world-size", "--nprocs-per-node", "--dist-init-addr", "--dist-timeout", "--nnodes",
         "--node-rank", "--max-queued-requests", "--decode-log-interval", "--sampling-defaults",
         "--max-request-body-bytes", "--shutdown-timeout", "--watchdog-timeout",
+        "--grammar-backend", "--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice",
+        "--constrained-json-whitespace-pattern", "--constrained-json-disable-any-whitespace",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
