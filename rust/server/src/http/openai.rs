@@ -426,7 +426,7 @@ pub(super) fn vllm_prompt_logprobs(
             .collect();
         entries.entry(l.token.to_string()).or_insert(PromptLogprob {
             logprob: l.logprob,
-            rank: None,
+            rank: l.rank,
             decoded_token: decoded(l.token),
         });
         out.push(Some(entries));
