@@ -127,7 +127,8 @@ where
             match item {
                 Ok(chunk) => {
                     usages[i] = chunk.usage;
-                    if chunk.text.is_empty() && chunk.finish.is_none() { continue; }
+                    // A chunk without text still goes out when it brings the prompt logprobs.
+                    if chunk.text.is_empty() && chunk.finish.is_none() && chunk.prompt_logprobs.is_empty() { continue; }
                     if let Some(event) = frame(i, &chunk) {
                         yield Ok(event);
                     }
