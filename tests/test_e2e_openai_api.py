@@ -140,16 +140,58 @@ def test_prompt_logprobs_and_echo_match_hf(server: Server, client: openai.OpenAI
     assert plp[0] is None and len(plp) == len(ids)
     for i, entry in enumerate(plp[1:], start=1):
         assert entry[str(ids[i])]["logprob"] == pytest.approx(want[i - 1], abs=1e-3)
-        ranked = sorted((e["rank"], e["logprob"]) for e in entry.values() if e["rank"] is not None)
+        ranked = sorted((e["rank"], e["logprob"]) for e in entry.values() if e["rank"] <= 3)
         assert [rank for rank, _ in ranked] == [1, 2, 3]
         top = ref[i - 1].topk(3).values.tolist()
         assert [v for _, v in ranked] == pytest.approx(top, abs=1e-3)
+        # The prompt token's own rank, inside the top 3 or not: HF's, up to logprobs within the
+        # tolerance of the token's own (their order may differ between the two computations).
+        rank = entry[str(ids[i])]["rank"]
+        own = ref[i - 1, ids[i]].item()
+        assert int((ref[i - 1] > own + 1e-3).sum()) + 1 <= rank <= int((ref[i - 1] > own - 1e-3).sum()) + 1
+    outside = [e[str(ids[i])]["rank"] for i, e in enumerate(plp[1:], start=1)]
+    assert max(outside) > 3, "the prompt has no token outside the top 3: the rank check is moot"
     # Streamed, the echo and its logprobs come first, the same as above.
     chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
                                             logprobs=2, echo=True, stream=True))
     streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None
     assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_generate_input_token_logprobs_match_prompt_logprobs(server: Server, client: openai.OpenAI,
+                                                             model: str) -> None:
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT * 2}).json()["tokens"]
+    ref = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+    start = 3
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
+            "return_text_in_logprobs": True}
+    meta = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()["meta_info"]
+    # SGLang's shape: [logprob, token id, text] from logprob_start_len on, the first unscored.
+    got = meta["input_token_logprobs"]
+    assert [t for _, t, _ in got] == ids[start:]
+    assert got[0][0] is None and meta["input_top_logprobs"][0] is None
+    for p, (lp, t, text) in enumerate(got[1:], start=start + 1):
+        assert lp == pytest.approx(ref[p][str(t)]["logprob"], abs=1e-5)
+        assert text == ref[p][str(t)]["decoded_token"]
+        tops = meta["input_top_logprobs"][p - start]
+        want = sorted((e["rank"], int(k), e["logprob"]) for k, e in ref[p].items() if e["rank"] <= 2)
+        assert [(t2, lp2) for lp2, t2, _ in tops] == [(k, pytest.approx(v, abs=1e-5)) for _, k, v in want]
+    assert len(meta["output_token_logprobs"]) == 2
+    # Streamed, the last event carries the same; without logprob_start_len only the last prompt
+    # token is listed (SGLang's default), unscored.
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = events[-1]["meta_info"]["input_token_logprobs"]
+    assert [(t, text) for _, t, text in streamed] == [(t, text) for _, t, text in got]
+    assert [lp for lp, _, _ in streamed[1:]] == pytest.approx([lp for lp, _, _ in got[1:]], abs=1e-5)
+    del body["logprob_start_len"]
+    meta = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, ids[-1], ref[-1][str(ids[-1])]["decoded_token"]]]
+    bad = httpx.post(f"{server.url}/generate", json={**body, "logprob_start_len": len(ids)}, timeout=120)
+    assert bad.status_code == 400 and "logprob_start_len" in bad.text
 
 
 def test_logprobs_have_text_offsets_and_token_ids(client: openai.OpenAI, model: str) -> None:
@@ -199,6 +241,26 @@ def test_chat_n_streams_role_first_for_each_choice(client: openai.OpenAI, model:
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=4, n=2,
                                            temperature=0)
     assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+def test_chat_prompt_logprobs_stream_matches_non_stream(client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = {"model": model, "messages": messages, "max_tokens": 3, "temperature": 0, "n": 2,
+          "extra_body": {"prompt_logprobs": 2}}
+    whole = client.chat.completions.create(**kw).model_extra["prompt_logprobs"]
+    # vLLM's place in the chat API: on the response, null first, then one map per prompt token.
+    assert whole[0] is None and len(whole) > 5
+    assert all(1 <= len(e) <= 3 and min(x["rank"] for x in e.values()) == 1 for e in whole[1:])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    carried = [c.model_extra["prompt_logprobs"] for c in chunks if c.model_extra.get("prompt_logprobs")]
+    assert len(carried) == 1, "the stream carries the prompt logprobs once"
+    streamed = carried[0]
+    assert streamed[0] is None and len(streamed) == len(whole)
+    for s, w in zip(streamed[1:], whole[1:]):
+        assert s.keys() == w.keys()
+        for k in s:
+            assert s[k]["rank"] == w[k]["rank"] and s[k]["decoded_token"] == w[k]["decoded_token"]
+            assert s[k]["logprob"] == pytest.approx(w[k]["logprob"], abs=1e-5)
 
 
 def test_chat_assistant_prefill_and_echo(client: openai.OpenAI, model: str) -> None:

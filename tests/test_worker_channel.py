@@ -97,8 +97,9 @@ def test_results_round_trip_per_request_events(name):
     # Prompt logprobs: on slot 5's sampled event, and as a token-less event for slot 9's chunk.
     from tokenspeed.model_runner import PromptLogprobs
     prompt = {5: PromptLogprobs(np.array([-1.0, -2.0]), np.array([[4, 6], [1, 2]]),
-                                np.array([[-0.1, -0.2], [-0.3, -0.4]])),
-              9: PromptLogprobs(np.array([-3.0]), np.zeros((1, 0), np.int64), np.zeros((1, 0)))}
+                                np.array([[-0.1, -0.2], [-0.3, -0.4]]), np.array([1, 3000])),
+              9: PromptLogprobs(np.array([-3.0]), np.zeros((1, 0), np.int64), np.zeros((1, 0)),
+                                np.array([7]))}
     out = StepOutput(slots=np.array([5, 1]), tokens=np.array([7, 8]), logprobs=np.array([-0.5, -1.0]),
                      top_ids=np.array([[7, 9], [8, 3]]), top_logprobs=np.array([[-0.5, -2.0], [-1.0, -3.0]]),
                      top_k=np.array([2, 0]), prompt=prompt)
@@ -111,6 +112,7 @@ def test_results_round_trip_per_request_events(name):
     assert got["event_prompt_logprobs"] == [-1.0, -2.0, -3.0]
     assert got["event_prompt_top_ids"] == [4, 6, 1, 2] and got["event_prompt_top_ids_len"] == [4, 0, 0]
     assert got["event_prompt_top_logprobs"] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert got["event_prompt_ranks"] == [1, 3000, 7] and got["event_prompt_ranks_len"] == [2, 0, 1]
     w.close()
 
 

@@ -102,12 +102,13 @@ def token_masks(plan: StepPlan, sampled_slots: np.ndarray,
 
 
 class PromptLogprobs(NamedTuple):
-    """One slot's prompt logprobs from one step: per scored prompt token, its logprob and the
-    top-k (ids, logprobs)."""
+    """One slot's prompt logprobs from one step: per scored prompt token, its logprob, the
+    top-k (ids, logprobs) and its 1-based rank in the distribution."""
 
     logprobs: np.ndarray  # [m] float32
     top_ids: np.ndarray  # [m, k] int64
     top_logprobs: np.ndarray  # [m, k] float32
+    ranks: np.ndarray  # [m] int64
 
 
 class PendingStep:
@@ -354,7 +355,7 @@ class ModelRunner:
             state = self.sampler.slots[slot]
             lo, hi = int(query_start[i]), int(query_start[i + 1])
             k = state.top_logprobs
-            lps, tops, top_lps = [], [], []
+            lps, tops, top_lps, ranks = [], [], [], []
             carry = self._prompt_carry.pop(slot, None)
             prev = carry[None, :] if carry is not None else None
             for a in range(lo, hi, PROMPT_LOGPROB_ROWS):
@@ -366,7 +367,10 @@ class ModelRunner:
                 else:
                     scorers, targets = torch.cat([prev, rows[:-1]]), ids[a:b]
                 tgt = torch.from_numpy(targets).to(self.device)
-                lps.append(scorers.gather(1, tgt[:, None]).squeeze(1))
+                own = scorers.gather(1, tgt[:, None])
+                lps.append(own.squeeze(1))
+                # vLLM's rank, also for a token outside the top-k: 1 + how many score higher.
+                ranks.append((scorers > own).sum(dim=1) + 1)
                 if k:
                     v, t = scorers.topk(k, dim=-1)
                     top_lps.append(v)
@@ -380,7 +384,8 @@ class ModelRunner:
             self._prompt_out[slot] = PromptLogprobs(
                 torch.cat(lps).cpu().numpy() if lps else np.zeros(0, np.float32),
                 torch.cat(tops).cpu().numpy() if tops else np.zeros((m, 0), np.int64),
-                torch.cat(top_lps).cpu().numpy() if top_lps else np.zeros((m, 0), np.float32))
+                torch.cat(top_lps).cpu().numpy() if top_lps else np.zeros((m, 0), np.float32),
+                torch.cat(ranks).cpu().numpy() if ranks else np.zeros(0, np.int64))
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:

@@ -183,7 +183,7 @@ class StepOutput:
         res["event_top_k"] = np.asarray(ks, d["event_top_k"]).tobytes()
         for name, values in lens.items():
             res[f"{name}_len"] = np.asarray(values, np.uint32).tobytes()
-        p_lp, p_ids, p_tlp, p_lens, p_top_lens = [], [], [], [], []
+        p_lp, p_ids, p_tlp, p_rank, p_lens, p_top_lens = [], [], [], [], [], []
         for slot, kk in zip(order, ks):
             p = self.prompt.get(slot)
             if p is None:
@@ -194,6 +194,7 @@ class StepOutput:
             p_lp.append(np.asarray(p.logprobs, d["event_prompt_logprobs"]))
             p_ids.append(np.asarray(p.top_ids[:, :kk], d["event_prompt_top_ids"]).reshape(-1))
             p_tlp.append(np.asarray(p.top_logprobs[:, :kk], d["event_prompt_top_logprobs"]).reshape(-1))
+            p_rank.append(np.asarray(p.ranks, d["event_prompt_ranks"]))
             p_lens.append(m)
             p_top_lens.append(m * min(kk, p.top_ids.shape[1]))
         res["event_prompt_logprobs_len"] = np.asarray(p_lens, np.uint32).tobytes()
@@ -202,4 +203,6 @@ class StepOutput:
         res["event_prompt_top_ids"] = np.concatenate(p_ids).tobytes() if p_ids else b""
         res["event_prompt_top_logprobs_len"] = np.asarray(p_top_lens, np.uint32).tobytes()
         res["event_prompt_top_logprobs"] = np.concatenate(p_tlp).tobytes() if p_tlp else b""
+        res["event_prompt_ranks_len"] = res["event_prompt_logprobs_len"]
+        res["event_prompt_ranks"] = np.concatenate(p_rank).tobytes() if p_rank else b""
         return res

@@ -257,6 +257,10 @@ section! {
         /// `prompt_logprobs.len() * top_k` ids and logprobs, best first.
         pub prompt_top_ids: Vec<u32>,
         pub prompt_top_logprobs: Vec<f32>,
+        /// 1-based rank of each prompt token in its scorer's distribution (1 + how many tokens
+        /// have a strictly larger logprob), one per prompt logprob: vLLM reports it even for a
+        /// token outside the top-k.
+        pub prompt_ranks: Vec<u32>,
         /// A pooled hidden state (embedding requests).
         pub pooled: Vec<f32>,
     }
@@ -307,7 +311,8 @@ impl StepResult {
             prompt,
             prompt * k,
             prompt * k,
-            0, // pooled vectors: none until embedding models exist
+            prompt, // prompt ranks
+            0,      // pooled vectors: none until embedding models exist
         ];
         <StepResult as Message>::max_encoded_len(&counts)
     }

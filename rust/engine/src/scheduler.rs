@@ -138,6 +138,7 @@ impl Sequence {
             prompt_top_logprobs: (0..ev.prompt_logprobs.len())
                 .map(|i| ev.prompt_top(i))
                 .collect(),
+            prompt_ranks: ev.prompt_ranks.clone(),
             tokens,
             finished,
             error: None,

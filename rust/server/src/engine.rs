@@ -63,6 +63,8 @@ pub struct TokenEvent {
     /// Logprobs of prompt tokens computed in this step (prompt logprobs requests only).
     pub prompt_logprobs: Vec<f32>,
     pub prompt_top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// 1-based rank of each prompt token in its distribution, one per prompt logprob.
+    pub prompt_ranks: Vec<u32>,
     pub finish: Option<FinishReason>,
     pub usage: TokenUsage,
 }

@@ -63,6 +63,9 @@ pub struct TokenLogprob {
     pub token: u32,
     pub logprob: f32,
     pub top: Vec<(u32, f32)>,
+    /// 1-based rank of `token` in its distribution, when the worker computed it (prompt
+    /// tokens only: vLLM's `prompt_logprobs` entries carry it).
+    pub rank: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -326,6 +329,7 @@ impl Generation {
                 token: id,
                 logprob: token.logprobs.get(i).copied().unwrap_or(f32::NAN),
                 top: cut(token.top_logprobs.get(i), self.top_logprobs),
+                rank: None,
             });
             let piece = match self.detok.push(&self.tokenizer, id) {
                 Ok(p) => p,
@@ -400,6 +404,7 @@ impl Generation {
                 token,
                 logprob,
                 top: cut(t.prompt_top_logprobs.get(i), self.prompt_top),
+                rank: t.prompt_ranks.get(i).copied(),
             });
         }
     }

@@ -123,6 +123,8 @@ pub struct RequestOutput {
     pub prompt_logprobs: Vec<f32>,
     /// One list of (token, logprob) per prompt logprob, best first.
     pub prompt_top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// 1-based rank of each prompt token in its distribution, one per prompt logprob.
+    pub prompt_ranks: Vec<u32>,
     /// Set on the request's last output; the request is gone from the scheduler afterwards.
     pub finished: Option<FinishReason>,
     /// The worker failed this request; it is gone from the scheduler.

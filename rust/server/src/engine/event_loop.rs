@@ -453,6 +453,7 @@ impl EngineLoop {
             top_logprobs: out.top_logprobs,
             prompt_logprobs: out.prompt_logprobs,
             prompt_top_logprobs: out.prompt_top_logprobs,
+            prompt_ranks: out.prompt_ranks,
             finish: out.finished,
             usage: TokenUsage {
                 prompt_tokens: out.prompt_tokens,

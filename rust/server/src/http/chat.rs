@@ -144,6 +144,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
             model,
             choices: Vec::new(),
             usage: None,
+            prompt_logprobs: None,
         };
         // The first delta of each choice carries the role (and the echo).
         let preamble = (0..choices.gens.len())
@@ -168,6 +169,8 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         let mut streams: Vec<OutputStream> =
             (0..choices.gens.len()).map(|_| stage.stream()).collect();
         let mut ids: Vec<Vec<String>> = vec![Vec::new(); choices.gens.len()];
+        // The prompt's logprobs, until they go out (choice 0's first chunk carries them).
+        let mut prompt_logprobs_due = req.sampling.prompt_logprobs.is_some();
         let frame = {
             let head = head.clone();
             move |i: usize, c: &Chunk| {
@@ -176,7 +179,13 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                 let (stream, ids) = (streams.get_mut(i)?, ids.get_mut(i)?);
                 let out = stream.push(&text, c.finish.is_some());
                 let logprobs = want_logprobs.then(|| chat_logprobs(&tokenizer, style, &c.logprobs));
-                if out.is_empty() && c.finish.is_none() && logprobs.is_none() {
+                let prompt_logprobs = (i == 0 && std::mem::take(&mut prompt_logprobs_due))
+                    .then(|| vllm_prompt_logprobs(&tokenizer, &c.prompt_logprobs));
+                if out.is_empty()
+                    && c.finish.is_none()
+                    && logprobs.is_none()
+                    && prompt_logprobs.is_none()
+                {
                     return None; // held back: the next text decides it
                 }
                 let tool_calls = out
@@ -216,6 +225,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                         matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
                     }],
                     usage: opts.continuous_usage.then(|| Usage::of(&c.usage)),
+                    prompt_logprobs,
                     ..head.clone()
                 }))
             }
@@ -271,14 +281,13 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                     .as_ref()
                     .map(|f| finish_reason(f.reason, made_calls)),
                 matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
-                prompt_logprobs: req
-                    .sampling
-                    .prompt_logprobs
-                    .is_some()
-                    .then(|| vllm_prompt_logprobs(&state.tokenizer, &c.prompt_logprobs)),
             }
         })
         .collect();
+    let prompt_logprobs = req.sampling.prompt_logprobs.and(chunks.first()).map(|c| {
+        // Every choice scored the same prompt: the first one's stand for all.
+        vllm_prompt_logprobs(&state.tokenizer, &c.prompt_logprobs)
+    });
     Ok(ok_json(json!(ChatCompletion {
         id,
         object: "chat.completion",
@@ -286,6 +295,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         model,
         choices,
         usage: Usage::of(&total_usage(&usages, n)),
+        prompt_logprobs,
     })))
 }
 

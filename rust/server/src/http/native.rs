@@ -20,10 +20,83 @@ use super::response::ErrorResponse;
 use super::{ok_json, AppState};
 use crate::generate::{self, Chunk, Prompt};
 use crate::validate;
+use tokenspeed_text::TextTokenizer;
 
-/// SGLang's `meta_info`; with `return_logprob`, `output_token_logprobs` as
-/// `[logprob, token_id, null]` per token and `output_top_logprobs` as a list of those per token.
-fn meta_info(id: &str, chunk: &Chunk, started: Instant, logprobs: bool) -> Value {
+/// What `/generate` reports with `return_logprob`.
+struct LogprobReport {
+    /// Top alternatives per token (`top_logprobs_num`); 0: no `*_top_logprobs` lists for the
+    /// prompt.
+    top: usize,
+    /// `return_text_in_logprobs`: each entry's third element is the token's text, else null.
+    text: bool,
+    /// The prompt tokens listed in `input_token_logprobs` (from `logprob_start_len` on).
+    input_from: usize,
+    prompt_ids: Vec<u32>,
+}
+
+impl LogprobReport {
+    fn entry(&self, tokenizer: &TextTokenizer, logprob: Option<f32>, token: u32) -> Value {
+        let text = self
+            .text
+            .then(|| tokenizer.decode(&[token], false).unwrap_or_default());
+        json!([logprob, token, text])
+    }
+
+    fn tops(&self, tokenizer: &TextTokenizer, top: &[(u32, f32)]) -> Value {
+        Value::Array(
+            top.iter()
+                .map(|&(t, lp)| self.entry(tokenizer, Some(lp), t))
+                .collect(),
+        )
+    }
+
+    /// SGLang's logprob fields of `meta_info`: `output_token_logprobs` as `[logprob, token_id,
+    /// text]` per token and `output_top_logprobs` as a list of those per token; for the prompt,
+    /// `input_token_logprobs` from `logprob_start_len` on, the first with a null logprob (SGLang
+    /// does not score the first listed token), and with `top_logprobs_num`,
+    /// `input_top_logprobs` (null first).
+    fn fill(&self, tokenizer: &TextTokenizer, chunk: &Chunk, meta: &mut Value) {
+        let tokens = chunk
+            .logprobs
+            .iter()
+            .map(|l| self.entry(tokenizer, Some(l.logprob), l.token))
+            .collect();
+        let tops = chunk
+            .logprobs
+            .iter()
+            .map(|l| self.tops(tokenizer, &l.top))
+            .collect();
+        meta["output_token_logprobs"] = Value::Array(tokens);
+        meta["output_top_logprobs"] = Value::Array(tops);
+        // `chunk.prompt_logprobs[i]` scores prompt token i + 1.
+        let scored = |p: usize| {
+            (p > self.input_from)
+                .then(|| p.checked_sub(1).and_then(|i| chunk.prompt_logprobs.get(i)))
+                .flatten()
+        };
+        let listed = self.input_from..self.prompt_ids.len();
+        let input = listed
+            .clone()
+            .zip(&self.prompt_ids[listed.clone()])
+            .map(|(p, &t)| self.entry(tokenizer, scored(p).map(|l| l.logprob), t))
+            .collect();
+        meta["input_token_logprobs"] = Value::Array(input);
+        if self.top > 0 {
+            let tops = listed
+                .map(|p| scored(p).map_or(Value::Null, |l| self.tops(tokenizer, &l.top)))
+                .collect();
+            meta["input_top_logprobs"] = Value::Array(tops);
+        }
+    }
+}
+
+/// SGLang's `meta_info`, with its logprob fields when `logprobs` says so.
+fn meta_info(
+    id: &str,
+    chunk: &Chunk,
+    started: Instant,
+    logprobs: Option<(&LogprobReport, &TextTokenizer)>,
+) -> Value {
     let finish = chunk.finish.as_ref().map(|f| match f.reason {
         "length" => json!({"type": "length", "length": chunk.usage.completion_tokens}),
         reason => json!({"type": reason, "matched": f.matched}),
@@ -36,19 +109,8 @@ fn meta_info(id: &str, chunk: &Chunk, started: Instant, logprobs: bool) -> Value
         "finish_reason": finish,
         "e2e_latency": started.elapsed().as_secs_f64(),
     });
-    if logprobs {
-        let tokens: Vec<Value> = chunk
-            .logprobs
-            .iter()
-            .map(|l| json!([l.logprob, l.token, null]))
-            .collect();
-        let tops: Vec<Value> = chunk
-            .logprobs
-            .iter()
-            .map(|l| Value::Array(l.top.iter().map(|(t, lp)| json!([lp, t, null])).collect()))
-            .collect();
-        meta["output_token_logprobs"] = Value::Array(tokens);
-        meta["output_top_logprobs"] = Value::Array(tops);
+    if let Some((report, tokenizer)) = logprobs {
+        report.fill(tokenizer, chunk, &mut meta);
     }
     meta
 }
@@ -100,7 +162,39 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     )?;
     spec.prompt = prompt;
     spec.min_new_tokens = sp.min_new_tokens.unwrap_or(spec.min_new_tokens);
+    let start_len = match req.logprob_start_len.filter(|_| want_logprobs) {
+        None | Some(-1) => None,
+        Some(s) => Some(usize::try_from(s).map_err(|_| {
+            ApiError::bad_param(
+                "logprob_start_len",
+                format!("logprob_start_len must be -1 or at least 0, got {s}"),
+            )
+        })?),
+    };
+    if start_len.is_some() {
+        // The prompt's logprobs come through the engine's prompt-logprobs path.
+        spec.sampling.prompt_logprobs = true;
+        spec.prompt_logprobs = Some(spec.prompt_logprobs.unwrap_or(0).max(top));
+    }
     let mut gen = generate::start(&state, spec).await?;
+    let prompt_len = gen.prompt_ids.len();
+    let report =
+        match start_len {
+            Some(s) if s >= prompt_len => return Err(ApiError::bad_param(
+                "logprob_start_len",
+                format!(
+                    "logprob_start_len ({s}) must be less than the prompt's {prompt_len} tokens"
+                ),
+            )),
+            // SGLang's default: only the last prompt token is listed (with a null logprob).
+            s => LogprobReport {
+                top: top as usize,
+                text: req.return_text_in_logprobs.unwrap_or(false),
+                input_from: s.unwrap_or(prompt_len.saturating_sub(1)),
+                prompt_ids: gen.prompt_ids.clone(),
+            },
+        };
+    let tokenizer = state.tokenizer.clone();
     let id = format!("{:x}", gen.id());
     if req.stream.unwrap_or(false) {
         // SGLang streams the cumulative text and ids so far in every event.
@@ -119,10 +213,11 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
                         acc.text.push_str(&c.text);
                         acc.token_ids.extend(c.token_ids);
                         acc.logprobs.extend(c.logprobs);
+                        acc.prompt_logprobs.extend(c.prompt_logprobs);
                         acc.usage = c.usage;
                         acc.finish = c.finish;
                         yield Ok::<_, Infallible>(Event::default().data(json!({
-                            "text": acc.text, "output_ids": acc.token_ids, "meta_info": meta_info(&id, &acc, started, want_logprobs),
+                            "text": acc.text, "output_ids": acc.token_ids, "meta_info": meta_info(&id, &acc, started, want_logprobs.then_some((&report, &*tokenizer))),
                         }).to_string()));
                     }
                     Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
@@ -134,7 +229,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     }
     let all = gen.collect().await?;
     Ok(ok_json(
-        json!({"text": all.text, "output_ids": all.token_ids, "meta_info": meta_info(&id, &all, started, want_logprobs)}),
+        json!({"text": all.text, "output_ids": all.token_ids, "meta_info": meta_info(&id, &all, started, want_logprobs.then_some((&report, &*tokenizer)))}),
     ))
 }
 

@@ -127,7 +127,8 @@ where
             match item {
                 Ok(chunk) => {
                     usages[i] = chunk.usage;
-                    if chunk.text.is_empty() && chunk.finish.is_none() { continue; }
+                    // A chunk without text still goes out when it brings the prompt logprobs.
+                    if chunk.text.is_empty() && chunk.finish.is_none() && chunk.prompt_logprobs.is_empty() { continue; }
                     if let Some(event) = frame(i, &chunk) {
                         yield Ok(event);
                     }
@@ -426,7 +427,7 @@ pub(super) fn vllm_prompt_logprobs(
             .collect();
         entries.entry(l.token.to_string()).or_insert(PromptLogprob {
             logprob: l.logprob,
-            rank: None,
+            rank: l.rank,
             decoded_token: decoded(l.token),
         });
         out.push(Some(entries));

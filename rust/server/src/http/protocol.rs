@@ -155,6 +155,11 @@ pub struct GenerateRequest {
     pub stream: Option<bool>,
     pub return_logprob: Option<bool>,
     pub top_logprobs_num: Option<u32>,
+    /// With `return_logprob`: prompt tokens from this position on get `input_token_logprobs`
+    /// (-1 or absent: only the last one, whose logprob is null, as in SGLang).
+    pub logprob_start_len: Option<i64>,
+    /// The third element of each logprob entry is the token's text instead of null.
+    pub return_text_in_logprobs: Option<bool>,
     #[serde(flatten)]
     #[schema(ignore)]
     pub extra: Map<String, Value>,

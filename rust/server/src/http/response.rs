@@ -171,8 +171,6 @@ pub struct ChatChoice {
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub matched_stop: Option<Value>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
@@ -183,6 +181,10 @@ pub struct ChatCompletion {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
+    /// vLLM's `prompt_logprobs`: the chat API has it on the response, not on each choice (the
+    /// choices share the prompt).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, PartialEq, ToSchema)]
@@ -215,4 +217,7 @@ pub struct ChatCompletionChunk {
     pub choices: Vec<ChatChunkChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// As on `ChatCompletion`, once per stream: on choice 0's first chunk after the role.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
