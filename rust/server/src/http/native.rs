@@ -178,22 +178,23 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     }
     let mut gen = generate::start(&state, spec).await?;
     let prompt_len = gen.prompt_ids.len();
-    let report =
-        match start_len {
-            Some(s) if s >= prompt_len => return Err(ApiError::bad_param(
+    let report = match start_len {
+        Some(s) if s >= prompt_len => {
+            return Err(ApiError::bad_param(
                 "logprob_start_len",
                 format!(
                     "logprob_start_len ({s}) must be less than the prompt's {prompt_len} tokens"
                 ),
-            )),
-            // SGLang's default: only the last prompt token is listed (with a null logprob).
-            s => LogprobReport {
-                top: top as usize,
-                text: req.return_text_in_logprobs.unwrap_or(false),
-                input_from: s.unwrap_or(prompt_len.saturating_sub(1)),
-                prompt_ids: gen.prompt_ids.clone(),
-            },
-        };
+            ))
+        }
+        // SGLang's default: only the last prompt token is listed (with a null logprob).
+        s => LogprobReport {
+            top: top as usize,
+            text: req.return_text_in_logprobs.unwrap_or(false),
+            input_from: s.unwrap_or(prompt_len.saturating_sub(1)),
+            prompt_ids: gen.prompt_ids.clone(),
+        },
+    };
     let tokenizer = state.tokenizer.clone();
     let id = format!("{:x}", gen.id());
     if req.stream.unwrap_or(false) {
