@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -142,6 +143,23 @@ def test_sglang_generate_with_a_json_schema_string(server: Server) -> None:
     jsonschema.validate(json.loads(r.json()["text"]), schema)
 
 
+def idle_engine(server: Server, timeout_s: float = 120) -> dict[str, Any]:
+    """The server info once no request runs or waits (earlier tests' aborted streams may still be
+    finishing their step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = httpx.get(f"{server.url}/get_server_info").json()
+        engine = info["engine"]
+        if engine["running_requests"] == 0 and engine["waiting_requests"] == 0:
+            time.sleep(0.2)  # a plan in flight still counts its step when its result lands
+            again = httpx.get(f"{server.url}/get_server_info").json()
+            if again["engine"]["steps"] == engine["steps"]:
+                return again
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine did not go idle: {engine}")
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("body,field", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "response_format"),
@@ -153,7 +171,7 @@ def test_sglang_generate_with_a_json_schema_string(server: Server) -> None:
 ])
 def test_invalid_grammars_are_400s_naming_the_field(server: Server, model: str, body: dict[str, Any],
                                                     field: str) -> None:
-    before = httpx.get(f"{server.url}/get_server_info").json()
+    before = idle_engine(server)
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **body})
     assert r.status_code == 400, r.text
