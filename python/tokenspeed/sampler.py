@@ -259,7 +259,9 @@ class Sampler:
         if not rows:
             return logits
         r, c = to_device_int64([np.asarray(rows), np.asarray(cols)], self.device)
-        values = torch.tensor(vals, dtype=logits.dtype).to(self.device, non_blocking=True)
+        values = torch.tensor(vals, dtype=logits.dtype)
+        if self.device.type == "cuda":  # through pinned memory: a pageable copy waits for the GPU
+            values = values.pin_memory().to(self.device, non_blocking=True)
         return logits.index_put((r, c), values, accumulate=True)
 
     def _mask_early_stops(self, logits: torch.Tensor, slots: list[int],
