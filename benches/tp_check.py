@@ -52,14 +52,17 @@ def _rank(rank: int, world: int, init: str, model_dir: str, dtype: str, graphs: 
         from tokenspeed.model_runner import ModelRunner
         from tokenspeed.models.offline import OfflineScheduler
 
+        t0 = time.monotonic()
         device = torch.device("cpu") if cpu else torch.device("cuda", rank)
         if not cpu:
             torch.cuda.set_device(device)
         if world > 1:
             init_distributed(rank, ParallelSizes(world, world, world, world), init, device, 300)
+        print(f"  rank {rank}/{world}: group up after {time.monotonic() - t0:.1f} s", flush=True)
         runner = ModelRunner(model_dir, dtype=dtype, device=str(device), load_format="dummy",
                              page_size=16, num_pages=512, max_slots=8, max_context_len=512,
                              seed=0, disable_cuda_graph=not graphs, cuda_graph_max_bs=8)
+        print(f"  rank {rank}/{world}: runner ready after {time.monotonic() - t0:.1f} s", flush=True)
         res = OfflineScheduler(runner).generate(prompts, NEW_TOKENS, chunk_size=256,
                                                 keep_logits=True)
         ar_ms = None
@@ -100,6 +103,7 @@ def generate(world: int, model_dir: Path, dtype: str, graphs: bool, prompts: lis
              allreduce_bench: bool = False, timeout_s: float = 600) -> tuple:
     from tokenspeed.distributed import free_tcp_port
 
+    print(f"generate: TP={world} {dtype} graphs={graphs} {model_dir.name}", flush=True)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_tcp_port()}"
