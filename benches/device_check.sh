@@ -9,12 +9,13 @@
 #   prefill   benches/profile_prefill.py: one eager prefill step of the 8B config (16 and 1024
 #             tokens): host launch vs step time, kernel launches, syncs, top host-time items
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
-#   tp        benches/tp_check.py phase 1: TP=2 vs TP=1 tokens, all-reduce cost (2 GPUs)
-#   tps3      benches/tp_check.py phase 2: S3 with --tp 1 and --tp 2 (2 GPUs)
-#   ep        benches/ep_check.py --checks fp32: EP=2 vs EP=1 greedy tokens, Qwen3-30B-A3B shape,
-#             4 layers fp32, must be identical (2 GPUs)
-#   eps3      benches/ep_check.py --checks bf16: the whole 48-layer bf16 model at EP=1 and EP=2,
-#             token agreement and S3 on each (2 GPUs)
+#   tp        benches/parallel_check.py --mode tp: Llama-3.1-8B --tp 2 vs --tp 1 through serve:
+#             4-layer fp32 tokens (identical), 32-layer bf16 tokens and S3 on each, all-reduce
+#             cost (2 GPUs)
+#   ep        benches/parallel_check.py --mode ep --checks fp32: EP=2 vs EP=1 greedy tokens,
+#             Qwen3-30B-A3B shape, 4 layers fp32, must be identical (2 GPUs)
+#   eps3      benches/parallel_check.py --mode ep --checks bf16: the whole 48-layer bf16 model at
+#             EP=1 and EP=2, token agreement and S3 on each (2 GPUs)
 #   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
 #   moe       MoE: kernels/tests/test_moe.py and tests/test_gpu_moe.py on the GPU, then
 #             kernels/bench/bench_moe.py (fused MoE vs roofline, Qwen3-30B-A3B expert shape)
@@ -113,20 +114,16 @@ for arg in "$@"; do
             --device cuda --dtype bfloat16 --tokens 1024 --top 8"
         ;;
     tp)
-        phase tp_check python3 benches/tp_check.py --tokenizer .carry/llama3/tokenizer.json \
-            --out "$OUT/tp" --skip-serve
-        ;;
-    tps3)
-        phase tp_s3 python3 benches/tp_check.py --tokenizer .carry/llama3/tokenizer.json \
-            --out "$OUT/tps3" --skip-tokens
+        phase tp_check python3 benches/parallel_check.py --mode tp \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/tp"
         ;;
     ep)
-        phase ep_check python3 benches/ep_check.py --tokenizer .carry/llama3/tokenizer.json \
-            --out "$OUT/ep" --checks fp32
+        phase ep_check python3 benches/parallel_check.py --mode ep \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/ep" --checks fp32
         ;;
     eps3)
-        phase ep_s3 python3 benches/ep_check.py --tokenizer .carry/llama3/tokenizer.json \
-            --out "$OUT/eps3" --checks bf16
+        phase ep_s3 python3 benches/parallel_check.py --mode ep \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/eps3" --checks bf16
         ;;
     grammar)
         # shellcheck disable=SC2086
