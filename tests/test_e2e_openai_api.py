@@ -326,7 +326,7 @@ def test_info_routes(server: Server) -> None:
     assert httpx.get(f"{server.url}/server_info").json()["kv_pages"]["total"] > 0
     ids = httpx.post(f"{server.url}/v1/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     assert httpx.post(f"{server.url}/v1/detokenize", json={"tokens": ids}).json()["prompt"].endswith(PROMPT)
-    assert httpx.post(f"{server.url}/abort_request", json={"rid": "zz"}).status_code == 400
+    assert httpx.post(f"{server.url}/abort_request", json={"rid": "zz"}).status_code == 404
 
 
 def test_abort_request_ends_a_generate_request(server: Server) -> None:

@@ -255,6 +255,9 @@ impl EngineLoop {
     }
 
     /// Ends one request with an error (its slot and pages freed); the others go on.
+    /// Ends a request whose grammar matcher failed, as a 400: the matcher fails only on what
+    /// that request's grammar demands of this vocabulary (e.g. a byte no token holds, which
+    /// llguidance cannot write: llguidance#138). Every other request goes on.
     fn fail_request(&mut self, id: u64, message: String) {
         self.grammars.remove(id);
         self.scheduler.abort(id);
@@ -266,7 +269,7 @@ impl EngineLoop {
                 .inc();
             let _ = live.events.send(EngineEvent::Error {
                 message,
-                kind: EngineErrorKind::Internal,
+                kind: EngineErrorKind::BadRequest,
             });
         }
     }

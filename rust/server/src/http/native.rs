@@ -367,7 +367,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Response {
     }
 }
 
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text")))]
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text"), (status = 404, description = "served only with --enable-metrics", body = ErrorResponse)))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -383,12 +383,14 @@ pub async fn version() -> Response {
 
 /// SGLang's `/abort_request`: ends the request whose id `/generate` reported in
 /// `meta_info.id`, freeing its slot and KV pages; its client's request ends with an error.
-#[utoipa::path(post, path = "/abort_request", request_body = AbortRequest, responses((status = 200, description = "aborted"), (status = 400, body = ErrorResponse)))]
+/// Aborting a request that already ended is a 200, as in SGLang (abort is idempotent); a `rid`
+/// that no request could have (not one of our hex ids) is a 404: well-formed, naming nothing.
+#[utoipa::path(post, path = "/abort_request", request_body = AbortRequest, responses((status = 200, description = "aborted"), (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
 pub async fn abort_request(State(state): State<AppState>, body: Bytes) -> Response {
     let run = async {
         let req: AbortRequest = parse_body(&body)?;
         let id = u64::from_str_radix(&req.rid, 16)
-            .map_err(|_| ApiError::bad_param("rid", format!("unknown request id {:?}", req.rid)))?;
+            .map_err(|_| ApiError::not_found(format!("no request has the id {:?}", req.rid)))?;
         state.engine.abort(id);
         Ok::<_, ApiError>(StatusCode::OK.into_response())
     };

@@ -40,9 +40,67 @@ const ALIASES: &[(&str, &str)] = &[
     ("/ping", "/health"),
 ];
 
+/// Routes whose body names a `model`: an unknown one is a 404, as on OpenAI.
+const MODEL_ROUTES: &[&str] = &[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+];
+/// Routes that queue work for the engine: a full queue is a 429, a dead worker a 503.
+const QUEUED_ROUTES: &[&str] = &["/v1/completions", "/v1/chat/completions", "/generate"];
+/// Routes open without the API key (load balancers and scrapers need them).
+const OPEN_ROUTES: &[&str] = &["/health", "/ping", "/metrics"];
+
+/// The errors any route of a kind can answer, written once here rather than on each handler
+/// (all in the OpenAI error format): the fuzz test holds every response to the document.
+fn add_common_errors(path: &str, item: &mut utoipa::openapi::PathItem) {
+    use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+    let error = |description: &str| {
+        ResponseBuilder::new()
+            .description(description)
+            .content(
+                "application/json",
+                ContentBuilder::new()
+                    .schema(Some(Ref::from_schema_name("ErrorResponse")))
+                    .build(),
+            )
+            .build()
+    };
+    let post = item.post.is_some();
+    for op in [&mut item.get, &mut item.post].into_iter().flatten() {
+        let mut add = |status: &str, description: &str| {
+            op.responses
+                .responses
+                .entry(status.to_string())
+                .or_insert_with(|| error(description).into());
+        };
+        if !OPEN_ROUTES.contains(&path) {
+            add("401", "missing or wrong API key (with --api-key)");
+        }
+        if post {
+            add("400", "invalid request");
+            add("413", "body over --max-request-body-bytes");
+        }
+        if MODEL_ROUTES.contains(&path) {
+            add("404", "unknown model");
+        }
+        if QUEUED_ROUTES.contains(&path) {
+            add(
+                "429",
+                "queue full: retry after the Retry-After header's seconds",
+            );
+            add("503", "no worker, or shutting down");
+        }
+    }
+}
+
 /// The document, alias routes included.
 pub fn document() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
+    for (path, item) in doc.paths.paths.iter_mut() {
+        add_common_errors(path, item);
+    }
     for (alias, path) in ALIASES {
         if let Some(mut item) = doc.paths.paths.get(*path).cloned() {
             // Operation ids must be unique: the alias's get its path as a suffix.
