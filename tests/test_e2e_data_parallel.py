@@ -5,6 +5,8 @@ system prompt to the replica whose radix cache holds it; a disconnect frees the 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import Server, start_server, stop_server
+from server_harness import Server, pid_alive, shm_segments, start_server, stop_server, wait_exit
 from tokenspeed.serve import LaunchError, data_parallel_size
 
 # The session `server` fixture's flags (tests/conftest.py): the one-replica reference.
@@ -46,14 +48,19 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+def model(c: openai.OpenAI) -> str:
+    return c.models.list().data[0].id
+
+
 PROMPTS = [f"Q{i}: name {i % 7 + 2} colors and {i % 5 + 1} animals:" for i in range(64)]
 
 
 def greedy_answers(server: Server) -> list[tuple[str, str]]:
     c = client(server)
+    name = model(c)
 
     def one(prompt: str) -> tuple[str, str]:
-        out = c.completions.create(model="default", prompt=prompt, max_tokens=6, temperature=0)
+        out = c.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0)
         return out.choices[0].text, out.choices[0].finish_reason
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -102,7 +109,7 @@ def test_round_robin_spreads_a_repeated_prompt_over_both(dp_server: Server) -> N
     c = client(dp_server)
     before = routed(dp_server)
     for _ in range(4):
-        c.completions.create(model="default", prompt=SYSTEM + " Hi.", max_tokens=1, temperature=0)
+        c.completions.create(model=model(c), prompt=SYSTEM + " Hi.", max_tokens=1, temperature=0)
     assert [a - b for a, b in zip(routed(dp_server), before)] == [2, 2]
 
 
@@ -116,7 +123,7 @@ def test_cache_aware_sends_a_repeated_system_prompt_to_the_replica_holding_it(
     c = client(cache_aware_server)
 
     def ask(question: str) -> None:
-        c.chat.completions.create(model="default", max_tokens=2, temperature=0, messages=[
+        c.chat.completions.create(model=model(c), max_tokens=2, temperature=0, messages=[
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
 
     info = wait_idle(cache_aware_server)
@@ -143,7 +150,7 @@ def test_cache_aware_spreads_unrelated_prompts(cache_aware_server: Server) -> No
     c = client(cache_aware_server)
     before = routed(cache_aware_server)
     for i in range(4):  # nothing cached to follow: the least loaded, ties taken in turn
-        c.completions.create(model="default", prompt=f"Unrelated {i} {'xyz ' * i}", max_tokens=1)
+        c.completions.create(model=model(c), prompt=f"Unrelated {i} {'xyz ' * i}", max_tokens=1)
     assert [a - b for a, b in zip(routed(cache_aware_server), before)] == [2, 2]
 
 
@@ -166,6 +173,26 @@ def test_metrics_sum_the_replicas_pools(dp_server: Server) -> None:
     free = next(float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith("tokenspeed:free_kv_pages"))
     assert free == sum(r["free_pages"] for r in info["replicas"])
+
+
+def test_a_dead_worker_in_one_replica_fails_health_and_stops_the_server(dp_server: Server) -> None:
+    """Last in the module: it ends `dp_server`."""
+    pids = dp_server.info()["worker_pids"]
+    assert len(pids) == 2  # one rank per replica, replica 0's first
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 2
+    while httpx.get(f"{dp_server.url}/health", timeout=1).status_code == 200:
+        assert time.monotonic() < deadline, "/health still 200 two seconds after a replica died"
+        time.sleep(0.05)
+    code = wait_exit(dp_server, 30)
+    assert code not in (None, 0), f"exit code {code}\n{dp_server.log()[-3000:]}"
+    log = dp_server.log()
+    assert "data-parallel replica 1" in log, log[-3000:]
+    deadline = time.monotonic() + 10
+    while pid_alive(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(pids[0]), "replica 0's worker outlived the server"
+    assert shm_segments(dp_server) == []  # both replicas' channels unlinked
 
 
 def test_data_parallel_across_nodes_is_refused_naming_both_values() -> None:
