@@ -197,7 +197,8 @@ def launch(cfg: Any) -> int:
     watch = DeathWatch(watched, node_rank, sizes.nnodes)
     try:
         logger.info("node %d: started %d worker rank(s): %s", node_rank, world * dp, ", ".join(
-            f"{w.what} pid {w.proc.pid}" for w in watched))
+            (f"replica {i // world} " if dp > 1 else "")
+            + f"rank {node_rank * world + i % world} pid {p.pid}" for i, p in enumerate(workers)))
         capacities = _wait_ready(watched, links, where=watch.where)
         # Every rank's pool holds these pages (every replica's too: the engines share one
         # configuration).
