@@ -59,7 +59,7 @@ fn serve(
         Err(_) => channels.extract()?,
     };
     let dp = channels.len().max(1);
-    if config.worker_pids.len() % dp != 0 {
+    if !config.worker_pids.len().is_multiple_of(dp) {
         return Err(PyValueError::new_err(format!(
             "{} worker pids do not split over {dp} replicas",
             config.worker_pids.len()
