@@ -29,6 +29,8 @@
 #   fp8gemv   kernels/bench/bench_fp8.py at decode M (1,2,4,8,64): fp8 GEMV with its fp8 tiles vs
 #             the bf16 tile, cuBLAS, bf16; whole-step sums
 #   fp8sweep  kernels/bench/bench_fp8.py --sweep (fp8 GEMV config grid, M = FP8_SWEEP_MS or 1,2,4)
+#   dp        benches/dp_bench.py: S1 (reduced) with --dp 1 and --dp 2, output tok/s and the ratio
+#             (target >= 1.9x; 2 GPUs; DP_ARGS adds flags, e.g. "--full" or "--method shortest_queue")
 #   grammar   benches/grammar_bench.py: decode ms/token at batch 1 and 16 with and without a JSON
 #             schema (GRAMMAR_ARGS adds flags)
 #   fp8w      gpu_bench S3 with --quantization fp8;  fp8kv  S1r with --kv-cache-dtype fp8;
@@ -124,6 +126,11 @@ for arg in "$@"; do
     eps3)
         phase ep_s3 python3 benches/parallel_check.py --mode ep \
             --tokenizer .carry/llama3/tokenizer.json --out "$OUT/eps3" --checks bf16
+        ;;
+    dp)
+        # shellcheck disable=SC2086
+        phase dp_bench python3 benches/dp_bench.py --tokenizer .carry/llama3/tokenizer.json \
+            --out "$OUT/dp" --budget-s "$((LIMIT - 20))" ${DP_ARGS:-}
         ;;
     grammar)
         # shellcheck disable=SC2086

@@ -65,16 +65,16 @@ def test_default_values() -> None:
     assert cfg.dtype == "auto" and cfg.load_format == "auto" and not cfg.disable_radix_cache
 
 
-@pytest.mark.parametrize(
-    ("argv", "name"),
-    [
-        (["--dp", "2"], "--dp"),
-        (["--data-parallel-size", "2"], "--data-parallel-size"),
-    ],
-)
-def test_parallel_sizes_above_one_are_not_supported_yet(argv: list[str], name: str) -> None:
-    with pytest.raises(NotSupportedError, match=f"^not supported yet: {name} \\("):
-        parse_serve_args(argv)
+@pytest.mark.parametrize("spelling", ["--dp-size", "--data-parallel-size", "--dp"])
+def test_data_parallel_sizes_parse(spelling: str) -> None:
+    cfg = parse_serve_args([spelling, "2", "--load-balance-method", "cache_aware"])
+    assert (cfg.dp_size, cfg.load_balance_method) == (2, "cache_aware")
+    assert parse_serve_args([]).load_balance_method == "round_robin"  # SGLang's default
+
+
+def test_load_balance_methods_not_built_are_refused_by_name() -> None:
+    with pytest.raises(NotSupportedError, match="--load-balance-method .*'minimum_tokens'"):
+        parse_serve_args(["--dp", "2", "--load-balance-method", "minimum_tokens"])
 
 
 @pytest.mark.parametrize("spelling", ["--ep-size", "--expert-parallel-size", "--ep"])
@@ -391,6 +391,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--max-request-body-bytes", "--shutdown-timeout", "--watchdog-timeout",
         "--grammar-backend", "--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice",
         "--constrained-json-whitespace-pattern", "--constrained-json-disable-any-whitespace",
+        "--dp-size", "--load-balance-method",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -115,18 +115,23 @@ def launch(cfg: Any) -> int:
     if node_rank >= sizes.nnodes:
         raise LaunchError(f"--node-rank {node_rank} with --nnodes {sizes.nnodes}: ranks are "
                           f"0..{sizes.nnodes - 1}")
-    init_method = f"tcp://{cfg.dist_init_addr or f'127.0.0.1:{free_tcp_port()}'}"
-    if device == "cuda" and world > 1:
+    dp = data_parallel_size(cfg, sizes.nnodes)
+    # One process group per replica, each meeting at its own address.
+    init_methods = [f"tcp://{cfg.dist_init_addr or f'127.0.0.1:{free_tcp_port()}'}"]
+    init_methods += [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(1, dp)]
+    if device == "cuda" and world * dp > 1:
         import torch
 
-        if torch.cuda.device_count() < world:
-            raise LaunchError(f"--tp-size {world} needs {world} GPUs, this node has "
+        if torch.cuda.device_count() < world * dp:
+            need = f"--dp-size {dp} x --tp-size {world}" if dp > 1 else f"--tp-size {world}"
+            raise LaunchError(f"{need} needs {world * dp} GPUs, this node has "
                               f"{torch.cuda.device_count()}")
     max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
     chunk = int(cfg.chunked_prefill_size)
     page_size = int(cfg.page_size)
 
-    channel_name = f"/tokenspeed-{os.getpid()}"
+    # One plan channel per data-parallel replica, read by that replica's ranks only.
+    channel_names = [f"/tokenspeed-{os.getpid()}" + (f"-dp{r}" if dp > 1 else "") for r in range(dp)]
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
     vocab_size = model_vocab_size(model_dir)
@@ -134,23 +139,29 @@ def launch(cfg: Any) -> int:
     slot_bytes = _core.slot_bytes(max_running, chunk + max_running, -(-context // page_size),
                                   mask_words)
     if node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
-        channel = _core.ServerChannel.create(channel_name, world + (sizes.nnodes > 1), 4,
-                                             slot_bytes)
+        channels = [_core.ServerChannel.create(name, world + (sizes.nnodes > 1), 4, slot_bytes)
+                    for name in channel_names]
     else:  # written by this node's relay (relay.py)
-        channel = _core.testing.create_test_writer(channel_name, world, 4, slot_bytes)
+        channels = [_core.testing.create_test_writer(channel_names[0], world, 4, slot_bytes)]
+    channel, channel_name = channels[0], channel_names[0]
     num_pages = None
     if cfg.max_total_tokens:
         num_pages = max(1, int(cfg.max_total_tokens) // page_size)
+    if device == "cpu" and dp > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Replicas share the CPU: split its cores between all their ranks (spawned workers read
+        # this when torch starts), as distributed.py does between the ranks of one group.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (world * dp)))
     ctx = mp.get_context("spawn")
     workers, links, watched = [], [], []
-    for rank in range(node_rank * world, (node_rank + 1) * world):
+    for replica, rank in ((r, k) for r in range(dp) for k in range(node_rank * world, (node_rank + 1) * world)):
         local = rank - node_rank * world
+        gpu = replica * world + local  # replica r: GPUs r*tp .. r*tp+tp-1
         spec = WorkerSpec(
             rank=rank,
             world_size=world,
             model_path=str(model_dir),
-            channel_name=channel_name,
-            device=f"cuda:{local}" if device == "cuda" and world > 1 else device,
+            channel_name=channel_names[replica],
+            device=f"cuda:{gpu}" if device == "cuda" and world * dp > 1 else device,
             dtype=cfg.dtype,
             load_format=cfg.load_format,
             page_size=page_size,
@@ -169,24 +180,29 @@ def launch(cfg: Any) -> int:
             quantization_param_path=cfg.quantization_param_path,
             quantization=cfg.quantization,
             parallel=sizes,
-            dist_init_method=init_method,
+            dist_init_method=init_methods[replica],
             dist_timeout_s=float(cfg.dist_timeout),
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
+        in_replica = f" of data-parallel replica {replica}" if dp > 1 else ""
         proc = ctx.Process(target=without_sigint, args=(run_worker, spec, child_end),
-                           name=f"tokenspeed-worker-{rank}", daemon=True)
+                           name=f"tokenspeed-worker-{rank}" + (f"-dp{replica}" if dp > 1 else ""),
+                           daemon=True)
         proc.start()
         child_end.close()
         workers.append(proc)
         links.append(parent_end)
-        watched.append(Watched(proc, f"worker rank {rank} of {sizes.world_size}"))
+        watched.append(Watched(proc, f"worker rank {rank} of {sizes.world_size}{in_replica}"))
 
     watch = DeathWatch(watched, node_rank, sizes.nnodes)
     try:
-        logger.info("node %d: started %d worker rank(s): %s", node_rank, world, ", ".join(
-            f"rank {node_rank * world + r} pid {p.pid}" for r, p in enumerate(workers)))
+        logger.info("node %d: started %d worker rank(s): %s", node_rank, world * dp, ", ".join(
+            (f"replica {i // world} " if dp > 1 else "")
+            + f"rank {node_rank * world + i % world} pid {p.pid}" for i, p in enumerate(workers)))
         capacities = _wait_ready(watched, links, where=watch.where)
-        pages = min(c["num_pages"] for c in capacities)  # every rank's pool holds these pages
+        # Every rank's pool holds these pages (every replica's too: the engines share one
+        # configuration).
+        pages = min(c["num_pages"] for c in capacities)
         if sizes.nnodes > 1:
             from tokenspeed import relay
 
@@ -242,9 +258,12 @@ def launch(cfg: Any) -> int:
             "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                                 else cfg.constrained_json_whitespace_pattern),
             "worker_pids": [p.pid for p in workers],
+            "dp_size": dp,
+            "load_balance_method": cfg.load_balance_method,
             "server_info": {
                 "device": capacities[0]["device"],
                 "tp_size": sizes.attn_tp,
+                "load_balance_method": cfg.load_balance_method,
                 "parallel": {"world_size": sizes.world_size, "attn_tp_size": sizes.attn_tp,
                              "dense_tp_size": sizes.dense_tp, "moe_tp_size": sizes.moe_tp,
                              "ep_size": sizes.ep, "all2all_backend": cfg.all2all_backend,
@@ -260,7 +279,7 @@ def launch(cfg: Any) -> int:
         )
         watch.start()
         try:
-            _core.serve(json.dumps(server_config), channel, cfg.log_level)
+            _core.serve(json.dumps(server_config), channels, cfg.log_level)
         except RuntimeError as e:  # a worker died or hung, or the engine failed: exit non-zero
             died = watch.report()  # which child died, if one did
             raise LaunchError(f"{died} ({e})" if died else str(e)) from None
@@ -269,7 +288,8 @@ def launch(cfg: Any) -> int:
         return 0
     finally:
         watch.stop()  # before the workers are stopped on purpose
-        channel.close()
+        for c in channels:
+            c.close()
         _stop_workers(workers)
 
 
@@ -286,6 +306,15 @@ def _stop_workers(workers: list[Any]) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=3)
+
+
+def data_parallel_size(cfg: Any, nnodes: int) -> int:
+    """`--dp-size`, checked against what is built: replicas on one node."""
+    dp = int(cfg.dp_size or 1)
+    if dp > 1 and nnodes > 1:
+        raise LaunchError(f"--dp-size {dp} with --nnodes {nnodes}: data parallelism across nodes "
+                          "is not built yet (run one server per node, or --nnodes 1)")
+    return dp
 
 
 def parallel_sizes(cfg: Any, model_dir: Path) -> Any:

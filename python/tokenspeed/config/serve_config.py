@@ -85,6 +85,8 @@ class ServeConfig:
     dist_timeout: int = _default("dist_timeout")
     nnodes: int = _default("nnodes")
     node_rank: int = _default("node_rank")
+    dp_size: int = _default("dp_size")  # replicas, one engine + worker group each
+    load_balance_method: str = _default("load_balance_method")  # how the router picks a replica
     # Kernels and CUDA graphs.
     attention_backend: str | None = _default("attention_backend")  # None: picked from the device
     disable_cuda_graph: bool = _default("disable_cuda_graph")

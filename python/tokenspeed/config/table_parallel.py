@@ -5,8 +5,9 @@ familiar `--tensor-parallel-size` / `--tp` / `--tp-size` map to), dense MLP (`--
 and MoE (`--moe-tp-size`). The combinations are checked in `tokenspeed.distributed.ParallelSizes`
 (which names both values of an impossible pair); the MoE layers take their expert-parallel /
 MoE-TP slice from those groups (layers/moe.py) and sum their partial outputs over the world
-(`--all2all-backend naive`, distributed.MoeAllReduce). Attention TP smaller than the world
-(data-parallel attention) and data parallelism are not built yet.
+(`--all2all-backend naive`, distributed.MoeAllReduce). Data parallelism (`--dp-size`) runs one
+engine and worker group per replica behind the Rust server's router (rust/server/src/router.rs).
+Attention TP smaller than the world (data-parallel attention) is not built yet.
 """
 
 from __future__ import annotations
@@ -44,10 +45,17 @@ PARALLEL_FLAGS: list[Flag] = [
     i("--nprocs-per-node", "Worker processes started on each node (default: world size / "
       "nodes).", G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
     i("--dp-size", "Data-parallel size: number of independent model replicas behind one "
-      "endpoint.", G_PARALLEL, 1, aliases=("--data-parallel-size", "--dp"), minimum=1,
-      component="both", metavar="N"),
-    c("--load-balance-method", "How requests are spread over data-parallel replicas.",
-      G_PARALLEL, ("round_robin", "shortest_queue", "minimum_tokens"), "round_robin"),
+      "endpoint, each with its own scheduler, prefix cache, KV pool and worker group of "
+      "--tp-size ranks (on GPU replica r uses GPUs r*tp .. r*tp+tp-1; on CPU they share it).",
+      G_PARALLEL, 1, aliases=("--data-parallel-size", "--dp"), minimum=1, component="both",
+      implemented=True, metavar="N"),
+    c("--load-balance-method", "How requests are spread over data-parallel replicas: "
+      "round_robin (in turn; SGLang's default), shortest_queue (fewest running and queued "
+      "requests), cache_aware (the replica whose radix cache holds the longest exact prefix of "
+      "the prompt, when that is at least half of it, else the least loaded). minimum_tokens "
+      "(DP attention) is not built yet.", G_PARALLEL,
+      ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware"), "round_robin",
+      supported=("round_robin", "shortest_queue", "cache_aware"), implemented=True),
     f("--load-watch-interval", "Seconds between load checks of data-parallel replicas.",
       G_PARALLEL, 0.1, minimum=0.0, min_exclusive=True),
     b("--prefill-round-robin-balance", "Balance prefill servers round-robin so decode servers "

@@ -41,26 +41,45 @@ impl ServerChannel {
     }
 }
 
-/// Serves HTTP until SIGINT/SIGTERM. Releases the GIL for the whole run.
+/// Serves HTTP until SIGINT/SIGTERM. Releases the GIL for the whole run. `channels`: one
+/// ServerChannel, or a list of them, one per data-parallel replica (`worker_pids` in the config
+/// then lists replica 0's ranks, then replica 1's, ...).
 #[pyfunction]
-#[pyo3(signature = (config_json, channel, log_level = "info"))]
+#[pyo3(signature = (config_json, channels, log_level = "info"))]
 fn serve(
     py: Python<'_>,
     config_json: &str,
-    channel: &ServerChannel,
+    channels: &Bound<'_, PyAny>,
     log_level: &str,
 ) -> PyResult<()> {
     let config: ServerConfig = serde_json::from_str(config_json)
         .map_err(|e| PyValueError::new_err(format!("server config: {e}")))?;
-    let plan_channel = channel
-        .inner
-        .lock()
-        .map_err(|_| PyRuntimeError::new_err("channel lock poisoned"))?
-        .take()
-        .ok_or_else(|| PyRuntimeError::new_err("the channel was already used or closed"))?;
+    let channels: Vec<PyRef<'_, ServerChannel>> = match channels.extract() {
+        Ok(one) => vec![one],
+        Err(_) => channels.extract()?,
+    };
+    let dp = channels.len().max(1);
+    if !config.worker_pids.len().is_multiple_of(dp) {
+        return Err(PyValueError::new_err(format!(
+            "{} worker pids do not split over {dp} replicas",
+            config.worker_pids.len()
+        )));
+    }
+    let per_replica = config.worker_pids.len() / dp;
+    let mut links: Vec<Box<dyn tokenspeed_server::WorkerLink>> = Vec::with_capacity(dp);
+    for (r, channel) in channels.iter().enumerate() {
+        let plan_channel = channel
+            .inner
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("channel lock poisoned"))?
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("the channel was already used or closed"))?;
+        let pids = config.worker_pids[r * per_replica..(r + 1) * per_replica].to_vec();
+        links.push(Box::new(ShmWorkerLink::new(plan_channel, pids)));
+    }
+    drop(channels);
     tokenspeed_server::init_logging(log_level);
-    let link = Box::new(ShmWorkerLink::new(plan_channel, config.worker_pids.clone()));
-    py.allow_threads(|| tokenspeed_server::serve(config, link))
+    py.allow_threads(|| tokenspeed_server::serve(config, links))
         .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 

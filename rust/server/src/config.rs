@@ -47,9 +47,16 @@ pub struct ServerConfig {
     pub shutdown_timeout: f64,
     /// A forward step running longer than this many seconds fails the worker group.
     pub watchdog_timeout: f64,
-    /// Process ids of the worker ranks, watched for liveness.
+    /// Process ids of the worker ranks, watched for liveness (under data parallelism, replica
+    /// 0's ranks, then replica 1's, ...).
     #[serde(default)]
     pub worker_pids: Vec<i32>,
+    /// Data-parallel replicas (`--dp-size`): one engine and worker group each; absent: 1.
+    #[serde(default)]
+    pub dp_size: Option<u32>,
+    /// `--load-balance-method` over the replicas (needed when `dp_size` > 1).
+    #[serde(default)]
+    pub load_balance_method: Option<String>,
     /// Log a step line every this many steps (`--decode-log-interval`; 0 = never).
     pub step_log_interval: u64,
     /// Serve Prometheus metrics at /metrics (`--enable-metrics`); without it the route is absent.

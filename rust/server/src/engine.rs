@@ -110,6 +110,47 @@ pub struct EngineStats {
     /// share of serving time the GPU sat idle between steps, as far as the engine can see (the
     /// worker's own host time before its first kernel is not in it).
     pub stalled_s: f64,
+    /// Prompt tokens of the requests that reached their first token, and how many of them the
+    /// radix cache held (per replica under data parallelism: where the prefix hits land).
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+}
+
+impl EngineStats {
+    /// The totals over data-parallel replicas (the largest batch is the largest of any).
+    pub fn sum<'a>(all: impl IntoIterator<Item = &'a EngineStats>) -> EngineStats {
+        all.into_iter()
+            .fold(EngineStats::default(), |t, s| EngineStats {
+                total_pages: t.total_pages + s.total_pages,
+                free_pages: t.free_pages + s.free_pages,
+                used_pages: t.used_pages + s.used_pages,
+                cached_pages: t.cached_pages + s.cached_pages,
+                evictable_pages: t.evictable_pages + s.evictable_pages,
+                running_requests: t.running_requests + s.running_requests,
+                waiting_requests: t.waiting_requests + s.waiting_requests,
+                steps: t.steps + s.steps,
+                max_batch_size: t.max_batch_size.max(s.max_batch_size),
+                last_batch_size: t.last_batch_size + s.last_batch_size,
+                last_step_tokens: t.last_step_tokens + s.last_step_tokens,
+                busy_s: t.busy_s + s.busy_s,
+                stalled_s: t.stalled_s + s.stalled_s,
+                prefix_cache_queries: t.prefix_cache_queries + s.prefix_cache_queries,
+                prefix_cache_hits: t.prefix_cache_hits + s.prefix_cache_hits,
+            })
+    }
+
+    /// The pool counts in the scheduler's terms (for the Prometheus gauges).
+    pub fn pool(&self) -> tokenspeed_engine::scheduler::SchedulerStats {
+        tokenspeed_engine::scheduler::SchedulerStats {
+            total_pages: self.total_pages,
+            free_pages: self.free_pages,
+            used_pages: self.used_pages,
+            cached_pages: self.cached_pages,
+            evictable_pages: self.evictable_pages,
+            running: self.running_requests,
+            waiting: self.waiting_requests,
+        }
+    }
 }
 
 enum Command {
@@ -121,6 +162,11 @@ enum Command {
     },
     Abort {
         id: u64,
+    },
+    /// How many leading tokens of `tokens` the radix cache holds (the cache-aware router asks).
+    PrefixLen {
+        tokens: Arc<Vec<u32>>,
+        reply: oneshot::Sender<usize>,
     },
     FlushCache {
         reply: oneshot::Sender<bool>,
@@ -178,10 +224,21 @@ impl EngineHandle {
     /// With a `constraint`, its tokens follow the grammar (see `engine/grammar.rs`).
     pub fn submit(
         &self,
-        mut request: Request,
+        request: Request,
         constraint: Option<Constraint>,
     ) -> (u64, tokio_mpsc::UnboundedReceiver<EngineEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        (id, self.submit_as(id, request, constraint))
+    }
+
+    /// `submit` under an id the caller chose (the data-parallel router's, unique across its
+    /// replicas).
+    pub fn submit_as(
+        &self,
+        id: u64,
+        mut request: Request,
+        constraint: Option<Constraint>,
+    ) -> tokio_mpsc::UnboundedReceiver<EngineEvent> {
         request.id = id;
         let (events, rx) = tokio_mpsc::unbounded_channel();
         let sent = self.commands.send(Command::Submit {
@@ -196,7 +253,18 @@ impl EngineHandle {
                 kind: EngineErrorKind::Unavailable,
             });
         }
-        (id, rx)
+        rx
+    }
+
+    /// The exact length of the longest prefix of `tokens` this engine's radix cache holds, as
+    /// the engine thread sees it between two steps: the scheduler never leaves that thread, so
+    /// the question travels as a command (answered within one step; None if the engine is gone).
+    pub async fn cached_prefix_len(&self, tokens: Arc<Vec<u32>>) -> Option<usize> {
+        let (reply, rx) = oneshot::channel();
+        self.commands
+            .send(Command::PrefixLen { tokens, reply })
+            .ok()?;
+        rx.await.ok()
     }
 
     pub fn abort(&self, id: u64) {
@@ -269,6 +337,9 @@ pub struct EngineOptions {
     pub watchdog: Option<Duration>,
     /// Words of a grammar's token mask row (`GrammarCompiler::bitmask_words`; 0: no grammars).
     pub mask_words: usize,
+    /// Set the KV pool gauges of `/metrics` after each step. Off under data parallelism, where
+    /// they are the sum over replicas (set when `/metrics` is read).
+    pub pool_metrics: bool,
 }
 
 /// A request's structured-output constraint, as the engine applies it.
@@ -331,6 +402,8 @@ pub fn spawn_engine(
                 last_submit: None,
                 prefill_sent: HashMap::new(),
                 grammars: grammar::Grammars::new(mask_words),
+                prefix_queries: 0,
+                prefix_hits: 0,
             };
             engine.publish_stats(0, 0);
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run()));

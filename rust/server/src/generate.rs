@@ -89,11 +89,13 @@ pub struct Chunk {
 }
 
 /// Aborts the engine request if the generation is dropped before it finished
-/// (client disconnect, stop string matched): its slot and KV pages are freed.
+/// (client disconnect, stop string matched): its slot and KV pages are freed. `engine` is the
+/// data-parallel replica that owns the request; `_load` counts it there until dropped.
 struct AbortGuard {
     engine: EngineHandle,
     id: u64,
     done: bool,
+    _load: crate::replicas::LoadTicket,
 }
 
 impl Drop for AbortGuard {
@@ -123,10 +125,12 @@ pub struct Generation {
 
 /// Generates one greedy token for `prompt` and waits for it: the probe behind the warm-up and
 /// `/health_generate`, proving the whole path (tokenizer, scheduler, shm, worker) works.
+/// `replica`: the data-parallel replica to probe (None: wherever the router sends it).
 pub async fn probe(
     state: &AppState,
     prompt: Prompt,
     timeout: std::time::Duration,
+    replica: Option<usize>,
 ) -> Result<(), ApiError> {
     let spec = GenerationSpec {
         prompt,
@@ -143,7 +147,7 @@ pub async fn probe(
         grammar: None,
         grammar_starts_after: None,
     };
-    let run = async { start(state, spec).await?.collect().await };
+    let run = async { start_on(state, spec, replica).await?.collect().await };
     match tokio::time::timeout(timeout, run).await {
         Ok(result) => result.map(|_| ()),
         Err(_) => Err(ApiError::unavailable(format!(
@@ -153,8 +157,16 @@ pub async fn probe(
     }
 }
 
-/// Tokenizes and validates, then hands the request to the engine.
+/// Tokenizes and validates, then hands the request to the engine (the replica the router picks).
 pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation, ApiError> {
+    start_on(state, spec, None).await
+}
+
+async fn start_on(
+    state: &AppState,
+    spec: GenerationSpec,
+    replica: Option<usize>,
+) -> Result<Generation, ApiError> {
     let prompt_ids = tokenize_prompt(state, spec.prompt.clone()).await?;
     let context = state.config.context_length;
     crate::validate::check_prompt(&prompt_ids, state.tokenizer.vocab_size() as u32, context)?;
@@ -202,7 +214,8 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
         ignore_eos: spec.ignore_eos,
     };
     state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
-    let (id, events) = state.engine.submit(request, constraint);
+    let dispatched = state.engine.dispatch(request, constraint, replica).await;
+    let (id, events) = (dispatched.id, dispatched.events);
     if state.config.log_requests {
         tracing::info!(
             id,
@@ -219,9 +232,10 @@ pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation,
         detok,
         stops: StopMatcher::new(spec.stop),
         guard: AbortGuard {
-            engine: state.engine.clone(),
+            engine: dispatched.owner,
             id,
             done: false,
+            _load: dispatched.load,
         },
         finished: false,
         include_stop_str: spec.include_stop_str_in_output,

@@ -8,6 +8,8 @@ pub mod engine;
 pub mod generate;
 pub mod http;
 pub mod metrics;
+pub mod replicas;
+pub mod router;
 pub mod validate;
 pub mod worker_link;
 
@@ -23,6 +25,7 @@ use tokenspeed_text::TextTokenizer;
 
 pub use config::ServerConfig;
 pub use engine::{EngineHandle, EngineOptions, WorkerLink};
+pub use replicas::Replicas;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -87,6 +90,31 @@ pub fn build_state(
     config: ServerConfig,
     link: Box<dyn WorkerLink>,
 ) -> Result<http::AppState, ServeError> {
+    build_state_replicas(config, vec![link])
+}
+
+/// `build_state` with one engine thread per data-parallel replica, each driving its own worker
+/// group through `links[r]`.
+pub fn build_state_replicas(
+    config: ServerConfig,
+    links: Vec<Box<dyn WorkerLink>>,
+) -> Result<http::AppState, ServeError> {
+    let dp = config.dp_size.unwrap_or(1) as usize;
+    if links.len() != dp || dp == 0 {
+        return Err(ServeError::Config(format!(
+            "--dp-size {dp} needs {dp} worker groups, got {}",
+            links.len()
+        )));
+    }
+    let policy = match (dp, config.load_balance_method.as_deref()) {
+        (_, Some(m)) => m.parse().map_err(ServeError::Config)?,
+        (1, None) => router::Policy::RoundRobin, // one replica: nothing to choose
+        (_, None) => {
+            return Err(ServeError::Config(format!(
+                "--dp-size {dp} needs a --load-balance-method"
+            )))
+        }
+    };
     let tokenizer = TextTokenizer::from_dir(
         Path::new(&config.tokenizer_path),
         config.chat_template.as_deref(),
@@ -107,6 +135,8 @@ pub fn build_state(
     // running slots are full. The engine's own check is a backstop at that same total: a
     // request waiting only because the scheduler has not run since a slot freed up is not
     // over the limit, and refusing it there would come late (after tokenizing, between steps).
+    // Under data parallelism both limits are per replica, so the HTTP layer admits N times as
+    // many (the router spreads them).
     let max_in_flight = config.max_running_requests as usize + config.max_queued_requests as usize;
     let options = EngineOptions {
         max_queued_requests: max_in_flight,
@@ -116,10 +146,20 @@ pub fn build_state(
         watchdog: (config.watchdog_timeout > 0.0)
             .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
         mask_words: grammar.as_ref().map_or(0, |g| g.bitmask_words()),
+        pool_metrics: dp == 1,
     };
-    let (engine, _thread) =
-        engine::spawn_engine(scheduler_config(&config)?, link, options, metrics.clone())
-            .map_err(ServeError::Config)?;
+    let mut engines = Vec::with_capacity(dp);
+    for link in links {
+        let (engine, _thread) = engine::spawn_engine(
+            scheduler_config(&config)?,
+            link,
+            options.clone(),
+            metrics.clone(),
+        )
+        .map_err(ServeError::Config)?;
+        engines.push(engine);
+    }
+    let engine = Replicas::new(engines, policy);
     Ok(http::AppState {
         config: Arc::new(config),
         tokenizer: Arc::new(tokenizer),
@@ -128,7 +168,7 @@ pub fn build_state(
         chat_parsers,
         metrics,
         started: Instant::now(),
-        lifecycle: Arc::new(http::Lifecycle::new(max_in_flight)),
+        lifecycle: Arc::new(http::Lifecycle::new(max_in_flight * dp)),
     })
 }
 
@@ -161,13 +201,13 @@ fn grammar_compiler(
     }
 }
 
-pub fn serve(config: ServerConfig, link: Box<dyn WorkerLink>) -> Result<(), ServeError> {
+pub fn serve(config: ServerConfig, links: Vec<Box<dyn WorkerLink>>) -> Result<(), ServeError> {
     let addr = format!("{}:{}", config.host, config.port);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("tokenspeed-http")
         .build()?;
-    let state = build_state(config, link)?;
+    let state = build_state_replicas(config, links)?;
     let engine = state.engine.clone();
     let result = runtime.block_on(run_http(state, addr));
     engine.shutdown();
@@ -259,14 +299,25 @@ async fn drain(state: &http::AppState) {
     }
 }
 
-/// Generates one token through the whole path (tokenizer, scheduler, shm, worker) before the
-/// port opens, so the first user request pays no start-up cost and a broken worker is caught.
+/// Generates one token through the whole path (tokenizer, scheduler, shm, worker) on every
+/// replica before the port opens, so the first user request pays no start-up cost and a
+/// broken worker is caught.
 async fn warm_up(state: &http::AppState) -> Result<(), ServeError> {
     let started = Instant::now();
-    let prompt = generate::Prompt::Text("Hello".into());
-    generate::probe(state, prompt, std::time::Duration::from_secs(600))
+    let probes = (0..state.engine.len()).map(|r| {
+        let prompt = generate::Prompt::Text("Hello".into());
+        generate::probe(state, prompt, std::time::Duration::from_secs(600), Some(r))
+    });
+    for (r, result) in futures_util::future::join_all(probes)
         .await
-        .map_err(|e| ServeError::Warmup(e.message))?;
+        .into_iter()
+        .enumerate()
+    {
+        result.map_err(|e| match state.engine.len() {
+            1 => ServeError::Warmup(e.message),
+            _ => ServeError::Warmup(format!("data-parallel replica {r}: {}", e.message)),
+        })?;
+    }
     tracing::info!(
         "warm-up request done in {:.2}s",
         started.elapsed().as_secs_f64()

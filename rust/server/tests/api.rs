@@ -259,6 +259,8 @@ fn harness_grammar(
         shutdown_timeout: 5.0,
         watchdog_timeout: 300.0,
         worker_pids: vec![],
+        dp_size: None,
+        load_balance_method: None,
         step_log_interval: 0,
         enable_metrics,
         sampling_defaults: Default::default(),

@@ -133,6 +133,8 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         shutdown_timeout: 5.0,
         watchdog_timeout: 300.0,
         worker_pids: vec![],
+        dp_size: None,
+        load_balance_method: None,
         step_log_interval: 0,
         enable_metrics: false,
         sampling_defaults: Default::default(),

@@ -70,6 +70,8 @@ fn state(watchdog_timeout: f64) -> AppState {
         shutdown_timeout: 1.0,
         watchdog_timeout,
         worker_pids: vec![],
+        dp_size: None,
+        load_balance_method: None,
         step_log_interval: 0,
         enable_metrics: true,
         max_mixed_prefill_tokens: 0,

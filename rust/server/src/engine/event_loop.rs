@@ -57,6 +57,9 @@ pub(super) struct EngineLoop {
     pub(super) prefill_sent: HashMap<u64, (Instant, Duration)>,
     /// Matchers of the grammar-constrained requests.
     pub(super) grammars: super::grammar::Grammars,
+    /// `EngineStats::{prefix_cache_queries, prefix_cache_hits}`.
+    pub(super) prefix_queries: u64,
+    pub(super) prefix_hits: u64,
 }
 
 impl EngineLoop {
@@ -183,6 +186,9 @@ impl EngineLoop {
                     self.scheduler.abort(id);
                     self.count_abort();
                 }
+            }
+            Command::PrefixLen { tokens, reply } => {
+                let _ = reply.send(self.scheduler.cached_prefix_len(&tokens));
             }
             Command::FlushCache { reply } => {
                 let flushed = self.scheduler.flush_cache();
@@ -427,6 +433,8 @@ impl EngineLoop {
                     .observe((now - live.submitted).as_secs_f64());
                 m.prefix_cache_queries.inc_by(u64::from(out.prompt_tokens));
                 m.prefix_cache_hits.inc_by(u64::from(out.cached_tokens));
+                self.prefix_queries += u64::from(out.prompt_tokens);
+                self.prefix_hits += u64::from(out.cached_tokens);
             } else if let Some(last) = live.last_token {
                 self.metrics
                     .inter_token_latency
@@ -523,7 +531,7 @@ impl EngineLoop {
                 Command::FlushCache { reply } => {
                     let _ = reply.send(false);
                 }
-                Command::Abort { .. } | Command::AbortAll { .. } => {}
+                Command::Abort { .. } | Command::AbortAll { .. } | Command::PrefixLen { .. } => {}
                 Command::Shutdown => return,
             }
         }
@@ -559,7 +567,9 @@ impl EngineLoop {
 
     pub(super) fn publish_stats(&mut self, batch: usize, tokens: usize) {
         let s: SchedulerStats = self.scheduler.stats();
-        self.metrics.observe_pool(&s);
+        if self.options.pool_metrics {
+            self.metrics.observe_pool(&s);
+        }
         if let Ok(mut stats) = self.stats.lock() {
             *stats = EngineStats {
                 total_pages: s.total_pages,
@@ -575,6 +585,8 @@ impl EngineLoop {
                 last_step_tokens: tokens,
                 busy_s: self.busy.as_secs_f64(),
                 stalled_s: self.stalled.as_secs_f64(),
+                prefix_cache_queries: self.prefix_queries,
+                prefix_cache_hits: self.prefix_hits,
             };
         }
     }

@@ -25,8 +25,8 @@ use axum::Router;
 use tokenspeed_text::TextTokenizer;
 
 use crate::config::ServerConfig;
-use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
+use crate::replicas::Replicas;
 use error::ApiError;
 use futures_util::StreamExt;
 pub use lifecycle::Lifecycle;
@@ -36,7 +36,8 @@ use subtle::ConstantTimeEq;
 pub struct AppState {
     pub config: Arc<ServerConfig>,
     pub tokenizer: Arc<TextTokenizer>,
-    pub engine: EngineHandle,
+    /// The engine of each data-parallel replica, behind the router (one without `--dp-size`).
+    pub engine: Replicas,
     /// Compiles structured-output grammars against the model's vocabulary (None:
     /// `--grammar-backend none`).
     pub grammar: Option<Arc<tokenspeed_structured::GrammarCompiler>>,

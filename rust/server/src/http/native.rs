@@ -306,6 +306,7 @@ pub async fn model_info(State(state): State<AppState>) -> Response {
 #[utoipa::path(get, path = "/get_server_info", responses((status = 200, description = "engine state and configuration")))]
 pub async fn server_info(State(state): State<AppState>) -> Response {
     let stats = state.engine.stats();
+    let replicas = state.engine.replica_info();
     let mut info = json!({
         "version": env!("CARGO_PKG_VERSION"),
         "healthy": state.engine.is_healthy(),
@@ -323,6 +324,8 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
             "cached": stats.cached_pages, "evictable": stats.evictable_pages,
         },
         "engine": stats,
+        "dp_size": replicas.len(),
+        "replicas": replicas,
     });
     if let (Value::Object(extra), Value::Object(out)) = (&state.config.server_info, &mut info) {
         for (k, v) in extra {
@@ -360,15 +363,25 @@ pub async fn health_generate(State(state): State<AppState>) -> Response {
     if !state.engine.is_healthy() {
         return ApiError::unavailable("the model worker is not running").into_response();
     }
-    let prompt = Prompt::Ids(vec![state.tokenizer.bos_token_id().unwrap_or(0)]);
-    match generate::probe(&state, prompt, std::time::Duration::from_secs(20)).await {
-        Ok(()) => StatusCode::OK.into_response(),
-        Err(e) => e.into_response(),
+    // Every data-parallel replica, at once: each must prove its own path.
+    let probes = (0..state.engine.len()).map(|r| {
+        let prompt = Prompt::Ids(vec![state.tokenizer.bos_token_id().unwrap_or(0)]);
+        generate::probe(&state, prompt, std::time::Duration::from_secs(20), Some(r))
+    });
+    let results = futures_util::future::join_all(probes).await;
+    match results.into_iter().find_map(Result::err) {
+        None => StatusCode::OK.into_response(),
+        Some(e) => e.into_response(),
     }
 }
 
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text"), (status = 404, description = "served only with --enable-metrics", body = ErrorResponse)))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    if state.engine.len() > 1 {
+        // With one replica its engine keeps the pool gauges current; with several they are
+        // the sum, taken now.
+        state.metrics.observe_pool(&state.engine.stats().pool());
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
