@@ -870,6 +870,7 @@ async fn a_grammar_that_starts_after_the_reasoning_leaves_the_reasoning_free() {
             Some(Constraint {
                 grammar,
                 starts_after: Some(think_end),
+                worker: None,
             }),
         );
         let mut tokens = Vec::new();
