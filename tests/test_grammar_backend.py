@@ -5,22 +5,24 @@ of each allowed id, not against xgrammar."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-pytest.importorskip("xgrammar", reason="the xgrammar package is not installed (pip install xgrammar)")
-
-from tokenspeed._core import GRAMMAR_KINDS  # noqa: E402
-from tokenspeed.assets import ensure_default_model  # noqa: E402
-from tokenspeed.grammar_backend import (  # noqa: E402
+from tokenspeed._core import GRAMMAR_KINDS
+from tokenspeed.assets import ensure_default_model
+from tokenspeed.grammar_backend import (
     GRAMMAR_ERROR,
     XGrammarConfig,
     XGrammarSlots,
     xgrammar_json_options,
 )
-from tokenspeed.plan import LAST_SAMPLED, PLAN_DTYPES, StepOutput, StepPlan  # noqa: E402
+from tokenspeed.plan import LAST_SAMPLED, PLAN_DTYPES, StepOutput, StepPlan
 
 EOS = 2  # the default model's <|endoftext|>
 SLOT = 3
@@ -32,7 +34,7 @@ def tokenizer_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path):  # noqa: ANN201
+def tokenizer(tokenizer_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -40,6 +42,9 @@ def tokenizer(tokenizer_dir: Path):  # noqa: ANN201
 
 @pytest.fixture
 def slots(tokenizer_dir: Path) -> XGrammarSlots:
+    # Only the tests that run matchers skip without xgrammar; the start-up checks never do.
+    if importlib.util.find_spec("xgrammar") is None:
+        pytest.skip("the xgrammar package is not installed (pip install xgrammar)")
     return XGrammarSlots(XGrammarConfig(str(tokenizer_dir), 49152, True, None), max_slots=8)
 
 
@@ -67,7 +72,7 @@ def plan_with(step: int, *, finished: tuple[int, ...] = (), new: tuple[int, ...]
     return plan
 
 
-def allowed_text(tokenizer, masks, row: int = 0) -> set[str]:  # noqa: ANN001
+def allowed_text(tokenizer, masks, row: int = 0) -> set[str]:
     words = masks.words[row]
     ids = [i for i in range(len(words) * 32) if (int(words[i // 32]) >> (i % 32)) & 1]
     return {tokenizer.decode([i]) for i in ids}
@@ -78,7 +83,7 @@ def out(slot_tokens: dict[int, int]) -> StepOutput:
                       logprobs=np.zeros(len(slot_tokens)))
 
 
-def test_admit_step_terminate_abort(slots: XGrammarSlots, tokenizer) -> None:  # noqa: ANN001
+def test_admit_step_terminate_abort(slots: XGrammarSlots, tokenizer) -> None:
     p0 = plan_with(0, new=(SLOT,), grammars=((SLOT, "regex", "(yes|no)", -1, ()),))
     assert slots.apply_plan(p0)
     m = slots.masks(p0)
@@ -114,7 +119,7 @@ def test_admit_step_terminate_abort(slots: XGrammarSlots, tokenizer) -> None:  #
 
 
 def test_a_reused_slot_gets_a_fresh_matcher_and_late_tokens_reach_the_old_one(
-        slots: XGrammarSlots, tokenizer) -> None:  # noqa: ANN001
+        slots: XGrammarSlots, tokenizer) -> None:
     p0 = plan_with(0, new=(SLOT,), grammars=((SLOT, "choice", '["alpha", "beta"]', -1, ()),))
     assert slots.apply_plan(p0)
     slots.masks(p0)
@@ -136,7 +141,7 @@ def test_a_reused_slot_gets_a_fresh_matcher_and_late_tokens_reach_the_old_one(
 
 
 def test_reasoning_then_grammar_and_a_readmission_replays_its_tokens(slots: XGrammarSlots,
-                                                                     tokenizer) -> None:  # noqa: ANN001
+                                                                     tokenizer) -> None:
     think_end = 100
     p0 = plan_with(0, new=(SLOT,), grammars=((SLOT, "regex", "(yes|no)", think_end, ()),))
     assert slots.apply_plan(p0)
@@ -153,7 +158,7 @@ def test_reasoning_then_grammar_and_a_readmission_replays_its_tokens(slots: XGra
     assert allowed_text(tokenizer, slots.masks(p2)) == {"s"}
 
 
-def test_a_token_outside_the_grammar_fails_the_request(slots: XGrammarSlots, tokenizer) -> None:  # noqa: ANN001
+def test_a_token_outside_the_grammar_fails_the_request(slots: XGrammarSlots, tokenizer) -> None:
     p0 = plan_with(0, new=(SLOT, 4), grammars=((SLOT, "regex", "(yes|no)", -1, ()),))
     assert slots.apply_plan(p0)
     slots.masks(p0)
@@ -163,6 +168,18 @@ def test_a_token_outside_the_grammar_fails_the_request(slots: XGrammarSlots, tok
     assert np.frombuffer(o.arrays()["event_error"], np.uint32).tolist() == [0, GRAMMAR_ERROR]
 
 
+@pytest.mark.parametrize("kind,text", [
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+    ("grammar", 'start: "a" | "b"'),  # Lark (no ::=)
+    ("grammar", 'root ::= "a" | "b"'),
+    ("structural_tag", '{"type": "structural_tag", "structures": [{"begin": "<f>", '
+                       '"schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}'),
+])
+def test_every_kind_the_server_sends_compiles(slots: XGrammarSlots, kind: str, text: str) -> None:
+    slots.admit(SLOT, kind, text, [EOS])
+    assert slots.slots[SLOT].error is None and slots.slots[SLOT].active
+
+
 def test_a_grammar_xgrammar_cannot_compile_fails_at_its_first_sample(slots: XGrammarSlots) -> None:
     p0 = plan_with(0, new=(SLOT,), grammars=((SLOT, "grammar", "root ::= (", -1, ()),))
     assert slots.apply_plan(p0)
@@ -170,6 +187,17 @@ def test_a_grammar_xgrammar_cannot_compile_fails_at_its_first_sample(slots: XGra
     o = out({SLOT: 7})
     slots.advance(0, o)
     assert o.errors is not None and o.errors.tolist() == [GRAMMAR_ERROR]
+
+
+def test_serve_fails_at_start_when_xgrammar_does_not_import(tmp_path: Path) -> None:
+    (tmp_path / "xgrammar.py").write_text("raise ImportError('no xgrammar here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "serve", "--device", "cpu", "--port", "1",
+                        "--grammar-backend", "xgrammar"], env=env, capture_output=True, text=True, check=False,
+                       timeout=120)
+    assert r.returncode != 0
+    assert "--grammar-backend xgrammar needs the xgrammar package" in r.stderr, r.stderr[-2000:]
+    assert "no xgrammar here" in r.stderr
 
 
 def test_json_whitespace_flags_map_or_are_refused() -> None:

@@ -85,7 +85,7 @@ def check_xgrammar_importable() -> None:
     """Raises ImportError with a clear message when xgrammar cannot be imported here."""
     try:
         import xgrammar  # noqa: F401
-    except Exception as e:  # noqa: BLE001  (a broken install fails as anything)
+    except Exception as e:
         raise ImportError(
             f"--grammar-backend xgrammar needs the xgrammar package, which does not import here "
             f"({type(e).__name__}: {e}); install it (pip install xgrammar) or use "

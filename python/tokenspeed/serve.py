@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed.distributed import free_tcp_port
-from tokenspeed.grammar_backend import xgrammar_config
 from tokenspeed.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.worker import WorkerSpec, run_worker
 
@@ -131,6 +130,8 @@ def launch(cfg: Any) -> int:
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
     vocab_size = model_vocab_size(model_dir)
+    from tokenspeed.grammar_backend import xgrammar_config
+
     try:  # xgrammar masks on the worker: grammars cross the plan instead of masks
         xgrammar = xgrammar_config(cfg.grammar_backend, cfg.constrained_json_whitespace_pattern,
                                    bool(cfg.constrained_json_disable_any_whitespace),
