@@ -172,8 +172,8 @@ def test_a_token_outside_the_grammar_fails_the_request(slots: XGrammarSlots, tok
     ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}'),
     ("grammar", 'start: "a" | "b"'),  # Lark (no ::=)
     ("grammar", 'root ::= "a" | "b"'),
-    ("structural_tag", '{"type": "structural_tag", "structures": [{"begin": "<f>", '
-                       '"schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}'),
+    ("structural_tag", ('{"type": "structural_tag", "structures": [{"begin": "<f>", '
+                        '"schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}')),
 ])
 def test_every_kind_the_server_sends_compiles(slots: XGrammarSlots, kind: str, text: str) -> None:
     slots.admit(SLOT, kind, text, [EOS])
