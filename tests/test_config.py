@@ -218,6 +218,7 @@ def test_value_normalisation() -> None:
         (["--quantization-param-path", "s.json", "--modelopt-quant", "fp8"], "--modelopt-quant"),
         (["--enable-lora"], "--enable-lora"),
         (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
+        (["--grammar-backend", "outlines"], "--grammar-backend"),
     ],
 )
 def test_values_not_built_yet(argv: list[str], name: str) -> None:
@@ -234,6 +235,8 @@ def test_supported_choices_work() -> None:
     for fmt in ("auto", "safetensors", "gguf", "dummy"):
         assert parse_serve_args(["--load-format", fmt]).load_format == fmt
     assert parse_serve_args(["--trust-remote-code"]).trust_remote_code is True
+    for backend in ("llguidance", "xgrammar", "none"):  # xgrammar: checked importable at launch
+        assert parse_serve_args(["--grammar-backend", backend]).grammar_backend == backend
 
 
 # ---- --config YAML ----------------------------------------------------------------------------------

@@ -341,9 +341,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_sample(self, plan: StepPlan, forward: tuple[torch.Tensor, torch.Tensor | None],
-                      completion: StepPlan) -> PendingStep:
-        """The second half: sampling under the plan's masks and their `completion`."""
-        return self._sample(plan, *forward, completion=completion)
+                      completion: StepPlan | None = None,
+                      masks: TokenMasks | None = None) -> PendingStep:
+        """The second half: sampling under the plan's masks and their `completion`, or under
+        `masks` the worker computed itself (a worker-side grammar backend)."""
+        return self._sample(plan, *forward, completion=completion, masks=masks)
 
     def _score_prompt(self, plan: StepPlan, hidden: torch.Tensor, query_start: np.ndarray,
                       wanted: list[int]) -> None:
@@ -425,7 +427,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]), None  # type: ignore[operator]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, slots_dev: torch.Tensor | None,
-                completion: StepPlan | None = None) -> PendingStep:
+                completion: StepPlan | None = None,
+                masks: TokenMasks | None = None) -> PendingStep:
         sample = plan.sched_sample.astype(bool)
         slots = plan.sched_slot[sample].astype(np.uint32)  # a copy: plan arrays die at next recv
         if self.sampler.any_penalized(plan.sched_slot):
@@ -440,7 +443,7 @@ class ModelRunner:
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
         res = self.sampler.sample(slots.tolist(), logits, slots_dev,
-                                  token_masks(plan, slots, completion))
+                                  masks if masks is not None else token_masks(plan, slots, completion))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
         self.last_tokens[slots_dev] = res.tokens
         return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,

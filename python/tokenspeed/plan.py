@@ -141,6 +141,8 @@ class StepOutput:
         self.top_logprobs = np.zeros((n, 0), np.float32) if top_logprobs is None else top_logprobs
         self.top_k = np.zeros(n, np.int64) if top_k is None else np.asarray(top_k)
         self.prompt = dict(prompt or {})
+        # `RequestEvent::error` per event (None: all NONE); set by the worker's grammar backend.
+        self.errors: np.ndarray | None = None
 
     def arrays(self) -> dict[str, bytes]:
         """{result array name: bytes}: one accepted token per event; each event's top-k rows
@@ -162,7 +164,13 @@ class StepOutput:
             "event_top_logprobs_len": k.astype(np.uint32).tobytes(),
             "event_top_logprobs": np.asarray(self.top_logprobs[keep], d["event_top_logprobs"]).tobytes(),
         }
-        return self._with_prompt(out, k) if self.prompt else out
+        out = self._with_prompt(out, k) if self.prompt else out
+        if self.errors is not None:  # prompt-only events (appended) have none
+            events = len(out["event_slot"]) // RESULT_DTYPES["event_slot"].itemsize
+            errors = np.zeros(events, d["event_error"])
+            errors[:n] = self.errors
+            out["event_error"] = errors.tobytes()
+        return out
 
     def _with_prompt(self, out: dict[str, bytes], k: np.ndarray) -> dict[str, bytes]:
         """Adds the prompt logprobs: on the slot's sampled event, or on a new token-less event

@@ -135,9 +135,17 @@ def launch(cfg: Any) -> int:
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
     vocab_size = model_vocab_size(model_dir)
-    mask_words = -(-vocab_size // 32) if cfg.grammar_backend != "none" else 0
+    from tokenspeed.grammar_backend import xgrammar_config
+
+    try:  # xgrammar masks on the worker: grammars cross the plan instead of masks
+        xgrammar = xgrammar_config(cfg.grammar_backend, cfg.constrained_json_whitespace_pattern,
+                                   bool(cfg.constrained_json_disable_any_whitespace),
+                                   str(tokenizer_dir), vocab_size)
+    except (ImportError, ValueError) as e:
+        raise LaunchError(str(e)) from None
+    mask_words = -(-vocab_size // 32) if cfg.grammar_backend == "llguidance" else 0
     slot_bytes = _core.slot_bytes(max_running, chunk + max_running, -(-context // page_size),
-                                  mask_words)
+                                  mask_words, xgrammar is not None)
     if node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         channels = [_core.ServerChannel.create(name, world + (sizes.nnodes > 1), 4, slot_bytes)
                     for name in channel_names]
@@ -182,6 +190,7 @@ def launch(cfg: Any) -> int:
             parallel=sizes,
             dist_init_method=init_methods[replica],
             dist_timeout_s=float(cfg.dist_timeout),
+            xgrammar=xgrammar,
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
         in_replica = f" of data-parallel replica {replica}" if dp > 1 else ""

@@ -18,6 +18,7 @@ from tokenspeed.step_trace import StepTrace
 if TYPE_CHECKING:
     from tokenspeed._core import WorkerChannel
     from tokenspeed.distributed import ParallelSizes
+    from tokenspeed.grammar_backend import XGrammarConfig, XGrammarSlots
     from tokenspeed.model_runner import ModelRunner, PendingStep
     from tokenspeed.plan import StepPlan
 
@@ -55,6 +56,8 @@ class WorkerSpec:
     parallel: ParallelSizes | None = None
     dist_init_method: str = ""
     dist_timeout_s: float = 300.0
+    # --grammar-backend xgrammar: this worker masks grammar-constrained rows (grammar_backend.py).
+    xgrammar: XGrammarConfig | None = None
 
 
 def _die_with_parent() -> None:
@@ -107,6 +110,11 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             quantization_param_path=spec.quantization_param_path,
             quantization=spec.quantization,
         )
+        grammars = None
+        if spec.xgrammar is not None and spec.rank == 0:  # rank 0 samples for the replica
+            from tokenspeed.grammar_backend import XGrammarSlots
+
+            grammars = XGrammarSlots(spec.xgrammar, spec.max_slots)
         # Reader index on this node's ring (multi-node: rank is global, world_size per node).
         channel = WorkerChannel.attach(spec.channel_name, spec.rank % spec.world_size)
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device)})
@@ -117,11 +125,11 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         sys.exit(1)
 
     logger.info("ready: %d KV pages of %d tokens", runner.num_pages, spec.page_size)
-    serve_plans(channel, runner, spec, parent)
+    serve_plans(channel, runner, spec, parent, grammars)
 
 
 def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
-                parent: int) -> None:
+                parent: int, grammars: XGrammarSlots | None = None) -> None:
     """The step loop. A launched step's tokens are sent back once the GPU has them; meanwhile
     the loop polls for the next plan, so a plan the engine sends ahead (one-step-ahead
     scheduling) is queued on the GPU behind the running step and the GPU never waits for the
@@ -141,7 +149,7 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
         if raw is None:
             if pending is not None:
                 if pending[1].ready():
-                    _send(channel, spec, *pending, trace)
+                    _send(channel, spec, *pending, trace, grammars)
                     pending = None
                 continue
             if os.getppid() != parent:
@@ -151,15 +159,28 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
         if trace:
             trace.received(plan)
         if pending is not None and pending[1].ready():  # always so on the CPU: send it first
-            _send(channel, spec, *pending, trace)
+            _send(channel, spec, *pending, trace, grammars)
             pending = None
+        if grammars is not None and grammars.apply_plan(plan):
+            # Worker-side grammar masks: queue the forward pass, then take the step in flight's
+            # tokens (its matchers advance as it is sent), then mask and sample. The GPU runs
+            # this forward meanwhile; no round trip to the server is needed.
+            plan = plan.copy()  # its arrays are views the next recv invalidates
+            forward = runner.launch_forward(plan)
+            if pending is not None:
+                _send(channel, spec, *pending, trace, grammars)
+                pending = None
+            pending = (plan.step_id, runner.launch_sample(plan, forward, masks=grammars.masks(plan)))
+            if trace:
+                trace.launched(plan.step_id)
+            continue
         if has_pending_masks(plan):
             # Grammar masks that depend on the step in flight: run the forward pass, send that
             # step's result (the server computes the masks from it), then sample.
             plan = plan.copy()  # its arrays are views the next recv invalidates
             forward = runner.launch_forward(plan)
             if pending is not None:
-                _send(channel, spec, *pending, trace)
+                _send(channel, spec, *pending, trace, grammars)
                 pending = None
             completion = _recv_mask_completion(channel, spec, plan.step_id, parent)
             if completion is None:
@@ -172,7 +193,7 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
         if trace:
             trace.launched(plan.step_id)
         if pending is not None:
-            _send(channel, spec, *pending, trace)
+            _send(channel, spec, *pending, trace, grammars)
         pending = launched
 
 
@@ -200,8 +221,10 @@ def _recv_mask_completion(channel: WorkerChannel, spec: WorkerSpec, step_id: int
 
 
 def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingStep,
-          trace: StepTrace | None = None) -> None:
+          trace: StepTrace | None = None, grammars: XGrammarSlots | None = None) -> None:
     out = step.wait()
+    if grammars is not None:  # every step's tokens pass here once, in step order
+        grammars.advance(step_id, out)
     if trace:
         trace.done(step_id)
     if spec.rank == 0:

@@ -79,9 +79,10 @@ KERNEL_FLAGS: list[Flag] = [
       ("flashinfer", "pytorch", "ascend"), component="worker"),
     c("--grammar-backend", "Engine for grammar- and JSON-schema-constrained decoding "
       "(response_format, guided_*, tool_choice required): llguidance computes token masks in "
-      "the Rust core; none refuses such requests.", G_KERNEL,
+      "the Rust core; xgrammar computes them on the worker (needs the xgrammar package); none "
+      "refuses such requests.", G_KERNEL,
       ("xgrammar", "outlines", "llguidance", "none"), "llguidance",
-      supported=("llguidance", "none"), implemented=True),
+      supported=("llguidance", "xgrammar", "none"), component="both", implemented=True),
     c("--mm-attention-backend", "Attention kernels for multimodal encoders.", G_KERNEL,
       ("sdpa", "fa3", "triton_attn", "ascend_attn"), component="worker"),
     c("--nsa-prefill-backend", "Sparse-attention (NSA) kernels for prefill.", G_KERNEL,

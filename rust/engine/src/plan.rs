@@ -154,6 +154,54 @@ section! {
     }
 }
 
+/// `GrammarRow::kind` values: how the worker reads a grammar row's `text`.
+pub mod grammar_kind {
+    /// A JSON schema (JSON text); `json_object` requests send `{"type": "object"}`.
+    pub const JSON_SCHEMA: u8 = 0;
+    /// A regex over the whole output.
+    pub const REGEX: u8 = 1;
+    /// A grammar: GBNF/EBNF (with `::=` rules and a `root`) or Lark.
+    pub const GRAMMAR: u8 = 2;
+    /// A JSON list of strings, exactly one of which is the output.
+    pub const CHOICE: u8 = 3;
+    /// SGLang's structural tag (JSON text).
+    pub const STRUCTURAL_TAG: u8 = 4;
+}
+
+/// The longest grammar text (bytes) one request may send to a worker-side grammar backend.
+pub const MAX_GRAMMAR_TEXT: usize = 32 * 1024;
+/// The most stop ids a grammar row carries (the tokens a finished grammar allows).
+pub const MAX_GRAMMAR_STOP_IDS: usize = 8;
+/// The most already-generated tokens the grammar rows of one plan replay (a request
+/// readmitted after a retraction); the engine fails a request that would exceed it.
+pub const MAX_GRAMMAR_REPLAY: usize = 4096;
+
+section! {
+    /// A grammar the *worker* enforces (`--grammar-backend xgrammar`): sent once, in the plan
+    /// that gives the request its slot (`new_requests`); the worker keeps a matcher for the
+    /// slot until the slot is finished or taken by another request, computes the slot's mask
+    /// before each sample and advances the matcher with each sampled token itself, so no mask
+    /// crosses the plan and no mask completion is needed. The server still validated the
+    /// grammar (llguidance) before admitting the request.
+    pub struct GrammarRow("grammar") {
+        pub slot: u32,
+        /// `grammar_kind::*`.
+        pub kind: u8,
+        /// With a reasoning parser: the think-end token after which the grammar starts
+        /// (reasoning is unconstrained); -1: from the first generated token.
+        pub starts_after: i64,
+    }
+    lists {
+        /// The grammar, UTF-8.
+        pub text: Vec<u8>,
+        /// The tokens a finished grammar allows (the model's eos ids): the request ends on one.
+        pub stop_ids: Vec<u32>,
+        /// Tokens the request generated before this admission (readmitted after a
+        /// retraction): the worker feeds them to the new matcher first.
+        pub generated: Vec<u32>,
+    }
+}
+
 message! {
     /// One step of work for the worker group.
     pub struct Plan(magic = 0x4e4c_5054) {
@@ -163,6 +211,7 @@ message! {
         pub copies: Vec<CopyOp>,
         pub scheduled: Vec<ScheduledRequest>,
         pub masks: Vec<TokenMask>,
+        pub grammars: Vec<GrammarRow>,
     }
 }
 
@@ -200,6 +249,8 @@ pub struct StepLimits {
     /// Words of one token mask row (the model's vocabulary / 32, rounded up); 0 without
     /// structured output.
     pub mask_words: usize,
+    /// Grammars travel to the worker (`GrammarRow`, a worker-side grammar backend).
+    pub worker_grammars: bool,
 }
 
 impl Plan {
@@ -208,6 +259,7 @@ impl Plan {
     pub fn max_encoded_len(l: &StepLimits) -> usize {
         use crate::schema::Message;
         let (r, pages) = (l.max_running, l.max_pages_per_request);
+        let g = if l.worker_grammars { r } else { 0 };
         let counts = [
             r, // finished
             r,
@@ -221,6 +273,14 @@ impl Plan {
             l.max_step_tokens + r, // scheduled, their tokens
             r,
             r * l.mask_words, // token masks: at most one row per slot
+            g,
+            g * MAX_GRAMMAR_TEXT,
+            g * MAX_GRAMMAR_STOP_IDS,
+            if l.worker_grammars {
+                MAX_GRAMMAR_REPLAY
+            } else {
+                0
+            }, // grammar rows: one per new request, each bounded
         ];
         <Plan as Message>::max_encoded_len(&counts)
     }
@@ -231,6 +291,9 @@ pub mod event_error {
     pub const NONE: u32 = 0;
     /// The worker could not produce this request's tokens (e.g. non-finite logits).
     pub const FAILED: u32 = 1;
+    /// The worker's grammar backend could not enforce the request's grammar (xgrammar could
+    /// not compile it, or a sampled token broke it, e.g. `min_tokens` past the grammar's end).
+    pub const GRAMMAR: u32 = 2;
 }
 
 section! {

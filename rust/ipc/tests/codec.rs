@@ -6,7 +6,7 @@ use tokenspeed_engine::plan::{
     CopyOp, FinishedSlot, PageTableUpdate, RequestEvent, ScheduledRequest,
 };
 use tokenspeed_engine::schema::Message;
-use tokenspeed_engine::{Plan, SamplingParams, StepLimits, StepResult, TokenMask};
+use tokenspeed_engine::{GrammarRow, Plan, SamplingParams, StepLimits, StepResult, TokenMask};
 use tokenspeed_ipc::codec::{decode, encode, encode_arrays, layout_of, DType};
 use tokenspeed_ipc::IpcError;
 
@@ -72,6 +72,24 @@ fn plan() -> impl Strategy<Value = Plan> {
         );
     let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp { src, dst });
     let mask = (any::<u32>(), ids(6)).prop_map(|(slot, allowed)| TokenMask { slot, allowed });
+    let grammar = (
+        any::<u32>(),
+        any::<u8>(),
+        any::<i64>(),
+        prop::collection::vec(any::<u8>(), 0..40),
+        ids(3),
+        ids(7),
+    )
+        .prop_map(
+            |(slot, kind, starts_after, text, stop_ids, generated)| GrammarRow {
+                slot,
+                kind,
+                starts_after,
+                text,
+                stop_ids,
+                generated,
+            },
+        );
     (
         any::<u64>(),
         prop::collection::vec(any::<u32>().prop_map(|slot| FinishedSlot { slot }), 0..7),
@@ -80,16 +98,20 @@ fn plan() -> impl Strategy<Value = Plan> {
         prop::collection::vec(copy, 0..4),
         prop::collection::vec(sched, 0..9),
         prop::collection::vec(mask, 0..3),
+        prop::collection::vec(grammar, 0..3),
     )
         .prop_map(
-            |(step_id, finished, new_requests, page_tables, copies, scheduled, masks)| Plan {
-                step_id,
-                finished,
-                new_requests,
-                page_tables,
-                copies,
-                scheduled,
-                masks,
+            |(step_id, finished, new_requests, page_tables, copies, scheduled, masks, grammars)| {
+                Plan {
+                    step_id,
+                    finished,
+                    new_requests,
+                    page_tables,
+                    copies,
+                    scheduled,
+                    masks,
+                    grammars,
+                }
             },
         )
 }
@@ -270,6 +292,7 @@ fn the_slot_bound_holds_the_largest_step() {
         max_step_tokens: 32,
         max_pages_per_request: 8,
         mask_words: 5,
+        worker_grammars: true,
     };
     let full = Plan {
         finished: vec![FinishedSlot::default(); 4],
@@ -304,6 +327,22 @@ fn the_slot_bound_holds_the_largest_step() {
             };
             4
         ],
+        grammars: (0..4)
+            .map(|i| GrammarRow {
+                text: vec![b'x'; tokenspeed_engine::MAX_GRAMMAR_TEXT],
+                stop_ids: vec![1; tokenspeed_engine::MAX_GRAMMAR_STOP_IDS],
+                // The replay budget is per plan: all of it on one row.
+                generated: vec![
+                    1;
+                    if i == 0 {
+                        tokenspeed_engine::MAX_GRAMMAR_REPLAY
+                    } else {
+                        0
+                    }
+                ],
+                ..Default::default()
+            })
+            .collect(),
         ..Default::default()
     };
     assert!(full.encoded_len() <= Plan::max_encoded_len(&l));

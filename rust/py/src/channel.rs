@@ -207,20 +207,24 @@ fn result_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 }
 
 /// Bytes of a shm slot that holds the largest plan and result of a step within these limits
-/// (`mask_words`: words of a token mask row, 0 without structured output).
+/// (`mask_words`: words of a token mask row, 0 without structured output; `worker_grammars`:
+/// grammars travel to the worker, `--grammar-backend xgrammar`).
 #[pyfunction]
-#[pyo3(signature = (max_running, max_step_tokens, max_pages_per_request, mask_words = 0))]
+#[pyo3(signature = (max_running, max_step_tokens, max_pages_per_request, mask_words = 0,
+                    worker_grammars = false))]
 fn slot_bytes(
     max_running: usize,
     max_step_tokens: usize,
     max_pages_per_request: usize,
     mask_words: usize,
+    worker_grammars: bool,
 ) -> usize {
     let l = StepLimits {
         max_running,
         max_step_tokens,
         max_pages_per_request,
         mask_words,
+        worker_grammars,
     };
     Plan::max_encoded_len(&l).max(StepResult::max_encoded_len(&l))
 }
@@ -258,10 +262,23 @@ fn neutral_sampling(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 }
 
 /// Adds the channel class, the schema functions, `ChannelShutdown` and the plan constants
-/// (`LAST_SAMPLED`: "this slot's last sampled token"; `NO_SEED`) to `m`.
+/// (`LAST_SAMPLED`: "this slot's last sampled token"; `NO_SEED`; `GRAMMAR_KINDS`: the
+/// `GrammarRow::kind` values by name) to `m`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LAST_SAMPLED", tokenspeed_engine::LAST_SAMPLED)?;
     m.add("NO_SEED", tokenspeed_engine::NO_SEED)?;
+    use tokenspeed_engine::grammar_kind as k;
+    let kinds = PyDict::new(m.py());
+    for (name, kind) in [
+        ("json_schema", k::JSON_SCHEMA),
+        ("regex", k::REGEX),
+        ("grammar", k::GRAMMAR),
+        ("choice", k::CHOICE),
+        ("structural_tag", k::STRUCTURAL_TAG),
+    ] {
+        kinds.set_item(name, kind)?;
+    }
+    m.add("GRAMMAR_KINDS", kinds)?;
     m.add_class::<WorkerChannel>()?;
     m.add_function(wrap_pyfunction!(plan_schema, m)?)?;
     m.add_function(wrap_pyfunction!(result_schema, m)?)?;

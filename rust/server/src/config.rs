@@ -70,7 +70,8 @@ pub struct ServerConfig {
     /// never sampled under a grammar); 0: the tokenizer's.
     #[serde(default)]
     pub vocab_size: u32,
-    /// `--grammar-backend`: "llguidance", or absent / "none" (structured output refused).
+    /// `--grammar-backend`: "llguidance", "xgrammar" (masks on the worker), or absent / "none"
+    /// (structured output refused).
     #[serde(default)]
     pub grammar_backend: Option<String>,
     /// `--tool-call-parser`: how tool calls are read from chat output (tools need it).

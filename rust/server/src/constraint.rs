@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
+use tokenspeed_engine::{grammar_kind, MAX_GRAMMAR_STOP_IDS, MAX_GRAMMAR_TEXT};
 use tokenspeed_structured::{CompiledGrammar, GrammarSpec};
 
 use crate::http::error::ApiError;
@@ -209,6 +210,54 @@ pub async fn compile(
     })
 }
 
+/// A request's grammar as a worker-side backend reads it (the plan's `GrammarRow`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerGrammar {
+    /// `grammar_kind::*`.
+    pub kind: u8,
+    pub text: String,
+    /// What a finished grammar allows: the model's eos ids (as llguidance's masks do).
+    pub stop_ids: Vec<u32>,
+}
+
+/// The spec in the form `--grammar-backend xgrammar` compiles on the worker. Same spec, same
+/// meaning: only where its masks are computed changes. A grammar over `MAX_GRAMMAR_TEXT`
+/// bytes is a 400 for this backend only (the plan's slot size is bounded by it).
+pub fn worker_grammar(
+    request: &GrammarRequest,
+    eos_token_ids: &[u32],
+) -> Result<WorkerGrammar, ApiError> {
+    let (kind, text) = match &request.spec {
+        GrammarSpec::JsonObject => (grammar_kind::JSON_SCHEMA, r#"{"type":"object"}"#.into()),
+        GrammarSpec::JsonSchema(s) => (grammar_kind::JSON_SCHEMA, s.to_string()),
+        GrammarSpec::Regex(r) => (grammar_kind::REGEX, r.clone()),
+        GrammarSpec::Grammar(g) => (grammar_kind::GRAMMAR, g.clone()),
+        GrammarSpec::Choice(c) => (grammar_kind::CHOICE, Value::from(c.clone()).to_string()),
+        GrammarSpec::StructuralTag(t) => (grammar_kind::STRUCTURAL_TAG, t.to_string()),
+    };
+    if text.len() > MAX_GRAMMAR_TEXT {
+        return Err(ApiError::bad_param(
+            request.field,
+            format!(
+                "'{}' is {} bytes; --grammar-backend xgrammar takes grammars of at most {} \
+                 bytes (llguidance has no such limit)",
+                request.field,
+                text.len(),
+                MAX_GRAMMAR_TEXT
+            ),
+        ));
+    }
+    Ok(WorkerGrammar {
+        kind,
+        text,
+        stop_ids: eos_token_ids
+            .iter()
+            .copied()
+            .take(MAX_GRAMMAR_STOP_IDS)
+            .collect(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,6 +325,27 @@ mod tests {
         }
         let none = grammar_request(&fields(json!({"response_format": {"type": "text"}})));
         assert_eq!(none.expect("valid"), None);
+    }
+
+    #[test]
+    fn worker_grammars_carry_each_kind_and_refuse_oversized_text() {
+        let req = |spec| GrammarRequest {
+            spec,
+            field: "guided_regex",
+        };
+        let choice =
+            worker_grammar(&req(GrammarSpec::Choice(vec!["a\"b".into()])), &[7]).expect("fits");
+        assert_eq!(choice.kind, grammar_kind::CHOICE);
+        assert_eq!(
+            serde_json::from_str::<Vec<String>>(&choice.text).expect("json"),
+            ["a\"b"]
+        );
+        assert_eq!(choice.stop_ids, [7]);
+        let object = worker_grammar(&req(GrammarSpec::JsonObject), &[]).expect("fits");
+        assert_eq!(object.kind, grammar_kind::JSON_SCHEMA);
+        let big = GrammarSpec::Regex("a".repeat(MAX_GRAMMAR_TEXT + 1));
+        let err = worker_grammar(&req(big), &[]).expect_err("too long");
+        assert_eq!(err.param.as_deref(), Some("guided_regex"));
     }
 
     #[test]

@@ -348,6 +348,9 @@ pub struct Constraint {
     /// With a reasoning parser: the think-end token, after which the grammar starts (the
     /// reasoning itself is unconstrained). None: from the first generated token.
     pub starts_after: Option<u32>,
+    /// Enforced by the worker (`--grammar-backend xgrammar`): the grammar as it travels there;
+    /// `grammar` then only validated it. None: the engine's llguidance matcher enforces it.
+    pub worker: Option<crate::constraint::WorkerGrammar>,
 }
 
 /// Starts the engine thread.

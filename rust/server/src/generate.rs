@@ -200,6 +200,13 @@ async fn start_on(
         Some(g) => Some(Constraint {
             grammar: crate::constraint::compile(state, g).await?,
             starts_after: spec.grammar_starts_after,
+            worker: match state.config.grammar_backend.as_deref() {
+                Some("xgrammar") => Some(crate::constraint::worker_grammar(
+                    g,
+                    state.grammar.as_ref().map_or(&[], |c| c.eos_token_ids()),
+                )?),
+                _ => None,
+            },
         }),
         None => None,
     };

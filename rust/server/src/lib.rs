@@ -179,9 +179,17 @@ fn grammar_compiler(
     config: &ServerConfig,
     tokenizer: &TextTokenizer,
 ) -> Result<Option<Arc<tokenspeed_structured::GrammarCompiler>>, ServeError> {
+    // The two backends share everything but where masks are computed: every request form maps
+    // to one `GrammarSpec` (constraint.rs), which llguidance compiles here before the request
+    // is queued, so an invalid grammar is the same 400 under either backend. With llguidance
+    // its matcher then computes each step's mask on the engine thread (engine/grammar.rs);
+    // with xgrammar the spec travels to the worker once, at admission (plan.rs `GrammarRow`),
+    // whose xgrammar matcher masks and advances on the sampled tokens it has itself
+    // (python/tokenspeed/grammar_backend.py), so no mask completion is needed. The worker
+    // checked at start that xgrammar imports and maps the JSON whitespace flags.
     match config.grammar_backend.as_deref() {
         None | Some("none") => Ok(None),
-        Some("llguidance") => {
+        Some(backend @ ("llguidance" | "xgrammar")) => {
             let vocab = match config.vocab_size {
                 0 => tokenizer.vocab_size(),
                 n => n as usize,
@@ -193,10 +201,10 @@ fn grammar_compiler(
             };
             tokenspeed_structured::GrammarCompiler::new(tokenizer, vocab)
                 .map(|c| Some(Arc::new(c.with_json_whitespace(ws))))
-                .map_err(|e| ServeError::Config(format!("--grammar-backend llguidance: {e}")))
+                .map_err(|e| ServeError::Config(format!("--grammar-backend {backend}: {e}")))
         }
         Some(other) => Err(ServeError::Config(format!(
-            "--grammar-backend {other} is not supported (llguidance, none)"
+            "--grammar-backend {other} is not supported (llguidance, xgrammar, none)"
         ))),
     }
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -12,7 +12,7 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokenspeed_engine::plan::RequestEvent;
-use tokenspeed_engine::{Plan, StepResult, LAST_SAMPLED};
+use tokenspeed_engine::{GrammarRow, Plan, StepResult, LAST_SAMPLED};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
@@ -44,6 +44,8 @@ struct WorkerLog {
     /// Mask rows applied: sent with their plan, and sent later in a mask completion.
     masks_in_plan: AtomicUsize,
     masks_completed: AtomicUsize,
+    /// Grammar rows (a worker-side grammar backend): (plan had the slot's new request, row).
+    grammar_rows: Mutex<Vec<(bool, GrammarRow)>>,
 }
 
 /// Answers each plan on a worker thread, in order, queueing the results: sampled token =
@@ -78,6 +80,12 @@ impl ScriptedWorker {
                     .map(|m| (m.slot, m.allowed.clone()))
                     .collect();
                 seen.masks_in_plan.fetch_add(masks.len(), Ordering::Relaxed);
+                if let Ok(mut rows) = seen.grammar_rows.lock() {
+                    for g in &plan.grammars {
+                        let admitted = plan.new_requests.iter().any(|n| n.slot == g.slot);
+                        rows.push((admitted, g.clone()));
+                    }
+                }
                 if plan.masks.iter().any(|m| m.allowed.is_empty()) {
                     let Ok(completion) = plan_rx.recv() else {
                         return;
@@ -820,6 +828,51 @@ async fn grammar_masks_reach_the_worker_and_the_grammar_ends_the_request() {
 }
 
 #[tokio::test]
+async fn with_xgrammar_the_grammar_travels_once_at_admission_and_no_mask_is_sent() {
+    let h = harness_grammar(None, false, false, None, Some("xgrammar"));
+    let (status, body) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "Digits:", "max_tokens": 50, "guided_regex": "[0-9]{4}"}"#),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // The scripted worker enforces nothing: the request runs to its scripted eos ("stop"), and
+    // the engine neither masks nor ends it at the grammar's end (the worker's matcher would).
+    let v = json_of(&body);
+    assert_eq!(v["choices"][0]["text"], h.answer);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(h.log.masks_in_plan.load(Ordering::Relaxed), 0);
+    assert_eq!(h.log.masks_completed.load(Ordering::Relaxed), 0);
+    let rows = h.log.grammar_rows.lock().expect("log").clone();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let (admitted, row) = &rows[0];
+    assert!(
+        admitted,
+        "sent with the plan that gives the request its slot"
+    );
+    assert_eq!(row.kind, tokenspeed_engine::grammar_kind::REGEX);
+    assert_eq!(row.text, b"[0-9]{4}");
+    assert_eq!(row.starts_after, -1);
+    assert!(row.generated.is_empty());
+    let tok = TextTokenizer::from_dir(&smollm2_dir(), None).expect("tokenizer");
+    assert_eq!(row.stop_ids, tok.eos_token_ids());
+    // Invalid grammars are the llguidance backend's 400s.
+    let (status, body) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "x", "max_tokens": 3, "guided_regex": "(unclosed"}"#),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(json_of(&body)["error"]["param"], "guided_regex");
+}
+
+#[tokio::test]
 async fn structured_output_is_refused_when_the_grammar_backend_is_none() {
     let h = harness(None);
     let (status, body) = call(
@@ -872,6 +925,7 @@ async fn a_grammar_that_starts_after_the_reasoning_leaves_the_reasoning_free() {
             Some(Constraint {
                 grammar,
                 starts_after: Some(think_end),
+                worker: None,
             }),
         );
         let mut tokens = Vec::new();

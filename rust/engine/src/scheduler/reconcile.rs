@@ -50,7 +50,12 @@ impl Scheduler {
         a.in_flight = a.in_flight.saturating_sub(1);
         if let Some(ev) = event.filter(|ev| ev.error != event_error::NONE) {
             let out = seq.output(Vec::new(), ev, None);
-            let message = format!("the model worker failed this request (error {})", ev.error);
+            let message = match ev.error {
+                event_error::GRAMMAR => "structured output failed: the worker's grammar \
+                                         backend could not enforce this request's grammar"
+                    .to_string(),
+                code => format!("the model worker failed this request (error {code})"),
+            };
             self.finish(e.id);
             return Some(RequestOutput {
                 error: Some(message),

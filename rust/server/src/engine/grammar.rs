@@ -8,18 +8,38 @@
 //! worker runs this step's forward pass (see `plan::TokenMask`). Every pending row gets an
 //! answer, even for a request that ended meanwhile (its token is then discarded), because the
 //! worker waits for it.
+//!
+//! With a worker-side backend (`--grammar-backend xgrammar`, `Constraint::worker`) the engine
+//! keeps no matcher: it sends the grammar once, as a `GrammarRow` of the plan that gives the
+//! request its slot, and the worker masks and advances it (see python/tokenspeed/
+//! grammar_backend.py). Such a request never has pending rows, so it keeps one-step-ahead
+//! scheduling without a mask completion, and it ends like any request: a finished grammar
+//! allows only eos, which stops it ("stop").
 
 use std::collections::HashMap;
 
-use tokenspeed_engine::{Plan, TokenMask, LAST_SAMPLED};
+use tokenspeed_engine::{GrammarRow, Plan, TokenMask, LAST_SAMPLED, MAX_GRAMMAR_REPLAY};
 use tokenspeed_structured::Matcher;
 
 use super::Constraint;
+use crate::constraint::WorkerGrammar;
 
 struct Constrained {
-    matcher: Matcher,
+    enforced: Enforced,
     /// Reasoning still runs (unconstrained) until this token is sampled.
     starts_after: Option<u32>,
+}
+
+/// Where a request's grammar is enforced.
+enum Enforced {
+    /// Here: llguidance's matcher computes the masks the plan carries.
+    Server(Box<Matcher>),
+    /// On the worker, which needs the grammar at each admission, and after a retraction the
+    /// tokens generated so far (to replay into its new matcher).
+    Worker {
+        grammar: WorkerGrammar,
+        generated: Vec<u32>,
+    },
 }
 
 /// What one step's tokens did to a constrained request.
@@ -50,10 +70,17 @@ impl Grammars {
     }
 
     pub(super) fn insert(&mut self, id: u64, c: Constraint) {
+        let enforced = match c.worker {
+            Some(grammar) => Enforced::Worker {
+                grammar,
+                generated: Vec::new(),
+            },
+            None => Enforced::Server(Box::new(c.grammar.matcher())),
+        };
         self.by_id.insert(
             id,
             Constrained {
-                matcher: c.grammar.matcher(),
+                enforced,
                 starts_after: c.starts_after,
             },
         );
@@ -90,10 +117,38 @@ impl Grammars {
             .map(|r| r.slot)
             .collect();
         let (mut now, mut pending) = (Vec::new(), Vec::new());
+        let mut failed = Vec::new();
+        let mut replayed = 0;
         for (id, slot, sample) in planned {
             let Some(c) = self.by_id.get(&id) else {
                 continue;
             };
+            if let Enforced::Worker { grammar, generated } = &c.enforced {
+                // Admitted in this plan (its first chunk runs with it): the worker needs it.
+                if plan.new_requests.iter().any(|n| n.slot == slot) {
+                    replayed += generated.len();
+                    if replayed > MAX_GRAMMAR_REPLAY {
+                        failed.push((
+                            id,
+                            format!(
+                                "readmitted after {} tokens, more than a plan replays to the \
+                                 worker's grammar ({MAX_GRAMMAR_REPLAY})",
+                                generated.len()
+                            ),
+                        ));
+                        continue;
+                    }
+                    plan.grammars.push(GrammarRow {
+                        slot,
+                        kind: grammar.kind,
+                        starts_after: c.starts_after.map_or(-1, i64::from),
+                        text: grammar.text.as_bytes().to_vec(),
+                        stop_ids: grammar.stop_ids.clone(),
+                        generated: generated.clone(),
+                    });
+                }
+                continue;
+            }
             // Pending also while reasoning: the token in flight may be the think-end.
             if sample && ahead.contains(&slot) {
                 pending.push((id, slot));
@@ -108,8 +163,9 @@ impl Grammars {
         if !pending.is_empty() {
             self.pending = Some((plan.step_id, pending));
         }
-        let (masks, failed) = self.masks_for(now);
+        let (masks, mask_failed) = self.masks_for(now);
         plan.masks.extend(masks);
+        failed.extend(mask_failed);
         failed
     }
 
@@ -140,9 +196,12 @@ impl Grammars {
             .into_iter()
             .map(|(id, slot)| {
                 let allowed = match self.by_id.get_mut(&id) {
-                    Some(c) if c.starts_after.is_none() => {
+                    Some(Constrained {
+                        enforced: Enforced::Server(matcher),
+                        starts_after: None,
+                    }) => {
                         let mut allowed = vec![0u32; words];
-                        match c.matcher.fill_next_token_bitmask(&mut allowed) {
+                        match matcher.fill_next_token_bitmask(&mut allowed) {
                             Ok(()) => allowed,
                             Err(e) => {
                                 failed.push((id, e.to_string()));
@@ -163,6 +222,14 @@ impl Grammars {
         let Some(c) = self.by_id.get_mut(&id) else {
             return Verdict::Continue;
         };
+        let matcher = match &mut c.enforced {
+            Enforced::Server(m) => m,
+            Enforced::Worker { generated, .. } => {
+                // The worker's matcher has these tokens already; kept for a readmission.
+                generated.extend_from_slice(tokens);
+                return Verdict::Continue;
+            }
+        };
         for &token in tokens {
             if let Some(end) = c.starts_after {
                 if token == end {
@@ -170,14 +237,14 @@ impl Grammars {
                 }
                 continue;
             }
-            if c.matcher.is_finished() {
+            if matcher.is_finished() {
                 break; // a token past the end (eos): the request ends with it
             }
-            if let Err(e) = c.matcher.consume_token(token) {
+            if let Err(e) = matcher.consume_token(token) {
                 return Verdict::Failed(e.to_string());
             }
         }
-        if c.starts_after.is_none() && c.matcher.is_finished() {
+        if c.starts_after.is_none() && matcher.is_finished() {
             Verdict::Complete
         } else {
             Verdict::Continue
