@@ -73,7 +73,7 @@ fn non_empty(s: String) -> Option<String> {
 
 async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
-    check_extra_fields("/v1/chat/completions", &req.extra)?;
+    check_extra_fields("/v1/chat/completions", "ChatCompletionRequest", &req.extra)?;
     state.check_model(req.model.as_deref())?;
     let last_role = check_messages(&req.messages)?;
     let continue_final = req.continue_final_message.unwrap_or(false);

@@ -126,8 +126,12 @@ pub async fn generate(State(state): State<AppState>, body: Bytes) -> Response {
 async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let started = Instant::now();
     let req: GenerateRequest = parse_body(body)?;
-    super::protocol::check_extra_fields("/generate", &req.extra)?;
-    super::protocol::check_extra_fields("/generate sampling_params", &req.sampling_params.extra)?;
+    super::protocol::check_extra_fields("/generate", "GenerateRequest", &req.extra)?;
+    super::protocol::check_extra_fields(
+        "/generate sampling_params",
+        "NativeSamplingParams",
+        &req.sampling_params.extra,
+    )?;
     let prompt = match (req.text, req.input_ids) {
         (Some(t), None) => Prompt::Text(t),
         (None, Some(ids)) => Prompt::Ids(ids),

@@ -169,7 +169,7 @@ fn completion_prompts(prompt: PromptField) -> Result<Vec<Prompt>, ApiError> {
 
 async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
-    check_extra_fields("/v1/completions", &req.extra)?;
+    check_extra_fields("/v1/completions", "CompletionRequest", &req.extra)?;
     state.check_model(req.model.as_deref())?;
     if req.suffix.is_some() {
         return Err(ApiError::bad_param(

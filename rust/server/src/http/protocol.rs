@@ -277,9 +277,37 @@ const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     ("return_hidden_states", "hidden-state output"),
 ];
 
-/// Refuses a field another server defines that TokenSpeed does not implement; names the rest of
-/// the unknown fields in a warning, once per field name per process.
-pub fn check_extra_fields(endpoint: &str, extra: &Map<String, Value>) -> Result<(), ApiError> {
+/// The request fields `/openapi.json` defines for the component `schema`, through its `$ref`s
+/// and `allOf`s: the document is the one list of what each request may carry. (Serde's nested
+/// `#[serde(flatten)]` hands a catch-all map every key, the known ones included, so the
+/// `extra` maps alone cannot tell an unknown field.)
+fn documented_fields(schema: &str) -> HashSet<String> {
+    fn collect(doc: &Value, schema: &Value, out: &mut HashSet<String>) {
+        if let Some(name) = schema["$ref"].as_str().and_then(|r| r.rsplit('/').next()) {
+            collect(doc, &doc["components"]["schemas"][name], out);
+        }
+        if let Some(props) = schema["properties"].as_object() {
+            out.extend(props.keys().cloned());
+        }
+        for part in schema["allOf"].as_array().into_iter().flatten() {
+            collect(doc, part, out);
+        }
+    }
+    static DOC: OnceLock<Value> = OnceLock::new();
+    let doc =
+        DOC.get_or_init(|| serde_json::to_value(super::openapi::document()).unwrap_or(Value::Null));
+    let mut out = HashSet::new();
+    collect(doc, &doc["components"]["schemas"][schema], &mut out);
+    out
+}
+
+/// Refuses a field another server defines that TokenSpeed does not implement; names the fields
+/// the document does not define for `schema` in a warning, once per field name per process.
+pub fn check_extra_fields(
+    endpoint: &str,
+    schema: &str,
+    extra: &Map<String, Value>,
+) -> Result<(), ApiError> {
     for (name, feature) in NOT_IMPLEMENTED {
         if extra.get(*name).is_some_and(|v| !v.is_null()) {
             return Err(ApiError::bad_param(
@@ -292,12 +320,50 @@ pub fn check_extra_fields(endpoint: &str, extra: &Map<String, Value>) -> Result<
     }
     static WARNED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     let warned = WARNED.get_or_init(Default::default);
+    static KNOWN: OnceLock<Mutex<HashMap<String, HashSet<String>>>> = OnceLock::new();
+    let unknown: Vec<&String> = match KNOWN.get_or_init(Default::default).lock() {
+        Ok(mut known) => {
+            let known = known
+                .entry(schema.to_string())
+                .or_insert_with(|| documented_fields(schema));
+            extra.keys().filter(|k| !known.contains(*k)).collect()
+        }
+        Err(_) => Vec::new(),
+    };
     if let Ok(mut warned) = warned.lock() {
-        for key in extra.keys() {
+        for key in unknown {
             if warned.insert(key.clone()) {
                 tracing::warn!(endpoint, field = %key, "ignoring a request field no API defines");
             }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn only_fields_the_document_lacks_are_unknown() {
+        let req: CompletionRequest =
+            serde_json::from_value(json!({"prompt": "a", "temperature": 0.5,
+            "regex": "a", "guided_regex": "b", "response_format": {"type": "text"}, "bogus": 1}))
+            .expect("parses");
+        let known = documented_fields("CompletionRequest");
+        let unknown: Vec<_> = req.extra.keys().filter(|k| !known.contains(*k)).collect();
+        assert_eq!(unknown, ["bogus"]);
+        for (schema, field) in [
+            ("ChatCompletionRequest", "messages"),
+            ("ChatCompletionRequest", "guided_choice"),
+            ("GenerateRequest", "input_ids"),
+            ("NativeSamplingParams", "max_new_tokens"),
+        ] {
+            assert!(
+                documented_fields(schema).contains(field),
+                "{schema}.{field}"
+            );
+        }
+    }
 }
