@@ -1,7 +1,7 @@
 """Soak: many mixed requests (three routes, streaming or not, stop strings, n > 1, cancellations,
 invalid bodies) at concurrency 64 against a tiny KV pool and a short queue. Every request must
 get its answer or an explicit refusal (400 for an invalid one, 429 when the queue is full), and
-no KV page may leak. TOKENSPEED_SOAK_REQUESTS sets the count (CI: 300; the slow run: 2,000)."""
+no KV page may leak. TOKENSPEED_SOAK_REQUESTS sets the count (default and CI: 2,000)."""
 
 from __future__ import annotations
 
@@ -169,17 +169,13 @@ def _run(server: Server, n: int) -> None:
     print(f"\nsoak: {n} requests in {elapsed:.1f}s at concurrency {CONCURRENCY} (seed {seed}): {dict(tally)}")
     assert not failures, f"{len(failures)} failures, first: {failures[:5]}"
     assert sum(v for k, v in tally.items() if k != "retried-after-429") == n, tally
-    assert tally["ok-answered"] > n // 4 and tally["cancelled"] > 0 and tally["invalid-400"] > 0, tally
+    # The server keeps serving through the overload: a real share is answered, not all refused
+    # (alone on 2 cores ~30% of 2,000 are; 1/8 leaves room for a slower or busier CI machine).
+    assert tally["ok-answered"] > n // 8 and tally["cancelled"] > 0 and tally["invalid-400"] > 0, tally
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     kv = flushed_pages(server, timeout_s=30)
     assert kv["free"] == kv["total"] and kv["used"] == 0, kv
 
 
 def test_soak(soak_server: Server) -> None:
-    _run(soak_server, int(os.environ.get("TOKENSPEED_SOAK_REQUESTS", "300")))
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("TOKENSPEED_SOAK_LONG"), reason="set TOKENSPEED_SOAK_LONG=1 (minutes)")
-def test_soak_long(soak_server: Server) -> None:
-    _run(soak_server, max(2000, int(os.environ.get("TOKENSPEED_SOAK_REQUESTS", "2000"))))
+    _run(soak_server, int(os.environ.get("TOKENSPEED_SOAK_REQUESTS", "2000")))
