@@ -13,7 +13,7 @@ from server_harness import Server, start_server, stop_server
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server for the e2e suite: default model, small pages so sharing is visible."""
     srv = start_server(str(tmp_path_factory.mktemp("server")), "--page-size", "4", "--max-running-requests", "32",
-                       "--max-total-tokens", "16384", "--enable-metrics")
+                       "--max-total-tokens", "16384", "--enable-metrics", "--log-requests")
     try:
         yield srv
     finally:

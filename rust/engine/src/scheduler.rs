@@ -28,7 +28,7 @@ mod request;
 mod step;
 
 pub use request::{
-    ConfigError, FinishReason, Request, RequestOutput, SchedulePolicy, SchedulerConfig,
+    ConfigError, FinishReason, Request, RequestId, RequestOutput, SchedulePolicy, SchedulerConfig,
     SchedulerStats, SubmitError,
 };
 
@@ -192,7 +192,7 @@ impl Sequence {
 
 /// What a step expects back for one scheduled request.
 struct Expected {
-    id: u64,
+    id: RequestId,
     /// The admission the step was planned for (`Active::epoch`).
     epoch: u64,
     slot: u32,
@@ -222,11 +222,11 @@ pub struct Scheduler {
     config: SchedulerConfig,
     pool: PagePool,
     cache: RadixCache,
-    requests: HashMap<u64, Sequence>,
+    requests: HashMap<RequestId, Sequence>,
     /// Ids not admitted yet, in arrival order (retracted ones pushed to the front).
-    waiting: VecDeque<u64>,
+    waiting: VecDeque<RequestId>,
     /// Ids holding a slot, oldest admission first: retraction takes from the back.
-    running: Vec<u64>,
+    running: Vec<RequestId>,
     free_slots: BTreeSet<u32>,
     /// Slots released since the last plan.
     released_slots: Vec<u32>,
@@ -236,19 +236,19 @@ pub struct Scheduler {
     reserve_ratio: f64,
     in_flight: VecDeque<(u64, Vec<Expected>)>,
     /// Requests admitted for the first time since the last `take_admitted` (queue-time metrics).
-    admitted: Vec<u64>,
+    admitted: Vec<RequestId>,
 }
 
 impl Scheduler {
     /// Ids of the requests admitted for the first time (their first prefill chunk scheduled)
     /// since the last call.
-    pub fn take_admitted(&mut self) -> Vec<u64> {
+    pub fn take_admitted(&mut self) -> Vec<RequestId> {
         std::mem::take(&mut self.admitted)
     }
 
     /// The requests of the plan `schedule` returned last, as (id, slot, samples this step), in
     /// the plan's order (the server attaches grammar masks to that plan before sending it).
-    pub fn last_planned(&self) -> impl Iterator<Item = (u64, u32, bool)> + '_ {
+    pub fn last_planned(&self) -> impl Iterator<Item = (RequestId, u32, bool)> + '_ {
         self.in_flight
             .back()
             .into_iter()
@@ -331,7 +331,7 @@ impl Scheduler {
 
     /// Drops a request wherever it is; a running one's slot is reported in the next plan.
     /// Returns false for an unknown (or already finished) id.
-    pub fn abort(&mut self, id: u64) -> bool {
+    pub fn abort(&mut self, id: RequestId) -> bool {
         let Some(mut seq) = self.requests.remove(&id) else {
             return false;
         };
@@ -380,7 +380,7 @@ impl Scheduler {
 
     /// Sends a running request back to the front of the queue; its computed KV goes to the
     /// cache (evictable), so readmission may find part of it still there.
-    fn retract(&mut self, id: u64) {
+    fn retract(&mut self, id: RequestId) {
         let Some(mut seq) = self.requests.remove(&id) else {
             return;
         };

@@ -167,7 +167,7 @@ fn aborting_a_request_with_steps_in_flight_drops_their_results_and_frees_its_pag
     }
     assert_eq!(h.in_flight.len(), 1, "a plan is in flight between steps");
     let before = h.tokens(1).len();
-    assert!(h.sched.abort(1));
+    assert!(h.sched.abort(1.into()));
     h.run(100);
     assert_eq!(
         h.tokens(1).len(),

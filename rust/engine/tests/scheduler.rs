@@ -4,7 +4,7 @@ mod common;
 
 use common::{config, prompt, reference, request, Harness};
 use tokenspeed_engine::{
-    FinishReason, Request, SchedulePolicy, Scheduler, StepResult, SubmitError,
+    FinishReason, Request, RequestId, SchedulePolicy, Scheduler, StepResult, SubmitError,
 };
 
 #[test]
@@ -124,7 +124,7 @@ fn max_running_requests_caps_slots_and_freed_slots_are_reused() {
 }
 
 /// Caches prompt `shared`, then queues a miss and a hit; returns which was admitted first.
-fn first_admitted(policy: SchedulePolicy) -> u64 {
+fn first_admitted(policy: SchedulePolicy) -> RequestId {
     let mut h = Harness::new(tokenspeed_engine::SchedulerConfig {
         max_running_requests: 1,
         policy,
@@ -136,7 +136,12 @@ fn first_admitted(policy: SchedulePolicy) -> u64 {
     h.submit(request(2, prompt(8, 16), 1)); // miss, arrived first
     h.submit(request(3, [shared, vec![1, 2, 3]].concat(), 1)); // hit
     h.step();
-    let admitted: Vec<u64> = h.outputs.keys().copied().filter(|&id| id != 1).collect();
+    let admitted: Vec<RequestId> = h
+        .outputs
+        .keys()
+        .copied()
+        .filter(|&id| id != 1.into())
+        .collect();
     assert_eq!(admitted.len(), 1, "one slot, so one admission");
     h.run(10);
     admitted[0]
@@ -144,12 +149,12 @@ fn first_admitted(policy: SchedulePolicy) -> u64 {
 
 #[test]
 fn fcfs_admits_in_arrival_order() {
-    assert_eq!(first_admitted(SchedulePolicy::Fcfs), 2);
+    assert_eq!(first_admitted(SchedulePolicy::Fcfs), 2.into());
 }
 
 #[test]
 fn lpm_admits_the_longest_cached_prefix_first() {
-    assert_eq!(first_admitted(SchedulePolicy::Lpm), 3);
+    assert_eq!(first_admitted(SchedulePolicy::Lpm), 3.into());
 }
 
 #[test]
@@ -269,7 +274,7 @@ fn a_request_larger_than_the_pool_is_rejected_at_submit() {
     assert_eq!(
         err,
         SubmitError::ExceedsKvPool {
-            id: 1,
+            id: 1.into(),
             tokens: 17,
             pages_needed: 5,
             total_pages: 4
@@ -288,11 +293,11 @@ fn submit_rejects_bad_requests_with_context() {
     .expect("valid");
     assert_eq!(
         s.submit(request(1, vec![], 4)),
-        Err(SubmitError::EmptyPrompt { id: 1 })
+        Err(SubmitError::EmptyPrompt { id: 1.into() })
     );
     assert_eq!(
         s.submit(request(1, vec![1], 0)),
-        Err(SubmitError::ZeroMaxNewTokens { id: 1 })
+        Err(SubmitError::ZeroMaxNewTokens { id: 1.into() })
     );
     let too_long = s.submit(request(1, prompt(1, 30), 3)).unwrap_err();
     assert!(too_long.to_string().contains("30 tokens"), "{too_long}");
@@ -306,7 +311,7 @@ fn submit_rejects_bad_requests_with_context() {
     s.submit(request(1, vec![1], 1)).expect("valid");
     assert_eq!(
         s.submit(request(1, vec![1], 1)),
-        Err(SubmitError::DuplicateId { id: 1 })
+        Err(SubmitError::DuplicateId { id: 1.into() })
     );
 }
 
@@ -319,9 +324,9 @@ fn abort_frees_slot_and_pages_of_waiting_and_running_requests() {
     h.submit(request(1, prompt(1, 10), 50));
     h.submit(request(2, prompt(2, 10), 50));
     h.step();
-    assert!(h.sched.abort(2), "waiting request aborted");
-    assert!(h.sched.abort(1), "running request aborted");
-    assert!(!h.sched.abort(1), "second abort is a no-op");
+    assert!(h.sched.abort(2.into()), "waiting request aborted");
+    assert!(h.sched.abort(1.into()), "running request aborted");
+    assert!(!h.sched.abort(1.into()), "second abort is a no-op");
     let stats = h.sched.stats();
     assert_eq!((stats.running, stats.waiting, stats.used_pages), (0, 0, 0));
     let plan = h.sched.schedule().expect("the freed slot must be reported");
@@ -343,10 +348,13 @@ fn results_for_a_request_aborted_in_flight_are_ignored() {
     h.submit(request(2, prompt(2, 6), 5));
     let plan = h.sched.schedule().expect("plan");
     let result = h.worker.execute(&plan);
-    assert!(h.sched.abort(1));
+    assert!(h.sched.abort(1.into()));
     let outs = h.sched.advance(&result);
-    assert_eq!(outs.iter().map(|o| o.id).collect::<Vec<_>>(), vec![2]);
-    h.outputs.entry(2).or_default().extend(outs);
+    assert_eq!(
+        outs.iter().map(|o| o.id).collect::<Vec<_>>(),
+        vec![2.into()]
+    );
+    h.outputs.entry(2.into()).or_default().extend(outs);
     h.run(20);
     assert_eq!(h.tokens(2), reference(&prompt(2, 6), 5));
     h.assert_no_leak();
@@ -455,7 +463,7 @@ fn prompt_logprobs_cover_every_prompt_token_once_uncached_and_chunked() {
         req.sampling.prompt_logprobs = true;
         h.submit(req);
         h.run(100);
-        let outs = &h.outputs[&2];
+        let outs = &h.outputs[&2.into()];
         let got: Vec<f32> = outs
             .iter()
             .flat_map(|o| o.prompt_logprobs.iter().copied())
@@ -494,7 +502,10 @@ fn accepts_zero_one_and_three_tokens_for_different_requests_in_one_step() {
             );
             assert_eq!(h.finish_reason(id), Some(FinishReason::Length));
         }
-        let multi = h.outputs[&3].iter().filter(|o| o.tokens.len() == 3).count();
+        let multi = h.outputs[&3.into()]
+            .iter()
+            .filter(|o| o.tokens.len() == 3)
+            .count();
         assert!(multi > 0, "request 3 got several tokens in one output");
         h.assert_no_leak();
     }
@@ -505,7 +516,7 @@ fn length_finish_reports_usage() {
     let mut h = Harness::new(config(64, 4));
     h.submit(request(1, prompt(1, 7), 4));
     h.run(10);
-    let outs = &h.outputs[&1];
+    let outs = &h.outputs[&1.into()];
     assert_eq!(outs.len(), 4);
     assert!(outs[..3].iter().all(|o| o.finished.is_none()));
     let last = h.last_output(1);

@@ -129,7 +129,7 @@ fn check(w: &Workload, overlap: bool) -> Result<(), TestCaseError> {
             if r.at == steps {
                 h.submit(r.request(id as u64));
             }
-            if r.abort == Some(steps) && h.sched.abort(id as u64) {
+            if r.abort == Some(steps) && h.sched.abort((id as u64).into()) {
                 aborted.push(id as u64);
             }
         }

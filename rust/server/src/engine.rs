@@ -7,14 +7,14 @@
 //! worker runs plan N, so the GPU does not idle while the host schedules and detokenizes.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tokenspeed_engine::scheduler::{FinishReason, Request, Scheduler, SchedulerConfig};
+use tokenspeed_engine::scheduler::{FinishReason, Request, RequestId, Scheduler, SchedulerConfig};
 use tokenspeed_engine::{Plan, StepResult};
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
@@ -155,13 +155,19 @@ impl EngineStats {
 
 enum Command {
     Submit {
-        id: u64,
+        id: RequestId,
         request: Box<Request>,
         constraint: Option<Constraint>,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
     },
     Abort {
-        id: u64,
+        id: RequestId,
+    },
+    /// The front end matched a stop string after the request's first `generated` tokens: the
+    /// request finishes as a stop (not an abort), its KV pages freed and its prefix cached.
+    StopMatched {
+        id: RequestId,
+        generated: u32,
     },
     /// How many leading tokens of `tokens` the radix cache holds (the cache-aware router asks).
     PrefixLen {
@@ -212,37 +218,23 @@ impl Drop for StoppedOnDrop {
 #[derive(Clone)]
 pub struct EngineHandle {
     commands: mpsc::Sender<Command>,
-    next_id: Arc<AtomicU64>,
     healthy: Arc<AtomicBool>,
     stats: Arc<Mutex<EngineStats>>,
     lifeline: Arc<Lifeline>,
 }
 
 impl EngineHandle {
-    /// Queues a tokenized, validated request under a new id (its `id` is ignored); its tokens
-    /// arrive on the returned channel.
+    /// Queues a tokenized, validated request under its id (`request.id`, unique: the API
+    /// request's UUID and choice); its tokens arrive on the returned channel.
     /// With a `constraint`, its tokens follow the grammar (see `engine/grammar.rs`).
     pub fn submit(
         &self,
         request: Request,
         constraint: Option<Constraint>,
-    ) -> (u64, tokio_mpsc::UnboundedReceiver<EngineEvent>) {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        (id, self.submit_as(id, request, constraint))
-    }
-
-    /// `submit` under an id the caller chose (the data-parallel router's, unique across its
-    /// replicas).
-    pub fn submit_as(
-        &self,
-        id: u64,
-        mut request: Request,
-        constraint: Option<Constraint>,
     ) -> tokio_mpsc::UnboundedReceiver<EngineEvent> {
-        request.id = id;
         let (events, rx) = tokio_mpsc::unbounded_channel();
         let sent = self.commands.send(Command::Submit {
-            id,
+            id: request.id,
             request: Box::new(request),
             constraint,
             events: events.clone(),
@@ -267,8 +259,15 @@ impl EngineHandle {
         rx.await.ok()
     }
 
-    pub fn abort(&self, id: u64) {
+    /// Ends request `id` as aborted (client gone, `/abort_request`); unknown ids are ignored.
+    pub fn abort(&self, id: RequestId) {
         let _ = self.commands.send(Command::Abort { id });
+    }
+
+    /// Ends request `id` as finished by a stop string the front end found after its first
+    /// `generated` tokens: the engine, which ends every request, records it as a "stop".
+    pub fn stop_matched(&self, id: RequestId, generated: u32) {
+        let _ = self.commands.send(Command::StopMatched { id, generated });
     }
 
     /// Drops every cached prefix; false when requests are running (as in SGLang).
@@ -363,7 +362,6 @@ pub fn spawn_engine(
     let (tx, rx) = mpsc::channel();
     let handle = EngineHandle {
         commands: tx,
-        next_id: Arc::new(AtomicU64::new(1)),
         healthy: Arc::new(AtomicBool::new(true)),
         stats: Arc::new(Mutex::new(EngineStats::default())),
         lifeline: Arc::new(Lifeline::default()),

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
-use tokenspeed_engine::scheduler::{FinishReason, Request};
+use tokenspeed_engine::scheduler::{FinishReason, Request, RequestId};
 use tokenspeed_engine::SamplingParams;
 use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, StopStep, TextTokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -88,12 +88,12 @@ pub struct Chunk {
     pub usage: TokenUsage,
 }
 
-/// Aborts the engine request if the generation is dropped before it finished
-/// (client disconnect, stop string matched): its slot and KV pages are freed. `engine` is the
-/// data-parallel replica that owns the request; `_load` counts it there until dropped.
+/// Aborts the engine request if the generation is dropped before it finished (client
+/// disconnect): its slot and KV pages are freed. `engine` is the data-parallel replica that
+/// owns the request; `_load` counts it there until dropped.
 struct AbortGuard {
     engine: EngineHandle,
-    id: u64,
+    id: RequestId,
     done: bool,
     _load: crate::replicas::LoadTicket,
 }
@@ -147,7 +147,8 @@ pub async fn probe(
         grammar: None,
         grammar_starts_after: None,
     };
-    let run = async { start_on(state, spec, replica).await?.collect().await };
+    let id = new_request_id();
+    let run = async { start_on(state, id, spec, replica).await?.collect().await };
     match tokio::time::timeout(timeout, run).await {
         Ok(result) => result.map(|_| ()),
         Err(_) => Err(ApiError::unavailable(format!(
@@ -157,13 +158,24 @@ pub async fn probe(
     }
 }
 
-/// Tokenizes and validates, then hands the request to the engine (the replica the router picks).
-pub async fn start(state: &AppState, spec: GenerationSpec) -> Result<Generation, ApiError> {
-    start_on(state, spec, None).await
+/// A new API request's id: a random (v4) UUID, in the logs, the engine and the response `id`.
+pub fn new_request_id() -> RequestId {
+    RequestId::new(uuid::Uuid::new_v4().as_u128())
+}
+
+/// Tokenizes and validates, then hands the request to the engine (the replica the router picks)
+/// under `id`.
+pub async fn start(
+    state: &AppState,
+    id: RequestId,
+    spec: GenerationSpec,
+) -> Result<Generation, ApiError> {
+    start_on(state, id, spec, None).await
 }
 
 async fn start_on(
     state: &AppState,
+    id: RequestId,
     spec: GenerationSpec,
     replica: Option<usize>,
 ) -> Result<Generation, ApiError> {
@@ -211,7 +223,7 @@ async fn start_on(
         None => None,
     };
     let request = Request {
-        id: 0, // the engine assigns it
+        id,
         prompt: prompt_ids.clone(),
         sampling: spec.sampling,
         max_new_tokens,
@@ -222,10 +234,10 @@ async fn start_on(
     };
     state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
     let dispatched = state.engine.dispatch(request, constraint, replica).await;
-    let (id, events) = (dispatched.id, dispatched.events);
+    let events = dispatched.events;
     if state.config.log_requests {
         tracing::info!(
-            id,
+            id = %id,
             prompt_tokens = prompt_ids.len(),
             max_new_tokens,
             "request"
@@ -299,7 +311,7 @@ pub async fn tokenize_prompt(state: &AppState, prompt: Prompt) -> Result<Vec<u32
 }
 
 impl Generation {
-    pub fn id(&self) -> u64 {
+    pub fn id(&self) -> RequestId {
         self.guard.id
     }
 
@@ -360,9 +372,12 @@ impl Generation {
             chunk.text.push_str(&step.emit);
             if step.stopped {
                 self.finished = true;
-                // The engine would keep generating: end the request now.
+                // Only this side sees text: tell the engine, which ends every request, that a
+                // stop string ended this one after `generated` tokens. Usage counts those.
+                let generated = token.usage.completion_tokens - (n - i - 1) as u32;
+                chunk.usage.completion_tokens = generated;
                 if i + 1 < n || token.finish.is_none() {
-                    self.guard.engine.abort(self.guard.id);
+                    self.guard.engine.stop_matched(self.guard.id, generated);
                 }
                 self.guard.done = true;
                 self.stop_at(&mut chunk, step);
@@ -469,27 +484,30 @@ pub struct Choices {
 /// radix cache: the prompt's other samples then reuse its KV pages, one prefill per prompt.
 pub async fn start_choices(
     state: &AppState,
+    id: RequestId,
     specs: Vec<GenerationSpec>,
     n: usize,
 ) -> Result<Choices, ApiError> {
-    let firsts = futures_util::future::join_all(specs.iter().map(|spec| async {
-        let mut gen = start(state, spec.clone()).await?;
-        let first = match gen.next().await {
-            Some(Ok(c)) => c,
-            Some(Err(e)) => return Err(e),
-            None => return Err(ApiError::internal("the request ended without output")),
-        };
-        gen.pending = Some(first);
-        Ok(gen)
-    }))
-    .await;
+    let choice = |prompt: usize, sample: usize| id.choice((prompt * n + sample) as u32);
+    let firsts =
+        futures_util::future::join_all(specs.iter().enumerate().map(|(i, spec)| async move {
+            let mut gen = start(state, choice(i, 0), spec.clone()).await?;
+            let first = match gen.next().await {
+                Some(Ok(c)) => c,
+                Some(Err(e)) => return Err(e),
+                None => return Err(ApiError::internal("the request ended without output")),
+            };
+            gen.pending = Some(first);
+            Ok(gen)
+        }))
+        .await;
     let mut by_prompt = Vec::with_capacity(specs.len());
     for first in firsts {
         by_prompt.push(first?);
     }
     let prompts = by_prompt.iter().map(|g| g.prompt_ids.clone()).collect();
     let mut gens = Vec::with_capacity(specs.len() * n);
-    for (spec, first) in specs.into_iter().zip(by_prompt) {
+    for (i, (spec, first)) in specs.into_iter().zip(by_prompt).enumerate() {
         gens.push(first);
         for j in 1..n {
             let mut sample = spec.clone();
@@ -497,7 +515,7 @@ pub async fn start_choices(
             if sample.sampling.seed != tokenspeed_engine::NO_SEED {
                 sample.sampling.seed = (sample.sampling.seed + j as i64) & i64::MAX;
             }
-            gens.push(start(state, sample).await?);
+            gens.push(start(state, choice(i, j), sample).await?);
         }
     }
     Ok(Choices { gens, prompts, n })

@@ -56,9 +56,11 @@ pub fn init_logging(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new(format!("tokenspeed={level},{level}"))
     });
+    // Colours only on a terminal: a log file or a collector gets plain `key=value` lines.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .try_init();
 }
 

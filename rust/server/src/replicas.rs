@@ -2,8 +2,9 @@
 //! radix cache, KV pool and worker group) behind one router (`router.rs`). The HTTP side holds
 //! a `Replicas` where it held one engine; with N = 1 it is that engine and nothing more.
 //!
-//! Request ids are unique across replicas and name their owner (`id % N`), so an abort, a
-//! disconnect or `/abort_request` reaches the one replica that runs the request.
+//! A request's id is its own (the API request's UUID, `RequestId`), chosen before routing: a
+//! disconnect aborts through the owner the request holds, and `/abort_request`, which knows
+//! only the id, asks every replica (the one that runs it ends it; the others hold no such id).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::{join_all, select_all};
 use serde::Serialize;
-use tokenspeed_engine::scheduler::Request;
+use tokenspeed_engine::scheduler::{Request, RequestId};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::{Constraint, EngineEvent, EngineHandle, EngineStats};
@@ -34,13 +35,14 @@ struct Inner {
     outstanding: Vec<Arc<AtomicUsize>>,
     /// Per replica: requests routed there so far.
     routed: Vec<AtomicU64>,
-    next_seq: AtomicU64,
 }
 
 /// A request's place on its replica: its owner engine, and its share of the replica's load
 /// until dropped (when the generation ends, however it ends).
 pub struct Dispatched {
-    pub id: u64,
+    pub id: RequestId,
+    /// The replica it runs on (its data-parallel rank).
+    pub replica: usize,
     pub events: UnboundedReceiver<EngineEvent>,
     pub owner: EngineHandle,
     pub load: LoadTicket,
@@ -81,7 +83,6 @@ impl Replicas {
                 outstanding: (0..n).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
                 routed: (0..n).map(|_| AtomicU64::new(0)).collect(),
                 engines,
-                next_seq: AtomicU64::new(1),
             }),
         }
     }
@@ -114,7 +115,7 @@ impl Replicas {
         &self,
         request: Request,
         constraint: Option<Constraint>,
-    ) -> (u64, UnboundedReceiver<EngineEvent>) {
+    ) -> (RequestId, UnboundedReceiver<EngineEvent>) {
         let replica = self.pick(None);
         // The caller tracks the request by id alone, so it is not counted in the load.
         let d = self.dispatch_to(replica, request, constraint);
@@ -127,15 +128,15 @@ impl Replicas {
         request: Request,
         constraint: Option<Constraint>,
     ) -> Dispatched {
-        let n = self.len() as u64;
-        let id = self.inner.next_seq.fetch_add(1, Ordering::Relaxed) * n + replica as u64;
+        let id = request.id;
         let load = self.inner.outstanding[replica].clone();
         load.fetch_add(1, Ordering::AcqRel);
         self.inner.routed[replica].fetch_add(1, Ordering::Relaxed);
         let owner = self.inner.engines[replica].clone();
-        let events = owner.submit_as(id, request, constraint);
+        let events = owner.submit(request, constraint);
         Dispatched {
             id,
+            replica,
             events,
             owner,
             load: LoadTicket(load),
@@ -182,13 +183,11 @@ impl Replicas {
         }
     }
 
-    /// The replica that owns request `id`.
-    pub fn owner(&self, id: u64) -> &EngineHandle {
-        &self.inner.engines[(id % self.len() as u64) as usize]
-    }
-
-    pub fn abort(&self, id: u64) {
-        self.owner(id).abort(id);
+    /// Aborts request `id` wherever it runs (replicas that do not hold it ignore the abort).
+    pub fn abort(&self, id: RequestId) {
+        for engine in &self.inner.engines {
+            engine.abort(id);
+        }
     }
 
     /// Drops every replica's cached prefixes; false when any replica has requests running.

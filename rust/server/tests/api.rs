@@ -915,6 +915,7 @@ async fn a_grammar_that_starts_after_the_reasoning_leaves_the_reasoning_free() {
             .compile(&GrammarSpec::Regex("[0-9]{2}".into()))
             .expect("compiles");
         let request = tokenspeed_engine::Request {
+            id: tokenspeed_server::generate::new_request_id(),
             prompt: tok.encode("Think, then answer:", true).expect("encode"),
             sampling: SamplingParams::greedy(),
             max_new_tokens: 20,

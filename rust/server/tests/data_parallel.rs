@@ -12,6 +12,7 @@ use tokenspeed_engine::{
     Plan, Request, SamplingParams, SchedulePolicy, SchedulerConfig, StepResult,
 };
 use tokenspeed_server::engine::{spawn_engine, EngineEvent, EngineOptions, LinkError, WorkerLink};
+use tokenspeed_server::generate::new_request_id;
 use tokenspeed_server::metrics::Metrics;
 use tokenspeed_server::router::Policy;
 use tokenspeed_server::Replicas;
@@ -131,6 +132,7 @@ fn group(n: usize, policy: Policy) -> Group {
 
 fn request(prompt: Vec<u32>, max_new_tokens: u32) -> Request {
     Request {
+        id: new_request_id(),
         prompt,
         sampling: SamplingParams::greedy(),
         max_new_tokens,
@@ -165,7 +167,7 @@ async fn ids_name_their_replica_and_an_abort_reaches_the_owner() {
             .replicas
             .dispatch(request(vec![1, 2, 3], 2), None, None)
             .await;
-        owners.push(d.id % 2);
+        owners.push(d.replica);
         assert_eq!(drain(&mut d.events).await, 2);
     }
     assert_eq!(owners, vec![0, 1, 0, 1]);
@@ -178,7 +180,7 @@ async fn ids_name_their_replica_and_an_abort_reaches_the_owner() {
         .replicas
         .dispatch(request(vec![5, 6, 7], 1_500), None, Some(1))
         .await;
-    assert_eq!(d.id % 2, 1);
+    assert_eq!(d.replica, 1);
     match d.events.recv().await {
         Some(EngineEvent::Token(_)) => {}
         other => panic!("expected a token, got {other:?}"),
@@ -214,7 +216,7 @@ async fn cache_aware_follows_the_replica_holding_the_prefix() {
             .replicas
             .dispatch(request(with_question(q), 1), None, None)
             .await;
-        assert_eq!(d.id % 2, 1, "question {q} went to replica {}", d.id % 2);
+        assert_eq!(d.replica, 1, "question {q} went to replica {}", d.replica);
         drain(&mut d.events).await;
     }
     // The engine publishes its counters just after routing the last token: wait for them.
@@ -235,7 +237,7 @@ async fn cache_aware_follows_the_replica_holding_the_prefix() {
             .replicas
             .dispatch(request(vec![9000 + q, 1, 2, 3, 4], 1), None, None)
             .await;
-        owners.push(d.id % 2);
+        owners.push(d.replica);
         drain(&mut d.events).await;
     }
     owners.sort();
@@ -259,7 +261,7 @@ async fn shortest_queue_routes_around_a_busy_replica() {
             .replicas
             .dispatch(request(vec![4, 5], 1), None, None)
             .await;
-        assert_eq!(d.id % 2, 1);
+        assert_eq!(d.replica, 1);
         drain(&mut d.events).await;
     }
     for d in &held {

@@ -5,7 +5,8 @@
 //! uncached prompt and expected growth too; an idle engine always admits.
 
 use super::{
-    Active, Phase, SchedulePolicy, Scheduler, Sequence, StepBuilder, LPM_MAX_WAITING, RESERVE_CLIP,
+    Active, Phase, RequestId, SchedulePolicy, Scheduler, Sequence, StepBuilder, LPM_MAX_WAITING,
+    RESERVE_CLIP,
 };
 
 impl Scheduler {
@@ -109,10 +110,10 @@ impl Scheduler {
         }
     }
 
-    fn admission_order(&self) -> Vec<u64> {
-        let mut order: Vec<u64> = self.waiting.iter().copied().collect();
+    fn admission_order(&self) -> Vec<RequestId> {
+        let mut order: Vec<RequestId> = self.waiting.iter().copied().collect();
         if self.config.policy == SchedulePolicy::Lpm && order.len() <= LPM_MAX_WAITING {
-            let mut keyed: Vec<(bool, usize, u64)> = order
+            let mut keyed: Vec<(bool, usize, RequestId)> = order
                 .iter()
                 .map(|id| {
                     let seq = &self.requests[id];

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::{finish, Expected, Phase, RequestOutput, Scheduler};
+use super::{finish, Expected, Phase, RequestId, RequestOutput, Scheduler};
 use super::{RESERVE_RATIO_EMA, RESERVE_RATIO_MIN};
 use crate::plan::{event_error, RequestEvent, StepResult};
 
@@ -109,7 +109,7 @@ impl Scheduler {
     /// Puts a request's freshly prefilled full pages into the radix tree while it keeps decoding,
     /// so requests arriving meanwhile with the same prefix (a shared system prompt) hit the cache
     /// without waiting for this one to finish. The request then holds them through a lock.
-    fn cache_prompt(&mut self, id: u64) {
+    fn cache_prompt(&mut self, id: RequestId) {
         if !self.config.enable_radix_cache {
             return;
         }
@@ -152,7 +152,7 @@ impl Scheduler {
         a.prefix_pages = m.pages;
     }
 
-    fn finish(&mut self, id: u64) {
+    fn finish(&mut self, id: RequestId) {
         let Some(mut seq) = self.requests.remove(&id) else {
             return;
         };

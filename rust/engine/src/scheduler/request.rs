@@ -79,11 +79,74 @@ pub enum ConfigError {
     Zero { field: &'static str },
 }
 
+/// A request's id: one random UUID per API request, shared by the logs, the engine and the
+/// response `id` (`chatcmpl-<uuid>`), plus the choice when one API request runs several
+/// generations (`n`, batched prompts). Written as the UUID's 32 hex digits (the form vLLM and
+/// SGLang put in their ids), followed by `-<choice>` for choices after the first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct RequestId {
+    pub uuid: u128,
+    pub choice: u32,
+}
+
+impl RequestId {
+    pub const fn new(uuid: u128) -> Self {
+        Self { uuid, choice: 0 }
+    }
+
+    /// Choice `i` of the same API request.
+    pub const fn choice(self, i: u32) -> Self {
+        Self {
+            uuid: self.uuid,
+            choice: i,
+        }
+    }
+
+    /// The API request's part of the id (no choice): what response ids carry.
+    pub fn request(&self) -> String {
+        format!("{:032x}", self.uuid)
+    }
+}
+
+/// Synthetic ids (tests, benchmarks).
+impl From<u64> for RequestId {
+    fn from(n: u64) -> Self {
+        Self::new(u128::from(n))
+    }
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.uuid)?;
+        if self.choice > 0 {
+            write!(f, "-{}", self.choice)?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for RequestId {
+    type Err = ();
+
+    /// Parses what `Display` writes.
+    fn from_str(s: &str) -> Result<Self, ()> {
+        let (uuid, choice) = match s.split_once('-') {
+            Some((u, c)) => (u, c.parse::<u32>().map_err(|_| ())?),
+            None => (s, 0),
+        };
+        if uuid.len() != 32 || !uuid.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(());
+        }
+        let uuid = u128::from_str_radix(uuid, 16).map_err(|_| ())?;
+        Ok(Self { uuid, choice })
+    }
+}
+
 /// A tokenized, validated request as the engine sees it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Request {
     /// Unique among requests in the scheduler.
-    pub id: u64,
+    pub id: RequestId,
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     /// At least 1.
@@ -112,7 +175,7 @@ pub enum FinishReason {
 /// What one step produced for one request: its accepted tokens (usually one), or an error.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestOutput {
-    pub id: u64,
+    pub id: RequestId,
     pub tokens: Vec<u32>,
     /// One per token.
     pub logprobs: Vec<f32>,
@@ -154,17 +217,17 @@ pub struct SchedulerStats {
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SubmitError {
     #[error("request {id}: a request with this id is already queued or running")]
-    DuplicateId { id: u64 },
+    DuplicateId { id: RequestId },
     #[error("request {id}: the prompt is empty")]
-    EmptyPrompt { id: u64 },
+    EmptyPrompt { id: RequestId },
     #[error("request {id}: max_new_tokens must be at least 1")]
-    ZeroMaxNewTokens { id: u64 },
+    ZeroMaxNewTokens { id: RequestId },
     #[error(
         "request {id}: prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) \
          exceeds the context length ({max_context_len})"
     )]
     ContextTooLong {
-        id: u64,
+        id: RequestId,
         prompt_tokens: usize,
         max_new_tokens: u32,
         max_context_len: u32,
@@ -174,9 +237,35 @@ pub enum SubmitError {
          {total_pages}"
     )]
     ExceedsKvPool {
-        id: u64,
+        id: RequestId,
         tokens: u64,
         pages_needed: u64,
         total_pages: u32,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RequestId;
+
+    #[test]
+    fn request_ids_read_back_what_they_write() {
+        let id = RequestId::new(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef);
+        assert_eq!(id.to_string(), "0123456789abcdef0123456789abcdef");
+        assert_eq!(id.request(), id.to_string());
+        let third = id.choice(2);
+        assert_eq!(third.to_string(), "0123456789abcdef0123456789abcdef-2");
+        assert_eq!(third.request(), id.to_string());
+        for written in [id, third, RequestId::from(7)] {
+            assert_eq!(written.to_string().parse::<RequestId>(), Ok(written));
+        }
+        for bad in [
+            "",
+            "12",
+            "0123456789abcdef0123456789abcdeg",
+            "0123456789abcdef0123456789abcdef-x",
+        ] {
+            assert!(bad.parse::<RequestId>().is_err(), "{bad}");
+        }
+    }
 }

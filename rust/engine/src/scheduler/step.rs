@@ -1,7 +1,9 @@
 //! Building a step: decodes first, then prefill chunks of running requests, then admission;
 //! pages come from the pool, the cache, or a retracted younger request.
 
-use super::{Expected, Phase, Scheduler, Sequence, StepBuilder, Work, RESERVE_RATIO_BUMP};
+use super::{
+    Expected, Phase, RequestId, Scheduler, Sequence, StepBuilder, Work, RESERVE_RATIO_BUMP,
+};
 use crate::pages::Pages;
 use crate::plan::{FinishedSlot, Plan, ScheduledRequest, LAST_SAMPLED};
 
@@ -88,7 +90,7 @@ impl Scheduler {
 
     /// Tokens `id` feeds in the next step if that is a decode (one token: the last sampled one,
     /// or the placeholder for the one in flight). Decodes always run; prefill shares the budget.
-    fn decode_work(&self, id: &u64) -> Option<usize> {
+    fn decode_work(&self, id: &RequestId) -> Option<usize> {
         let seq = self.requests.get(id)?;
         match (seq.work(), &seq.phase) {
             (Work::Placeholder, _) => Some(1),
@@ -98,7 +100,7 @@ impl Scheduler {
     }
 
     /// How many of `want` next tokens of `id` can get KV pages now (evicting cache if needed).
-    fn fit_tokens(&mut self, id: u64, want: usize) -> usize {
+    fn fit_tokens(&mut self, id: RequestId, want: usize) -> usize {
         let ps = self.config.page_size as usize;
         let Some(a) = self.requests[&id].active() else {
             return 0;
@@ -118,7 +120,7 @@ impl Scheduler {
     }
 
     /// Allocates pages for `n` more tokens of running request `id`, emits its share of the step.
-    pub(super) fn schedule_chunk(&mut self, id: u64, n: usize, step: &mut StepBuilder) {
+    pub(super) fn schedule_chunk(&mut self, id: RequestId, n: usize, step: &mut StepBuilder) {
         let ps = self.config.page_size as usize;
         let Some(a) = self.requests[&id].active() else {
             return;
@@ -171,7 +173,7 @@ impl Scheduler {
     /// too (with overlap nearly every request has one when the next plan is built): their
     /// results are dropped as stale (`Active::epoch`), their pages are safe to hand out again
     /// (see `release`). Only younger requests give way, so the oldest always progresses.
-    fn youngest_retractable(&self, i: usize) -> Option<u64> {
+    fn youngest_retractable(&self, i: usize) -> Option<RequestId> {
         self.running.get(i + 1..)?.last().copied()
     }
 }

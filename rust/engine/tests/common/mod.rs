@@ -13,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use tokenspeed_engine::{
-    FinishReason, Plan, Request, RequestEvent, RequestOutput, SchedulePolicy, Scheduler,
+    FinishReason, Plan, Request, RequestEvent, RequestId, RequestOutput, SchedulePolicy, Scheduler,
     SchedulerConfig, StepResult, LAST_SAMPLED,
 };
 
@@ -47,7 +47,7 @@ pub fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
 
 pub fn request(id: u64, prompt: Vec<u32>, max_new_tokens: u32) -> Request {
     Request {
-        id,
+        id: id.into(),
         prompt,
         max_new_tokens,
         ..Request::default()
@@ -247,7 +247,7 @@ impl FakeWorker {
 pub struct Harness {
     pub sched: Scheduler,
     pub worker: FakeWorker,
-    pub outputs: HashMap<u64, Vec<RequestOutput>>,
+    pub outputs: HashMap<RequestId, Vec<RequestOutput>>,
     /// Every plan, in order, as scheduled.
     pub plans: Vec<Plan>,
     /// Keep up to two plans in flight, as the engine does with overlap on.
@@ -258,7 +258,7 @@ pub struct Harness {
     /// for that request).
     pub lose_samples_at: Vec<u64>,
     /// `max_new_tokens` of each submitted request.
-    max_new: HashMap<u64, u32>,
+    max_new: HashMap<RequestId, u32>,
 }
 
 impl Harness {
@@ -361,19 +361,21 @@ impl Harness {
         panic!("not idle after {max_steps} steps");
     }
 
-    pub fn tokens(&self, id: u64) -> Vec<u32> {
+    pub fn tokens(&self, id: impl Into<RequestId>) -> Vec<u32> {
         self.outputs
-            .get(&id)
+            .get(&id.into())
             .map(|o| o.iter().flat_map(|o| o.tokens.iter().copied()).collect())
             .unwrap_or_default()
     }
 
-    pub fn finish_reason(&self, id: u64) -> Option<FinishReason> {
-        self.outputs.get(&id)?.last()?.finished
+    pub fn finish_reason(&self, id: impl Into<RequestId>) -> Option<FinishReason> {
+        self.outputs.get(&id.into())?.last()?.finished
     }
 
-    pub fn last_output(&self, id: u64) -> &RequestOutput {
-        self.outputs[&id].last().expect("request produced output")
+    pub fn last_output(&self, id: impl Into<RequestId>) -> &RequestOutput {
+        self.outputs[&id.into()]
+            .last()
+            .expect("request produced output")
     }
 
     /// After everything finished and the cache is flushed, every page is back in the pool.

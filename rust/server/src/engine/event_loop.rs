@@ -30,13 +30,14 @@ pub(super) struct LiveRequest {
     pub(super) admitted: Option<Instant>,
     pub(super) first_token: Option<Instant>,
     pub(super) last_token: Option<Instant>,
+    pub(super) prompt_tokens: u32,
 }
 
 pub(super) struct EngineLoop {
     pub(super) scheduler: Scheduler,
     pub(super) link: Box<dyn WorkerLink>,
     pub(super) commands: mpsc::Receiver<Command>,
-    pub(super) requests: HashMap<u64, LiveRequest>,
+    pub(super) requests: HashMap<RequestId, LiveRequest>,
     /// Plans sent whose results have not come back, oldest first.
     pub(super) in_flight: VecDeque<Plan>,
     pub(super) healthy: Arc<AtomicBool>,
@@ -187,6 +188,15 @@ impl EngineLoop {
                     self.count_abort();
                 }
             }
+            Command::StopMatched { id, generated } => {
+                self.grammars.remove(id);
+                if let Some(live) = self.requests.remove(&id) {
+                    // Ends it in the scheduler as `abort` does (slot freed, computed prefix
+                    // cached); for the metrics it finished, as a stop.
+                    self.scheduler.abort(id);
+                    self.record_finish(live, FinishReason::Stop, generated);
+                }
+            }
             Command::PrefixLen { tokens, reply } => {
                 let _ = reply.send(self.scheduler.cached_prefix_len(&tokens));
             }
@@ -218,7 +228,7 @@ impl EngineLoop {
     /// Queues a request; false (and an error event sent) when refused.
     fn submit(
         &mut self,
-        id: u64,
+        id: RequestId,
         req: Request,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
     ) -> bool {
@@ -241,6 +251,7 @@ impl EngineLoop {
                 EngineErrorKind::Overloaded,
             );
         }
+        let prompt_tokens = req.prompt.len() as u32;
         match self.scheduler.submit(req) {
             Ok(()) => {
                 self.last_submit = Some(Instant::now());
@@ -252,6 +263,7 @@ impl EngineLoop {
                         admitted: None,
                         first_token: None,
                         last_token: None,
+                        prompt_tokens,
                     },
                 );
                 true
@@ -264,11 +276,11 @@ impl EngineLoop {
     /// Ends a request whose grammar matcher failed, as a 400: the matcher fails only on what
     /// that request's grammar demands of this vocabulary (e.g. a byte no token holds, which
     /// llguidance cannot write: llguidance#138). Every other request goes on.
-    fn fail_request(&mut self, id: u64, message: String) {
+    fn fail_request(&mut self, id: RequestId, message: String) {
         self.grammars.remove(id);
         self.scheduler.abort(id);
         if let Some(live) = self.requests.remove(&id) {
-            tracing::warn!(id, %message, "request failed");
+            tracing::warn!(id = %id, %message, "request failed");
             self.metrics
                 .request_success
                 .with_label_values(&["error"])
@@ -453,8 +465,7 @@ impl EngineLoop {
             }
             return;
         }
-        let (finish, prompt_tokens, completion_tokens) =
-            (out.finished, out.prompt_tokens, out.completion_tokens);
+        let (finish, completion_tokens) = (out.finished, out.completion_tokens);
         self.metrics
             .generation_tokens
             .inc_by(out.tokens.len() as u64);
@@ -478,20 +489,7 @@ impl EngineLoop {
         }
         if let Some(reason) = finish {
             if let Some(live) = self.requests.remove(&id) {
-                let admitted = live.admitted.unwrap_or(live.submitted);
-                let first = live.first_token.unwrap_or(now);
-                self.metrics.observe_finished(&RequestTimes {
-                    queued: admitted - live.submitted,
-                    prefill: first.saturating_duration_since(admitted),
-                    decode: now.saturating_duration_since(first),
-                    e2e: now - live.submitted,
-                    prompt_tokens,
-                    generation_tokens: completion_tokens,
-                    finished_reason: match reason {
-                        FinishReason::Stop | FinishReason::Complete => "stop",
-                        FinishReason::Length => "length",
-                    },
-                });
+                self.record_finish(live, reason, completion_tokens);
             }
         } else if !delivered {
             // The client went away: free its slot and pages now.
@@ -499,6 +497,28 @@ impl EngineLoop {
             self.scheduler.abort(id);
             self.count_abort();
         }
+    }
+
+    /// Every request that finishes (not aborted, not failed) ends here, whichever rule ended
+    /// it: a stop token, the length, a completed grammar (all three decided by the scheduler or
+    /// the grammar on this thread) or a stop string (found by the front end in the detokenized
+    /// text, `Command::StopMatched`).
+    fn record_finish(&self, live: LiveRequest, reason: FinishReason, generated: u32) {
+        let now = Instant::now();
+        let admitted = live.admitted.unwrap_or(live.submitted);
+        let first = live.first_token.unwrap_or(now);
+        self.metrics.observe_finished(&RequestTimes {
+            queued: admitted - live.submitted,
+            prefill: first.saturating_duration_since(admitted),
+            decode: now.saturating_duration_since(first),
+            e2e: now - live.submitted,
+            prompt_tokens: live.prompt_tokens,
+            generation_tokens: generated,
+            finished_reason: match reason {
+                FinishReason::Stop | FinishReason::Complete => "stop",
+                FinishReason::Length => "length",
+            },
+        });
     }
 
     fn count_abort(&self) {
@@ -531,7 +551,10 @@ impl EngineLoop {
                 Command::FlushCache { reply } => {
                     let _ = reply.send(false);
                 }
-                Command::Abort { .. } | Command::AbortAll { .. } | Command::PrefixLen { .. } => {}
+                Command::Abort { .. }
+                | Command::StopMatched { .. }
+                | Command::AbortAll { .. }
+                | Command::PrefixLen { .. } => {}
                 Command::Shutdown => return,
             }
         }

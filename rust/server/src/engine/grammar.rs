@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 
-use tokenspeed_engine::{GrammarRow, Plan, TokenMask, LAST_SAMPLED, MAX_GRAMMAR_REPLAY};
+use tokenspeed_engine::{GrammarRow, Plan, RequestId, TokenMask, LAST_SAMPLED, MAX_GRAMMAR_REPLAY};
 use tokenspeed_structured::Matcher;
 
 use super::Constraint;
@@ -54,10 +54,10 @@ pub(super) enum Verdict {
 
 #[derive(Default)]
 pub(super) struct Grammars {
-    by_id: HashMap<u64, Constrained>,
+    by_id: HashMap<RequestId, Constrained>,
     mask_words: usize,
     /// The latest plan sent with pending rows: its step and the (request, slot) of each row.
-    pending: Option<(u64, Vec<(u64, u32)>)>,
+    pending: Option<(u64, Vec<(RequestId, u32)>)>,
 }
 
 impl Grammars {
@@ -69,7 +69,7 @@ impl Grammars {
         }
     }
 
-    pub(super) fn insert(&mut self, id: u64, c: Constraint) {
+    pub(super) fn insert(&mut self, id: RequestId, c: Constraint) {
         let enforced = match c.worker {
             Some(grammar) => Enforced::Worker {
                 grammar,
@@ -86,7 +86,7 @@ impl Grammars {
         );
     }
 
-    pub(super) fn remove(&mut self, id: u64) {
+    pub(super) fn remove(&mut self, id: RequestId) {
         self.by_id.remove(&id);
     }
 
@@ -108,8 +108,8 @@ impl Grammars {
     pub(super) fn attach_masks(
         &mut self,
         plan: &mut Plan,
-        planned: impl Iterator<Item = (u64, u32, bool)>,
-    ) -> Vec<(u64, String)> {
+        planned: impl Iterator<Item = (RequestId, u32, bool)>,
+    ) -> Vec<(RequestId, String)> {
         let ahead: Vec<u32> = plan
             .scheduled
             .iter()
@@ -175,7 +175,7 @@ impl Grammars {
     pub(super) fn complete(
         &mut self,
         oldest_in_flight: Option<u64>,
-    ) -> Option<(Plan, Vec<(u64, String)>)> {
+    ) -> Option<(Plan, Vec<(RequestId, String)>)> {
         let step = self.pending.as_ref()?.0;
         if oldest_in_flight != Some(step) {
             return None;
@@ -189,7 +189,10 @@ impl Grammars {
     /// reasoning, gets an allow-all row; a failed matcher too, and is returned. One by one: on
     /// the H100 box, rayon over a batch's matchers (which share their grammar's lexer cache
     /// behind a lock) made decode slower, +43% instead of +6% per token at batch 16.
-    fn masks_for(&mut self, rows: Vec<(u64, u32)>) -> (Vec<TokenMask>, Vec<(u64, String)>) {
+    fn masks_for(
+        &mut self,
+        rows: Vec<(RequestId, u32)>,
+    ) -> (Vec<TokenMask>, Vec<(RequestId, String)>) {
         let words = self.mask_words;
         let mut failed = Vec::new();
         let masks = rows
@@ -218,7 +221,7 @@ impl Grammars {
     }
 
     /// Feeds a request's newly accepted tokens to its matcher.
-    pub(super) fn advance(&mut self, id: u64, tokens: &[u32]) -> Verdict {
+    pub(super) fn advance(&mut self, id: RequestId, tokens: &[u32]) -> Verdict {
         let Some(c) = self.by_id.get_mut(&id) else {
             return Verdict::Continue;
         };

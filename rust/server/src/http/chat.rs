@@ -12,8 +12,8 @@ use super::chat_output::{finish_reason, OutputStream};
 use super::chat_request::{check_messages, message_text, output_stage, template_messages};
 use super::error::ApiError;
 use super::openai::{
-    request_id, sse_data, sse_response, stream_options, total_usage, vllm_prompt_logprobs,
-    with_prompts, LogprobStyle,
+    sse_data, sse_response, stream_options, total_usage, vllm_prompt_logprobs, with_prompts,
+    LogprobStyle,
 };
 use super::protocol::{check_extra_fields, parse_body, ChatCompletionRequest};
 #[allow(unused_imports)] // named by the #[utoipa::path] attributes
@@ -64,7 +64,7 @@ fn strip_special_stop(tokenizer: &TextTokenizer, keep_special: bool, text: &mut 
 
 /// A unique tool call id in OpenAI's form.
 fn call_id() -> String {
-    format!("call_{}", request_id())
+    format!("call_{}", uuid::Uuid::new_v4().simple())
 }
 
 fn non_empty(s: String) -> Option<String> {
@@ -128,11 +128,13 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         add_generation_prompt,
         continue_final_message: continue_final,
     };
-    let choices = generate::start_choices(&state, with_prompts(&base, vec![prompt]), n).await?;
+    let rid = generate::new_request_id();
+    let specs = with_prompts(&base, vec![prompt]);
+    let choices = generate::start_choices(&state, rid, specs, n).await?;
     let style = LogprobStyle {
         as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
     };
-    let id = format!("chatcmpl-{}", request_id());
+    let id = format!("chatcmpl-{}", rid.request());
     let (created, model) = (unix_now(), state.config.served_model_name.clone());
     if req.sampling.stream.unwrap_or(false) {
         let opts = stream_options(&req.sampling);

@@ -10,6 +10,7 @@ use axum::http::{header, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
+use tokenspeed_engine::scheduler::RequestId;
 
 use super::error::ApiError;
 use super::protocol::{
@@ -180,7 +181,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         spec.sampling.prompt_logprobs = true;
         spec.prompt_logprobs = Some(spec.prompt_logprobs.unwrap_or(0).max(top));
     }
-    let mut gen = generate::start(&state, spec).await?;
+    let mut gen = generate::start(&state, generate::new_request_id(), spec).await?;
     let prompt_len = gen.prompt_ids.len();
     let report = match start_len {
         Some(s) if s >= prompt_len => {
@@ -200,7 +201,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         },
     };
     let tokenizer = state.tokenizer.clone();
-    let id = format!("{:x}", gen.id());
+    let id = gen.id().to_string();
     if req.stream.unwrap_or(false) {
         // SGLang streams the cumulative text and ids so far in every event.
         let first = match gen.next().await {
@@ -401,12 +402,15 @@ pub async fn version() -> Response {
 /// SGLang's `/abort_request`: ends the request whose id `/generate` reported in
 /// `meta_info.id`, freeing its slot and KV pages; its client's request ends with an error.
 /// Aborting a request that already ended is a 200, as in SGLang (abort is idempotent); a `rid`
-/// that no request could have (not one of our hex ids) is a 404: well-formed, naming nothing.
+/// that no request could have (not one of our ids: 32 hex digits, `-<choice>` after the first
+/// choice) is a 404: well-formed, naming nothing.
 #[utoipa::path(post, path = "/abort_request", request_body = AbortRequest, responses((status = 200, description = "aborted"), (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
 pub async fn abort_request(State(state): State<AppState>, body: Bytes) -> Response {
     let run = async {
         let req: AbortRequest = parse_body(&body)?;
-        let id = u64::from_str_radix(&req.rid, 16)
+        let id: RequestId = req
+            .rid
+            .parse()
             .map_err(|_| ApiError::not_found(format!("no request has the id {:?}", req.rid)))?;
         state.engine.abort(id);
         Ok::<_, ApiError>(StatusCode::OK.into_response())

@@ -210,7 +210,8 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         Vec::new()
     };
     let specs = with_prompts(&base, prompts);
-    let choices = generate::start_choices(&state, specs, n).await?;
+    let rid = generate::new_request_id();
+    let choices = generate::start_choices(&state, rid, specs, n).await?;
     let style = LogprobStyle {
         as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
     };
@@ -235,7 +236,7 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         out
     };
     let head = Completion {
-        id: format!("cmpl-{}", request_id()),
+        id: format!("cmpl-{}", rid.request()),
         object: "text_completion",
         created: unix_now(),
         model: state.config.served_model_name.clone(),
@@ -433,16 +434,4 @@ pub(super) fn vllm_prompt_logprobs(
         out.push(Some(entries));
     }
     out
-}
-
-/// A request id unique in this process and across restarts: time and a process-wide counter.
-pub fn request_id() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    format!("{:x}{:06x}", t, n)
 }
