@@ -83,18 +83,21 @@ def _fma_fits(bn: int, bm: int, bk: int, warps: int, regs: int = 256) -> bool:
 
 
 def sweep_configs(m: int) -> list[gemv.GemvConfig]:
-    """The grid for one M: fma tiles (BLOCK_N, BLOCK_K, warps) of a bounded per-thread product, a few with software pipelining (num_stages) or the reduce-once accumulator, split-K
+    """The grid for one M: fma tiles (BLOCK_N, BLOCK_K, warps) of a bounded per-thread product (at
+    M=1 mostly in gemv's flat 2D form, "fma-2d"), a few with software pipelining (num_stages) or the reduce-once accumulator, split-K
     (2 and 4 K slices, for the shapes with few row blocks), and tensor-core (dot) tiles for M >= 2.
     M=1 (batch-1 decode, S3) gets the richest grid. Programmatic dependent launch twins of the best
     tiles are added by sweep() after the first pass."""
     C = gemv.GemvConfig
     bm = triton.next_power_of_2(m)
-    if m == 1:
-        fma = [(1, 1024, 1), (1, 2048, 1), (1, 4096, 1), (2, 512, 1), (2, 1024, 1), (2, 2048, 1), (2, 2048, 2),
-               (2, 4096, 2), (4, 512, 1), (4, 1024, 1), (4, 1024, 2), (4, 2048, 2), (4, 2048, 4), (4, 4096, 4),
-               (8, 512, 1), (8, 1024, 2), (8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4)]
+    flat: list[tuple[int, int, int]] = []
+    if m == 1:  # flat (2D) tiles, and the 3D form of the session-6 winners for comparison
+        flat = [(1, 1024, 1), (1, 2048, 1), (1, 4096, 1), (2, 512, 1), (2, 1024, 1), (2, 2048, 1), (2, 2048, 2),
+                (2, 4096, 2), (4, 512, 1), (4, 1024, 1), (4, 1024, 2), (4, 2048, 2), (4, 2048, 4), (4, 4096, 4),
+                (8, 512, 1), (8, 1024, 2), (8, 1024, 4), (8, 2048, 4), (16, 512, 4), (16, 1024, 4)]
+        fma = [(1, 1024, 1), (2, 1024, 1), (4, 1024, 1), (4, 2048, 2)]
         staged = [(2, 1024, 1, 2), (2, 1024, 1, 3), (4, 1024, 2, 2), (4, 2048, 2, 2)]
-        once = [(2, 1024, 1), (4, 1024, 2)]
+        once = [(2, 1024, 1), (4, 1024, 2), (4, 2048, 2)]
         split = [(2, 1024, 1, 2), (4, 1024, 2, 2), (4, 2048, 2, 2), (4, 1024, 2, 4), (8, 1024, 4, 4)]
         dots: list[tuple[int, int, int, int, int]] = []
     elif m == 2:
@@ -111,19 +114,22 @@ def sweep_configs(m: int) -> list[gemv.GemvConfig]:
         split = [(4, 512, 2, 2)]
         dots = [(16, 256, 4, 4, 1), (32, 256, 4, 3, 1), (64, 128, 4, 4, 1), (64, 256, 4, 4, 1), (128, 128, 8, 4, 1),
                 (64, 256, 4, 4, 2), (32, 256, 4, 3, 2)]
-    out = [C(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in fma if _fma_fits(bn, bm, bk, w)]
-    out += [C(block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bn, bk, w, st in staged
+    f = m == 1  # the staged / reduce-once / split variants take the flat form at M=1
+    out = [C(block_n=bn, block_k=bk, num_warps=w, flat=True) for bn, bk, w in flat]
+    out += [C(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in fma if _fma_fits(bn, bm, bk, w)]
+    out += [C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, flat=f) for bn, bk, w, st in staged
             if _fma_fits(bn, bm, bk, w)]
-    out += [C(block_n=bn, block_k=bk, num_warps=w, reduce_once=True) for bn, bk, w in once
+    out += [C(block_n=bn, block_k=bk, num_warps=w, reduce_once=True, flat=f) for bn, bk, w in once
             if _fma_fits(bn, bm, bk, w, 128)]
-    out += [C(block_n=bn, block_k=bk, num_warps=w, split_k=sk) for bn, bk, w, sk in split if _fma_fits(bn, bm, bk, w)]
+    out += [C(block_n=bn, block_k=bk, num_warps=w, split_k=sk, flat=f) for bn, bk, w, sk in split
+            if _fma_fits(bn, bm, bk, w)]
     out += [C(block_n=bn, block_k=bk, num_warps=w, num_stages=st, use_dot=True, split_k=sk)
             for bn, bk, w, st, sk in dots]
     return out
 
 
 def cfg_name(c: gemv.GemvConfig) -> str:
-    kind = "dot" if c.use_dot else ("fma1" if c.reduce_once else "fma")
+    kind = "dot" if c.use_dot else ("fma1" if c.reduce_once else "fma") + ("-2d" if c.flat else "")
     return (f"{kind} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
             + (f" split{c.split_k}" if c.split_k > 1 else "") + (" pdl" if c.pdl else ""))
 
@@ -132,7 +138,7 @@ def cfg_src(c: gemv.GemvConfig) -> str:
     """The config as gemv.py's FP8_TILES spells it (_C(...), default fields left out)."""
     default = gemv.GemvConfig()
     args = [f"{f}={getattr(c, f)!r}" for f in ("block_n", "block_k", "num_warps")]
-    args += [f"{f}={getattr(c, f)!r}" for f in ("num_stages", "use_dot", "split_k", "reduce_once", "pdl")
+    args += [f"{f}={getattr(c, f)!r}" for f in ("num_stages", "use_dot", "split_k", "reduce_once", "pdl", "flat")
              if getattr(c, f) != getattr(default, f)]
     return "_C(" + ", ".join(args) + ")"
 

@@ -100,16 +100,21 @@ def test_fp8_gemv_matches_dequantised_reference(dtype: torch.dtype, m: int, n: i
                                  GemvConfig(block_n=2, block_k=64, num_warps=1, pdl=True),
                                  GemvConfig(block_n=4, block_k=64, num_warps=2, split_k=2, pdl=True),
                                  GemvConfig(block_n=16, block_k=32, use_dot=True, split_k=3, pdl=True),
-                                 GemvConfig(block_n=2, block_k=512, num_warps=1, pdl=True)],
+                                 GemvConfig(block_n=2, block_k=512, num_warps=1, pdl=True),
+                                 GemvConfig(block_n=2, block_k=64, num_warps=1, flat=True),
+                                 GemvConfig(block_n=4, block_k=64, num_warps=2, reduce_once=True, split_k=2, flat=True),
+                                 GemvConfig(block_n=4, block_k=32, num_warps=1, pdl=True, flat=True)],
                          ids=["fma", "fma-reduce-once-split2", "dot-split3", "fma-pdl", "fma-split2-pdl",
-                              "dot-split3-pdl", "pdl-off-k-shorter-than-a-step"])
-def test_fp8_gemv_configs(cfg: GemvConfig, device: str) -> None:
+                              "dot-split3-pdl", "pdl-off-k-shorter-than-a-step", "flat", "flat-reduce-once-split2",
+                              "flat-pdl"])
+@pytest.mark.parametrize("m", [1, 5])  # flat applies at M=1 only (ignored at 5)
+def test_fp8_gemv_configs(cfg: GemvConfig, m: int, device: str) -> None:
     """Both inner products (the dot path converts fp8 tiles to x's dtype), the fma path's
-    reduce-once accumulator, split-K, and programmatic dependent launch (its first W tile is
+    reduce-once accumulator, split-K, programmatic dependent launch (its first W tile is
     loaded before the wait: a peeled first K step, per K slice; K shorter than one step runs
-    without it)."""
+    without it) and the flat (2D) fma form of M=1."""
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 333, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, 333, generator=gen).to(torch.bfloat16)
     w, s = _per_channel(torch.randn(45, 333, generator=gen))
     ref = x.float() @ (w.float() * s[:, None]).T
     out = skinny_linear(x.to(device), w.to(device), weight_scale=s.to(device), config=cfg)

@@ -45,7 +45,7 @@ try:  # griddepcontrol (programmatic dependent launch), Triton >= 3.5 on Hopper
     from triton.language.extra.cuda import gdc_wait as _cuda_gdc_wait
 
     HAS_PDL = True
-except ImportError:  # pragma: no cover - older Triton: GemvConfig.pdl is refused on CUDA
+except (ImportError, AttributeError):  # pragma: no cover - older Triton: GemvConfig.pdl is refused on CUDA
     HAS_PDL = False
 
 if HAS_PDL and os.environ.get("TRITON_INTERPRET", "0") != "1":
@@ -71,6 +71,7 @@ class GemvConfig:
     split_k: int = 1
     reduce_once: bool = False  # fma only: keep a [BLOCK_N, BLOCK_M, BLOCK_K] accumulator, reduce K at the end
     pdl: bool = False  # programmatic dependent launch (CUDA, Hopper+): first W tile before x is ready
+    flat: bool = False  # fma with M == 1 only: a 2D [BLOCK_N, BLOCK_K] product, no M axis (see _gemv_step)
 
 
 def _interpreting() -> bool:
@@ -107,9 +108,15 @@ def _gemv_step(
     UPCAST: tl.constexpr,
     W_FP8: tl.constexpr,
     REDUCE_ONCE: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     """acc[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ X^T[BLOCK_K, BLOCK_M] for one K step, w already
-    loaded (REDUCE_ONCE: acc is [BLOCK_N, BLOCK_M, BLOCK_K], += the products; no shuffles per step)."""
+    loaded (REDUCE_ONCE: acc is [BLOCK_N, BLOCK_M, BLOCK_K], += the products; no shuffles per step).
+    FLAT (fma, M == 1): x is one row, broadcast over w's rows in 2D, acc [BLOCK_N, 1] (REDUCE_ONCE:
+    [BLOCK_N, BLOCK_K]). Why: at 3 TB/s an H100 SM must take ~13 fp8 weights per clock, and the 3D
+    form's loop spends ~7.7 SASS instructions on each (sm_90 build of the n2 k1024 w1 tile: 120
+    byte permutes per step to reach the 3D layout), ~78% of the SM's issue slots; the 2D loop
+    spends 5.4 (4.5 reducing once, at twice the registers)."""
     if USE_DOT:
         # x_ptrs is laid out [BLOCK_K, BLOCK_M] (x transposed) for the dot's B operand.
         if MASKED:
@@ -128,11 +135,18 @@ def _gemv_step(
             x = tl.load(x_ptrs, mask=offs_k[None, :] < k_rem, other=0.0)
         else:
             x = tl.load(x_ptrs)
-        prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
-        if REDUCE_ONCE:
-            acc += prod
+        if FLAT:  # x is [1, BLOCK_K]
+            prod2 = w.to(tl.float32) * x.to(tl.float32)
+            if REDUCE_ONCE:
+                acc += prod2
+            else:
+                acc += tl.sum(prod2, axis=1, keep_dims=True)
         else:
-            acc += tl.sum(prod, axis=2)
+            prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+            if REDUCE_ONCE:
+                acc += prod
+            else:
+                acc += tl.sum(prod, axis=2)
     return acc
 
 
@@ -161,6 +175,7 @@ def _gemv_kernel(
     UPCAST: tl.constexpr,
     REDUCE_ONCE: tl.constexpr,
     PDL: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     """Program (i, s): out[:, i*BLOCK_N : (i+1)*BLOCK_N] over K slice s (whole K when unsplit).
 
@@ -185,7 +200,9 @@ def _gemv_kernel(
         x_ptrs = x_ptr + rows_x[None, :] * stride_xm + (k_start + offs_k)[:, None]
     else:
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]
-    if REDUCE_ONCE:
+    if REDUCE_ONCE and FLAT:
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif REDUCE_ONCE:
         acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -193,20 +210,22 @@ def _gemv_kernel(
     if PDL:  # W streams while the producer of x drains; x only after the wait
         w0 = _load_w(w_ptrs, 0, offs_k, False)
         gdc_wait()
-        acc3 = _gemv_step(acc3, w0, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE)
+        acc3 = _gemv_step(acc3, w0, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE, FLAT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         n_full -= 1
     for _ in range(n_full):
         w = _load_w(w_ptrs, 0, offs_k, False)
-        acc3 = _gemv_step(acc3, w, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE)
+        acc3 = _gemv_step(acc3, w, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE, FLAT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     k_rem = k_len - (k_len // BLOCK_K) * BLOCK_K
     if k_rem > 0:
         w = _load_w(w_ptrs, k_rem, offs_k, True)
-        acc3 = _gemv_step(acc3, w, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE)
-    if REDUCE_ONCE:
+        acc3 = _gemv_step(acc3, w, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE, FLAT)
+    if REDUCE_ONCE and FLAT:
+        acc = tl.sum(acc3, axis=1, keep_dims=True)
+    elif REDUCE_ONCE:
         acc = tl.sum(acc3, axis=2)
     else:
         acc = acc3
@@ -262,12 +281,13 @@ _C = GemvConfig
 # M=1, M=2 (H100, session 6 sweep, Llama-3.1-8B): two rows per program for the short-K layers (qkv
 # 12.0 us, o_proj 9.6, gate_up 43.3) and, for long K (down_proj, K=14336), four rows, 2048-wide K
 # steps and two warps (24.3 us instead of 27.9); at M=2 four rows per program stream 4 KB per step
-# and share each x load (111 us per layer; best per shape 109). M >= 3: the bf16 rules' tensor-core
-# tiles (not swept for fp8 before session 8).
+# and share each x load (111 us per layer; best per shape 109). M=1 then went `flat` (not timed yet:
+# the same tiles in 2D, 7.7 -> 5.4 SASS instructions per fp8 weight and fewer registers, 71 -> 64
+# and 153 -> 126, read off the sm_90 build). M >= 3: the bf16 rules' tensor-core tiles.
 FP8_TILES: dict[tuple[int, str], GemvConfig] = {
-    (1, "short"): _C(block_n=2, block_k=1024, num_warps=1),
-    (1, "wide"): _C(block_n=2, block_k=1024, num_warps=1),
-    (1, "long_k"): _C(block_n=4, block_k=2048, num_warps=2),
+    (1, "short"): _C(block_n=2, block_k=1024, num_warps=1, flat=True),
+    (1, "wide"): _C(block_n=2, block_k=1024, num_warps=1, flat=True),
+    (1, "long_k"): _C(block_n=4, block_k=2048, num_warps=2, flat=True),
     (2, "short"): _C(block_n=4, block_k=1024, num_warps=1),
     (2, "wide"): _C(block_n=4, block_k=1024, num_warps=1),
     (2, "long_k"): _C(block_n=4, block_k=1024, num_warps=1),
@@ -372,7 +392,8 @@ def skinny_linear(
     pdl = cfg.pdl and k - (splits - 1) * k_per_split >= cfg.block_k
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "USE_DOT": cfg.use_dot,
               "DOT_PREC": dot_prec, "UPCAST": upcast, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-              "REDUCE_ONCE": cfg.reduce_once and not cfg.use_dot, "PDL": pdl}  # fmt: skip
+              "REDUCE_ONCE": cfg.reduce_once and not cfg.use_dot, "PDL": pdl,
+              "FLAT": cfg.flat and block_m == 1 and not cfg.use_dot}  # fmt: skip
     if pdl and x.is_cuda and not _interpreting():
         if not HAS_PDL:
             raise ValueError("GemvConfig(pdl=True) needs Triton's griddepcontrol (Triton >= 3.5)")
