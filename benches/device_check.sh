@@ -20,7 +20,8 @@
 #   moe       MoE: kernels/tests/test_moe.py and tests/test_gpu_moe.py on the GPU, then
 #             kernels/bench/bench_moe.py (fused MoE vs roofline, Qwen3-30B-A3B expert shape)
 #   moe_e2e   benches/gpu_bench.py --model qwen3-30b-a3b (dummy weights; BENCH_ARGS as for e2e)
-#   fp8tests  FP8 kernel tests (kernels/tests/test_fp8_*.py) and tests/test_gpu_fp8.py
+#   fp8tests  FP8 kernel tests (kernels/tests/test_fp8_*.py, and test_gemv.py: the GEMV both
+#             share) and tests/test_gpu_fp8.py
 #   fp8acc    benches/fp8_accuracy.py (fp8 KV / weights / both vs bf16, 4-layer 8B-shaped)
 #   fp8micro  kernels/bench/bench_fp8.py (FP8 GEMV, _scaled_mm, Triton vs bf16) and decode/extend
 #             attention over an fp8 KV cache (bench_kernels.py --kv-dtype fp8)
@@ -28,7 +29,10 @@
 #             partial-sum promotion 0/32/128, and its time)
 #   fp8gemv   kernels/bench/bench_fp8.py at decode M (1,2,4,8,64): fp8 GEMV with its fp8 tiles vs
 #             the bf16 tile, cuBLAS, bf16; whole-step sums
-#   fp8sweep  kernels/bench/bench_fp8.py --sweep (fp8 GEMV config grid, M = FP8_SWEEP_MS or 1,2,4)
+#   fp8sweep  kernels/bench/bench_fp8.py --sweep: the fp8 GEMV config grid (tiles, warps, stages,
+#             split-K, PDL) at the Llama-3.1-8B shapes and the fp8 lm_head, M = FP8_SWEEP_MS (default
+#             1,2,4,8), timing stops LIMIT - 45 s in; prints us and GB/s per shape and config, the
+#             best per shape and gemv.FP8_TILES rows to paste (full table: bench_fp8_sweep.log)
 #   dp        benches/dp_bench.py: S1 (reduced) with --dp 1 and --dp 2, output tok/s and the ratio
 #             (target >= 1.9x; 2 GPUs; DP_ARGS adds flags, e.g. "--full" or "--method shortest_queue")
 #   grammar   benches/grammar_bench.py: decode ms/token at batch 1 and 16 with and without a JSON
@@ -78,7 +82,7 @@ phase() {  # name, command...
     timeout "$LIMIT" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s ==="
-    tail -n 25 "$OUT/$name.log"
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 
 for arg in "$@"; do
@@ -154,7 +158,7 @@ for arg in "$@"; do
             --tokenizer .carry/llama3/tokenizer.json --out "$OUT/moe_e2e" ${BENCH_ARGS:-}
         ;;
     fp8tests)
-        phase fp8_kernel_tests bash -c "cd kernels && PYTHONPATH=. python3 -m pytest tests/test_fp8_kv.py tests/test_fp8_gemm.py -q -p no:cacheprovider"
+        phase fp8_kernel_tests bash -c "cd kernels && PYTHONPATH=. python3 -m pytest tests/test_fp8_kv.py tests/test_fp8_gemm.py tests/test_gemv.py -q -p no:cacheprovider"
         phase fp8_gpu_tests python3 -m pytest tests/test_gpu_fp8.py -q -s -p no:cacheprovider
         ;;
     fp8diag)
@@ -164,7 +168,8 @@ for arg in "$@"; do
         phase bench_fp8_decode bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_fp8.py --ms 1,2,4,8,64 --out $OUT/fp8_decode.jsonl"
         ;;
     fp8sweep)
-        phase bench_fp8_sweep bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_fp8.py --sweep --ms ${FP8_SWEEP_MS:-1,2,4} --out $OUT/fp8_sweep.jsonl"
+        TAIL=45 phase bench_fp8_sweep bash -c "cd kernels && PYTHONPATH=.:$PYTHONPATH python3 bench/bench_fp8.py --sweep \
+            --ms ${FP8_SWEEP_MS:-1,2,4,8} --budget-s $((LIMIT - 45)) --out $OUT/fp8_sweep.jsonl"
         ;;
     fp8acc)
         phase fp8_accuracy python3 benches/fp8_accuracy.py --out "$OUT"

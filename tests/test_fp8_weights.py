@@ -1,6 +1,7 @@
 """FP8 weights on CPU: the quantise/dequantise round trip, the FP8 linear against its dequantised
-reference, `--quantization fp8` through ModelRunner, FP8 checkpoints (compressed-tensors and
-ModelOpt, written here with safetensors) loaded as they are, and the error for other methods."""
+reference, `--quantization fp8` through ModelRunner (the LM head too, tied or not:
+--lm-head-quantization), FP8 checkpoints (compressed-tensors and ModelOpt, written here with
+safetensors) loaded as they are, and the error for other methods."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from test_fp8_kv_cache import compare, run
 from test_models_numerics import randomize
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tokenspeed.layers.embedding import LMHead, VocabEmbedding
 from tokenspeed.layers.linear import QKVLinear, RowLinear
 from tokenspeed.layers.quantization.fp8 import (
     FP8,
@@ -87,8 +89,9 @@ def test_reference_linear_mirrors_the_cuda_kernels_rules() -> None:
 def test_quantization_fp8_tracks_the_full_precision_model(tiny_llama: str) -> None:
     """Every linear's weights carry up to 2^-4 relative rounding error, so the tiny model's flat
     logits (256 random-ish tokens, many near-ties) flip a little more often than with an fp8 KV
-    cache alone (seen: 0.875 agreement, min cosine 0.994): the bound is 0.85, and every flip must
-    be a near-tie of the reference (margin < 0.3 logit std; seen 0.11)."""
+    cache alone (seen: 0.875 agreement, min cosine 0.994; with the LM head in fp8 too, the default:
+    0.896, 0.993): the bound is 0.85, and every flip must be a near-tie of the reference (margin
+    < 0.3 logit std; seen 0.11 / 0.08)."""
     ref = run(tiny_llama)
     runner_fp8 = ModelRunner(tiny_llama, page_size=4, max_slots=8, max_context_len=128,
                              quantization="fp8")
@@ -96,7 +99,9 @@ def test_quantization_fp8_tracks_the_full_precision_model(tiny_llama: str) -> No
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    layer.mlp.down_proj):
         assert module.weight.dtype == FP8 and module.weight_scale.shape == (module.weight.shape[0],)
-    assert runner_fp8.model.lm_head.weight.dtype == torch.float32  # embeddings and head stay
+    assert runner_fp8.model.model.embed_tokens.weight.dtype == torch.float32  # the lookup table stays
+    head = runner_fp8.model.lm_head  # --lm-head-quantization auto: FP8 with --quantization fp8
+    assert head.weight.dtype == FP8 and head.weight_scale.shape == (256,)
     got = run(tiny_llama, teacher=ref[0], quantization="fp8")
     agree, cos, margin = compare(ref, got)
     print(f"fp8 weights: agreement {agree:.3f}, min cosine {cos:.4f}, worst margin {margin:.3f}")
@@ -200,7 +205,7 @@ def test_unsupported_checkpoint_quantization_fails_at_start(tiny_llama: str, tmp
 def test_unsupported_quantization_flag_fails_at_start(tiny_llama: str) -> None:
     with pytest.raises(QuantizationError, match="'gptq' \\(--quantization\\) is not supported; supported: fp8"):
         ModelRunner(tiny_llama, page_size=4, max_slots=8, max_context_len=128, quantization="gptq")
-    assert resolve_quantization("FP8", {}) == Fp8Config()
+    assert resolve_quantization("FP8", {}) == Fp8Config(lm_head=True)  # --lm-head-quantization auto
     assert resolve_quantization(None, {}) is None
 
 
@@ -222,3 +227,75 @@ def test_row_linear_checkpoint_scale_is_expanded() -> None:
     prepare_fp8_checkpoint(layer, Fp8Config("modelopt"))
     layer.weight_loader(layer.weight_scale, torch.tensor(0.25))
     assert layer.weight_scale.tolist() == [0.25] * 16
+
+
+class _TiedLM(torch.nn.Module):
+    """Just an embedding and a head tied to it, as SmolLM2 has them."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(vocab, hidden)
+        self.lm_head = LMHead(vocab, hidden)
+        self.lm_head.tie(self.embed_tokens)
+
+
+def test_tied_lm_head_gets_its_own_fp8_copy_and_the_lookup_keeps_its_table() -> None:
+    gen = torch.Generator().manual_seed(4)
+    lm = _TiedLM(97, 48)  # a ragged vocab
+    lm.embed_tokens.weight.data.normal_(0, 0.2, generator=gen)
+    table = lm.embed_tokens.weight.detach().clone()
+    ids = torch.tensor([0, 5, 96, 5])
+    hidden = torch.randn(3, 48, generator=gen)
+    before = lm.lm_head(hidden)
+    assert quantize_model(lm, Fp8Config()) == 0  # the head only with lm_head=True
+    assert quantize_model(lm, Fp8Config(lm_head=True)) == 1
+    head = lm.lm_head
+    assert head.weight.dtype == FP8 and head.weight is not lm.embed_tokens.weight
+    assert torch.equal(lm.embed_tokens.weight, table) and torch.equal(lm.embed_tokens(ids), table[ids])
+    logits = head(hidden)
+    want = torch.nn.functional.linear(hidden, dequantize(head.weight, head.weight_scale, torch.float32))
+    assert logits.dtype == torch.float32  # the sampler's dtype
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    assert ((logits - before).norm() / before.norm()).item() < 0.05
+    assert quantize_model(lm, Fp8Config(lm_head=True)) == 0  # already fp8: left alone
+
+
+def test_lm_head_quantization_choices(tiny_llama: str, tmp_path: Path) -> None:
+    def head_dtype(path: str, **kw: object) -> torch.dtype:
+        runner = ModelRunner(path, page_size=4, max_slots=8, max_context_len=128, **kw)  # type: ignore[arg-type]
+        return runner.model.lm_head.weight.dtype
+
+    assert head_dtype(tiny_llama, quantization="fp8", lm_head_quantization="none") == torch.float32
+    assert head_dtype(tiny_llama, quantization="fp8", lm_head_quantization="fp8") == FP8
+    assert head_dtype(tiny_llama) == torch.float32  # no FP8 weights: auto leaves it
+    with pytest.raises(QuantizationError, match="--lm-head-quantization fp8 needs FP8 weights"):
+        ModelRunner(tiny_llama, page_size=4, max_slots=8, max_context_len=128, lm_head_quantization="fp8")
+    # An FP8 checkpoint's head stays as the checkpoint has it (its config excludes it) unless forced.
+    fp8_dir, _ = _fp8_checkpoint(tiny_llama, tmp_path, "compressed-tensors", False)
+    assert head_dtype(fp8_dir) == torch.float32
+    assert head_dtype(fp8_dir, lm_head_quantization="fp8") == FP8
+    assert resolve_quantization("fp8", {}).lm_head and not resolve_quantization("fp8", {}, None, "none").lm_head
+
+
+@pytest.fixture(scope="module")
+def tiny_tied_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    randomize(model, seed=6)
+    path = tmp_path_factory.mktemp("tiny_tied_llama_w8")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_fp8_lm_head_tracks_the_full_precision_head(tiny_tied_llama: str) -> None:
+    """Tied (SmolLM2-style): the head's own fp8 copy against the same fp8 model with the head in
+    fp32, teacher-forced: the head adds one more 2^-4 rounding to the logits, so greedy picks
+    change only at near-ties (seen: agreement 0.990, min cosine 0.9996, worst margin 0.009)."""
+    ref = run(tiny_tied_llama, quantization="fp8", lm_head_quantization="none")
+    got = run(tiny_tied_llama, teacher=ref[0], quantization="fp8")
+    agree, cos, margin = compare(ref, got)
+    print(f"fp8 lm_head vs fp32 lm_head: agreement {agree:.3f}, min cosine {cos:.4f}, worst margin {margin:.3f}")
+    assert agree >= 0.9 and cos >= 0.995 and margin < 0.3

@@ -162,7 +162,8 @@ def test_flashinfer_fp8_kv_matches_triton_fp8_kv(llama8b_x4: str, graphs: bool) 
 
 
 @pytest.mark.parametrize("m", [1, 8, 9, 300])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (100, 4096)])  # 100: not a multiple of 16
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (100, 4096), (128256, 4096)])  # 100: not a
+# multiple of 16; 128256: the fp8 lm_head (--lm-head-quantization)
 def test_fp8_linear_kernels_match_the_dequantised_matmul(m: int, n: int, k: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenspeed.layers.quantization import fp8

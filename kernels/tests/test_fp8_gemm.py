@@ -82,7 +82,7 @@ def test_fp8_matmul_long_k_as_accurate_as_cublas() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("n,k", [(37, 100), (130, 2100)])  # ragged; long K: the split-K path
+@pytest.mark.parametrize("n,k", [(37, 100), (130, 2100), (1000, 96)])  # ragged; long K: split-K; a vocab-like N
 def test_fp8_gemv_matches_dequantised_reference(dtype: torch.dtype, m: int, n: int, k: int,
                                                 device: str) -> None:  # fmt: skip
     gen = torch.Generator().manual_seed(m + n + k)
@@ -96,14 +96,64 @@ def test_fp8_gemv_matches_dequantised_reference(dtype: torch.dtype, m: int, n: i
 
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=32, num_warps=1),
                                  GemvConfig(block_n=4, block_k=64, num_warps=2, reduce_once=True, split_k=2),
-                                 GemvConfig(block_n=16, block_k=32, use_dot=True, split_k=3)],
-                         ids=["fma", "fma-reduce-once-split2", "dot-split3"])
-def test_fp8_gemv_configs(cfg: GemvConfig, device: str) -> None:
+                                 GemvConfig(block_n=16, block_k=32, use_dot=True, split_k=3),
+                                 GemvConfig(block_n=2, block_k=64, num_warps=1, pdl=True),
+                                 GemvConfig(block_n=4, block_k=64, num_warps=2, split_k=2, pdl=True),
+                                 GemvConfig(block_n=16, block_k=32, use_dot=True, split_k=3, pdl=True),
+                                 GemvConfig(block_n=2, block_k=512, num_warps=1, pdl=True),
+                                 GemvConfig(block_n=2, block_k=64, num_warps=1, flat=True),
+                                 GemvConfig(block_n=4, block_k=64, num_warps=2, reduce_once=True, split_k=2, flat=True),
+                                 GemvConfig(block_n=4, block_k=32, num_warps=1, pdl=True, flat=True)],
+                         ids=["fma", "fma-reduce-once-split2", "dot-split3", "fma-pdl", "fma-split2-pdl",
+                              "dot-split3-pdl", "pdl-off-k-shorter-than-a-step", "flat", "flat-reduce-once-split2",
+                              "flat-pdl"])
+@pytest.mark.parametrize("m", [1, 5])  # flat applies at M=1 only (ignored at 5)
+def test_fp8_gemv_configs(cfg: GemvConfig, m: int, device: str) -> None:
     """Both inner products (the dot path converts fp8 tiles to x's dtype), the fma path's
-    reduce-once accumulator, and split-K."""
+    reduce-once accumulator, split-K, programmatic dependent launch (its first W tile is
+    loaded before the wait: a peeled first K step, per K slice; K shorter than one step runs
+    without it) and the flat (2D) fma form of M=1."""
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 333, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, 333, generator=gen).to(torch.bfloat16)
     w, s = _per_channel(torch.randn(45, 333, generator=gen))
     ref = x.float() @ (w.float() * s[:, None]).T
     out = skinny_linear(x.to(device), w.to(device), weight_scale=s.to(device), config=cfg)
     assert rel_err(out.cpu(), ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,cfg", [
+    (1, GemvConfig(block_n=2, block_k=1024, num_warps=1, pdl=True)),
+    (1, GemvConfig(block_n=4, block_k=2048, num_warps=2, split_k=2, pdl=True)),
+    (4, GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True, split_k=2, pdl=True)),
+], ids=["fma", "fma-split2", "dot-split2"])
+def test_fp8_gemv_pdl_waits_for_its_producer_in_a_cuda_graph(m: int, cfg: GemvConfig) -> None:
+    """Programmatic dependent launch: the GEMV may start while the kernel that writes x is still
+    running (a long reduction here), so it must read x only after griddepcontrol.wait. Replayed
+    in a CUDA graph on fresh inputs, its output equals the same tile without PDL, bit for bit; a
+    GEMV that read x early would see the previous replay's x."""
+    from dataclasses import replace
+
+    n, k, r = 4096, 4096, 2048
+    gen = torch.Generator().manual_seed(m)
+    w, s = (t.cuda() for t in _per_channel(torch.randn(n, k, generator=gen) * k**-0.5))
+    big = torch.randn(m * k, r, generator=gen).to(torch.bfloat16).cuda()
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+    def step() -> None:
+        torch.sum(big, dim=1, out=x.view(-1))  # the producer: ~m*k*r*2 bytes read, x written last
+        skinny_linear(x, w, weight_scale=s, out=out, config=cfg)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(5):
+        big.normal_(generator=None)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = skinny_linear(x, w, weight_scale=s, config=replace(cfg, pdl=False))
+        assert torch.equal(out, want), f"replay {trial}: PDL GEMV differs from the plain launch"

@@ -49,8 +49,10 @@ def test_skinny_linear(dtype: torch.dtype, m: int, n: int, k: int, device: str) 
         GemvConfig(block_n=16, block_k=64, use_dot=True),
         GemvConfig(block_n=16, block_k=32, use_dot=True, split_k=3),
         GemvConfig(block_n=8, block_k=64, split_k=4),
+        GemvConfig(block_n=2, block_k=64, num_warps=1, flat=True),
+        GemvConfig(block_n=4, block_k=32, num_warps=1, reduce_once=True, split_k=2, flat=True),
     ],
-    ids=["fma", "dot", "dot-split3", "fma-split4"],
+    ids=["fma", "dot", "dot-split3", "fma-split4", "flat", "flat-reduce-once-split2"],
 )
 @pytest.mark.parametrize("m", [1, 5])
 def test_skinny_linear_configs(cfg: GemvConfig, m: int, device: str) -> None:

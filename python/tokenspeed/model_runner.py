@@ -153,7 +153,7 @@ class ModelRunner:
                  chunked_prefill_size: int | None = None, moe_backend: str | None = None,
                  moe_parallel: MoeParallel | None = None, kv_cache_dtype: str = "auto",
                  quantization_param_path: str | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, lm_head_quantization: str = "auto") -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -178,7 +178,8 @@ class ModelRunner:
         # FP8 weights (--quantization or the checkpoint's quantization_config); fails here, before
         # any weight is read, for methods TokenSpeed does not run.
         self.fp8 = resolve_quantization(quantization, c.raw,
-                                        model_path if ckpt.load_format != "gguf" else None)
+                                        model_path if ckpt.load_format != "gguf" else None,
+                                        lm_head_quantization)
         ckpt_scales = KVScales()
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
                                 max_positions=max_context_len, seed=seed,
@@ -218,7 +219,8 @@ class ModelRunner:
             self.graphs.capture()
         logger.info("model %s loaded: dtype=%s%s device=%s attention=%s%s kv pages=%d x %d tokens "
                     "(%s), cuda graphs up to batch %d", c.architecture, self.dtype,
-                    "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'})",
+                    "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'}"
+                    f"{', fp8 lm_head' if self.fp8.lm_head else ''})",
                     self.device, self.attention_backend,
                     f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok}"
                     f"{_expert_slice(c.num_experts, moe_parallel)})"

@@ -48,14 +48,15 @@ def model_vocab_size(model_dir: Path) -> int:
     return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
 
 
-def check_quantization(method: str | None, model_dir: Path) -> None:
-    """An unsupported --quantization or checkpoint quantization_config: one line, before any
-    worker starts (the worker would refuse it too, after a spawn)."""
+def check_quantization(method: str | None, model_dir: Path, lm_head: str = "auto") -> None:
+    """An unsupported --quantization or checkpoint quantization_config (or --lm-head-quantization
+    fp8 without FP8 weights): one line, before any worker starts (the worker would refuse it too,
+    after a spawn)."""
     from tokenspeed.layers.quantization.methods import QuantizationError, resolve_quantization
 
     try:
         resolve_quantization(method, json.loads((model_dir / "config.json").read_text()),
-                             str(model_dir))
+                             str(model_dir), lm_head)
     except QuantizationError as e:
         raise LaunchError(str(e)) from None
 
@@ -106,7 +107,7 @@ def launch(cfg: Any) -> int:
             raise LaunchError(str(e)) from None
     sizes = parallel_sizes(cfg, model_dir)
     check_moe_settings(cfg, model_dir, device, sizes)
-    check_quantization(cfg.quantization, model_dir)
+    check_quantization(cfg.quantization, model_dir, cfg.lm_head_quantization)
     world = sizes.nprocs_per_node  # ranks on this node: all of them read the one plan ring
     node_rank = int(cfg.node_rank or 0)
     if sizes.nnodes > 1 and not cfg.dist_init_addr:
@@ -187,6 +188,7 @@ def launch(cfg: Any) -> int:
             kv_cache_dtype=cfg.kv_cache_dtype,
             quantization_param_path=cfg.quantization_param_path,
             quantization=cfg.quantization,
+            lm_head_quantization=cfg.lm_head_quantization,
             parallel=sizes,
             dist_init_method=init_methods[replica],
             dist_timeout_s=float(cfg.dist_timeout),

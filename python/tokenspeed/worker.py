@@ -52,6 +52,7 @@ class WorkerSpec:
     kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3 / fp8_e5m2: fp8 KV cache
     quantization_param_path: str | None = None  # its per-layer scales (JSON)
     quantization: str | None = None  # fp8 weights; None: as the checkpoint declares
+    lm_head_quantization: str = "auto"  # the LM head under FP8 weights (auto / fp8 / none)
     # Tensor parallelism (distributed.py): this replica's sizes and where its ranks meet.
     parallel: ParallelSizes | None = None
     dist_init_method: str = ""
@@ -109,6 +110,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             kv_cache_dtype=spec.kv_cache_dtype,
             quantization_param_path=spec.quantization_param_path,
             quantization=spec.quantization,
+            lm_head_quantization=spec.lm_head_quantization,
         )
         grammars = None
         if spec.xgrammar is not None and spec.rank == 0:  # rank 0 samples for the replica

@@ -20,6 +20,12 @@ only M multiply-adds. So the kernel is built to stream W at DRAM speed:
   to x's dtype in registers (exact) and the scale multiplies the fp32 accumulator: weight-only
   FP8 (W8A16), half the bytes streamed, no activation quantisation.
 
+* Optional programmatic dependent launch (GemvConfig.pdl, Hopper): the kernel is launched with
+  launch_pdl, so its grid may start while the previous kernel drains; each program loads its first
+  W tile (W is never written by a producer), then waits (griddepcontrol.wait) before it reads x or
+  writes anything. That hides the launch gap and the first DRAM round trip behind the producer's
+  tail, a fixed ~µs per GEMV that matters at batch 1, where a whole FP8 o_proj streams in ~6 µs.
+
 Everything is CUDA-graph safe: no host syncs, the config is a pure function of (M, N, K, dtype, SM count)
 and the only allocations are torch.empty (output, split-K workspace).
 """
@@ -28,12 +34,27 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+try:  # griddepcontrol (programmatic dependent launch), Triton >= 3.5 on Hopper
+    from triton.language.extra.cuda import gdc_wait as _cuda_gdc_wait
+
+    HAS_PDL = True
+except (ImportError, AttributeError):  # pragma: no cover - older Triton: GemvConfig.pdl is refused on CUDA
+    HAS_PDL = False
+
+if HAS_PDL and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    gdc_wait = _cuda_gdc_wait
+else:  # the interpreter runs the PDL code path (its peeled first step) with a no-op wait
+
+    @triton.jit
+    def gdc_wait() -> None:
+        pass
 
 MAX_M = 16  # larger batches are compute-shaped: cuBLAS (F.linear) handles them
 
@@ -49,6 +70,8 @@ class GemvConfig:
     use_dot: bool = False
     split_k: int = 1
     reduce_once: bool = False  # fma only: keep a [BLOCK_N, BLOCK_M, BLOCK_K] accumulator, reduce K at the end
+    pdl: bool = False  # programmatic dependent launch (CUDA, Hopper+): first W tile before x is ready
+    flat: bool = False  # fma with M == 1 only: a 2D [BLOCK_N, BLOCK_K] product, no M axis (see _gemv_step)
 
 
 def _interpreting() -> bool:
@@ -65,9 +88,17 @@ def _num_sms(device_index: int) -> int:
 
 
 @triton.jit
+def _load_w(w_ptrs, k_rem, offs_k, MASKED: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] tile of W (masked past k_rem on the tail step)."""
+    if MASKED:
+        return tl.load(w_ptrs, mask=offs_k[None, :] < k_rem, other=0.0)
+    return tl.load(w_ptrs)
+
+
+@triton.jit
 def _gemv_step(
     acc,
-    w_ptrs,
+    w,
     x_ptrs,
     k_rem,
     offs_k,
@@ -77,13 +108,15 @@ def _gemv_step(
     UPCAST: tl.constexpr,
     W_FP8: tl.constexpr,
     REDUCE_ONCE: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
-    """acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ X^T[BLOCK_K, BLOCK_M] for one K step
-    (REDUCE_ONCE: acc is [BLOCK_N, BLOCK_M, BLOCK_K], += the products; no shuffles per step)."""
-    if MASKED:
-        w = tl.load(w_ptrs, mask=offs_k[None, :] < k_rem, other=0.0)
-    else:
-        w = tl.load(w_ptrs)
+    """acc[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ X^T[BLOCK_K, BLOCK_M] for one K step, w already
+    loaded (REDUCE_ONCE: acc is [BLOCK_N, BLOCK_M, BLOCK_K], += the products; no shuffles per step).
+    FLAT (fma, M == 1): x is one row, broadcast over w's rows in 2D, acc [BLOCK_N, 1] (REDUCE_ONCE:
+    [BLOCK_N, BLOCK_K]). Why: at 3 TB/s an H100 SM must take ~13 fp8 weights per clock, and the 3D
+    form's loop spends ~7.7 SASS instructions on each (sm_90 build of the n2 k1024 w1 tile: 120
+    byte permutes per step to reach the 3D layout), ~78% of the SM's issue slots; the 2D loop
+    spends 5.4 (4.5 reducing once, at twice the registers)."""
     if USE_DOT:
         # x_ptrs is laid out [BLOCK_K, BLOCK_M] (x transposed) for the dot's B operand.
         if MASKED:
@@ -102,11 +135,18 @@ def _gemv_step(
             x = tl.load(x_ptrs, mask=offs_k[None, :] < k_rem, other=0.0)
         else:
             x = tl.load(x_ptrs)
-        prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
-        if REDUCE_ONCE:
-            acc += prod
+        if FLAT:  # x is [1, BLOCK_K]
+            prod2 = w.to(tl.float32) * x.to(tl.float32)
+            if REDUCE_ONCE:
+                acc += prod2
+            else:
+                acc += tl.sum(prod2, axis=1, keep_dims=True)
         else:
-            acc += tl.sum(prod, axis=2)
+            prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+            if REDUCE_ONCE:
+                acc += prod
+            else:
+                acc += tl.sum(prod, axis=2)
     return acc
 
 
@@ -134,11 +174,16 @@ def _gemv_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     REDUCE_ONCE: tl.constexpr,
+    PDL: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     """Program (i, s): out[:, i*BLOCK_N : (i+1)*BLOCK_N] over K slice s (whole K when unsplit).
 
     With split-K, out_ptr is the fp32 workspace [splits, M, N] (slice stride stride_os) and the bias is
-    added by the reduction kernel. W_FP8: s_ptr holds W's per-row fp32 scales.
+    added by the reduction kernel. W_FP8: s_ptr holds W's per-row fp32 scales. PDL: launched as a
+    programmatic dependent; the first W tile is loaded before griddepcontrol.wait, x (the producer's
+    output) and every store after it. The host sets PDL only when every K slice holds at least one
+    full BLOCK_K step (so that first load needs no mask).
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -155,19 +200,32 @@ def _gemv_kernel(
         x_ptrs = x_ptr + rows_x[None, :] * stride_xm + (k_start + offs_k)[:, None]
     else:
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]
-    if REDUCE_ONCE:
+    if REDUCE_ONCE and FLAT:
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif REDUCE_ONCE:
         acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
     else:
         acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     n_full = k_len // BLOCK_K
-    for _ in range(n_full):
-        acc3 = _gemv_step(acc3, w_ptrs, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE)
+    if PDL:  # W streams while the producer of x drains; x only after the wait
+        w0 = _load_w(w_ptrs, 0, offs_k, False)
+        gdc_wait()
+        acc3 = _gemv_step(acc3, w0, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE, FLAT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    k_rem = k_len - n_full * BLOCK_K
+        n_full -= 1
+    for _ in range(n_full):
+        w = _load_w(w_ptrs, 0, offs_k, False)
+        acc3 = _gemv_step(acc3, w, x_ptrs, 0, offs_k, False, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE, FLAT)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    k_rem = k_len - (k_len // BLOCK_K) * BLOCK_K
     if k_rem > 0:
-        acc3 = _gemv_step(acc3, w_ptrs, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE)
-    if REDUCE_ONCE:
+        w = _load_w(w_ptrs, k_rem, offs_k, True)
+        acc3 = _gemv_step(acc3, w, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE, FLAT)
+    if REDUCE_ONCE and FLAT:
+        acc = tl.sum(acc3, axis=1, keep_dims=True)
+    elif REDUCE_ONCE:
         acc = tl.sum(acc3, axis=2)
     else:
         acc = acc3
@@ -205,9 +263,50 @@ def _splitk_reduce_kernel(
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def fp8_bucket(m: int) -> int:
+    """The FP8_TILES row of a batch of m rows: 1, 2, 4 (3-4), 8 (5-8) or 16 (9-16)."""
+    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16
+
+
+def fp8_shape_class(n: int, k: int) -> str:
+    """'wide' (N >= 16384: gate_up, lm_head), 'long_k' (K >= 8192: down_proj) or 'short' (qkv,
+    o_proj): the column of FP8_TILES a weight [N, K] uses."""
+    return "wide" if n >= 16384 else "long_k" if k >= 8192 else "short"
+
+
+_C = GemvConfig
+# FP8 weights (W8A16 GEMV) per (fp8_bucket(M), fp8_shape_class(N, K)). `bench_fp8.py --sweep` times
+# these entries next to its grid and prints a replacement block in this very form; BLOCK_K is capped
+# at K (rounded up to a power of two) when used.
+# M=1, M=2 (H100, session 6 sweep, Llama-3.1-8B): two rows per program for the short-K layers (qkv
+# 12.0 us, o_proj 9.6, gate_up 43.3) and, for long K (down_proj, K=14336), four rows, 2048-wide K
+# steps and two warps (24.3 us instead of 27.9); at M=2 four rows per program stream 4 KB per step
+# and share each x load (111 us per layer; best per shape 109). M=1 then went `flat` (not timed yet:
+# the same tiles in 2D, 7.7 -> 5.4 SASS instructions per fp8 weight and fewer registers, 71 -> 64
+# and 153 -> 126, read off the sm_90 build). M >= 3: the bf16 rules' tensor-core tiles.
+FP8_TILES: dict[tuple[int, str], GemvConfig] = {
+    (1, "short"): _C(block_n=2, block_k=1024, num_warps=1, flat=True),
+    (1, "wide"): _C(block_n=2, block_k=1024, num_warps=1, flat=True),
+    (1, "long_k"): _C(block_n=4, block_k=2048, num_warps=2, flat=True),
+    (2, "short"): _C(block_n=4, block_k=1024, num_warps=1),
+    (2, "wide"): _C(block_n=4, block_k=1024, num_warps=1),
+    (2, "long_k"): _C(block_n=4, block_k=1024, num_warps=1),
+    (4, "short"): _C(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True),
+    (4, "wide"): _C(block_n=128, block_k=128, num_warps=8, num_stages=4, use_dot=True),
+    (4, "long_k"): _C(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True, split_k=2),
+    (8, "short"): _C(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True),
+    (8, "wide"): _C(block_n=128, block_k=128, num_warps=8, num_stages=4, use_dot=True),
+    (8, "long_k"): _C(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True, split_k=2),
+    (16, "short"): _C(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True),
+    (16, "wide"): _C(block_n=128, block_k=128, num_warps=8, num_stages=4, use_dot=True),
+    (16, "long_k"): _C(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True, split_k=2),
+}
+
+
 def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int, w_fp8: bool = False) -> GemvConfig:
     """Deterministic config table per shape class, from `bench_gemv.py --sweep` on an H100 (and an
-    H200: each choice is within ~1-2% of the per-shape best on both at the Llama-3.1-8B shapes).
+    H200: each choice is within ~1-2% of the per-shape best on both at the Llama-3.1-8B shapes);
+    FP8 weights with bf16/fp16 activations: FP8_TILES (`bench_fp8.py --sweep`).
 
     M <= 2: "fma" with one warp per program: the K reduction stays inside the warp (shuffles, no
     shared memory or barriers) and thousands of small independent programs keep enough loads in flight.
@@ -224,21 +323,9 @@ def _pick_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int, w_fp8: bo
         if m == 1:
             return GemvConfig(block_n=2, block_k=min(256, kcap), num_warps=1)
         return GemvConfig(block_n=32, block_k=min(64, kcap), num_warps=4, num_stages=3, use_dot=True)
-    if w_fp8 and m == 1:
-        # FP8 weights at M=1 (bench_fp8.py --sweep, H100, session 6): two rows per program for
-        # the short-K layers (qkv 12.0 us, o_proj 9.6, gate_up 43.3), and for long K (down_proj,
-        # K=14336) four rows, 2048-wide K steps and two warps (24.3 us instead of 27.9): 89 us per
-        # layer instead of 95 with the M=2 tile below.
-        if k >= 8192:
-            return GemvConfig(block_n=4, block_k=min(2048, kcap), num_warps=2)
-        return GemvConfig(block_n=2, block_k=min(1024, kcap), num_warps=1)
-    if w_fp8 and m == 2:
-        # FP8 weights: a [1, 1024] tile is only 1 KB, half of what keeps bf16 at copy speed, and x
-        # (bf16, 2 bytes per weight byte) would be re-read from L1 once per row. Four rows per
-        # program stream 4 KB per step and share each x load (run P: this tile did M=2 in
-        # 112 us/layer where the bf16 M=1 tile took 131 us for M=1). Still the best single M=2
-        # config in the session-6 sweep (111 us per layer, best per shape 109).
-        return GemvConfig(block_n=4, block_k=min(1024, kcap), num_warps=1)
+    if w_fp8:
+        cfg = FP8_TILES[(fp8_bucket(m), fp8_shape_class(n, k))]
+        return replace(cfg, block_k=min(cfg.block_k, kcap))
     if m == 1:
         return GemvConfig(block_n=1, block_k=min(1024, kcap), num_warps=1)
     if m == 2:
@@ -301,9 +388,16 @@ def skinny_linear(
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, cfg.block_n), splits)
+    # PDL's first W load is unmasked: every K slice (the last one too) needs a full BLOCK_K step.
+    pdl = cfg.pdl and k - (splits - 1) * k_per_split >= cfg.block_k
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "USE_DOT": cfg.use_dot,
               "DOT_PREC": dot_prec, "UPCAST": upcast, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-              "REDUCE_ONCE": cfg.reduce_once and not cfg.use_dot}  # fmt: skip
+              "REDUCE_ONCE": cfg.reduce_once and not cfg.use_dot, "PDL": pdl,
+              "FLAT": cfg.flat and block_m == 1 and not cfg.use_dot}  # fmt: skip
+    if pdl and x.is_cuda and not _interpreting():
+        if not HAS_PDL:
+            raise ValueError("GemvConfig(pdl=True) needs Triton's griddepcontrol (Triton >= 3.5)")
+        common["launch_pdl"] = True
     b_arg = bias if bias is not None else x  # never read when HAS_BIAS is False
     s_arg = weight_scale if w_fp8 else x  # never read when W_FP8 is False
     common["W_FP8"] = w_fp8

@@ -41,6 +41,7 @@ class ServeConfig:
     # Data type.
     dtype: str = _default("dtype")
     quantization: str | None = _default("quantization")  # fp8; None: whatever config.json declares
+    lm_head_quantization: str = _default("lm_head_quantization")  # auto / fp8 / none (FP8 weights)
     kv_cache_dtype: str = _default("kv_cache_dtype")  # fp8 / fp8_e4m3 / fp8_e5m2: an fp8 KV cache
     quantization_param_path: str | None = _default("quantization_param_path")  # FP8 KV scales (JSON)
     # Memory and scheduling.

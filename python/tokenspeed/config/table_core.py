@@ -133,6 +133,12 @@ QUANT_FLAGS: list[Flag] = [
       "checkpoints (compressed-tensors, ModelOpt) are detected from config.json without it; other "
       "methods (awq, gptq, bitsandbytes, ...) fail at start.", G_QUANT, component="worker",
       implemented=True, metavar="METHOD"),
+    c("--lm-head-quantization", "Precision of the LM head's weights under FP8 weight "
+      "quantization. 'auto': FP8 when --quantization fp8 quantises the checkpoint (the head is "
+      "the largest read of a batch-1 decode step), as the checkpoint has it for FP8 checkpoints; "
+      "'fp8': always FP8 (needs FP8 weights); 'none': the model dtype, as vLLM does. A tied head "
+      "gets its own FP8 copy; the embedding keeps the model dtype.", G_QUANT,
+      ("auto", "fp8", "none"), "auto", component="worker", implemented=True),
     s("--quantization-param-path", "JSON file with per-layer scaling factors for an FP8 KV "
       "cache, in vLLM's kv_cache_scales layout ({\"kv_cache\": {\"scaling_factor\": {tp_rank: "
       "{layer: scale}}}}). Default: the checkpoint's k_scale/v_scale tensors, else 1.0.", G_QUANT,

@@ -44,13 +44,19 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    """Projects hidden states to logits; may share its weight with the embedding (tied)."""
+    """Projects hidden states to logits; may share its weight with the embedding (tied).
+    FP8 (--lm-head-quantization, layers/quantization/fp8.py): `weight` fp8 with per-row fp32
+    `weight_scale`; a tied head then holds its own fp8 copy and the embedding keeps its table."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(vocab_size, hidden_size, tp_rank, tp_size)
+        self.weight_scale: nn.Parameter | None = None  # set by FP8 quantization
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, weight_scale=self.weight_scale)
         if self.tp_size == 1:
             return logits.float()
         # Every rank gets the full logits (and samples; rank 0's tokens are kept, see

@@ -1,8 +1,9 @@
 """FP8 (e4m3) linear layers: per-output-channel weight scales, dynamic per-token activation scales.
 
-A quantised ColumnLinear/RowLinear keeps `weight` as float8_e4m3fn [N, K] and `weight_scale` as
-fp32 [N] (W ~= weight * weight_scale[:, None]); layers/linear.py hands such a layer's matmul to
-`fp8_linear`, which picks the kernel:
+A quantised ColumnLinear/RowLinear (and the LMHead, when Fp8Config.lm_head: --lm-head-quantization)
+keeps `weight` as float8_e4m3fn [N, K] and `weight_scale` as fp32 [N] (W ~= weight *
+weight_scale[:, None]); layers/linear.py hands such a layer's matmul to `fp8_linear`, which picks
+the kernel:
 * CUDA, up to SKINNY_MAX_ROWS rows (decode): tokenspeed_kernels.skinny_linear with weight_scale,
   weight-only FP8 (the activations stay bf16): the weight stream is the cost, and it is halved;
 * CUDA, more rows: activations quantised per token (per_token_quant_fp8), then cuBLAS FP8
@@ -167,16 +168,29 @@ def prepare_fp8_checkpoint(model: nn.Module, cfg: Fp8Config) -> None:
         module.weight_loader = _scale_loader(module, module.weight_loader)
 
 
+def _quantize_weight(module: nn.Module) -> None:
+    """module.weight -> fp8 `weight` + fp32 per-row `weight_scale`. The new Parameter replaces the
+    attribute only: a weight shared with another module (a tied LM head's embedding) stays there."""
+    q, scale = quantize_per_channel(module.weight.data)
+    module.weight = nn.Parameter(q, requires_grad=False)
+    module.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, cfg: Fp8Config) -> int:
     """After loading: quantise every layer FP8 should cover that still holds high-precision
-    weights (all of them for --quantization fp8 or dummy weights). Returns how many."""
+    weights (all of them for --quantization fp8 or dummy weights), and the LM head when
+    cfg.lm_head. Returns how many."""
+    from tokenspeed.layers.embedding import LMHead
+
     count = 0
     for _, module in _quantized_modules(model, cfg):
         if module.weight.dtype == FP8:
             continue
-        q, scale = quantize_per_channel(module.weight.data)
-        module.weight = nn.Parameter(q, requires_grad=False)
-        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+        _quantize_weight(module)
+        count += 1
+    head = getattr(model, "lm_head", None)
+    if cfg.lm_head and isinstance(head, LMHead) and head.weight.dtype != FP8:
+        _quantize_weight(head)  # tied: the embedding keeps its high-precision table for lookups
         count += 1
     return count
