@@ -43,13 +43,19 @@ def test_sizes_of_data_parallel_attention() -> None:
         resolve_sizes(tp_size=4, dense_tp_size=4, dp_attention=2)
 
 
-def _greedy(srv: Server, prompts: list[str], concurrent: bool) -> list[str]:
+# A grammar-constrained request: its masks come from the engine after the step in flight, so
+# the worker waits for them between its forward pass and sampling, inside a lockstep step.
+REGEX = {"regex": "[a-z]{2,5}-[0-9]{3}"}
+
+
+def _greedy(srv: Server, prompts: list[str], concurrent: bool,
+            extra: dict | None = None) -> list[str]:
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
 
     def one(p: str) -> str:
         return client.completions.create(model=model, prompt=p, max_tokens=NEW_TOKENS,
-                                         temperature=0, extra_body={"ignore_eos": True}
+                                         temperature=0, extra_body={"ignore_eos": True, **(extra or {})}
                                          ).choices[0].text
 
     if not concurrent:
@@ -58,18 +64,26 @@ def _greedy(srv: Server, prompts: list[str], concurrent: bool) -> list[str]:
         return list(pool.map(one, prompts))
 
 
-def _reference(model_dir: Path, tmp_path: Path) -> list[str]:
+def _reference(model_dir: Path, tmp_path: Path) -> tuple[list[str], str]:
+    """One rank's greedy texts of PROMPTS, and of PROMPTS[1] under REGEX."""
     srv = start_server(str(tmp_path), str(model_dir), *FLAGS)
     try:
-        return _greedy(srv, PROMPTS, concurrent=False)
+        ref = _greedy(srv, PROMPTS, concurrent=False), _greedy(srv, PROMPTS[1:2], False, REGEX)[0]
     finally:
         stop_server(srv)
+    assert len(set(ref[0])) == len(ref[0]) and all(ref[0]), ref  # the model is not degenerate
+    return ref
+
+
+@pytest.fixture(scope="module")
+def moe_ref(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+            ) -> tuple[list[str], str]:
+    return _reference(moe_dir, tmp_path_factory.mktemp("moe_ref"))
 
 
 def test_moe_dp_attention_gives_one_ranks_text_and_a_dead_rank_stops_it(
-        moe_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    ref = _reference(moe_dir, tmp_path)
-    assert len(set(ref)) == len(ref) and all(ref), ref  # the model is not degenerate
+        moe_dir: Path, moe_ref: tuple[list[str], str], tmp_path: Path) -> None:  # noqa: F811
+    ref, ref_regex = moe_ref
     srv = start_server(str(tmp_path), str(moe_dir), *DP_ATTENTION, "--ep-size", "2", *FLAGS)
     try:
         info = srv.info()
@@ -81,6 +95,7 @@ def test_moe_dp_attention_gives_one_ranks_text_and_a_dead_rank_stops_it(
         assert _greedy(srv, PROMPTS, concurrent=True) == ref
         alone = _greedy(srv, PROMPTS[:1], concurrent=False)
         assert alone == ref[:1]
+        assert _greedy(srv, PROMPTS[1:2], False, REGEX) == [ref_regex]
         replicas = srv.info()["replicas"]
         assert len(replicas) == 2 and all(r["routed"] >= 2 and r["steps"] > 0 for r in replicas), \
             replicas
@@ -102,6 +117,23 @@ def test_moe_dp_attention_gives_one_ranks_text_and_a_dead_rank_stops_it(
         stop_server(srv)
 
 
+def test_attention_groups_of_two_ranks_give_one_ranks_text(
+        moe_dir: Path, moe_ref: tuple[list[str], str], tmp_path: Path) -> None:  # noqa: F811
+    """Seed 001's split shape, small: --world-size 4 --attn-tp-size 2, experts over EP 2 x MoE-TP
+    2. Two ranks read each group's ring, and one may see a plan before the other."""
+    ref, _ = moe_ref
+    srv = start_server(str(tmp_path), str(moe_dir), "--world-size", "4", "--attn-tp-size", "2",
+                       "--ep-size", "2", *FLAGS)
+    try:
+        p = srv.info()["parallel"]
+        assert (p["world_size"], p["attn_tp_size"], p["attn_dp_size"], p["moe_tp_size"]) == \
+            (4, 2, 2, 2)
+        assert _greedy(srv, PROMPTS, concurrent=True) == ref
+        assert _greedy(srv, PROMPTS[2:3], concurrent=False) == ref[2:3]
+    finally:
+        stop_server(srv)
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama_dpattn")
@@ -119,8 +151,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_dense_dp_attention_gives_one_ranks_text(llama_dir: Path, tmp_path: Path) -> None:
     """Dense layers stay inside an attention group, so the groups never meet in a collective."""
-    ref = _reference(llama_dir, tmp_path)
-    assert len(set(ref)) == len(ref) and all(ref), ref
+    ref, _ = _reference(llama_dir, tmp_path)
     srv = start_server(str(tmp_path), str(llama_dir), *DP_ATTENTION, *FLAGS)
     try:
         assert srv.info()["parallel"]["attn_dp_size"] == 2

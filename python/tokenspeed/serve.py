@@ -120,6 +120,11 @@ def launch(cfg: Any) -> int:
     # ring (distributed.py); ranks on this node reading one ring.
     groups = sizes.attn_dp
     readers = sizes.attn_tp if groups > 1 else world
+    if groups > 1 and dp > 1:
+        raise LaunchError(f"--dp-size {dp} replicas of a world with data-parallel attention "
+                          f"(--world-size {sizes.world_size}, --attn-tp-size {sizes.attn_tp}) are "
+                          "not built yet; with --enable-dp-attention, --dp-size counts the "
+                          "attention groups of one world instead")
     engines = dp * groups
     # One process group per replica, each meeting at its own address.
     init_methods = [f"tcp://{cfg.dist_init_addr or f'127.0.0.1:{free_tcp_port()}'}"]

@@ -46,7 +46,8 @@ PARALLEL_FLAGS: list[Flag] = [
       "attention TP size; given alone, it is also the TP size). Larger than --attn-tp-size: "
       "data-parallel attention, world / attn-tp attention groups, each with its own scheduler, "
       "prefix cache and KV pool, sharing the MoE experts (dense layers stay inside a group; "
-      "one node; CUDA graphs off).", G_PARALLEL, minimum=1,
+      "one node; CUDA graphs off; for attention TP 1 use --enable-dp-attention, since --tp 1 "
+      "is the default).", G_PARALLEL, minimum=1,
       component="both", implemented=True, metavar="N"),
     i("--nprocs-per-node", "Worker processes started on each node (default: world size / "
       "nodes).", G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
