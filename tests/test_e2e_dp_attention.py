@@ -3,7 +3,8 @@
 radix cache and KV pool each) sharing a tiny random Qwen3-MoE's experts. Its greedy text equals
 one rank's for a concurrent batch that lands on both groups and for a lone request (the other
 group runs idle forward passes every step); a dense tiny Llama under it too; a killed rank stops
-the server; the sizes resolve as seed 001's split example says."""
+the server; the sizes resolve as seed 001's split example says; and the MoE exchange itself, on
+two gloo ranks with unequal token counts, gives each group exactly its rows of one rank's output."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ import pytest
 import torch
 from test_e2e_expert_parallel import moe_dir  # noqa: F401  (the tiny Qwen3-MoE fixture)
 from test_models_numerics import randomize, smollm2_dir
+from tp_ranks import moe_all_gather_on_rank, run_ranks
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from server_harness import Server, start_server, stop_server
-from tokenspeed.distributed import ParallelConfigError, resolve_sizes
+from tokenspeed.distributed import ParallelConfigError, ParallelSizes, resolve_sizes
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time"]
 NEW_TOKENS = 8
@@ -158,3 +160,9 @@ def test_dense_dp_attention_gives_one_ranks_text(llama_dir: Path, tmp_path: Path
         assert _greedy(srv, PROMPTS, concurrent=True) == ref
     finally:
         stop_server(srv)
+
+
+@pytest.mark.parametrize("counts", [[3, 1], [1, 5]])
+def test_moe_all_gather_gives_each_group_its_rows(counts: list[int]) -> None:
+    sizes = ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2)
+    assert run_ranks(moe_all_gather_on_rank, 2, counts, sizes=sizes) == ["ok", "ok"]
