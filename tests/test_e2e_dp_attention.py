@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +50,20 @@ def test_sizes_of_data_parallel_attention() -> None:
 # A grammar-constrained request: its masks come from the engine after the step in flight, so
 # the worker waits for them between its forward pass and sampling, inside a lockstep step.
 REGEX = {"regex": "[a-z]{2,5}-[0-9]{3}"}
+
+
+def _serve_fails(*args: str) -> str:
+    cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--device", "cpu", *args]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0, out.stdout + out.stderr
+    return out.stderr
+
+
+def test_serve_refuses_what_dp_attention_cannot_do(moe_dir: Path) -> None:  # noqa: F811
+    err = _serve_fails(str(moe_dir), "--tp", "2", "--enable-dp-attention")
+    assert "--enable-dp-attention with --dp-size 1" in err, err
+    err = _serve_fails(str(moe_dir), "--world-size", "4", "--tp", "2", "--dp", "2")
+    assert "--dp-size 2 replicas of a world with data-parallel attention" in err, err
 
 
 def _greedy(srv: Server, prompts: list[str], concurrent: bool,
@@ -162,7 +178,12 @@ def test_dense_dp_attention_gives_one_ranks_text(llama_dir: Path, tmp_path: Path
         stop_server(srv)
 
 
-@pytest.mark.parametrize("counts", [[3, 1], [1, 5]])
-def test_moe_all_gather_gives_each_group_its_rows(counts: list[int]) -> None:
-    sizes = ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2)
-    assert run_ranks(moe_all_gather_on_rank, 2, counts, sizes=sizes) == ["ok", "ok"]
+@pytest.mark.parametrize(("sizes", "counts"), [
+    (ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2), [3, 1]),
+    (ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2), [1, 5]),
+    # Two groups of two ranks, experts over EP 2 x MoE-TP 2: the all-reduce over attn_tp counts.
+    (ParallelSizes(world_size=4, attn_tp=2, dense_tp=2, moe_tp=2, ep=2), [2, 3]),
+], ids=["2ranks-3-1", "2ranks-1-5", "4ranks-2-3"])
+def test_moe_all_gather_gives_each_group_its_rows(sizes: ParallelSizes, counts: list[int]) -> None:
+    world = sizes.world_size
+    assert run_ranks(moe_all_gather_on_rank, world, counts, sizes=sizes) == ["ok"] * world

@@ -133,10 +133,10 @@ def generate_on_rank(rank: int, path: str, prompts: list[list[int]], n: int,
 
 
 def moe_all_gather_on_rank(rank: int, counts: list[int]) -> str:
-    """Data-parallel attention's MoE exchange (distributed.MoeAllGather) on a world of attention
-    groups of one rank each, experts split over them (EP = world): each rank passes only its
-    group's tokens (`counts[rank]` of them, the counts unequal) and must get back exactly those
-    rows of one rank's output over all experts. A count that disagrees with the tokens fails."""
+    """Data-parallel attention's MoE exchange (distributed.MoeAllGather): each rank passes only
+    its attention group's tokens (`counts[group]` of them, the counts unequal) and must get back
+    exactly those rows of one rank's output over all experts, whatever the EP x MoE-TP split.
+    A count that disagrees with the tokens fails."""
     from tokenspeed.distributed import MoeAllGather, dp_token_counts, moe_parallel
     from tokenspeed.layers.moe import FusedMoE, MoeOptions
 
@@ -152,13 +152,14 @@ def moe_all_gather_on_rank(rank: int, counts: list[int]) -> str:
                     options=MoeOptions(parallel=moe_parallel()))
     mine.weight_loader(mine.gate_up_proj, full.gate_up_proj.data)
     mine.weight_loader(mine.down_proj, full.down_proj.data)
-    lo = sum(counts[:rank])
-    x = x_all[lo:lo + counts[rank]]
+    group = state().attn_group
+    lo = sum(counts[:group])
+    x = x_all[lo:lo + counts[group]]
     comm = MoeAllGather()
     with dp_token_counts(counts):
         xs, logits = comm.dispatch(x, x @ router.T)
         out = comm.combine(mine(xs, logits))
-    _close(out, ref[lo:lo + counts[rank]], f"rank {rank} rows of the MoE output")
+    _close(out, ref[lo:lo + counts[group]], f"rank {rank} rows of the MoE output")
     with dp_token_counts([c + 1 for c in counts]):
         try:
             comm.dispatch(x, x @ router.T)

@@ -169,6 +169,15 @@ class ParallelGroup:
         dist.all_gather_into_tensor(out, x.view(-1), group=self.pg)  # flat: gloo wants 1-D
         return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
 
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group of x [size * n, ...], and keep block `rank` of it: [n, ...]."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty(x.shape[0] // self.size, *x.shape[1:], dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=self.pg)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite x with rank `src`'s (index in the group), in place; returns x."""
         if self.size > 1:
@@ -376,12 +385,14 @@ class MoeAllGather:
     allgather_reducescatter`): each attention group holds only its own tokens. `dispatch`
     all-gathers hidden states and router logits over `attn_dp` (padded to the largest group's
     count, known from the lockstep tick, so no extra collective sizes it); every rank computes
-    its experts' partial output for every group's tokens; `combine` sums the partials over the
-    world and keeps this group's rows. (First version: an all-reduce of all rows, then a slice;
-    a reduce-scatter over `attn_dp` plus an all-reduce over `attn_tp` moves less data.)"""
+    its experts' partial output for every group's real tokens; `combine` puts them back in the
+    padded layout, reduce-scatters it over `attn_dp` (each rank keeps its group's block, summed
+    over the ranks of its attention-TP index) and all-reduces that block over `attn_tp` (the
+    rest of the world), then drops the padding."""
 
     def __init__(self) -> None:
-        self._own = slice(0, 0)
+        self._rows = torch.empty(0, dtype=torch.int64)
+        self._padded = (0, 0)  # (groups * largest count, this group's count)
 
     def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,15 +411,19 @@ class MoeAllGather:
         if most > both.shape[0]:
             both = torch.cat([both, both.new_zeros(most - both.shape[0], both.shape[1])])
         gathered = st.attn_dp.all_gather(both, dim=0)  # [groups * most, H + E]
-        rows = torch.cat([torch.arange(j * most, j * most + n, device=x.device)
-                          for j, n in enumerate(counts)])
-        both = gathered.index_select(0, rows)
-        start = sum(counts[:g])
-        self._own = slice(start, start + counts[g])
+        # The real rows (no expert work on padding); host ints only: no device sync.
+        self._rows = torch.cat([torch.arange(j * most, j * most + n, device=x.device)
+                                for j, n in enumerate(counts)])
+        self._padded = (len(counts) * most, counts[g])
+        both = gathered.index_select(0, self._rows)
         return both[:, :width], both[:, width:].to(router_logits.dtype)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        return _STATE.world.all_reduce(partial)[self._own]
+        st = _STATE
+        rows, own = self._padded
+        padded = partial.new_zeros(rows, partial.shape[1]).index_copy_(0, self._rows, partial)
+        block = st.attn_dp.reduce_scatter(padded)  # [most, H]: this group's rows
+        return st.attn_tp.all_reduce(block)[:own]
 
 
 def moe_communication(st: ParallelState | None = None) -> Any:

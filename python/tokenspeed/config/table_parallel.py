@@ -111,7 +111,8 @@ EP_FLAGS: list[Flag] = [
       "experts (vLLM's names). naive: every rank already holds every token (attention TP "
       "replicates them), computes a partial output over its experts and the partials are "
       "all-reduced over the world. allgather_reducescatter: the tokens of every attention "
-      "group are all-gathered first and each group keeps its rows of the sum; data-parallel "
+      "group are all-gathered first and the partials reduce-scattered back, each group getting "
+      "its own rows; data-parallel "
       "attention always uses it (with one attention group it is naive). The others (pplx, "
       "DeepEP, FlashInfer all2allv) are not built yet.", G_EP,
       ("naive", "allgather_reducescatter", "pplx", "deepep_high_throughput",
