@@ -343,7 +343,7 @@ def data_parallel_size(cfg: Any, nnodes: int) -> int:
     """`--dp-size`, checked against what is built: replicas on one node. Under
     `--enable-dp-attention` it counts attention groups inside one world instead
     (`parallel_sizes`), so there is one replica."""
-    if cfg.enable_dp_attention:
+    if getattr(cfg, "enable_dp_attention", False):
         return 1
     dp = int(cfg.dp_size or 1)
     if dp > 1 and nnodes > 1:
