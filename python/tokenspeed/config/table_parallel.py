@@ -53,7 +53,8 @@ PARALLEL_FLAGS: list[Flag] = [
       "nodes).", G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
     i("--dp-size", "Data-parallel size: number of independent model replicas behind one "
       "endpoint, each with its own scheduler, prefix cache, KV pool and worker group of "
-      "--tp-size ranks (on GPU replica r uses GPUs r*tp .. r*tp+tp-1; on CPU they share it).",
+      "--tp-size ranks (on GPU replica r uses GPUs r*tp .. r*tp+tp-1; on CPU they share it). "
+      "With --enable-dp-attention it is the number of attention groups in one world instead.",
       G_PARALLEL, 1, aliases=("--data-parallel-size", "--dp"), minimum=1, component="both",
       implemented=True, metavar="N"),
     c("--load-balance-method", "How requests are spread over data-parallel replicas: "
