@@ -127,6 +127,10 @@ for arg in "$@"; do
         phase ep_check python3 benches/parallel_check.py --mode ep \
             --tokenizer .carry/llama3/tokenizer.json --out "$OUT/ep" --checks fp32
         ;;
+    dpattn)
+        phase dpattn_check python3 benches/parallel_check.py --mode dpattn \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/dpattn" --checks fp32
+        ;;
     eps3)
         phase ep_s3 python3 benches/parallel_check.py --mode ep \
             --tokenizer .carry/llama3/tokenizer.json --out "$OUT/eps3" --checks bf16

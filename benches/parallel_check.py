@@ -10,6 +10,10 @@ GPUs must agree, and S3 (batch-1 decode ms/token) on each.
              128256 ids, as gpu_bench.py's `--model qwen3-30b-a3b`), `--tp 1` (every expert on
              one GPU) vs `--tp 2 --ep-size 2` (64 experts per GPU, MoE partial outputs
              all-reduced: `--all2all-backend naive`).
+  --mode dpattn  the same Qwen3-30B-A3B shape, `--tp 1` vs data-parallel attention `--tp 2 --dp 2
+             --enable-dp-attention --ep-size 2` (two attention groups of one GPU, each its own
+             engine; MoE tokens all-gathered: `allgather_reducescatter`; eager, no CUDA graphs).
+             Prompts go one at a time, so one group runs idle forward passes at every step.
 
 Run on a 2-GPU machine from the repo root, with `tokenspeed._core` importable:
 
@@ -53,6 +57,8 @@ PROMPT_LENS, NEW_TOKENS = (9, 16, 23, 31), 32
 MODES: dict[str, tuple[str, dict[int, list[str]]]] = {
     "tp": ("llama31-8b", {1: ["--tp", "1"], 2: ["--tp", "2"]}),
     "ep": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--ep-size", "2"]}),
+    "dpattn": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--dp", "2",
+                                                       "--enable-dp-attention", "--ep-size", "2"]}),
 }
 
 
@@ -192,7 +198,7 @@ def main() -> int:
         vocab = Tokenizer.from_file(a.tokenizer).get_vocab_size()
         shrink = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
                   "head_dim": 32, "intermediate_size": 256, "vocab_size": vocab}
-        if a.mode == "ep":
+        if a.mode in ("ep", "dpattn"):
             shrink |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
     config = gpu_bench.MODELS[model_name][0]
     vocab = shrink.get("vocab_size", config["vocab_size"])

@@ -85,8 +85,8 @@ def test_expert_parallel_sizes_parse(spelling: str) -> None:
     assert cfg.enable_expert_parallel and cfg.all2all_backend == "naive"
 
 
-@pytest.mark.parametrize("backend", ["allgather_reducescatter", "pplx", "deepep_high_throughput",
-                                     "deepep_low_latency", "flashinfer_all2allv"])
+@pytest.mark.parametrize("backend", ["pplx", "deepep_high_throughput", "deepep_low_latency",
+                                     "flashinfer_all2allv"])
 def test_all2all_backends_not_built_are_refused_by_name(backend: str) -> None:
     with pytest.raises(NotSupportedError, match=f"--all2all-backend .*'{backend}' is not available yet"):
         parse_serve_args(["--tp", "2", "--ep-size", "2", "--all2all-backend", backend])
@@ -395,7 +395,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--max-request-body-bytes", "--shutdown-timeout", "--watchdog-timeout",
         "--grammar-backend", "--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice",
         "--constrained-json-whitespace-pattern", "--constrained-json-disable-any-whitespace",
-        "--dp-size", "--load-balance-method",
+        "--dp-size", "--load-balance-method", "--enable-dp-attention",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

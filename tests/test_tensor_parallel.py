@@ -41,7 +41,9 @@ def test_sharded_layers_recombine(world: int, kv_options: list[int]) -> None:
 def test_impossible_sizes_name_both_values() -> None:
     cases = [
         (ParallelSizes(world_size=4, attn_tp=4, dense_tp=3, moe_tp=4), ["--dense-tp-size 3", "4"]),
-        (ParallelSizes(world_size=4, attn_tp=2, dense_tp=2, moe_tp=4), ["--attn-tp-size 2", "4"]),
+        (ParallelSizes(world_size=4, attn_tp=2, dense_tp=2, moe_tp=4, nnodes=2),
+         ["--attn-tp-size 2", "--nnodes 2"]),
+        (ParallelSizes(world_size=8, attn_tp=4, dense_tp=8, moe_tp=8), ["--dense-tp-size 8", "4"]),
         (ParallelSizes(world_size=4, attn_tp=4, dense_tp=4, moe_tp=2), ["--moe-tp-size 2", "4"]),
         (ParallelSizes(world_size=3, attn_tp=3, dense_tp=3, moe_tp=3, nnodes=2), ["3", "2"]),
     ]

@@ -130,3 +130,41 @@ def generate_on_rank(rank: int, path: str, prompts: list[list[int]], n: int,
     # numpy, not tensors: a queued tensor is shared by file descriptor, gone once the rank exits.
     logits = [[x.numpy() for x in req] for req in res.logits]
     return res.tokens, logits, runner.last_tokens.tolist()
+
+
+def moe_all_gather_on_rank(rank: int, counts: list[int]) -> str:
+    """Data-parallel attention's MoE exchange (distributed.MoeAllGather): each rank passes only
+    its attention group's tokens (`counts[group]` of them, the counts unequal) and must get back
+    exactly those rows of one rank's output over all experts, whatever the EP x MoE-TP split.
+    A count that disagrees with the tokens fails."""
+    from tokenspeed.distributed import MoeAllGather, dp_token_counts, moe_parallel
+    from tokenspeed.layers.moe import FusedMoE, MoeOptions
+
+    experts, top_k, hidden, inter = 8, 2, 16, 12
+    g = torch.Generator().manual_seed(0)
+    x_all = torch.randn(sum(counts), hidden, generator=g)
+    router = torch.randn(experts, hidden, generator=g)
+    full = FusedMoE(experts, top_k, hidden, inter, renormalize=True)
+    full.gate_up_proj.data.copy_(0.3 * torch.randn(full.gate_up_proj.shape, generator=g))
+    full.down_proj.data.copy_(0.3 * torch.randn(full.down_proj.shape, generator=g))
+    ref = full(x_all, x_all @ router.T)
+    mine = FusedMoE(experts, top_k, hidden, inter, renormalize=True,
+                    options=MoeOptions(parallel=moe_parallel()))
+    mine.weight_loader(mine.gate_up_proj, full.gate_up_proj.data)
+    mine.weight_loader(mine.down_proj, full.down_proj.data)
+    group = state().attn_group
+    lo = sum(counts[:group])
+    x = x_all[lo:lo + counts[group]]
+    comm = MoeAllGather()
+    with dp_token_counts(counts):
+        xs, logits = comm.dispatch(x, x @ router.T)
+        out = comm.combine(mine(xs, logits))
+    _close(out, ref[lo:lo + counts[group]], f"rank {rank} rows of the MoE output")
+    with dp_token_counts([c + 1 for c in counts]):
+        try:
+            comm.dispatch(x, x @ router.T)
+        except RuntimeError as e:
+            assert "the lockstep tick announced" in str(e), e
+        else:
+            raise AssertionError("a token count that disagrees with the tokens was accepted")
+    return "ok"

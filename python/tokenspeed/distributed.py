@@ -11,6 +11,15 @@ Group layout (consecutive ranks, as in SGLang): attention TP and dense TP are bl
 groups stride over them (`moe_tp * ep == world`), so EP rank e owns experts [e::ep] or a block
 of them and an MoE layer reduces first inside its moe-TP block.
 
+Data-parallel attention (`attn_tp < world`): the world holds `world / attn_tp` attention groups,
+each served by its own engine (scheduler, radix cache, KV pool) and reading its own plan ring;
+dense layers stay inside a group (`dense_tp` divides `attn_tp`) and only the MoE layers span the
+world: `MoeAllGather` gathers every group's tokens over `attn_dp` (the ranks with the same
+attention-TP index), each rank computes its experts' partial output for all of them, and the sum
+over the world comes back to each group's own rows. Every rank must therefore run every forward
+pass together: `lockstep_tick` (worker.py) decides each step, over a CPU (gloo) group, which
+groups run a plan and which run an idle forward, and gives every group's token count.
+
 A process that never called `init_distributed` is a world of one: every group has size 1 and
 every collective returns its input, so single-GPU code pays nothing.
 """
@@ -19,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -48,6 +59,11 @@ class ParallelSizes:
     def nprocs_per_node(self) -> int:
         return self.world_size // self.nnodes
 
+    @property
+    def attn_dp(self) -> int:
+        """Attention groups in the world (data-parallel attention when > 1)."""
+        return self.world_size // self.attn_tp
+
     def check(self) -> None:
         """Raise ParallelConfigError for combinations that cannot be served."""
         w = self.world_size
@@ -55,15 +71,19 @@ class ParallelSizes:
                            ("--moe-tp-size", self.moe_tp), ("--ep-size", self.ep)):
             if size < 1 or w % size:
                 raise ParallelConfigError(f"{name} {size} does not divide --world-size {w}")
-        if self.attn_tp != w:
-            # Fewer attention ranks than the world means data-parallel attention: each attention
-            # group would need its own requests, which the scheduler does not split yet.
-            raise ParallelConfigError(
-                f"--attn-tp-size {self.attn_tp} with --world-size {w}: attention data parallelism "
-                "(attention TP smaller than the world) is not supported yet; use equal sizes")
         if self.dense_tp > self.attn_tp:
+            # Dense TP across attention groups would need the groups' tokens gathered for every
+            # dense MLP (SGLang's default under DP attention); only MoE layers span groups here.
             raise ParallelConfigError(f"--dense-tp-size {self.dense_tp} is larger than "
                                       f"--attn-tp-size {self.attn_tp}")
+        if self.attn_tp % self.dense_tp:
+            raise ParallelConfigError(f"--dense-tp-size {self.dense_tp} does not divide "
+                                      f"--attn-tp-size {self.attn_tp}")
+        if self.attn_tp != w and self.nnodes > 1:
+            raise ParallelConfigError(
+                f"--attn-tp-size {self.attn_tp} with --world-size {w} on --nnodes {self.nnodes}: "
+                "data-parallel attention across nodes is not built yet (the relay carries one "
+                "plan ring)")
         if self.moe_tp * self.ep != w:
             raise ParallelConfigError(f"--moe-tp-size {self.moe_tp} times --ep-size {self.ep} "
                                       f"must equal --world-size {w}")
@@ -92,13 +112,21 @@ class ParallelSizes:
 def resolve_sizes(tp_size: int = 1, dense_tp_size: int | None = None,
                   moe_tp_size: int | None = None, world_size: int | None = None,
                   nprocs_per_node: int | None = None, nnodes: int = 1,
-                  ep_size: int = 1, enable_expert_parallel: bool = False) -> ParallelSizes:
+                  ep_size: int = 1, enable_expert_parallel: bool = False,
+                  dp_attention: int = 1) -> ParallelSizes:
     """The flags (seed 001) → checked sizes. `--tp`/`--tensor-parallel-size` is attention TP;
     `--world-size` alone also sets it; dense TP defaults to attention TP, MoE TP to
     world / EP; `--nprocs-per-node` times `--nnodes` must be the world.
-    `--enable-expert-parallel` (vLLM) is EP over the whole world: `--ep-size` may repeat it."""
+    `--enable-expert-parallel` (vLLM) is EP over the whole world: `--ep-size` may repeat it.
+    `dp_attention` D > 1 is SGLang's `--tp T --dp D --enable-dp-attention`: a world of T ranks
+    (or `--world-size`) in D attention groups of T / D ranks."""
     attn = world_size if (world_size and tp_size == 1) else tp_size
     world = world_size or (nprocs_per_node * nnodes if nprocs_per_node else attn)
+    if dp_attention > 1:
+        if world % dp_attention:
+            raise ParallelConfigError(f"--enable-dp-attention with --dp-size {dp_attention}: "
+                                      f"it does not divide the world of {world} ranks (--tp-size)")
+        attn = world // dp_attention
     if nprocs_per_node and nprocs_per_node * nnodes != world:
         raise ParallelConfigError(f"--nprocs-per-node {nprocs_per_node} on --nnodes {nnodes} "
                                   f"does not make --world-size {world}")
@@ -141,6 +169,15 @@ class ParallelGroup:
         dist.all_gather_into_tensor(out, x.view(-1), group=self.pg)  # flat: gloo wants 1-D
         return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
 
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group of x [size * n, ...], and keep block `rank` of it: [n, ...]."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty(x.shape[0] // self.size, *x.shape[1:], dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=self.pg)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite x with rank `src`'s (index in the group), in place; returns x."""
         if self.size > 1:
@@ -157,17 +194,29 @@ class ParallelState:
     dense_tp: ParallelGroup
     moe_tp: ParallelGroup
     ep: ParallelGroup
+    # The ranks with this rank's attention-TP index, one per attention group (data-parallel
+    # attention: the MoE layers gather tokens over it).
+    attn_dp: ParallelGroup
+    # The whole world on gloo (data-parallel attention only: the lockstep tick, host values).
+    world_cpu: ParallelGroup | None = None
+
+    @property
+    def attn_group(self) -> int:
+        """Index of this rank's attention group (its engine)."""
+        return self.rank // self.sizes.attn_tp
 
     def group(self, name: str) -> ParallelGroup:
-        if name not in ("world", "attn_tp", "dense_tp", "moe_tp", "ep"):
+        if name not in GROUP_NAMES:
             raise KeyError(f"no process group {name!r}")
         return getattr(self, name)
 
 
+GROUP_NAMES = ("world", "attn_tp", "dense_tp", "moe_tp", "ep", "attn_dp")
+
+
 def single_rank() -> ParallelState:
     """A world of one: every group of size 1."""
-    return ParallelState(ParallelSizes(), 0, *(ParallelGroup(n) for n in
-                                               ("world", "attn_tp", "dense_tp", "moe_tp", "ep")))
+    return ParallelState(ParallelSizes(), 0, *(ParallelGroup(n) for n in GROUP_NAMES))
 
 
 _STATE: ParallelState = single_rank()
@@ -223,19 +272,27 @@ def init_distributed(rank: int, sizes: ParallelSizes, init_method: str, device: 
     ep_groups = [list(range(i, w, sizes.moe_tp)) for i in range(sizes.moe_tp)]
     groups: dict[str, ParallelGroup] = {}
     # new_group is collective over the world: every rank creates every group, in one order.
+    attn_dp_groups = [list(range(i, w, sizes.attn_tp)) for i in range(sizes.attn_tp)]
     for name, layout in (("world", [list(range(w))]), ("attn_tp", blocks(sizes.attn_tp)),
                          ("dense_tp", blocks(sizes.dense_tp)), ("moe_tp", moe_blocks),
-                         ("ep", ep_groups)):
+                         ("ep", ep_groups), ("attn_dp", attn_dp_groups)):
         for ranks in layout:
-            pg = (dist.group.WORLD if len(ranks) == w
+            pg = (None if len(ranks) == 1 else dist.group.WORLD if len(ranks) == w
                   else dist.new_group(ranks, timeout=timeout, backend=backend))
             if rank in ranks:
                 groups[name] = ParallelGroup(name, ranks.index(rank), len(ranks), tuple(ranks),
                                              pg if len(ranks) > 1 else None)
-    _STATE = ParallelState(sizes, rank, **groups)
-    logger.info("rank %d/%d joined (%s): attn_tp %d/%d, dense_tp %d/%d, moe_tp %d/%d, ep %d/%d",
+    world_cpu = None
+    if sizes.attn_dp > 1:  # the lockstep tick exchanges host values: gloo even beside NCCL
+        pg = (dist.group.WORLD if backend == "gloo"
+              else dist.new_group(list(range(w)), timeout=timeout, backend="gloo"))
+        world_cpu = ParallelGroup("world_cpu", rank, w, tuple(range(w)), pg)
+    _STATE = ParallelState(sizes, rank, **groups, world_cpu=world_cpu)
+    logger.info("rank %d/%d joined (%s): attn_tp %d/%d, dense_tp %d/%d, moe_tp %d/%d, ep %d/%d%s",
                 rank, w, backend, _STATE.attn_tp.rank, sizes.attn_tp, _STATE.dense_tp.rank,
-                sizes.dense_tp, _STATE.moe_tp.rank, sizes.moe_tp, _STATE.ep.rank, sizes.ep)
+                sizes.dense_tp, _STATE.moe_tp.rank, sizes.moe_tp, _STATE.ep.rank, sizes.ep,
+                f", attention group {_STATE.attn_group}/{sizes.attn_dp}" if sizes.attn_dp > 1
+                else "")
     return _STATE
 
 
@@ -259,6 +316,57 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1, group: str = "attn_tp") -> tor
     return _STATE.group(group).all_gather(x, dim)
 
 
+# Data-parallel attention: every attention group's token count in the forward pass being run,
+# set by the worker's lockstep tick around each forward (`dp_token_counts`).
+_DP_COUNTS: list[int] | None = None
+
+
+@contextmanager
+def dp_token_counts(counts: list[int] | None) -> Iterator[None]:
+    """Run the forward passes inside with these per-group token counts (`MoeAllGather`)."""
+    global _DP_COUNTS
+    saved, _DP_COUNTS = _DP_COUNTS, counts
+    try:
+        yield
+    finally:
+        _DP_COUNTS = saved
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One lockstep step as every rank sees it, per attention group: whether the group runs a
+    plan this step, its token count, and whether some rank is leaving (channel closed)."""
+
+    runs_plan: list[bool]
+    tokens: list[int]
+    stop: bool
+
+    @property
+    def forward(self) -> bool:
+        """Whether this step runs a forward pass: then every group runs one, an idle group on
+        one padding token (`ModelRunner.idle_forward`)."""
+        return any(t > 0 for t in self.tokens)
+
+    def forward_counts(self) -> list[int]:
+        """The token count of each group's forward pass (an idle group's: its padding token)."""
+        return [max(t, 1) for t in self.tokens]
+
+
+def lockstep_tick(has_plan: bool, tokens: int, stop: bool) -> Tick:
+    """Data-parallel attention: what every rank holds for the next step, gathered over the
+    world on the CPU. A group runs a plan when any of its ranks received one (its other ranks
+    then wait for the same plan on their ring); its tokens are that plan's."""
+    st = _STATE
+    assert st.world_cpu is not None, "lockstep_tick outside data-parallel attention"
+    mine = torch.tensor([int(has_plan), int(tokens), int(stop)], dtype=torch.int64)
+    rows = st.world_cpu.all_gather(mine, dim=0).view(-1, 3).tolist()
+    tp = st.sizes.attn_tp
+    groups = [rows[g * tp:(g + 1) * tp] for g in range(st.sizes.attn_dp)]
+    return Tick(runs_plan=[any(r[0] for r in g) for g in groups],
+                tokens=[max(r[1] for r in g) for g in groups],
+                stop=any(r[2] for r in rows))
+
+
 class MoeAllReduce:
     """`SparseMoeBlock.comm` under TP/EP: every rank holds every token (attention TP replicates
     the activations) and computes a partial output over its experts and intermediate slice; the
@@ -270,6 +378,61 @@ class MoeAllReduce:
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         return _STATE.world.all_reduce(partial)
+
+
+class MoeAllGather:
+    """`SparseMoeBlock.comm` under data-parallel attention (`--all2all-backend
+    allgather_reducescatter`): each attention group holds only its own tokens. `dispatch`
+    all-gathers hidden states and router logits over `attn_dp` (padded to the largest group's
+    count, known from the lockstep tick, so no extra collective sizes it); every rank computes
+    its experts' partial output for every group's real tokens; `combine` puts them back in the
+    padded layout, reduce-scatters it over `attn_dp` (each rank keeps its group's block, summed
+    over the ranks of its attention-TP index) and all-reduces that block over `attn_tp` (the
+    rest of the world), then drops the padding."""
+
+    def __init__(self) -> None:
+        self._rows = torch.empty(0, dtype=torch.int64)
+        self._padded = (0, 0)  # (groups * largest count, this group's count)
+
+    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        st = _STATE
+        counts = _DP_COUNTS
+        if counts is None or len(counts) != st.sizes.attn_dp:
+            raise RuntimeError(f"data-parallel attention: a forward pass without the "
+                               f"{st.sizes.attn_dp} groups' token counts (dp_token_counts)")
+        g = st.attn_group
+        if x.shape[0] != counts[g]:
+            raise RuntimeError(f"attention group {g}: {x.shape[0]} tokens in the forward pass, "
+                               f"the lockstep tick announced {counts[g]}")
+        width = x.shape[1]
+        most = max(counts)
+        both = torch.cat([x, router_logits.to(x.dtype)], dim=1)
+        if most > both.shape[0]:
+            both = torch.cat([both, both.new_zeros(most - both.shape[0], both.shape[1])])
+        gathered = st.attn_dp.all_gather(both, dim=0)  # [groups * most, H + E]
+        # The real rows (no expert work on padding); host ints only: no device sync.
+        self._rows = torch.cat([torch.arange(j * most, j * most + n, device=x.device)
+                                for j, n in enumerate(counts)])
+        self._padded = (len(counts) * most, counts[g])
+        both = gathered.index_select(0, self._rows)
+        return both[:, :width], both[:, width:].to(router_logits.dtype)
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        st = _STATE
+        rows, own = self._padded
+        padded = partial.new_zeros(rows, partial.shape[1]).index_copy_(0, self._rows, partial)
+        block = st.attn_dp.reduce_scatter(padded)  # [most, H]: this group's rows
+        return st.attn_tp.all_reduce(block)[:own]
+
+
+def moe_communication(st: ParallelState | None = None) -> Any:
+    """The MoE exchange for this rank's groups: None on one rank, `MoeAllGather` under
+    data-parallel attention, else `MoeAllReduce`."""
+    st = st or _STATE
+    if st.world.size == 1:
+        return None
+    return MoeAllGather() if st.sizes.attn_dp > 1 else MoeAllReduce()
 
 
 def moe_parallel(st: ParallelState | None = None) -> Any:

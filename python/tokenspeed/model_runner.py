@@ -14,8 +14,8 @@ from tokenspeed.cuda_graph import (
     capture_sizes,
     graph_memory_estimate,
 )
+from tokenspeed.distributed import dp_token_counts, state, sync_sampled_tokens
 from tokenspeed.distributed import moe_parallel as distributed_moe_parallel
-from tokenspeed.distributed import state, sync_sampled_tokens
 from tokenspeed.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import (
@@ -190,8 +190,11 @@ class ModelRunner:
         self._window = min(windows) if windows else None
         # torch_native MoE reads expert counts on the host: it cannot be captured in a graph.
         moe_graph_safe = not c.num_experts or self.moe_backend in GRAPH_SAFE_MOE_BACKENDS
+        # Data-parallel attention runs eager: a decode graph is captured for one batch size, but
+        # its MoE layers gather every group's tokens, whose counts change each step.
         use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
-                      and self.attention_backend in GRAPH_BACKENDS and moe_graph_safe)
+                      and self.attention_backend in GRAPH_BACKENDS and moe_graph_safe
+                      and state().sizes.attn_dp == 1)
         self.cuda_graph_max_bs = (min(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_slots)
                                   if use_graphs else 0)
         if num_pages is None:
@@ -212,6 +215,7 @@ class ModelRunner:
         self._prompt_carry: dict[int, torch.Tensor] = {}
         self._prompt_out: dict[int, PromptLogprobs] = {}
         self.graphs: DecodeGraphRunner | None = None
+        self._idle: tuple[PagedKVCache, AttentionBackend] | None = None  # idle_forward's cache
         if self.cuda_graph_max_bs:
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
@@ -261,7 +265,10 @@ class ModelRunner:
         tokens = min(max(chunked_prefill_size or DEFAULT_CHUNKED_PREFILL, self.max_slots),
                      self.max_context_len)
         rows = min(self.max_slots, tokens)
-        activations = self._profile_forward(tokens, rows)
+        # Every rank profiles at start-up, together: data-parallel attention's MoE layers gather
+        # all groups' tokens, here the same count from each.
+        with dp_token_counts([tokens] * state().sizes.attn_dp):
+            activations = self._profile_forward(tokens, rows)
         sampler = 4 * rows * c.vocab_size * 4  # float32 copies of the logits (softmax, sort)
         graphs = graph_memory_estimate(self.cuda_graph_max_bs, c.vocab_size) \
             if self.cuda_graph_max_bs else 0
@@ -319,6 +326,30 @@ class ModelRunner:
         del batch, hidden, logits, scratch, backend
         torch.cuda.empty_cache()
         return int(peak)
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """Data-parallel attention: a forward pass of one padding token for a step in which this
+        rank's attention group has no work but another has, so that this rank joins the MoE
+        layers' collectives. Its K/V land in a one-page scratch cache (not the KV pool), nothing
+        is sampled and nothing is returned."""
+        if self._idle is None:
+            c = self.config
+            scratch = PagedKVCache(
+                num_layers=c.num_hidden_layers, num_pages=1, page_size=self.page_size,
+                num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
+                device=self.device, max_slots=1, max_context_len=self.page_size,
+                k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
+            self._idle = (scratch, self._make_backend(scratch))
+        scratch, backend = self._idle
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        one = np.ones(1, np.int64)
+        batch = ForwardBatch(
+            input_ids=zero, positions=zero, out_cache_loc=zero, slots=np.zeros(1, np.int64),
+            num_tokens=one, start_pos=np.zeros(1, np.int64),
+            query_start=np.asarray([0, 1], np.int64), kv_cache=scratch, backend=backend)
+        backend.prepare(batch)
+        self.model(batch.input_ids, batch.positions, batch)
 
     # --- the step --------------------------------------------------------------------------
 

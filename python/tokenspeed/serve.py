@@ -117,6 +117,16 @@ def launch(cfg: Any) -> int:
         raise LaunchError(f"--node-rank {node_rank} with --nnodes {sizes.nnodes}: ranks are "
                           f"0..{sizes.nnodes - 1}")
     dp = data_parallel_size(cfg, sizes.nnodes)
+    # Data-parallel attention: the world's attention groups, each with its own engine and plan
+    # ring (distributed.py); ranks on this node reading one ring.
+    groups = sizes.attn_dp
+    readers = sizes.attn_tp if groups > 1 else world
+    if groups > 1 and dp > 1:
+        raise LaunchError(f"--dp-size {dp} replicas of a world with data-parallel attention "
+                          f"(--world-size {sizes.world_size}, --attn-tp-size {sizes.attn_tp}) are "
+                          "not built yet; with --enable-dp-attention, --dp-size counts the "
+                          "attention groups of one world instead")
+    engines = dp * groups
     # One process group per replica, each meeting at its own address.
     init_methods = [f"tcp://{cfg.dist_init_addr or f'127.0.0.1:{free_tcp_port()}'}"]
     init_methods += [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(1, dp)]
@@ -131,8 +141,10 @@ def launch(cfg: Any) -> int:
     chunk = int(cfg.chunked_prefill_size)
     page_size = int(cfg.page_size)
 
-    # One plan channel per data-parallel replica, read by that replica's ranks only.
-    channel_names = [f"/tokenspeed-{os.getpid()}" + (f"-dp{r}" if dp > 1 else "") for r in range(dp)]
+    # One plan channel per engine (data-parallel replica, or attention group of one), read by
+    # that engine's ranks only.
+    channel_names = [f"/tokenspeed-{os.getpid()}" + (f"-dp{e}" if engines > 1 else "")
+                     for e in range(engines)]
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
     vocab_size = model_vocab_size(model_dir)
@@ -148,7 +160,7 @@ def launch(cfg: Any) -> int:
     slot_bytes = _core.slot_bytes(max_running, chunk + max_running, -(-context // page_size),
                                   mask_words, xgrammar is not None)
     if node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
-        channels = [_core.ServerChannel.create(name, world + (sizes.nnodes > 1), 4, slot_bytes)
+        channels = [_core.ServerChannel.create(name, readers + (sizes.nnodes > 1), 4, slot_bytes)
                     for name in channel_names]
     else:  # written by this node's relay (relay.py)
         channels = [_core.testing.create_test_writer(channel_names[0], world, 4, slot_bytes)]
@@ -167,9 +179,9 @@ def launch(cfg: Any) -> int:
         gpu = replica * world + local  # replica r: GPUs r*tp .. r*tp+tp-1
         spec = WorkerSpec(
             rank=rank,
-            world_size=world,
+            world_size=readers,
             model_path=str(model_dir),
-            channel_name=channel_names[replica],
+            channel_name=channel_names[replica * groups + local // readers],
             device=f"cuda:{gpu}" if device == "cuda" and world * dp > 1 else device,
             dtype=cfg.dtype,
             load_format=cfg.load_format,
@@ -196,6 +208,8 @@ def launch(cfg: Any) -> int:
         )
         parent_end, child_end = ctx.Pipe(duplex=False)
         in_replica = f" of data-parallel replica {replica}" if dp > 1 else ""
+        if groups > 1:
+            in_replica += f" (attention group {local // readers})"
         proc = ctx.Process(target=without_sigint, args=(run_worker, spec, child_end),
                            name=f"tokenspeed-worker-{rank}" + (f"-dp{replica}" if dp > 1 else ""),
                            daemon=True)
@@ -269,7 +283,7 @@ def launch(cfg: Any) -> int:
             "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                                 else cfg.constrained_json_whitespace_pattern),
             "worker_pids": [p.pid for p in workers],
-            "dp_size": dp,
+            "dp_size": engines,
             "load_balance_method": cfg.load_balance_method,
             "server_info": {
                 "device": capacities[0]["device"],
@@ -277,7 +291,8 @@ def launch(cfg: Any) -> int:
                 "load_balance_method": cfg.load_balance_method,
                 "parallel": {"world_size": sizes.world_size, "attn_tp_size": sizes.attn_tp,
                              "dense_tp_size": sizes.dense_tp, "moe_tp_size": sizes.moe_tp,
-                             "ep_size": sizes.ep, "all2all_backend": cfg.all2all_backend,
+                             "ep_size": sizes.ep, "attn_dp_size": groups,
+                             "all2all_backend": all2all_backend(cfg, sizes),
                              "nnodes": sizes.nnodes},
                 "num_pages_per_rank": [int(c["num_pages"]) for c in capacities],
                 "model_dir": str(model_dir),
@@ -319,8 +334,19 @@ def _stop_workers(workers: list[Any]) -> None:
             proc.join(timeout=3)
 
 
+def all2all_backend(cfg: Any, sizes: Any) -> str:
+    """The MoE exchange in use: under data-parallel attention always allgather_reducescatter
+    (no rank holds every token, so naive's all-reduce alone cannot work); with one attention
+    group the two are the same (gathering one group's tokens is nothing)."""
+    return "allgather_reducescatter" if sizes.attn_dp > 1 else cfg.all2all_backend
+
+
 def data_parallel_size(cfg: Any, nnodes: int) -> int:
-    """`--dp-size`, checked against what is built: replicas on one node."""
+    """`--dp-size`, checked against what is built: replicas on one node. Under
+    `--enable-dp-attention` it counts attention groups inside one world instead
+    (`parallel_sizes`), so there is one replica."""
+    if getattr(cfg, "enable_dp_attention", False):
+        return 1
     dp = int(cfg.dp_size or 1)
     if dp > 1 and nnodes > 1:
         raise LaunchError(f"--dp-size {dp} with --nnodes {nnodes}: data parallelism across nodes "
@@ -334,9 +360,17 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
     from tokenspeed.distributed import ParallelConfigError, resolve_sizes
 
     try:
+        dp_attention = 1
+        if cfg.enable_dp_attention:
+            dp_attention = int(cfg.dp_size or 1)
+            if dp_attention < 2:
+                raise ParallelConfigError(
+                    f"--enable-dp-attention with --dp-size {dp_attention}: it splits the world "
+                    "into --dp-size attention groups; give --dp-size 2 or more")
         sizes = resolve_sizes(int(cfg.tp_size or 1), cfg.dense_tp_size, cfg.moe_tp_size,
                               cfg.world_size, cfg.nprocs_per_node, int(cfg.nnodes or 1),
-                              int(cfg.ep_size or 1), bool(cfg.enable_expert_parallel))
+                              int(cfg.ep_size or 1), bool(cfg.enable_expert_parallel),
+                              dp_attention)
         if sizes.world_size > 1:
             from tokenspeed.weights import open_checkpoint
 

@@ -113,11 +113,12 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             lm_head_quantization=spec.lm_head_quantization,
         )
         grammars = None
-        if spec.xgrammar is not None and spec.rank == 0:  # rank 0 samples for the replica
+        if spec.xgrammar is not None and _leads(spec):  # rank 0 samples for the replica
             from tokenspeed.grammar_backend import XGrammarSlots
 
             grammars = XGrammarSlots(spec.xgrammar, spec.max_slots)
-        # Reader index on this node's ring (multi-node: rank is global, world_size per node).
+        # Reader index on this node's ring (multi-node: rank is global, world_size per node;
+        # data-parallel attention: world_size is the attention group's, which has its own ring).
         channel = WorkerChannel.attach(spec.channel_name, spec.rank % spec.world_size)
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device)})
         ready.close()
@@ -130,17 +131,34 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
     serve_plans(channel, runner, spec, parent, grammars)
 
 
+def _leads(spec: WorkerSpec) -> bool:
+    """Whether this rank samples for its engine and sends the results: rank 0, or under
+    data-parallel attention the first rank of each attention group."""
+    p = spec.parallel
+    if p is not None and p.attn_dp > 1:
+        return spec.rank % p.attn_tp == 0
+    return spec.rank == 0
+
+
+Pending = tuple[int, "PendingStep"]
+IDLE_WAIT_MS = 10  # serve_plans_lockstep: the longest wait on the ring between idle ticks
+_CLOSED = object()  # _run_plan: the channel closed while waiting for a mask completion
+
+
 def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
                 parent: int, grammars: XGrammarSlots | None = None) -> None:
     """The step loop. A launched step's tokens are sent back once the GPU has them; meanwhile
     the loop polls for the next plan, so a plan the engine sends ahead (one-step-ahead
     scheduling) is queued on the GPU behind the running step and the GPU never waits for the
     host. Results go back in step order."""
-    from tokenspeed.model_runner import has_pending_masks
     from tokenspeed.plan import StepPlan
 
+    if spec.parallel is not None and spec.parallel.attn_dp > 1 and runner.config.num_experts:
+        # Only MoE layers span attention groups (dense TP stays inside one): a dense model's
+        # groups never meet in a collective and need no lockstep.
+        return serve_plans_lockstep(channel, runner, spec, parent, grammars)
     trace = StepTrace.from_env()
-    pending: tuple[int, PendingStep] | None = None
+    pending: Pending | None = None
     while True:
         try:
             # With a step in flight, poll (0 ms) so its result is sent as soon as it is ready.
@@ -157,46 +175,131 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
             if os.getppid() != parent:
                 return
             continue
-        plan = StepPlan.from_dict(raw)
-        if trace:
-            trace.received(plan)
-        if pending is not None and pending[1].ready():  # always so on the CPU: send it first
+        ran = _run_plan(channel, runner, spec, parent, StepPlan.from_dict(raw), pending, trace,
+                        grammars)
+        if ran is _CLOSED:
+            return
+        pending = ran  # type: ignore[assignment]
+
+
+def serve_plans_lockstep(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
+                         parent: int, grammars: XGrammarSlots | None = None) -> None:
+    """The step loop under data-parallel attention. Each attention group has its own engine
+    and plan ring, but the MoE layers are collectives over the whole world, so every rank runs
+    every forward pass together: each iteration is a tick (`distributed.lockstep_tick`, one
+    small all-gather on the CPU) in which every rank says whether it holds a plan and how many
+    tokens it has. If any group has tokens, every group runs a forward pass (an idle one on a
+    padding token, `ModelRunner.idle_forward`) with all groups' counts known to the MoE layers;
+    otherwise no rank runs one. The engines know nothing of it: a group's plans and results
+    flow as in `serve_plans`, one-step-ahead plans included (a plan sent ahead is simply picked
+    up by a later tick)."""
+    from tokenspeed.distributed import dp_token_counts, lockstep_tick
+    from tokenspeed.plan import StepPlan
+
+    group = spec.rank // spec.parallel.attn_tp  # type: ignore[union-attr]
+    trace = StepTrace.from_env()
+    pending: Pending | None = None
+    # While nothing runs anywhere, each tick waits a little longer on the ring first (1, 2, 4, 8,
+    # then 10 ms): an idle server ticks 100 times a second (about 7% of a core per rank on CPU,
+    # measured with 2 ranks), and a request arriving then waits at most 10 ms for the others.
+    idle_ms = 0
+    while True:
+        stop, plan = False, None
+        try:
+            raw = channel.recv(0 if pending is not None else idle_ms)
+        except ConnectionError as e:  # the server closed the channel: every rank leaves
+            logger.info("channel closed (%s); exiting", e)
+            raw, stop = None, True
+        if raw is None and os.getppid() != parent:
+            stop = True
+        if raw is not None:
+            plan = StepPlan.from_dict(raw)
+        tokens = int(plan.sched_tokens_len.sum()) if plan is not None else 0
+        tick = lockstep_tick(plan is not None, tokens, stop)
+        if tick.stop:
+            return
+        if plan is None and tick.runs_plan[group]:
+            # Another rank of this group received it first: it is on this ring too.
+            plan = _recv_plan(channel, spec, parent)
+            if plan is None:
+                return
+        if pending is not None and pending[1].ready():
             _send(channel, spec, *pending, trace, grammars)
             pending = None
-        if grammars is not None and grammars.apply_plan(plan):
-            # Worker-side grammar masks: queue the forward pass, then take the step in flight's
-            # tokens (its matchers advance as it is sent), then mask and sample. The GPU runs
-            # this forward meanwhile; no round trip to the server is needed.
-            plan = plan.copy()  # its arrays are views the next recv invalidates
-            forward = runner.launch_forward(plan)
-            if pending is not None:
-                _send(channel, spec, *pending, trace, grammars)
-                pending = None
-            pending = (plan.step_id, runner.launch_sample(plan, forward, masks=grammars.masks(plan)))
-            if trace:
-                trace.launched(plan.step_id)
+        if not tick.forward and plan is None:
+            idle_ms = min(IDLE_WAIT_MS, idle_ms * 2 or 1) if pending is None else 0
             continue
-        if has_pending_masks(plan):
-            # Grammar masks that depend on the step in flight: run the forward pass, send that
-            # step's result (the server computes the masks from it), then sample.
-            plan = plan.copy()  # its arrays are views the next recv invalidates
-            forward = runner.launch_forward(plan)
-            if pending is not None:
-                _send(channel, spec, *pending, trace, grammars)
-                pending = None
-            completion = _recv_mask_completion(channel, spec, plan.step_id, parent)
-            if completion is None:
-                return
-            pending = (plan.step_id, runner.launch_sample(plan, forward, completion))
-            if trace:
-                trace.launched(plan.step_id)
-            continue
-        launched = (plan.step_id, runner.launch(plan))
-        if trace:
-            trace.launched(plan.step_id)
+        idle_ms = 0
+        with dp_token_counts(tick.forward_counts() if tick.forward else None):
+            if plan is not None:
+                ran = _run_plan(channel, runner, spec, parent, plan, pending, trace, grammars)
+                if ran is _CLOSED:
+                    return
+                pending = ran  # type: ignore[assignment]
+            if tick.forward and tick.tokens[group] == 0:
+                runner.idle_forward()  # no plan here, or one without tokens
+
+
+def _recv_plan(channel: WorkerChannel, spec: WorkerSpec, parent: int) -> StepPlan | None:
+    """The next plan, waiting for it (None when the channel closed or the server died)."""
+    from tokenspeed.plan import StepPlan
+
+    while True:
+        try:
+            raw = channel.recv(spec.recv_timeout_ms)
+        except ConnectionError as e:
+            logger.info("channel closed (%s); exiting", e)
+            return None
+        if raw is not None:
+            return StepPlan.from_dict(raw)
+        if os.getppid() != parent:
+            return None
+
+
+def _run_plan(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec, parent: int,
+              plan: StepPlan, pending: Pending | None, trace: StepTrace | None,
+              grammars: XGrammarSlots | None) -> Pending | object:
+    """Launch one plan (its forward pass queued) and send the step in flight's result once it
+    is ready; returns the new step in flight, or _CLOSED."""
+    from tokenspeed.model_runner import has_pending_masks
+
+    if trace:
+        trace.received(plan)
+    if pending is not None and pending[1].ready():  # always so on the CPU: send it first
+        _send(channel, spec, *pending, trace, grammars)
+        pending = None
+    if grammars is not None and grammars.apply_plan(plan):
+        # Worker-side grammar masks: queue the forward pass, then take the step in flight's
+        # tokens (its matchers advance as it is sent), then mask and sample. The GPU runs
+        # this forward meanwhile; no round trip to the server is needed.
+        plan = plan.copy()  # its arrays are views the next recv invalidates
+        forward = runner.launch_forward(plan)
         if pending is not None:
             _send(channel, spec, *pending, trace, grammars)
-        pending = launched
+        launched = (plan.step_id, runner.launch_sample(plan, forward, masks=grammars.masks(plan)))
+        if trace:
+            trace.launched(plan.step_id)
+        return launched
+    if has_pending_masks(plan):
+        # Grammar masks that depend on the step in flight: run the forward pass, send that
+        # step's result (the server computes the masks from it), then sample.
+        plan = plan.copy()  # its arrays are views the next recv invalidates
+        forward = runner.launch_forward(plan)
+        if pending is not None:
+            _send(channel, spec, *pending, trace, grammars)
+        completion = _recv_mask_completion(channel, spec, plan.step_id, parent)
+        if completion is None:
+            return _CLOSED
+        launched = (plan.step_id, runner.launch_sample(plan, forward, completion))
+        if trace:
+            trace.launched(plan.step_id)
+        return launched
+    launched = (plan.step_id, runner.launch(plan))
+    if trace:
+        trace.launched(plan.step_id)
+    if pending is not None:
+        _send(channel, spec, *pending, trace, grammars)
+    return launched
 
 
 def _recv_mask_completion(channel: WorkerChannel, spec: WorkerSpec, step_id: int,
@@ -229,7 +332,7 @@ def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingS
         grammars.advance(step_id, out)
     if trace:
         trace.done(step_id)
-    if spec.rank == 0:
+    if _leads(spec):
         channel.send_result(step_id, out.arrays())
     if trace:
         trace.sent(step_id)

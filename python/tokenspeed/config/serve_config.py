@@ -87,6 +87,7 @@ class ServeConfig:
     nnodes: int = _default("nnodes")
     node_rank: int = _default("node_rank")
     dp_size: int = _default("dp_size")  # replicas, one engine + worker group each
+    enable_dp_attention: bool = _default("enable_dp_attention")  # --dp-size: attention groups
     load_balance_method: str = _default("load_balance_method")  # how the router picks a replica
     # Kernels and CUDA graphs.
     attention_backend: str | None = _default("attention_backend")  # None: picked from the device

@@ -7,7 +7,10 @@ and MoE (`--moe-tp-size`). The combinations are checked in `tokenspeed.distribut
 MoE-TP slice from those groups (layers/moe.py) and sum their partial outputs over the world
 (`--all2all-backend naive`, distributed.MoeAllReduce). Data parallelism (`--dp-size`) runs one
 engine and worker group per replica behind the Rust server's router (rust/server/src/router.rs).
-Attention TP smaller than the world (data-parallel attention) is not built yet.
+Attention TP smaller than the world (`--world-size 8 --attn-tp-size 4`, or SGLang's
+`--tp 8 --dp 2 --enable-dp-attention`) is data-parallel attention: one world of ranks, one engine
+per attention group behind that router, the MoE layers gathering every group's tokens
+(`--all2all-backend allgather_reducescatter`, distributed.MoeAllGather) in lockstep (worker.py).
 """
 
 from __future__ import annotations
@@ -40,13 +43,18 @@ PARALLEL_FLAGS: list[Flag] = [
       "attention TP (times the expert-parallel size it must equal the world size).",
       G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
     i("--world-size", "Total number of worker processes across all nodes (default: the "
-      "attention TP size; given alone, it is also the TP size).", G_PARALLEL, minimum=1,
+      "attention TP size; given alone, it is also the TP size). Larger than --attn-tp-size: "
+      "data-parallel attention, world / attn-tp attention groups, each with its own scheduler, "
+      "prefix cache and KV pool, sharing the MoE experts (dense layers stay inside a group; "
+      "one node; CUDA graphs off; for attention TP 1 use --enable-dp-attention, since --tp 1 "
+      "is the default).", G_PARALLEL, minimum=1,
       component="both", implemented=True, metavar="N"),
     i("--nprocs-per-node", "Worker processes started on each node (default: world size / "
       "nodes).", G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
     i("--dp-size", "Data-parallel size: number of independent model replicas behind one "
       "endpoint, each with its own scheduler, prefix cache, KV pool and worker group of "
-      "--tp-size ranks (on GPU replica r uses GPUs r*tp .. r*tp+tp-1; on CPU they share it).",
+      "--tp-size ranks (on GPU replica r uses GPUs r*tp .. r*tp+tp-1; on CPU they share it). "
+      "With --enable-dp-attention it is the number of attention groups in one world instead.",
       G_PARALLEL, 1, aliases=("--data-parallel-size", "--dp"), minimum=1, component="both",
       implemented=True, metavar="N"),
     c("--load-balance-method", "How requests are spread over data-parallel replicas: "
@@ -60,8 +68,12 @@ PARALLEL_FLAGS: list[Flag] = [
       G_PARALLEL, 0.1, minimum=0.0, min_exclusive=True),
     b("--prefill-round-robin-balance", "Balance prefill servers round-robin so decode servers "
       "can infer the data-parallel rank.", G_PARALLEL),
-    b("--enable-dp-attention", "Run attention data-parallel and the MLP tensor-parallel.",
-      G_PARALLEL, component="both"),
+    b("--enable-dp-attention", "Run attention data-parallel (SGLang's spelling): with --tp T "
+      "--dp D, one world of T ranks in D attention groups of T/D ranks, each group with its own "
+      "scheduler, prefix cache and KV pool; MoE layers span the world (--ep-size/--moe-tp-size), "
+      "dense MLP layers stay tensor-parallel inside a group (unlike SGLang, not over the "
+      "world). One node; runs without CUDA graphs.", G_PARALLEL, component="both",
+      implemented=True),
     b("--enable-dp-lm-head", "Keep the output head data-parallel under DP attention, avoiding "
       "an all-gather.", G_PARALLEL, component="worker"),
     i("--pp-size", "Pipeline-parallel size: number of stages the layers are split into.",
@@ -99,10 +111,14 @@ EP_FLAGS: list[Flag] = [
     c("--all2all-backend", "How MoE layers exchange tokens with the ranks holding their "
       "experts (vLLM's names). naive: every rank already holds every token (attention TP "
       "replicates them), computes a partial output over its experts and the partials are "
-      "all-reduced over the world. The others (all-gather/reduce-scatter, pplx, DeepEP, "
-      "FlashInfer all2allv) are not built yet.", G_EP,
+      "all-reduced over the world. allgather_reducescatter: the tokens of every attention "
+      "group are all-gathered first and the partials reduce-scattered back, each group getting "
+      "its own rows; data-parallel "
+      "attention always uses it (with one attention group it is naive). The others (pplx, "
+      "DeepEP, FlashInfer all2allv) are not built yet.", G_EP,
       ("naive", "allgather_reducescatter", "pplx", "deepep_high_throughput",
-       "deepep_low_latency", "flashinfer_all2allv"), "naive", supported=("naive",),
+       "deepep_low_latency", "flashinfer_all2allv"), "naive",
+      supported=("naive", "allgather_reducescatter"),
       component="worker", implemented=True),
     c("--moe-a2a-backend", "All-to-all backend for expert parallelism.", G_EP,
       ("none", "deepep", "mooncake", "ascend_fuseep"), "none", component="worker"),

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tokenspeed.distributed import MoeAllReduce
+from tokenspeed.distributed import moe_communication
 from tokenspeed.layers.moe import FusedMoE, SparseMoeBlock
 from tokenspeed.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -29,8 +29,9 @@ class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_id: int) -> nn.Module:
         if self.config.is_moe_layer(layer_id):
             block = SparseMoeBlock(self.config, self.moe_options)
-            if self.parallel.world.size > 1:  # partial outputs summed over the ranks
-                block.comm = MoeAllReduce()
+            comm = moe_communication(self.parallel)  # partial outputs summed over the ranks
+            if comm is not None:
+                block.comm = comm
             return block
         return LlamaMLP(self.config, self.parallel)
 
