@@ -281,16 +281,18 @@ _C = GemvConfig
 # M=1, M=2 (H100, session 6 sweep, Llama-3.1-8B): two rows per program for the short-K layers (qkv
 # 12.0 us, o_proj 9.6, gate_up 43.3) and, for long K (down_proj, K=14336), four rows, 2048-wide K
 # steps and two warps (24.3 us instead of 27.9); at M=2 four rows per program stream 4 KB per step
-# and share each x load (111 us per layer; best per shape 109). M=1 then went `flat` (not timed yet:
-# the same tiles in 2D, 7.7 -> 5.4 SASS instructions per fp8 weight and fewer registers, 71 -> 64
-# and 153 -> 126, read off the sm_90 build). M >= 3: the bf16 rules' tensor-core tiles.
+# and share each x load (111 us per layer; best per shape 109). M=1 then went `flat` (the same tiles
+# in 2D, 7.7 -> 5.4 SASS instructions per fp8 weight and fewer registers, 71 -> 64 and 153 -> 126,
+# read off the sm_90 build). M=1, M=2 rows: the session-8 sweep on the H100 (`FP8_SWEEP_MS=1,2
+# bash benches/device_check.sh fp8sweep`, best per class; M=1 step matmuls 2.842 -> 2.788 ms,
+# M=2 3.785 -> 3.613 ms). M >= 3: the bf16 rules' tensor-core tiles.
 FP8_TILES: dict[tuple[int, str], GemvConfig] = {
-    (1, "short"): _C(block_n=2, block_k=1024, num_warps=1, flat=True),
-    (1, "wide"): _C(block_n=2, block_k=1024, num_warps=1, flat=True),
-    (1, "long_k"): _C(block_n=4, block_k=2048, num_warps=2, flat=True),
-    (2, "short"): _C(block_n=4, block_k=1024, num_warps=1),
-    (2, "wide"): _C(block_n=4, block_k=1024, num_warps=1),
-    (2, "long_k"): _C(block_n=4, block_k=1024, num_warps=1),
+    (1, "short"): _C(block_n=2, block_k=1024, num_warps=1, pdl=True, flat=True),  # qkv 10.9, o_proj 8.5 us
+    (1, "wide"): _C(block_n=4, block_k=1024, num_warps=2, num_stages=2, pdl=True, flat=True),  # gate_up 40.2, lm_head 170.0
+    (1, "long_k"): _C(block_n=2, block_k=2048, num_warps=2, flat=True),  # down 22.2 us
+    (2, "short"): _C(block_n=4, block_k=1024, num_warps=1, pdl=True),  # qkv 14.6, o_proj 11.4 us
+    (2, "wide"): _C(block_n=4, block_k=512, num_warps=1),  # gate_up 50.0, lm_head 196.2 us
+    (2, "long_k"): _C(block_n=8, block_k=1024, num_warps=2, split_k=2),  # down 30.7 us
     (4, "short"): _C(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True),
     (4, "wide"): _C(block_n=128, block_k=128, num_warps=8, num_stages=4, use_dot=True),
     (4, "long_k"): _C(block_n=64, block_k=256, num_warps=4, num_stages=4, use_dot=True, split_k=2),
