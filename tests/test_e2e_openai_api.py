@@ -362,6 +362,27 @@ def test_vllm_metric_names(server: Server, client: openai.OpenAI, model: str) ->
                if s.name.endswith("_total")}
     assert success.get("length", 0) >= 1
 
+    def bounds(name: str) -> list[float]:
+        return [float(s.labels["le"]) for s in families[f"tokenspeed:{name}"].samples
+                if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+
+    # vLLM's bucket boundaries, from its source (vllm/v1/metrics/loggers.py, later moved to
+    # vllm/v1/metrics/buckets.py), so a vLLM dashboard's quantiles read the same.
+    assert bounds("time_to_first_token_seconds") == [
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+        40.0, 80.0, 160.0, 640.0, 2560.0]
+    assert bounds("inter_token_latency_seconds") == [
+        0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds"):
+        assert bounds(name) == [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0], name
+    # Token counts: vLLM's build_1_2_5_buckets(max_model_len), 1, 2, 5 × 10^k up to the context.
+    context = server.info()["context_length"]
+    tokens = [float(m * 10 ** k) for k in range(12) for m in (1, 2, 5) if m * 10 ** k <= context]
+    assert tokens[-1] > context / 5
+    assert bounds("request_prompt_tokens") == bounds("request_generation_tokens") == tokens
+
 
 def test_openapi_document_validates_and_lists_every_route(server: Server) -> None:
     from openapi_spec_validator import validate
