@@ -149,6 +149,13 @@ def test_prompt_logprobs_and_echo_match_hf(server: Server, client: openai.OpenAI
         rank = entry[str(ids[i])]["rank"]
         own = ref[i - 1, ids[i]].item()
         assert int((ref[i - 1] > own + 1e-3).sum()) + 1 <= rank <= int((ref[i - 1] > own - 1e-3).sum()) + 1
+    # The generated (greedy) tokens' logprobs and top alternatives too.
+    gen = ids + [int(ref[-1].argmax())]
+    with torch.no_grad():
+        last = torch.log_softmax(hf_model(torch.tensor([gen])).logits[0, -1].float(), dim=-1)  # type: ignore[operator]
+    for got, top, want in zip(lp.token_logprobs[len(ids):], lp.top_logprobs[len(ids):], (ref[-1], last)):
+        assert got == pytest.approx(want.max().item(), abs=1e-3)
+        assert sorted(top.values(), reverse=True) == pytest.approx(want.topk(2).values.tolist(), abs=1e-3)
     outside = [e[str(ids[i])]["rank"] for i, e in enumerate(plp[1:], start=1)]
     assert max(outside) > 3, "the prompt has no token outside the top 3: the rank check is moot"
     # Streamed, the echo and its logprobs come first, the same as above.
@@ -225,6 +232,21 @@ def test_continuous_usage_stats(client: openai.OpenAI, model: str) -> None:
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
     assert counts and counts == sorted(counts) and counts[-1] == 4
+
+
+def test_default_max_tokens(server: Server, client: openai.OpenAI, model: str) -> None:
+    # OpenAI's 16 for completions; vLLM's "the rest of the context" for chat. A min_tokens above
+    # the default is refused naming it, which shows the chat default without generating it all.
+    r = client.completions.create(model=model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "min_tokens": 17}, timeout=30)
+    assert bad.status_code == 400 and "max_tokens (16)" in bad.json()["error"]["message"], bad.text
+    messages = [{"role": "user", "content": "Say hi."}]
+    prompt = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": True}).json()
+    room = server.info()["context_length"] - len(prompt["tokens"])
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "min_tokens": room + 1},
+                     timeout=30)
+    assert bad.status_code == 400 and f"max_tokens ({room})" in bad.json()["error"]["message"], bad.text
 
 
 def test_chat_n_streams_role_first_for_each_choice(client: openai.OpenAI, model: str) -> None:
