@@ -249,6 +249,23 @@ def test_default_max_tokens(server: Server, client: openai.OpenAI, model: str) -
     assert bad.status_code == 400 and f"max_tokens ({room})" in bad.json()["error"]["message"], bad.text
 
 
+def test_chat_roles_and_text_parts(server: Server, client: openai.OpenAI, model: str) -> None:
+    def answer(messages: list) -> str:
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                              temperature=0).choices[0].message.content
+    # Text parts are joined with newlines (vLLM's rule): the same prompt as the joined string.
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    assert answer([{"role": "user", "content": parts}]) == answer(
+        [{"role": "user", "content": "What is the capital\nof France?"}])
+    # Every OpenAI role is accepted; any other is refused, naming it.
+    assert answer([{"role": "developer", "content": "Answer briefly."},
+                   {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                   {"role": "user", "content": "What is the capital of France?"}])
+    bad = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2})
+    assert bad.status_code == 400 and "wizard" in bad.json()["error"]["message"], bad.text
+
+
 def test_chat_n_streams_role_first_for_each_choice(client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "user", "content": "Say hello."}]
     firsts: dict[int, object] = {}
