@@ -52,7 +52,8 @@ def test_n_gives_n_choices_sharing_one_prefill(server: Server, client: openai.Op
 
 def test_batched_prompts_index_choices_prompt_major(client: openai.OpenAI, model: str) -> None:
     prompts = [PROMPT, "1, 2, 3, 4,", "Hello"]
-    r = client.completions.create(model=model, prompt=prompts, max_tokens=4, n=2, temperature=0)
+    # best_of equal to n is accepted (it ranks nothing); any other value is a 400 (below).
+    r = client.completions.create(model=model, prompt=prompts, max_tokens=4, n=2, best_of=2, temperature=0)
     assert len(r.choices) == 6
     by_index = {c.index: c.text for c in r.choices}
     for i, p in enumerate(prompts):
@@ -149,6 +150,13 @@ def test_prompt_logprobs_and_echo_match_hf(server: Server, client: openai.OpenAI
         rank = entry[str(ids[i])]["rank"]
         own = ref[i - 1, ids[i]].item()
         assert int((ref[i - 1] > own + 1e-3).sum()) + 1 <= rank <= int((ref[i - 1] > own - 1e-3).sum()) + 1
+    # The generated (greedy) tokens' logprobs and top alternatives too.
+    gen = ids + [int(ref[-1].argmax())]
+    with torch.no_grad():
+        last = torch.log_softmax(hf_model(torch.tensor([gen])).logits[0, -1].float(), dim=-1)  # type: ignore[operator]
+    for got, top, want in zip(lp.token_logprobs[len(ids):], lp.top_logprobs[len(ids):], (ref[-1], last)):
+        assert got == pytest.approx(want.max().item(), abs=1e-3)
+        assert sorted(top.values(), reverse=True) == pytest.approx(want.topk(2).values.tolist(), abs=1e-3)
     outside = [e[str(ids[i])]["rank"] for i, e in enumerate(plp[1:], start=1)]
     assert max(outside) > 3, "the prompt has no token outside the top 3: the rank check is moot"
     # Streamed, the echo and its logprobs come first, the same as above.
@@ -225,6 +233,38 @@ def test_continuous_usage_stats(client: openai.OpenAI, model: str) -> None:
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
     assert counts and counts == sorted(counts) and counts[-1] == 4
+
+
+def test_default_max_tokens(server: Server, client: openai.OpenAI, model: str) -> None:
+    # OpenAI's 16 for completions; vLLM's "the rest of the context" for chat. A min_tokens above
+    # the default is refused naming it, which shows the chat default without generating it all.
+    r = client.completions.create(model=model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "min_tokens": 17}, timeout=30)
+    assert bad.status_code == 400 and "max_tokens (16)" in bad.json()["error"]["message"], bad.text
+    messages = [{"role": "user", "content": "Say hi."}]
+    prompt = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": True}).json()
+    room = server.info()["context_length"] - len(prompt["tokens"])
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "min_tokens": room + 1},
+                     timeout=30)
+    assert bad.status_code == 400 and f"max_tokens ({room})" in bad.json()["error"]["message"], bad.text
+
+
+def test_chat_roles_and_text_parts(server: Server, client: openai.OpenAI, model: str) -> None:
+    def answer(messages: list) -> str:
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                              temperature=0).choices[0].message.content
+    # Text parts are joined with newlines (vLLM's rule): the same prompt as the joined string.
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    assert answer([{"role": "user", "content": parts}]) == answer(
+        [{"role": "user", "content": "What is the capital\nof France?"}])
+    # Every OpenAI role is accepted; any other is refused, naming it.
+    assert answer([{"role": "developer", "content": "Answer briefly."},
+                   {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                   {"role": "user", "content": "What is the capital of France?"}])
+    bad = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2})
+    assert bad.status_code == 400 and "wizard" in bad.json()["error"]["message"], bad.text
 
 
 def test_chat_n_streams_role_first_for_each_choice(client: openai.OpenAI, model: str) -> None:
@@ -361,6 +401,27 @@ def test_vllm_metric_names(server: Server, client: openai.OpenAI, model: str) ->
     success = {s.labels.get("finished_reason"): s.value for s in families["tokenspeed:request_success"].samples
                if s.name.endswith("_total")}
     assert success.get("length", 0) >= 1
+
+    def bounds(name: str) -> list[float]:
+        return [float(s.labels["le"]) for s in families[f"tokenspeed:{name}"].samples
+                if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+
+    # vLLM's bucket boundaries, from its source (vllm/v1/metrics/loggers.py, later moved to
+    # vllm/v1/metrics/buckets.py), so a vLLM dashboard's quantiles read the same.
+    assert bounds("time_to_first_token_seconds") == [
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+        40.0, 80.0, 160.0, 640.0, 2560.0]
+    assert bounds("inter_token_latency_seconds") == [
+        0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds"):
+        assert bounds(name) == [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0], name
+    # Token counts: vLLM's build_1_2_5_buckets(max_model_len), 1, 2, 5 × 10^k up to the context.
+    context = server.info()["context_length"]
+    tokens = [float(m * 10 ** k) for k in range(12) for m in (1, 2, 5) if m * 10 ** k <= context]
+    assert tokens[-1] > context / 5
+    assert bounds("request_prompt_tokens") == bounds("request_generation_tokens") == tokens
 
 
 def test_openapi_document_validates_and_lists_every_route(server: Server) -> None:

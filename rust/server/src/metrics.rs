@@ -54,7 +54,10 @@ pub struct RequestTimes {
 
 const PREFIX: &str = "tokenspeed:";
 
-/// vLLM's buckets (vllm/v1/metrics/loggers.py).
+/// vLLM's buckets, as its source defines them (vllm/v1/metrics/loggers.py; in later versions
+/// vllm/v1/metrics/buckets.py): TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY (also its older
+/// time_per_output_token), and REQUEST_LATENCY for e2e, queue, prefill and decode times.
+/// tests/test_e2e_openai_api.py reads them back from /metrics.
 const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -68,7 +71,8 @@ const REQUEST_LATENCY_BUCKETS: &[f64] = &[
     480.0, 960.0, 1920.0, 7680.0,
 ];
 
-/// vLLM's 1-2-5 buckets up to `max` (token-count histograms).
+/// vLLM's `build_1_2_5_buckets(max_model_len)`: 1, 2, 5 times each power of ten, up to and
+/// including `max` (the token-count histograms).
 fn buckets_1_2_5(max: u32) -> Vec<f64> {
     let mut out = Vec::new();
     let mut scale = 1u64;
@@ -266,6 +270,12 @@ mod tests {
             buckets_1_2_5(1000),
             vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0]
         );
+        // Stops at the last value not above the maximum, as vLLM's build_buckets does.
+        assert_eq!(
+            buckets_1_2_5(2048),
+            vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]
+        );
+        assert_eq!(buckets_1_2_5(1), vec![1.0]);
     }
 
     #[test]

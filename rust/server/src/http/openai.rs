@@ -104,9 +104,10 @@ pub(super) fn sse_data(value: &impl Serialize) -> Event {
     Event::default().data(serde_json::to_string(value).unwrap_or_default())
 }
 
-/// Streams every choice as server-sent events: `preamble` first, one event per chunk with text
-/// or a finish (`frame`; None: nothing to send for it yet), an error event if a choice fails midway (the rest are aborted), the
-/// usage event (`usage`, given each choice's last usage) when asked for, then `[DONE]`.
+/// Streams every choice as server-sent events: `preamble` first, one event per chunk (`frame`;
+/// None: nothing to send for it yet), an error event if a choice fails midway (the rest are
+/// aborted), the usage event (`usage`, given each choice's last usage) when asked for, then
+/// `[DONE]`.
 pub(super) fn sse_response<F, U>(
     choices: Choices,
     preamble: Vec<Event>,
@@ -127,8 +128,8 @@ where
             match item {
                 Ok(chunk) => {
                     usages[i] = chunk.usage;
-                    // A chunk without text still goes out when it brings the prompt logprobs.
-                    if chunk.text.is_empty() && chunk.finish.is_none() && chunk.prompt_logprobs.is_empty() { continue; }
+                    // The frame decides what a chunk without text sends: its tokens' logprobs
+                    // (held-back text still has them), its prompt logprobs, or nothing.
                     if let Some(event) = frame(i, &chunk) {
                         yield Ok(event);
                     }
@@ -253,6 +254,13 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
             let head = head.clone();
             let tokenizer2 = state.tokenizer.clone();
             move |i: usize, c: &Chunk| {
+                if c.text.is_empty()
+                    && c.finish.is_none()
+                    && c.prompt_logprobs.is_empty()
+                    && !want_logprobs
+                {
+                    return None;
+                }
                 let mut text = String::new();
                 let first = !std::mem::replace(&mut started[i], true);
                 if first {
