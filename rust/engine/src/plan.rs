@@ -73,6 +73,14 @@ section! {
 }
 
 impl SamplingParams {
+    /// Whether a penalty reads the request's token history. The worker builds that history from
+    /// the tokens it is fed, so such a request must be fed all of them: no cached prefix.
+    /// (A repetition penalty of 0, the derived default, is none: the worker reads it as 1.0.)
+    pub fn penalized(&self) -> bool {
+        let rep = self.repetition_penalty;
+        (rep > 0.0 && rep != 1.0) || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
+    }
+
     /// The neutral parameters: plain sampling at temperature 1 from the full distribution.
     pub fn neutral() -> Self {
         SamplingParams {

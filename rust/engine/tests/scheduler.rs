@@ -452,6 +452,33 @@ fn min_new_tokens_sends_the_stop_ids_for_the_worker_to_mask() {
 }
 
 #[test]
+fn penalized_requests_are_fed_their_whole_prompt_despite_the_cache() {
+    // The worker's penalty history is the tokens it is fed: a cached prefix would drop them.
+    let mut h = Harness::new(config(256, 4));
+    let p = prompt(4, 40);
+    h.submit(request(1, p.clone(), 2));
+    h.run(100);
+    let mut penalized = request(2, p.clone(), 2);
+    penalized.sampling.repetition_penalty = 1.3;
+    h.submit(penalized);
+    let mut plain = request(3, p.clone(), 2);
+    plain.sampling.repetition_penalty = 1.0;
+    h.submit(plain);
+    h.run(100);
+    assert_eq!(
+        h.last_output(2).cached_tokens,
+        0,
+        "penalized: fed every prompt token"
+    );
+    assert!(
+        h.last_output(3).cached_tokens > 0,
+        "unpenalized: served from the cache"
+    );
+    assert_eq!(h.tokens(2), reference(&p, 2));
+    h.assert_no_leak();
+}
+
+#[test]
 fn prompt_logprobs_cover_every_prompt_token_once_uncached_and_chunked() {
     for overlap in [false, true] {
         let mut h = Harness::with_overlap(config(256, 4), overlap);

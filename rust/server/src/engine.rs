@@ -7,7 +7,7 @@
 //! worker runs plan N, so the GPU does not idle while the host schedules and detokenizes.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -159,15 +159,15 @@ enum Command {
         request: Box<Request>,
         constraint: Option<Constraint>,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
+        stop: StopSignal,
     },
     Abort {
         id: RequestId,
     },
-    /// The front end matched a stop string after the request's first `generated` tokens: the
+    /// The front end matched a stop string (its `StopSignal` says after how many tokens): the
     /// request finishes as a stop (not an abort), its KV pages freed and its prefix cached.
     StopMatched {
         id: RequestId,
-        generated: u32,
     },
     /// How many leading tokens of `tokens` the radix cache holds (the cache-aware router asks).
     PrefixLen {
@@ -182,6 +182,24 @@ enum Command {
         message: String,
     },
     Shutdown,
+}
+
+/// How the front end tells the engine that a stop string ended a request, and after how many
+/// generated tokens: written before the request's event channel is dropped. The engine reads it
+/// whenever it ends the request (`Command::StopMatched`, or a token it can no longer deliver), so
+/// a stop is never counted as a client that went away, whichever of the two it sees first.
+#[derive(Clone, Default)]
+pub struct StopSignal(Arc<AtomicU32>);
+
+impl StopSignal {
+    pub fn set(&self, generated: u32) {
+        self.0.store(generated.saturating_add(1), Ordering::Release);
+    }
+
+    /// The generated tokens the stop string kept, once set.
+    pub fn get(&self) -> Option<u32> {
+        self.0.load(Ordering::Acquire).checked_sub(1)
+    }
 }
 
 /// How the engine thread tells the server it can no longer serve (worker death, a step over
@@ -231,6 +249,7 @@ impl EngineHandle {
         &self,
         request: Request,
         constraint: Option<Constraint>,
+        stop: StopSignal,
     ) -> tokio_mpsc::UnboundedReceiver<EngineEvent> {
         let (events, rx) = tokio_mpsc::unbounded_channel();
         let sent = self.commands.send(Command::Submit {
@@ -238,6 +257,7 @@ impl EngineHandle {
             request: Box::new(request),
             constraint,
             events: events.clone(),
+            stop,
         });
         if sent.is_err() {
             let _ = events.send(EngineEvent::Error {
@@ -266,8 +286,9 @@ impl EngineHandle {
 
     /// Ends request `id` as finished by a stop string the front end found after its first
     /// `generated` tokens: the engine, which ends every request, records it as a "stop".
-    pub fn stop_matched(&self, id: RequestId, generated: u32) {
-        let _ = self.commands.send(Command::StopMatched { id, generated });
+    pub fn stop_matched(&self, id: RequestId, signal: &StopSignal, generated: u32) {
+        signal.set(generated);
+        let _ = self.commands.send(Command::StopMatched { id });
     }
 
     /// Drops every cached prefix; false when requests are running (as in SGLang).

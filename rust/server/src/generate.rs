@@ -12,7 +12,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::constraint::GrammarRequest;
 use crate::engine::{
-    Constraint, EngineErrorKind, EngineEvent, EngineHandle, TokenEvent, TokenUsage,
+    Constraint, EngineErrorKind, EngineEvent, EngineHandle, StopSignal, TokenEvent, TokenUsage,
 };
 use crate::http::error::ApiError;
 use crate::http::AppState;
@@ -94,6 +94,7 @@ pub struct Chunk {
 struct AbortGuard {
     engine: EngineHandle,
     id: RequestId,
+    stop: StopSignal,
     done: bool,
     _load: crate::replicas::LoadTicket,
 }
@@ -253,6 +254,7 @@ async fn start_on(
         guard: AbortGuard {
             engine: dispatched.owner,
             id,
+            stop: dispatched.stop,
             done: false,
             _load: dispatched.load,
         },
@@ -377,7 +379,8 @@ impl Generation {
                 let generated = token.usage.completion_tokens - (n - i - 1) as u32;
                 chunk.usage.completion_tokens = generated;
                 if i + 1 < n || token.finish.is_none() {
-                    self.guard.engine.stop_matched(self.guard.id, generated);
+                    let g = &self.guard;
+                    g.engine.stop_matched(g.id, &g.stop, generated);
                 }
                 self.guard.done = true;
                 self.stop_at(&mut chunk, step);

@@ -15,7 +15,7 @@ use serde::Serialize;
 use tokenspeed_engine::scheduler::{Request, RequestId};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{Constraint, EngineEvent, EngineHandle, EngineStats};
+use crate::engine::{Constraint, EngineEvent, EngineHandle, EngineStats, StopSignal};
 use crate::router::{Policy, Router};
 
 /// How long the cache-aware router waits for a replica's prefix length (each engine answers
@@ -45,6 +45,8 @@ pub struct Dispatched {
     pub replica: usize,
     pub events: UnboundedReceiver<EngineEvent>,
     pub owner: EngineHandle,
+    /// Where the front end says that a stop string ended the request.
+    pub stop: StopSignal,
     pub load: LoadTicket,
 }
 
@@ -133,12 +135,14 @@ impl Replicas {
         load.fetch_add(1, Ordering::AcqRel);
         self.inner.routed[replica].fetch_add(1, Ordering::Relaxed);
         let owner = self.inner.engines[replica].clone();
-        let events = owner.submit(request, constraint);
+        let stop = StopSignal::default();
+        let events = owner.submit(request, constraint, stop.clone());
         Dispatched {
             id,
             replica,
             events,
             owner,
+            stop,
             load: LoadTicket(load),
         }
     }

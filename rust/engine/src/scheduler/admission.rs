@@ -53,8 +53,12 @@ impl Scheduler {
                 continue;
             };
             // Never match the whole sequence: the last token must be computed to get logits.
-            // Prompt logprobs need every prompt position computed: no cached prefix then.
-            let matchable = if seq.req.sampling.prompt_logprobs && seq.completion_tokens() == 0 {
+            // Prompt logprobs need every prompt position computed, and penalties every token
+            // fed to the worker (its history): no cached prefix then.
+            let sampling = &seq.req.sampling;
+            let matchable = if (sampling.prompt_logprobs && seq.completion_tokens() == 0)
+                || sampling.penalized()
+            {
                 0
             } else {
                 seq.tokens.len() - 1

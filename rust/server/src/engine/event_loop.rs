@@ -31,6 +31,7 @@ pub(super) struct LiveRequest {
     pub(super) first_token: Option<Instant>,
     pub(super) last_token: Option<Instant>,
     pub(super) prompt_tokens: u32,
+    pub(super) stop: StopSignal,
 }
 
 pub(super) struct EngineLoop {
@@ -174,8 +175,9 @@ impl EngineLoop {
                 request,
                 constraint,
                 events,
+                stop,
             } => {
-                if self.submit(id, *request, events) {
+                if self.submit(id, *request, events, stop) {
                     if let Some(c) = constraint {
                         self.grammars.insert(id, c);
                     }
@@ -188,13 +190,9 @@ impl EngineLoop {
                     self.count_abort();
                 }
             }
-            Command::StopMatched { id, generated } => {
-                self.grammars.remove(id);
+            Command::StopMatched { id } => {
                 if let Some(live) = self.requests.remove(&id) {
-                    // Ends it in the scheduler as `abort` does (slot freed, computed prefix
-                    // cached); for the metrics it finished, as a stop.
-                    self.scheduler.abort(id);
-                    self.record_finish(live, FinishReason::Stop, generated);
+                    self.end_stopped(id, live);
                 }
             }
             Command::PrefixLen { tokens, reply } => {
@@ -231,6 +229,7 @@ impl EngineLoop {
         id: RequestId,
         req: Request,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
+        stop: StopSignal,
     ) -> bool {
         let reject = |message: String, kind| {
             let _ = events.send(EngineEvent::Error { message, kind });
@@ -264,6 +263,7 @@ impl EngineLoop {
                         first_token: None,
                         last_token: None,
                         prompt_tokens,
+                        stop,
                     },
                 );
                 true
@@ -492,10 +492,16 @@ impl EngineLoop {
                 self.record_finish(live, reason, completion_tokens);
             }
         } else if !delivered {
-            // The client went away: free its slot and pages now.
-            self.requests.remove(&id);
-            self.scheduler.abort(id);
-            self.count_abort();
+            // A stop string ended it (the front end said so before dropping the channel), or
+            // the client went away: free its slot and pages now.
+            if let Some(live) = self.requests.remove(&id) {
+                if live.stop.get().is_some() {
+                    self.end_stopped(id, live);
+                } else {
+                    self.scheduler.abort(id);
+                    self.count_abort();
+                }
+            }
         }
     }
 
@@ -519,6 +525,15 @@ impl EngineLoop {
                 FinishReason::Length => "length",
             },
         });
+    }
+
+    /// Ends a request a stop string finished (`StopSignal`): in the scheduler as `abort` does
+    /// (slot freed, computed prefix cached); for the metrics it finished, as a stop.
+    fn end_stopped(&mut self, id: RequestId, live: LiveRequest) {
+        self.grammars.remove(id);
+        self.scheduler.abort(id);
+        let generated = live.stop.get().unwrap_or(0);
+        self.record_finish(live, FinishReason::Stop, generated);
     }
 
     fn count_abort(&self) {
