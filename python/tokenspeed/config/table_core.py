@@ -165,8 +165,9 @@ MEMORY_FLAGS: list[Flag] = [
       "cache, between 0 and 1. Default: chosen from the GPU size.", G_MEMORY,
       aliases=("--gpu-memory-utilization",), minimum=0.0, min_exclusive=True, maximum=1.0,
       component="worker", implemented=True, metavar="FRACTION"),
-    i("--max-running-requests", "Most requests decoded at the same time. Default: derived from "
-      "the KV cache size.", G_MEMORY, aliases=("--max-num-seqs",), minimum=1, component="both",
+    i("--max-running-requests", "Most requests decoded at the same time. Default: 256 on a GPU, "
+      "64 on CPU (fixed before the KV pool is sized; raise it, with --cuda-graph-max-bs, when the "
+      "pool holds more, e.g. with --kv-cache-dtype fp8).", G_MEMORY, aliases=("--max-num-seqs",), minimum=1, component="both",
       implemented=True),
     i("--prefill-max-requests", "Most new requests admitted in one prefill batch.", G_MEMORY,
       minimum=1),
