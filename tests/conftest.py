@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from server_harness import Server, start_server, stop_server
@@ -18,3 +19,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
     finally:
         stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def client(server: Server) -> openai.OpenAI:
+    """The official client against the shared server (a module may define its own)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id

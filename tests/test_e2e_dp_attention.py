@@ -9,7 +9,6 @@ two gloo ranks with unequal token counts, gives each group exactly its rows of o
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,11 +19,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from test_e2e_expert_parallel import moe_dir  # noqa: F401  (the tiny Qwen3-MoE fixture)
-from test_models_numerics import randomize, smollm2_dir
+from test_models_numerics import save_tiny_checkpoint
 from tp_ranks import moe_all_gather_on_rank, run_ranks
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
 
 from server_harness import Server, start_server, stop_server
 from tokenspeed.distributed import ParallelConfigError, ParallelSizes, resolve_sizes
@@ -158,12 +156,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(model, seed=7)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(smollm2_dir()) / name, path / name)
+    save_tiny_checkpoint(cfg, path, seed=7)
     return path
 
 

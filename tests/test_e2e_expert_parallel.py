@@ -7,7 +7,6 @@ that are not built stop the launch naming the value."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
-from test_models_numerics import randomize, smollm2_dir
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from test_models_numerics import save_tiny_checkpoint
+from transformers import Qwen3MoeConfig
 
 from server_harness import Server, start_server, stop_server
 
@@ -39,12 +37,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                          mlp_only_layers=[1], max_position_embeddings=512, bos_token_id=1,
                          eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(model, seed=5)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(smollm2_dir()) / name, path / name)
+    save_tiny_checkpoint(cfg, path, seed=5)
     return path
 
 

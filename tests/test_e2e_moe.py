@@ -4,15 +4,14 @@ transformers' greedy tokens for the same prompt."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from test_models_numerics import randomize, smollm2_dir
+from test_models_numerics import save_tiny_checkpoint
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import Qwen3MoeConfig
 
 from server_harness import start_server, stop_server
 
@@ -23,18 +22,12 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A tiny Qwen3-MoE checkpoint with SmolLM2's tokenizer, and HF's greedy continuation."""
-    src = smollm2_dir()
     path = tmp_path_factory.mktemp("qwen3moe")
     cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                          max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(model, seed=3)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(src) / name, path / name)
+    model = save_tiny_checkpoint(cfg, path, seed=3)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,

@@ -16,16 +16,6 @@ from server_harness import Server
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def greedy_text(client: openai.OpenAI, model: str, prompt: str | list[int], max_tokens: int = 5) -> str:
     r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
     return r.choices[0].text

@@ -9,23 +9,12 @@ import time
 
 import httpx
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server_harness import Server
 
 PROMPT = "The capital of France is"
 HEX32 = r"[0-9a-f]{32}"
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def logged_ids(server: Server) -> set[str]:

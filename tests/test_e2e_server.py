@@ -17,11 +17,6 @@ from server_harness import Server
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def model_name(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 

@@ -32,11 +32,6 @@ TOKENS = 6
 CHAT_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 @dataclass
 class Ctx:
     """What a case's effect check needs: the server, and memoized baselines."""

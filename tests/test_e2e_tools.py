@@ -46,11 +46,6 @@ MESSAGES = [{"role": "user", "content": "What is the weather like in Paris right
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def model_of(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 

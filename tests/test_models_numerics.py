@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,6 +58,20 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.08 * noise)
+
+
+def save_tiny_checkpoint(cfg: object, path: Path, seed: int) -> torch.nn.Module:
+    """A randomized HF model of `cfg` saved at `path` with SmolLM2's tokenizer (servable by
+    `tokenspeed serve`); returns the model (eval mode) for reference runs."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    randomize(model, seed=seed)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir() / name, path / name)
+    return model
 
 
 def assert_matches_hf(runner: ModelRunner, prompts: list[list[int]], ref_tokens: list[list[int]],

@@ -306,23 +306,11 @@ def _recv_mask_completion(channel: WorkerChannel, spec: WorkerSpec, step_id: int
                           parent: int) -> StepPlan | None:
     """The mask completion of plan `step_id`: the next message the server sends (None when the
     channel closed or the server died)."""
-    from tokenspeed.plan import StepPlan
-
-    while True:
-        try:
-            raw = channel.recv(spec.recv_timeout_ms)
-        except ConnectionError as e:
-            logger.info("channel closed (%s); exiting", e)
-            return None
-        if raw is None:
-            if os.getppid() != parent:
-                return None
-            continue
-        completion = StepPlan.from_dict(raw)
-        if completion.step_id != step_id or len(completion.sched_slot):
-            raise RuntimeError(f"expected the mask completion of step {step_id}, got a plan for step "
-                               f"{completion.step_id} with {len(completion.sched_slot)} requests")
-        return completion
+    completion = _recv_plan(channel, spec, parent)
+    if completion is not None and (completion.step_id != step_id or len(completion.sched_slot)):
+        raise RuntimeError(f"expected the mask completion of step {step_id}, got a plan for step "
+                           f"{completion.step_id} with {len(completion.sched_slot)} requests")
+    return completion
 
 
 def _send(channel: WorkerChannel, spec: WorkerSpec, step_id: int, step: PendingStep,

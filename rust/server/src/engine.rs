@@ -20,6 +20,7 @@ use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
 use crate::metrics::Metrics;
 
+mod ending;
 mod event_loop;
 mod grammar;
 use event_loop::{panic_message, EngineLoop};
