@@ -205,6 +205,7 @@ def scenarios(quick: bool, full: bool = False) -> dict[str, Scenario]:
     reduced = "" if full else "REDUCED "
     s1_prompts, s5_groups = (2000, 64) if full else (400, 16)
     s3 = rid(32, 32, 3, 1) if q else rid(128, 512, 10, 1)
+    s2, s2_prompts = ((64, 16), 16) if q else ((1024, 256), 600 if full else 200)
     s4 = (512, 4) if q else (4096, 32)
     s1 = rid(64, 64, 32) if q else rid(1024, 1024, s1_prompts)
     g = (2, 4, 256, 32, 16) if q else (s5_groups, 16, 2048, 128, 256)
@@ -216,6 +217,15 @@ def scenarios(quick: bool, full: bool = False) -> dict[str, Scenario]:
              "floor 4.5 (datasheet) / 5.0 (measured); SGLang 6.32, vLLM 7.5"),
             ("ms/token (mean TPOT)", "metrics.tpot_ms.mean", "-"),
             ("median TTFT ms", "metrics.ttft_ms.median", "-")], 150),
+        "S2r8": Scenario("S2r8", f"S2 online {'' if full else 'REDUCED '}(1024/256 at 8 req/s, "
+                         f"Poisson, {s2_prompts} prompts)",
+                         rid(*s2, s2_prompts) + ["--request-rate", "8", "--seed", "0"], [
+            ("median TTFT ms", "metrics.ttft_ms.median", "issue 14: <= 40"),
+            ("p99 TTFT ms", "metrics.ttft_ms.p99", "-"),
+            ("median TPOT ms", "metrics.tpot_ms.median", "-"),
+            ("p99 ITL ms", "metrics.itl_ms.p99", "issue 14: <= 25"),
+            ("max ITL ms", "metrics.itl_ms.max", "-"),
+            ("GPU idle between steps (share)", "metrics.gpu_idle.idle_share", "-")], 200),
         "S4c1": Scenario("S4c1", "S4 prefill (4096 in / 1 out, 32 prompts, conc 1)",
                          rid(s4[0], 1, s4[1], 1), [
             ("input tok/s", "metrics.input_throughput", "compute bound ~49k tok/s"),
@@ -352,7 +362,7 @@ def main() -> int:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--full", action="store_true",
                    help="BENCHMARKS.md's full S1 (2000 prompts) and S5 (64 groups) workloads")
-    p.add_argument("--only", default=None, help="comma-separated scenario ids (S3,S4c1,S4all,S1r,S5)")
+    p.add_argument("--only", default=None, help="comma-separated scenario ids (S3,S2r8,S4c1,S4all,S1r,S5)")
     p.add_argument("--serve-args", default="", help="extra `tokenspeed serve` flags, one string")
     p.add_argument("--config-overrides", default="{}", help="JSON merged into config.json")
     p.add_argument("--quantization", default=None, help="serve with --quantization (fp8)")
@@ -380,7 +390,8 @@ def main() -> int:
     def wanted(sid: str) -> bool:
         return only is None or sid in only or (sid.startswith("S5") and "S5" in only)
 
-    plan = [("on", [], [k for k in ("S3", "S4c1", "S4all", "S1r", "S5on", "S5zero_on") if wanted(k)]),
+    plan = [("on", [], [k for k in ("S3", "S2r8", "S4c1", "S4all", "S1r", "S5on", "S5zero_on")
+                        if wanted(k)]),
             ("nocache", ["--disable-radix-cache"], [k for k in ("S5off", "S5zero_off") if wanted(k)])]
     for tag, extra, ids in plan:
         if not ids:

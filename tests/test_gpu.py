@@ -189,6 +189,8 @@ def compare_with_hf(name: str, path: str, *, graphs: bool = True, **runner_kw: o
     ours = teacher_forced(runner, prompts, ref_tokens)
     if graphs:
         assert runner.graphs is not None and runner.graphs.replays > 0  # type: ignore[attr-defined]
+    if runner_kw.get("extend_graph_sizes"):  # the batched prefill replayed an extend graph
+        assert runner.extend_graphs.replays == 1  # type: ignore[attr-defined]
     cos = torch.nn.functional.cosine_similarity(ours, ref_logits, dim=-1)
     ours_top = ours.argmax(-1)
     want = torch.tensor(ref_tokens, device=ours.device)
@@ -218,6 +220,46 @@ def test_llama31_8b_shaped_bf16_matches_hf(tmp_path: Path) -> None:
     # Full width, 4 of the 32 layers (time and memory); the per-layer code path is the same.
     compare_with_hf("llama-3.1-8b x4 layers",
                     write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4))
+
+
+def test_llama31_8b_shaped_bf16_extend_graphs_match_hf(tmp_path: Path) -> None:
+    """The 8 prompts' prefill (838 tokens, 8 requests) replays the extend graph of 1024."""
+    from tokenspeed.cuda_graph import extend_capture_sizes
+
+    compare_with_hf("llama-3.1-8b x4 layers, extend graphs",
+                    write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4),
+                    extend_graph_sizes=extend_capture_sizes(2048))
+
+
+def staggered_greedy(runner: object, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy generation with one new prompt joining each step, after the running decodes
+    (the scheduler's order): every step but the last few is a mixed step."""
+    drv = Driver(runner)
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    waiting = list(enumerate(prompts))
+    while waiting or any(0 < len(o) < n for o in out.values()):
+        reqs = [(i, [o[-1]]) for i, o in out.items() if 0 < len(o) < n]
+        if waiting:
+            reqs.append(waiting.pop(0))
+        for (i, _), t in zip(reqs, drv.step(reqs).argmax(-1).tolist()):
+            out[i].append(t)
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_extend_graphs_fp32_mixed_steps_match_hf_exactly(tmp_path: Path) -> None:
+    from tokenspeed.cuda_graph import extend_capture_sizes
+
+    path = write_config(tmp_path, "small", SMALL_FP32)
+    runner = make_runner(path, "float32", extend_graph_sizes=extend_capture_sizes(256))
+    hf = hf_from_ours(path, runner.model, torch.float32)  # type: ignore[attr-defined]
+    prompts = prompts_for(SMALL_FP32["vocab_size"])
+    ours = staggered_greedy(runner, prompts, NEW_TOKENS)
+    ref = [hf_greedy(hf, p, NEW_TOKENS)[0] for p in prompts]
+    replays = runner.extend_graphs.replays  # type: ignore[attr-defined]
+    print(f"\n[extend graphs, fp32] {replays} extend-graph steps, decode graph steps "
+          f"{runner.graphs.replays}; identical to HF: {ours == ref}")  # type: ignore[attr-defined]
+    assert ours == ref
+    assert replays == len(prompts)  # every step that carried a prompt (all <= 256 tokens)
 
 
 def test_smollm2_shaped_bf16_matches_hf(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from tokenspeed.cuda_graph import ExtendGraphRunner
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
 from tokenspeed.plan import PLAN_DTYPES, StepPlan
@@ -210,6 +211,73 @@ def test_mixed_step_decodes_run_the_decode_kernel_and_match_torch_native(
             assert (lead is not None and lead.page_table.shape[0] == 2) == decodes_first
             assert meta.page_table.shape[0] == (1 if decodes_first else 3)
     torch.testing.assert_close(logits["triton"], logits["torch_native"], atol=2e-4, rtol=1e-4)
+
+
+def with_extend_graphs(runner: ModelRunner, sizes: list[int], max_requests: int) -> list[int]:
+    """Give the runner an extend-graph runner that is never captured (no CUDA here): each step
+    it takes runs the graph's body eagerly, with its padding and tiled attention. Returns the
+    list of the token counts it ran, appended per step."""
+    graphs = ExtendGraphRunner(runner.model, runner.kv_cache, runner.backend, sizes, max_requests,
+                               runner.config.vocab_size, runner.device, runner.last_tokens,
+                               runner.dtype, runner.config.head_dim)
+    ran: list[int] = []
+    body = graphs._run
+
+    def counted(t: int) -> None:
+        ran.append(t)
+        body(t)
+
+    graphs._run = counted  # type: ignore[method-assign]
+    runner.extend_graphs = graphs
+    return ran
+
+
+@pytest.mark.parametrize("decode_after_all_prefills", [True, False])
+def test_extend_graph_body_matches_torch_native(tiny_llama: str,
+                                                decode_after_all_prefills: bool) -> None:
+    """Steps padded to an extend graph's token count and request rows (prefill chunks, mixed
+    steps, decodes through the tiled extend kernel) give torch_native's tokens and logits;
+    steps over the graph's limits (more than 3 requests or 32 tokens) still run eagerly."""
+    if _needs_subprocess():
+        _rerun_in_subprocess("test_extend_graph_body_matches_torch_native")
+        return
+    ref = OfflineScheduler(runner_for(tiny_llama, "torch_native")).generate(
+        PROMPTS, 8, chunk_size=6, decode_after_all_prefills=decode_after_all_prefills,
+        keep_logits=True)
+    runner = runner_for(tiny_llama, "triton")
+    ran = with_extend_graphs(runner, [16, 32], max_requests=3)
+    eager = runner.backend.prepare
+    eager_steps: list[int] = []
+
+    def spy(batch: object) -> None:
+        eager_steps.append(1)
+        eager(batch)  # type: ignore[arg-type]
+
+    runner.backend.prepare = spy  # type: ignore[method-assign]
+    got = OfflineScheduler(runner).generate(
+        PROMPTS, 8, chunk_size=6, decode_after_all_prefills=decode_after_all_prefills,
+        keep_logits=True)
+    assert got.tokens == ref.tokens
+    for req_a, req_b in zip(got.logits, ref.logits):
+        for a, b in zip(req_a, req_b):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    assert ran and set(ran) <= {16, 32}, ran
+    assert eager_steps, "4 requests decoding together exceed the graph's 3 rows: eager"
+
+
+def test_prefix_sharing_through_the_extend_graph_body(tiny_llama: str) -> None:
+    """A request joining on cached pages beside a decode (mixed step), in the graph body."""
+    if _needs_subprocess():
+        _rerun_in_subprocess("test_prefix_sharing_through_the_extend_graph_body")
+        return
+    ref_tokens, ref_logits = prefix_sharing_run(runner_for(tiny_llama, "torch_native"))
+    runner = runner_for(tiny_llama, "triton")
+    ran = with_extend_graphs(runner, [16, 32], max_requests=8)
+    tokens, logits = prefix_sharing_run(runner)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    assert ran[:2] == [16, 16] and len(ran) == 8, ran  # 15, then 1 + 5, then 2 tokens a step
 
 
 def test_backend_selection(tiny_llama: str) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import TOL, make_paged_cache, rel_err
-from tokenspeed_kernels import paged_extend_attention
+from tokenspeed_kernels import extend_config, extend_tiles, paged_extend_attention
 from tokenspeed_kernels.reference import ref_paged_extend_attention
 
 
@@ -20,7 +20,10 @@ def _run(
     dtype: torch.dtype,
     device: str,
     seed: int,
+    pad_requests: int = 0,
 ) -> None:
+    """pad_requests: run the tiled launch a CUDA graph makes instead, with that many absent
+    requests (no new tokens) after the real ones and a tile table sized for the worst case."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
     k_cache, v_cache, page_table = make_paged_cache(seq_lens, page_size, hkv, head_dim, dtype, device, gen)
@@ -33,9 +36,19 @@ def _run(
         return torch.tensor(xs, dtype=torch.int32, device=device)
 
     args = (page_table, i32(starts), i32(prefix_lens), i32(seq_lens), head_dim**-0.5)
-    out = torch.full_like(q, float("nan"))
-    paged_extend_attention(q, k_cache, v_cache, *args, out=out)
     ref = ref_paged_extend_attention(q, k_cache, v_cache, *args)
+    out = torch.full_like(q, float("nan"))
+    if pad_requests:
+        pad = [0] * pad_requests
+        table = torch.cat([page_table, page_table[:1].expand(pad_requests, -1)])
+        args = (table, i32(starts + [starts[-1]] * pad_requests), i32(prefix_lens + pad),
+                i32(seq_lens + pad), head_dim**-0.5)
+        block_m = extend_config(dtype, head_dim)[0]
+        requests = len(new_lens) + pad_requests
+        tiles = extend_tiles(args[1], min(requests, starts[-1]) + starts[-1] // block_m, block_m)
+        paged_extend_attention(q, k_cache, v_cache, *args, out=out, tiles=tiles)
+    else:
+        paged_extend_attention(q, k_cache, v_cache, *args, out=out)
     tol = 3e-4 if dtype == torch.float32 else TOL[dtype]
     err = rel_err(out, ref)
     assert err < tol, f"rel err {err:.2e}"
@@ -65,3 +78,18 @@ def test_extend_empty_request(device: str) -> None:
 def test_extend_gpu_big(dtype: torch.dtype, group: int, device: str) -> None:
     _run([0, 1000, 4095, 300], [1500, 777, 1, 2048], 8, group, 128, 16, dtype, device, seed=group)
     _run([0, 31], [300, 129], 4, group, 64, 1, dtype, device, seed=group + 9)
+
+
+@pytest.mark.parametrize("pad_requests", [1, 5])
+def test_extend_tiled_launch_matches(pad_requests: int, device: str) -> None:
+    # The tiled grid of a CUDA graph: decodes (1 new token), an empty request, odd prefills,
+    # absent requests after them; every real token is written, none of the padding.
+    _run([33, 0, 5, 100, 9], [1, 0, 70, 1, 129], 2, 2, 64, 16, torch.float32, device, seed=7,
+         pad_requests=pad_requests)
+
+
+def test_extend_tiles_table() -> None:
+    q_start = torch.tensor([0, 1, 1, 130, 131, 131], dtype=torch.int32)  # 1, 0, 129, 1, 0 new
+    tiles = extend_tiles(q_start, 8, 64)
+    # request 0: block 0; request 2: blocks 2, 1, 0 (last first); request 3: block 0; then none.
+    assert tiles.tolist() == [[0, 2, 2, 2, 3, -1, -1, -1], [0, 2, 1, 0, 0, 0, 0, 0]]

@@ -1,4 +1,8 @@
-"""CUDA graphs for pure-decode steps: one graph per captured batch size over static buffers.
+"""CUDA graphs: one graph per captured size over static buffers, for pure-decode steps
+(`DecodeGraphRunner`, by batch size) and for steps with prompt tokens (`ExtendGraphRunner`, by
+token count).
+
+Decode graphs:
 
 A decode batch of B requests is padded to the smallest captured size >= B: padding rows read
 token 0 at position 0 with a one-token context of slot 0's pages, and write no K/V
@@ -8,6 +12,15 @@ lengths derive from the positions; the graph runs the whole model plus the LM he
 land in a static buffer and sampling runs outside the graph. The attention backend owns the
 metadata the graph reads (triton: gathered page-table rows; flashinfer: a planned wrapper per
 size) and refreshes it before each replay. Nothing in `run` waits for the GPU.
+
+Extend graphs (prefill chunks, alone or beside decodes) remove the eager extend path's host
+launch time (~25 ms for an 8B model, whatever the prompt length), which every first token
+waited for: a step of T tokens and R requests is padded to the smallest captured token count
+>= T, and to that graph's request rows (absent requests have no new tokens; padding tokens
+write no K/V). Every request goes through the extend attention kernel in a tiled launch
+(tokenspeed_kernels.extend_tiles) whose tile table the graph builds on the device; the graph
+ends with the LM head on each request's last token. Whole steps are captured (attention
+inside), unlike SGLang's and vLLM's piecewise graphs: the Triton kernels need no host values.
 """
 
 from __future__ import annotations
@@ -28,6 +41,9 @@ from tokenspeed.plan import LAST_SAMPLED
 logger = logging.getLogger(__name__)
 
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
+# Requests an extend graph holds (at most its token count): a prefill beside this many decodes
+# still replays a graph; the LM head runs on every row, so the cost of a row is small.
+EXTEND_GRAPH_MAX_REQUESTS = 64
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -36,6 +52,41 @@ def capture_sizes(max_bs: int) -> list[int]:
     if sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
+
+
+def extend_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the extend graphs: 16, 32, 64, 128, 192, 256, 384, 512, then every 256,
+    up to and including max_tokens (padding costs at most ~1/3 of a small step's tokens and
+    256 of a large one's)."""
+    small = [16, 32, 64, 128, 192, 256, 384, 512]
+    sizes = [s for s in small if s < max_tokens] + list(range(768, max_tokens, 256))
+    return sizes + [max_tokens]
+
+
+def capture_graphs(name: str, sizes: list[int], body: Any, device: torch.device,
+                   pool: Any = None) -> tuple[dict[int, torch.cuda.CUDAGraph], Any]:
+    """Capture `body(size)` for every size, largest first, all in one memory pool (`pool`, or a
+    new one; returned for the next runner to share: their graphs never run at once)."""
+    t0 = time.perf_counter()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    for size in sorted(sizes, reverse=True):
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile and autotune outside the capture
+                body(size)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            body(size)
+        if pool is None:
+            pool = graph.pool()
+        graphs[size] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    logger.info("captured %d %s CUDA graphs (%d..%d) in %.1f s", len(sizes), name, min(sizes),
+                max(sizes), time.perf_counter() - t0)
+    return graphs, pool
 
 
 def graph_memory_estimate(max_bs: int, vocab_size: int) -> int:
@@ -76,27 +127,10 @@ class DecodeGraphRunner:
         self.logits[:bs].copy_(self.model.compute_logits(hidden))  # type: ignore[operator]
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, all sharing one memory pool."""
-        t0 = time.perf_counter()
-        pool: Any = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        for bs in reversed(self.sizes):
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile and autotune outside the capture
-                    self._run(bs)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._run(bs)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.max_bs, time.perf_counter() - t0)
+    def capture(self, pool: Any = None) -> Any:
+        """Capture every batch size; returns the memory pool."""
+        self.graphs, pool = capture_graphs("decode", self.sizes, self._run, self.device, pool)
+        return pool
 
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_bs
@@ -117,3 +151,87 @@ class DecodeGraphRunner:
         self.graphs[bs].replay()
         self.replays += 1
         return self.logits[:b], self.inputs[3, :b]
+
+
+class ExtendGraphRunner:
+    """Graphs for steps with prompt tokens: see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend,
+                 sizes: list[int], max_requests: int, vocab_size: int, device: torch.device,
+                 last_tokens: torch.Tensor, dtype: torch.dtype, head_dim: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+        self.last_tokens = last_tokens
+        self.dtype, self.head_dim = dtype, head_dim
+        self.sizes = sorted(sizes)
+        self.max_requests = max_requests
+        t, r = self.sizes[-1], self.rows(self.sizes[-1])
+        # Per token: input id, position, cache location, slot. Per request: slot, first token
+        # (r + 1 entries: cumulative), cached tokens before the new ones, context after them, and
+        # the row of its last token (whose logits are sampled).
+        self.tokens = torch.zeros((4, t), dtype=torch.int64, device=device)
+        self.requests = torch.zeros((5, r + 1), dtype=torch.int64, device=device)
+        self.logits = torch.zeros((r, vocab_size), dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+
+    def rows(self, tokens: int) -> int:
+        """Request rows of the graph of `tokens` tokens."""
+        return min(self.max_requests, tokens)
+
+    def _run(self, t: int) -> None:
+        r = self.rows(t)
+        ids, positions, out_loc, token_slots = self.tokens[:, :t]
+        slots, q_start, prefix, seq_lens, last = self.requests[:, :r + 1]
+        ids = torch.where(ids == LAST_SAMPLED, self.last_tokens[token_slots], ids)
+        meta = self.backend.extend_graph_metadata(  # type: ignore[attr-defined]
+            slots[:r], q_start, prefix[:r], seq_lens[:r], t, self.dtype, self.head_dim)
+        empty = np.zeros(0, dtype=np.int64)
+        batch = ForwardBatch(input_ids=ids, positions=positions, out_cache_loc=out_loc,
+                             slots=empty, num_tokens=empty, start_pos=empty, query_start=empty,
+                             kv_cache=self.kv_cache, backend=self.backend, metadata=meta)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        self.logits[:r].copy_(self.model.compute_logits(hidden[last[:r]]))  # type: ignore[operator]
+
+    @torch.inference_mode()
+    def capture(self, pool: Any = None) -> Any:
+        """Capture every token count; returns the memory pool."""
+        self.tokens[2].fill_(-1)
+        self.graphs, pool = capture_graphs("extend", self.sizes, self._run, self.device, pool)
+        return pool
+
+    def can_run(self, num_tokens: int, num_requests: int) -> bool:
+        return 0 < num_tokens <= self.sizes[-1] and num_requests <= self.max_requests
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, out_cache_loc: np.ndarray,
+            slots: np.ndarray, start_pos: np.ndarray,
+            query_start: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for a step of len(slots) requests, request i with tokens [query_start[i],
+        query_start[i + 1]) at positions from start_pos[i]. Returns float32 logits [B, vocab] of
+        each request's last token (a view of the static buffer, valid until the next replay)
+        and the slots [B] on the device. Before capture (CPU tests) the same body runs eagerly."""
+        n, b = len(input_ids), len(slots)
+        t = self.sizes[bisect.bisect_left(self.sizes, n)]
+        r = self.rows(t)
+        tokens = np.zeros((4, t), dtype=np.int64)
+        tokens[2] = -1
+        tokens[0, :n], tokens[1, :n], tokens[2, :n] = input_ids, positions, out_cache_loc
+        tokens[3, :n] = np.repeat(slots, np.diff(query_start))
+        requests = np.zeros((5, r + 1), dtype=np.int64)
+        requests[1, b:] = n  # absent requests: no new tokens
+        requests[0, :b], requests[1, :b + 1], requests[2, :b] = slots, query_start, start_pos
+        requests[3, :b] = start_pos + np.diff(query_start)
+        requests[4, :b] = query_start[1:] - 1
+        (dev,) = to_device_int64([np.concatenate([tokens.reshape(-1), requests.reshape(-1)])],
+                                 self.device)
+        self.tokens[:, :t].copy_(dev[:4 * t].view(4, t))
+        self.requests[:, :r + 1].copy_(dev[4 * t:].view(5, r + 1))
+        graph = self.graphs.get(t)
+        if graph is None:
+            self._run(t)
+        else:
+            graph.replay()
+            self.replays += 1
+        return self.logits[:b], self.requests[0, :b]

@@ -10,7 +10,9 @@ import torch
 
 from tokenspeed.cuda_graph import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
+    EXTEND_GRAPH_MAX_REQUESTS,
     DecodeGraphRunner,
+    ExtendGraphRunner,
     capture_sizes,
     graph_memory_estimate,
 )
@@ -141,7 +143,9 @@ class ModelRunner:
     `step(plan)`: drop finished slots → register new requests → page-table updates → page
     copies → forward of the scheduled requests → sample the last token of every request with
     sample == 1.
-    On CUDA, pure-decode steps of up to `cuda_graph_max_bs` requests replay a captured graph.
+    On CUDA, pure-decode steps of up to `cuda_graph_max_bs` requests replay a captured graph,
+    and steps with prompt tokens replay one when their token count is <= the largest of
+    `extend_graph_sizes` (triton attention only; empty: none).
     """
 
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
@@ -149,7 +153,7 @@ class ModelRunner:
                  max_slots: int, max_context_len: int, seed: int = 0,
                  mem_fraction_static: float | None = None,
                  attention_backend: str | None = None, disable_cuda_graph: bool = False,
-                 cuda_graph_max_bs: int | None = None,
+                 cuda_graph_max_bs: int | None = None, extend_graph_sizes: list[int] | None = None,
                  chunked_prefill_size: int | None = None, moe_backend: str | None = None,
                  moe_parallel: MoeParallel | None = None, kv_cache_dtype: str = "auto",
                  quantization_param_path: str | None = None,
@@ -197,6 +201,9 @@ class ModelRunner:
                       and state().sizes.attn_dp == 1)
         self.cuda_graph_max_bs = (min(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_slots)
                                   if use_graphs else 0)
+        # Extend graphs read the triton backend's tiled extend kernel (no host values).
+        self.extend_graph_sizes = sorted(set(extend_graph_sizes or ())) \
+            if use_graphs and self.attention_backend == "triton" else []
         if num_pages is None:
             num_pages = self._profile_num_pages(mem_fraction_static, chunked_prefill_size)
         self.num_pages = num_pages
@@ -215,21 +222,31 @@ class ModelRunner:
         self._prompt_carry: dict[int, torch.Tensor] = {}
         self._prompt_out: dict[int, PromptLogprobs] = {}
         self.graphs: DecodeGraphRunner | None = None
+        self.extend_graphs: ExtendGraphRunner | None = None
         self._idle: tuple[PagedKVCache, AttentionBackend] | None = None  # idle_forward's cache
+        pool = None  # one memory pool for all graphs (largest, the extend ones, first)
+        if self.extend_graph_sizes:
+            self.extend_graphs = ExtendGraphRunner(
+                self.model, self.kv_cache, self.backend, self.extend_graph_sizes,
+                min(EXTEND_GRAPH_MAX_REQUESTS, max_slots), c.vocab_size, self.device,
+                self.last_tokens, self.dtype, c.head_dim)
+            pool = self.extend_graphs.capture()
         if self.cuda_graph_max_bs:
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
                                             self.last_tokens)
-            self.graphs.capture()
+            self.graphs.capture(pool)
         logger.info("model %s loaded: dtype=%s%s device=%s attention=%s%s kv pages=%d x %d tokens "
-                    "(%s), cuda graphs up to batch %d", c.architecture, self.dtype,
+                    "(%s), cuda graphs up to batch %d%s", c.architecture, self.dtype,
                     "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'}"
                     f"{', fp8 lm_head' if self.fp8.lm_head else ''})",
                     self.device, self.attention_backend,
                     f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok}"
                     f"{_expert_slice(c.num_experts, moe_parallel)})"
                     if c.num_experts else "", self.num_pages, page_size, self.kv_dtype,
-                    self.cuda_graph_max_bs)
+                    self.cuda_graph_max_bs,
+                    f" and steps up to {self.extend_graph_sizes[-1]} tokens"
+                    if self.extend_graph_sizes else "")
 
     def _kv_scales(self, from_checkpoint: KVScales,
                    param_path: str | None) -> tuple[list[float], list[float]]:
@@ -274,6 +291,9 @@ class ModelRunner:
             if self.cuda_graph_max_bs else 0
         num_graphs = len(capture_sizes(self.cuda_graph_max_bs)) if self.cuda_graph_max_bs else 0
         graphs += backend_memory_bytes(self.attention_backend, num_graphs)
+        if self.extend_graph_sizes:  # their pool: the activations of the largest, and its logits
+            graphs += (activations * self.extend_graph_sizes[-1] // tokens
+                       + 3 * EXTEND_GRAPH_MAX_REQUESTS * c.vocab_size * 4)
         reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES
         fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
         free, total = torch.cuda.mem_get_info(self.device)
@@ -442,10 +462,10 @@ class ModelRunner:
         positions, out_loc, query_start = self._token_indices(plan)
         sample = plan.sched_sample.astype(bool)
         wanted = self.sampler.prompt_logprobs_pending(plan.sched_slot).tolist()
-        if (not wanted and self.graphs is not None and self.graphs.can_run(len(plan.sched_slot))
-                and bool((plan.sched_tokens_len == 1).all())):
-            logits, slots_dev = self.graphs.run(plan.sched_tokens.astype(np.int64), positions,
-                                                out_loc, plan.sched_slot)
+        # Prompt logprobs read every position's hidden state: eager.
+        graph_run = None if wanted else self._replay(plan, positions, out_loc, query_start)
+        if graph_run is not None:
+            logits, slots_dev = graph_run
             if sample.all():
                 return (logits.clone() if copy_logits else logits), slots_dev
             rows = to_device_int64([np.flatnonzero(sample)], self.device)[0]
@@ -458,6 +478,20 @@ class ModelRunner:
         last = query_start[1:] - 1
         rows = to_device_int64([last[sample]], self.device)[0]
         return self.model.compute_logits(hidden[rows]), None  # type: ignore[operator]
+
+    def _replay(self, plan: StepPlan, positions: np.ndarray, out_loc: np.ndarray,
+                query_start: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run the step as a captured graph if one fits it: (logits of every request's last
+        token, slots on the device); None: the step runs eagerly."""
+        num_requests, num_tokens = len(plan.sched_slot), int(query_start[-1])
+        ids = plan.sched_tokens.astype(np.int64)
+        if (self.graphs is not None and num_tokens == num_requests
+                and self.graphs.can_run(num_requests)):
+            return self.graphs.run(ids, positions, out_loc, plan.sched_slot)
+        if self.extend_graphs is not None and self.extend_graphs.can_run(num_tokens, num_requests):
+            return self.extend_graphs.run(ids, positions, out_loc, plan.sched_slot.astype(np.int64),
+                                          plan.sched_start_pos.astype(np.int64), query_start)
+        return None
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, slots_dev: torch.Tensor | None,
                 completion: StepPlan | None = None,

@@ -194,6 +194,7 @@ def launch(cfg: Any) -> int:
             attention_backend=cfg.attention_backend or None,
             disable_cuda_graph=bool(cfg.disable_cuda_graph),
             cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+            extend_graph_sizes=extend_graph_sizes(cfg),
             chunked_prefill_size=chunk,
             moe_backend=cfg.moe_backend or None,
             log_level=cfg.log_level,
@@ -332,6 +333,17 @@ def _stop_workers(workers: list[Any]) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=3)
+
+
+def extend_graph_sizes(cfg: Any) -> list[int]:
+    """Token counts of the extend-step CUDA graphs (--piecewise-cuda-graph-*); [] when off."""
+    if cfg.disable_cuda_graph or cfg.disable_piecewise_cuda_graph:
+        return []
+    if cfg.piecewise_cuda_graph_tokens:
+        return sorted({int(t) for t in cfg.piecewise_cuda_graph_tokens})
+    from tokenspeed.cuda_graph import extend_capture_sizes
+
+    return extend_capture_sizes(int(cfg.piecewise_cuda_graph_max_tokens))
 
 
 def all2all_backend(cfg: Any, sizes: Any) -> str:

@@ -45,6 +45,7 @@ class WorkerSpec:
     attention_backend: str | None  # None/"auto": triton on CUDA, torch_native on CPU
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    extend_graph_sizes: list[int] | None = None  # token counts of the extend CUDA graphs
     chunked_prefill_size: int | None = None  # largest prefill step: sizes the memory profile
     moe_backend: str | None = None  # None/"auto": triton on CUDA, torch_native on CPU
     log_level: str = "info"
@@ -105,6 +106,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             attention_backend=spec.attention_backend,
             disable_cuda_graph=spec.disable_cuda_graph,
             cuda_graph_max_bs=spec.cuda_graph_max_bs,
+            extend_graph_sizes=spec.extend_graph_sizes,
             chunked_prefill_size=spec.chunked_prefill_size,
             moe_backend=spec.moe_backend,
             kv_cache_dtype=spec.kv_cache_dtype,

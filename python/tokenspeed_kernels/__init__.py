@@ -2,7 +2,7 @@
 
 from tokenspeed_kernels.activation import silu_and_mul
 from tokenspeed_kernels.decode_attention import default_num_splits, paged_decode_attention
-from tokenspeed_kernels.extend_attention import paged_extend_attention
+from tokenspeed_kernels.extend_attention import extend_config, extend_tiles, paged_extend_attention
 from tokenspeed_kernels.fp8_gemm import fp8_matmul, per_token_quant_fp8
 from tokenspeed_kernels.gemv import skinny_linear
 from tokenspeed_kernels.kv_cache import write_kv_to_pages
@@ -14,6 +14,8 @@ from tokenspeed_kernels.rotary_kv import rotary_embedding_write_kv
 __all__ = [
     "build_cos_sin_cache",
     "default_num_splits",
+    "extend_config",
+    "extend_tiles",
     "fp8_matmul",
     "fused_add_rmsnorm",
     "fused_moe",

@@ -87,6 +87,8 @@ def _extend_kernel(
     q_start_loc_ptr,
     prefix_lens_ptr,
     seq_lens_ptr,
+    tiles_ptr,
+    num_tiles,
     qk_scale,
     v_scale,
     stride_qt,
@@ -109,12 +111,22 @@ def _extend_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     KV_CAST: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """One program = one (request, q head, BLOCK_M new tokens). KV_CAST: the K scale is in
-    qk_scale, v_scale multiplies the output."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    mblk = tl.num_programs(2) - 1 - tl.program_id(2)  # longest (most keys) tiles launch first
+    qk_scale, v_scale multiplies the output. TILED: the grid is (q head, tile) and the tile
+    table (`extend_tiles`) names each tile's request and block (-1: no work)."""
+    if TILED:
+        h = tl.program_id(0)
+        t = tl.program_id(1)
+        b = tl.load(tiles_ptr + t)
+        if b < 0:
+            return
+        mblk = tl.load(tiles_ptr + num_tiles + t)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        mblk = tl.num_programs(2) - 1 - tl.program_id(2)  # longest (most keys) tiles launch first
     q_start = tl.load(q_start_loc_ptr + b)
     n_new = tl.load(q_start_loc_ptr + b + 1) - q_start
     if mblk * BLOCK_M >= n_new:
@@ -169,6 +181,30 @@ def _extend_kernel(
     )
 
 
+def extend_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the extend kernel for a q dtype and head size."""
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    if triton.next_power_of_2(head_dim) <= 64:
+        return 128, 64, 4, 3
+    return 128, 128, 8, 2  # D=128 bf16/fp16: best average over the bench shapes on H200 (bench --sweep)
+
+
+def extend_tiles(q_start_loc: torch.Tensor, num_tiles: int, block_m: int) -> torch.Tensor:
+    """The tile table of a tiled launch: [2, num_tiles] int32, row 0 each tile's request (-1 past
+    the last tile), row 1 its block of BLOCK_M new tokens, the last block of a request first
+    (it has the most keys). Device ops of fixed shape, no host sync: CUDA graphs capture it.
+    num_tiles must cover sum(ceil(new_i / block_m)) <= min(requests, tokens) + tokens // block_m."""
+    n_new = (q_start_loc[1:] - q_start_loc[:-1]).to(torch.int64)
+    per_request = (n_new + block_m - 1) // block_m
+    ends = per_request.cumsum(0)
+    t = torch.arange(num_tiles, device=q_start_loc.device, dtype=torch.int64)
+    request = torch.searchsorted(ends, t, right=True)
+    valid = request < n_new.shape[0]
+    block = ends[request.clamp(max=n_new.shape[0] - 1)] - 1 - t
+    return torch.stack([torch.where(valid, request, -1), torch.where(valid, block, 0)]).to(torch.int32)
+
+
 def paged_extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -183,6 +219,7 @@ def paged_extend_attention(
     config: tuple[int, int, int, int] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their request's paged cache (their own K/V already written).
 
@@ -192,6 +229,9 @@ def paged_extend_attention(
     max_new_tokens bounds the grid (read from q_start_loc, a host sync, when not given); pass it
     under CUDA graphs. config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override for tuning.
     An fp8 cache (float8_e4m3fn / float8_e5m2) holds K / k_scale and V / v_scale.
+    tiles: a tile table from `extend_tiles` (same BLOCK_M as `extend_config`): the grid is its
+    tiles instead of requests x the longest request's blocks, so that a launch sized for many
+    requests and tokens (a CUDA graph's) runs no programs for absent ones.
     """
     total, hq, head_dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
@@ -206,18 +246,14 @@ def paged_extend_attention(
         out = torch.empty_like(q)
     if total == 0 or batch == 0:
         return out
-    if max_new_tokens is None:
-        max_new_tokens = int((q_start_loc[1:] - q_start_loc[:-1]).max().item())
     block_d = triton.next_power_of_2(head_dim)
-    if config is not None:
-        block_m, block_n, warps, stages = config
-    elif q.dtype == torch.float32:
-        block_m, block_n, warps, stages = 64, 32, 4, 2
-    elif block_d <= 64:
-        block_m, block_n, warps, stages = 128, 64, 4, 3
-    else:  # D=128 bf16/fp16: best average over the bench shapes on H200 (bench --sweep)
-        block_m, block_n, warps, stages = 128, 128, 8, 2
-    grid = (batch, hq, triton.cdiv(max_new_tokens, block_m))
+    block_m, block_n, warps, stages = config or extend_config(q.dtype, head_dim)
+    if tiles is not None:
+        grid: tuple[int, ...] = (hq, tiles.shape[1])
+    else:
+        if max_new_tokens is None:
+            max_new_tokens = int((q_start_loc[1:] - q_start_loc[:-1]).max().item())
+        grid = (batch, hq, triton.cdiv(max_new_tokens, block_m))
     _extend_kernel[grid](
         q,
         k_cache,
@@ -227,6 +263,8 @@ def paged_extend_attention(
         q_start_loc,
         prefix_lens,
         seq_lens,
+        tiles if tiles is not None else q_start_loc,  # unread unless TILED
+        tiles.shape[1] if tiles is not None else 0,
         scale * LOG2E * k_scale,
         v_scale,
         q.stride(0),
@@ -249,6 +287,7 @@ def paged_extend_attention(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=upcast_dot(q.dtype),
         KV_CAST=kv_cast,
+        TILED=tiles is not None,
         num_warps=warps,
         num_stages=stages,
     )

@@ -8,6 +8,7 @@ come from the flag table; nothing here restates one.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -93,6 +94,10 @@ class ServeConfig:
     attention_backend: str | None = _default("attention_backend")  # None: picked from the device
     disable_cuda_graph: bool = _default("disable_cuda_graph")
     cuda_graph_max_bs: int | None = _default("cuda_graph_max_bs")  # None: chosen by the worker
+    disable_piecewise_cuda_graph: bool = _default("disable_piecewise_cuda_graph")  # extend graphs
+    enable_piecewise_cuda_graph: bool = _default("enable_piecewise_cuda_graph")  # deprecated
+    piecewise_cuda_graph_tokens: Sequence[int] | None = _default("piecewise_cuda_graph_tokens")
+    piecewise_cuda_graph_max_tokens: int = _default("piecewise_cuda_graph_max_tokens")
     moe_backend: str | None = _default("moe_backend")  # None: triton on CUDA, torch_native on CPU
     all2all_backend: str = _default("all2all_backend")  # naive: partial outputs all-reduced
     # Launcher.

@@ -63,14 +63,26 @@ OPT_FLAGS: list[Flag] = [
       component="worker"),
     b("--enable-torch-compile-debug-mode", "Debug mode for torch.compile.", G_OPT,
       component="worker"),
-    b("--enable-piecewise-cuda-graph", "Capture CUDA graphs piecewise for prefill/extend "
-      "batches.", G_OPT, component="worker"),
-    lst("--piecewise-cuda-graph-tokens", "Token counts captured by piecewise CUDA graphs.",
-        G_OPT, item="int", minimum=1, component="worker"),
+    b("--disable-piecewise-cuda-graph", "Run steps with prompt tokens (prefill/extend, alone or "
+      "beside decodes) eagerly instead of replaying CUDA graphs. TokenSpeed captures whole "
+      "extend steps of up to --piecewise-cuda-graph-max-tokens tokens and 64 requests, attention "
+      "included (triton attention backend; not with data-parallel attention), which removes "
+      "the eager path's host launch time from every first token.", G_OPT, component="worker",
+      implemented=True),
+    b("--enable-piecewise-cuda-graph", "Deprecated, as in SGLang: extend-step CUDA graphs are on "
+      "by default; --disable-piecewise-cuda-graph turns them off. Accepted and changes nothing.",
+      G_OPT, component="worker", implemented=True),
+    lst("--piecewise-cuda-graph-tokens", "Exact token counts captured as extend-step CUDA graphs "
+        "(a step is padded to the next one). Default: 16, 32, 64, 128, 192, 256, 384, 512, then "
+        "every 256 up to --piecewise-cuda-graph-max-tokens.",
+        G_OPT, item="int", minimum=1, component="worker", implemented=True),
     i("--torch-compile-max-bs", "Largest batch size compiled with torch.compile.", G_OPT, 32,
       minimum=1, component="worker"),
-    i("--piecewise-cuda-graph-max-tokens", "Largest token count captured by piecewise CUDA "
-      "graphs.", G_OPT, 4096, minimum=1, component="worker"),
+    i("--piecewise-cuda-graph-max-tokens", "Largest step (in tokens) captured as an extend-step "
+      "CUDA graph; larger steps run eagerly, their GPU time hides the launches. Default 2048 "
+      "(SGLang: 4096): past ~1k tokens of an 8B model the GPU work outlasts the eager launch "
+      "and padding would cost more than it saves.", G_OPT, 2048, minimum=1, component="worker",
+      implemented=True),
     b("--enable-nan-detection", "Check logits for NaNs at every step.", G_OPT,
       component="worker"),
     b("--enable-p2p-check", "Test GPU peer-to-peer access instead of assuming it works.", G_OPT,

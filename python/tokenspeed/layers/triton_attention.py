@@ -31,6 +31,8 @@ class TritonMetadata:
     # extend: the step's leading one-token requests, run by the decode kernel; the fields above
     # then describe only the requests after them (q_start_loc counts from their first token).
     leading_decodes: TritonMetadata | None = None
+    # extend under a CUDA graph: the tile table of a launch sized for the graph (extend_tiles).
+    tiles: torch.Tensor | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -106,6 +108,24 @@ class TritonBackend(AttentionBackend):
         # Only the columns the longest context needs, gathered on the device.
         self.graph_page_table[:bs, :cols] = self.kv_cache.page_table[slots_dev, :cols]
 
+    def extend_graph_metadata(self, slots: torch.Tensor, q_start_loc: torch.Tensor,
+                              prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                              num_tokens: int, q_dtype: torch.dtype,
+                              head_dim: int) -> TritonMetadata:
+        """The metadata an extend CUDA graph is captured with, built on the device from its
+        static [R] request buffers (int64; absent requests: no new tokens). Every request, one
+        new token or many, goes through the extend kernel in a tiled launch; page-table rows
+        are gathered at full width inside the graph."""
+        from tokenspeed_kernels import extend_config, extend_tiles
+
+        block_m = extend_config(q_dtype, head_dim)[0]
+        num_tiles = min(int(slots.shape[0]), num_tokens) + num_tokens // block_m
+        return TritonMetadata(
+            page_table=self.kv_cache.page_table[slots], seq_lens=seq_lens.to(torch.int32),
+            decode=False, q_start_loc=q_start_loc.to(torch.int32),
+            prefix_lens=prefix_lens.to(torch.int32), max_new_tokens=num_tokens,
+            tiles=extend_tiles(q_start_loc, num_tiles, block_m))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         """rope: rotate q (in place) and k on their way into the cache, one kernel for both. k
@@ -130,7 +150,7 @@ class TritonBackend(AttentionBackend):
                                    layer.scaling, out=out[:d], num_splits=lead.num_splits, **scales)
         paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
                                m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
-                               max_new_tokens=m.max_new_tokens, **scales)
+                               max_new_tokens=m.max_new_tokens, tiles=m.tiles, **scales)
         return out.flatten(1)
 
 
