@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import openai
 import pytest
 
 from server_harness import Server, start_server, stop_server
+
+if TYPE_CHECKING:  # the GPU machine runs tests/test_gpu*.py without the openai package
+    import openai
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +27,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def client(server: Server) -> openai.OpenAI:
     """The official client against the shared server (a module may define its own)."""
+    import openai
+
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
