@@ -70,10 +70,13 @@ class MoeAllToAll:
         holds.scatter_(1, owner, True)
         to = holds.repeat_interleave(sizes.moe_tp, dim=1)  # [rows, world]: rank e * moe_tp + t
         send = to.sum(0)
+        # The (destination, token) pairs to send first, destination-major as all_to_all_single
+        # splits: a stable sort queued before the sync below (nonzero would sync again).
+        order = torch.argsort((~to.t().reshape(-1)).to(torch.uint8), stable=True)
         one = [1] * sizes.world_size
         recv = st.world.all_to_all(send, one, one)
         send_n, recv_n = torch.stack([send, recv]).tolist()  # the host sync
-        token = to.t().nonzero()[:, 1]  # destination-major, as all_to_all_single splits
+        token = order[:sum(send_n)] % max(rows, 1)
         packed = _pack(x[lo:lo + rows].index_select(0, token), routing.weights[token],
                        routing.ids[token])
         got = st.world.all_to_all(packed, send_n, recv_n)
