@@ -14,6 +14,9 @@
 #             cost (2 GPUs)
 #   ep        benches/parallel_check.py --mode ep --checks fp32: EP=2 vs EP=1 greedy tokens,
 #             Qwen3-30B-A3B shape, 4 layers fp32, must be identical (2 GPUs)
+#   a2a       benches/parallel_check.py --mode epa2a, then --mode dpa2a, --checks fp32:
+#             --all2all-backend torch_all2all (NCCL all_to_all_single) vs one GPU, greedy tokens
+#             must be identical, plain EP and data-parallel attention (2 GPUs)
 #   eps3      benches/parallel_check.py --mode ep --checks bf16: the whole 48-layer bf16 model at
 #             EP=1 and EP=2, token agreement and S3 on each (2 GPUs)
 #   fitests   the FlashInfer backend's GPU tests alone (gputests runs them too)
@@ -130,6 +133,12 @@ for arg in "$@"; do
     dpattn)
         phase dpattn_check python3 benches/parallel_check.py --mode dpattn \
             --tokenizer .carry/llama3/tokenizer.json --out "$OUT/dpattn" --checks fp32
+        ;;
+    a2a)
+        phase epa2a_check python3 benches/parallel_check.py --mode epa2a \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/epa2a" --checks fp32
+        phase dpa2a_check python3 benches/parallel_check.py --mode dpa2a \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/dpa2a" --checks fp32
         ;;
     eps3)
         phase ep_s3 python3 benches/parallel_check.py --mode ep \

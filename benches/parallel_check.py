@@ -14,6 +14,9 @@ GPUs must agree, and S3 (batch-1 decode ms/token) on each.
              --enable-dp-attention --ep-size 2` (two attention groups of one GPU, each its own
              engine; MoE tokens all-gathered: `allgather_reducescatter`; eager, no CUDA graphs).
              Prompts go one at a time, so one group runs idle forward passes at every step.
+  --mode epa2a / dpa2a  ep / dpattn with `--all2all-backend torch_all2all`: each token sent only
+             to the GPU holding its experts (NCCL all_to_all_single, split sizes read on the host:
+             eager, no CUDA graphs); a lone decode token leaves one GPU, the other sends nothing.
 
 Run on a 2-GPU machine from the repo root, with `tokenspeed._core` importable:
 
@@ -59,6 +62,11 @@ MODES: dict[str, tuple[str, dict[int, list[str]]]] = {
     "ep": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--ep-size", "2"]}),
     "dpattn": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--dp", "2",
                                                        "--enable-dp-attention", "--ep-size", "2"]}),
+    "epa2a": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--ep-size", "2",
+                                                      "--all2all-backend", "torch_all2all"]}),
+    "dpa2a": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--dp", "2",
+                                                      "--enable-dp-attention", "--ep-size", "2",
+                                                      "--all2all-backend", "torch_all2all"]}),
 }
 
 
@@ -198,7 +206,7 @@ def main() -> int:
         vocab = Tokenizer.from_file(a.tokenizer).get_vocab_size()
         shrink = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
                   "head_dim": 32, "intermediate_size": 256, "vocab_size": vocab}
-        if a.mode in ("ep", "dpattn"):
+        if a.mode != "tp":
             shrink |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
     config = gpu_bench.MODELS[model_name][0]
     vocab = shrink.get("vocab_size", config["vocab_size"])

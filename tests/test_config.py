@@ -83,6 +83,9 @@ def test_expert_parallel_sizes_parse(spelling: str) -> None:
     assert (cfg.tp_size, cfg.ep_size, cfg.enable_expert_parallel) == (4, 2, False)
     cfg = parse_serve_args(["--tp", "2", "--enable-expert-parallel"])
     assert cfg.enable_expert_parallel and cfg.all2all_backend == "naive"
+    cfg = parse_serve_args(["--tp", "2", "--ep-size", "2", "--all2all-backend", "torch_all2all"])
+    assert cfg.all2all_backend == "torch_all2all" and cfg.worker_dict()["all2all_backend"] == \
+        "torch_all2all"
 
 
 @pytest.mark.parametrize("backend", ["pplx", "deepep_high_throughput", "deepep_low_latency",

@@ -4,7 +4,9 @@ radix cache and KV pool each) sharing a tiny random Qwen3-MoE's experts. Its gre
 one rank's for a concurrent batch that lands on both groups and for a lone request (the other
 group runs idle forward passes every step); a dense tiny Llama under it too; a killed rank stops
 the server; the sizes resolve as seed 001's split example says; and the MoE exchange itself, on
-two gloo ranks with unequal token counts, gives each group exactly its rows of one rank's output."""
+two gloo ranks with unequal token counts, gives each group exactly its rows of one rank's output.
+`--all2all-backend torch_all2all` (tokens sent only to the ranks holding their experts) too: the
+same text with and without attention groups, and one rank's MoE output layer by layer."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import openai
 import pytest
 from test_e2e_expert_parallel import moe_dir  # noqa: F401  (the tiny Qwen3-MoE fixture)
 from test_models_numerics import save_tiny_checkpoint
-from tp_ranks import moe_all_gather_on_rank, run_ranks
+from tp_ranks import moe_all_gather_on_rank, moe_all_to_all_on_rank, run_ranks
 from transformers import LlamaConfig
 
 from server_harness import Server, start_server, stop_server
@@ -43,6 +45,20 @@ def test_sizes_of_data_parallel_attention() -> None:
         resolve_sizes(tp_size=4, dp_attention=3)
     with pytest.raises(ParallelConfigError, match="--dense-tp-size 4 is larger than --attn-tp-size 2"):
         resolve_sizes(tp_size=4, dense_tp_size=4, dp_attention=2)
+
+
+def test_all2all_backend_travels_with_the_sizes_and_decides_graphs() -> None:
+    assert resolve_sizes(tp_size=2, ep_size=2).all2all_backend == "naive"
+    assert resolve_sizes(tp_size=2, ep_size=2).graph_capturable
+    # naive under data-parallel attention gathers the groups' tokens: no rank holds them all.
+    s = resolve_sizes(tp_size=2, ep_size=2, dp_attention=2)
+    assert s.all2all_backend == "allgather_reducescatter" and not s.graph_capturable
+    for dp in (1, 2):  # split sizes read on the host every layer: eager either way
+        s = resolve_sizes(tp_size=2, ep_size=2, dp_attention=dp, all2all_backend="torch_all2all")
+        assert s.all2all_backend == "torch_all2all" and not s.graph_capturable
+    assert resolve_sizes(all2all_backend="torch_all2all").graph_capturable  # one rank: no exchange
+    with pytest.raises(ParallelConfigError, match="--all2all-backend 'pplx' is not one of"):
+        resolve_sizes(tp_size=2, all2all_backend="pplx")
 
 
 # A grammar-constrained request: its masks come from the engine after the step in flight, so
@@ -150,6 +166,25 @@ def test_attention_groups_of_two_ranks_give_one_ranks_text(
         stop_server(srv)
 
 
+@pytest.mark.parametrize("layout", [("--tp", "2", "--ep-size", "2"),
+                                    (*DP_ATTENTION, "--ep-size", "2")], ids=["ep2", "dp2-ep2"])
+def test_moe_torch_all2all_gives_one_ranks_text(
+        moe_dir: Path, moe_ref: tuple[list[str], str], tmp_path: Path,  # noqa: F811
+        layout: tuple[str, ...]) -> None:
+    """Tokens sent only to the ranks holding their experts (all_to_all_single over gloo), with
+    attention TP replicating them (each rank dispatches half: a lone decode token leaves rank 0
+    only) and with attention groups of their own."""
+    ref, _ = moe_ref
+    srv = start_server(str(tmp_path), str(moe_dir), *layout, "--all2all-backend", "torch_all2all",
+                       *FLAGS)
+    try:
+        assert srv.info()["parallel"]["all2all_backend"] == "torch_all2all"
+        assert _greedy(srv, PROMPTS, concurrent=True) == ref
+        assert _greedy(srv, PROMPTS[:1], concurrent=False) == ref[:1]
+    finally:
+        stop_server(srv)
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama_dpattn")
@@ -180,3 +215,26 @@ def test_dense_dp_attention_gives_one_ranks_text(llama_dir: Path, tmp_path: Path
 def test_moe_all_gather_gives_each_group_its_rows(sizes: ParallelSizes, counts: list[int]) -> None:
     world = sizes.world_size
     assert run_ranks(moe_all_gather_on_rank, world, counts, sizes=sizes) == ["ok"] * world
+
+
+A2A_LAYOUTS = {  # sizes, and (tokens per attention group, routing) per case
+    # Plain EP: both ranks hold the same tokens and each dispatches half (none with one token).
+    "ep2": (ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=1, ep=2,
+                          all2all_backend="torch_all2all"),
+            [([5], "random"), ([1], "random"), ([4], "first"), ([3], "last")]),
+    "dp2-ep2": (ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2,
+                              all2all_backend="torch_all2all"),
+                [([3, 1], "random"), ([1, 5], "last"), ([2, 2], "first")]),
+    # Two groups of two ranks (each dispatching half its group's tokens), EP 2 x MoE-TP 2: each
+    # token goes to both MoE-TP ranks of an EP rank holding its experts.
+    "dp2-attntp2-ep2-moetp2": (ParallelSizes(world_size=4, attn_tp=2, dense_tp=2, moe_tp=2, ep=2,
+                                             all2all_backend="torch_all2all"),
+                               [([2, 3], "random"), ([1, 4], "first")]),
+}
+
+
+@pytest.mark.parametrize("layout", list(A2A_LAYOUTS))
+def test_moe_all_to_all_gives_one_ranks_output(layout: str) -> None:
+    sizes, cases = A2A_LAYOUTS[layout]
+    world = sizes.world_size
+    assert run_ranks(moe_all_to_all_on_rank, world, cases, sizes=sizes) == ["ok"] * world

@@ -159,11 +159,14 @@ def test_split_tp_dense_layers_replicated_under_attention_tp(tmp_path: Path) -> 
     assert max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r)) < 1e-3
 
 
-def test_expert_parallel_2_matches_tp1(tmp_path: Path) -> None:
-    """--tp 2 --ep-size 2: attention split, each rank holds 4 of the 8 experts whole."""
+@pytest.mark.parametrize("all2all", ["naive", "torch_all2all"])
+def test_expert_parallel_2_matches_tp1(tmp_path: Path, all2all: str) -> None:
+    """--tp 2 --ep-size 2: attention split, each rank holds 4 of the 8 experts whole; partial
+    outputs all-reduced (naive), or each rank sends half the tokens to the experts' ranks."""
     path = _tiny_checkpoint(tmp_path, "qwen3_moe")
     ref_tokens, ref_logits, _ = generate_on_rank(0, path, PROMPTS, NEW_TOKENS)
-    sizes = ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=1, ep=2)
+    sizes = ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=1, ep=2,
+                          all2all_backend=all2all)
     tokens, logits, _ = run_ranks(generate_on_rank, 2, path, PROMPTS, NEW_TOKENS, sizes=sizes)[0]
     assert tokens == ref_tokens
     assert max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r)) < 1e-3

@@ -168,3 +168,49 @@ def moe_all_gather_on_rank(rank: int, counts: list[int]) -> str:
         else:
             raise AssertionError("a token count that disagrees with the tokens was accepted")
     return "ok"
+
+
+def moe_all_to_all_on_rank(rank: int, cases: list[tuple[list[int], str]]) -> str:
+    """`--all2all-backend torch_all2all` (moe_all2all.MoeAllToAll) against one rank's FusedMoE
+    over every token. Per case: `counts[g]` tokens in attention group g (one entry without
+    data-parallel attention), routed at random or all to the first / last EP rank's experts
+    ("first" / "last": the other EP ranks receive nothing). Each rank must get back exactly its
+    group's rows of the one-rank output, and receive exactly the tokens that have one of its
+    experts: each token once from one rank of its group, none for experts held elsewhere."""
+    from tokenspeed.distributed import moe_communication, moe_parallel
+    from tokenspeed.layers.moe import FusedMoE, MoeOptions, Routing
+    from tokenspeed.moe_all2all import MoeAllToAll
+
+    st = state()
+    experts, top_k, hidden, inter = 8, 2, 16, 12
+    g = torch.Generator().manual_seed(0)
+    router = torch.randn(experts, hidden, generator=g)
+    full = FusedMoE(experts, top_k, hidden, inter, renormalize=True)
+    full.gate_up_proj.data.copy_(0.3 * torch.randn(full.gate_up_proj.shape, generator=g))
+    full.down_proj.data.copy_(0.3 * torch.randn(full.down_proj.shape, generator=g))
+    mine = FusedMoE(experts, top_k, hidden, inter, renormalize=True,
+                    options=MoeOptions(parallel=moe_parallel()))
+    mine.weight_loader(mine.gate_up_proj, full.gate_up_proj.data)
+    mine.weight_loader(mine.down_proj, full.down_proj.data)
+    comm = moe_communication(st, mine)
+    assert isinstance(comm, MoeAllToAll), comm
+    held = range(mine.expert_start, mine.expert_start + mine.num_local)
+    per_ep = experts // st.sizes.ep
+    for counts, skew in cases:
+        x_all = torch.randn(sum(counts), hidden, generator=g)
+        logits_all = x_all @ router.T
+        if skew != "random":
+            first = 0 if skew == "first" else experts - per_ep
+            logits_all[:, first:first + per_ep] += 20.0
+        ref = full(x_all, logits_all)
+        ids_all = full.route(logits_all).ids
+        expected = sum(any(int(e) in held for e in row) for row in ids_all)
+        group = st.attn_group
+        lo = sum(counts[:group])
+        x, logits = x_all[lo:lo + counts[group]], logits_all[lo:lo + counts[group]]
+        xs, routing = comm.dispatch(x, logits)
+        assert isinstance(routing, Routing) and xs.shape == (expected, hidden), \
+            f"rank {rank} {counts} {skew}: received {tuple(xs.shape)}, expected {expected} rows"
+        out = comm.combine(mine(xs, routing))
+        _close(out, ref[lo:lo + counts[group]], f"rank {rank} {counts} {skew}")
+    return "ok"

@@ -20,6 +20,9 @@ over the world comes back to each group's own rows. Every rank must therefore ru
 pass together: `lockstep_tick` (worker.py) decides each step, over a CPU (gloo) group, which
 groups run a plan and which run an idle forward, and gives every group's token count.
 
+`--all2all-backend torch_all2all` (moe_all2all.MoeAllToAll) replaces either exchange: each token
+goes only to the ranks holding its experts, with and without data-parallel attention.
+
 A process that never called `init_distributed` is a world of one: every group has size 1 and
 every collective returns its input, so single-GPU code pays nothing.
 """
@@ -44,9 +47,15 @@ class ParallelConfigError(ValueError):
     """Sizes that cannot work together; the message names both values."""
 
 
+# The `--all2all-backend` values built (config/table_parallel.py names them all).
+ALL2ALL_BACKENDS = ("naive", "allgather_reducescatter", "torch_all2all")
+
+
 @dataclass(frozen=True)
 class ParallelSizes:
-    """Sizes of one replica's worker group. `world_size` counts ranks across all nodes."""
+    """Sizes of one replica's worker group, and how its MoE layers exchange tokens
+    (`--all2all-backend`; naive under data-parallel attention is allgather_reducescatter, since
+    no rank holds every token). `world_size` counts ranks across all nodes."""
 
     world_size: int = 1
     attn_tp: int = 1
@@ -54,6 +63,7 @@ class ParallelSizes:
     moe_tp: int = 1
     ep: int = 1
     nnodes: int = 1
+    all2all_backend: str = "naive"
 
     @property
     def nprocs_per_node(self) -> int:
@@ -63,6 +73,14 @@ class ParallelSizes:
     def attn_dp(self) -> int:
         """Attention groups in the world (data-parallel attention when > 1)."""
         return self.world_size // self.attn_tp
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a decode step's collectives can replay in a CUDA graph. Not under
+        data-parallel attention (the MoE layers gather every group's tokens, whose counts change
+        each step) nor with torch_all2all (its split sizes are read on the host every step)."""
+        return self.world_size == 1 or (self.attn_dp == 1
+                                        and self.all2all_backend != "torch_all2all")
 
     def check(self) -> None:
         """Raise ParallelConfigError for combinations that cannot be served."""
@@ -90,6 +108,9 @@ class ParallelSizes:
         if self.nnodes < 1 or w % self.nnodes:
             raise ParallelConfigError(f"--world-size {w} is not a multiple of --nnodes "
                                       f"{self.nnodes}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ParallelConfigError(f"--all2all-backend {self.all2all_backend!r} is not one of "
+                                      f"{', '.join(ALL2ALL_BACKENDS)}")
 
     def check_model(self, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
         """Raise ParallelConfigError when the model's heads or MLP do not split over the ranks.
@@ -113,13 +134,15 @@ def resolve_sizes(tp_size: int = 1, dense_tp_size: int | None = None,
                   moe_tp_size: int | None = None, world_size: int | None = None,
                   nprocs_per_node: int | None = None, nnodes: int = 1,
                   ep_size: int = 1, enable_expert_parallel: bool = False,
-                  dp_attention: int = 1) -> ParallelSizes:
+                  dp_attention: int = 1, all2all_backend: str = "naive") -> ParallelSizes:
     """The flags (seed 001) → checked sizes. `--tp`/`--tensor-parallel-size` is attention TP;
     `--world-size` alone also sets it; dense TP defaults to attention TP, MoE TP to
     world / EP; `--nprocs-per-node` times `--nnodes` must be the world.
     `--enable-expert-parallel` (vLLM) is EP over the whole world: `--ep-size` may repeat it.
     `dp_attention` D > 1 is SGLang's `--tp T --dp D --enable-dp-attention`: a world of T ranks
-    (or `--world-size`) in D attention groups of T / D ranks."""
+    (or `--world-size`) in D attention groups of T / D ranks. `--all2all-backend naive` (the
+    default) means allgather_reducescatter under data-parallel attention: no rank there holds
+    every token."""
     attn = world_size if (world_size and tp_size == 1) else tp_size
     world = world_size or (nprocs_per_node * nnodes if nprocs_per_node else attn)
     if dp_attention > 1:
@@ -137,8 +160,11 @@ def resolve_sizes(tp_size: int = 1, dense_tp_size: int | None = None,
         ep_size = world
     if ep_size < 1 or world % ep_size:
         raise ParallelConfigError(f"--ep-size {ep_size} does not divide --world-size {world}")
+    if world > attn and all2all_backend == "naive":
+        all2all_backend = "allgather_reducescatter"
     sizes = ParallelSizes(world_size=world, attn_tp=attn, dense_tp=dense_tp_size or attn,
-                          moe_tp=moe_tp_size or world // ep_size, ep=ep_size, nnodes=nnodes)
+                          moe_tp=moe_tp_size or world // ep_size, ep=ep_size, nnodes=nnodes,
+                          all2all_backend=all2all_backend)
     sizes.check()
     return sizes
 
@@ -176,6 +202,15 @@ class ParallelGroup:
         x = x.contiguous()
         out = torch.empty(x.shape[0] // self.size, *x.shape[1:], dtype=x.dtype, device=x.device)
         dist.reduce_scatter_tensor(out, x, group=self.pg)
+        return out
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows x[sum(send[:j]) : sum(send[:j + 1])] go to the group's rank j; returns the rows
+        received, rank i's `recv[i]` of them after rank i - 1's."""
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        if self.size == 1:
+            return out.copy_(x)
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.pg)
         return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -426,12 +461,18 @@ class MoeAllGather:
         return st.attn_tp.all_reduce(block)[:own]
 
 
-def moe_communication(st: ParallelState | None = None) -> Any:
-    """The MoE exchange for this rank's groups: None on one rank, `MoeAllGather` under
-    data-parallel attention, else `MoeAllReduce`."""
+def moe_communication(st: ParallelState | None, experts: Any) -> Any:
+    """The MoE exchange of one layer (`experts`, its FusedMoE) for this rank's groups: None on
+    one rank; `MoeAllToAll` with `--all2all-backend torch_all2all`; else `MoeAllGather` under
+    data-parallel attention and `MoeAllReduce` otherwise (allgather_reducescatter with one
+    attention group gathers nothing: it is naive)."""
     st = st or _STATE
     if st.world.size == 1:
         return None
+    if st.sizes.all2all_backend == "torch_all2all":
+        from tokenspeed.moe_all2all import MoeAllToAll
+
+        return MoeAllToAll(experts)
     return MoeAllGather() if st.sizes.attn_dp > 1 else MoeAllReduce()
 
 

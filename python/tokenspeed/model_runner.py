@@ -194,11 +194,10 @@ class ModelRunner:
         self._window = min(windows) if windows else None
         # torch_native MoE reads expert counts on the host: it cannot be captured in a graph.
         moe_graph_safe = not c.num_experts or self.moe_backend in GRAPH_SAFE_MOE_BACKENDS
-        # Data-parallel attention runs eager: a decode graph is captured for one batch size, but
-        # its MoE layers gather every group's tokens, whose counts change each step.
+        # Data-parallel attention and torch_all2all run eager (ParallelSizes.graph_capturable).
         use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                       and self.attention_backend in GRAPH_BACKENDS and moe_graph_safe
-                      and state().sizes.attn_dp == 1)
+                      and state().sizes.graph_capturable)
         self.cuda_graph_max_bs = (min(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_slots)
                                   if use_graphs else 0)
         # Extend graphs read the triton backend's tiled extend kernel (no host values).

@@ -293,7 +293,7 @@ def launch(cfg: Any) -> int:
                 "parallel": {"world_size": sizes.world_size, "attn_tp_size": sizes.attn_tp,
                              "dense_tp_size": sizes.dense_tp, "moe_tp_size": sizes.moe_tp,
                              "ep_size": sizes.ep, "attn_dp_size": groups,
-                             "all2all_backend": all2all_backend(cfg, sizes),
+                             "all2all_backend": sizes.all2all_backend,
                              "nnodes": sizes.nnodes},
                 "num_pages_per_rank": [int(c["num_pages"]) for c in capacities],
                 "model_dir": str(model_dir),
@@ -346,13 +346,6 @@ def extend_graph_sizes(cfg: Any) -> list[int]:
     return extend_capture_sizes(int(cfg.piecewise_cuda_graph_max_tokens))
 
 
-def all2all_backend(cfg: Any, sizes: Any) -> str:
-    """The MoE exchange in use: under data-parallel attention always allgather_reducescatter
-    (no rank holds every token, so naive's all-reduce alone cannot work); with one attention
-    group the two are the same (gathering one group's tokens is nothing)."""
-    return "allgather_reducescatter" if sizes.attn_dp > 1 else cfg.all2all_backend
-
-
 def data_parallel_size(cfg: Any, nnodes: int) -> int:
     """`--dp-size`, checked against what is built: replicas on one node. Under
     `--enable-dp-attention` it counts attention groups inside one world instead
@@ -382,7 +375,7 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
         sizes = resolve_sizes(int(cfg.tp_size or 1), cfg.dense_tp_size, cfg.moe_tp_size,
                               cfg.world_size, cfg.nprocs_per_node, int(cfg.nnodes or 1),
                               int(cfg.ep_size or 1), bool(cfg.enable_expert_parallel),
-                              dp_attention)
+                              dp_attention, cfg.all2all_backend)
         if sizes.world_size > 1:
             from tokenspeed.weights import open_checkpoint
 

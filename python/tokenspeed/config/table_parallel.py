@@ -11,6 +11,8 @@ Attention TP smaller than the world (`--world-size 8 --attn-tp-size 4`, or SGLan
 `--tp 8 --dp 2 --enable-dp-attention`) is data-parallel attention: one world of ranks, one engine
 per attention group behind that router, the MoE layers gathering every group's tokens
 (`--all2all-backend allgather_reducescatter`, distributed.MoeAllGather) in lockstep (worker.py).
+`--all2all-backend torch_all2all` (moe_all2all.MoeAllToAll) sends each token only to the ranks
+holding its experts instead, in either layout.
 """
 
 from __future__ import annotations
@@ -113,12 +115,18 @@ EP_FLAGS: list[Flag] = [
       "replicates them), computes a partial output over its experts and the partials are "
       "all-reduced over the world. allgather_reducescatter: the tokens of every attention "
       "group are all-gathered first and the partials reduce-scattered back, each group getting "
-      "its own rows; data-parallel "
-      "attention always uses it (with one attention group it is naive). The others (pplx, "
-      "DeepEP, FlashInfer all2allv) are not built yet.", G_EP,
-      ("naive", "allgather_reducescatter", "pplx", "deepep_high_throughput",
+      "its own rows; data-parallel attention uses it unless torch_all2all is asked for (with "
+      "one attention group it is naive). torch_all2all: each rank routes its share of the "
+      "tokens and sends each one only to the ranks holding one of its top-k experts "
+      "(torch.distributed all_to_all_single, split sizes exchanged first), the outputs come "
+      "back the same way; with or without data-parallel attention. It moves top-k ranks' worth "
+      "of rows per token instead of the world's, but reads the split sizes on the host every "
+      "layer, so it runs without CUDA graphs: for many expert-parallel ranks and large "
+      "batches, not small-batch decode. The others (pplx, DeepEP, FlashInfer all2allv) are "
+      "not built yet.", G_EP,
+      ("naive", "allgather_reducescatter", "torch_all2all", "pplx", "deepep_high_throughput",
        "deepep_low_latency", "flashinfer_all2allv"), "naive",
-      supported=("naive", "allgather_reducescatter"),
+      supported=("naive", "allgather_reducescatter", "torch_all2all"),
       component="worker", implemented=True),
     c("--moe-a2a-backend", "All-to-all backend for expert parallelism.", G_EP,
       ("none", "deepep", "mooncake", "ascend_fuseep"), "none", component="worker"),

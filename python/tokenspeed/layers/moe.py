@@ -9,8 +9,10 @@ activations) and computes a partial output: zero for the experts it does not hol
 over its intermediate slice for the ones it does. The partials of all ep_size * tp_size ranks sum
 to the full output, so `MoeCommunication.combine` is an all-reduce over that group. With data
 parallel attention (DP + EP) `dispatch` all-gathers the replicas' tokens first and `combine`
-reduce-scatters instead. The process groups come from the parallel runtime; this module only
-calls the hook.
+reduce-scatters instead. With `--all2all-backend torch_all2all` (moe_all2all.py) `dispatch`
+routes first and sends each token only to the ranks holding its experts: the experts then get
+`Routing` (weights and ids) instead of router logits. The process groups come from the parallel
+runtime; this module only calls the hook.
 
 Backends: `torch_native` (CPU and reference: a loop over the experts that receive tokens, which
 reads the per-expert counts on the host, so it cannot run inside a CUDA graph) and `triton`
@@ -20,7 +22,7 @@ reads the per-expert counts on the host, so it cannot run inside a CUDA graph) a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -65,11 +67,20 @@ class MoeOptions:
     parallel: MoeParallel = MoeParallel()
 
 
+class Routing(NamedTuple):
+    """Tokens already routed: each one's top-k experts and their weights (`moe_route`)."""
+
+    weights: torch.Tensor  # [T, k] float32
+    ids: torch.Tensor  # [T, k] int32, global expert ids
+
+
 class MoeCommunication(Protocol):
-    """Where tokens meet the experts across ranks; the parallel runtime provides it."""
+    """Where tokens meet the experts across ranks; the parallel runtime provides it. `dispatch`
+    returns the tokens this rank's experts compute and their router logits, or their `Routing`
+    when the exchange had to route them to know where they go (all-to-all)."""
 
     def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+                 ) -> tuple[torch.Tensor, torch.Tensor | Routing]: ...
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor: ...
 
@@ -175,10 +186,18 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError("not a parameter of this expert bank")
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        from tokenspeed_kernels.moe import fused_moe, moe_route
+    def route(self, router_logits: torch.Tensor) -> Routing:
+        """Softmax, top-k (renormalised when the model says so)."""
+        from tokenspeed_kernels.moe import moe_route
 
-        weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
+        return Routing(*moe_route(router_logits, self.top_k, self.renormalize))
+
+    def forward(self, x: torch.Tensor, routing: torch.Tensor | Routing) -> torch.Tensor:
+        """This rank's partial output for x, routed by router logits [T, E] or a `Routing`
+        (ids of experts held elsewhere contribute nothing)."""
+        from tokenspeed_kernels.moe import fused_moe
+
+        weights, ids = routing if isinstance(routing, Routing) else self.route(routing)
         if self.backend == "triton":
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_start)
         return moe_torch_native(x, self.gate_up_proj, self.down_proj, weights, ids,
@@ -210,5 +229,5 @@ class SparseMoeBlock(nn.Module):
         self.comm: MoeCommunication = SingleRank()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, router_logits = self.comm.dispatch(x, self.gate(x))
-        return self.comm.combine(self.experts(x, router_logits))
+        x, routing = self.comm.dispatch(x, self.gate(x))
+        return self.comm.combine(self.experts(x, routing))

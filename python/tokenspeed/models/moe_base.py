@@ -29,7 +29,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_id: int) -> nn.Module:
         if self.config.is_moe_layer(layer_id):
             block = SparseMoeBlock(self.config, self.moe_options)
-            comm = moe_communication(self.parallel)  # partial outputs summed over the ranks
+            comm = moe_communication(self.parallel, block.experts)  # tokens meet experts
             if comm is not None:
                 block.comm = comm
             return block
