@@ -55,12 +55,11 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 def extend_capture_sizes(max_tokens: int) -> list[int]:
-    """Token counts of the extend graphs: 16, 32, 64, 128, 192, 256, 384, 512, then every 256,
-    up to and including max_tokens (padding costs at most ~1/3 of a small step's tokens and
-    256 of a large one's)."""
-    small = [16, 32, 64, 128, 192, 256, 384, 512]
-    sizes = [s for s in small if s < max_tokens] + list(range(768, max_tokens, 256))
-    return sizes + [max_tokens]
+    """Token counts of the extend graphs: 16, 32, 64, then every 64 to 512, then every 128,
+    up to and including max_tokens. Padding a step to the next size costs GPU time (~23 us a
+    token for an 8B model on an H100): at most 1/4 of a small step, 128 tokens of a large one."""
+    steps = [16, 32] + list(range(64, 512, 64)) + list(range(512, max_tokens, 128))
+    return [s for s in steps if s < max_tokens] + [max_tokens]
 
 
 def capture_graphs(name: str, sizes: list[int], body: Any, device: torch.device,
