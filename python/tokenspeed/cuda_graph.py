@@ -27,9 +27,6 @@ from tokenspeed.plan import LAST_SAMPLED
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CUDA_GRAPH_MAX_BS = 256
-
-
 def capture_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 from 16, up to and including max_bs."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 8))

@@ -6,6 +6,12 @@ Help text is TokenSpeed's own. The first sentence of each help string is reused 
 
 from __future__ import annotations
 
+from tokenspeed.config.derived import (
+    KV_TOKENS_PER_RUNNING_REQUEST,
+    MAX_DEFAULT_RUNNING_REQUESTS,
+    MIN_DEFAULT_RUNNING_REQUESTS,
+    RUNNING_REQUESTS_STEP,
+)
 from tokenspeed.config.flag import (
     G_API,
     G_HTTP,
@@ -165,10 +171,13 @@ MEMORY_FLAGS: list[Flag] = [
       "cache, between 0 and 1. Default: chosen from the GPU size.", G_MEMORY,
       aliases=("--gpu-memory-utilization",), minimum=0.0, min_exclusive=True, maximum=1.0,
       component="worker", implemented=True, metavar="FRACTION"),
-    i("--max-running-requests", "Most requests decoded at the same time. Default: 256 on a GPU, "
-      "64 on CPU (fixed before the KV pool is sized; raise it, with --cuda-graph-max-bs, when the "
-      "pool holds more, e.g. with --kv-cache-dtype fp8).", G_MEMORY, aliases=("--max-num-seqs",), minimum=1, component="both",
-      implemented=True),
+    i("--max-running-requests", "Most requests decoded at the same time. Default: derived from the "
+      f"KV pool, its tokens / {KV_TOKENS_PER_RUNNING_REQUEST} (or / the context length when "
+      f"shorter), rounded down to a multiple of {RUNNING_REQUESTS_STEP}, within "
+      f"[{MIN_DEFAULT_RUNNING_REQUESTS}, {MAX_DEFAULT_RUNNING_REQUESTS}]: 256 for Llama-3.1-8B on "
+      "an H100, 512 with --kv-cache-dtype fp8 (twice the tokens); /get_server_info reports it. "
+      "Slots and plans are sized for the upper bound before the pool is known.", G_MEMORY,
+      aliases=("--max-num-seqs",), minimum=1, component="both", implemented=True),
     i("--prefill-max-requests", "Most new requests admitted in one prefill batch.", G_MEMORY,
       minimum=1),
     i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected. "
