@@ -141,8 +141,9 @@ QUANT_FLAGS: list[Flag] = [
       implemented=True, metavar="METHOD"),
     c("--lm-head-quantization", "Precision of the LM head's weights under FP8 weight "
       "quantization. 'auto': FP8 when --quantization fp8 quantises the checkpoint (the head is "
-      "the largest read of a batch-1 decode step), as the checkpoint has it for FP8 checkpoints; "
-      "'fp8': always FP8 (needs FP8 weights); 'none': the model dtype, as vLLM does. A tied head "
+      "the largest read of a batch-1 decode step), as the checkpoint has it for FP8 checkpoints "
+      "(FP8 when it ships lm_head.weight_scale); 'fp8': always FP8 (needs FP8 weights); 'none': "
+      "the model dtype, as vLLM does (an FP8 head is dequantised once loaded). A tied head "
       "gets its own FP8 copy; the embedding keeps the model dtype.", G_QUANT,
       ("auto", "fp8", "none"), "auto", component="worker", implemented=True),
     s("--quantization-param-path", "JSON file with per-layer scaling factors for an FP8 KV "
