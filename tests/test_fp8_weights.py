@@ -112,9 +112,11 @@ def test_quantization_fp8_tracks_the_full_precision_model(tiny_llama: str) -> No
     assert agree >= 0.8 and cos >= 0.99 and margin < 0.3
 
 
-def _fp8_checkpoint(src: str, dst: Path, fmt: str, per_tensor: bool) -> tuple[str, str]:
+def _fp8_checkpoint(src: str, dst: Path, fmt: str, per_tensor: bool,
+                    head: bool = False) -> tuple[str, str]:
     """An FP8 copy of `src` in format `fmt` ("compressed-tensors" or "modelopt") and a
-    full-precision copy holding exactly the dequantised weights (what the FP8 run must equal)."""
+    full-precision copy holding exactly the dequantised weights (what the FP8 run must equal).
+    head: the LM head is FP8 too (its config then leaves `lm_head` out of the ignore list)."""
     fp8_dir, deq_dir = dst / "fp8", dst / "dequantised"
     fp8_dir.mkdir()
     deq_dir.mkdir()
@@ -122,7 +124,7 @@ def _fp8_checkpoint(src: str, dst: Path, fmt: str, per_tensor: bool) -> tuple[st
     tensors = load_file(str(Path(src) / "model.safetensors"))
     fp8_tensors, deq = {}, {}
     for name, t in tensors.items():
-        if not any(f".{p}.weight" in name for p in LINEARS):
+        if not (any(f".{p}.weight" in name for p in LINEARS) or (head and name == "lm_head.weight")):
             fp8_tensors[name] = deq[name] = t
             continue
         base = name[: -len(".weight")]
@@ -148,13 +150,14 @@ def _fp8_checkpoint(src: str, dst: Path, fmt: str, per_tensor: bool) -> tuple[st
                 "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
                 "dynamic": False}, "input_activations": {"num_bits": 8, "type": "float",
                                                          "strategy": "token", "dynamic": True}}},
-            "ignore": ["lm_head"], "quantization_status": "compressed"}
+            "ignore": [] if head else ["lm_head"], "quantization_status": "compressed"}
         (fp8_dir / "config.json").write_text(json.dumps(cfg))
     else:  # ModelOpt writes its settings to hf_quant_config.json
         (fp8_dir / "config.json").write_text(json.dumps(cfg))
         (fp8_dir / "hf_quant_config.json").write_text(json.dumps({
             "producer": {"name": "modelopt"}, "quantization": {
-                "quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}))
+                "quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                "exclude_modules": [] if head else ["lm_head"]}}))
     (deq_dir / "config.json").write_text((Path(src) / "config.json").read_text())
     save_file(fp8_tensors, str(fp8_dir / "model.safetensors"))
     save_file(deq, str(deq_dir / "model.safetensors"))
@@ -182,6 +185,83 @@ def test_fp8_checkpoints_load_as_they_are(tiny_llama: str, tmp_path: Path, fmt: 
     assert ours[0] == ref[0]
     for a, b in zip(ours[1], ref[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(("fmt", "per_tensor"), [("compressed-tensors", False),
+                                                 ("compressed-tensors", True), ("modelopt", False)])
+def test_fp8_checkpoints_with_an_fp8_lm_head_load_as_they_are(tiny_llama: str, tmp_path: Path,
+                                                              fmt: str, per_tensor: bool) -> None:
+    """A checkpoint whose config does not ignore lm_head ships it in fp8 with its
+    lm_head.weight_scale: it loads as it is (once a KeyError on that scale), and the logits are
+    those of the dequantised model, the head included."""
+    fp8_dir, deq_dir = _fp8_checkpoint(tiny_llama, tmp_path, fmt, per_tensor, head=True)
+    ckpt = load_file(str(Path(fp8_dir) / "model.safetensors"))
+    assert ckpt["lm_head.weight"].dtype == FP8 and "lm_head.weight_scale" in ckpt
+    runner = ModelRunner(fp8_dir, page_size=4, max_slots=8, max_context_len=128)
+    assert runner.fp8 is not None and runner.fp8.checkpoint_lm_head and runner.fp8.lm_head
+    head = runner.model.lm_head
+    assert torch.equal(head.weight.view(torch.uint8), ckpt["lm_head.weight"].view(torch.uint8))
+    want = ckpt["lm_head.weight_scale"].float().reshape(-1).expand(256)
+    torch.testing.assert_close(head.weight_scale, want, rtol=0, atol=0)
+    # Dequantise-then-compute: the full-precision copy holds exactly W = weight * scale.
+    ours, ref = run(fp8_dir), run(deq_dir)
+    assert ours[0] == ref[0]
+    for a, b in zip(ours[1], ref[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    # --lm-head-quantization none: the head is dequantised once loaded (the same logits).
+    plain = ModelRunner(fp8_dir, page_size=4, max_slots=8, max_context_len=128,
+                        lm_head_quantization="none")
+    assert plain.model.lm_head.weight.dtype == torch.float32 and plain.model.lm_head.weight_scale is None
+    torch.testing.assert_close(plain.model.lm_head.weight, load_file(str(Path(deq_dir) / "model.safetensors"))
+                               ["lm_head.weight"], rtol=0, atol=0)
+    none = run(fp8_dir, lm_head_quantization="none")
+    assert none[0] == ref[0]
+    for a, b in zip(none[1], ref[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("scale_shape", [(97,), (97, 1), (1,), ()])
+def test_an_fp8_head_loads_each_ranks_rows_and_scales(scale_shape: tuple[int, ...]) -> None:
+    """Vocab-parallel: rank r keeps rows [r * 49, r * 49 + 49) of a 97-token head (rank 1's last
+    row is padding: zero weight, zero scale); per-row and per-tensor scales alike."""
+    from tokenspeed.layers.quantization.fp8 import prepare_fp8_checkpoint
+
+    gen = torch.Generator().manual_seed(6)
+    q, s = quantize_per_channel(torch.randn(97, 48, generator=gen))
+    # Per row ([V] or [V, 1]) or per tensor ([1] or a scalar: every row gets it).
+    scale = s.reshape(scale_shape) if len(scale_shape) > 1 or scale_shape == (97,) else \
+        s[0].reshape(scale_shape)
+    full = scale.float().reshape(-1).expand(97)
+    for rank in (0, 1):
+        lm = torch.nn.Module()
+        lm.lm_head = LMHead(97, 48, tp_rank=rank, tp_size=2)
+        prepare_fp8_checkpoint(lm, Fp8Config("modelopt", checkpoint_lm_head=True))
+        head = lm.lm_head
+        head.weight_loader(head.weight, q)
+        head.weight_loader(head.weight_scale, scale)
+        lo, n = 49 * rank, 49 if rank == 0 else 48
+        assert head.weight.dtype == FP8 and head.weight.shape == (49, 48)
+        assert torch.equal(head.weight[:n].view(torch.uint8), q[lo:lo + n].view(torch.uint8))
+        torch.testing.assert_close(head.weight_scale[:n], full[lo:lo + n], rtol=0, atol=0)
+        if rank == 1:
+            assert head.weight_scale[48] == 0 and head.weight[48].float().abs().sum() == 0
+    bad = torch.nn.Module()
+    bad.lm_head = LMHead(97, 48)
+    prepare_fp8_checkpoint(bad, Fp8Config("modelopt", checkpoint_lm_head=True))
+    with pytest.raises(ValueError, match="lm_head.weight_scale: 96 scales for a vocabulary of 97"):
+        bad.lm_head.weight_loader(bad.lm_head.weight_scale, s[:96])
+
+
+def test_a_sharded_checkpoints_fp8_head_is_found_through_its_index(tiny_llama: str, tmp_path: Path) -> None:
+    fp8_dir, _ = _fp8_checkpoint(tiny_llama, tmp_path, "compressed-tensors", False, head=True)
+    cfg = json.loads((Path(fp8_dir) / "config.json").read_text())
+    names = load_file(str(Path(fp8_dir) / "model.safetensors"))
+    index = {"weight_map": {n: "model.safetensors" for n in names}}
+    (Path(fp8_dir) / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert resolve_quantization(None, cfg, fp8_dir).checkpoint_lm_head
+    del index["weight_map"]["lm_head.weight_scale"]
+    (Path(fp8_dir) / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert not resolve_quantization(None, cfg, fp8_dir).checkpoint_lm_head
 
 
 @pytest.mark.parametrize(("qc", "named"), [

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tokenspeed.config.derived import default_max_running_requests
 from tokenspeed.model_runner import ModelRunner
 from tokenspeed.models.offline import OfflineScheduler
 from tokenspeed.plan import LAST_SAMPLED, PLAN_DTYPES, StepPlan
@@ -210,3 +211,19 @@ def test_defaults_on_cpu(tiny_llama: str) -> None:
     assert runner.kv_cache.k[0].shape == (1024, 16, 2, 16)
     assert runner_for(tiny_llama, num_pages=10).num_pages == 10
     assert Path(tiny_llama, "config.json").exists()
+
+
+def test_without_max_slots_the_slots_follow_the_kv_pool(tiny_llama: str) -> None:
+    # 16384 tokens with a 64-token context: 256 requests (the derived default, config/derived.py).
+    runner = ModelRunner(tiny_llama, page_size=4, num_pages=4096, max_slots=None, max_context_len=64)
+    assert runner.max_slots == default_max_running_requests(4096 * 4, 64) == 256
+    assert runner.kv_cache.page_table.shape[0] == 256
+    assert runner.last_tokens.shape[0] == 256
+    assert runner.cuda_graph_max_bs == 0  # CPU: no graphs
+    # The last slot works: a request there is prefilled and sampled.
+    plan = StepPlan.of(**new_requests([255]), **pages(255, 0, [7, 8]),
+                       **schedule([(255, 0, PREFIX[:5], 1)]))
+    assert runner.step(plan).slots.tolist() == [255]
+    # An explicit --max-running-requests wins over the pool.
+    explicit = ModelRunner(tiny_llama, page_size=4, num_pages=4096, max_slots=8, max_context_len=64)
+    assert explicit.max_slots == 8 and explicit.kv_cache.page_table.shape[0] == 8

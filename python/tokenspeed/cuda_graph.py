@@ -40,7 +40,6 @@ from tokenspeed.plan import LAST_SAMPLED
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CUDA_GRAPH_MAX_BS = 256
 # Requests an extend graph holds (at most its token count): a prefill beside this many decodes
 # still replays a graph; the LM head runs on every row, so the cost of a row is small.
 EXTEND_GRAPH_MAX_REQUESTS = 64

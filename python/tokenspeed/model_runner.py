@@ -8,8 +8,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tokenspeed.config.derived import (
+    MAX_DEFAULT_RUNNING_REQUESTS,
+    default_cuda_graph_max_bs,
+    default_max_running_requests,
+)
 from tokenspeed.cuda_graph import (
-    DEFAULT_CUDA_GRAPH_MAX_BS,
     EXTEND_GRAPH_MAX_REQUESTS,
     DecodeGraphRunner,
     ExtendGraphRunner,
@@ -150,7 +154,7 @@ class ModelRunner:
 
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
                  load_format: str = "auto", page_size: int, num_pages: int | None = None,
-                 max_slots: int, max_context_len: int, seed: int = 0,
+                 max_slots: int | None, max_context_len: int, seed: int = 0,
                  mem_fraction_static: float | None = None,
                  attention_backend: str | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, extend_graph_sizes: list[int] | None = None,
@@ -164,7 +168,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.page_size = page_size
-        self.max_slots = max_slots
+        # None (no --max-running-requests): derived from the KV pool below, at most this bound,
+        # which the memory profile reserves for.
+        self.max_slots = max_slots or MAX_DEFAULT_RUNNING_REQUESTS
         self.max_context_len = max_context_len
         ckpt = open_checkpoint(model_path, load_format)
         self.config = ckpt.config
@@ -198,24 +204,28 @@ class ModelRunner:
         use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                       and self.attention_backend in GRAPH_BACKENDS and moe_graph_safe
                       and state().sizes.graph_capturable)
-        self.cuda_graph_max_bs = (min(cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_slots)
-                                  if use_graphs else 0)
+        graph_bs = (min(cuda_graph_max_bs, self.max_slots) if cuda_graph_max_bs
+                    else default_cuda_graph_max_bs(self.max_slots))
+        self.cuda_graph_max_bs = graph_bs if use_graphs else 0
         # Extend graphs read the triton backend's tiled extend kernel (no host values).
         self.extend_graph_sizes = sorted(set(extend_graph_sizes or ())) \
             if use_graphs and self.attention_backend == "triton" else []
         if num_pages is None:
             num_pages = self._profile_num_pages(mem_fraction_static, chunked_prefill_size)
         self.num_pages = num_pages
+        if max_slots is None:  # the engine takes the smallest of all ranks' (serve.py)
+            self.max_slots = default_max_running_requests(num_pages * page_size, max_context_len)
+            self.cuda_graph_max_bs = min(self.cuda_graph_max_bs, self.max_slots)
         self.kv_cache = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=page_size,
             num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
-            device=self.device, max_slots=max_slots, max_context_len=max_context_len,
+            device=self.device, max_slots=self.max_slots, max_context_len=max_context_len,
             k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         self.backend = self._make_backend(self.kv_cache)
-        self.sampler = Sampler(self.device, seed, capacity=max_slots)
+        self.sampler = Sampler(self.device, seed, capacity=self.max_slots)
         # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
         # the next step can be queued before this one's tokens reach the host).
-        self.last_tokens = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self.last_tokens = torch.zeros(self.max_slots, dtype=torch.int64, device=self.device)
         # Prompt logprobs: per slot, the log-softmax row of the last position of its previous
         # prompt chunk (it scores the next chunk's first token).
         self._prompt_carry: dict[int, torch.Tensor] = {}
@@ -227,7 +237,7 @@ class ModelRunner:
         if self.extend_graph_sizes:
             self.extend_graphs = ExtendGraphRunner(
                 self.model, self.kv_cache, self.backend, self.extend_graph_sizes,
-                min(EXTEND_GRAPH_MAX_REQUESTS, max_slots), c.vocab_size, self.device,
+                min(EXTEND_GRAPH_MAX_REQUESTS, self.max_slots), c.vocab_size, self.device,
                 self.last_tokens, self.dtype, c.head_dim)
             pool = self.extend_graphs.capture()
         if self.cuda_graph_max_bs:

@@ -73,14 +73,15 @@ def _join(node_rank: int, nnodes: int, dist_init_addr: str, timeout_s: float) ->
                            f"{type(e).__name__}: {e}") from e
 
 
-def _min_pages(pages: int) -> int:
-    """The smallest KV pool of every rank on every node (the scheduler's page count)."""
+def _min_capacity(capacity: tuple[int, int]) -> tuple[int, int]:
+    """The smallest (KV pages, max running requests) of every rank on every node: the
+    scheduler's page count, and a slot count every rank's worker holds."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([pages], dtype=torch.int64)
+    t = torch.tensor(capacity, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    return int(t[0]), int(t[1])
 
 
 def _plan_message(raw: dict[str, Any]) -> tuple[int, dict[str, bytes]]:
@@ -89,7 +90,7 @@ def _plan_message(raw: dict[str, Any]) -> tuple[int, dict[str, bytes]]:
 
 
 def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
-               timeout_s: float, local_pages: int, ready: Connection) -> None:
+               timeout_s: float, local: tuple[int, int], ready: Connection) -> None:
     """Node 0's relay process: reads every plan as reader `reader` and broadcasts it."""
     import torch.distributed as dist
 
@@ -104,9 +105,10 @@ def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
         from tokenspeed._core import WorkerChannel
 
         _join(0, nnodes, dist_init_addr, timeout_s)
-        pages = _min_pages(local_pages)
+        pages, running = _min_capacity(local)
         channel = WorkerChannel.attach(channel_name, reader)
-        ready.send({"ok": True, "num_pages": pages})  # `ready` stays open for a death note
+        # `ready` stays open for a death note.
+        ready.send({"ok": True, "num_pages": pages, "max_running_requests": running})
     except BaseException as e:  # noqa: BLE001  (reported to the launcher)
         ready.send({"ok": False, "error": f"{type(e).__name__}: {e}",
                     "traceback": traceback.format_exc()})
@@ -130,7 +132,7 @@ def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
 
 
 def run_sink(writer: Any, node_rank: int, nnodes: int, dist_init_addr: str, timeout_s: float,
-             local_pages: int, workers: list[Any], where: str = "") -> int:
+             local: tuple[int, int], workers: list[Any], where: str = "") -> int:
     """Node k's relay (k > 0), in the launcher process: writes node 0's plans into this node's
     ring until node 0 shuts down. `workers`: this node's ranks (supervisor.Watched); `where`
     names the node and host. Returns the process exit code."""
@@ -139,7 +141,7 @@ def run_sink(writer: Any, node_rank: int, nnodes: int, dist_init_addr: str, time
     from tokenspeed.supervisor import describe
 
     _join(node_rank, nnodes, dist_init_addr, timeout_s)
-    _min_pages(local_pages)
+    _min_capacity(local)
     store = _death_store(dist_init_addr, timeout_s)
     logger.info("node %d: relaying plans from node 0 to %d local rank(s)", node_rank,
                 len(workers))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
 from tokenspeed.distributed import free_tcp_port
 from tokenspeed.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.worker import WorkerSpec, run_worker
@@ -137,7 +138,9 @@ def launch(cfg: Any) -> int:
             need = f"--dp-size {dp} x --tp-size {world}" if dp > 1 else f"--tp-size {world}"
             raise LaunchError(f"{need} needs {world * dp} GPUs, this node has "
                               f"{torch.cuda.device_count()}")
-    max_running = int(cfg.max_running_requests or (256 if device == "cuda" else 64))
+    # Worker slots and plan slots hold this many requests; without --max-running-requests each
+    # worker derives the engine's limit from its KV pool (config/derived.py), at most this.
+    slots = int(cfg.max_running_requests or MAX_DEFAULT_RUNNING_REQUESTS)
     chunk = int(cfg.chunked_prefill_size)
     page_size = int(cfg.page_size)
 
@@ -157,7 +160,7 @@ def launch(cfg: Any) -> int:
     except (ImportError, ValueError) as e:
         raise LaunchError(str(e)) from None
     mask_words = -(-vocab_size // 32) if cfg.grammar_backend == "llguidance" else 0
-    slot_bytes = _core.slot_bytes(max_running, chunk + max_running, -(-context // page_size),
+    slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-context // page_size),
                                   mask_words, xgrammar is not None)
     if node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         channels = [_core.ServerChannel.create(name, readers + (sizes.nnodes > 1), 4, slot_bytes)
@@ -187,7 +190,7 @@ def launch(cfg: Any) -> int:
             load_format=cfg.load_format,
             page_size=page_size,
             num_pages=num_pages,
-            max_slots=max_running,
+            max_slots=cfg.max_running_requests,
             context_length=context,
             seed=int(cfg.random_seed or 0),
             mem_fraction_static=cfg.mem_fraction_static,
@@ -226,20 +229,22 @@ def launch(cfg: Any) -> int:
             (f"replica {i // world} " if dp > 1 else "")
             + f"rank {node_rank * world + i % world} pid {p.pid}" for i, p in enumerate(workers)))
         capacities = _wait_ready(watched, links, where=watch.where)
-        # Every rank's pool holds these pages (every replica's too: the engines share one
-        # configuration).
+        # Every rank's pool holds these pages and its worker this many slots (every replica's
+        # too: the engines share one configuration).
         pages = min(c["num_pages"] for c in capacities)
+        max_running = min(int(c["max_running_requests"]) for c in capacities)
         if sizes.nnodes > 1:
             from tokenspeed import relay
 
             timeout = float(cfg.dist_timeout or 300)
             if node_rank > 0:  # no HTTP here: relay node 0's plans until it shuts down
                 return relay.run_sink(channel, node_rank, sizes.nnodes, cfg.dist_init_addr,
-                                      timeout, pages, watched, watch.where)
+                                      timeout, (pages, max_running), watched, watch.where)
             parent_end, child_end = ctx.Pipe(duplex=False)
             source = ctx.Process(target=without_sigint, name="tokenspeed-relay", daemon=True,
                                  args=(relay.run_source, channel_name, world, sizes.nnodes,
-                                       cfg.dist_init_addr, timeout, pages, child_end))
+                                       cfg.dist_init_addr, timeout, (pages, max_running),
+                                       child_end))
             source.start()
             child_end.close()
             workers.append(source)  # watched like a rank: its death fails the server
@@ -247,8 +252,9 @@ def launch(cfg: Any) -> int:
             # named there (relay.run_source).
             watched.append(Watched(source, "plan relay to the other nodes", link=parent_end))
             logger.info("plan relay to %d other node(s): pid %d", sizes.nnodes - 1, source.pid)
-            pages = _wait_ready(watched[-1:], [parent_end], timeout_s=timeout + 60,
-                                where=watch.where)[0]["num_pages"]
+            agreed = _wait_ready(watched[-1:], [parent_end], timeout_s=timeout + 60,
+                                 where=watch.where)[0]
+            pages, max_running = agreed["num_pages"], agreed["max_running_requests"]
         server_config = {
             "host": cfg.host,
             "port": int(cfg.port),
@@ -296,13 +302,16 @@ def launch(cfg: Any) -> int:
                              "all2all_backend": sizes.all2all_backend,
                              "nnodes": sizes.nnodes},
                 "num_pages_per_rank": [int(c["num_pages"]) for c in capacities],
+                # Decode batches up to this replay a CUDA graph (0: none; this node's ranks).
+                "cuda_graph_max_bs": min(int(c["cuda_graph_max_bs"]) for c in capacities),
                 "model_dir": str(model_dir),
                 "worker_pids": [p.pid for p in workers],
             },
         }
         logger.info(
-            "workers ready on %s: %d KV pages x %d tokens; starting HTTP on %s:%s",
-            device, pages, page_size, cfg.host, cfg.port,
+            "workers ready on %s: %d KV pages x %d tokens, %d running requests%s; starting HTTP "
+            "on %s:%s", device, pages, page_size, max_running,
+            "" if cfg.max_running_requests else " (derived from the KV pool)", cfg.host, cfg.port,
         )
         watch.start()
         try:

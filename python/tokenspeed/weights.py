@@ -292,5 +292,5 @@ def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
     else:
         model.load_weights(split_kv_scales(ckpt.tensors(), kv_scales))  # type: ignore[operator]
     if fp8 is not None:
-        quantize_model(model, fp8)
+        quantize_model(model, fp8, dtype)
     return model.eval()

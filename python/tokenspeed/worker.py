@@ -38,7 +38,7 @@ class WorkerSpec:
     load_format: str
     page_size: int
     num_pages: int | None
-    max_slots: int
+    max_slots: int | None  # --max-running-requests; None: derived from the KV pool (the runner)
     context_length: int
     seed: int
     mem_fraction_static: float | None
@@ -118,18 +118,22 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         if spec.xgrammar is not None and _leads(spec):  # rank 0 samples for the replica
             from tokenspeed.grammar_backend import XGrammarSlots
 
-            grammars = XGrammarSlots(spec.xgrammar, spec.max_slots)
+            grammars = XGrammarSlots(spec.xgrammar, runner.max_slots)
         # Reader index on this node's ring (multi-node: rank is global, world_size per node;
         # data-parallel attention: world_size is the attention group's, which has its own ring).
         channel = WorkerChannel.attach(spec.channel_name, spec.rank % spec.world_size)
-        ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device)})
+        ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device),
+                    "max_running_requests": int(runner.max_slots),
+                    "cuda_graph_max_bs": int(runner.cuda_graph_max_bs)})
         ready.close()
     except BaseException as e:  # noqa: BLE001  (report any start-up failure, then exit)
         ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         ready.close()
         sys.exit(1)
 
-    logger.info("ready: %d KV pages of %d tokens", runner.num_pages, spec.page_size)
+    logger.info("ready: %d KV pages of %d tokens, %d running requests%s", runner.num_pages,
+                spec.page_size, runner.max_slots,
+                "" if spec.max_slots else " (derived from the KV pool)")
     serve_plans(channel, runner, spec, parent, grammars)
 
 

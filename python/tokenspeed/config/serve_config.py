@@ -47,7 +47,7 @@ class ServeConfig:
     quantization_param_path: str | None = _default("quantization_param_path")  # FP8 KV scales (JSON)
     # Memory and scheduling.
     mem_fraction_static: float | None = _default("mem_fraction_static")  # None: chosen by the worker
-    max_running_requests: int | None = _default("max_running_requests")  # None: 256 on CUDA, 64 on CPU (serve.py)
+    max_running_requests: int | None = _default("max_running_requests")  # None: derived from the KV pool (config/derived.py)
     max_total_tokens: int | None = _default("max_total_tokens")  # None: derived from mem_fraction_static
     chunked_prefill_size: int = _default("chunked_prefill_size")
     max_prefill_tokens: int = _default("max_prefill_tokens")

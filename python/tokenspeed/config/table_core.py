@@ -6,6 +6,12 @@ Help text is TokenSpeed's own. The first sentence of each help string is reused 
 
 from __future__ import annotations
 
+from tokenspeed.config.derived import (
+    KV_TOKENS_PER_RUNNING_REQUEST,
+    MAX_DEFAULT_RUNNING_REQUESTS,
+    MIN_DEFAULT_RUNNING_REQUESTS,
+    RUNNING_REQUESTS_STEP,
+)
 from tokenspeed.config.flag import (
     G_API,
     G_HTTP,
@@ -135,8 +141,9 @@ QUANT_FLAGS: list[Flag] = [
       implemented=True, metavar="METHOD"),
     c("--lm-head-quantization", "Precision of the LM head's weights under FP8 weight "
       "quantization. 'auto': FP8 when --quantization fp8 quantises the checkpoint (the head is "
-      "the largest read of a batch-1 decode step), as the checkpoint has it for FP8 checkpoints; "
-      "'fp8': always FP8 (needs FP8 weights); 'none': the model dtype, as vLLM does. A tied head "
+      "the largest read of a batch-1 decode step), as the checkpoint has it for FP8 checkpoints "
+      "(FP8 when it ships lm_head.weight_scale); 'fp8': always FP8 (needs FP8 weights); 'none': "
+      "the model dtype, as vLLM does (an FP8 head is dequantised once loaded). A tied head "
       "gets its own FP8 copy; the embedding keeps the model dtype.", G_QUANT,
       ("auto", "fp8", "none"), "auto", component="worker", implemented=True),
     s("--quantization-param-path", "JSON file with per-layer scaling factors for an FP8 KV "
@@ -165,10 +172,13 @@ MEMORY_FLAGS: list[Flag] = [
       "cache, between 0 and 1. Default: chosen from the GPU size.", G_MEMORY,
       aliases=("--gpu-memory-utilization",), minimum=0.0, min_exclusive=True, maximum=1.0,
       component="worker", implemented=True, metavar="FRACTION"),
-    i("--max-running-requests", "Most requests decoded at the same time. Default: 256 on a GPU, "
-      "64 on CPU (fixed before the KV pool is sized; raise it, with --cuda-graph-max-bs, when the "
-      "pool holds more, e.g. with --kv-cache-dtype fp8).", G_MEMORY, aliases=("--max-num-seqs",), minimum=1, component="both",
-      implemented=True),
+    i("--max-running-requests", "Most requests decoded at the same time. Default: derived from the "
+      f"KV pool, its tokens / {KV_TOKENS_PER_RUNNING_REQUEST} (or / the context length when "
+      f"shorter), rounded down to a multiple of {RUNNING_REQUESTS_STEP}, within "
+      f"[{MIN_DEFAULT_RUNNING_REQUESTS}, {MAX_DEFAULT_RUNNING_REQUESTS}]: 256 for Llama-3.1-8B on "
+      "an H100, 512 with --kv-cache-dtype fp8 (twice the tokens); /get_server_info reports it. "
+      "Slots and plans are sized for the upper bound before the pool is known.", G_MEMORY,
+      aliases=("--max-num-seqs",), minimum=1, component="both", implemented=True),
     i("--prefill-max-requests", "Most new requests admitted in one prefill batch.", G_MEMORY,
       minimum=1),
     i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected. "

@@ -3,6 +3,7 @@ overlap scheduling, ...), tensor dumps, custom weight loading, and deprecated SG
 
 from __future__ import annotations
 
+from tokenspeed.config.derived import MAX_DEFAULT_CUDA_GRAPH_BS
 from tokenspeed.config.flag import (
     G_DEPRECATED,
     G_DUMP,
@@ -24,8 +25,10 @@ OPT_FLAGS: list[Flag] = [
       "vLLM's --enforce-eager is the same switch.", G_OPT, aliases=("--enforce-eager",),
       component="worker", implemented=True),
     i("--cuda-graph-max-bs", "Largest batch size captured as a CUDA graph; bigger batches run "
-      "eagerly. Default: chosen from GPU memory. vLLM's --max-cudagraph-capture-size is the same "
-      "setting.", G_OPT, aliases=("--max-cudagraph-capture-size",), minimum=1,
+      "eagerly. Default: --max-running-requests (given or derived from the KV pool), at most "
+      f"{MAX_DEFAULT_CUDA_GRAPH_BS}: beyond that a decode step is long enough to hide its "
+      "launches. vLLM's "
+      "--max-cudagraph-capture-size is the same setting.", G_OPT, aliases=("--max-cudagraph-capture-size",), minimum=1,
       component="worker", implemented=True),
     lst("--cuda-graph-bs", "Exact list of batch sizes to capture as CUDA graphs.", G_OPT,
         item="int", minimum=1, component="worker"),

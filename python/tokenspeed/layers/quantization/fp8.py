@@ -156,16 +156,49 @@ def _scale_loader(module: nn.Module, loader: object) -> object:
     return load
 
 
+def _head_scale_loader(head: nn.Module, loader: object) -> object:
+    """The LM head's weight_loader, taking the checkpoint's head scale too ([V, 1], [V], [1] or
+    scalar) as this rank's rows of per-row scales (vocab-parallel, padded rows 0)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if param is not head.weight_scale:
+            loader(param, loaded, shard)  # type: ignore[operator]
+            return
+        scale = loaded.to(torch.float32).reshape(-1)  # a Tensor or a weights.LazyTensor
+        if scale.numel() == 1:
+            scale = scale.expand(head.vocab_size)
+        if scale.numel() != head.vocab_size:
+            raise ValueError(f"lm_head.weight_scale: {scale.numel()} scales for a vocabulary of "
+                             f"{head.vocab_size} (expected one per row or one in all)")
+        with torch.no_grad():
+            param.zero_()
+            param[: head.end - head.start].copy_(scale[head.start:head.end])
+
+    return load
+
+
+def _make_fp8(module: nn.Module) -> None:
+    """An fp8 `weight` and an fp32 per-row `weight_scale` of the module's shape, to be filled."""
+    w = module.weight
+    module.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device),
+                                 requires_grad=False)
+    module.weight_scale = nn.Parameter(torch.empty(w.shape[0], dtype=torch.float32,
+                                                   device=w.device), requires_grad=False)
+
+
 def prepare_fp8_checkpoint(model: nn.Module, cfg: Fp8Config) -> None:
-    """Before loading an FP8 checkpoint: quantised layers get an fp8 `weight` and an fp32
-    `weight_scale`, which the checkpoint's tensors then fill."""
+    """Before loading an FP8 checkpoint: quantised layers (and the LM head, when the checkpoint's
+    is FP8) get an fp8 `weight` and an fp32 `weight_scale`, which the checkpoint's tensors then
+    fill."""
+    from tokenspeed.layers.embedding import LMHead
+
     for _, module in _quantized_modules(model, cfg):
-        w = module.weight
-        module.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device),
-                                     requires_grad=False)
-        module.weight_scale = nn.Parameter(torch.empty(w.shape[0], dtype=torch.float32,
-                                                       device=w.device), requires_grad=False)
+        _make_fp8(module)
         module.weight_loader = _scale_loader(module, module.weight_loader)
+    head = getattr(model, "lm_head", None)
+    if cfg.checkpoint_lm_head and isinstance(head, LMHead):
+        _make_fp8(head)
+        head.weight_loader = _head_scale_loader(head, head.weight_loader)
 
 
 def _quantize_weight(module: nn.Module) -> None:
@@ -177,10 +210,11 @@ def _quantize_weight(module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, cfg: Fp8Config) -> int:
+def quantize_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype | None = None) -> int:
     """After loading: quantise every layer FP8 should cover that still holds high-precision
     weights (all of them for --quantization fp8 or dummy weights), and the LM head when
-    cfg.lm_head. Returns how many."""
+    cfg.lm_head. Returns how many. An FP8 head (the checkpoint's) without cfg.lm_head
+    (--lm-head-quantization none) is dequantised to `dtype` instead."""
     from tokenspeed.layers.embedding import LMHead
 
     count = 0
@@ -193,4 +227,10 @@ def quantize_model(model: nn.Module, cfg: Fp8Config) -> int:
     if cfg.lm_head and isinstance(head, LMHead) and head.weight.dtype != FP8:
         _quantize_weight(head)  # tied: the embedding keeps its high-precision table for lookups
         count += 1
+    elif not cfg.lm_head and isinstance(head, LMHead) and head.weight.dtype == FP8:
+        if dtype is None:
+            raise ValueError("the LM head is FP8 and must be dequantised: pass the model dtype")
+        head.weight = nn.Parameter(dequantize(head.weight, head.weight_scale, dtype),
+                                   requires_grad=False)
+        head.weight_scale = None
     return count

@@ -22,15 +22,18 @@ Anything else (AWQ, GPTQ, bitsandbytes, block-wise FP8, INT8, ...) fails here, n
 The LM head (`--lm-head-quantization`): `auto` quantises it to FP8 with the other linears when
 TokenSpeed quantises the checkpoint (`--quantization fp8`): at batch-1 decode it is the largest
 single read (Llama-3.1-8B: 1.05 GB of bf16 per token, ~0.35 ms on an H100), and FP8 halves it.
-An FP8 checkpoint's head stays as the checkpoint has it (their configs exclude it). `fp8` forces
-it (FP8 checkpoints too: their high-precision head is quantised once loaded); `none` keeps it in
-the model dtype, as vLLM does. A tied head (SmolLM2) gets its own FP8 copy; the embedding lookup
-keeps the model dtype.
+An FP8 checkpoint's head stays as the checkpoint has it: high precision where its config excludes
+it (most do), FP8 where the checkpoint ships it so (`lm_head.weight_scale` beside an fp8
+`lm_head.weight`: compressed-tensors or ModelOpt configs that do not ignore `lm_head`). `fp8`
+forces it (an FP8 checkpoint's high-precision head is quantised once loaded); `none` keeps it in
+the model dtype, as vLLM does (an FP8 head of the checkpoint is dequantised once loaded). A tied
+head (SmolLM2) gets its own FP8 copy; the embedding lookup keeps the model dtype.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import glob
 import json
 import os
 import re
@@ -54,11 +57,14 @@ class Fp8Config:
     """FP8 weights. checkpoint_format: None when TokenSpeed quantises a high-precision checkpoint;
     else the format the checkpoint's fp8 tensors are in. ignore: module-name patterns (HF names)
     kept in high precision. lm_head: the LM head's matmul runs on FP8 weights too (quantised
-    after loading; a tied head gets its own FP8 copy, the embedding keeps the model dtype)."""
+    after loading; a tied head gets its own FP8 copy, the embedding keeps the model dtype).
+    checkpoint_lm_head: the checkpoint's LM head is FP8 itself (it ships lm_head.weight_scale):
+    it loads as FP8, and is dequantised once loaded when lm_head is False."""
 
     checkpoint_format: str | None = None
     ignore: tuple[str, ...] = ()
     lm_head: bool = False
+    checkpoint_lm_head: bool = False
 
     def ignores(self, hf_name: str) -> bool:
         for pattern in self.ignore:
@@ -103,7 +109,9 @@ def _modelopt(qc: dict[str, Any]) -> Fp8Config:
 
 
 def checkpoint_quantization(hf_config: dict[str, Any], model_dir: str | None = None) -> Fp8Config | None:
-    """The quantization a checkpoint's config.json (or ModelOpt's hf_quant_config.json) declares."""
+    """The quantization a checkpoint's config.json (or ModelOpt's hf_quant_config.json) declares,
+    and whether its LM head is FP8 (read from the tensor names, not the config: whether a
+    format's targets cover the head varies, the tensors say it)."""
     qc = hf_config.get("quantization_config")
     if qc is None and model_dir and os.path.isfile(os.path.join(model_dir, "hf_quant_config.json")):
         with open(os.path.join(model_dir, "hf_quant_config.json")) as f:
@@ -112,15 +120,35 @@ def checkpoint_quantization(hf_config: dict[str, Any], model_dir: str | None = N
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
-        return _compressed_tensors(qc)
-    if method == "modelopt":
-        return _modelopt(qc)
-    if method == "fp8":
+        cfg = _compressed_tensors(qc)
+    elif method == "modelopt":
+        cfg = _modelopt(qc)
+    elif method == "fp8":
         if qc.get("weight_block_size"):
             raise _unsupported(f"fp8 with weight_block_size {qc['weight_block_size']} (block-wise "
                                "FP8)", "checkpoint quantization_config")
-        return Fp8Config("fp8", tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
-    raise _unsupported(method or str(qc), "checkpoint quantization_config")
+        cfg = Fp8Config("fp8", tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
+    else:
+        raise _unsupported(method or str(qc), "checkpoint quantization_config")
+    head = model_dir is not None and not hf_config.get("tie_word_embeddings", False) \
+        and _has_tensor(model_dir, "lm_head.weight_scale")
+    return replace(cfg, checkpoint_lm_head=head)
+
+
+def _has_tensor(model_dir: str, name: str) -> bool:
+    """Whether the safetensors checkpoint in model_dir holds tensor `name` (the index, else each
+    file's header: no tensor is read)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return name in (json.load(f).get("weight_map") or {})
+    from safetensors import safe_open
+
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as h:
+            if name in set(h.keys()):  # a handle is not a dict
+                return True
+    return False
 
 
 def resolve_quantization(method: str | None, hf_config: dict[str, Any],
@@ -139,6 +167,7 @@ def resolve_quantization(method: str | None, hf_config: dict[str, Any],
             raise QuantizationError("--lm-head-quantization fp8 needs FP8 weights (--quantization fp8 "
                                     "or an FP8 checkpoint)")
         return None
-    if lm_head == "fp8" or (lm_head == "auto" and cfg.checkpoint_format is None):
+    if lm_head == "fp8" or (lm_head == "auto" and (cfg.checkpoint_format is None
+                                                    or cfg.checkpoint_lm_head)):
         return replace(cfg, lm_head=True)
     return cfg
