@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gpu import Driver, compare_with_hf, hf_from_ours, hf_greedy, make_runner, prompts_for, write_config
+from test_gpu import (
+    Driver,
+    compare_with_hf,
+    hf_from_ours,
+    hf_greedy,
+    make_runner,
+    prompts_for,
+    staggered_greedy,
+    write_config,
+)
 
 from tokenspeed.bench.model_configs import QWEN3_30B_A3B
 
@@ -47,3 +56,28 @@ def test_qwen3_30b_a3b_shaped_bf16_matches_hf(tmp_path: Path) -> None:
     compare_with_hf("qwen3-30b-a3b x4 layers",
                     write_config(tmp_path, "qwen3moe", QWEN3_30B_A3B, num_hidden_layers=4,
                                  eos_token_id=151645), moe_backend="triton")
+
+
+def test_qwen3_moe_fp32_extend_graphs_mixed_steps_match_hf(tmp_path: Path) -> None:
+    """Prefills beside decodes (one prompt joining each step) replay extend graphs, whose fused
+    MoE sees the padded token count."""
+    from tokenspeed.cuda_graph import extend_capture_sizes
+
+    path = write_config(tmp_path, "moe", SMALL_MOE_FP32)
+    prompts = prompts_for(SMALL_MOE_FP32["vocab_size"])
+    runner = make_runner(path, "float32", moe_backend="triton",
+                         extend_graph_sizes=extend_capture_sizes(256))
+    ours = staggered_greedy(runner, prompts, NEW_TOKENS)
+    hf = hf_from_ours(path, runner.model, torch.float32)  # type: ignore[attr-defined]
+    ref = [hf_greedy(hf, p, NEW_TOKENS)[0] for p in prompts]
+    assert runner.extend_graphs.replays == len(prompts)  # type: ignore[attr-defined]
+    assert ours == ref
+
+
+def test_qwen3_30b_a3b_shaped_bf16_extend_graphs_match_hf(tmp_path: Path) -> None:
+    from tokenspeed.cuda_graph import extend_capture_sizes
+
+    compare_with_hf("qwen3-30b-a3b x4 layers, extend graphs",
+                    write_config(tmp_path, "qwen3moe", QWEN3_30B_A3B, num_hidden_layers=4,
+                                 eos_token_id=151645), moe_backend="triton",
+                    extend_graph_sizes=extend_capture_sizes(2048))
