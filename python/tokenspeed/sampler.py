@@ -159,12 +159,14 @@ class Sampler:
         self.slots[slot] = state
         if slot >= self._capacity:
             self._grow(max(2 * self._capacity, slot + 1))
-        # Scalar writes are kernel launches, not host syncs.
-        self._temperature[slot] = state.temperature
+        # fill_ passes the value as a kernel argument. `t[slot] = value` would copy it from a
+        # pageable host scalar, which waits for every kernel queued on the stream: a new
+        # request's step would wait for the step in flight before it could be launched.
+        self._temperature[slot:slot + 1].fill_(state.temperature)
         # top_p = 1 must keep everything despite cumsum rounding.
-        self._top_p[slot] = state.top_p if state.top_p < 1.0 else float("inf")
-        self._top_k[slot] = state.top_k
-        self._min_p[slot] = state.min_p
+        self._top_p[slot:slot + 1].fill_(state.top_p if state.top_p < 1.0 else float("inf"))
+        self._top_k[slot:slot + 1].fill_(state.top_k)
+        self._min_p[slot:slot + 1].fill_(state.min_p)
         self._greedy[slot] = state.greedy
         self._penalized[slot] = state.penalized
         self._top_logprobs[slot] = state.top_logprobs
