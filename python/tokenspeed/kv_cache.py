@@ -64,9 +64,8 @@ class PagedKVCache:
         ids = np.concatenate([src, dst]).astype(np.int64)
         if len(ids) and (int(ids.max()) >= self.num_pages or int(ids.min()) < 0):
             raise ValueError(f"page copy: page id out of range (num_pages={self.num_pages})")
-        device = self.k[0].device
-        s = torch.from_numpy(src.astype(np.int64)).to(device, non_blocking=True)
-        d = torch.from_numpy(dst.astype(np.int64)).to(device, non_blocking=True)
+        # Through pinned memory: a pageable copy would wait for the step in flight.
+        s, d = to_device_int64([src, dst], self.k[0].device)
         for k, v in zip(self.k, self.v):
             k[d] = k[s]
             v[d] = v[s]
