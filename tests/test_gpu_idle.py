@@ -81,6 +81,18 @@ def test_event_gaps_are_read_only_once_the_gpu_passed_them() -> None:
     assert clock.take_us() == 0
 
 
+def test_gaps_the_gpu_passed_are_added_up_at_once_so_idle_forwards_hold_no_events() -> None:
+    gpu: list[FakeEvent] = []
+    clock = IdleClock(new_event=lambda: FakeEvent(gpu))
+    for i in range(100):  # data-parallel idle forwards: no result takes their gaps for a while
+        clock.begin()
+        gpu[-1].stamp = 10.0 * i
+        clock.end()
+        gpu[-1].stamp = 10.0 * i + 9.0  # 1 ms idle before the next one
+    assert len(clock._gaps) <= 1
+    assert clock.take_us() == 99 * 1000
+
+
 def test_idle_saturates_at_u32_and_never_goes_negative() -> None:
     now = FakeClock()
     clock = IdleClock(now=now)

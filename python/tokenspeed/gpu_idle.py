@@ -47,7 +47,8 @@ class IdleClock:
         self._new_event = new_event
         self._now = now
         self._last_end: Mark | None = None
-        self._gaps: deque[tuple[Mark, Mark]] = deque()
+        self._gaps: deque[tuple[Mark, Mark]] = deque()  # the GPU has not passed them yet
+        self._idle_ms = 0.0  # gaps passed, not yet taken
 
     @classmethod
     def for_device(cls, device: torch.device) -> IdleClock:
@@ -64,6 +65,7 @@ class IdleClock:
 
     def begin(self) -> None:
         """Before a step's first kernel is queued."""
+        self._drain()  # keeps only gaps still queued (idle forwards send no result to take them)
         start = self._mark()
         if self._last_end is not None:
             self._gaps.append((self._last_end, start))
@@ -77,14 +79,18 @@ class IdleClock:
     def take_us(self) -> int:
         """Microseconds of idle in the gaps the GPU has passed, since the last call (saturating at
         u32). Never blocks: a gap whose start mark is still queued waits for a later call."""
-        total_ms = 0.0
+        self._drain()
+        idle_ms, self._idle_ms = self._idle_ms, 0.0
+        return min(U32_MAX, round(1e3 * idle_ms))
+
+    def _drain(self) -> None:
+        """Adds up the gaps the GPU has passed (in stream order: the first still queued ends it)."""
         while self._gaps:
             prev_end, start = self._gaps[0]
             if isinstance(start, float) or isinstance(prev_end, float):
-                total_ms += max(0.0, 1e3 * (float(start) - float(prev_end)))  # type: ignore[arg-type]
-            elif start.query():  # in stream order: prev_end completed before it
-                total_ms += max(0.0, prev_end.elapsed_time(start))
+                self._idle_ms += max(0.0, 1e3 * (float(start) - float(prev_end)))  # type: ignore[arg-type]
+            elif start.query():  # prev_end, recorded before it on the same stream, is done too
+                self._idle_ms += max(0.0, prev_end.elapsed_time(start))
             else:
                 break
             self._gaps.popleft()
-        return min(U32_MAX, round(1e3 * total_ms))
