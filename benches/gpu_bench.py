@@ -225,7 +225,8 @@ def scenarios(quick: bool, full: bool = False) -> dict[str, Scenario]:
             ("median TPOT ms", "metrics.tpot_ms.median", "-"),
             ("p99 ITL ms", "metrics.itl_ms.p99", "issue 14: <= 25"),
             ("max ITL ms", "metrics.itl_ms.max", "-"),
-            ("GPU idle between steps (share)", "metrics.gpu_idle.idle_share", "-")], 200),
+            ("GPU idle between steps (share, worker)", "metrics.gpu_idle.gpu_idle_share", "-"),
+            ("engine stalled (share)", "metrics.gpu_idle.engine_stalled_share", "-")], 200),
         "S4c1": Scenario("S4c1", "S4 prefill (4096 in / 1 out, 32 prompts, conc 1)",
                          rid(s4[0], 1, s4[1], 1), [
             ("input tok/s", "metrics.input_throughput", "compute bound ~49k tok/s"),

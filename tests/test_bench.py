@@ -263,6 +263,7 @@ def test_one_batch_plans() -> None:
 class _FakeHandler(BaseHTTPRequestHandler):
     short_by = 0  # tokens to drop from every response (to trip the verifier)
     flushed = 0
+    info_reads = 0
 
     def log_message(self, *args: object) -> None:
         pass
@@ -278,6 +279,11 @@ class _FakeHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             return self._json(200, {"data": [{"id": "fake-model"}]})
+        if self.path == "/get_server_info":  # counters that grow by fixed amounts per read
+            _FakeHandler.info_reads += 1
+            n = _FakeHandler.info_reads
+            return self._json(200, {"engine": {"busy_s": 3.0 * n, "stalled_s": 1.0 * n,
+                                               "gpu_idle_s": 0.5 * n}})
         return self._json(404, {"error": "no route"})
 
     def do_POST(self) -> None:
@@ -308,6 +314,7 @@ class _FakeHandler(BaseHTTPRequestHandler):
 def fake_server() -> Iterator[str]:
     _FakeHandler.short_by = 0
     _FakeHandler.flushed = 0
+    _FakeHandler.info_reads = 0
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeHandler)
     srv.daemon_threads = True
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -346,6 +353,11 @@ def test_bench_serve_against_fake_server(fake_server: str, tmp_path: Path, capsy
     assert rec["model"] == "fake-model" and rec["request_rate"] == 200 and rec["ignore_eos"] is True
     assert m["completed"] == 8 and m["total_output_tokens"] == 64 and m["total_input_tokens"] == 8 * 16
     assert m["itl_ms"]["max"] >= m["itl_ms"]["median"] >= 0 and rec["length_mismatches"] == 0
+    # The server's counters, read before and after the run: one step of each apart.
+    idle = m["gpu_idle"]
+    assert idle["gpu_idle_s"] == 0.5 and idle["stalled_s"] == 1.0 and idle["engine_stalled_share"] == 0.25
+    assert idle["gpu_idle_share"] == pytest.approx(0.5 / idle["window_s"]) and idle["window_s"] > 0
+    assert "GPU idle between steps (%):" in text and "Engine stalled, no step in flight (%):" in text
 
     _FakeHandler.short_by = 2
     assert bench_main([*args[:-2], "--dataset-name", "random-ids", "--disable-cache-flush"]) == 1
@@ -373,3 +385,4 @@ def test_zz_bench_serve_real_server(server: object, tmp_path: Path) -> None:
     for rec in recs:
         assert rec["metrics"]["completed"] == 8 and rec["length_mismatches"] == 0
         assert rec["metrics"]["total_output_tokens"] == 64 and rec["output_tokens_source"] == "server usage"
+        assert rec["metrics"]["gpu_idle"]["gpu_idle_s"] >= 0 and rec["metrics"]["gpu_idle"]["window_s"] > 0

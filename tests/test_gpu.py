@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -288,6 +289,31 @@ def test_a_new_requests_step_is_launched_without_waiting_for_the_gpu(tmp_path: P
         assert len(step.wait().tokens) >= 1
     # The 33- and 20-token prefills replay extend graphs; the mixed step too unless over 512.
     assert runner.extend_graphs.replays == (3 if prompt_len < 512 else 2)  # type: ignore[attr-defined]
+
+
+def test_the_worker_measures_the_gpu_idle_between_steps_without_waiting(tmp_path: Path) -> None:
+    """The idle clock's CUDA events (gpu_idle.py): recording and reading them never syncs (sync
+    debug mode raises if it does), and a host pause between two steps is reported as idle."""
+    path = write_config(tmp_path, "small", SMALL_FP32)
+    runner = make_runner(path, "float32")
+    drv = Driver(runner)
+    prompt = prompts_for(SMALL_FP32["vocab_size"], [33])[0]
+    runner.launch(drv.plan([(0, prompt)])).wait()  # type: ignore[attr-defined]
+    runner.launch(drv.plan([(0, [100])])).wait()  # type: ignore[attr-defined]
+    done = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        time.sleep(0.2)  # nothing queued: the GPU idles
+        step = runner.launch(drv.plan([(0, [101])]))  # type: ignore[attr-defined]
+        while not step.ready():  # event queries
+            pass
+        idle_us = runner.idle_clock.take_us()  # type: ignore[attr-defined]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    wall_us = 1e6 * (time.perf_counter() - done)
+    print(f"\n[idle clock] {idle_us} us idle before a step launched after a 0.2 s pause")
+    assert 0.19e6 <= idle_us <= wall_us
+    assert step.wait().gpu_idle_us == 0  # reported once
 
 
 def test_smollm2_shaped_bf16_matches_hf(tmp_path: Path) -> None:

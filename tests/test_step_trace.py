@@ -43,8 +43,16 @@ def test_steps_with_new_requests_are_always_logged(caplog: pytest.LogCaptureFixt
 
 
 def test_gpu_idle_share_from_engine_counters() -> None:
-    share = gpu_idle_share({"busy_s": 1.0, "stalled_s": 0.5}, {"busy_s": 4.0, "stalled_s": 1.5})
-    assert share == {"busy_s": 3.0, "stalled_s": 1.0, "idle_share": 0.25}
-    assert gpu_idle_share(None, {"busy_s": 1.0, "stalled_s": 0.0}) is None
-    idle = gpu_idle_share({"busy_s": 1.0, "stalled_s": 0.0}, {"busy_s": 1.0, "stalled_s": 0.0})
-    assert idle is not None and math.isnan(idle["idle_share"])
+    before = {"busy_s": 1.0, "stalled_s": 0.5, "gpu_idle_s": 2.0, "at_s": 10.0}
+    after = {"busy_s": 4.0, "stalled_s": 1.5, "gpu_idle_s": 3.0, "at_s": 14.0}
+    # The worker's GPU idle over the wall time between the reads; the engine's stall over its
+    # serving time.
+    assert gpu_idle_share(before, after) == {
+        "busy_s": 3.0, "stalled_s": 1.0, "engine_stalled_share": 0.25,
+        "gpu_idle_s": 1.0, "window_s": 4.0, "gpu_idle_share": 0.25}
+    assert gpu_idle_share(None, after) is None
+    idle = gpu_idle_share(before, before)
+    assert idle is not None and math.isnan(idle["engine_stalled_share"]) and math.isnan(idle["gpu_idle_share"])
+    # A server without the worker's count: only the engine's view.
+    old = gpu_idle_share({"busy_s": 1.0, "stalled_s": 0.0}, {"busy_s": 2.0, "stalled_s": 1.0})
+    assert old == {"busy_s": 1.0, "stalled_s": 1.0, "engine_stalled_share": 0.5}

@@ -22,6 +22,7 @@ from tokenspeed.cuda_graph import (
 )
 from tokenspeed.distributed import dp_token_counts, state, sync_sampled_tokens
 from tokenspeed.distributed import moe_parallel as distributed_moe_parallel
+from tokenspeed.gpu_idle import IdleClock
 from tokenspeed.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import (
@@ -122,11 +123,13 @@ class PendingStep:
 
     def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None,
                  top_k: np.ndarray | None = None,
-                 prompt: dict[int, PromptLogprobs] | None = None) -> None:
+                 prompt: dict[int, PromptLogprobs] | None = None,
+                 idle_clock: IdleClock | None = None) -> None:
         self.slots = slots
         self.top_k = top_k
         self.prompt = prompt or {}
         self._outputs = outputs
+        self._idle_clock = idle_clock
 
     def ready(self) -> bool:
         """True once `wait()` would not block."""
@@ -134,11 +137,15 @@ class PendingStep:
 
     def wait(self) -> StepOutput:
         if self._outputs is None:
-            return StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0),
-                              prompt=self.prompt)
-        tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
-        return StepOutput(slots=self.slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
-                          top_logprobs=top_logprobs, top_k=self.top_k, prompt=self.prompt)
+            out = StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0),
+                             prompt=self.prompt)
+        else:
+            tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
+            out = StepOutput(slots=self.slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
+                             top_logprobs=top_logprobs, top_k=self.top_k, prompt=self.prompt)
+        if self._idle_clock is not None:  # after the wait: this step's marks are passed
+            out.gpu_idle_us = self._idle_clock.take_us()
+        return out
 
 
 class ModelRunner:
@@ -233,6 +240,8 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
         self._idle: tuple[PagedKVCache, AttentionBackend] | None = None  # idle_forward's cache
+        # Marks around each step's GPU work: the GPU's idle time between steps (gpu_idle.py).
+        self.idle_clock = IdleClock.for_device(self.device)
         pool = None  # one memory pool for all graphs (largest, the extend ones, first)
         if self.extend_graph_sizes:
             self.extend_graphs = ExtendGraphRunner(
@@ -371,6 +380,7 @@ class ModelRunner:
                 k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
             self._idle = (scratch, self._make_backend(scratch))
         scratch, backend = self._idle
+        self.idle_clock.begin()  # GPU work of its own: no idle gap for the step after it
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         one = np.ones(1, np.int64)
         batch = ForwardBatch(
@@ -379,6 +389,7 @@ class ModelRunner:
             query_start=np.asarray([0, 1], np.int64), kv_cache=scratch, backend=backend)
         backend.prepare(batch)
         self.model(batch.input_ids, batch.positions, batch)
+        self.idle_clock.end()
 
     # --- the step --------------------------------------------------------------------------
 
@@ -465,6 +476,7 @@ class ModelRunner:
                  copy_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the sampled rows, and their slots on the device when already there.
         `copy_logits`: copy them out of the CUDA graph's buffer (which the next replay reuses)."""
+        self.idle_clock.begin()  # before the step's first kernel (its state changes)
         self._apply_state(plan)
         if len(plan.sched_slot) == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device), None
@@ -515,16 +527,17 @@ class ModelRunner:
                 self.sampler.observe_inputs(slot, ids[ids != LAST_SAMPLED].tolist())
         prompt, self._prompt_out = self._prompt_out, {}
         if len(slots) == 0:
-            return PendingStep(slots, None, prompt=prompt)
+            self.idle_clock.end()
+            return PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock)
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
         res = self.sampler.sample(slots.tolist(), logits, slots_dev,
                                   masks if masks is not None else token_masks(plan, slots, completion))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
         self.last_tokens[slots_dev] = res.tokens
-        return PendingStep(slots, DeviceToHost([res.tokens, res.logprobs, res.top_ids,
-                                                res.top_logprobs]), self.sampler.top_k_of(slots),
-                           prompt)
+        outputs = DeviceToHost([res.tokens, res.logprobs, res.top_ids, res.top_logprobs])
+        self.idle_clock.end()  # after the step's last kernel and copy
+        return PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock)
 
     # --- plan → state and batch ------------------------------------------------------------
 

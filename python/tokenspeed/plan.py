@@ -143,6 +143,9 @@ class StepOutput:
         self.prompt = dict(prompt or {})
         # `RequestEvent::error` per event (None: all NONE); set by the worker's grammar backend.
         self.errors: np.ndarray | None = None
+        # `StepTiming::gpu_idle_us`: the GPU's idle time between steps the worker measured
+        # since its previous result (gpu_idle.py); None: no timing row.
+        self.gpu_idle_us: int | None = None
 
     def arrays(self) -> dict[str, bytes]:
         """{result array name: bytes}: one accepted token per event; each event's top-k rows
@@ -170,6 +173,8 @@ class StepOutput:
             errors = np.zeros(events, d["event_error"])
             errors[:n] = self.errors
             out["event_error"] = errors.tobytes()
+        if self.gpu_idle_us is not None:
+            out["timing_gpu_idle_us"] = np.asarray([self.gpu_idle_us], d["timing_gpu_idle_us"]).tobytes()
         return out
 
     def _with_prompt(self, out: dict[str, bytes], k: np.ndarray) -> dict[str, bytes]:

@@ -145,8 +145,12 @@ def format_metrics(m: dict, header: dict[str, object]) -> str:
             lines.append(_line(f"Max {short} (ms):", s["max"]))
     idle = m.get("gpu_idle")
     if isinstance(idle, dict):
+        # serve.gpu_idle_share says what each counter measures.
         lines.append("{s:{c}^{n}}".format(s=" Server (TokenSpeed engine counters) ", n=51, c="-"))
-        lines.append(_line("GPU idle between steps (%):", 100.0 * idle["idle_share"]))
-        lines.append(_line("Engine stalled, no step queued (ms):", 1e3 * idle["stalled_s"]))
+        if "gpu_idle_share" in idle:  # the worker's GPU idle over the run's wall time
+            lines.append(_line("GPU idle between steps (%):", 100.0 * idle["gpu_idle_share"]))
+            lines.append(_line("GPU idle between steps (ms):", 1e3 * idle["gpu_idle_s"]))
+        lines.append(_line("Engine stalled, no step in flight (%):", 100.0 * idle["engine_stalled_share"]))
+        lines.append(_line("Engine stalled, no step in flight (ms):", 1e3 * idle["stalled_s"]))
     lines.append("=" * 51)
     return "\n".join(lines)

@@ -132,24 +132,44 @@ async def _flush_cache(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
-    """TokenSpeed's engine time counters from /get_server_info (None from other servers)."""
+    """TokenSpeed's engine time counters from /get_server_info (None from other servers), with
+    "at_s": when they were read (the bench's perf_counter clock)."""
     try:
         r = await client.get(f"{base_url}/get_server_info")
         engine = r.json().get("engine") if r.status_code == 200 else None
-        return {k: float(engine[k]) for k in ("busy_s", "stalled_s")} if engine else None
+        if not engine:
+            return None
+        counters = {k: float(engine[k]) for k in ("busy_s", "stalled_s")}
+        if "gpu_idle_s" in engine:  # servers before the worker's own count lack it
+            counters["gpu_idle_s"] = float(engine["gpu_idle_s"])
+        return {**counters, "at_s": time.perf_counter()}
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def gpu_idle_share(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
-    """Over the run: seconds the engine had a plan in flight (busy) or had requests but none in
-    flight (stalled: the GPU idle between steps, waiting for the engine); share = stalled / both."""
+    """The server's idle counters over the run (between the bench's two reads of them).
+
+    - gpu_idle_s / gpu_idle_share: the worker's own measure (CUDA events; wall clock on CPU) of
+      the GPU idle between steps, over the wall time between the two reads (window_s). It counts
+      every gap, also those while no request was in the server (low request rates raise it).
+    - busy_s, stalled_s / engine_stalled_share: the engine's view: seconds it had a plan in flight
+      (busy) or had requests but none in flight (stalled, waiting for the engine); share =
+      stalled / (busy + stalled). One-step-ahead scheduling keeps it near 0 even when the GPU
+      waits for the worker's host."""
     if not before or not after:
         return None
     busy = after["busy_s"] - before["busy_s"]
     stalled = after["stalled_s"] - before["stalled_s"]
     total = busy + stalled
-    return {"busy_s": busy, "stalled_s": stalled, "idle_share": stalled / total if total > 0 else math.nan}
+    out = {"busy_s": busy, "stalled_s": stalled,
+           "engine_stalled_share": stalled / total if total > 0 else math.nan}
+    if "gpu_idle_s" in before and "gpu_idle_s" in after:
+        idle = after["gpu_idle_s"] - before["gpu_idle_s"]
+        window = after["at_s"] - before["at_s"]
+        out.update(gpu_idle_s=idle, window_s=window,
+                   gpu_idle_share=idle / window if window > 0 else math.nan)
+    return out
 
 
 async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model: str | None,

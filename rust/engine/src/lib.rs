@@ -11,7 +11,7 @@ pub mod schema;
 pub use pages::{PagePool, Pages};
 pub use plan::{
     grammar_kind, CopyOp, FinishedSlot, GrammarRow, PageTableUpdate, Plan, RequestEvent,
-    SamplingParams, ScheduledRequest, StepLimits, StepResult, TokenMask, LAST_SAMPLED,
+    SamplingParams, ScheduledRequest, StepLimits, StepResult, StepTiming, TokenMask, LAST_SAMPLED,
     MAX_GRAMMAR_REPLAY, MAX_GRAMMAR_STOP_IDS, MAX_GRAMMAR_TEXT, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
     NO_SEED,
 };

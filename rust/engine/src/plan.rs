@@ -358,10 +358,23 @@ impl RequestEvent {
     }
 }
 
+section! {
+    /// The worker's own timing, sent with a step's result: at most one row (none from a sender
+    /// that measures nothing, e.g. a test's fake worker).
+    pub struct StepTiming("timing") {
+        /// Microseconds the GPU sat idle between the worker's steps since its previous result:
+        /// from the end of one step's GPU work to the start of the next one's (CUDA events; host
+        /// wall clock on the CPU). Saturates at u32::MAX (71 minutes).
+        pub gpu_idle_us: u32,
+    }
+    lists {}
+}
+
 message! {
     /// What the worker sends back after a step.
     pub struct StepResult(magic = 0x5345_5254) {
         pub events: Vec<RequestEvent>,
+        pub timing: Vec<StepTiming>,
     }
 }
 
@@ -384,7 +397,14 @@ impl StepResult {
             prompt * k,
             prompt, // prompt ranks
             0,      // pooled vectors: none until embedding models exist
+            1,      // timing: one row
         ];
         <StepResult as Message>::max_encoded_len(&counts)
+    }
+
+    /// Microseconds the worker's GPU sat idle between steps since its previous result (0 when
+    /// the result carries no timing).
+    pub fn gpu_idle_us(&self) -> u64 {
+        self.timing.iter().map(|t| u64::from(t.gpu_idle_us)).sum()
     }
 }

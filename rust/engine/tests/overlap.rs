@@ -305,7 +305,7 @@ fn a_whole_step_result_lost_counts_as_answered_with_nothing() {
     assert!(h.sched.advance(&newer).is_empty());
     let outs = h.sched.advance(&StepResult {
         step_id: newer.step_id,
-        events: vec![],
+        ..Default::default()
     });
     assert!(outs.is_empty(), "an answered step is not answered twice");
     h.run(100);

@@ -368,7 +368,7 @@ fn a_missing_sample_makes_the_request_recompute_its_last_position() {
     h.worker.execute(&plan);
     let outs = h.sched.advance(&StepResult {
         step_id: plan.step_id,
-        events: vec![],
+        ..Default::default()
     });
     assert!(outs.is_empty());
     let retry = h.sched.schedule().expect("retry plan");

@@ -8,7 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use tokenspeed_engine::plan::{FinishedSlot, PageTableUpdate, RequestEvent, ScheduledRequest};
-use tokenspeed_engine::{Plan, StepResult};
+use tokenspeed_engine::{Plan, StepResult, StepTiming};
 use tokenspeed_ipc::{IpcError, PlanChannel, WorkerChannel};
 
 const SEC: Option<Duration> = Some(Duration::from_secs(10));
@@ -64,6 +64,9 @@ fn result_for(p: &Plan) -> StepResult {
                 ..Default::default()
             })
             .collect(),
+        timing: vec![StepTiming {
+            gpu_idle_us: p.step_id as u32 * 7,
+        }],
     }
 }
 

@@ -6,7 +6,9 @@ use tokenspeed_engine::plan::{
     CopyOp, FinishedSlot, PageTableUpdate, RequestEvent, ScheduledRequest,
 };
 use tokenspeed_engine::schema::Message;
-use tokenspeed_engine::{GrammarRow, Plan, SamplingParams, StepLimits, StepResult, TokenMask};
+use tokenspeed_engine::{
+    GrammarRow, Plan, SamplingParams, StepLimits, StepResult, StepTiming, TokenMask,
+};
 use tokenspeed_ipc::codec::{decode, encode, encode_arrays, layout_of, DType};
 use tokenspeed_ipc::IpcError;
 
@@ -146,8 +148,19 @@ fn event() -> impl Strategy<Value = RequestEvent> {
 }
 
 fn result() -> impl Strategy<Value = StepResult> {
-    (any::<u64>(), prop::collection::vec(event(), 0..12))
-        .prop_map(|(step_id, events)| StepResult { step_id, events })
+    (
+        any::<u64>(),
+        prop::collection::vec(event(), 0..12),
+        prop::option::of(any::<u32>()),
+    )
+        .prop_map(|(step_id, events, idle)| StepResult {
+            step_id,
+            events,
+            timing: idle
+                .map(|gpu_idle_us| StepTiming { gpu_idle_us })
+                .into_iter()
+                .collect(),
+        })
 }
 
 proptest! {
@@ -212,6 +225,37 @@ fn array_names_follow_the_declaration() {
     assert!(names
         .iter()
         .any(|(n, d)| n == "event_logprobs" && *d == DType::F32));
+    assert!(names
+        .iter()
+        .any(|(n, d)| n == "timing_gpu_idle_us" && *d == DType::U32));
+}
+
+#[test]
+fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slot_bound() {
+    let l = StepLimits {
+        max_running: 2,
+        max_step_tokens: 8,
+        max_pages_per_request: 4,
+        mask_words: 0,
+        worker_grammars: false,
+    };
+    let mut r = StepResult {
+        step_id: 3,
+        events: vec![RequestEvent::default(); 2],
+        ..Default::default()
+    };
+    assert_eq!(r.gpu_idle_us(), 0);
+    r.timing = vec![StepTiming {
+        gpu_idle_us: u32::MAX,
+    }];
+    assert_eq!(r.gpu_idle_us(), u64::from(u32::MAX));
+    assert!(r.encoded_len() <= StepResult::max_encoded_len(&l));
+    let mut buf = vec![0u8; StepResult::max_encoded_len(&l)];
+    encode(&r, &mut buf).unwrap();
+    assert_eq!(
+        decode::<StepResult>(&buf).unwrap().gpu_idle_us(),
+        u64::from(u32::MAX)
+    );
 }
 
 #[test]

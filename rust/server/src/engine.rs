@@ -111,6 +111,13 @@ pub struct EngineStats {
     /// share of serving time the GPU sat idle between steps, as far as the engine can see (the
     /// worker's own host time before its first kernel is not in it).
     pub stalled_s: f64,
+    /// Seconds the GPU sat idle between steps as the worker measured it (CUDA events from the
+    /// end of one step's GPU work to the start of the next one's; host wall clock on the CPU),
+    /// summed from its step results. Unlike `stalled_s` it sees the worker's own host time
+    /// between steps (one-step-ahead scheduling keeps `stalled_s` near 0 even when the GPU
+    /// waits for the worker), and it counts every gap, also while the server had no requests.
+    /// Not in it: a gap inside a step's launch (a host sync after its first kernel).
+    pub gpu_idle_s: f64,
     /// Prompt tokens of the requests that reached their first token, and how many of them the
     /// radix cache held (per replica under data parallelism: where the prefix hits land).
     pub prefix_cache_queries: u64,
@@ -135,6 +142,7 @@ impl EngineStats {
                 last_step_tokens: t.last_step_tokens + s.last_step_tokens,
                 busy_s: t.busy_s + s.busy_s,
                 stalled_s: t.stalled_s + s.stalled_s,
+                gpu_idle_s: t.gpu_idle_s + s.gpu_idle_s,
                 prefix_cache_queries: t.prefix_cache_queries + s.prefix_cache_queries,
                 prefix_cache_hits: t.prefix_cache_hits + s.prefix_cache_hits,
             })
@@ -422,6 +430,7 @@ pub fn spawn_engine(
                 marked: Instant::now(),
                 busy: Duration::ZERO,
                 stalled: Duration::ZERO,
+                gpu_idle: Duration::ZERO,
                 last_submit: None,
                 prefill_sent: HashMap::new(),
                 grammars: grammar::Grammars::new(mask_words),

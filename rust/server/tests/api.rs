@@ -12,12 +12,15 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokenspeed_engine::plan::RequestEvent;
-use tokenspeed_engine::{GrammarRow, Plan, StepResult, LAST_SAMPLED};
+use tokenspeed_engine::{GrammarRow, Plan, StepResult, StepTiming, LAST_SAMPLED};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
 use tokenspeed_text::TextTokenizer;
 use tower::ServiceExt;
+
+/// What the scripted worker reports as its GPU idle time before each step.
+const GPU_IDLE_US_PER_STEP: u32 = 250;
 
 fn smollm2_dir() -> PathBuf {
     let root = std::env::var("TOKENSPEED_TEST_ASSETS").unwrap_or_else(|_| {
@@ -142,6 +145,9 @@ impl ScriptedWorker {
                     .send(StepResult {
                         step_id: plan.step_id,
                         events: sampled,
+                        timing: vec![StepTiming {
+                            gpu_idle_us: GPU_IDLE_US_PER_STEP,
+                        }],
                     })
                     .is_err()
                 {
@@ -749,7 +755,7 @@ async fn native_generate_returns_logprobs_when_asked() {
 }
 
 #[tokio::test]
-async fn server_info_reports_engine_busy_and_stalled_time() {
+async fn server_info_reports_engine_busy_stalled_and_gpu_idle_time() {
     let h = harness(None);
     let started = std::time::Instant::now();
     let (s, b) = call(
@@ -770,6 +776,14 @@ async fn server_info_reports_engine_busy_and_stalled_time() {
     assert!(stalled >= 0.0, "{b}");
     assert!(
         busy + stalled <= started.elapsed().as_secs_f64() + 1.0,
+        "{b}"
+    );
+    // The worker's own GPU idle count is the sum of what its results reported.
+    let steps = engine["steps"].as_f64().unwrap_or(-1.0);
+    let gpu_idle = engine["gpu_idle_s"].as_f64().unwrap_or(-1.0);
+    assert!(steps >= 6.0, "{b}");
+    assert!(
+        (gpu_idle - steps * f64::from(GPU_IDLE_US_PER_STEP) * 1e-6).abs() < 1e-9,
         "{b}"
     );
 }

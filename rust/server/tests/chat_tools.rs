@@ -75,6 +75,7 @@ impl ScriptedWorker {
                 let result = StepResult {
                     step_id: plan.step_id,
                     events,
+                    ..Default::default()
                 };
                 if res_tx.send(result).is_err() {
                     return;

@@ -47,6 +47,7 @@ impl EchoWorker {
                 let result = StepResult {
                     step_id: plan.step_id,
                     events,
+                    ..Default::default()
                 };
                 if res_tx.send(result).is_err() {
                     return;

@@ -239,6 +239,7 @@ impl FakeWorker {
         StepResult {
             step_id: plan.step_id,
             events,
+            ..Default::default()
         }
     }
 }

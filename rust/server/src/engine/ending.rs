@@ -123,7 +123,7 @@ impl EngineLoop {
         if let Some(last) = self.in_flight.back().map(|p| p.step_id) {
             self.scheduler.advance(&StepResult {
                 step_id: last,
-                events: Vec::new(),
+                ..Default::default()
             });
         }
         self.in_flight.clear();

@@ -52,6 +52,8 @@ pub(super) struct EngineLoop {
     pub(super) marked: Instant,
     pub(super) busy: Duration,
     pub(super) stalled: Duration,
+    /// `EngineStats::gpu_idle_s`: the worker's own count, summed from its results.
+    pub(super) gpu_idle: Duration,
     /// For the debug trace of first-token latency (`RUST_LOG=tokenspeed_server::engine=debug`):
     /// when the latest request was submitted, and per plan carrying new requests, when it was
     /// sent and how long after that submit.
@@ -353,6 +355,7 @@ impl EngineLoop {
 
     fn deliver(&mut self, plan: &Plan, result: StepResult) {
         let started = Instant::now();
+        self.gpu_idle += Duration::from_micros(result.gpu_idle_us());
         let mut outputs = self.scheduler.advance(&result);
         if !self.grammars.is_empty() {
             outputs = outputs
@@ -505,6 +508,7 @@ impl EngineLoop {
                 last_step_tokens: tokens,
                 busy_s: self.busy.as_secs_f64(),
                 stalled_s: self.stalled.as_secs_f64(),
+                gpu_idle_s: self.gpu_idle.as_secs_f64(),
                 prefix_cache_queries: self.prefix_queries,
                 prefix_cache_hits: self.prefix_hits,
             };
