@@ -194,6 +194,41 @@ def test_unbuilt_features_are_reported_together() -> None:
     ]
 
 
+DEEPEP_SPELLINGS = [
+    ["--all2all-backend", "deepep_high_throughput"],
+    ["--all2all-backend", "deepep_low_latency"],
+    ["--moe-a2a-backend", "deepep"],
+    ["--enable-deepep-moe"],
+]
+
+
+@pytest.mark.parametrize("argv", DEEPEP_SPELLINGS, ids=[" ".join(a) for a in DEEPEP_SPELLINGS])
+def test_deepep_is_refused_saying_what_it_needs_and_what_to_use(argv: list[str]) -> None:
+    # Issue 16: not the generic "not available yet", but what DeepEP needs and the built-in
+    # exchanges to use instead.
+    with pytest.raises(NotSupportedError) as info:
+        parse_serve_args(argv)
+    message = str(info.value)
+    assert message.startswith(f"not supported yet: {argv[0]} ("), message
+    assert "not available yet" not in message
+    for words in ("deep_ep", "NVSHMEM", "RDMA", "--all2all-backend allgather_reducescatter",
+                  "torch_all2all"):
+        assert words in message, f"{words!r} missing: {message}"
+
+
+@pytest.mark.parametrize("name", ["--all2all-backend", "--moe-a2a-backend"])
+def test_every_refused_all_to_all_backend_says_why(name: str) -> None:
+    flag = BY_SPELLING[name]
+    refused = [v for v in flag.choices if v != flag.default and v not in (flag.supported or ())]
+    assert refused
+    for value in refused:
+        with pytest.raises(NotSupportedError) as info:
+            parse_serve_args([name, value])
+        message = str(info.value)
+        assert f"{value!r} is not built into TokenSpeed: " in message, message
+        assert "allgather_reducescatter" in message and "torch_all2all" in message, message
+
+
 def test_help_text_is_our_own() -> None:
     # No help string starts with a sentence copied from the SGLang documents.
     seeds = " ".join(_seed_text(p) for p in ("002", "003", "004")).lower()

@@ -83,7 +83,9 @@ class Flag:
     `negated` (bool flags only) set the opposite value. `implemented=False` means the flag is
     parsed and validated, but any value other than `default` is refused as "not supported yet".
     For implemented flags, `supported` (a subset of `choices`) and `max_supported` narrow which
-    values work today; the rest of the valid values are also "not supported yet"."""
+    values work today; the rest of the valid values are also "not supported yet". `refusals`
+    gives a refused value its own reason (what it would need, and what to use instead), said in
+    place of the generic "not available yet"."""
 
     name: str
     help: str
@@ -104,6 +106,7 @@ class Flag:
     allowed_special: tuple[Any, ...] = ()
     max_supported: float | None = None
     unsupported_values: tuple[Any, ...] = ()
+    refusals: dict[Any, str] = field(default_factory=dict)
     takes_value: bool = False
     component: Component = "server"
     implemented: bool = False
@@ -119,6 +122,8 @@ class Flag:
             raise ValueError(f"{self.name}: unknown component {self.component!r}")
         if self.group not in GROUPS:
             raise ValueError(f"{self.name}: unknown help group {self.group!r}")
+        if self.choices is not None and not set(self.refusals) <= set(self.choices):
+            raise ValueError(f"{self.name}: a refusal names a value that is not a choice")
 
     @property
     def spellings(self) -> tuple[str, ...]:
@@ -185,12 +190,16 @@ class Flag:
         on which values are missing, for the "not supported yet" message."""
         if value == self.default or (self.default is None and value in ([], {})):
             return None
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, (str, int, float)) and v in self.refusals:
+                why = self.refusals[v]
+                return why if self.kind == "bool" else f"{_show(v)} is not built into TokenSpeed: {why}"
         if not self.implemented:
             return ""
         if value in self.unsupported_values:
             return f"the value {_show(value)} is not available yet"
         if self.supported is not None:
-            values = value if isinstance(value, list) else [value]
             bad = [v for v in values if v not in self.supported]
             if bad:
                 avail = ", ".join(map(str, self.supported))

@@ -3,6 +3,8 @@ overlap scheduling, ...), tensor dumps, custom weight loading, and deprecated SG
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenspeed.config.derived import MAX_DEFAULT_CUDA_GRAPH_BS
 from tokenspeed.config.flag import (
     G_DEPRECATED,
@@ -17,6 +19,7 @@ from tokenspeed.config.flag import (
     lst,
     s,
 )
+from tokenspeed.config.table_parallel import DEEPEP_REFUSAL
 
 # The table is laid out by hand, one flag per few lines.
 # fmt: off
@@ -162,14 +165,14 @@ LOADER_FLAGS: list[Flag] = [
 ]
 
 
-def _old(name: str, instead: str) -> Flag:
+def _old(name: str, instead: str, **kw: Any) -> Flag:
     return b(name, f"Old SGLang switch, kept so recipes parse; use {instead}.", G_DEPRECATED,
-             component="worker")
+             component="worker", **kw)
 
 
 DEPRECATED_FLAGS: list[Flag] = [
     _old("--enable-ep-moe", "--ep-size"),
-    _old("--enable-deepep-moe", "--moe-a2a-backend deepep"),
+    _old("--enable-deepep-moe", "--moe-a2a-backend deepep", refusals={True: DEEPEP_REFUSAL}),
     _old("--enable-flashinfer-cutlass-moe", "--moe-runner-backend flashinfer_cutlass"),
     _old("--enable-flashinfer-cutedsl-moe", "--moe-runner-backend flashinfer_cutedsl"),
     _old("--enable-flashinfer-trtllm-moe", "--moe-runner-backend flashinfer_trtllm"),

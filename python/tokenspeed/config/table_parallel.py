@@ -30,6 +30,40 @@ from tokenspeed.config.flag import (
     s,
 )
 
+# Why each external all-to-all library is refused, and what to use instead: the one place the
+# messages of --all2all-backend, --moe-a2a-backend and --enable-deepep-moe come from.
+_BUILT_IN = ("use --all2all-backend allgather_reducescatter (all-gather the tokens, reduce-scatter "
+             "the outputs) or torch_all2all (send each token only to the ranks holding its "
+             "experts; better for many expert-parallel ranks and large batches)")
+DEEPEP_REFUSAL = (
+    "DeepEP needs DeepSeek's deep_ep package, CUDA kernels built against NVSHMEM for "
+    "NVLink-connected Hopper-class GPUs within a node and RDMA NICs (InfiniBand or RoCE) "
+    "between nodes; TokenSpeed neither ships nor calls it. "
+    f"Instead, {_BUILT_IN}")
+A2A_REFUSALS: dict[str, str] = {
+    "deepep": DEEPEP_REFUSAL,
+    "deepep_high_throughput": DEEPEP_REFUSAL,
+    "deepep_low_latency": DEEPEP_REFUSAL,
+    "pplx": ("pplx needs Perplexity's pplx-kernels package, CUDA kernels built against NVSHMEM "
+             f"for NVLink/RDMA-connected GPUs; TokenSpeed neither ships nor calls it. Instead, "
+             f"{_BUILT_IN}"),
+    "flashinfer_all2allv": ("FlashInfer's all2allv kernels target multi-node NVLink (MNNVL) "
+                            "systems such as GB200 NVL72, and TokenSpeed does not call them. "
+                            f"Instead, {_BUILT_IN}"),
+    "mooncake": ("Mooncake's expert-parallel backend needs the mooncake package and RDMA NICs; "
+                 f"TokenSpeed neither ships nor calls it. Instead, {_BUILT_IN}"),
+    "ascend_fuseep": f"it runs on Huawei Ascend NPUs only. On GPUs, {_BUILT_IN}",
+}
+
+
+def _refusals(choices: tuple[str, ...]) -> dict[str, str]:
+    return {v: A2A_REFUSALS[v] for v in choices if v in A2A_REFUSALS}
+
+
+_ALL2ALL_CHOICES = ("naive", "allgather_reducescatter", "torch_all2all", "pplx",
+                    "deepep_high_throughput", "deepep_low_latency", "flashinfer_all2allv")
+_MOE_A2A_CHOICES = ("none", "deepep", "mooncake", "ascend_fuseep")
+
 # The table is laid out by hand, one flag per few lines.
 # fmt: off
 PARALLEL_FLAGS: list[Flag] = [
@@ -123,13 +157,12 @@ EP_FLAGS: list[Flag] = [
       "of rows per token instead of the world's, but reads the split sizes on the host every "
       "layer, so it runs without CUDA graphs: for many expert-parallel ranks and large "
       "batches, not small-batch decode. The others (pplx, DeepEP, FlashInfer all2allv) are "
-      "not built yet.", G_EP,
-      ("naive", "allgather_reducescatter", "torch_all2all", "pplx", "deepep_high_throughput",
-       "deepep_low_latency", "flashinfer_all2allv"), "naive",
-      supported=("naive", "allgather_reducescatter", "torch_all2all"),
-      component="worker", implemented=True),
-    c("--moe-a2a-backend", "All-to-all backend for expert parallelism.", G_EP,
-      ("none", "deepep", "mooncake", "ascend_fuseep"), "none", component="worker"),
+      "external libraries TokenSpeed does not call: refused, saying why.", G_EP,
+      _ALL2ALL_CHOICES, "naive", supported=("naive", "allgather_reducescatter", "torch_all2all"),
+      refusals=_refusals(_ALL2ALL_CHOICES), component="worker", implemented=True),
+    c("--moe-a2a-backend", "All-to-all backend for expert parallelism, SGLang's flag. "
+      "TokenSpeed's own exchanges are chosen with --all2all-backend.", G_EP, _MOE_A2A_CHOICES,
+      "none", refusals=_refusals(_MOE_A2A_CHOICES), component="worker"),
     s("--moe-runner-backend", "Kernel runner for MoE layers.", G_EP, "auto", component="worker"),
     c("--flashinfer-mxfp4-moe-precision", "Compute precision of FlashInfer MXFP4 MoE kernels.",
       G_EP, ("default", "bf16"), "default", component="worker"),

@@ -45,6 +45,9 @@ pub struct GenerationSpec {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
+    /// vLLM's: false joins adjacent added tokens without the decoder's separator (see
+    /// `IncrementalDetokenizer::spaces_between_special_tokens`).
+    pub spaces_between_special_tokens: bool,
     /// vLLM's: a matched stop string stays at the end of the text.
     pub include_stop_str_in_output: bool,
     /// Top alternatives per generated token (the worker's `top_logprobs` is the larger of this
@@ -142,6 +145,7 @@ pub async fn probe(
         stop_token_ids: vec![],
         ignore_eos: true,
         skip_special_tokens: true,
+        spaces_between_special_tokens: true,
         include_stop_str_in_output: false,
         top_logprobs: 0,
         prompt_logprobs: None,
@@ -244,7 +248,8 @@ async fn start_on(
             "request"
         );
     }
-    let detok = IncrementalDetokenizer::with_prompt(spec.skip_special_tokens, &prompt_ids);
+    let detok = IncrementalDetokenizer::with_prompt(spec.skip_special_tokens, &prompt_ids)
+        .spaces_between_special_tokens(spec.spaces_between_special_tokens);
     Ok(Generation {
         prompt_ids,
         tokenizer: state.tokenizer.clone(),

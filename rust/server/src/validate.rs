@@ -70,13 +70,6 @@ pub fn generation_spec(
             format!("token id {bad} is out of range (vocabulary size {vocab_size})"),
         ));
     }
-    if f.spaces_between_special_tokens == Some(false) {
-        return Err(ApiError::bad_param(
-            "spaces_between_special_tokens",
-            "spaces_between_special_tokens=false is not supported (the fast tokenizer's decoding \
-             is used as is)",
-        ));
-    }
     let prompt_logprobs = match f.prompt_logprobs {
         Some(k) => Some(self::top_logprobs("prompt_logprobs", Some(k))?),
         None => None,
@@ -94,6 +87,7 @@ pub fn generation_spec(
         stop_token_ids,
         ignore_eos: f.ignore_eos.unwrap_or(false),
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        spaces_between_special_tokens: f.spaces_between_special_tokens.unwrap_or(true),
         include_stop_str_in_output: f.include_stop_str_in_output.unwrap_or(false),
         top_logprobs,
         prompt_logprobs,

@@ -968,3 +968,43 @@ async fn a_grammar_that_starts_after_the_reasoning_leaves_the_reasoning_free() {
         assert_eq!(finish, FinishReason::Complete);
     }
 }
+
+#[tokio::test]
+async fn chat_continuous_usage_reaches_every_chunk_the_role_chunk_too() {
+    // vLLM's: the role chunk carries the prompt's usage (no completion tokens, no details).
+    let h = harness(None);
+    let body = r#"{"messages": [{"role": "user", "content": "Capital of France?"}], "stream": true,
+        "stream_options": {"include_usage": true, "continuous_usage_stats": true}}"#;
+    let (status, text) = call(&h.state, "POST", "/v1/chat/completions", Some(body), None).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(json_of)
+        .collect();
+    let (last, with_choices) = chunks.split_last().expect("chunks");
+    let prompt = last["usage"]["prompt_tokens"]
+        .as_u64()
+        .expect("final usage");
+    let first = &with_choices[0];
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(
+        first["usage"],
+        serde_json::json!({"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt})
+    );
+    let counts: Vec<u64> = with_choices
+        .iter()
+        .map(|c| {
+            assert_eq!(c["usage"]["prompt_tokens"], prompt, "{c}");
+            c["usage"]["completion_tokens"]
+                .as_u64()
+                .expect("usage on every chunk")
+        })
+        .collect();
+    assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{counts:?}");
+    assert_eq!(
+        counts.last().copied(),
+        last["usage"]["completion_tokens"].as_u64()
+    );
+}

@@ -11,9 +11,21 @@ const REPLACEMENT: char = '\u{FFFD}';
 /// the same token makes decoder context (sentencepiece's stripped leading space, byte-level
 /// merges) identical on both sides. A window ending in U+FFFD is an unfinished UTF-8 character
 /// (byte-level or byte-fallback tokens) and is held back until a later token completes it.
+///
+/// `spaces_between_special_tokens(false)` (vLLM's sampling parameter) gives an added token that
+/// directly follows another added token its raw text, without the separator some decoders put
+/// between tokens (WordPiece, or no decoder at all: `[SEP] [SEP]` becomes `[SEP][SEP]`). Like
+/// vLLM's fast detokenizer, it only matters with `skip_special_tokens=false`, and a token after
+/// the prompt never counts as following one. Byte-level BPE tokenizers (Llama 3, Qwen, SmolLM)
+/// put no separator there, so their text is the same either way.
 #[derive(Debug, Clone)]
 pub struct IncrementalDetokenizer {
     skip_special_tokens: bool,
+    /// Adjacent added tokens are joined without a separator (`spaces_between_special_tokens`
+    /// off while special tokens are kept).
+    join_added_tokens: bool,
+    /// Whether the last pushed token was an added token.
+    last_added: bool,
     /// The last few prompt tokens, then every pushed token.
     ids: Vec<u32>,
     /// How many of `ids` are prompt context (never emitted).
@@ -38,11 +50,20 @@ impl IncrementalDetokenizer {
         let context = &prompt[prompt.len().saturating_sub(CONTEXT_TOKENS)..];
         Self {
             skip_special_tokens,
+            join_added_tokens: false,
+            last_added: false,
             ids: context.to_vec(),
             context_len: context.len(),
             prefix_offset: 0,
             read_offset: context.len(),
         }
+    }
+
+    /// vLLM's `spaces_between_special_tokens` (on by default); ignored when special tokens are
+    /// skipped, as in vLLM.
+    pub fn spaces_between_special_tokens(mut self, on: bool) -> Self {
+        self.join_added_tokens = !on && !self.skip_special_tokens;
+        self
     }
 
     /// All token ids pushed so far (the prompt context excluded).
@@ -53,7 +74,20 @@ impl IncrementalDetokenizer {
     /// Adds one generated token; returns the text it completes (possibly empty).
     pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String, TextError> {
         self.ids.push(id);
-        self.emit(tok, false)
+        if !self.join_added_tokens {
+            return self.emit(tok, false);
+        }
+        let added = tok.added_token(id);
+        let follows_added = std::mem::replace(&mut self.last_added, added.is_some());
+        match added {
+            Some(raw) if follows_added => {
+                // The previous added token flushed everything before it, so only this token is
+                // pending: emit it (advancing the offsets) and send its raw text instead.
+                self.emit(tok, true)?;
+                Ok(raw.to_owned())
+            }
+            _ => self.emit(tok, false),
+        }
     }
 
     /// Flushes held-back text at the end of the stream, even an unfinished character.

@@ -3,6 +3,7 @@
 use crate::chat::ChatTemplate;
 use crate::TextError;
 use serde_json::{Map, Value as Json};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
 
@@ -19,6 +20,10 @@ pub struct TextTokenizer {
     /// `Tokenizer::get_vocab_size(true)` clones the whole vocabulary map (128k strings for
     /// Llama 3: tens of milliseconds), and every request's validation asks for it: counted once.
     vocab_size: usize,
+    /// Added tokens (special or not) by id, with their raw text: what
+    /// `spaces_between_special_tokens=false` joins without the decoder's separator. Built once,
+    /// as `get_added_tokens_decoder` builds a fresh map on every call.
+    added_tokens: HashMap<u32, String>,
 }
 
 impl TextTokenizer {
@@ -101,8 +106,14 @@ impl TextTokenizer {
             Some(ChatTemplate::new(templates, special_tokens)?)
         };
 
+        let added_tokens = tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, token)| (id, token.content))
+            .collect();
         Ok(Self {
             vocab_size: tokenizer.get_vocab_size(true),
+            added_tokens,
             tokenizer,
             eos_token_ids,
             bos_token_id,
@@ -149,6 +160,11 @@ impl TextTokenizer {
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.tokenizer.token_to_id(token)
+    }
+
+    /// The raw text of `id` if it is an added token (special or not), e.g. `<|im_end|>`.
+    pub fn added_token(&self, id: u32) -> Option<&str> {
+        self.added_tokens.get(&id).map(String::as_str)
     }
 
     pub fn id_to_token(&self, id: u32) -> Option<String> {

@@ -2,8 +2,9 @@
 
 mod common;
 
-use common::{all_tokenizers, stream, SMOLLM2, SPM_LEGACY, SPM_METASPACE};
+use common::{all_tokenizers, stream, SMOLLM2, SPM_LEGACY, SPM_METASPACE, WORDPIECE};
 use proptest::prelude::*;
+use tokenspeed_text::{IncrementalDetokenizer, TextTokenizer};
 
 const CORPUS: &[&str] = &[
     "Hello world",
@@ -152,4 +153,52 @@ proptest! {
             assert_stream_matches_decode(name, tok, &text);
         }
     }
+}
+
+/// Streams `ids` with `spaces_between_special_tokens` as given; returns the whole text.
+fn streamed_text(tok: &TextTokenizer, ids: &[u32], skip_special: bool, spaces: bool) -> String {
+    let mut detok = IncrementalDetokenizer::new(skip_special).spaces_between_special_tokens(spaces);
+    let mut text: String = ids
+        .iter()
+        .map(|&id| detok.push(tok, id).expect("push"))
+        .collect();
+    text.push_str(&detok.finish(tok).expect("finish"));
+    text
+}
+
+#[test]
+fn spaces_between_special_tokens_false_joins_adjacent_added_tokens() {
+    let tok = &*WORDPIECE;
+    // [CLS] hello ##s [SEP] [SEP] <tool> [CLS] world
+    let ids = [1, 3, 5, 2, 2, 6, 1, 4];
+    let spaced = "[CLS] hellos [SEP] [SEP] <tool> [CLS] world";
+    assert_eq!(tok.decode(&ids, false).expect("decode"), spaced);
+    assert_eq!(streamed_text(tok, &ids, false, true), spaced);
+    // Only an added token right after another loses its space (vLLM's rule): "[SEP]" after
+    // "hellos" keeps it, and so does "world" after "[CLS]".
+    assert_eq!(
+        streamed_text(tok, &ids, false, false),
+        "[CLS] hellos [SEP][SEP]<tool>[CLS] world"
+    );
+}
+
+#[test]
+fn spaces_between_special_tokens_is_moot_when_special_tokens_are_skipped() {
+    let tok = &*WORDPIECE;
+    let ids = [1, 3, 2, 2, 4];
+    let skipped = tok.decode(&ids, true).expect("decode");
+    assert_eq!(skipped, "hello world");
+    assert_eq!(streamed_text(tok, &ids, true, false), skipped);
+}
+
+#[test]
+fn byte_level_tokenizers_have_no_space_between_special_tokens_to_remove() {
+    let tok = &*SMOLLM2;
+    let ids: Vec<u32> = ["<|im_end|>", "<|im_start|>", "<|im_end|>"]
+        .iter()
+        .map(|t| tok.token_to_id(t).expect("special token"))
+        .collect();
+    let joined = "<|im_end|><|im_start|><|im_end|>";
+    assert_eq!(streamed_text(tok, &ids, false, true), joined);
+    assert_eq!(streamed_text(tok, &ids, false, false), joined);
 }

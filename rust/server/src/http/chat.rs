@@ -148,9 +148,11 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
             usage: None,
             prompt_logprobs: None,
         };
-        // The first delta of each choice carries the role (and the echo).
+        // The first delta of each choice carries the role (and the echo), and with continuous
+        // usage the prompt's usage (vLLM's role chunk: no completion tokens yet).
         let preamble = (0..choices.gens.len())
             .map(|i| {
+                let prompt_tokens = choices.prompts.get(i / n).map_or(0, Vec::len) as u32;
                 sse_data(&ChatCompletionChunk {
                     choices: vec![ChatChunkChoice {
                         index: i as u32,
@@ -163,6 +165,9 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                         finish_reason: None,
                         matched_stop: None,
                     }],
+                    usage: opts
+                        .continuous_usage
+                        .then(|| Usage::before_output(prompt_tokens)),
                     ..head.clone()
                 })
             })

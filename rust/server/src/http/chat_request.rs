@@ -354,6 +354,7 @@ mod tests {
             stop_token_ids: vec![],
             ignore_eos: false,
             skip_special_tokens: true,
+            spaces_between_special_tokens: true,
             include_stop_str_in_output: false,
             top_logprobs: 0,
             prompt_logprobs: None,

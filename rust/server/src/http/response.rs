@@ -14,7 +14,9 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
-    pub prompt_tokens_details: PromptTokensDetails,
+    /// None on a stream's role chunk, which counts the prompt only (as vLLM's does).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
@@ -28,9 +30,20 @@ impl Usage {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             total_tokens: u.prompt_tokens + u.completion_tokens,
-            prompt_tokens_details: PromptTokensDetails {
+            prompt_tokens_details: Some(PromptTokensDetails {
                 cached_tokens: u.cached_tokens,
-            },
+            }),
+        }
+    }
+
+    /// The usage before any output (vLLM's on a stream's first, role chunk with
+    /// `continuous_usage_stats`): the prompt only.
+    pub fn before_output(prompt_tokens: u32) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens: 0,
+            total_tokens: prompt_tokens,
+            prompt_tokens_details: None,
         }
     }
 }

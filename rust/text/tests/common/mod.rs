@@ -177,3 +177,27 @@ pub fn sentencepiece_dir(name: &str, style: SpmStyle) -> PathBuf {
     );
     dir
 }
+
+/// A BERT-like WordPiece tokenizer: its decoder puts a space between tokens, added tokens
+/// included (`[CLS] hello [SEP] [SEP]`). Ids: [UNK] 0, [CLS] 1, [SEP] 2, hello 3, world 4,
+/// ##s 5, and the added non-special token <tool> 6.
+pub static WORDPIECE: LazyLock<TextTokenizer> = LazyLock::new(|| {
+    let added = |id: u32, content: &str, special: bool| {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+               "rstrip": false, "normalized": !special, "special": special})
+    };
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [added(1, "[CLS]", true), added(2, "[SEP]", true), added(6, "<tool>", false)],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true},
+        "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+            "max_input_chars_per_word": 100,
+            "vocab": {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "##s": 5}},
+    });
+    let dir = scratch_dir("wordpiece");
+    write_json(&dir.join("tokenizer.json"), &tokenizer);
+    TextTokenizer::from_dir(&dir, None).expect("synthetic wordpiece tokenizer")
+});
