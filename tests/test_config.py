@@ -91,7 +91,8 @@ def test_expert_parallel_sizes_parse(spelling: str) -> None:
 @pytest.mark.parametrize("backend", ["pplx", "deepep_high_throughput", "deepep_low_latency",
                                      "flashinfer_all2allv"])
 def test_all2all_backends_not_built_are_refused_by_name(backend: str) -> None:
-    with pytest.raises(NotSupportedError, match=f"--all2all-backend .*'{backend}' is not available yet"):
+    with pytest.raises(NotSupportedError, match=f"--all2all-backend .*'{backend}' is not built into "
+                       "TokenSpeed: .* Instead, use --all2all-backend allgather_reducescatter"):
         parse_serve_args(["--tp", "2", "--ep-size", "2", "--all2all-backend", backend])
     with pytest.raises(ConfigError, match="invalid choice 'bogus'"):
         parse_serve_args(["--all2all-backend", "bogus"])

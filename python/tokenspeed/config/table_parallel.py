@@ -47,8 +47,8 @@ A2A_REFUSALS: dict[str, str] = {
     "pplx": ("pplx needs Perplexity's pplx-kernels package, CUDA kernels built against NVSHMEM "
              f"for NVLink/RDMA-connected GPUs; TokenSpeed neither ships nor calls it. Instead, "
              f"{_BUILT_IN}"),
-    "flashinfer_all2allv": ("FlashInfer's all2allv kernels target multi-node NVLink (MNNVL) "
-                            "systems such as GB200 NVL72, and TokenSpeed does not call them. "
+    "flashinfer_all2allv": ("FlashInfer's all2allv kernels (multi-node NVLink systems) are not "
+                            "built into TokenSpeed, which does not call them. "
                             f"Instead, {_BUILT_IN}"),
     "mooncake": ("Mooncake's expert-parallel backend needs the mooncake package and RDMA NICs; "
                  f"TokenSpeed neither ships nor calls it. Instead, {_BUILT_IN}"),
