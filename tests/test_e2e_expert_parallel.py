@@ -93,6 +93,7 @@ def _serve_fails(*args: str) -> str:
 def test_serve_refuses_what_expert_parallelism_cannot_do(moe_dir: Path) -> None:
     err = _serve_fails(str(moe_dir), "--tp", "2", "--ep-size", "2", "--all2all-backend",
                        "deepep_low_latency")
-    assert "--all2all-backend" in err and "'deepep_low_latency' is not available yet" in err, err
+    assert "--all2all-backend" in err and "'deepep_low_latency' is not built into TokenSpeed" in err
+    assert "deep_ep package" in err and "torch_all2all" in err, err
     err = _serve_fails(str(moe_dir), "--tp", "4", "--ep-size", "2", "--enable-expert-parallel")
     assert "--enable-expert-parallel" in err and "--world-size 4" in err and "--ep-size is 2" in err

@@ -269,7 +269,8 @@ def test_moe_flags_reach_the_worker_and_are_checked_at_launch(tmp_path: Path) ->
     assert cfg.worker_dict()["moe_backend"] == "torch_native" and cfg.ep_size == 1
     with pytest.raises(ConfigError, match="moe-backend"):
         parse_serve_args(["m", "--moe-backend", "cutlass"])
-    with pytest.raises(ConfigError, match="'pplx' is not available yet; available now: naive"):
+    with pytest.raises(ConfigError, match="'pplx' is not built into TokenSpeed: .* Instead, use "
+                       "--all2all-backend allgather_reducescatter"):
         parse_serve_args(["m", "--all2all-backend", "pplx"])
     # The launcher's model-dependent check (the flag table alone cannot know the expert count).
     TINY_MOE_CONFIGS["mixtral"].save_pretrained(tmp_path / "moe")
