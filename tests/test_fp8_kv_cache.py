@@ -27,16 +27,23 @@ PROMPTS = [[(13 * i + 5 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(
 NEW = 24
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+def save_tiny_llama(tmp_path_factory: pytest.TempPathFactory, name: str, seed: int,
+                    **overrides: object) -> str:
+    """A 2-layer Llama (vocab 256, hidden 64) with randomized weights, saved under `name`."""
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      **overrides)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
-    randomize(model, seed=3)
-    path = tmp_path_factory.mktemp("tiny_llama_fp8")
+    randomize(model, seed=seed)
+    path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_llama(tmp_path_factory, "tiny_llama_fp8", seed=3)
 
 
 def run(path: str, teacher: list[list[int]] | None = None, prompts: list[list[int]] = PROMPTS,

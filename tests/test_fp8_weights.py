@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_fp8_kv_cache import compare, run
-from test_models_numerics import randomize
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_fp8_kv_cache import compare, run, save_tiny_llama
 
 from tokenspeed.layers.embedding import LMHead, VocabEmbedding
 from tokenspeed.layers.linear import QKVLinear, RowLinear
@@ -33,14 +31,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    randomize(model, seed=5)
-    path = tmp_path_factory.mktemp("tiny_llama_w8")
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory, "tiny_llama_w8", seed=5)
 
 
 def test_per_channel_round_trip_error_is_bounded() -> None:
@@ -359,15 +350,7 @@ def test_lm_head_quantization_choices(tiny_llama: str, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_tied_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    randomize(model, seed=6)
-    path = tmp_path_factory.mktemp("tiny_tied_llama_w8")
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory, "tiny_tied_llama_w8", seed=6, tie_word_embeddings=True)
 
 
 def test_fp8_lm_head_tracks_the_full_precision_head(tiny_tied_llama: str) -> None:

@@ -49,7 +49,7 @@ from tokenspeed.layers.quantization.kv_cache import (
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
-from tokenspeed.sampler import Sampler, TokenMasks
+from tokenspeed.sampler import Sampler, TokenMasks, token_masks
 from tokenspeed.weights import load_model, open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -75,37 +75,6 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
 
 
 PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once (bounds the [rows, vocab] buffer)
-
-
-def has_pending_masks(plan: StepPlan) -> bool:
-    """Whether some of the plan's mask rows come later, in a mask completion (plan.rs TokenMask)."""
-    return bool(len(plan.mask_slot)) and bool((plan.mask_allowed_len == 0).any())
-
-
-def token_masks(plan: StepPlan, sampled_slots: np.ndarray,
-                completion: StepPlan | None = None) -> TokenMasks | None:
-    """The grammar masks of the plan's sampled rows (`sampled_slots`, in plan order): the plan's
-    own rows, with the pending ones taken from its mask `completion`."""
-    if not len(plan.mask_slot):
-        return None
-    rows_by_slot: dict[int, np.ndarray] = {}
-    for source in (plan, completion):
-        if source is None:
-            continue
-        ends = np.cumsum(source.mask_allowed_len.astype(np.int64))
-        for slot, n, end in zip(source.mask_slot.tolist(), source.mask_allowed_len.tolist(), ends.tolist()):
-            if n:  # a copy: plan arrays die at the next recv
-                rows_by_slot[int(slot)] = np.array(source.mask_allowed[end - n:end], np.uint32)
-    row_of = {int(s): i for i, s in enumerate(sampled_slots.tolist())}
-    missing = [s for s in plan.mask_slot.tolist() if int(s) not in rows_by_slot]
-    if missing:
-        raise ValueError(f"no token mask arrived for slot {missing[0]} of step {plan.step_id}")
-    unknown = [s for s in rows_by_slot if s not in row_of]
-    if unknown:
-        raise ValueError(f"a token mask for slot {unknown[0]}, which does not sample this step")
-    slots = list(rows_by_slot)
-    return TokenMasks(np.asarray([row_of[s] for s in slots], np.int64),
-                      np.stack([rows_by_slot[s] for s in slots]))
 
 
 class PromptLogprobs(NamedTuple):

@@ -289,7 +289,7 @@ def _run_plan(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec, par
               grammars: XGrammarSlots | None) -> Pending | object:
     """Launch one plan (its forward pass queued) and send the step in flight's result once it
     is ready; returns the new step in flight, or _CLOSED."""
-    from tokenspeed.model_runner import has_pending_masks
+    from tokenspeed.sampler import has_pending_masks
 
     if trace:
         trace.received(plan)
