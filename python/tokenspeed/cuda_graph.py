@@ -222,10 +222,10 @@ class ExtendGraphRunner:
         requests[0, :b], requests[1, :b + 1], requests[2, :b] = slots, query_start, start_pos
         requests[3, :b] = start_pos + np.diff(query_start)
         requests[4, :b] = query_start[1:] - 1
-        (dev,) = to_device_int64([np.concatenate([tokens.reshape(-1), requests.reshape(-1)])],
-                                 self.device)
-        self.tokens[:, :t].copy_(dev[:4 * t].view(4, t))
-        self.requests[:, :r + 1].copy_(dev[4 * t:].view(5, r + 1))
+        tokens_d, requests_d = to_device_int64([tokens.reshape(-1), requests.reshape(-1)],
+                                               self.device)  # one transfer
+        self.tokens[:, :t].copy_(tokens_d.view(4, t))
+        self.requests[:, :r + 1].copy_(requests_d.view(5, r + 1))
         graph = self.graphs.get(t)
         if graph is None:
             self._run(t)
