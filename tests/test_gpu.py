@@ -63,8 +63,9 @@ def make_runner(path: str, dtype: str, *, graphs: bool = True, max_slots: int = 
     from tokenspeed.model_runner import ModelRunner
 
     kw.setdefault("num_pages", max_slots * MAX_CONTEXT // PAGE + 8)
+    kw.setdefault("max_context_len", MAX_CONTEXT)
     return ModelRunner(path, dtype=dtype, device=DEVICE, load_format="dummy", page_size=PAGE,
-                       max_slots=max_slots, max_context_len=MAX_CONTEXT, seed=0,
+                       max_slots=max_slots, seed=0,
                        disable_cuda_graph=not graphs, **kw)
 
 
@@ -273,7 +274,8 @@ def test_a_new_requests_step_is_launched_without_waiting_for_the_gpu(tmp_path: P
     from tokenspeed.cuda_graph import extend_capture_sizes
 
     path = write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4)
-    runner = make_runner(path, "bfloat16", extend_graph_sizes=extend_capture_sizes(512))
+    runner = make_runner(path, "bfloat16", extend_graph_sizes=extend_capture_sizes(512),
+                         max_context_len=1024)  # room for the 700-token prompt
     drv = Driver(runner)
     prompts = prompts_for(LLAMA31_8B["vocab_size"], [33, prompt_len, 20])
     runner.launch(drv.plan([(0, prompts[0])])).wait()  # type: ignore[attr-defined]
