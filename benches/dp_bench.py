@@ -108,8 +108,10 @@ def main() -> int:
     sizes = [int(x) for x in a.dp_sizes.split(",") if x]
     results = []
     for i, dp in enumerate(sizes):
-        # Each run gets an equal share of what is left.
-        deadline = time.monotonic() + (t0 + a.budget_s - time.monotonic()) / (len(sizes) - i)
+        # A run's share of what is left is proportional to 1/dp: DP=1 does the same work on
+        # one GPU, so it needs about twice DP=2's time (an equal split cut the full DP=1 run).
+        weight = (1 / dp) / sum(1 / d for d in sizes[i:])
+        deadline = time.monotonic() + (t0 + a.budget_s - time.monotonic()) * weight
         results.append(run_dp(out, model, dp, a, deadline))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "rows"}), flush=True)
     title = (f"DP bench: Llama-3.1-8B config ({layers} layers{', narrow, CPU smoke' if a.cpu_smoke else ''}), "
