@@ -283,7 +283,7 @@ class _FakeHandler(BaseHTTPRequestHandler):
             _FakeHandler.info_reads += 1
             n = _FakeHandler.info_reads
             return self._json(200, {"engine": {"busy_s": 3.0 * n, "stalled_s": 1.0 * n,
-                                               "gpu_idle_s": 0.5 * n}})
+                                               "gpu_idle_s": 0.5 * n, "retractions": 3 * n}})
         return self._json(404, {"error": "no route"})
 
     def do_POST(self) -> None:
@@ -358,6 +358,7 @@ def test_bench_serve_against_fake_server(fake_server: str, tmp_path: Path, capsy
     assert idle["gpu_idle_s"] == 0.5 and idle["stalled_s"] == 1.0 and idle["engine_stalled_share"] == 0.25
     assert idle["gpu_idle_share"] == pytest.approx(0.5 / idle["window_s"]) and idle["window_s"] > 0
     assert "GPU idle between steps (%):" in text and "Engine stalled, no step in flight (%):" in text
+    assert idle["retractions"] == 3 and "Requests retracted (KV pages ran out):" in text
 
     _FakeHandler.short_by = 2
     assert bench_main([*args[:-2], "--dataset-name", "random-ids", "--disable-cache-flush"]) == 1
@@ -386,3 +387,4 @@ def test_zz_bench_serve_real_server(server: object, tmp_path: Path) -> None:
         assert rec["metrics"]["completed"] == 8 and rec["length_mismatches"] == 0
         assert rec["metrics"]["total_output_tokens"] == 64 and rec["output_tokens_source"] == "server usage"
         assert rec["metrics"]["gpu_idle"]["gpu_idle_s"] >= 0 and rec["metrics"]["gpu_idle"]["window_s"] > 0
+        assert rec["metrics"]["gpu_idle"]["retractions"] == 0  # 8 short requests fit the pool

@@ -385,7 +385,7 @@ def test_vllm_metric_names(server: Server, client: openai.OpenAI, model: str) ->
                  "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds",
                  "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_prompt_tokens", "request_generation_tokens"):
+                 "request_prompt_tokens", "request_generation_tokens", "num_preemptions"):
         family = families[f"tokenspeed:{name}"]
         assert all(s.labels.get("model_name") == model for s in family.samples), name
     success = {s.labels.get("finished_reason"): s.value for s in families["tokenspeed:request_success"].samples

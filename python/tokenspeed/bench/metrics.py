@@ -152,5 +152,7 @@ def format_metrics(m: dict, header: dict[str, object]) -> str:
             lines.append(_line("GPU idle between steps (ms):", 1e3 * idle["gpu_idle_s"]))
         lines.append(_line("Engine stalled, no step in flight (%):", 100.0 * idle["engine_stalled_share"]))
         lines.append(_line("Engine stalled, no step in flight (ms):", 1e3 * idle["stalled_s"]))
+        if "retractions" in idle:  # each one pauses a stream until it is readmitted
+            lines.append(_line("Requests retracted (KV pages ran out):", idle["retractions"]))
     lines.append("=" * 51)
     return "\n".join(lines)

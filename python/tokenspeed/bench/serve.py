@@ -140,8 +140,9 @@ async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> dict[str
         if not engine:
             return None
         counters = {k: float(engine[k]) for k in ("busy_s", "stalled_s")}
-        if "gpu_idle_s" in engine:  # servers before the worker's own count lack it
-            counters["gpu_idle_s"] = float(engine["gpu_idle_s"])
+        for key in ("gpu_idle_s", "retractions"):  # older servers lack them
+            if key in engine:
+                counters[key] = float(engine[key])
         return {**counters, "at_s": time.perf_counter()}
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -169,6 +170,8 @@ def gpu_idle_share(before: dict[str, float] | None, after: dict[str, float] | No
         window = after["at_s"] - before["at_s"]
         out.update(gpu_idle_s=idle, window_s=window,
                    gpu_idle_share=idle / window if window > 0 else math.nan)
+    if "retractions" in before and "retractions" in after:  # requests sent back to the queue
+        out["retractions"] = int(after["retractions"] - before["retractions"])
     return out
 
 

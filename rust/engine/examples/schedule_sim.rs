@@ -239,7 +239,7 @@ fn main() {
         v.sort_by(f64::total_cmp);
     }
     println!(
-        "cap {} chunk {} max-running {} pool {} | {} x {}/{} at {} | steps {} most running {}",
+        "cap {} chunk {} max-running {} pool {} | {} x {}/{} at {} | steps {} most running {} retractions {}",
         a.cap,
         a.chunk,
         a.max_running,
@@ -253,7 +253,8 @@ fn main() {
             "once".to_string()
         },
         steps,
-        most_running
+        most_running,
+        sched.stats().retractions
     );
     println!(
         "output tok/s {:.0} | TTFT median {:.1} ms p99 {:.1} | TPOT median {:.2} ms | ITL median {:.2} p99 {:.1} max {:.1} ms",

@@ -237,6 +237,8 @@ pub struct Scheduler {
     in_flight: VecDeque<(u64, Vec<Expected>)>,
     /// Requests admitted for the first time since the last `take_admitted` (queue-time metrics).
     admitted: Vec<RequestId>,
+    /// Requests sent back to the queue so far (`SchedulerStats::retractions`).
+    retractions: u64,
 }
 
 impl Scheduler {
@@ -277,6 +279,7 @@ impl Scheduler {
             reserve_ratio: RESERVE_RATIO_INIT,
             in_flight: VecDeque::new(),
             admitted: Vec::new(),
+            retractions: 0,
         })
     }
 
@@ -365,6 +368,7 @@ impl Scheduler {
             evictable_pages: self.cache.evictable_pages(),
             running: self.running.len(),
             waiting: self.waiting.len(),
+            retractions: self.retractions,
         }
     }
 
@@ -392,6 +396,7 @@ impl Scheduler {
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
         self.requests.insert(id, seq);
+        self.retractions += 1;
     }
 
     /// Gives up a slot and pages: full pages of computed KV go to the cache, the rest are freed.

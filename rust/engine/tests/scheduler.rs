@@ -250,6 +250,12 @@ fn page_pressure_retracts_the_youngest_and_every_request_still_completes() {
         released > reqs.len(),
         "some requests were retracted and readmitted"
     );
+    // Every retraction released a slot that was later readmitted (and released again).
+    assert_eq!(
+        h.sched.stats().retractions,
+        (released - reqs.len()) as u64,
+        "the retraction count matches the extra releases"
+    );
     for r in &reqs {
         assert_eq!(
             h.tokens(r.id),
@@ -708,6 +714,7 @@ fn requests_that_ignore_eos_are_admitted_with_room_to_finish() {
         .map(|p| p.finished.iter().map(|f| f.slot).collect::<Vec<_>>().len())
         .sum();
     assert_eq!(released, reqs.len(), "no request was retracted");
+    assert_eq!(h.sched.stats().retractions, 0);
     for r in &reqs {
         assert_eq!(h.tokens(r.id), reference(&r.prompt, 32));
     }

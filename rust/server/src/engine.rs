@@ -122,6 +122,8 @@ pub struct EngineStats {
     /// radix cache held (per replica under data parallelism: where the prefix hits land).
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Requests the scheduler sent back to the queue (`SchedulerStats::retractions`).
+    pub retractions: u64,
 }
 
 impl EngineStats {
@@ -145,6 +147,7 @@ impl EngineStats {
                 gpu_idle_s: t.gpu_idle_s + s.gpu_idle_s,
                 prefix_cache_queries: t.prefix_cache_queries + s.prefix_cache_queries,
                 prefix_cache_hits: t.prefix_cache_hits + s.prefix_cache_hits,
+                retractions: t.retractions + s.retractions,
             })
     }
 
@@ -158,6 +161,7 @@ impl EngineStats {
             evictable_pages: self.evictable_pages,
             running: self.running_requests,
             waiting: self.waiting_requests,
+            retractions: self.retractions,
         }
     }
 }

@@ -33,6 +33,8 @@ pub struct Metrics {
     pub request_generation_tokens: Histogram,
     /// Generating requests refused at admission (429: running + queued at the limit).
     pub requests_rejected: IntCounter,
+    /// Running requests sent back to the queue (vLLM's num_preemptions): KV pages ran out.
+    pub num_preemptions: IntCounter,
     pub free_kv_pages: IntGauge,
     pub cached_kv_pages: IntGauge,
     pub steps: IntCounter,
@@ -192,6 +194,11 @@ impl Metrics {
                 "Generated tokens per finished request",
                 tokens,
             ),
+            num_preemptions: b.counter(
+                "num_preemptions_total",
+                "Running requests sent back to the queue to free KV pages (retracted; they \
+                 recompute their KV when readmitted)",
+            ),
             requests_rejected: b.counter(
                 "requests_rejected_total",
                 "Generating requests refused with 429 (the admission limit was reached)",
@@ -230,6 +237,9 @@ impl Metrics {
         self.num_requests_waiting.set(s.waiting as i64);
         self.free_kv_pages.set(s.free_pages as i64);
         self.cached_kv_pages.set(s.cached_pages as i64);
+        // A running total: the counter catches up with it.
+        let new = s.retractions.saturating_sub(self.num_preemptions.get());
+        self.num_preemptions.inc_by(new);
         if s.total_pages > 0 {
             let busy = s
                 .total_pages

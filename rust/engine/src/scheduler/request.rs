@@ -211,6 +211,9 @@ pub struct SchedulerStats {
     pub evictable_pages: usize,
     pub running: usize,
     pub waiting: usize,
+    /// Running requests sent back to the queue so far (pages ran out, or a step's KV was
+    /// wrong): each recomputes its KV when readmitted, and its stream pauses meanwhile.
+    pub retractions: u64,
 }
 
 /// Why `submit` refused a request. Each names the request and the numbers involved.

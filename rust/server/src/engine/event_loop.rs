@@ -511,6 +511,7 @@ impl EngineLoop {
                 gpu_idle_s: self.gpu_idle.as_secs_f64(),
                 prefix_cache_queries: self.prefix_queries,
                 prefix_cache_hits: self.prefix_hits,
+                retractions: s.retractions,
             };
         }
     }
