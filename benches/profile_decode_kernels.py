@@ -249,6 +249,7 @@ class Result:
     step_ms: float | None = None  # median wall time of ModelRunner.step
     classes_ms: dict[str, float] = field(default_factory=dict)
     graph_gaps_ms: float | None = None  # replay time not covered by the graph's own kernels
+    graph_kernels: float = 0.0  # kernels a replay runs
     profiled_ms: float = 0.0  # the share's denominator: kernel time (+ gaps) per step
     attention_gbs: float | None = None
     roofline: dict[str, Any] = field(default_factory=dict)
@@ -362,7 +363,9 @@ def summarize(res: Result, kernels: list[Kernel], steps: int, graphs: bool, fp8_
     for k in kernels:
         cls = classify(k, graphs=graphs, fp8_weights=fp8_weights)
         per_class[cls] += k.dur_us / 1e3 / steps
-        in_graph_us += k.dur_us if k.in_graph else 0.0
+        if k.in_graph:
+            in_graph_us += k.dur_us
+            res.graph_kernels += 1 / steps
         g = groups.setdefault((k.name, k.grid), {"name": k.name, "class": cls, "calls": 0, "us": 0.0,
                                                  "grid": k.grid, "block": k.block, "regs": k.regs,
                                                  "smem": k.smem})
@@ -500,7 +503,7 @@ def markdown(results: list[Result], skipped: list[str], meta: dict[str, Any]) ->
             lines.append(f"| {label} | {ms:.3f} | {share:.1%} | {_f(fl, '.3f')} | "
                          f"{_f(ms / fl if fl else None, '.1f')} |")
         if r.graph_gaps_ms is not None:
-            lines.append(f"| idle inside the graph (replay − its kernels) | {r.graph_gaps_ms:.3f} | "
+            lines.append(f"| idle inside the graph (replay − its {r.graph_kernels:.0f} kernels) | {r.graph_gaps_ms:.3f} | "
                          f"{r.graph_gaps_ms / r.profiled_ms:.1%} | 0 | — |")
         lines += [(f"| **total** | **{r.profiled_ms:.3f}** | 100% | {_f(rf.get('floor_ms'), '.3f')} | "
                    f"{_f(r.profiled_ms / rf['floor_ms'] if rf.get('floor_ms') else None, '.1f')} |"), ""]

@@ -91,6 +91,7 @@ def test_summary_splits_a_step_and_counts_the_idle_graph_time(pdk: ModuleType) -
     assert ms["attention"] == pytest.approx(0.6) and ms["gemm_bf16"] == pytest.approx(0.3)
     assert ms["inputs"] == pytest.approx(0.004) and ms["sampling"] == pytest.approx(0.01)
     assert res.graph_gaps_ms == pytest.approx(0.1)  # 1.0 ms replay, 0.9 ms of its kernels
+    assert res.graph_kernels == 2
     assert res.profiled_ms == pytest.approx(1.0 + 0.004 + 0.01)
     assert res.attention_gbs == pytest.approx(2000.0)  # 1.2 GB in 0.6 ms
     assert res.top[0]["name"] == "_decode_split_kernel" and res.top[0]["grid"] == (411, 8, 1)
