@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -385,7 +386,10 @@ def summarize(res: Result, kernels: list[Kernel], steps: int, graphs: bool, fp8_
                 "ms_per_step": g["us"] / 1e3 / steps} for g in top]
 
 
-def run_config(name: str, args: argparse.Namespace, batch: int, model_dir: str, out: Path) -> Result:
+def run_config(name: str, args: argparse.Namespace, batch: int, model_dir: str, out: Path,
+               checkpoint: Callable[[Result], None]) -> Result:
+    """Build, fill, time and profile one configuration; `checkpoint(res)` saves the timings
+    before the profiler runs (a hang there leaves them on disk)."""
     from tokenspeed.model_runner import ModelRunner
 
     label, quant, kv_dtype, _ = CONFIGS[name]
@@ -437,24 +441,46 @@ def run_config(name: str, args: argparse.Namespace, batch: int, model_dir: str, 
         times = [s.elapsed_time(e) for s, e in ev]
         res.replay_ms = statistics.median(times)
         res.replay_ms_min, res.replay_ms_max = min(times), max(times)
-    trace = out / f"trace_{name}.json.gz" if cuda and args.keep_traces else None
-    kernels = profile_steps(runner, plan, args.profile_steps, cuda, trace)
-    graph_profile = graphs
-    if graphs and not any(classify(k, graphs=True, fp8_weights=fp8_weights) == "attention"
-                          for k in kernels):
-        # The trace holds no kernel of the graph: profile the same step eagerly (same
-        # kernels, num_splits and shapes; the host launches them one by one, so no idle row).
-        res.note += (" The profile showed no attention kernel from the graph: the classes come"
-                     " from an eager step (same kernels), the replay time from the graph.")
-        saved, runner.graphs = runner.graphs, None
-        kernels = profile_steps(runner, plan, args.profile_steps, cuda,
-                                out / f"trace_{name}_eager.json.gz" if trace else None)
-        runner.graphs = saved
-        graph_profile = False
-    summarize(res, kernels, args.profile_steps, graph_profile, fp8_weights, args.top)
+    checkpoint(res)  # the timings are on disk before the profiler attaches
+    if args.profile == "none":
+        return res
+    try:
+        profile_into(res, runner, plan, args, cuda, graphs and args.profile == "graph", fp8_weights, out)
+    except Exception as e:  # noqa: BLE001  (a profiler failure leaves the timings)
+        res.note += f" The profile failed: {type(e).__name__}: {e}"
+        traceback.print_exc()
     if not cuda:
         res.note += " CPU: op self times (host clock), no graph; the split is a smoke test."
     return res
+
+
+def profile_into(res: Result, runner: Any, plan: StepPlan, args: argparse.Namespace, cuda: bool,
+                 graphs: bool, fp8_weights: bool, out: Path) -> None:
+    """Profile whole steps (graph replays, or eager steps when `graphs` is off) into res."""
+    trace = out / f"trace_{res.config}.json.gz" if cuda and args.keep_traces else None
+    saved = runner.graphs
+    if not graphs:
+        runner.graphs = None  # eager steps: the same kernels, launched one by one
+    try:
+        kernels = profile_steps(runner, plan, args.profile_steps, cuda, trace)
+    finally:
+        runner.graphs = saved
+    if graphs and not any(classify(k, graphs=True, fp8_weights=fp8_weights) == "attention"
+                          for k in kernels):
+        # The trace holds no kernel of the graph: profile the same step eagerly (same kernels,
+        # num_splits and shapes; the host launches them one by one, so no idle row).
+        res.note += (" The profile showed no attention kernel from the graph: the classes come"
+                     " from an eager step (same kernels), the replay time from the graph.")
+        runner.graphs = None
+        try:
+            kernels = profile_steps(runner, plan, args.profile_steps, cuda,
+                                    out / f"trace_{res.config}_eager.json.gz" if trace else None)
+        finally:
+            runner.graphs = saved
+        graphs = False
+    elif cuda and not graphs:
+        res.note += " Classes from eager steps (--profile eager): no idle row."
+    summarize(res, kernels, args.profile_steps, graphs, fp8_weights, args.top)
 
 
 def free_memory(cuda: bool) -> None:
@@ -494,6 +520,9 @@ def markdown(results: list[Result], skipped: list[str], meta: dict[str, Any]) ->
                          f"{r.classes_ms['attention']:.2f} ms = **{r.attention_gbs:,.0f} GB/s**")
         if r.note:
             lines.append(f"note:{r.note}")
+        if not r.classes_ms:
+            lines += ["", "no kernel profile (--profile none, or the profiler did not finish)", ""]
+            continue
         lines += ["", "| class | ms/step | share | floor ms | x floor |", "|---|---|---|---|---|"]
         floors = rf.get("floors_ms", {})
         for cls, label in CLASSES.items():
@@ -554,6 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-reps", type=int, default=5, help="whole steps timed")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--profile", choices=("graph", "eager", "none"), default="graph",
+                   help="profile graph replays (default), eager steps (the same kernels: if the "
+                        "profiler misbehaves with graphs) or nothing (timings only)")
     p.add_argument("--top", type=int, default=10, help="kernels listed per configuration")
     p.add_argument("--keep-traces", action=argparse.BooleanOptionalAction, default=True,
                    help="write --out/trace_<config>.json.gz (CUDA)")
@@ -608,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         print(f"=== {name} ({CONFIGS[name][0]}), batch {batch}, context {args.context}", flush=True)
         try:
-            results.append(run_config(name, args, batch, model_dir, args.out))
+            results.append(run_config(
+                name, args, batch, model_dir, args.out,
+                lambda r: write_outputs(args.out, [*results, r], skipped, meta)))
         except Exception as e:  # noqa: BLE001  (one failing configuration, e.g. out of memory, leaves the others)
             skipped.append(f"{name} at batch {batch}: failed: {type(e).__name__}: {e}")
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
