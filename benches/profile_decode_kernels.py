@@ -19,7 +19,9 @@ For each configuration (default: bf16 weights + bf16 KV at batch 256; bf16 weigh
      norm/rotary/activation, rotary + KV write, sampling, step inputs, other) and print ms per
      step, share, and a roofline floor per class (bytes / --hbm-tbs, FLOPs / --bf16-tflops or
      --fp8-tflops), the attention kernel's achieved GB/s and the top kernels with their launch
-     grids.
+     grids;
+  5. with --attn-sweep 128x4x2,...: time the decode attention kernel alone on the same cache at
+     its default launch config and each BLOCK_N x WARPS x STAGES given (opt-in: each compiles).
 Results: --out/profile_decode_kernels.{md,json} (rewritten after each configuration) and one
 gzipped Chrome trace per configuration.
 
@@ -255,6 +257,7 @@ class Result:
     attention_gbs: float | None = None
     roofline: dict[str, Any] = field(default_factory=dict)
     top: list[dict[str, Any]] = field(default_factory=list)
+    attn_sweep: list[dict[str, Any]] = field(default_factory=list)  # --attn-sweep rows
     note: str = ""
 
 
@@ -386,6 +389,72 @@ def summarize(res: Result, kernels: list[Kernel], steps: int, graphs: bool, fp8_
                 "ms_per_step": g["us"] / 1e3 / steps} for g in top]
 
 
+def parse_grid(spec: str) -> list[tuple[int, int, int]]:
+    """"64x4x2,128x4x3" -> [(block_n, num_warps, num_stages), ...]."""
+    grid = []
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"--attn-sweep: {item!r} is not BLOCKNxWARPSxSTAGES (e.g. 128x4x2)")
+        grid.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return grid
+
+
+def attention_sweep(runner: Any, batch: int, context: int, grid: list[tuple[int, int, int]],
+                    deadline: float, reps: int = 10) -> list[dict[str, Any]]:
+    """paged_decode_attention alone on layer 0 of this configuration's cache (the requests' real
+    page-table rows, `context` + 1 tokens each, the serving split count), at the default launch
+    config and each (block_n, num_warps, num_stages) of `grid`: GPU us per call (CUDA events over
+    `reps` back-to-back calls, after one call that compiles) and the KV GB/s. Stops at `deadline`."""
+    from tokenspeed_kernels import default_num_splits, paged_decode_attention
+
+    kv, dev = runner.kv_cache, runner.device
+    d = runner.config.head_dim
+    page_table = kv.page_table[torch.arange(batch, device=dev)]
+    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, runner.num_heads, d, dtype=runner.dtype, device=dev)
+    out = torch.empty_like(q)
+    splits = default_num_splits(batch, runner.num_kv_heads, runner.max_context_len)  # the backend's
+    cuda = dev.type == "cuda"
+    kv_bytes = batch * (context + 1) * 2 * runner.num_kv_heads * d * kv.k[0].element_size()
+    rows = []
+    for cfg in [(None, 4, 2), *grid]:  # the default first: paged_decode_attention's own config
+        if time.perf_counter() > deadline:
+            rows.append({"config": cfg, "skipped": "budget"})
+            break
+        block_n, warps, stages = cfg
+
+        def call(b: int | None = block_n, w: int = warps, st: int = stages) -> None:
+            paged_decode_attention(q, kv.k[0], kv.v[0], page_table, seq_lens, d**-0.5, out=out,
+                                   num_splits=splits, block_n=b, num_warps=w, num_stages=st,
+                                   k_scale=kv.k_scale[0], v_scale=kv.v_scale[0])
+
+        try:
+            call()
+            if cuda:
+                torch.cuda.synchronize(dev)
+        except Exception as e:  # noqa: BLE001  (a config that does not compile or fit: next)
+            rows.append({"config": cfg, "failed": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                call()
+            end.record()
+            end.synchronize()
+            us = start.elapsed_time(end) * 1e3 / reps
+        else:  # the smoke path (Triton's interpreter): host clock
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                call()
+            us = (time.perf_counter() - t0) * 1e6 / reps
+        rows.append({"config": cfg, "block_n": block_n or "default", "num_warps": warps,
+                     "num_stages": stages, "num_splits": splits, "us": us,
+                     "gbs": kv_bytes / us / 1e3, "ms_per_step": us * runner.config.num_hidden_layers / 1e3})
+    return rows
+
+
 def run_config(name: str, args: argparse.Namespace, batch: int, model_dir: str, out: Path,
                checkpoint: Callable[[Result], None]) -> Result:
     """Build, fill, time and profile one configuration; `checkpoint(res)` saves the timings
@@ -442,15 +511,19 @@ def run_config(name: str, args: argparse.Namespace, batch: int, model_dir: str, 
         res.replay_ms = statistics.median(times)
         res.replay_ms_min, res.replay_ms_max = min(times), max(times)
     checkpoint(res)  # the timings are on disk before the profiler attaches
-    if args.profile == "none":
-        return res
     try:
-        profile_into(res, runner, plan, args, cuda, graphs and args.profile == "graph", fp8_weights, out)
+        if args.profile != "none":
+            profile_into(res, runner, plan, args, cuda, graphs and args.profile == "graph",
+                         fp8_weights, out)
     except Exception as e:  # noqa: BLE001  (a profiler failure leaves the timings)
         res.note += f" The profile failed: {type(e).__name__}: {e}"
         traceback.print_exc()
     if not cuda:
         res.note += " CPU: op self times (host clock), no graph; the split is a smoke test."
+    if args.attn_sweep:
+        checkpoint(res)
+        res.attn_sweep = attention_sweep(runner, batch, args.context, parse_grid(args.attn_sweep),
+                                         args.deadline, reps=10 if cuda else 1)
     return res
 
 
@@ -495,6 +568,49 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def _class_table(r: Result) -> list[str]:
+    rf = r.roofline
+    floors = rf.get("floors_ms", {})
+    lines = ["| class | ms/step | share | floor ms | x floor |", "|---|---|---|---|---|"]
+    for cls, label in CLASSES.items():
+        ms = r.classes_ms.get(cls, 0.0)
+        fl = floors.get(cls)
+        share = ms / r.profiled_ms if r.profiled_ms else 0.0
+        lines.append(f"| {label} | {ms:.3f} | {share:.1%} | {_f(fl, '.3f')} | "
+                     f"{_f(ms / fl if fl else None, '.1f')} |")
+    if r.graph_gaps_ms is not None:
+        lines.append(f"| idle inside the graph (replay − its {r.graph_kernels:.0f} kernels) | "
+                     f"{r.graph_gaps_ms:.3f} | {r.graph_gaps_ms / r.profiled_ms:.1%} | 0 | — |")
+    lines += [(f"| **total** | **{r.profiled_ms:.3f}** | 100% | {_f(rf.get('floor_ms'), '.3f')} | "
+               f"{_f(r.profiled_ms / rf['floor_ms'] if rf.get('floor_ms') else None, '.1f')} |"), ""]
+    if r.top:
+        lines += ["| top kernels | class | calls/step | us/call | ms/step | grid | block | regs | smem |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for t in r.top:
+            lines.append(f"| `{t['name'][:90]}` | {t['class']} | {t['calls_per_step']:g} | "
+                         f"{t['us_per_call']:.1f} | {t['ms_per_step']:.3f} | {t['grid'] or ''} | "
+                         f"{t['block'] or ''} | {t['regs'] or ''} | {t['smem'] or ''} |")
+        lines.append("")
+    return lines
+
+
+def _sweep_table(r: Result) -> list[str]:
+    if not r.attn_sweep:
+        return []
+    lines = [(f"decode attention alone, layer 0, {r.batch} requests x {r.context + 1} tokens, by "
+              "launch config (block_n x warps x stages):"), "",
+             "| config | splits | us / layer | GB/s | x layers, ms/step |", "|---|---|---|---|---|"]
+    for a in r.attn_sweep:
+        cfg = ("default (the kernel's)" if a["config"][0] is None
+               else "x".join(str(c) for c in a["config"]))
+        if "us" in a:
+            lines.append(f"| {cfg} | {a['num_splits']} | {a['us']:.1f} | {a['gbs']:,.0f} | "
+                         f"{a['ms_per_step']:.2f} |")
+        else:
+            lines.append(f"| {cfg} | | {a.get('failed') or 'skipped: ' + a.get('skipped', '')} | | |")
+    return [*lines, ""]
+
+
 def markdown(results: list[Result], skipped: list[str], meta: dict[str, Any]) -> str:
     lines = ["# Decode step by kernel class (benches/profile_decode_kernels.py)", "",
              (f"{meta['device']}; {meta['model']} ({meta['layers']} layers, dummy weights), "
@@ -520,30 +636,9 @@ def markdown(results: list[Result], skipped: list[str], meta: dict[str, Any]) ->
                          f"{r.classes_ms['attention']:.2f} ms = **{r.attention_gbs:,.0f} GB/s**")
         if r.note:
             lines.append(f"note:{r.note}")
-        if not r.classes_ms:
-            lines += ["", "no kernel profile (--profile none, or the profiler did not finish)", ""]
-            continue
-        lines += ["", "| class | ms/step | share | floor ms | x floor |", "|---|---|---|---|---|"]
-        floors = rf.get("floors_ms", {})
-        for cls, label in CLASSES.items():
-            ms = r.classes_ms.get(cls, 0.0)
-            fl = floors.get(cls)
-            share = ms / r.profiled_ms if r.profiled_ms else 0.0
-            lines.append(f"| {label} | {ms:.3f} | {share:.1%} | {_f(fl, '.3f')} | "
-                         f"{_f(ms / fl if fl else None, '.1f')} |")
-        if r.graph_gaps_ms is not None:
-            lines.append(f"| idle inside the graph (replay − its {r.graph_kernels:.0f} kernels) | {r.graph_gaps_ms:.3f} | "
-                         f"{r.graph_gaps_ms / r.profiled_ms:.1%} | 0 | — |")
-        lines += [(f"| **total** | **{r.profiled_ms:.3f}** | 100% | {_f(rf.get('floor_ms'), '.3f')} | "
-                   f"{_f(r.profiled_ms / rf['floor_ms'] if rf.get('floor_ms') else None, '.1f')} |"), ""]
-        if r.top:
-            lines += ["| top kernels | class | calls/step | us/call | ms/step | grid | block | regs | smem |",
-                      "|---|---|---|---|---|---|---|---|---|"]
-            for t in r.top:
-                lines.append(f"| `{t['name'][:90]}` | {t['class']} | {t['calls_per_step']:g} | "
-                             f"{t['us_per_call']:.1f} | {t['ms_per_step']:.3f} | {t['grid'] or ''} | "
-                             f"{t['block'] or ''} | {t['regs'] or ''} | {t['smem'] or ''} |")
-            lines.append("")
+        lines += [""] + (_class_table(r) if r.classes_ms else
+                         ["no kernel profile (--profile none, or the profiler did not finish)", ""])
+        lines += _sweep_table(r)
     for s in skipped:
         lines.append(f"- skipped: {s}")
     return "\n".join(lines) + "\n"
@@ -587,6 +682,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile graph replays (default), eager steps (the same kernels: if the "
                         "profiler misbehaves with graphs) or nothing (timings only)")
     p.add_argument("--top", type=int, default=10, help="kernels listed per configuration")
+    p.add_argument("--attn-sweep", default="",
+                   help="also time paged_decode_attention alone on each configuration's "
+                        "cache at the default launch config and these BLOCKNxWARPSxSTAGES, e.g. "
+                        "128x4x2,128x4x3,128x8x2 (each compiles once, ~1-3 s; stops at the budget)")
     p.add_argument("--keep-traces", action=argparse.BooleanOptionalAction, default=True,
                    help="write --out/trace_<config>.json.gz (CUDA)")
     p.add_argument("--budget-s", type=float, default=0.0,
@@ -615,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [CONFIGS[c][3] for c in names]
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU here (use --device cpu for the smoke path)")
+    parse_grid(args.attn_sweep)  # a malformed grid fails before any model is built
+    args.deadline = t_start + args.budget_s - 10 if args.budget_s else float("inf")
     args.out.mkdir(parents=True, exist_ok=True)
     base, model_name = MODELS[args.model]
     cfg = {**base, **json.loads(args.config_overrides)}
