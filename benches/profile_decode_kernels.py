@@ -657,7 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("profile_out"))
     p.add_argument("--device", default="cuda")
-    p.add_argument("--model", choices=sorted(MODELS), default="llama31-8b")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama31-8b",
+                   help="dummy-weight config (the roofline counts 2-D weights: dense models only)")
     p.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the model's)")
     p.add_argument("--config-overrides", default="{}", help="JSON merged into config.json")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {sorted(CONFIGS)}")
