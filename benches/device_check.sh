@@ -4,6 +4,11 @@
 #   micro     kernel micro-benchmarks + the skinny-GEMV benchmark
 #   sweep     decode attention at serving batch sizes: triton knobs vs FlashInfer
 #   profile   benches/profile_decode.py (where a decode step's time goes)
+#   fp8prof   benches/profile_decode_kernels.py: S1-sized decode steps (1536 cached tokens a
+#             request) by kernel class with roofline floors: bf16 at batch 256, fp8 KV at 411,
+#             fp8 weights + KV at 454 (issue 15); stops starting configurations LIMIT - 25 s in;
+#             tables in fp8prof/, FP8PROF_ARGS adds flags (e.g. "--configs fp8kv,fp8both
+#             --attn-sweep 128x4x2,128x4x3,128x8x2": the attention kernel alone per launch config)
 #   ttft      benches/ttft_probe.py: S7 TTFT at concurrency 1 (16/128/1024/4096-token prompts),
 #             split into client / engine / worker / GPU time (TTFT_ARGS adds probe flags)
 #   prefill   benches/profile_prefill.py: one eager prefill step of the 8B config (16 and 1024
@@ -111,6 +116,11 @@ for arg in "$@"; do
         ;;
     profile)
         phase profile_decode python3 benches/profile_decode.py --tokenizer .carry/llama3/tokenizer.json
+        ;;
+    fp8prof)
+        # shellcheck disable=SC2086
+        TAIL=120 phase profile_decode_kernels python3 benches/profile_decode_kernels.py \
+            --out "$OUT/fp8prof" --budget-s "$((LIMIT - 25))" ${FP8PROF_ARGS:-}
         ;;
     ttft)
         # shellcheck disable=SC2086

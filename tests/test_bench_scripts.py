@@ -1,0 +1,136 @@
+"""benches/ scripts that the lead runs on the GPU once: their CPU smoke paths and pure parts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHES = Path(__file__).resolve().parent.parent / "benches"
+TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32}
+
+
+@pytest.fixture(scope="module")
+def pdk() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("profile_decode_kernels",
+                                                  BENCHES / "profile_decode_kernels.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode_kernel_names_land_in_their_classes(pdk: ModuleType) -> None:
+    def cls(name: str, *, in_graph: bool = True, phase: str | None = "ts::forward",
+            fp8: bool = False) -> str:
+        return pdk.classify(pdk.Kernel(name, 1.0, in_graph, phase), graphs=True, fp8_weights=fp8)
+
+    assert cls("_decode_split_kernel") == "attention"
+    assert cls("_rotary_kv_kernel") == "kv_write"
+    assert cls("_fused_add_rmsnorm_kernel") == "norm_act"
+    assert cls("_silu_and_mul_kernel") == "norm_act"
+    assert cls("_per_token_quant_kernel") == "act_quant"
+    assert cls("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN") == "gemm_bf16"
+    assert cls("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "gemm_fp8"
+    assert cls("nvjet_tst_192x192_64x4", fp8=True) == "gemm_fp8"  # every weight fp8: by the model
+    assert cls("void at::native::elementwise_kernel<copy>") == "other"
+    # Outside the graph the phase decides: the sampler's argmax and the step's input copies.
+    assert cls("void at::native::reduce_kernel<argmax>", in_graph=False, phase="ts::sample") == "sampling"
+    assert cls("Memcpy HtoD (Pinned -> Device)", in_graph=False, phase="ts::forward") == "inputs"
+
+
+def _trace() -> dict:
+    """A Chrome trace in Kineto's layout: one step, a graph launch inside ts::forward (two kernels
+    it ran), an eager input copy, and the sampler's kernel inside ts::sample."""
+    x = "X"
+    return {"traceEvents": [
+        {"ph": x, "cat": "user_annotation", "name": "ts::forward", "ts": 100.0, "dur": 50.0},
+        {"ph": x, "cat": "user_annotation", "name": "ts::sample", "ts": 160.0, "dur": 20.0},
+        {"ph": x, "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 105.0, "dur": 1.0,
+         "args": {"correlation": 1}},
+        {"ph": x, "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 110.0, "dur": 5.0,
+         "args": {"correlation": 2}},
+        {"ph": x, "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 165.0, "dur": 2.0,
+         "args": {"correlation": 3}},
+        {"ph": x, "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 200.0, "dur": 4.0,
+         "args": {"correlation": 1}},
+        {"ph": x, "cat": "kernel", "name": "_decode_split_kernel", "ts": 210.0, "dur": 600.0,
+         "args": {"correlation": 2, "grid": [411, 8, 1], "block": [128, 1, 1],
+                  "registers per thread": 128, "shared memory": 32768}},
+        {"ph": x, "cat": "kernel", "name": "nvjet_hsh_gemm", "ts": 820.0, "dur": 300.0,
+         "args": {"correlation": 2, "grid": [66, 1, 1], "block": [384, 1, 1]}},
+        {"ph": x, "cat": "kernel", "name": "argmax_kernel", "ts": 1200.0, "dur": 10.0,
+         "args": {"correlation": 3}},
+    ]}
+
+
+def test_trace_kernels_know_their_graph_and_phase(pdk: ModuleType) -> None:
+    kernels = {k.name: k for k in pdk.cuda_kernels(_trace())}
+    assert kernels["_decode_split_kernel"].in_graph and kernels["nvjet_hsh_gemm"].in_graph
+    assert kernels["_decode_split_kernel"].grid == (411, 8, 1)
+    assert kernels["_decode_split_kernel"].regs == 128
+    copy = kernels["Memcpy HtoD (Pinned -> Device)"]
+    assert not copy.in_graph and copy.phase == "ts::forward"
+    assert kernels["argmax_kernel"].phase == "ts::sample"
+
+
+def test_summary_splits_a_step_and_counts_the_idle_graph_time(pdk: ModuleType) -> None:
+    res = pdk.Result("fp8kv", "x", batch=411, graph_batch=416, context=1536, weights="bfloat16",
+                     kv_dtype="fp8", fill="random", replay_ms=1.0)
+    res.roofline = {"kv_bytes": 1.2e9}
+    pdk.summarize(res, pdk.cuda_kernels(_trace()), steps=1, graphs=True, fp8_weights=False, top_n=5)
+    ms = res.classes_ms
+    assert ms["attention"] == pytest.approx(0.6) and ms["gemm_bf16"] == pytest.approx(0.3)
+    assert ms["inputs"] == pytest.approx(0.004) and ms["sampling"] == pytest.approx(0.01)
+    assert res.graph_gaps_ms == pytest.approx(0.1)  # 1.0 ms replay, 0.9 ms of its kernels
+    assert res.graph_kernels == 2
+    assert res.profiled_ms == pytest.approx(1.0 + 0.004 + 0.01)
+    assert res.attention_gbs == pytest.approx(2000.0)  # 1.2 GB in 0.6 ms
+    assert res.top[0]["name"] == "_decode_split_kernel" and res.top[0]["grid"] == (411, 8, 1)
+
+
+def test_roofline_of_an_fp8_step(pdk: ModuleType) -> None:
+    # One layer, one fp8 linear of 1000 x 1000 at 10 rows; 2 requests of 99 (+1) tokens.
+    s = pdk.Shapes([("l", 1000, 1000, True)], layers=1, hidden=1000, intermediate=1000, q_heads=4,
+                   kv_heads=2, head_dim=10, vocab=100, act_bytes=2, kv_bytes=1)
+    r = pdk.roofline(s, batch=2, rows=10, context=99, bw=1e9, bf16_flops=1e12, fp8_flops=2e12)
+    assert r["weight_bytes"] == 1_000_000 and r["matmul_flops"] == 20_000_000
+    assert r["kv_bytes"] == 2 * 100 * 2 * 2 * 10  # tokens x (K, V) x heads x dim x 1 byte
+    # bytes (weights + fp8 input + bf16 output) over 1 GB/s beat FLOPs over 2 PFLOP/s
+    assert r["floors_ms"]["gemm_fp8"] == pytest.approx(1e3 * (1_000_000 + 10_000 + 20_000) / 1e9)
+    assert r["floors_ms"]["gemm_bf16"] == 0.0
+
+
+def test_cpu_smoke_run_writes_the_class_table(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCHES / "profile_decode_kernels.py"), "--device", "cpu",
+           "--layers", "2", "--batch-sizes", "2", "--context", "24", "--dtype", "float32",
+           "--config-overrides", json.dumps(TINY), "--out", str(tmp_path), "--step-reps", "2",
+           "--profile-steps", "1", "--warmup", "1", "--attn-sweep", "32x4x2"]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads((tmp_path / "profile_decode_kernels.json").read_text())
+    assert [c["config"] for c in report["configs"]] == ["bf16", "fp8kv", "fp8both"]
+    assert report["skipped"] == []
+    for c in report["configs"]:
+        assert set(c["classes_ms"]) == set(report["classes"])
+        assert all(math.isfinite(v) and v >= 0 for v in c["classes_ms"].values())
+        assert c["classes_ms"]["attention"] > 0 and c["step_ms"] > 0 and c["profiled_ms"] > 0
+        assert c["roofline"]["kv_bytes"] == 2 * 25 * 2 * 2 * 2 * 32 * (4 if c["kv_dtype"] == "auto" else 1)
+        # the kernel alone (Triton's interpreter here): its default launch config, then the grid's
+        assert [a["config"] for a in c["attn_sweep"]] == [[None, 4, 2], [32, 4, 2]]
+        assert all(a["us"] > 0 and a["gbs"] > 0 for a in c["attn_sweep"])
+    gemm = {c["config"]: (c["classes_ms"]["gemm_bf16"], c["classes_ms"]["gemm_fp8"]) for c in report["configs"]}
+    assert gemm["bf16"][0] > 0 and gemm["bf16"][1] == 0
+    assert gemm["fp8both"][1] > 0 and gemm["fp8both"][0] == 0
+    md = (tmp_path / "profile_decode_kernels.md").read_text()
+    for label in ("decode attention", "GEMM/GEMV bf16", "GEMM/GEMV fp8", "norm / rotary / activation",
+                  "rotary + KV write", "sampling (outside graph)", "**total**", "| 32x4x2 | "):
+        assert label in md
