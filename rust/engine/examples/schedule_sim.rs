@@ -14,6 +14,7 @@
 //!
 //!   cargo run --release -p tokenspeed-engine --example schedule_sim -- --cap 1024
 //!   cargo run --release -p tokenspeed-engine --example schedule_sim -- --rate 8 --input 1024 --output 256 --prompts 600
+//!   ... -- --cap 1024 --eager-host-ms 35   (eager steps bound by their ~35 ms host launch)
 
 use std::collections::{HashMap, VecDeque};
 
@@ -28,10 +29,29 @@ struct CostModel {
     per_prefill_token: f64,
     per_prefill_pair: f64,
     per_decode_ctx: f64,
+    /// Host time of launching a step eagerly (no CUDA graph fits it): the step takes at least
+    /// this long. Steps with prompt tokens replay a graph only up to `GRAPH_MAX_REQUESTS`
+    /// requests and `GRAPH_MAX_TOKENS` tokens (ExtendGraphRunner); decode-only steps always do.
+    eager_host_ms: f64,
 }
+
+const GRAPH_MAX_REQUESTS: usize = 64;
+const GRAPH_MAX_TOKENS: usize = 2048;
 
 impl CostModel {
     fn step_ms(&self, plan: &Plan) -> f64 {
+        let gpu = self.gpu_ms(plan);
+        let tokens: usize = plan.scheduled.iter().map(|r| r.tokens.len()).sum();
+        let eager = tokens > plan.scheduled.len()
+            && (plan.scheduled.len() > GRAPH_MAX_REQUESTS || tokens > GRAPH_MAX_TOKENS);
+        if eager {
+            gpu.max(self.eager_host_ms)
+        } else {
+            gpu
+        }
+    }
+
+    fn gpu_ms(&self, plan: &Plan) -> f64 {
         let mut ms = self.weights;
         for r in &plan.scheduled {
             let n = r.tokens.len() as f64;
@@ -56,6 +76,7 @@ struct Args {
     output: u32,
     /// Requests per second (Poisson); 0: all at once.
     rate: f64,
+    eager_host_ms: f64,
 }
 
 fn parse() -> Result<Args, String> {
@@ -68,6 +89,7 @@ fn parse() -> Result<Args, String> {
         input: 1024,
         output: 1024,
         rate: 0.0,
+        eager_host_ms: 0.0,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     for pair in argv.chunks(2) {
@@ -84,6 +106,7 @@ fn parse() -> Result<Args, String> {
             "--input" => a.input = value.parse().map_err(|e| bad(&e))?,
             "--output" => a.output = value.parse().map_err(|e| bad(&e))?,
             "--rate" => a.rate = value.parse().map_err(|e| bad(&e))?,
+            "--eager-host-ms" => a.eager_host_ms = value.parse().map_err(|e| bad(&e))?,
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
@@ -147,6 +170,7 @@ fn main() {
         per_prefill_token: 0.0129,
         per_prefill_pair: 4.56e-6,
         per_decode_ctx: 5.2e-5,
+        eager_host_ms: a.eager_host_ms,
     };
     let arrive = arrivals(a.prompts, a.rate);
     let mut next = 0;
