@@ -12,8 +12,13 @@ GPUs must agree, and S3 (batch-1 decode ms/token) on each.
              all-reduced: `--all2all-backend naive`).
   --mode dpattn  the same Qwen3-30B-A3B shape, `--tp 1` vs data-parallel attention `--tp 2 --dp 2
              --enable-dp-attention --ep-size 2` (two attention groups of one GPU, each its own
-             engine; MoE tokens all-gathered: `allgather_reducescatter`; eager, no CUDA graphs).
-             Prompts go one at a time, so one group runs idle forward passes at every step.
+             engine; MoE tokens all-gathered: `allgather_reducescatter`). Prompts go one at a
+             time, so one group runs idle forward passes at every step: decode steps replay a
+             CUDA graph on both GPUs (the idle one on padding rows), prefill steps run eager;
+             the table reports the server log's count of graph replays. `dpattn-eager`: the
+             same with `--disable-cuda-graph` on the 2-GPU server (the eager baseline).
+  --mode dense-dpattn  the tp model under `--tp 2 --dp 2 --enable-dp-attention`: two engines of
+             one GPU each, ordinary decode and extend graphs on each.
   --mode epa2a / dpa2a  ep / dpattn with `--all2all-backend torch_all2all`: each token sent only
              to the GPU holding its experts (NCCL all_to_all_single, split sizes read on the host:
              eager, no CUDA graphs); a lone decode token leaves one GPU, the other sends nothing.
@@ -62,6 +67,14 @@ MODES: dict[str, tuple[str, dict[int, list[str]]]] = {
     "ep": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--ep-size", "2"]}),
     "dpattn": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--dp", "2",
                                                        "--enable-dp-attention", "--ep-size", "2"]}),
+    # A dense model under data-parallel attention: two independent engines, each with its
+    # own decode and extend graphs (the groups never meet in a collective).
+    "dense-dpattn": ("llama31-8b", {1: ["--tp", "1"], 2: ["--tp", "2", "--dp", "2",
+                                                          "--enable-dp-attention"]}),
+    # dpattn with the graphs off: the eager baseline of its S3 (bf16 check).
+    "dpattn-eager": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--dp", "2",
+                                                             "--enable-dp-attention", "--ep-size",
+                                                             "2", "--disable-cuda-graph"]}),
     "epa2a": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--ep-size", "2",
                                                       "--all2all-backend", "torch_all2all"]}),
     "dpa2a": ("qwen3-30b-a3b", {1: ["--tp", "1"], 2: ["--tp", "2", "--dp", "2",
@@ -101,11 +114,14 @@ def compare(name: str, ref: list[tuple[list[int], list[float]]],
 
 
 def run_check(out: Path, model: Path, dtype: str, prompts: list[list[int]], s3: bool,
-              cpu: bool, gpu_flags: dict[int, list[str]]) -> tuple[dict[int, Any], dict[int, Any]]:
-    """Serve the model on 1 then 2 GPUs: greedy tokens (and S3) from each. A server that does
+              cpu: bool, gpu_flags: dict[int, list[str]]
+              ) -> tuple[dict[int, Any], dict[int, Any], str | None]:
+    """Serve the model on 1 then 2 GPUs: greedy tokens (and S3) from each, and under
+    data-parallel attention the server log's last line on decode graphs. A server that does
     not start leaves a string in place of its tokens."""
     tokens: dict[int, Any] = {}
     s3_ms: dict[int, Any] = {}
+    graphs = None
     for ep, flags in gpu_flags.items():
         tag = f"{dtype}_{'_'.join(f.strip('-') for f in flags)}"
         ctx = gpu_bench.Ctx(out=out, deadline=time.monotonic() + 500)
@@ -125,7 +141,11 @@ def run_check(out: Path, model: Path, dtype: str, prompts: list[list[int]], s3: 
                 s3_ms[ep] = gpu_bench.dig(ctx.records.get("S3", {}), "metrics.tpot_ms.median")
         finally:
             gpu_bench.stop_server(proc)
-    return tokens, s3_ms
+        if "--enable-dp-attention" in flags:  # the worker logs how many steps replayed a graph
+            log = (out / f"server_{tag}.log").read_text(errors="replace").splitlines()
+            said = [ln for ln in log if "decode CUDA graph" in ln]
+            graphs = said[-1].split("INFO ")[-1] if said else "no decode CUDA graph line"
+    return tokens, s3_ms, graphs
 
 
 def _allreduce_rank(rank: int, init: str, out: Any) -> None:
@@ -220,8 +240,8 @@ def main() -> int:
         dtype, layers = {"fp32": ("float32", 2 if a.cpu_smoke else 4),
                          "bf16": ("bfloat16", config["num_hidden_layers"])}[check]
         model = gpu_bench.write_model_dir(tmp / check, Path(a.tokenizer), layers, shrink, model_name)
-        tokens, s3_ms = run_check(out, model, dtype, prompts, check == "bf16" and not a.skip_s3,
-                                  a.cpu_smoke, gpu_flags)
+        tokens, s3_ms, graphs = run_check(out, model, dtype, prompts,
+                                          check == "bf16" and not a.skip_s3, a.cpu_smoke, gpu_flags)
         name = (f"{model_name} {dtype} {layers} layers, {label[2]} vs {label[1]}"
                 + (" (must be identical)" if check == "fp32" else ""))
         if all(isinstance(tokens.get(n), list) for n in gpu_flags):
@@ -230,6 +250,9 @@ def main() -> int:
         else:
             rows.append({"check": name, "value": f"1 GPU: {tokens.get(1)}; 2 GPUs: {tokens.get(2)}"})
             ok = False
+        if graphs is not None:
+            rows.append({"check": f"decode CUDA graphs, {dtype}, {label[2]} (server log)",
+                         "value": graphs})
         s3.update(s3_ms)
     if a.mode == "tp" and not a.cpu_smoke:
         rows.append({"check": "all-reduce ms per 8B decode step (64 x [1, 4096] bf16, one graph)",

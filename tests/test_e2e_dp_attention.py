@@ -19,15 +19,32 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from test_e2e_expert_parallel import moe_dir  # noqa: F401  (the tiny Qwen3-MoE fixture)
 from test_models_numerics import save_tiny_checkpoint
-from tp_ranks import moe_all_gather_on_rank, moe_all_to_all_on_rank, run_ranks
+from tp_ranks import (
+    generate_on_rank,
+    lockstep_generate_on_rank,
+    lockstep_tick_on_rank,
+    moe_all_gather_on_rank,
+    moe_all_to_all_on_rank,
+    run_ranks,
+    world_min_on_rank,
+)
 from transformers import LlamaConfig
 
 from server_harness import Server, start_server, stop_server
-from tokenspeed.distributed import ParallelConfigError, ParallelSizes, resolve_sizes
+from tokenspeed.distributed import (
+    ParallelConfigError,
+    ParallelSizes,
+    Tick,
+    dp_graph_batch,
+    dp_token_counts,
+    lockstep_forward,
+    resolve_sizes,
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time"]
 NEW_TOKENS = 8
@@ -48,15 +65,22 @@ def test_sizes_of_data_parallel_attention() -> None:
 
 
 def test_all2all_backend_travels_with_the_sizes_and_decides_graphs() -> None:
-    assert resolve_sizes(tp_size=2, ep_size=2).all2all_backend == "naive"
-    assert resolve_sizes(tp_size=2, ep_size=2).graph_capturable
+    s = resolve_sizes(tp_size=2, ep_size=2)
+    assert s.all2all_backend == "naive" and s.graph_capturable(moe=True)
+    assert s.extend_graph_capturable(moe=True) and not s.lockstep(moe=True)
     # naive under data-parallel attention gathers the groups' tokens: no rank holds them all.
+    # Decode steps replay graphs padded to one size on every rank; prompt steps stay eager.
     s = resolve_sizes(tp_size=2, ep_size=2, dp_attention=2)
-    assert s.all2all_backend == "allgather_reducescatter" and not s.graph_capturable
+    assert s.all2all_backend == "allgather_reducescatter" and s.lockstep(moe=True)
+    assert s.graph_capturable(moe=True) and not s.extend_graph_capturable(moe=True)
+    # A dense model's attention groups never meet: graphs of every kind, no lockstep.
+    assert s.extend_graph_capturable(moe=False) and not s.lockstep(moe=False)
     for dp in (1, 2):  # split sizes read on the host every layer: eager either way
         s = resolve_sizes(tp_size=2, ep_size=2, dp_attention=dp, all2all_backend="torch_all2all")
-        assert s.all2all_backend == "torch_all2all" and not s.graph_capturable
-    assert resolve_sizes(all2all_backend="torch_all2all").graph_capturable  # one rank: no exchange
+        assert s.all2all_backend == "torch_all2all" and not s.graph_capturable(moe=True)
+        assert s.graph_capturable(moe=False)  # no MoE layer: nothing goes through it
+    # One rank: no exchange.
+    assert resolve_sizes(all2all_backend="torch_all2all").graph_capturable(moe=True)
     with pytest.raises(ParallelConfigError, match="--all2all-backend 'pplx' is not one of"):
         resolve_sizes(tp_size=2, all2all_backend="pplx")
 
@@ -238,3 +262,94 @@ def test_moe_all_to_all_gives_one_ranks_output(layout: str) -> None:
     sizes, cases = A2A_LAYOUTS[layout]
     world = sizes.world_size
     assert run_ranks(moe_all_to_all_on_rank, world, cases, sizes=sizes) == ["ok"] * world
+
+
+# --- decode CUDA graphs under data-parallel attention -----------------------------------------
+
+
+def _tick(tokens: list[int], decode: list[bool]) -> Tick:
+    return Tick(runs_plan=[t > 0 for t in tokens], tokens=tokens, stop=False, decode=decode)
+
+
+def test_tick_pads_every_group_to_one_graph_size_when_all_decode() -> None:
+    sizes = [1, 2, 4, 8, 16, 24]
+    # The largest group's requests, rounded up to a captured size; an idle group pads too.
+    assert _tick([3, 1], [True, True]).graph_batch(sizes) == 4
+    assert _tick([0, 5], [True, True]).graph_batch(sizes) == 8
+    assert _tick([17, 2, 0, 1], [True] * 4).graph_batch(sizes) == 24
+    assert _tick([8, 8], [True, True]).graph_batch(sizes) == 8
+    # Eager for every rank: a group with prompt tokens, more requests than the largest graph,
+    # no forward pass at all, or no graphs.
+    assert _tick([3, 9], [True, False]).graph_batch(sizes) is None
+    assert _tick([25, 1], [True, True]).graph_batch(sizes) is None
+    assert _tick([0, 0], [True, True]).graph_batch(sizes) is None
+    assert _tick([3, 1], [True, True]).graph_batch([]) is None
+    # The padded step's counts: every group the graph's size, in both MoE exchanges' eyes.
+    with lockstep_forward(_tick([3, 0], [True, True]), sizes):
+        assert dp_graph_batch() == 4
+    with lockstep_forward(_tick([3, 6], [True, False]), sizes):
+        assert dp_graph_batch() is None
+    with pytest.raises(ValueError, match="padded decode step of 4 rows per group with counts"), \
+            dp_token_counts([4, 3], graph_batch=4):
+        pass
+
+
+def test_lockstep_tick_carries_each_groups_decode_flag() -> None:
+    """Two groups of two ranks. Group 0: only rank 1 holds its decode plan yet (rank 0, with
+    no plan, has no say). Group 1: both hold a plan with prompt tokens (not decode-only)."""
+    sizes = ParallelSizes(world_size=4, attn_tp=2, dense_tp=2, moe_tp=2, ep=2)
+    rows = [(False, 0, False), (True, 3, True), (True, 7, False), (True, 7, False)]
+    ticks = run_ranks(lockstep_tick_on_rank, 4, rows, sizes=sizes)
+    assert ticks == [([True, True], [3, 7], [True, False], False)] * 4
+    # Group 1 idle (no plan): decode-only vacuously, so a decode graph may serve the step.
+    rows = [(True, 3, True), (True, 3, True), (False, 0, False), (False, 0, False)]
+    ticks = run_ranks(lockstep_tick_on_rank, 4, rows, sizes=sizes)
+    assert ticks == [([True, False], [3, 0], [True, True], False)] * 4
+
+
+@pytest.mark.parametrize("sizes", [
+    ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2),  # over the gloo world_cpu
+    ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=2, ep=1),  # over the world group
+], ids=["dp2", "tp2"])
+def test_every_rank_captures_the_smallest_graph_size_any_rank_allows(sizes: ParallelSizes) -> None:
+    assert run_ranks(world_min_on_rank, 2, sizes=sizes) == [6, 6]
+
+
+# Group 0: three prompts (one of two chunks), five tokens each; group 1: one prompt of two
+# chunks, three tokens. Steps: both prefill (eager); group 0's 1-token last chunk beside group
+# 1's second chunk (eager for both); two steps of 3 + 1 decodes (both padded to 4); then group 1
+# is done and replays the graph on padding rows beside group 0's decodes.
+LOCKSTEP_PROMPTS = [[[11, 12, 13, 14, 15], list(range(30, 39)), [7, 8, 9]], [list(range(50, 64))]]
+LOCKSTEP_NEW = [5, 3]
+LOCKSTEP_GRAPHS = [None, None, 4, 4, 4, 4]  # the decode graph size of each forward step
+
+
+def test_padded_lockstep_decode_gives_the_eager_path_and_one_ranks_tokens(
+        moe_dir: Path) -> None:  # noqa: F811
+    """The decode graph's body (run eagerly: no capture on the CPU) under data-parallel
+    attention on two gloo ranks: groups of different sizes padded to one size, and an idle
+    group replaying it on padding rows, give the tokens and logits of the unpadded eager path
+    and of one rank. A pool of 9 pages (all of group 0's) catches a padding row written into a
+    real page."""
+    sizes = ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2,
+                          all2all_backend="allgather_reducescatter")
+    runs = {padded: run_ranks(lockstep_generate_on_rank, 2, str(moe_dir), LOCKSTEP_PROMPTS,
+                              LOCKSTEP_NEW, padded, 9, sizes=sizes)
+            for padded in (True, False)}
+    for rank in (0, 1):
+        assert runs[True][rank][2] == LOCKSTEP_GRAPHS, runs[True][rank][2]
+        assert runs[False][rank][2] == [None] * len(LOCKSTEP_GRAPHS)
+    prompts = [p for group in LOCKSTEP_PROMPTS for p in group]
+    ref_tokens, ref_logits, _ = run_ranks(generate_on_rank, 1, str(moe_dir), prompts,
+                                          max(LOCKSTEP_NEW))[0]
+    i = 0
+    for group, n in enumerate(LOCKSTEP_NEW):
+        for padded in (True, False):
+            tokens, logits, _ = runs[padded][group]
+            for j, (toks, lgs) in enumerate(zip(tokens, logits)):
+                what = f"group {group} request {j} {'padded' if padded else 'eager'}"
+                assert toks == ref_tokens[i + j][:n], what
+                for step, (a, b) in enumerate(zip(lgs, ref_logits[i + j])):
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5,
+                                               err_msg=f"{what} step {step}")
+        i += len(LOCKSTEP_PROMPTS[group])

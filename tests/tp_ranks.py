@@ -214,3 +214,92 @@ def moe_all_to_all_on_rank(rank: int, cases: list[tuple[list[int], str]]) -> str
         out = comm.combine(mine(xs, routing))
         _close(out, ref[lo:lo + counts[group]], f"rank {rank} {counts} {skew}")
     return "ok"
+
+
+class _LockstepRunner:
+    """A ModelRunner driven as `worker.serve_plans_lockstep` drives it, for OfflineScheduler:
+    each plan is one lockstep tick (its decode-only flag included), run inside the tick's
+    `lockstep_forward`, with an idle forward pass when this group has no tokens. Records the
+    decode graph size each forward step chose (None: eager)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.page_size, self.num_pages = runner.page_size, runner.num_pages
+        self.sizes = runner.graphs.sizes if runner.graphs is not None else []
+        self.chosen: list[int | None] = []
+
+    def tick(self, plan: Any) -> torch.Tensor | None:
+        from tokenspeed.cuda_graph import decode_only
+        from tokenspeed.distributed import lockstep_forward, lockstep_tick
+
+        tokens = int(plan.sched_tokens_len.sum()) if plan is not None else 0
+        tick = lockstep_tick(plan is not None, tokens, False,
+                             plan is not None and decode_only(plan, self.runner.sampler))
+        if tick.forward:
+            self.chosen.append(tick.graph_batch(self.sizes))
+        logits = None
+        with lockstep_forward(tick, self.sizes):
+            if plan is not None:
+                logits = self.runner.forward(plan)
+            if tick.forward and tick.tokens[state().attn_group] == 0:
+                self.runner.idle_forward()
+        if plan is None and not any(tick.runs_plan):
+            raise StopIteration  # every group is done
+        return logits
+
+    def forward(self, plan: Any) -> torch.Tensor:
+        return self.tick(plan)
+
+    def sample(self, plan: Any, logits: torch.Tensor) -> Any:
+        return self.runner.sample(plan, logits)
+
+    def drain(self) -> None:
+        """This group is done: idle through the other groups' steps until every group is."""
+        try:
+            while True:
+                self.tick(None)
+        except StopIteration:
+            pass
+
+
+def lockstep_generate_on_rank(rank: int, path: str, prompts: list[list[list[int]]],
+                              new_tokens: list[int], padded: bool, num_pages: int) -> tuple:
+    """Data-parallel attention: attention group g generates `new_tokens[g]` greedy tokens for
+    its `prompts[g]` in lockstep with the other groups. `padded`: decode steps take the decode
+    graph path (`DecodeGraphRunner` of sizes 1, 2, 4, its body run eagerly: no capture on the
+    CPU), every group padded to one size and an idle group replaying it on padding rows;
+    else every step is eager with each group's own token count."""
+    from tokenspeed.cuda_graph import DecodeGraphRunner
+    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.models.offline import OfflineScheduler
+
+    runner = ModelRunner(path, page_size=4, num_pages=num_pages, max_slots=4,
+                         max_context_len=128)
+    assert runner.lockstep and runner.graphs is None  # CPU: nothing captured
+    if padded:
+        runner.graphs = DecodeGraphRunner(runner.model, runner.kv_cache, runner.backend, 4,
+                                          runner.config.vocab_size, runner.device,
+                                          runner.last_tokens)
+    group = state().attn_group
+    driver = _LockstepRunner(runner)
+    res = OfflineScheduler(driver, seed=group).generate(
+        prompts[group], new_tokens[group], chunk_size=8, keep_logits=True)
+    driver.drain()
+    logits = [[x.numpy() for x in req] for req in res.logits]
+    return res.tokens, logits, driver.chosen
+
+
+def lockstep_tick_on_rank(rank: int, rows: list[tuple[bool, int, bool]]) -> tuple:
+    """Each rank says (has a plan, its tokens, decode-only) = rows[rank]; returns the tick."""
+    from tokenspeed.distributed import lockstep_tick
+
+    has_plan, tokens, decode = rows[rank]
+    t = lockstep_tick(has_plan, tokens, False, decode)
+    return t.runs_plan, t.tokens, t.decode, t.stop
+
+
+def world_min_on_rank(rank: int) -> int:
+    """Each rank offers 7 - rank (a graph size its own pool allows): all must get the least."""
+    from tokenspeed.distributed import world_min
+
+    return world_min(7 - rank)

@@ -28,15 +28,20 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from tokenspeed.distributed import dp_token_counts, state
 from tokenspeed.host_copy import to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
-from tokenspeed.layers.attention import AttentionBackend, ForwardBatch
+from tokenspeed.layers.attention import GRAPH_BACKENDS, AttentionBackend, ForwardBatch
 from tokenspeed.plan import LAST_SAMPLED
+
+if TYPE_CHECKING:
+    from tokenspeed.plan import StepPlan
+    from tokenspeed.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +92,19 @@ def capture_graphs(name: str, sizes: list[int], body: Any, device: torch.device,
     return graphs, pool
 
 
+def decode_only(plan: StepPlan, sampler: Sampler, applied: bool = False) -> bool:
+    """Whether `plan` can replay a decode graph: one token per scheduled request, none of them a
+    new request's prompt nor a prompt whose logprobs are scored (`sampler` holds which are).
+    Data-parallel attention asks before the lockstep tick (`applied` False: the plan's state
+    changes are not applied yet), so that every rank agrees on the step's path."""
+    slots = plan.sched_slot
+    if not len(slots) or int(plan.sched_tokens_len.sum()) != len(slots):
+        return False
+    if not applied and np.isin(slots, plan.new_slot).any():
+        return False
+    return not len(sampler.prompt_logprobs_pending(slots))
+
+
 def graph_memory_estimate(max_bs: int, vocab_size: int) -> int:
     """Bytes the graphs need beyond the model: the static logits buffer, the graph pool's
     intermediates (led by a float32 and a bf16 copy of the logits) and some slack."""
@@ -94,6 +112,13 @@ def graph_memory_estimate(max_bs: int, vocab_size: int) -> int:
 
 
 class DecodeGraphRunner:
+    """Decode graphs (see the module docstring). Under data-parallel attention with MoE layers
+    every rank replays the size the lockstep tick chose (`run(..., bs=)`), an idle group on
+    padding rows only (`run_padding`), and the graphs are captured with every group's count
+    equal to the size (`dp_token_counts`), as `MoeAllGather` then needs no host values.
+    A backend without graph support (torch_native, CPU tests) runs the same body eagerly, its
+    metadata prepared from the padded host rows."""
+
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend,
                  max_bs: int, vocab_size: int, device: torch.device,
                  last_tokens: torch.Tensor) -> None:
@@ -108,7 +133,10 @@ class DecodeGraphRunner:
         # Rows: input ids, positions, cache locations, slots; one copy fills all four.
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.inputs[2].fill_(-1)
-        backend.init_graphs(self.sizes)
+        self.graph_backend = backend.name in GRAPH_BACKENDS
+        if self.graph_backend:
+            backend.init_graphs(self.sizes)
+        self._host = np.zeros((2, n), dtype=np.int64)  # slots, positions: the eager body's
         self.logits = torch.zeros((n, vocab_size), dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
@@ -117,38 +145,72 @@ class DecodeGraphRunner:
         ids, positions, out_loc, slots = self.inputs[:, :bs]
         ids = torch.where(ids == LAST_SAMPLED, self.last_tokens[slots], ids)
         empty = np.zeros(0, dtype=np.int64)
-        meta = self.backend.graph_metadata(bs, positions)
         batch = ForwardBatch(input_ids=ids, positions=positions, out_cache_loc=out_loc,
                              slots=empty, num_tokens=empty, start_pos=empty, query_start=empty,
-                             kv_cache=self.kv_cache, backend=self.backend, metadata=meta)
+                             kv_cache=self.kv_cache, backend=self.backend)
+        if self.graph_backend:
+            batch.metadata = self.backend.graph_metadata(bs, positions)
+        else:  # eager: the padded rows as a host batch (padding: slot 0, position 0)
+            batch.slots, batch.start_pos = self._host[:, :bs]
+            batch.num_tokens = np.ones(bs, dtype=np.int64)
+            batch.query_start = np.arange(bs + 1, dtype=np.int64)
+            self.backend.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         self.logits[:bs].copy_(self.model.compute_logits(hidden))  # type: ignore[operator]
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:
-        """Capture every batch size; returns the memory pool."""
-        self.graphs, pool = capture_graphs("decode", self.sizes, self._run, self.device, pool)
+        """Capture every batch size, every rank the same sizes in the same order (their
+        collectives must match); returns the memory pool."""
+        groups = state().sizes.attn_dp
+
+        def body(bs: int) -> None:
+            with dp_token_counts([bs] * groups, graph_batch=bs):  # lockstep: every group pads
+                self._run(bs)
+
+        self.graphs, pool = capture_graphs("decode", self.sizes, body, self.device, pool)
         return pool
 
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_bs
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, out_cache_loc: np.ndarray,
-            slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay for one decode token per request. Returns float32 logits [B, vocab] (a view of
-        the static buffer, valid until the next replay) and the slots [B] on the device."""
+            slots: np.ndarray, bs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for one decode token per request, padded to the smallest captured size (or to
+        `bs`, a captured size, however few the requests). Returns float32 logits [B, vocab] (a
+        view of the static buffer, valid until the next replay) and the slots [B] on the
+        device. A size not captured (CPU tests) runs the same body eagerly."""
         b = len(input_ids)
-        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        if bs is None:
+            bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        elif bs not in self.sizes or b > bs:
+            raise ValueError(f"{b} decode requests in a graph of size {bs} (captured: "
+                             f"{self.sizes})")
         packed = np.zeros((4, bs), dtype=np.int64)
         packed[0, :b], packed[1, :b], packed[2, :b], packed[3, :b] = (
             input_ids, positions, out_cache_loc, slots)
-        packed[2, b:] = -1
+        packed[2, b:] = -1  # padding rows write no K/V
         (dev,) = to_device_int64([packed.reshape(-1)], self.device)
         self.inputs[:, :bs].copy_(dev.view(4, bs))
-        self.backend.prepare_replay(bs, slots, positions, self.inputs[3, :bs])
-        self.graphs[bs].replay()
+        graph = self.graphs.get(bs)
+        if graph is None:
+            self._host[:, :bs] = packed[[3, 1]]
+            self._run(bs)
+            return self.logits[:b], self.inputs[3, :b]
+        if b:
+            self.backend.prepare_replay(bs, slots, positions, self.inputs[3, :bs])
+        else:  # padding only: as one padding row (slot 0, position 0)
+            zero = np.zeros(1, dtype=np.int64)
+            self.backend.prepare_replay(bs, zero, zero, self.inputs[3, :bs])
+        graph.replay()
         self.replays += 1
         return self.logits[:b], self.inputs[3, :b]
+
+    def run_padding(self, bs: int) -> None:
+        """Replay the graph of size `bs` on padding rows only: an idle attention group's part in
+        a lockstep decode step (its K/V written nowhere, its logits unread)."""
+        empty = np.zeros(0, dtype=np.int64)
+        self.run(empty, empty, empty, empty, bs)
 
 
 class ExtendGraphRunner:

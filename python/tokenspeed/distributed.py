@@ -18,7 +18,10 @@ world: `MoeAllGather` gathers every group's tokens over `attn_dp` (the ranks wit
 attention-TP index), each rank computes its experts' partial output for all of them, and the sum
 over the world comes back to each group's own rows. Every rank must therefore run every forward
 pass together: `lockstep_tick` (worker.py) decides each step, over a CPU (gloo) group, which
-groups run a plan and which run an idle forward, and gives every group's token count.
+groups run a plan and which run an idle forward, and gives every group's token count. When every
+group's plan is decode-only, every rank replays the decode CUDA graph of one size instead
+(`Tick.graph_batch`), each group padded to it: `MoeAllGather` with equal counts has static
+shapes and reads nothing on the host. Steps with prompt tokens run eagerly.
 
 `--all2all-backend torch_all2all` (moe_all2all.MoeAllToAll) replaces either exchange: each token
 goes only to the ranks holding its experts, with and without data-parallel attention.
@@ -29,10 +32,11 @@ every collective returns its input, so single-GPU code pays nothing.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -74,13 +78,22 @@ class ParallelSizes:
         """Attention groups in the world (data-parallel attention when > 1)."""
         return self.world_size // self.attn_tp
 
-    @property
-    def graph_capturable(self) -> bool:
-        """Whether a decode step's collectives can replay in a CUDA graph. Not under
-        data-parallel attention (the MoE layers gather every group's tokens, whose counts change
-        each step) nor with torch_all2all (its split sizes are read on the host every step)."""
-        return self.world_size == 1 or (self.attn_dp == 1
-                                        and self.all2all_backend != "torch_all2all")
+    def lockstep(self, moe: bool) -> bool:
+        """Whether every rank must run every forward pass together (`lockstep_tick`): under
+        data-parallel attention with MoE layers, the only layers that span attention groups."""
+        return moe and self.attn_dp > 1
+
+    def graph_capturable(self, moe: bool) -> bool:
+        """Whether a decode step's collectives can replay in a CUDA graph: not for MoE layers
+        under torch_all2all (its split sizes are read on the host every step). Under lockstep,
+        every rank replays the same padded size (`Tick.graph_batch`) and `MoeAllGather` gathers
+        that many rows from every group (static counts)."""
+        return self.world_size == 1 or not (moe and self.all2all_backend == "torch_all2all")
+
+    def extend_graph_capturable(self, moe: bool) -> bool:
+        """Whether steps with prompt tokens can replay a graph: as decode steps, except under
+        lockstep, where each group's own token count reaches the MoE exchange (eager)."""
+        return self.graph_capturable(moe) and not self.lockstep(moe)
 
     def check(self) -> None:
         """Raise ParallelConfigError for combinations that cannot be served."""
@@ -351,30 +364,58 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1, group: str = "attn_tp") -> tor
     return _STATE.group(group).all_gather(x, dim)
 
 
+def world_min(value: int) -> int:
+    """The smallest of every rank's `value` (every rank calls it at the same point): sizes that
+    shape collectives, such as the captured CUDA graphs', must agree across the world."""
+    st = _STATE
+    if st.world.size == 1:
+        return value
+    pg = st.world_cpu.pg if st.world_cpu is not None else st.world.pg
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(pg) == "nccl" else torch.device("cpu"))
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
+    return int(t.item())
+
+
 # Data-parallel attention: every attention group's token count in the forward pass being run,
-# set by the worker's lockstep tick around each forward (`dp_token_counts`).
+# set by the worker's lockstep tick around each forward (`dp_token_counts`), and the decode
+# graph size every rank replays in it (None: eager).
 _DP_COUNTS: list[int] | None = None
+_DP_GRAPH_BATCH: int | None = None
 
 
 @contextmanager
-def dp_token_counts(counts: list[int] | None) -> Iterator[None]:
-    """Run the forward passes inside with these per-group token counts (`MoeAllGather`)."""
-    global _DP_COUNTS
-    saved, _DP_COUNTS = _DP_COUNTS, counts
+def dp_token_counts(counts: list[int] | None, graph_batch: int | None = None) -> Iterator[None]:
+    """Run the forward passes inside with these per-group token counts (`MoeAllGather`);
+    `graph_batch`: every rank replays its decode graph of this size, every count being it."""
+    global _DP_COUNTS, _DP_GRAPH_BATCH
+    if graph_batch is not None and counts != [graph_batch] * len(counts or ()):
+        raise ValueError(f"a padded decode step of {graph_batch} rows per group with counts "
+                         f"{counts}")
+    saved, _DP_COUNTS, _DP_GRAPH_BATCH = (_DP_COUNTS, _DP_GRAPH_BATCH), counts, graph_batch
     try:
         yield
     finally:
-        _DP_COUNTS = saved
+        _DP_COUNTS, _DP_GRAPH_BATCH = saved
+
+
+def dp_graph_batch() -> int | None:
+    """The decode graph size the current lockstep step replays on every rank (None: eager)."""
+    return _DP_GRAPH_BATCH
 
 
 @dataclass(frozen=True)
 class Tick:
     """One lockstep step as every rank sees it, per attention group: whether the group runs a
-    plan this step, its token count, and whether some rank is leaving (channel closed)."""
+    plan this step, its token count, whether that plan is decode-only (one token per request,
+    no prompt to score: `cuda_graph.decode_only`; True for a group without tokens), and
+    whether some rank is leaving (channel closed)."""
 
     runs_plan: list[bool]
     tokens: list[int]
     stop: bool
+    decode: list[bool]
 
     @property
     def forward(self) -> bool:
@@ -383,23 +424,47 @@ class Tick:
         return any(t > 0 for t in self.tokens)
 
     def forward_counts(self) -> list[int]:
-        """The token count of each group's forward pass (an idle group's: its padding token)."""
+        """The token count of each group's eager forward pass (an idle group's: its padding
+        token)."""
         return [max(t, 1) for t in self.tokens]
 
+    def graph_batch(self, graph_sizes: list[int]) -> int | None:
+        """The decode graph size every rank replays this step: the smallest captured size that
+        holds the largest group's requests, when every group's plan is decode-only (an idle
+        group replays it on padding rows); None: every rank runs eagerly."""
+        if not self.forward or not graph_sizes or not all(self.decode):
+            return None
+        most = max(self.tokens)  # decode-only: one token per request
+        if most > graph_sizes[-1]:
+            return None
+        return graph_sizes[bisect.bisect_left(graph_sizes, most)]
 
-def lockstep_tick(has_plan: bool, tokens: int, stop: bool) -> Tick:
+
+def lockstep_tick(has_plan: bool, tokens: int, stop: bool, decode: bool = False) -> Tick:
     """Data-parallel attention: what every rank holds for the next step, gathered over the
     world on the CPU. A group runs a plan when any of its ranks received one (its other ranks
-    then wait for the same plan on their ring); its tokens are that plan's."""
+    then wait for the same plan on their ring); its tokens, and whether it is decode-only, are
+    that plan's (a rank without a plan has no say in either)."""
     st = _STATE
     assert st.world_cpu is not None, "lockstep_tick outside data-parallel attention"
-    mine = torch.tensor([int(has_plan), int(tokens), int(stop)], dtype=torch.int64)
-    rows = st.world_cpu.all_gather(mine, dim=0).view(-1, 3).tolist()
+    decode = decode or tokens == 0
+    mine = torch.tensor([int(has_plan), int(tokens), int(stop), int(decode)], dtype=torch.int64)
+    rows = st.world_cpu.all_gather(mine, dim=0).view(-1, 4).tolist()
     tp = st.sizes.attn_tp
     groups = [rows[g * tp:(g + 1) * tp] for g in range(st.sizes.attn_dp)]
     return Tick(runs_plan=[any(r[0] for r in g) for g in groups],
                 tokens=[max(r[1] for r in g) for g in groups],
-                stop=any(r[2] for r in rows))
+                stop=any(r[2] for r in rows),
+                decode=[all(r[3] for r in g if r[0]) for g in groups])
+
+
+def lockstep_forward(tick: Tick, graph_sizes: list[int]) -> AbstractContextManager[None]:
+    """The context of a lockstep step's forward passes (`dp_token_counts`): every group padded
+    to `tick.graph_batch` rows for a decode graph replay, else each group's own count."""
+    bs = tick.graph_batch(graph_sizes)
+    if bs is not None:
+        return dp_token_counts([bs] * len(tick.tokens), graph_batch=bs)
+    return dp_token_counts(tick.forward_counts() if tick.forward else None)
 
 
 class MoeAllReduce:
@@ -423,10 +488,13 @@ class MoeAllGather:
     its experts' partial output for every group's real tokens; `combine` puts them back in the
     padded layout, reduce-scatters it over `attn_dp` (each rank keeps its group's block, summed
     over the ranks of its attention-TP index) and all-reduces that block over `attn_tp` (the
-    rest of the world), then drops the padding."""
+    rest of the world), then drops the padding.
+    Equal counts (a padded decode graph's [B] * groups, `dp_token_counts(graph_batch=B)`) need
+    no row selection: the experts run on every gathered row, padding rows included, and the
+    exchange has static shapes and no index built on the host, so it is captured in the graph."""
 
     def __init__(self) -> None:
-        self._rows = torch.empty(0, dtype=torch.int64)
+        self._rows: torch.Tensor | None = None  # the real rows of the gathered layout
         self._padded = (0, 0)  # (groups * largest count, this group's count)
 
     def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
@@ -446,17 +514,21 @@ class MoeAllGather:
         if most > both.shape[0]:
             both = torch.cat([both, both.new_zeros(most - both.shape[0], both.shape[1])])
         gathered = st.attn_dp.all_gather(both, dim=0)  # [groups * most, H + E]
+        self._padded = (len(counts) * most, counts[g])
+        if min(counts) == most:  # nothing to drop
+            self._rows = None
+            return gathered[:, :width], gathered[:, width:].to(router_logits.dtype)
         # The real rows (no expert work on padding); host ints only: no device sync.
         self._rows = torch.cat([torch.arange(j * most, j * most + n, device=x.device)
                                 for j, n in enumerate(counts)])
-        self._padded = (len(counts) * most, counts[g])
         both = gathered.index_select(0, self._rows)
         return both[:, :width], both[:, width:].to(router_logits.dtype)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         st = _STATE
         rows, own = self._padded
-        padded = partial.new_zeros(rows, partial.shape[1]).index_copy_(0, self._rows, partial)
+        padded = partial if self._rows is None else \
+            partial.new_zeros(rows, partial.shape[1]).index_copy_(0, self._rows, partial)
         block = st.attn_dp.reduce_scatter(padded)  # [most, H]: this group's rows
         return st.attn_tp.all_reduce(block)[:own]
 

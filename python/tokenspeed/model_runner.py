@@ -18,9 +18,10 @@ from tokenspeed.cuda_graph import (
     DecodeGraphRunner,
     ExtendGraphRunner,
     capture_sizes,
+    decode_only,
     graph_memory_estimate,
 )
-from tokenspeed.distributed import dp_token_counts, state, sync_sampled_tokens
+from tokenspeed.distributed import dp_graph_batch, dp_token_counts, state, sync_sampled_tokens, world_min
 from tokenspeed.distributed import moe_parallel as distributed_moe_parallel
 from tokenspeed.gpu_idle import IdleClock
 from tokenspeed.host_copy import DeviceToHost, to_device_int64
@@ -125,7 +126,9 @@ class ModelRunner:
     sample == 1.
     On CUDA, pure-decode steps of up to `cuda_graph_max_bs` requests replay a captured graph,
     and steps with prompt tokens replay one when their token count is <= the largest of
-    `extend_graph_sizes` (triton attention only; empty: none).
+    `extend_graph_sizes` (triton attention only; empty: none). Under data-parallel attention
+    with MoE layers (`lockstep`) the worker's tick picks the decode graph size for every rank
+    (`dp_graph_batch`) and steps with prompt tokens run eagerly.
     """
 
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str = "cpu",
@@ -176,22 +179,28 @@ class ModelRunner:
         self._window = min(windows) if windows else None
         # torch_native MoE reads expert counts on the host: it cannot be captured in a graph.
         moe_graph_safe = not c.num_experts or self.moe_backend in GRAPH_SAFE_MOE_BACKENDS
-        # Data-parallel attention and torch_all2all run eager (ParallelSizes.graph_capturable).
+        # MoE layers under torch_all2all run eager (ParallelSizes.graph_capturable); under
+        # data-parallel attention with MoE layers every rank runs every step together.
+        sizes, moe = state().sizes, bool(c.num_experts)
+        self.lockstep = sizes.lockstep(moe)
         use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                       and self.attention_backend in GRAPH_BACKENDS and moe_graph_safe
-                      and state().sizes.graph_capturable)
+                      and sizes.graph_capturable(moe))
         graph_bs = (min(cuda_graph_max_bs, self.max_slots) if cuda_graph_max_bs
                     else default_cuda_graph_max_bs(self.max_slots))
         self.cuda_graph_max_bs = graph_bs if use_graphs else 0
         # Extend graphs read the triton backend's tiled extend kernel (no host values).
         self.extend_graph_sizes = sorted(set(extend_graph_sizes or ())) \
-            if use_graphs and self.attention_backend == "triton" else []
+            if (use_graphs and self.attention_backend == "triton"
+                and sizes.extend_graph_capturable(moe)) else []
         if num_pages is None:
             num_pages = self._profile_num_pages(mem_fraction_static, chunked_prefill_size)
         self.num_pages = num_pages
         if max_slots is None:  # the engine takes the smallest of all ranks' (serve.py)
             self.max_slots = default_max_running_requests(num_pages * page_size, max_context_len)
             self.cuda_graph_max_bs = min(self.cuda_graph_max_bs, self.max_slots)
+        if use_graphs:  # every rank captures the same sizes: their collectives must match
+            self.cuda_graph_max_bs = world_min(self.cuda_graph_max_bs)
         self.kv_cache = PagedKVCache(
             num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=page_size,
             num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
@@ -223,6 +232,9 @@ class ModelRunner:
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
                                             self.last_tokens)
             self.graphs.capture(pool)
+            if self.lockstep:  # a GPU check greps for it
+                logger.info("decode CUDA graphs under data-parallel attention: %d groups, one "
+                            "padded size per step on every rank", sizes.attn_dp)
         logger.info("model %s loaded: dtype=%s%s device=%s attention=%s%s kv pages=%d x %d tokens "
                     "(%s), cuda graphs up to batch %d%s", c.architecture, self.dtype,
                     "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'}"
@@ -339,7 +351,14 @@ class ModelRunner:
         """Data-parallel attention: a forward pass of one padding token for a step in which this
         rank's attention group has no work but another has, so that this rank joins the MoE
         layers' collectives. Its K/V land in a one-page scratch cache (not the KV pool), nothing
-        is sampled and nothing is returned."""
+        is sampled and nothing is returned. In a padded decode step (`dp_graph_batch`) it
+        replays that step's decode graph on padding rows instead, as every other rank does."""
+        graph_bs = dp_graph_batch()
+        if graph_bs is not None and self.graphs is not None:
+            self.idle_clock.begin()
+            self.graphs.run_padding(graph_bs)
+            self.idle_clock.end()
+            return
         if self._idle is None:
             c = self.config
             scratch = PagedKVCache(
@@ -453,7 +472,8 @@ class ModelRunner:
         sample = plan.sched_sample.astype(bool)
         wanted = self.sampler.prompt_logprobs_pending(plan.sched_slot).tolist()
         # Prompt logprobs read every position's hidden state: eager.
-        graph_run = None if wanted else self._replay(plan, positions, out_loc, query_start)
+        graph_run = None if wanted and not self.lockstep else \
+            self._replay(plan, positions, out_loc, query_start)
         if graph_run is not None:
             logits, slots_dev = graph_run
             if sample.all():
@@ -475,6 +495,14 @@ class ModelRunner:
         token, slots on the device); None: the step runs eagerly."""
         num_requests, num_tokens = len(plan.sched_slot), int(query_start[-1])
         ids = plan.sched_tokens.astype(np.int64)
+        if self.lockstep:  # the tick chose for every rank (`decode_only`): a size, or eager
+            bs = dp_graph_batch()
+            if bs is None or self.graphs is None:
+                return None
+            if not decode_only(plan, self.sampler, applied=True):
+                raise RuntimeError(f"step {plan.step_id}: the lockstep tick chose a decode graph "
+                                   "for a plan that is not decode-only")
+            return self.graphs.run(ids, positions, out_loc, plan.sched_slot, bs)
         if (self.graphs is not None and num_tokens == num_requests
                 and self.graphs.can_run(num_requests)):
             return self.graphs.run(ids, positions, out_loc, plan.sched_slot)

@@ -181,7 +181,7 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
     host. Results go back in step order."""
     from tokenspeed.plan import StepPlan
 
-    if spec.parallel is not None and spec.parallel.attn_dp > 1 and runner.config.num_experts:
+    if runner.lockstep:
         # Only MoE layers span attention groups (dense TP stays inside one): a dense model's
         # groups never meet in a collective and need no lockstep.
         return serve_plans_lockstep(channel, runner, spec, parent, grammars)
@@ -218,10 +218,13 @@ def serve_plans_lockstep(channel: WorkerChannel, runner: ModelRunner, spec: Work
     small all-gather on the CPU) in which every rank says whether it holds a plan and how many
     tokens it has. If any group has tokens, every group runs a forward pass (an idle one on a
     padding token, `ModelRunner.idle_forward`) with all groups' counts known to the MoE layers;
-    otherwise no rank runs one. The engines know nothing of it: a group's plans and results
-    flow as in `serve_plans`, one-step-ahead plans included (a plan sent ahead is simply picked
-    up by a later tick)."""
-    from tokenspeed.distributed import dp_token_counts, lockstep_tick
+    otherwise no rank runs one. When every group's plan is decode-only (or it has none), every
+    rank replays the decode CUDA graph of one size instead (`Tick.graph_batch`: the largest
+    group's requests, rounded up to a captured size), an idle group on padding rows only.
+    The engines know nothing of it: a group's plans and results flow as in `serve_plans`,
+    one-step-ahead plans included (a plan sent ahead is simply picked up by a later tick)."""
+    from tokenspeed.cuda_graph import decode_only
+    from tokenspeed.distributed import lockstep_forward, lockstep_tick
     from tokenspeed.plan import StepPlan
 
     group = spec.rank // spec.parallel.attn_tp  # type: ignore[union-attr]
@@ -231,6 +234,8 @@ def serve_plans_lockstep(channel: WorkerChannel, runner: ModelRunner, spec: Work
     # then 10 ms): an idle server ticks 100 times a second (about 7% of a core per rank on CPU,
     # measured with 2 ranks), and a request arriving then waits at most 10 ms for the others.
     idle_ms = 0
+    graph_sizes = runner.graphs.sizes if runner.graphs is not None else []
+    forwards = replayed = 0  # lockstep forward steps, and those that replayed a decode graph
     while True:
         stop, plan = False, None
         try:
@@ -243,7 +248,8 @@ def serve_plans_lockstep(channel: WorkerChannel, runner: ModelRunner, spec: Work
         if raw is not None:
             plan = StepPlan.from_dict(raw)
         tokens = int(plan.sched_tokens_len.sum()) if plan is not None else 0
-        tick = lockstep_tick(plan is not None, tokens, stop)
+        tick = lockstep_tick(plan is not None, tokens, stop,
+                             plan is not None and decode_only(plan, runner.sampler))
         if tick.stop:
             return
         if plan is None and tick.runs_plan[group]:
@@ -258,7 +264,13 @@ def serve_plans_lockstep(channel: WorkerChannel, runner: ModelRunner, spec: Work
             idle_ms = min(IDLE_WAIT_MS, idle_ms * 2 or 1) if pending is None else 0
             continue
         idle_ms = 0
-        with dp_token_counts(tick.forward_counts() if tick.forward else None):
+        if tick.forward:  # counted for the log (a GPU check reads that graphs replay)
+            graphed = tick.graph_batch(graph_sizes) is not None
+            forwards, replayed = forwards + 1, replayed + graphed
+            if (graphed and not replayed & (replayed - 1)) or forwards % 1000 == 0:
+                logger.info("lockstep: %d of %d forward steps replayed a decode CUDA graph",
+                            replayed, forwards)
+        with lockstep_forward(tick, graph_sizes):
             if plan is not None:
                 ran = _run_plan(channel, runner, spec, parent, plan, pending, trace, grammars)
                 if ran is _CLOSED:

@@ -83,14 +83,18 @@ class TorchNativeBackend(AttentionBackend):
         k_cache, v_cache = self.kv_cache.flat(layer.layer_id)
         ks, vs = self.kv_cache.k_scale[layer.layer_id], self.kv_cache.v_scale[layer.layer_id]
         fp8 = is_fp8(k_cache.dtype)
+        loc = batch.out_cache_loc
+        if bool((loc < 0).any()):  # padding rows (a padded decode batch): no K/V, as in triton
+            keep = loc >= 0
+            loc, k, v = loc[keep], k[keep], v[keep]
         if fp8:  # quantise on the way in; torch has no fp8 index_copy_ on the CPU: copy bytes
             k_cache.view(torch.uint8).index_copy_(
-                0, batch.out_cache_loc, quantize_fp8(k, ks, k_cache.dtype).view(torch.uint8))
+                0, loc, quantize_fp8(k, ks, k_cache.dtype).view(torch.uint8))
             v_cache.view(torch.uint8).index_copy_(
-                0, batch.out_cache_loc, quantize_fp8(v, vs, v_cache.dtype).view(torch.uint8))
+                0, loc, quantize_fp8(v, vs, v_cache.dtype).view(torch.uint8))
         else:
-            k_cache.index_copy_(0, batch.out_cache_loc, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, batch.out_cache_loc, v.to(v_cache.dtype))
+            k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
 
         def gather(cache: torch.Tensor, locs: torch.Tensor, scale: float) -> torch.Tensor:
             """Cached rows in q's dtype (fp8: dequantised, stored * scale, in fp32 first)."""
