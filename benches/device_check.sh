@@ -19,6 +19,9 @@
 #             cost (2 GPUs)
 #   ep        benches/parallel_check.py --mode ep --checks fp32: EP=2 vs EP=1 greedy tokens,
 #             Qwen3-30B-A3B shape, 4 layers fp32, must be identical (2 GPUs)
+#   dpgraph   decode CUDA graphs under data-parallel attention (2 GPUs): --mode dpattn (fp32 tokens
+#             vs one GPU, identical, plus the server log's graph-replay count), dpattn-eager
+#             --checks bf16 (S3 without graphs, the baseline), dense-dpattn --checks fp32
 #   a2a       benches/parallel_check.py --mode epa2a, then --mode dpa2a, --checks fp32:
 #             --all2all-backend torch_all2all (NCCL all_to_all_single) vs one GPU, greedy tokens
 #             must be identical, plain EP and data-parallel attention (2 GPUs)
@@ -143,6 +146,14 @@ for arg in "$@"; do
     dpattn)
         phase dpattn_check python3 benches/parallel_check.py --mode dpattn \
             --tokenizer .carry/llama3/tokenizer.json --out "$OUT/dpattn" --checks fp32
+        ;;
+    dpgraph)
+        phase dpgraph_check python3 benches/parallel_check.py --mode dpattn \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/dpgraph"
+        phase dpgraph_eager python3 benches/parallel_check.py --mode dpattn-eager --checks bf16 \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/dpgraph_eager"
+        phase dense_dpattn python3 benches/parallel_check.py --mode dense-dpattn --checks fp32 \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/dense_dpattn"
         ;;
     a2a)
         phase epa2a_check python3 benches/parallel_check.py --mode epa2a \
