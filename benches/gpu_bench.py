@@ -150,7 +150,11 @@ def dig(record: dict[str, Any], path: str) -> Any:
     return cur
 
 
-def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario) -> None:
+def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
+                 server_log: Path | None = None) -> None:
+    """One `tokenspeed bench serve` run. With TOKENSPEED_STEP_TRACE=1 in the environment (the
+    server inherits it), also the step intervals of the run from `server_log`
+    (benches/step_intervals.py): the gaps the server produced, beside the client's ITL."""
     timeout = min(sc.timeout_s, ctx.left())
     if timeout < 20:
         ctx.row(sc.label, "skipped", "out of time", "-")
@@ -161,12 +165,16 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario) -> None:
            "--disable-tqdm", *sc.args]
     print(f"\n=== {sc.label}\n$ {' '.join(cmd)}", flush=True)
     before = cache_counters(url) if sc.hit_rate else None
+    window = (time.monotonic(), float("inf"))
     try:
         res = subprocess.run(cmd, timeout=timeout, check=False)
         rc = res.returncode
     except subprocess.TimeoutExpired:
         ctx.row(sc.label, "timed out", f"> {timeout:.0f} s", "-")
         return
+    window = (window[0], time.monotonic())
+    if server_log is not None and os.environ.get("TOKENSPEED_STEP_TRACE") == "1":
+        step_rows(ctx, sc, server_log, window)
     record: dict[str, Any] = {}
     if raw.exists():
         for line in raw.read_text().splitlines():
@@ -186,6 +194,21 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario) -> None:
         if after is not None and after[0] > before[0]:
             hit = (after[1] - before[1]) / (after[0] - before[0])
             ctx.row(sc.label, "prefix cache hit rate (server counters)", round(hit, 3), "-")
+
+
+def step_rows(ctx: Ctx, sc: Scenario, server_log: Path, window: tuple[float, float]) -> None:
+    import step_intervals
+
+    s = step_intervals.summarize(step_intervals.intervals(
+        step_intervals.parse(server_log.read_text(errors="replace")), *window))
+    if s is None:
+        ctx.row(sc.label, "step intervals (server trace)", "no traced steps", "-")
+        return
+    ctx.row(sc.label, "step interval median / p99 / max ms (server trace)",
+            f"{s['median_ms']:.1f} / {s['p99_ms']:.1f} / {s['max_ms']:.1f}", "-",
+            slowest=s["slowest"])
+    print(f"step intervals (server trace): {s['steps']} steps, median {s['median_ms']:.2f} ms, "
+          f"p99 {s['p99_ms']:.2f}, max {s['max_ms']:.2f}; slowest: {s['slowest']}", flush=True)
 
 
 def scenarios(quick: bool, full: bool = False) -> dict[str, Scenario]:
@@ -409,7 +432,7 @@ def main() -> int:
         proc, url = started
         try:
             for sid in ids:
-                run_scenario(ctx, url, model_dir, sc[sid])
+                run_scenario(ctx, url, model_dir, sc[sid], ctx.out / f"server_{tag}.log")
         finally:
             stop_server(proc)
     ratio(ctx, "S5on", "S5off", "S5 cache on vs off", "> 1 (hit rate ~ 15/16 of the system prompt)")

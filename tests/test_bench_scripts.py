@@ -134,3 +134,47 @@ def test_cpu_smoke_run_writes_the_class_table(tmp_path: Path) -> None:
     for label in ("decode attention", "GEMM/GEMV bf16", "GEMM/GEMV fp8", "norm / rotary / activation",
                   "rotary + KV write", "sampling (outside graph)", "**total**", "| 32x4x2 | "):
         assert label in md
+
+
+@pytest.fixture(scope="module")
+def si() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("step_intervals", BENCHES / "step_intervals.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_step_intervals_from_the_worker_trace(si: ModuleType, caplog: pytest.LogCaptureFixture) -> None:
+    """The trace's lines parse back; intervals are between consecutive sends, without the idle
+    time before a step, cut to a window, and broken where step ids skip."""
+    import logging
+    import time
+
+    from tokenspeed.plan import StepPlan
+    from tokenspeed.step_trace import StepTrace
+
+    trace = StepTrace(every=1)
+    with caplog.at_level(logging.INFO, logger="tokenspeed.step_trace"):
+        for step in range(3):
+            trace.received(StepPlan.build(step, new=[], page_tables=[(0, 0, [1])],
+                                          scheduled=[(0, 0, [5, 6], True)]))
+            time.sleep(0.01)
+            trace.sent(step)
+    steps = si.parse("\n".join(f"INFO {r.getMessage()}" for r in caplog.records))
+    assert [s.step for s in steps] == [0, 1, 2] and steps[1].tokens == 2 and steps[1].batch == 1
+    gaps = [ms for ms, _ in si.intervals(steps)]
+    assert len(gaps) == 2 and all(5.0 <= g <= 1000.0 for g in gaps)
+
+    Step = si.Step
+    synthetic = [Step(0, 8, 8, 0, 0.0, 10.000), Step(1, 8, 8, 0, 0.0, 10.020),
+                 Step(2, 9, 1032, 1, 5.0, 10.080), Step(4, 8, 8, 0, 0.0, 10.090),
+                 Step(5, 8, 8, 0, 0.0, 10.100)]
+    pairs = si.intervals(synthetic)
+    # 20 ms; 60 ms less 5 ms idle; (2 -> 4 skips a step: no interval); 10 ms.
+    assert [round(ms, 3) for ms, _ in pairs] == [20.0, 55.0, 10.0]
+    assert [round(ms, 3) for ms, _ in si.intervals(synthetic, since=10.01)] == [55.0, 10.0]
+    s = si.summarize(pairs, slowest=1)
+    assert s["max_ms"] == pytest.approx(55.0) and s["slowest"][0]["tokens"] == 1032
+    assert si.summarize([]) is None

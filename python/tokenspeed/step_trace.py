@@ -8,7 +8,10 @@ For each step it logs, in milliseconds:
   tensors, eager launches, sampler); on the CPU this is the whole step,
 - `gpu_wait`: launched → outputs on the host (0 when the host was slower than the GPU),
 - `send`: outputs on the host → result written to the ring,
-- `total`: plan received → result sent.
+- `total`: plan received → result sent,
+- `at`: when the result was sent, in seconds of `time.monotonic()` (one clock for every process
+  on the machine: a benchmark can cut the trace to its own run and take the intervals between
+  results, i.e. the step times running streams see; benches/step_intervals.py).
 TOKENSPEED_STEP_TRACE=N logs every N-th step (1: all); steps that carry new requests are always
 logged (prefill latency is what this is for).
 """
@@ -78,6 +81,7 @@ class StepTrace:
         done = s.get("done", launched)
         ms = 1e3
         logger.info("step %d: batch %d tokens %d new %d | idle %.2f launch %.2f gpu_wait %.2f "
-                    "send %.2f total %.2f ms", step_id, s["batch"], s["tokens"], s["new"],
-                    s["idle"] * ms, (launched - s["recv"]) * ms, max(0.0, done - launched) * ms,
-                    (now - done) * ms, (now - s["recv"]) * ms)
+                    "send %.2f total %.2f ms at %.4f s", step_id, s["batch"], s["tokens"],
+                    s["new"], s["idle"] * ms, (launched - s["recv"]) * ms,
+                    max(0.0, done - launched) * ms, (now - done) * ms, (now - s["recv"]) * ms,
+                    time.monotonic())
