@@ -236,7 +236,8 @@ def with_extend_graphs(runner: ModelRunner, sizes: list[int], max_requests: int)
 def test_extend_graph_body_matches_torch_native(tiny_llama: str,
                                                 decode_after_all_prefills: bool) -> None:
     """Steps padded to an extend graph's token count and request rows (prefill chunks, mixed
-    steps, decodes through the tiled extend kernel) give torch_native's tokens and logits;
+    steps, decodes through the decode kernel beside the tiled extend launch) give torch_native's
+    tokens and logits;
     steps over the graph's limits (more than 3 requests or 32 tokens) still run eagerly."""
     if _needs_subprocess():
         _rerun_in_subprocess("test_extend_graph_body_matches_torch_native")

@@ -93,3 +93,6 @@ def test_extend_tiles_table() -> None:
     tiles = extend_tiles(q_start, 8, 64)
     # request 0: block 0; request 2: blocks 2, 1, 0 (last first); request 3: block 0; then none.
     assert tiles.tolist() == [[0, 2, 2, 2, 3, -1, -1, -1], [0, 2, 1, 0, 0, 0, 0, 0]]
+    # skip_single: the one-token requests (0 and 3) get no tiles: the decode kernel runs them.
+    lone = extend_tiles(q_start, 8, 64, skip_single=True)
+    assert lone.tolist() == [[2, 2, 2, -1, -1, -1, -1, -1], [2, 1, 0, 0, 0, 0, 0, 0]]

@@ -17,9 +17,11 @@ Extend graphs (prefill chunks, alone or beside decodes) remove the eager extend 
 launch time (~25 ms for an 8B model, whatever the prompt length), which every first token
 waited for: a step of T tokens and R requests is padded to the smallest captured token count
 >= T, and to that graph's request rows (absent requests have no new tokens; padding tokens
-write no K/V). Every request goes through the extend attention kernel in a tiled launch
-(tokenspeed_kernels.extend_tiles) whose tile table the graph builds on the device; the graph
-ends with the LM head on each request's last token. Whole steps are captured (attention
+write no K/V). Requests with several new tokens go through the extend attention kernel in a
+tiled launch (tokenspeed_kernels.extend_tiles) whose tile table the graph builds on the device;
+those with one (the decodes of a mixed step) through the decode kernel, which reads each K/V
+head once for all its query heads (TritonBackend.extend_graph_metadata); the graph ends with
+the LM head on each request's last token. Whole steps are captured (attention
 inside), unlike SGLang's and vLLM's piecewise graphs: the Triton kernels need no host values.
 """
 

@@ -190,13 +190,18 @@ def extend_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int
     return 128, 128, 8, 2  # D=128 bf16/fp16: best average over the bench shapes on H200 (bench --sweep)
 
 
-def extend_tiles(q_start_loc: torch.Tensor, num_tiles: int, block_m: int) -> torch.Tensor:
+def extend_tiles(q_start_loc: torch.Tensor, num_tiles: int, block_m: int,
+                 skip_single: bool = False) -> torch.Tensor:
     """The tile table of a tiled launch: [2, num_tiles] int32, row 0 each tile's request (-1 past
     the last tile), row 1 its block of BLOCK_M new tokens, the last block of a request first
     (it has the most keys). Device ops of fixed shape, no host sync: CUDA graphs capture it.
-    num_tiles must cover sum(ceil(new_i / block_m)) <= min(requests, tokens) + tokens // block_m."""
+    num_tiles must cover sum(ceil(new_i / block_m)) <= min(requests, tokens) + tokens // block_m.
+    skip_single: no tiles for requests with exactly one new token (the decode kernel runs them:
+    a tile of BLOCK_M rows would compute one)."""
     n_new = (q_start_loc[1:] - q_start_loc[:-1]).to(torch.int64)
     per_request = (n_new + block_m - 1) // block_m
+    if skip_single:
+        per_request = torch.where(n_new == 1, 0, per_request)
     ends = per_request.cumsum(0)
     t = torch.arange(num_tiles, device=q_start_loc.device, dtype=torch.int64)
     request = torch.searchsorted(ends, t, right=True)

@@ -33,6 +33,10 @@ class TritonMetadata:
     leading_decodes: TritonMetadata | None = None
     # extend under a CUDA graph: the tile table of a launch sized for the graph (extend_tiles).
     tiles: torch.Tensor | None = None
+    # extend under a CUDA graph: the one-token requests (decodes, wherever they sit among the
+    # graph's request rows) as decode-kernel metadata over every row, and each row's q row in
+    # the step (one past the last token for the other rows: a scratch row of the output).
+    singles: tuple[TritonMetadata, torch.Tensor] | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -113,18 +117,27 @@ class TritonBackend(AttentionBackend):
                               num_tokens: int, q_dtype: torch.dtype,
                               head_dim: int) -> TritonMetadata:
         """The metadata an extend CUDA graph is captured with, built on the device from its
-        static [R] request buffers (int64; absent requests: no new tokens). Every request, one
-        new token or many, goes through the extend kernel in a tiled launch; page-table rows
-        are gathered at full width inside the graph."""
+        static [R] request buffers (int64; absent requests: no new tokens). Requests with several
+        new tokens go through the extend kernel in a tiled launch; those with one (decodes)
+        through the decode kernel, launched over all R rows (the others attend to one key and
+        are dropped), as in an eager mixed step: it reads each K/V head once for all its query
+        heads. Page-table rows are gathered at full width inside the graph."""
         from tokenspeed_kernels import extend_config, extend_tiles
 
         block_m = extend_config(q_dtype, head_dim)[0]
         num_tiles = min(int(slots.shape[0]), num_tokens) + num_tokens // block_m
+        page_table = self.kv_cache.page_table[slots]
+        seq_lens32 = seq_lens.to(torch.int32)
+        single = (q_start_loc[1:] - q_start_loc[:-1]) == 1
+        singles = TritonMetadata(
+            page_table=page_table, seq_lens=torch.where(single, seq_lens32, 1), decode=True,
+            num_splits=self.decode_num_splits(int(slots.shape[0])))
+        q_rows = torch.where(single, q_start_loc[:-1], num_tokens)
         return TritonMetadata(
-            page_table=self.kv_cache.page_table[slots], seq_lens=seq_lens.to(torch.int32),
-            decode=False, q_start_loc=q_start_loc.to(torch.int32),
-            prefix_lens=prefix_lens.to(torch.int32), max_new_tokens=num_tokens,
-            tiles=extend_tiles(q_start_loc, num_tiles, block_m))
+            page_table=page_table, seq_lens=seq_lens32, decode=False,
+            q_start_loc=q_start_loc.to(torch.int32), prefix_lens=prefix_lens.to(torch.int32),
+            max_new_tokens=num_tokens, tiles=extend_tiles(q_start_loc, num_tiles, block_m, True),
+            singles=(singles, q_rows))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
@@ -137,6 +150,8 @@ class TritonBackend(AttentionBackend):
         scales = {"k_scale": self.kv_cache.k_scale[layer.layer_id],
                   "v_scale": self.kv_cache.v_scale[layer.layer_id]}
         m: TritonMetadata = batch.metadata
+        if m.singles is not None:
+            return self._forward_graph_step(q, k_cache, v_cache, m, layer.scaling, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if m.decode:
             paged_decode_attention(q, k_cache, v_cache, m.page_table, m.seq_lens, layer.scaling,
@@ -152,6 +167,29 @@ class TritonBackend(AttentionBackend):
                                m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
                                max_new_tokens=m.max_new_tokens, tiles=m.tiles, **scales)
         return out.flatten(1)
+
+    @staticmethod
+    def _forward_graph_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            m: TritonMetadata, scale: float,
+                            scales: dict[str, float]) -> torch.Tensor:
+        """An extend graph's attention: the tiled extend launch for requests with several new
+        tokens, the decode kernel for those with one, its rows copied into place (the other
+        rows' land in a scratch row past the step's tokens)."""
+        from tokenspeed_kernels import paged_decode_attention, paged_extend_attention
+
+        assert m.singles is not None
+        lone, q_rows = m.singles
+        t = q.shape[0]
+        out = torch.empty((t + 1, *q.shape[1:]), dtype=q.dtype, device=q.device)
+        paged_extend_attention(q, k_cache, v_cache, m.page_table, m.q_start_loc, m.prefix_lens,
+                               m.seq_lens, scale, out=out[:t], max_new_tokens=m.max_new_tokens,
+                               tiles=m.tiles, **scales)
+        lone_q = q.index_select(0, q_rows.clamp(max=t - 1))
+        lone_out = paged_decode_attention(lone_q, k_cache, v_cache, lone.page_table,
+                                          lone.seq_lens, scale, num_splits=lone.num_splits,
+                                          **scales)
+        out.index_copy_(0, q_rows, lone_out)
+        return out[:t].flatten(1)
 
 
 def store_kv(kv_cache: PagedKVCache, layer_id: int, q: torch.Tensor, k: torch.Tensor,
