@@ -423,3 +423,6 @@ def test_openapi_document_validates_and_lists_every_route(server: Server) -> Non
                  "/abort_request", "/version", "/health_generate", "/get_model_info", "/ping",
                  "/v1/tokenize", "/v1/detokenize", "/server_info"):
         assert path in doc["paths"], path
+    for path in ("/v1/completions", "/v1/chat/completions"):  # a JSON body, or SSE with stream
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert set(content) == {"application/json", "text/event-stream"}, (path, content)

@@ -16,20 +16,20 @@ use super::openai::{
     LogprobStyle,
 };
 use super::protocol::{check_extra_fields, parse_body, ChatCompletionRequest};
-#[allow(unused_imports)] // named by the #[utoipa::path] attributes
-use super::response::ErrorResponse;
 use super::response::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobEntry,
     ChatLogprobs, ChatMessage, FunctionCallChunk, FunctionCallOut, ToolCallChunk, ToolCallOut,
     TopLogprob, Usage,
 };
+#[allow(unused_imports)] // named by the #[utoipa::path] attributes
+use super::response::{ErrorResponse, ServerSentEvent};
 use super::{ok_json, unix_now, AppState};
 use crate::engine::TokenUsage;
 use crate::generate::{self, Chunk, Prompt, TokenLogprob};
 use crate::validate;
 use tokenspeed_text::TextTokenizer;
 
-#[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest, responses((status = 200, description = "a chat completion, or server-sent ChatCompletionChunks with stream", body = ChatCompletion), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
+#[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest, responses((status = 200, description = "a chat completion, or server-sent ChatCompletionChunks with stream", content((ChatCompletion = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
 pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
     match chat_inner(state, &body).await {
         Ok(r) => r,

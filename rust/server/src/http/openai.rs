@@ -18,11 +18,11 @@ use super::error::ApiError;
 use super::protocol::{
     check_extra_fields, parse_body, CompletionRequest, PromptField, SamplingFields,
 };
-#[allow(unused_imports)] // named by the #[utoipa::path] attributes
-use super::response::ErrorResponse;
 use super::response::{
     Completion, CompletionChoice, CompletionLogprobs, PromptLogprob, PromptLogprobs, Usage,
 };
+#[allow(unused_imports)] // named by the #[utoipa::path] attributes
+use super::response::{ErrorResponse, ServerSentEvent};
 use super::{ok_json, unix_now, AppState};
 use crate::engine::TokenUsage;
 use crate::generate::{self, Choices, Chunk, GenerationSpec, Prompt, TokenLogprob};
@@ -147,7 +147,7 @@ where
 
 // --- /v1/completions ------------------------------------------------------------------------
 
-#[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest, responses((status = 200, description = "a completion, or server-sent CompletionChunks with stream", body = Completion), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
+#[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest, responses((status = 200, description = "a completion, or server-sent CompletionChunks with stream", content((Completion = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
 pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
     match completions_inner(state, &body).await {
         Ok(r) => r,

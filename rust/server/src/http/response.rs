@@ -73,6 +73,17 @@ pub struct CompletionChoice {
 
 pub type PromptLogprobs = Vec<Option<BTreeMap<String, PromptLogprob>>>;
 
+/// One server-sent event of a streamed completion (`text/event-stream`) as a client parses it:
+/// `data` is one JSON chunk (a completion or chat completion chunk), `[DONE]` last. Only the
+/// OpenAPI document reads this type; the handlers write the events themselves.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct ServerSentEvent {
+    pub data: String,
+    pub event: Option<String>,
+    pub id: Option<String>,
+}
+
 /// The OpenAI error body (`error.rs` builds it).
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ErrorResponse {
