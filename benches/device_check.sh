@@ -13,6 +13,9 @@
 #             split into client / engine / worker / GPU time (TTFT_ARGS adds probe flags)
 #   prefill   benches/profile_prefill.py: one eager prefill step of the 8B config (16 and 1024
 #             tokens): host launch vs step time, kernel launches, syncs, top host-time items
+#   latency   S2 and S1 full under TOKENSPEED_STEP_TRACE=1: the client's TTFT/ITL beside the
+#             server's step intervals (benches/step_intervals.py) and retractions (one H100,
+#             ~8 minutes; BENCH_ARGS adds flags)
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
 #   tp        benches/parallel_check.py --mode tp: Llama-3.1-8B --tp 2 vs --tp 1 through serve:
 #             4-layer fp32 tokens (identical), 32-layer bf16 tokens and S3 on each, all-reduce
@@ -174,6 +177,12 @@ for arg in "$@"; do
         # shellcheck disable=SC2086
         phase grammar_bench python3 benches/grammar_bench.py --tokenizer .carry/llama3/tokenizer.json \
             --out "$OUT/grammar" ${GRAMMAR_ARGS:-}
+        ;;
+    latency)
+        # shellcheck disable=SC2086
+        TOKENSPEED_STEP_TRACE=1 phase latency_bench python3 benches/gpu_bench.py \
+            --tokenizer .carry/llama3/tokenizer.json --out "$OUT/latency" --skip-hf \
+            --only S2r8,S1r --full --budget-s "$((LIMIT - 20))" ${BENCH_ARGS:-}
         ;;
     e2e)
         # shellcheck disable=SC2086
