@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +49,7 @@ from tokenspeed.layers.quantization.kv_cache import (
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
 from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
+from tokenspeed.prompt_logprobs import PromptLogprobs, PromptScorer
 from tokenspeed.sampler import Sampler, TokenMasks, token_masks
 from tokenspeed.weights import load_model, open_checkpoint
 
@@ -73,19 +73,6 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
-
-
-PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once (bounds the [rows, vocab] buffer)
-
-
-class PromptLogprobs(NamedTuple):
-    """One slot's prompt logprobs from one step: per scored prompt token, its logprob, the
-    top-k (ids, logprobs) and its 1-based rank in the distribution."""
-
-    logprobs: np.ndarray  # [m] float32
-    top_ids: np.ndarray  # [m, k] int64
-    top_logprobs: np.ndarray  # [m, k] float32
-    ranks: np.ndarray  # [m] int64
 
 
 class PendingStep:
@@ -211,10 +198,7 @@ class ModelRunner:
         # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
         # the next step can be queued before this one's tokens reach the host).
         self.last_tokens = torch.zeros(self.max_slots, dtype=torch.int64, device=self.device)
-        # Prompt logprobs: per slot, the log-softmax row of the last position of its previous
-        # prompt chunk (it scores the next chunk's first token).
-        self._prompt_carry: dict[int, torch.Tensor] = {}
-        self._prompt_out: dict[int, PromptLogprobs] = {}
+        self.prompt_scorer = PromptScorer(self.device)
         self.graphs: DecodeGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
         self._idle: tuple[PagedKVCache, AttentionBackend] | None = None  # idle_forward's cache
@@ -408,48 +392,6 @@ class ModelRunner:
         `masks` the worker computed itself (a worker-side grammar backend)."""
         return self._sample(plan, *forward, completion=completion, masks=masks)
 
-    def _score_prompt(self, plan: StepPlan, hidden: torch.Tensor, query_start: np.ndarray,
-                      wanted: list[int]) -> None:
-        """Prompt logprobs of the wanted requests' input tokens: token t is scored by the
-        log-softmax at position t - 1 (the previous chunk's last position via the carry)."""
-        ids = plan.sched_tokens.astype(np.int64)
-        for i in wanted:
-            slot = int(plan.sched_slot[i])
-            state = self.sampler.slots[slot]
-            lo, hi = int(query_start[i]), int(query_start[i + 1])
-            k = state.top_logprobs
-            lps, tops, top_lps, ranks = [], [], [], []
-            carry = self._prompt_carry.pop(slot, None)
-            prev = carry[None, :] if carry is not None else None
-            for a in range(lo, hi, PROMPT_LOGPROB_ROWS):
-                b = min(hi, a + PROMPT_LOGPROB_ROWS)
-                rows = torch.log_softmax(
-                    self.model.compute_logits(hidden[a:b]).float(), dim=-1)  # type: ignore[operator]
-                if prev is None:  # the prompt's first token: nothing scores it
-                    scorers, targets = rows[:-1], ids[a + 1:b]
-                else:
-                    scorers, targets = torch.cat([prev, rows[:-1]]), ids[a:b]
-                tgt = torch.from_numpy(targets).to(self.device)
-                own = scorers.gather(1, tgt[:, None])
-                lps.append(own.squeeze(1))
-                # vLLM's rank, also for a token outside the top-k: 1 + how many score higher.
-                ranks.append((scorers > own).sum(dim=1) + 1)
-                if k:
-                    v, t = scorers.topk(k, dim=-1)
-                    top_lps.append(v)
-                    tops.append(t)
-                prev = rows[-1:]
-            if plan.sched_sample[i]:
-                self.sampler.prompt_logprobs_done(slot)
-            elif prev is not None:
-                self._prompt_carry[slot] = prev[0]
-            m = sum(len(x) for x in lps)
-            self._prompt_out[slot] = PromptLogprobs(
-                torch.cat(lps).cpu().numpy() if lps else np.zeros(0, np.float32),
-                torch.cat(tops).cpu().numpy() if tops else np.zeros((m, 0), np.int64),
-                torch.cat(top_lps).cpu().numpy() if top_lps else np.zeros((m, 0), np.float32),
-                torch.cat(ranks).cpu().numpy() if ranks else np.zeros(0, np.int64))
-
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Apply the plan's state changes and return float32 logits [num sampled, vocab]."""
@@ -484,7 +426,7 @@ class ModelRunner:
         self.backend.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if wanted:
-            self._score_prompt(plan, hidden, query_start, wanted)
+            self.prompt_scorer.score(plan, hidden, query_start, wanted, self.model, self.sampler)
         last = query_start[1:] - 1
         rows = to_device_int64([last[sample]], self.device)[0]
         return self.model.compute_logits(hidden[rows]), None  # type: ignore[operator]
@@ -522,7 +464,7 @@ class ModelRunner:
                 ids = plan.sched_tokens[starts[i]:starts[i + 1]]
                 # A LAST_SAMPLED input is a sampled token: the sampler already holds it.
                 self.sampler.observe_inputs(slot, ids[ids != LAST_SAMPLED].tolist())
-        prompt, self._prompt_out = self._prompt_out, {}
+        prompt = self.prompt_scorer.take()
         if len(slots) == 0:
             self.idle_clock.end()
             return PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock)
@@ -541,13 +483,13 @@ class ModelRunner:
     def _apply_state(self, plan: StepPlan) -> None:
         for slot in plan.finished_slot.tolist():
             self.sampler.drop(slot)
-            self._prompt_carry.pop(slot, None)
+            self.prompt_scorer.drop(slot)
         for i, slot in enumerate(plan.new_slot.tolist()):
             if slot >= self.max_slots:
                 raise ValueError(f"new request slot {slot} >= max_slots {self.max_slots}")
         for slot, params, lists in new_request_rows(plan):
             self.sampler.add(slot, params, **lists)
-            self._prompt_carry.pop(slot, None)
+            self.prompt_scorer.drop(slot)
         self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
                                         plan.pt_pages)
         if len(plan.copy_src):

@@ -127,7 +127,7 @@ class StepOutput:
     """What one step produced: one event per scheduled request that sampled, in plan order.
     `top_ids`/`top_logprobs` are [n, k] (k = the most top logprobs any of them asked for;
     each event reports its own `top_k` columns). `prompt` maps a slot to its prompt logprobs
-    (model_runner.PromptLogprobs): they join the slot's event, or make one without tokens for a
+    (prompt_logprobs.PromptLogprobs): they join the slot's event, or make one without tokens for a
     prompt chunk that did not sample."""
 
     def __init__(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
