@@ -165,16 +165,15 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
            "--disable-tqdm", *sc.args]
     print(f"\n=== {sc.label}\n$ {' '.join(cmd)}", flush=True)
     before = cache_counters(url) if sc.hit_rate else None
-    window = (time.monotonic(), float("inf"))
+    started = time.monotonic()
     try:
         res = subprocess.run(cmd, timeout=timeout, check=False)
         rc = res.returncode
     except subprocess.TimeoutExpired:
         ctx.row(sc.label, "timed out", f"> {timeout:.0f} s", "-")
         return
-    window = (window[0], time.monotonic())
     if server_log is not None and os.environ.get("TOKENSPEED_STEP_TRACE") == "1":
-        step_rows(ctx, sc, server_log, window)
+        step_rows(ctx, sc, server_log, (started, time.monotonic()))
     record: dict[str, Any] = {}
     if raw.exists():
         for line in raw.read_text().splitlines():

@@ -17,15 +17,19 @@ TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_at
         "num_key_value_heads": 2, "head_dim": 32}
 
 
-@pytest.fixture(scope="module")
-def pdk() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("profile_decode_kernels",
-                                                  BENCHES / "profile_decode_kernels.py")
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCHES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def pdk() -> ModuleType:
+    """The report half of profile_decode_kernels.py (the script itself runs in a subprocess)."""
+    return _load("decode_step_report")
 
 
 def test_decode_kernel_names_land_in_their_classes(pdk: ModuleType) -> None:
@@ -138,12 +142,7 @@ def test_cpu_smoke_run_writes_the_class_table(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def si() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("step_intervals", BENCHES / "step_intervals.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return _load("step_intervals")
 
 
 def test_step_intervals_from_the_worker_trace(si: ModuleType, caplog: pytest.LogCaptureFixture) -> None:
