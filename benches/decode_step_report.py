@@ -282,11 +282,11 @@ def _sweep_table(r: Result) -> list[str]:
     if not r.attn_sweep:
         return []
     lines = [(f"decode attention alone, layer 0, {r.batch} requests x {r.context + 1} tokens, by "
-              "launch config (block_n x warps x stages):"), "",
+              "launch config (block_n x warps x stages; h: an fp8 cache's dots in fp16):"), "",
              "| config | splits | us / layer | GB/s | x layers, ms/step |", "|---|---|---|---|---|"]
     for a in r.attn_sweep:
         cfg = ("default (the kernel's)" if a["config"][0] is None
-               else "x".join(str(c) for c in a["config"]))
+               else "x".join(str(c) for c in a["config"])) + ("h" if a.get("f16_dots") else "")
         if "us" in a:
             lines.append(f"| {cfg} | {a['num_splits']} | {a['us']:.1f} | {a['gbs']:,.0f} | "
                          f"{a['ms_per_step']:.2f} |")

@@ -171,22 +171,24 @@ def profile_steps(runner: Any, plan: StepPlan, steps: int, cuda: bool,
     return cuda_kernels(json.loads(text))
 
 
-def parse_grid(spec: str) -> list[tuple[int, int, int]]:
-    """"64x4x2,128x4x3" -> [(block_n, num_warps, num_stages), ...]."""
+def parse_grid(spec: str) -> list[tuple[int, int, int, bool]]:
+    """"64x4x2,128x4x3h" -> [(block_n, num_warps, num_stages, f16_dots), ...]; a trailing "h"
+    runs an fp8 cache's dots in fp16 (paged_decode_attention's fp8_f16_dots), none in bf16."""
     grid = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
-        parts = item.split("x")
+        f16 = item.endswith("h")
+        parts = item.removesuffix("h").split("x")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise SystemExit(f"--attn-sweep: {item!r} is not BLOCKNxWARPSxSTAGES (e.g. 128x4x2)")
-        grid.append((int(parts[0]), int(parts[1]), int(parts[2])))
+            raise SystemExit(f"--attn-sweep: {item!r} is not BLOCKNxWARPSxSTAGES[h] (e.g. 128x4x2)")
+        grid.append((int(parts[0]), int(parts[1]), int(parts[2]), f16))
     return grid
 
 
-def attention_sweep(runner: Any, batch: int, context: int, grid: list[tuple[int, int, int]],
+def attention_sweep(runner: Any, batch: int, context: int, grid: list[tuple[int, int, int, bool]],
                     deadline: float, reps: int = 10) -> list[dict[str, Any]]:
     """paged_decode_attention alone on layer 0 of this configuration's cache (the requests' real
     page-table rows, `context` + 1 tokens each, the serving split count), at the default launch
-    config and each (block_n, num_warps, num_stages) of `grid`: GPU us per call (CUDA events over
+    config and each (block_n, num_warps, num_stages, f16_dots) of `grid`: GPU us per call (CUDA events over
     `reps` back-to-back calls, after one call that compiles) and the KV GB/s. Stops at `deadline`."""
     from tokenspeed_kernels import default_num_splits, paged_decode_attention
 
@@ -200,23 +202,26 @@ def attention_sweep(runner: Any, batch: int, context: int, grid: list[tuple[int,
     cuda = dev.type == "cuda"
     kv_bytes = batch * (context + 1) * 2 * runner.num_kv_heads * d * kv.k[0].element_size()
     rows = []
-    for cfg in [(None, 4, 2), *grid]:  # the default first: paged_decode_attention's own config
+    # the kernel's own defaults first (None: paged_decode_attention picks)
+    for block_n, warps, stages, f16 in [(None, 4, None, None), *grid]:
+        cfg = (block_n, warps, stages)
         if time.perf_counter() > deadline:
-            rows.append({"config": cfg, "skipped": "budget"})
+            rows.append({"config": cfg, "f16_dots": f16, "skipped": "budget"})
             break
-        block_n, warps, stages = cfg
 
-        def call(b: int | None = block_n, w: int = warps, st: int = stages) -> None:
+        def call(b: int | None = block_n, w: int = warps, st: int | None = stages,
+                 h: bool | None = f16) -> None:
+            knobs = {} if h is None else {"fp8_f16_dots": h}
             paged_decode_attention(q, kv.k[0], kv.v[0], page_table, seq_lens, d**-0.5, out=out,
                                    num_splits=splits, block_n=b, num_warps=w, num_stages=st,
-                                   k_scale=kv.k_scale[0], v_scale=kv.v_scale[0])
+                                   k_scale=kv.k_scale[0], v_scale=kv.v_scale[0], **knobs)
 
         try:
             call()
             if cuda:
                 torch.cuda.synchronize(dev)
         except Exception as e:  # noqa: BLE001  (a config that does not compile or fit: next)
-            rows.append({"config": cfg, "failed": f"{type(e).__name__}: {str(e)[:120]}"})
+            rows.append({"config": cfg, "f16_dots": f16, "failed": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -231,8 +236,8 @@ def attention_sweep(runner: Any, batch: int, context: int, grid: list[tuple[int,
             for _ in range(reps):
                 call()
             us = (time.perf_counter() - t0) * 1e6 / reps
-        rows.append({"config": cfg, "block_n": block_n or "default", "num_warps": warps,
-                     "num_stages": stages, "num_splits": splits, "us": us,
+        rows.append({"config": cfg, "f16_dots": f16, "block_n": block_n or "default", "num_warps": warps,
+                     "num_stages": stages or "default", "num_splits": splits, "us": us,
                      "gbs": kv_bytes / us / 1e3, "ms_per_step": us * runner.config.num_hidden_layers / 1e3})
     return rows
 

@@ -117,7 +117,7 @@ def test_cpu_smoke_run_writes_the_class_table(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCHES / "profile_decode_kernels.py"), "--device", "cpu",
            "--layers", "2", "--batch-sizes", "2", "--context", "24", "--dtype", "float32",
            "--config-overrides", json.dumps(TINY), "--out", str(tmp_path), "--step-reps", "2",
-           "--profile-steps", "1", "--warmup", "1", "--attn-sweep", "32x4x2"]
+           "--profile-steps", "1", "--warmup", "1", "--attn-sweep", "32x4x2,32x4x2h"]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads((tmp_path / "profile_decode_kernels.json").read_text())
@@ -129,7 +129,7 @@ def test_cpu_smoke_run_writes_the_class_table(tmp_path: Path) -> None:
         assert c["classes_ms"]["attention"] > 0 and c["step_ms"] > 0 and c["profiled_ms"] > 0
         assert c["roofline"]["kv_bytes"] == 2 * 25 * 2 * 2 * 2 * 32 * (4 if c["kv_dtype"] == "auto" else 1)
         # the kernel alone (Triton's interpreter here): its default launch config, then the grid's
-        assert [a["config"] for a in c["attn_sweep"]] == [[None, 4, 2], [32, 4, 2]]
+        assert [(a["config"], a["f16_dots"]) for a in c["attn_sweep"]] == [([None, 4, None], None), ([32, 4, 2], False), ([32, 4, 2], True)]
         assert all(a["us"] > 0 and a["gbs"] > 0 for a in c["attn_sweep"])
     gemm = {c["config"]: (c["classes_ms"]["gemm_bf16"], c["classes_ms"]["gemm_fp8"]) for c in report["configs"]}
     assert gemm["bf16"][0] > 0 and gemm["bf16"][1] == 0

@@ -129,6 +129,28 @@ def test_decode_attention_fp8(kv_dtype: torch.dtype, dtype: torch.dtype, fused_r
 
 
 @FP8
+def test_decode_attention_fp8_f16_dots(kv_dtype: torch.dtype, device: str) -> None:
+    """The fp16-dot variant (bf16 q converted to fp16 with the cache) matches the reference; on a
+    GPU it is a different path from the bf16 dots (its output differs in the last bits; Triton's
+    interpreter computes both alike)."""
+    seq_lens, hkv, group, d = [1, 9, 70], 2, 4, 64
+    scales = (0.3, 2.0)
+    gen = torch.Generator().manual_seed(5)
+    kq, vq, kd, vd, pt = _fp8_paged_cache(seq_lens, 16, hkv, d, kv_dtype, scales, device, gen)
+    q = torch.randn(len(seq_lens), hkv * group, d, generator=gen).to(dtype=torch.bfloat16, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    outs = {}
+    for f16 in (False, True):
+        outs[f16] = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, kq, vq, pt, lens, d**-0.5, out=outs[f16], num_splits=3,
+                               k_scale=scales[0], v_scale=scales[1], fp8_f16_dots=f16)
+    ref = ref_paged_decode_attention(q, kd, vd, pt, lens, d**-0.5)
+    assert rel_err(outs[True], ref) < TOL[torch.bfloat16]
+    if device == "cuda":
+        assert not torch.equal(outs[True], outs[False])
+
+
+@FP8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_attention_fp8(kv_dtype: torch.dtype, dtype: torch.dtype, device: str) -> None:
     prefix, new, hkv, group, d = [0, 21], [13, 5], 2, 2, 64
