@@ -318,6 +318,27 @@ def test_the_worker_measures_the_gpu_idle_between_steps_without_waiting(tmp_path
     assert step.wait().gpu_idle_us == 0  # reported once
 
 
+def test_greedy_batches_take_the_fused_pass_with_the_torch_paths_result() -> None:
+    """A plain greedy batch on CUDA is served by greedy_logprobs (one pass over bf16 logits);
+    its tokens equal the general path's (one row with top logprobs sends the batch there) and
+    its logprobs agree to fp32 rounding."""
+    from tokenspeed.plan import NEUTRAL_SAMPLING
+    from tokenspeed.sampler import Sampler
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(411, 128256, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    logits[7, 5] = logits[7, 90000] = logits[7].max() + 1  # a tie: the first index wins
+    s = Sampler("cuda")
+    for slot in range(412):
+        s.add(slot, {**NEUTRAL_SAMPLING, "temperature": 0.0, "top_logprobs": 1 if slot == 411 else 0})
+    assert s.plain_greedy(np.arange(411), None) and not s.plain_greedy(np.arange(412), None)
+    fused = s.sample(list(range(411)), logits)
+    general = s.sample(list(range(412)), torch.cat([logits, logits[:1]]))
+    assert torch.equal(fused.tokens, general.tokens[:411]) and int(fused.tokens[7]) == 5
+    torch.testing.assert_close(fused.logprobs, general.logprobs[:411], rtol=1e-5, atol=1e-5)
+    assert fused.top_ids.shape == (411, 0) and fused.top_logprobs.shape == (411, 0)
+
+
 def test_smollm2_shaped_bf16_matches_hf(tmp_path: Path) -> None:
     compare_with_hf("smollm2-135m", write_config(tmp_path, "smollm2", SMOLLM2_135M))
 

@@ -198,3 +198,23 @@ def test_token_masks_never_allow_ids_past_the_mask() -> None:
     s = sampler_with(1, temperature=0.0)
     masks = TokenMasks(np.asarray([0]), np.stack([bitmask({2}, 32)]))
     assert s.sample([0], logits, masks=masks).tokens.tolist() == [2]
+
+
+def test_plain_greedy_is_only_the_argmax_with_its_logprob() -> None:
+    """The fused one-pass path (CUDA) serves a batch only when nothing but the argmax and its
+    logprob is asked of any row."""
+    s = Sampler("cpu")
+    s.add(0, params(temperature=0.0))
+    s.add(1, params(temperature=0.0))
+    assert s.plain_greedy(np.array([0, 1]), None)
+    assert s.plain_greedy(np.array([0]), TokenMasks(np.zeros(0, np.int64), np.zeros((0, 2), np.uint32)))
+    assert not s.plain_greedy(np.array([], dtype=np.int64), None)
+    assert not s.plain_greedy(np.array([0]), TokenMasks(np.array([0]), np.ones((1, 2), np.uint32)))
+    for slot, other in enumerate([{"temperature": 0.8}, {"repetition_penalty": 1.1},
+                                  {"top_logprobs": 1}, {"frequency_penalty": 0.5}], start=2):
+        s.add(slot, params(**{"temperature": 0.0, **other}))
+        assert not s.plain_greedy(np.array([0, slot]), None), other
+    s.add(9, params(temperature=0.0), logit_bias_ids=[3], logit_bias_values=[1.0])
+    assert not s.plain_greedy(np.array([9]), None)
+    s.add(10, params(temperature=0.0, min_tokens=2), stop_ids=[1])
+    assert not s.plain_greedy(np.array([10]), None)

@@ -195,6 +195,7 @@ class ModelRunner:
             k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         self.backend = self._make_backend(self.kv_cache)
         self.sampler = Sampler(self.device, seed, capacity=self.max_slots)
+        self.sampler.warm_up(c.vocab_size, self.dtype)
         # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
         # the next step can be queued before this one's tokens reach the host).
         self.last_tokens = torch.zeros(self.max_slots, dtype=torch.int64, device=self.device)

@@ -96,6 +96,8 @@ class Sampler:
     Nothing here waits for the GPU (the worker queues the next step while this one runs): the
     per-slot parameters live in device tensors indexed by slot, and the host keeps only the flags
     that choose the code path. Penalties are the exception: they keep token history on the host.
+    On CUDA a batch that only wants each row's argmax and its logprob (`plain_greedy`) takes one
+    fused pass over the logits (tokenspeed_kernels.sampling.greedy_logprobs).
     """
 
     def __init__(self, device: torch.device | str, seed: int = 0, capacity: int = 256) -> None:
@@ -105,6 +107,14 @@ class Sampler:
         self.shared_generator.manual_seed(seed)
         self._capacity = 0
         self._grow(max(1, capacity))
+
+    def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
+        """Compiles the fused greedy pass for `dtype` logits now (CUDA), not in the first
+        request's step."""
+        if self.device.type == "cuda":
+            from tokenspeed_kernels.sampling import greedy_logprobs
+
+            greedy_logprobs(torch.zeros(1, vocab, dtype=dtype, device=self.device))
 
     def _grow(self, capacity: int) -> None:
         """(Re)allocates the per-slot arrays for `capacity` slots, keeping their contents."""
@@ -214,6 +224,12 @@ class Sampler:
         missing = [s for s in slots if s not in self.slots]
         if missing:
             raise KeyError(f"slot {missing[0]} samples but was never announced as a new request")
+        if self.device.type == "cuda" and self.plain_greedy(idx, masks):
+            from tokenspeed_kernels.sampling import greedy_logprobs
+
+            tokens, chosen = greedy_logprobs(logits)
+            return SampleResult(tokens, chosen, tokens.new_zeros(len(slots), 0),
+                                chosen.new_zeros(len(slots), 0))
         logits = logits.float()
         raw = logits
         penalized = bool(self._penalized[idx].any()) if len(idx) else False
@@ -246,6 +262,14 @@ class Sampler:
                 if state.penalized:
                     state.outputs.append(tok)
         return SampleResult(tokens, chosen, top_ids, top_lp)
+
+    def plain_greedy(self, idx: np.ndarray, masks: TokenMasks | None) -> bool:
+        """Whether every row of the batch takes the argmax of its raw logits and reports only
+        the chosen token's logprob: greedy, no penalty, logit bias, min_tokens countdown, grammar
+        mask or top logprobs. Such a batch needs one pass over the logits (greedy_logprobs)."""
+        return bool(len(idx)) and bool(self._greedy[idx].all()) and not (
+            self._penalized[idx].any() or self._biased[idx].any() or self._min_left[idx].any()
+            or self._top_logprobs[idx].any() or (masks is not None and len(masks.rows)))
 
     def _apply_logit_bias(self, logits: torch.Tensor, slots: list[int],
                           idx: np.ndarray) -> torch.Tensor:
