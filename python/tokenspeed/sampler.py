@@ -109,12 +109,13 @@ class Sampler:
         self._grow(max(1, capacity))
 
     def warm_up(self, vocab: int, dtype: torch.dtype) -> None:
-        """Compiles the fused greedy pass for `dtype` logits now (CUDA), not in the first
-        request's step."""
+        """Compiles the fused greedy pass now (CUDA), not in the first request's step: for
+        float32 logits (the CUDA graphs' buffers) and the model's `dtype` (eager steps)."""
         if self.device.type == "cuda":
             from tokenspeed_kernels.sampling import greedy_logprobs
 
-            greedy_logprobs(torch.zeros(1, vocab, dtype=dtype, device=self.device))
+            for dt in {torch.float32, dtype}:
+                greedy_logprobs(torch.zeros(1, vocab, dtype=dt, device=self.device))
 
     def _grow(self, capacity: int) -> None:
         """(Re)allocates the per-slot arrays for `capacity` slots, keeping their contents."""
