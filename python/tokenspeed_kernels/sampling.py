@@ -1,9 +1,10 @@
 """Greedy sampling with the chosen token's logprob in one pass over the logits.
 
-A greedy batch needs, per row, the argmax and log_softmax at it. In torch that is a float copy
-of the [B, vocab] logits, an argmax, a log-sum-exp (a max and a sum pass) and a gather: five
-launches and ~5 passes over 4-byte values (at S1 sizes, 411 x 128256, ~0.5 ms a decode step).
-This reads the 16-bit logits once, keeping a running max, its first index and the sum of
+A greedy batch needs, per row, the argmax and log_softmax at it. In torch that is an argmax, a
+log-sum-exp (a max pass, then exp and sum materialised) and a gather, plus a float copy of
+16-bit logits: at S1 sizes (411 x 128256 float32 logits from a decode graph's buffer) the
+sampler's kernels took 0.58 ms of a 34 ms step on the H100 (benches/profile_decode_kernels.py).
+This reads the logits once, keeping a running max, its first index and the sum of
 exponentials (the online log-sum-exp).
 """
 
