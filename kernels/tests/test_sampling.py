@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenspeed_kernels.sampling import greedy_logprobs
+from tokenspeed_kernels.sampling import GREEDY_BLOCK, greedy_logprobs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("vocab", [1, 4095, 4096, 9000])
+@pytest.mark.parametrize("vocab", [1, 16383, 16384, 20000])
 def test_greedy_logprobs_matches_torch(dtype: torch.dtype, vocab: int, device: str) -> None:
     gen = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(5, vocab, generator=gen) * 4).to(dtype)
-    if vocab > 4096:
-        logits[1, 4100] = logits[1].max() + 30  # the max in the second block
-        logits[2, 4096 + 7] = logits[2, 3] = logits[2].max() + 1  # a tie across blocks: the first wins
+    if vocab > GREEDY_BLOCK:
+        logits[1, GREEDY_BLOCK + 4] = logits[1].max() + 30  # the max in the second block
+        logits[2, GREEDY_BLOCK + 7] = logits[2, 3] = logits[2].max() + 1  # a tie across blocks: the first wins
         logits[3, 10] = logits[3, 11] = logits[3].max() + 1  # a tie inside a block
         logits[4, :] = -50.0  # all equal: index 0, logprob -log(vocab)
     logits = logits.to(device)
