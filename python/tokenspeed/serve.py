@@ -273,6 +273,7 @@ def launch(cfg: Any) -> int:
             "schedule_policy": cfg.schedule_policy,
             "disable_radix_cache": bool(cfg.disable_radix_cache),
             "disable_overlap_schedule": bool(cfg.disable_overlap_schedule),
+            "schedule_lead_ms": float(cfg.schedule_lead_ms),
             "log_requests": bool(cfg.log_requests),
             "skip_server_warmup": bool(cfg.skip_server_warmup),
             "max_queued_requests": int(cfg.max_queued_requests),

@@ -57,6 +57,7 @@ class ServeConfig:
     page_size: int = _default("page_size")
     disable_radix_cache: bool = _default("disable_radix_cache")
     disable_overlap_schedule: bool = _default("disable_overlap_schedule")
+    schedule_lead_ms: float = _default("schedule_lead_ms")
     # Runtime.
     device: str = _default("device")
     random_seed: int | None = _default("random_seed")

@@ -15,6 +15,8 @@
 //!   cargo run --release -p tokenspeed-engine --example schedule_sim -- --cap 1024
 //!   cargo run --release -p tokenspeed-engine --example schedule_sim -- --rate 8 --input 1024 --output 256 --prompts 600
 //!   ... -- --cap 1024 --eager-host-ms 35   (eager steps bound by their ~35 ms host launch)
+//!   ... -- --rate 8 --input 1024 --output 256 --prompts 600 --lead-ms 3   (`--schedule-lead-ms`:
+//!   the next plan is made 3 ms before a running decode step ends, with its end known exactly)
 
 use std::collections::{HashMap, VecDeque};
 
@@ -77,6 +79,8 @@ struct Args {
     /// Requests per second (Poisson); 0: all at once.
     rate: f64,
     eager_host_ms: f64,
+    /// Plan the next step this long before a running decode-only step ends (0: at once).
+    lead_ms: f64,
 }
 
 fn parse() -> Result<Args, String> {
@@ -90,6 +94,7 @@ fn parse() -> Result<Args, String> {
         output: 1024,
         rate: 0.0,
         eager_host_ms: 0.0,
+        lead_ms: 0.0,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     for pair in argv.chunks(2) {
@@ -107,6 +112,7 @@ fn parse() -> Result<Args, String> {
             "--output" => a.output = value.parse().map_err(|e| bad(&e))?,
             "--rate" => a.rate = value.parse().map_err(|e| bad(&e))?,
             "--eager-host-ms" => a.eager_host_ms = value.parse().map_err(|e| bad(&e))?,
+            "--lead-ms" => a.lead_ms = value.parse().map_err(|e| bad(&e))?,
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
@@ -177,7 +183,8 @@ fn main() {
     let mut now = 0.0f64;
     // Per request: arrival and the times its tokens arrived.
     let mut times: HashMap<RequestId, (f64, Vec<f64>)> = HashMap::new();
-    let mut in_flight: VecDeque<(StepResult, f64)> = VecDeque::new();
+    // Steps queued or running: their result, when they end, and whether decode-only.
+    let mut in_flight: VecDeque<(StepResult, f64, bool)> = VecDeque::new();
     let (mut steps, mut most_running) = (0u64, 0usize);
     loop {
         while next < arrive.len() && arrive[next] <= now {
@@ -198,6 +205,18 @@ fn main() {
             times.insert(id, (arrive[next], Vec::new()));
             next += 1;
         }
+        // With a lead, the plan behind a running decode step waits until `lead` before its end,
+        // and the arrivals until then join it.
+        let hold = match in_flight.front() {
+            Some(&(_, end, true)) if a.lead_ms > 0.0 && in_flight.len() == 1 => {
+                Some(end - a.lead_ms).filter(|&t| t > now)
+            }
+            _ => None,
+        };
+        if let Some(t) = hold {
+            now = t;
+            continue;
+        }
         let plan = if in_flight.len() < 2 {
             sched.schedule()
         } else {
@@ -206,7 +225,7 @@ fn main() {
         let made = plan.is_some();
         if let Some(plan) = plan {
             // The GPU starts this step when the previous one ends (it is queued behind it).
-            let start = in_flight.back().map_or(now, |(_, end)| end.max(now));
+            let start = in_flight.back().map_or(now, |(_, end, _)| end.max(now));
             let end = start + model.step_ms(&plan);
             let events = plan
                 .scheduled
@@ -224,11 +243,13 @@ fn main() {
                 events,
                 ..Default::default()
             };
-            in_flight.push_back((result, end));
+            let decode_only =
+                !plan.scheduled.is_empty() && plan.scheduled.iter().all(|r| r.tokens.len() == 1);
+            in_flight.push_back((result, end, decode_only));
             steps += 1;
         }
         if in_flight.len() >= 2 || (!made && !in_flight.is_empty()) {
-            let Some((result, end)) = in_flight.pop_front() else {
+            let Some((result, end, _)) = in_flight.pop_front() else {
                 continue;
             };
             now = now.max(end);

@@ -34,6 +34,10 @@ pub struct ServerConfig {
     /// One plan at a time instead of scheduling step N+1 while the worker runs step N.
     #[serde(default)]
     pub disable_overlap_schedule: bool,
+    /// Plan step N+1 this many ms before a decode-only step N is expected to end (0: as soon
+    /// as N starts).
+    #[serde(default)]
+    pub schedule_lead_ms: f64,
     #[serde(default)]
     pub log_requests: bool,
     /// Skip the one-token generation that proves the whole path works before binding HTTP.

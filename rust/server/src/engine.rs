@@ -23,6 +23,7 @@ use crate::metrics::Metrics;
 mod ending;
 mod event_loop;
 mod grammar;
+mod plan_clock;
 use event_loop::{panic_message, EngineLoop};
 
 /// Why the worker group cannot serve any more.
@@ -366,6 +367,9 @@ pub struct EngineOptions {
     /// Keep two plans in flight (schedule step N+1 while the worker runs step N); off for
     /// `--disable-overlap-schedule`: one plan at a time.
     pub overlap: bool,
+    /// With overlap: plan step N+1 this long before a decode-only step N is expected to end,
+    /// not as soon as N starts (`--schedule-lead-ms`; engine/plan_clock.rs). None: at once.
+    pub plan_lead: Option<Duration>,
     /// A step whose result takes longer than this fails the worker group (`--watchdog-timeout`).
     pub watchdog: Option<Duration>,
     /// Words of a grammar's token mask row (`GrammarCompiler::bitmask_words`; 0: no grammars).
@@ -403,6 +407,7 @@ pub fn spawn_engine(
     let (healthy, stats) = (handle.healthy.clone(), handle.stats.clone());
     let lifeline = handle.lifeline.clone();
     let mask_words = options.mask_words;
+    let plan_lead = options.plan_lead;
     // The scheduler is single-threaded by design (it shares pages through Rc), so it is built
     // on the engine thread and never leaves it.
     let (started_tx, started_rx) = mpsc::channel();
@@ -438,6 +443,7 @@ pub fn spawn_engine(
                 last_submit: None,
                 prefill_sent: HashMap::new(),
                 grammars: grammar::Grammars::new(mask_words),
+                plan_clock: plan_clock::PlanClock::new(plan_lead),
                 prefix_queries: 0,
                 prefix_hits: 0,
             };

@@ -144,6 +144,8 @@ pub fn build_state_replicas(
         max_queued_requests: max_in_flight,
         step_log_interval: config.step_log_interval,
         overlap: !config.disable_overlap_schedule,
+        plan_lead: (config.schedule_lead_ms > 0.0)
+            .then(|| Duration::from_secs_f64(config.schedule_lead_ms / 1e3)),
         liveness_interval: std::time::Duration::from_millis(200),
         watchdog: (config.watchdog_timeout > 0.0)
             .then(|| Duration::from_secs_f64(config.watchdog_timeout)),

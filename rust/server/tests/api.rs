@@ -1,11 +1,12 @@
 //! The HTTP API against a real engine thread and scheduler, with a scripted fake worker:
 //! every sampled token comes from a fixed script, so responses are exactly predictable.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -49,6 +50,9 @@ struct WorkerLog {
     masks_completed: AtomicUsize,
     /// Grammar rows (a worker-side grammar backend): (plan had the slot's new request, row).
     grammar_rows: Mutex<Vec<(bool, GrammarRow)>>,
+    /// Per step: when the engine sent its plan, and when the worker finished it.
+    sent_at: Mutex<HashMap<u64, Instant>>,
+    done_at: Mutex<HashMap<u64, Instant>>,
 }
 
 /// Answers each plan on a worker thread, in order, queueing the results: sampled token =
@@ -68,7 +72,13 @@ struct ScriptedWorker {
 }
 
 impl ScriptedWorker {
-    fn start(script: Vec<u32>, dead: Arc<AtomicBool>, log: Arc<WorkerLog>) -> Self {
+    /// `step_time`: how long each plan takes (a sleep before its result).
+    fn start(
+        script: Vec<u32>,
+        dead: Arc<AtomicBool>,
+        log: Arc<WorkerLog>,
+        step_time: Duration,
+    ) -> Self {
         let (plan_tx, plan_rx) = mpsc::channel::<Plan>();
         let (res_tx, res_rx) = mpsc::channel();
         let seen = log.clone();
@@ -141,6 +151,12 @@ impl ScriptedWorker {
                         }
                     })
                     .collect();
+                if !step_time.is_zero() {
+                    std::thread::sleep(step_time);
+                }
+                if let Ok(mut done) = seen.done_at.lock() {
+                    done.insert(plan.step_id, Instant::now());
+                }
                 if res_tx
                     .send(StepResult {
                         step_id: plan.step_id,
@@ -178,6 +194,9 @@ impl WorkerLink for ScriptedWorker {
         self.log
             .max_in_flight
             .fetch_max(self.in_flight, Ordering::Relaxed);
+        if let Ok(mut sent) = self.log.sent_at.lock() {
+            sent.insert(plan.step_id, Instant::now());
+        }
         self.plans
             .send(plan.clone())
             .map_err(|e| LinkError::Channel(e.to_string()))
@@ -226,13 +245,13 @@ fn harness_opts(
     enable_metrics: bool,
     panic_after: Option<usize>,
 ) -> Harness {
-    harness_grammar(
+    harness_from(HarnessOpts {
         api_key,
         disable_overlap_schedule,
         enable_metrics,
         panic_after,
-        None,
-    )
+        ..Default::default()
+    })
 }
 
 fn harness_grammar(
@@ -242,6 +261,39 @@ fn harness_grammar(
     panic_after: Option<usize>,
     grammar_backend: Option<&str>,
 ) -> Harness {
+    harness_from(HarnessOpts {
+        api_key,
+        disable_overlap_schedule,
+        enable_metrics,
+        panic_after,
+        grammar_backend,
+        ..Default::default()
+    })
+}
+
+#[derive(Default)]
+struct HarnessOpts<'a> {
+    api_key: Option<&'a str>,
+    disable_overlap_schedule: bool,
+    enable_metrics: bool,
+    panic_after: Option<usize>,
+    grammar_backend: Option<&'a str>,
+    /// `--schedule-lead-ms`.
+    schedule_lead_ms: f64,
+    /// How long the scripted worker takes per step.
+    step_time: Duration,
+}
+
+fn harness_from(o: HarnessOpts) -> Harness {
+    let HarnessOpts {
+        api_key,
+        disable_overlap_schedule,
+        enable_metrics,
+        panic_after,
+        grammar_backend,
+        schedule_lead_ms,
+        step_time,
+    } = o;
     let dir = smollm2_dir();
     let tok = TextTokenizer::from_dir(&dir, None).expect("tokenizer");
     let answer = " Paris is the capital.".to_string();
@@ -266,6 +318,7 @@ fn harness_grammar(
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
         disable_overlap_schedule,
+        schedule_lead_ms,
         log_requests: false,
         skip_server_warmup: true,
         max_queued_requests: 100,
@@ -287,7 +340,12 @@ fn harness_grammar(
         server_info: Value::Null,
     };
     let log = Arc::new(WorkerLog::default());
-    let mut link = Box::new(ScriptedWorker::start(script, dead.clone(), log.clone()));
+    let mut link = Box::new(ScriptedWorker::start(
+        script,
+        dead.clone(),
+        log.clone(),
+        step_time,
+    ));
     link.panic_after = panic_after;
     let state = build_state(config, link).expect("state");
     Harness {
@@ -381,6 +439,60 @@ async fn overlap_keeps_two_plans_in_flight_and_off_keeps_one() {
         let (_, b2) = call(&h.state, "GET", "/get_server_info", None, None).await;
         let kv = &json_of(&b2)["kv_pages"];
         assert_eq!(kv["free"], kv["total"], "{b} {b2}");
+    }
+}
+
+/// Per decode step N+1: how long before step N finished the engine sent its plan (the last
+/// `n` steps of a run).
+fn plan_slack(log: &WorkerLog, n: usize) -> Vec<i128> {
+    let (sent, done) = (
+        log.sent_at.lock().expect("log"),
+        log.done_at.lock().expect("log"),
+    );
+    let mut steps: Vec<u64> = sent.keys().copied().collect();
+    steps.sort_unstable();
+    let slack: Vec<i128> = steps
+        .iter()
+        .filter_map(|s| {
+            let (d, t) = (done.get(&s.checked_sub(1)?)?, sent.get(s)?);
+            Some(if d >= t {
+                d.duration_since(*t).as_millis() as i128
+            } else {
+                -(t.duration_since(*d).as_millis() as i128)
+            })
+        })
+        .collect();
+    slack[slack.len().saturating_sub(n)..].to_vec()
+}
+
+#[tokio::test]
+async fn a_schedule_lead_sends_the_next_decode_plan_shortly_before_the_running_step_ends() {
+    // Steps of 40 ms: without a lead each plan goes out as the step before it starts (~40 ms
+    // ahead); with 10 ms, once the decode step time is known, ~10 ms ahead, so a request that
+    // arrives in the 30 ms between joins the very next step.
+    for lead in [0.0, 10.0] {
+        let h = harness_from(HarnessOpts {
+            schedule_lead_ms: lead,
+            step_time: Duration::from_millis(40),
+            ..Default::default()
+        });
+        let body =
+            r#"{"prompt": "The capital of France is", "max_tokens": 14, "ignore_eos": true}"#;
+        let (status, text) = call(&h.state, "POST", "/v1/completions", Some(body), None).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(json_of(&text)["usage"]["completion_tokens"], 14);
+        let mut slack = plan_slack(&h.log, 6);
+        slack.sort_unstable();
+        let median = slack[slack.len() / 2];
+        if lead == 0.0 {
+            assert!(median >= 30, "lead 0: plans ~40 ms ahead, got {slack:?} ms");
+        } else {
+            assert!(
+                (0..=25).contains(&median),
+                "lead 10: plans ~10 ms ahead, got {slack:?} ms"
+            );
+        }
+        assert_eq!(h.log.max_in_flight.load(Ordering::Relaxed), 2);
     }
 }
 

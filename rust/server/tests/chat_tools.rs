@@ -127,6 +127,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
         disable_overlap_schedule: false,
+        schedule_lead_ms: 0.0,
         log_requests: false,
         skip_server_warmup: true,
         max_queued_requests: 100,

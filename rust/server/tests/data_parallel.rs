@@ -113,6 +113,7 @@ fn group(n: usize, policy: Policy) -> Group {
             step_log_interval: 0,
             liveness_interval: Duration::from_millis(20),
             overlap: true,
+            plan_lead: None,
             watchdog: None,
             mask_words: 0,
             pool_metrics: false,

@@ -63,6 +63,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
         disable_overlap_schedule: false,
+        schedule_lead_ms: 0.0,
         log_requests: false,
         skip_server_warmup: true,
         max_queued_requests: 1,

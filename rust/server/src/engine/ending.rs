@@ -127,6 +127,7 @@ impl EngineLoop {
             });
         }
         self.in_flight.clear();
+        self.plan_clock.clear();
         self.prefill_sent.clear();
         self.publish_stats(0, 0);
     }

@@ -61,6 +61,8 @@ pub(super) struct EngineLoop {
     pub(super) prefill_sent: HashMap<u64, (Instant, Duration)>,
     /// Matchers of the grammar-constrained requests.
     pub(super) grammars: super::grammar::Grammars,
+    /// When the next plan is due (`--schedule-lead-ms`).
+    pub(super) plan_clock: super::plan_clock::PlanClock,
     /// `EngineStats::{prefix_cache_queries, prefix_cache_hits}`.
     pub(super) prefix_queries: u64,
     pub(super) prefix_hits: u64,
@@ -112,8 +114,13 @@ impl EngineLoop {
                 continue;
             }
             // With one plan in flight the scheduler plans the next on top of it (the worker
-            // runs plans in order, and resolves `LAST_SAMPLED` inputs on the GPU).
-            let mut plan = if self.in_flight.len() < depth {
+            // runs plans in order, and resolves `LAST_SAMPLED` inputs on the GPU), at once or,
+            // with a lead, shortly before the running decode step ends.
+            let hold = self
+                .plan_clock
+                .plan_at()
+                .filter(|&at| self.in_flight.len() < depth && at > Instant::now());
+            let mut plan = if self.in_flight.len() < depth && hold.is_none() {
                 self.scheduler.schedule().filter(|p| !p.is_empty())
             } else {
                 None
@@ -139,6 +146,11 @@ impl EngineLoop {
                     self.prefill_sent
                         .insert(plan.step_id, (Instant::now(), waited));
                 }
+                self.plan_clock.on_sent(
+                    plan.step_id,
+                    Instant::now(),
+                    plan.is_pure_decode() && !plan.scheduled.is_empty(),
+                );
                 self.in_flight.push_back(plan);
                 let sending = self.in_flight.back().map(|p| self.link.send_plan(p));
                 if let Some(Err(e)) = sending {
@@ -147,7 +159,7 @@ impl EngineLoop {
                 }
             }
             if self.in_flight.len() >= depth || (!sent && !self.in_flight.is_empty()) {
-                match self.recv_oldest() {
+                match self.recv_oldest(hold) {
                     Ok(Some((plan, result))) => self.deliver(&plan, result),
                     Ok(None) => {}
                     Err(e) => self.fail_all(&e),
@@ -300,14 +312,27 @@ impl EngineLoop {
     /// and pops it with its plan. A result older than that plan is stale and dropped; one for
     /// a newer plan in flight means the worker skipped the plans before it: they are dropped
     /// too, and the scheduler counts them as answered with nothing.
-    fn recv_oldest(&mut self) -> Result<Option<(Plan, StepResult)>, LinkError> {
+    /// The oldest plan in flight with its result, waiting for it; with `until`, None once that
+    /// moment passes first.
+    fn recv_oldest(
+        &mut self,
+        until: Option<Instant>,
+    ) -> Result<Option<(Plan, StepResult)>, LinkError> {
         let Some(oldest) = self.in_flight.front().map(|p| p.step_id) else {
             return Ok(None);
         };
         // The watchdog times the wait for each result, a lower bound of the step's run time.
         let waiting_since = Instant::now();
         loop {
-            let Some(result) = self.link.recv_result(self.options.liveness_interval)? else {
+            let mut wait = self.options.liveness_interval;
+            if let Some(until) = until {
+                wait = wait.min(until.saturating_duration_since(Instant::now()));
+            }
+            let Some(result) = self.link.recv_result(wait)? else {
+                if until.is_some_and(|t| Instant::now() >= t) {
+                    self.mark();
+                    return Ok(None);
+                }
                 self.link.check_alive()?;
                 self.check_watchdog(waiting_since)?;
                 continue;
@@ -323,6 +348,7 @@ impl EngineLoop {
                 continue;
             }
             self.mark();
+            self.plan_clock.on_result(result.step_id, Instant::now());
             while let Some(plan) = self.in_flight.pop_front() {
                 if plan.step_id == result.step_id {
                     return Ok(Some((plan, result)));
