@@ -16,6 +16,8 @@
 #   latency   S2 and S1 full under TOKENSPEED_STEP_TRACE=1: the client's TTFT/ITL beside the
 #             server's step intervals (benches/step_intervals.py) and retractions (one H100,
 #             ~8 minutes; BENCH_ARGS adds flags)
+#   schedlead S2 full at --schedule-lead-ms 0 and each of LEADS (default "2 3"), one server
+#             each (~3 min a run): median TTFT against the lead, p99 ITL and GPU idle unchanged?
 #   e2e       benches/gpu_bench.py (BENCH_ARGS, e.g. "--skip-hf --only S3,S1r --budget-s 320")
 #   tp        benches/parallel_check.py --mode tp: Llama-3.1-8B --tp 2 vs --tp 1 through serve:
 #             4-layer fp32 tokens (identical), 32-layer bf16 tokens and S3 on each, all-reduce
@@ -183,6 +185,13 @@ for arg in "$@"; do
         TOKENSPEED_STEP_TRACE=1 phase latency_bench python3 benches/gpu_bench.py \
             --tokenizer .carry/llama3/tokenizer.json --out "$OUT/latency" --skip-hf \
             --only S2r8,S1r --full --budget-s "$((LIMIT - 20))" ${BENCH_ARGS:-}
+        ;;
+    schedlead)
+        for lead in 0 ${LEADS:-2 3}; do
+            phase "schedlead_$lead" python3 benches/gpu_bench.py --tokenizer .carry/llama3/tokenizer.json \
+                --out "$OUT/schedlead_$lead" --skip-hf --only S2r8 --full --budget-s 200 \
+                --serve-args "--schedule-lead-ms $lead"
+        done
         ;;
     e2e)
         # shellcheck disable=SC2086
