@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 GREEDY_BLOCK = 16384
 
 
