@@ -311,9 +311,8 @@ impl EngineLoop {
     /// Waits for the result of the oldest plan in flight (checking that the workers live),
     /// and pops it with its plan. A result older than that plan is stale and dropped; one for
     /// a newer plan in flight means the worker skipped the plans before it: they are dropped
-    /// too, and the scheduler counts them as answered with nothing.
-    /// The oldest plan in flight with its result, waiting for it; with `until`, None once that
-    /// moment passes first.
+    /// too, and the scheduler counts them as answered with nothing. With `until`, gives up at
+    /// that moment (None): the hold of `--schedule-lead-ms` ends there.
     fn recv_oldest(
         &mut self,
         until: Option<Instant>,
