@@ -204,7 +204,9 @@ MEMORY_FLAGS: list[Flag] = [
       "the running decode step is expected to end (the shortest recent decode step), not as "
       "soon as it starts, so requests that arrive meanwhile join it: up to one decode step "
       "less time to first token. It must cover the worker's launch of a step, or the GPU "
-      "waits. 0: plan at once.", G_MEMORY, 0.0, minimum=0.0, component="server",
+      "waits. 0: plan at once. The default, 2, measured on an H100 (Llama-3.1-8B, 1024-token "
+      "prompts at 8 req/s): median TTFT 44.4 -> 39.0 ms, inter-token gaps, batch-1 decode and "
+      "saturated throughput unchanged.", G_MEMORY, 2.0, minimum=0.0, component="server",
       implemented=True),
     c("--schedule-policy", "Order in which waiting requests are admitted: fcfs (arrival order) "
       "or lpm (longest cached prefix first).", G_MEMORY,
