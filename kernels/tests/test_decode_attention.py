@@ -24,6 +24,7 @@ def _run(
     num_splits: int | None,
     seed: int,
     fused_reduce: bool = True,
+    prefetch: bool | None = None,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, page_table = make_paged_cache(seq_lens, page_size, hkv, head_dim, dtype, device, gen)
@@ -32,7 +33,7 @@ def _run(
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale, out=out, num_splits=num_splits,
-                           fused_reduce=fused_reduce)  # fmt: skip
+                           fused_reduce=fused_reduce, prefetch=prefetch)  # fmt: skip
     ref = ref_paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale)
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"rel err {err:.2e}"
@@ -53,6 +54,16 @@ def test_decode_shapes(group: int, head_dim: int, page_size: int, fused_reduce: 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_dtypes(dtype: torch.dtype, fused_reduce: bool, device: str) -> None:
     _run([5, 130], 2, 4, 64, 16, dtype, device, None, seed=1, fused_reduce=fused_reduce)
+
+
+@FUSED
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_prefetch(group: int, num_splits: int, fused_reduce: bool, device: str) -> None:
+    """The next tile loaded while this one computes: splits that end mid-tile, on a tile
+    boundary (64, 128) and empty ones (8 splits of 7 tokens) give the reference's output."""
+    _run([7, 64, 128, 200], 2, group, 64, 16, torch.float32, device, num_splits, seed=num_splits + group,
+         fused_reduce=fused_reduce, prefetch=True)  # fmt: skip
 
 
 @FUSED

@@ -129,6 +129,24 @@ def test_decode_attention_fp8(kv_dtype: torch.dtype, dtype: torch.dtype, fused_r
 
 
 @FP8
+@pytest.mark.parametrize("prefetch", [False, True], ids=["lookup_in_step", "prefetch"])
+def test_decode_attention_fp8_page_prefetch(kv_dtype: torch.dtype, prefetch: bool, device: str) -> None:
+    """Both page-lookup orders (the default for an fp8 cache looks one tile ahead) on an fp8 cache
+    with scales and fp16 dots: the reference's output, over splits that end mid-tile."""
+    seq_lens, hkv, group, d = [1, 9, 70, 131], 2, 4, 64
+    scales = (0.3, 2.0)
+    gen = torch.Generator().manual_seed(7)
+    kq, vq, kd, vd, pt = _fp8_paged_cache(seq_lens, 16, hkv, d, kv_dtype, scales, device, gen)
+    q = torch.randn(len(seq_lens), hkv * group, d, generator=gen).to(dtype=torch.bfloat16, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, kq, vq, pt, lens, d**-0.5, out=out, num_splits=3, block_n=16,
+                           k_scale=scales[0], v_scale=scales[1], prefetch=prefetch)  # fmt: skip
+    ref = ref_paged_decode_attention(q, kd, vd, pt, lens, d**-0.5)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@FP8
 def test_decode_attention_fp8_f16_dots(kv_dtype: torch.dtype, device: str) -> None:
     """The fp16-dot variant (bf16 q converted to fp16 with the cache) matches the reference; on a
     GPU it is a different path from the bf16 dots (its output differs in the last bits; Triton's
