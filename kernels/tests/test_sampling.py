@@ -44,7 +44,8 @@ def test_greedy_logprobs_strided_rows_and_empty(device: str) -> None:
 
 
 def test_kernels_compile_for_sm90() -> None:
-    """compile_sm90.py: the kernels met only by the interpreter here compile for the H100."""
+    """compile_sm90.py: the kernels met only by the interpreter here compile for the H100, and
+    the fp8 decode attention kernel keeps its double-buffered K/V copies."""
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.backends.nvidia import compiler  # noqa: F401
@@ -55,4 +56,4 @@ def test_kernels_compile_for_sm90() -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                           timeout=600, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert done.stdout.count("ok ") >= 3, done.stdout
+    assert done.stdout.count("ok ") >= 6, done.stdout
