@@ -1,0 +1,112 @@
+"""Wall time of one step, alone on an idle GPU, for a prompt beside running decodes (S2's mixed
+steps: a 1024-token prompt beside ~20 decodes took ~30 ms where the prompt alone takes ~22):
+the prompt alone, the decodes alone, both together, and both with the prompt cut so that the
+step fills an extend-graph size exactly (no padded tokens). Llama-3.1-8B config, dummy weights,
+bf16, extend graphs as `tokenspeed serve` captures them.
+
+    python3 benches/mixed_step_gpu.py [--decodes 20] [--prompt 1024] [--context 1024] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+PAGE = 16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decodes", type=int, default=20)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=1024, help="tokens each decoding request holds")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script, no graphs")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+
+    from tokenspeed.bench.model_configs import LLAMA31_8B
+    from tokenspeed.cuda_graph import extend_capture_sizes
+    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.plan import StepPlan
+
+    cfg = dict(LLAMA31_8B)
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    path = tempfile.mkdtemp(prefix="llama31-8b-")
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
+    sizes = extend_capture_sizes(2048)
+    slots = args.decodes + 4 * (args.reps + 1) + 1
+    ctx = -(-max(args.context + 4 * (args.reps + 1) + 8, sizes[bisect.bisect_left(sizes, args.prompt)]) // PAGE) * PAGE
+    runner = ModelRunner(path, dtype="bfloat16" if cuda else "float32", device=args.device,
+                         load_format="dummy", page_size=PAGE, num_pages=slots * ctx // PAGE + 8,
+                         max_slots=slots, max_context_len=ctx,
+                         extend_graph_sizes=sizes if cuda else None, cuda_graph_max_bs=256 if cuda else None)
+    rng = np.random.default_rng(0)
+    lens: dict[int, int] = {}
+    next_page = [0]
+    step_id = [0]
+    free_slots = list(range(args.decodes, slots))
+
+    def plan(reqs: list[tuple[int, list[int]]]) -> StepPlan:
+        page_tables, new = [], []
+        for slot, _ in reqs:
+            if slot not in lens:
+                new.append({"slot": slot, "temperature": 0.0})
+                n = ctx // PAGE
+                page_tables.append((slot, 0, range(next_page[0], next_page[0] + n)))
+                next_page[0] += n
+                lens[slot] = 0
+        p = StepPlan.build(step_id[0], finished=[], new=new, page_tables=page_tables,
+                           scheduled=[(s, lens[s], t, True) for s, t in reqs])
+        step_id[0] += 1
+        for slot, toks in reqs:
+            lens[slot] += len(toks)
+        return p
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(10, 30000, n).tolist()
+
+    decoding = list(range(args.decodes))
+    for s in decoding:  # their contexts, one prompt each
+        runner.step(plan([(s, ids(args.context))]))
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(reqs: list[tuple[int, list[int]]]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        runner.step(plan(reqs))
+        sync()
+        return 1e3 * (time.perf_counter() - t0)
+
+    fill = sizes[bisect.bisect_left(sizes, args.prompt)] - args.decodes  # prompt that fills a graph
+    cases = {
+        f"decodes alone ({args.decodes})": lambda: [(s, ids(1)) for s in decoding],
+        f"prompt alone ({args.prompt})": lambda: [(free_slots.pop(), ids(args.prompt))],
+        f"decodes + prompt {args.prompt} ({args.decodes + args.prompt} tokens, graph "
+        f"{sizes[bisect.bisect_left(sizes, args.decodes + args.prompt)]})":
+            lambda: [(s, ids(1)) for s in decoding] + [(free_slots.pop(), ids(args.prompt))],
+        f"decodes + prompt {fill} (fills the {fill + args.decodes} graph)":
+            lambda: [(s, ids(1)) for s in decoding] + [(free_slots.pop(), ids(fill))],
+    }
+    print(f"| step (Llama-3.1-8B, {cfg['num_hidden_layers']} layers, idle GPU) | ms (median of "
+          f"{args.reps}) |\n|---|---|")
+    for name, make in cases.items():
+        times = [timed(make()) for _ in range(args.reps + 1)][1:]
+        print(f"| {name} | {np.median(times):.2f} (min {min(times):.2f}) |", flush=True)
+    print(f"extend-graph replays {runner.extend_graphs.replays if runner.extend_graphs else 0}")
+
+
+if __name__ == "__main__":
+    main()
