@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
-import tempfile
 import time
 
 import numpy as np
 import torch
+from runner_steps import PlanBuilder, llama31_8b_dir
 
 PAGE = 16
 
@@ -32,17 +31,10 @@ def main() -> None:
     args = ap.parse_args()
     cuda = args.device == "cuda"
 
-    from tokenspeed.bench.model_configs import LLAMA31_8B
     from tokenspeed.cuda_graph import extend_capture_sizes
     from tokenspeed.model_runner import ModelRunner
-    from tokenspeed.plan import StepPlan
 
-    cfg = dict(LLAMA31_8B)
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
-    path = tempfile.mkdtemp(prefix="llama31-8b-")
-    with open(f"{path}/config.json", "w") as f:
-        json.dump(cfg, f)
+    path = llama31_8b_dir(args.layers)
     sizes = extend_capture_sizes(2048)
     slots = args.decodes + 4 * (args.reps + 1) + 1
     ctx = -(-max(args.context + 4 * (args.reps + 1) + 8, sizes[bisect.bisect_left(sizes, args.prompt)]) // PAGE) * PAGE
@@ -51,27 +43,8 @@ def main() -> None:
                          max_slots=slots, max_context_len=ctx,
                          extend_graph_sizes=sizes if cuda else None, cuda_graph_max_bs=256 if cuda else None)
     rng = np.random.default_rng(0)
-    lens: dict[int, int] = {}
-    next_page = [0]
-    step_id = [0]
+    plan = PlanBuilder(ctx, PAGE).plan
     free_slots = list(range(args.decodes, slots))
-
-    def plan(reqs: list[tuple[int, list[int]]]) -> StepPlan:
-        page_tables, new = [], []
-        for slot, _ in reqs:
-            if slot not in lens:
-                new.append({"slot": slot, "temperature": 0.0})
-                n = ctx // PAGE
-                page_tables.append((slot, 0, range(next_page[0], next_page[0] + n)))
-                next_page[0] += n
-                lens[slot] = 0
-        p = StepPlan.build(step_id[0], finished=[], new=new, page_tables=page_tables,
-                           scheduled=[(s, lens[s], t, True) for s, t in reqs])
-        step_id[0] += 1
-        for slot, toks in reqs:
-            lens[slot] += len(toks)
-        return p
-
     def ids(n: int) -> list[int]:
         return rng.integers(10, 30000, n).tolist()
 
@@ -100,7 +73,7 @@ def main() -> None:
         f"decodes + prompt {fill} (fills the {fill + args.decodes} graph)":
             lambda: [(s, ids(1)) for s in decoding] + [(free_slots.pop(), ids(fill))],
     }
-    print(f"| step (Llama-3.1-8B, {cfg['num_hidden_layers']} layers, idle GPU) | ms (median of "
+    print(f"| step (Llama-3.1-8B, {runner.config.num_hidden_layers} layers, idle GPU) | ms (median of "
           f"{args.reps}) |\n|---|---|")
     for name, make in cases.items():
         times = [timed(make()) for _ in range(args.reps + 1)][1:]

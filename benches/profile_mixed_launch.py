@@ -9,13 +9,12 @@ where an idle server's prefill launch takes ~1.5 ms: this finds where it goes.
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import time
 from collections import defaultdict
 
 import numpy as np
 import torch
+from runner_steps import PlanBuilder, llama31_8b_dir
 
 PAGE = 16
 
@@ -28,42 +27,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     args = ap.parse_args()
 
-    from tokenspeed.bench.model_configs import LLAMA31_8B
     from tokenspeed.cuda_graph import extend_capture_sizes
     from tokenspeed.model_runner import ModelRunner
-    from tokenspeed.plan import StepPlan
 
-    cfg = dict(LLAMA31_8B)
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
-    path = tempfile.mkdtemp(prefix="llama31-8b-")
-    with open(f"{path}/config.json", "w") as f:
-        json.dump(cfg, f)
+    path = llama31_8b_dir(args.layers)
     slots = args.decodes + args.reps + 1
     ctx = 4096
     runner = ModelRunner(path, dtype="bfloat16", device="cuda", load_format="dummy",
                          page_size=PAGE, num_pages=slots * ctx // PAGE + 8, max_slots=slots,
                          max_context_len=ctx, extend_graph_sizes=extend_capture_sizes(2048))
     rng = np.random.default_rng(0)
-    lens: dict[int, int] = {}
-    next_page = [0]
-    step_id = [0]
-
-    def plan(reqs: list[tuple[int, list[int]]], finished: list[int] = ()) -> StepPlan:
-        page_tables, new = [], []
-        for slot, toks in reqs:
-            if slot not in lens:
-                new.append({"slot": slot, "temperature": 0.0})
-                n = ctx // PAGE
-                page_tables.append((slot, 0, range(next_page[0], next_page[0] + n)))
-                next_page[0] += n
-                lens[slot] = 0
-        p = StepPlan.build(step_id[0], finished=list(finished), new=new, page_tables=page_tables,
-                           scheduled=[(s, lens[s], t, True) for s, t in reqs])
-        step_id[0] += 1
-        for slot, toks in reqs:
-            lens[slot] += len(toks)
-        return p
+    plan = PlanBuilder(ctx, PAGE).plan
 
     def ids(n: int) -> list[int]:
         return rng.integers(10, 30000, n).tolist()
