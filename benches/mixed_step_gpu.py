@@ -5,16 +5,25 @@ step fills an extend-graph size exactly (no padded tokens). Llama-3.1-8B config,
 bf16, extend graphs as `tokenspeed serve` captures them.
 
     python3 benches/mixed_step_gpu.py [--decodes 20] [--prompt 1024] [--context 1024] [--reps 5]
+        [--profile 12]
+
+--profile N: after the timings, one more step of each case under torch.profiler, and its N
+costliest GPU kernels (ms, launches) with the sum of all kernel time: where a step's time goes.
+A prompt past the largest extend graph (2048) runs eager; --decodes 0 times the prompt alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import json
+import tempfile
 import time
+from collections import defaultdict
 
 import numpy as np
 import torch
+from decode_step_report import cuda_kernels
 from runner_steps import PlanBuilder, llama31_8b_dir
 
 PAGE = 16
@@ -28,6 +37,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script, no graphs")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="top N kernels per case")
     args = ap.parse_args()
     cuda = args.device == "cuda"
 
@@ -36,8 +46,13 @@ def main() -> None:
 
     path = llama31_8b_dir(args.layers)
     sizes = extend_capture_sizes(2048)
-    slots = args.decodes + 4 * (args.reps + 1) + 1
-    ctx = -(-max(args.context + 4 * (args.reps + 1) + 8, sizes[bisect.bisect_left(sizes, args.prompt)]) // PAGE) * PAGE
+    slots = args.decodes + 4 * (args.reps + 2) + 1
+    def graph_size(tokens: int) -> int | None:
+        i = bisect.bisect_left(sizes, tokens)
+        return sizes[i] if i < len(sizes) else None
+
+    reps = args.reps + 1 + (1 if args.profile else 0)
+    ctx = -(-max(args.context + 4 * reps + 8, graph_size(args.prompt) or args.prompt) // PAGE) * PAGE
     runner = ModelRunner(path, dtype="bfloat16" if cuda else "float32", device=args.device,
                          load_format="dummy", page_size=PAGE, num_pages=slots * ctx // PAGE + 8,
                          max_slots=slots, max_context_len=ctx,
@@ -63,21 +78,49 @@ def main() -> None:
         sync()
         return 1e3 * (time.perf_counter() - t0)
 
-    fill = sizes[bisect.bisect_left(sizes, args.prompt)] - args.decodes  # prompt that fills a graph
-    cases = {
-        f"decodes alone ({args.decodes})": lambda: [(s, ids(1)) for s in decoding],
-        f"prompt alone ({args.prompt})": lambda: [(free_slots.pop(), ids(args.prompt))],
-        f"decodes + prompt {args.prompt} ({args.decodes + args.prompt} tokens, graph "
-        f"{sizes[bisect.bisect_left(sizes, args.decodes + args.prompt)]})":
-            lambda: [(s, ids(1)) for s in decoding] + [(free_slots.pop(), ids(args.prompt))],
-        f"decodes + prompt {fill} (fills the {fill + args.decodes} graph)":
-            lambda: [(s, ids(1)) for s in decoding] + [(free_slots.pop(), ids(fill))],
-    }
+    def profiled(reqs: list[tuple[int, list[int]]]) -> list[str]:
+        sync()
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                         if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            runner.step(plan(reqs))
+            sync()
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            with open(f.name) as trace:
+                kernels = cuda_kernels(json.load(trace))
+        by_name: dict[str, list[float]] = defaultdict(list)
+        for k in kernels:
+            by_name[k.name[:90]].append(k.dur_us / 1e3)
+        total = sum(sum(v) for v in by_name.values())
+        rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:args.profile]
+        return [f"  kernels: {total:.2f} ms GPU in {sum(len(v) for v in by_name.values())} launches"] + [
+            f"  {sum(v):7.3f} ms {len(v):5d}x  {name}" for name, v in rows]
+
+    cases = {}
+    if args.decodes:
+        cases[f"decodes alone ({args.decodes})"] = lambda: [(s, ids(1)) for s in decoding]
+    cases[f"prompt alone ({args.prompt})"] = lambda: [(free_slots.pop(), ids(args.prompt))]
+    mixed_graph = graph_size(args.decodes + args.prompt)
+    if args.decodes:
+        cases[f"decodes + prompt {args.prompt} ({args.decodes + args.prompt} tokens, graph "
+              f"{mixed_graph})"] = (
+            lambda: [(s, ids(1)) for s in decoding] + [(free_slots.pop(), ids(args.prompt))])
+        prompt_graph = graph_size(args.prompt)
+        if prompt_graph is not None:
+            fill = prompt_graph - args.decodes  # a prompt that fills a graph with the decodes
+            cases[f"decodes + prompt {fill} (fills the {prompt_graph} graph)"] = (
+                lambda: [(s, ids(1)) for s in decoding] + [(free_slots.pop(), ids(fill))])
     print(f"| step (Llama-3.1-8B, {runner.config.num_hidden_layers} layers, idle GPU) | ms (median of "
           f"{args.reps}) |\n|---|---|")
+    profiles = {}
     for name, make in cases.items():
         times = [timed(make()) for _ in range(args.reps + 1)][1:]
         print(f"| {name} | {np.median(times):.2f} (min {min(times):.2f}) |", flush=True)
+        if args.profile:
+            profiles[name] = profiled(make())
+    for name, lines in profiles.items():
+        print(f"{name}:\n" + "\n".join(lines))
     print(f"extend-graph replays {runner.extend_graphs.replays if runner.extend_graphs else 0}")
 
 
