@@ -290,39 +290,3 @@ def test_backend_selection(tiny_llama: str) -> None:
     with pytest.raises(ValueError, match="unknown attention_backend"):
         ModelRunner(tiny_llama, page_size=4, max_slots=2, max_context_len=64, device="cpu",
                     attention_backend="nope")
-
-
-@pytest.mark.parametrize("chunk_size", [6, 64])
-def test_fresh_prompts_through_sdpa_match_torch_native(tiny_llama: str, chunk_size: int) -> None:
-    """Eager steps whose prefill chunks are all fresh prompts attend through SDPA (on the
-    step's rotated k, not the cache); steps with a cached prefix keep the extend kernel. Both
-    paths together match torch_native token for token."""
-    if _needs_subprocess():
-        _rerun_in_subprocess("test_fresh_prompts_through_sdpa_match_torch_native")
-        return
-    import tokenspeed.layers.triton_attention as ta
-
-    ref = OfflineScheduler(runner_for(tiny_llama, "torch_native")).generate(
-        PROMPTS, 8, chunk_size=chunk_size, keep_logits=True)
-    runner = runner_for(tiny_llama, "triton")
-    runner.backend.fresh_sdpa, runner.backend.fresh_sdpa_min_tokens = True, 2
-    calls: list[int] = []
-    sdpa = ta.causal_sdpa
-
-    def counted(q: torch.Tensor, *a: object) -> torch.Tensor:
-        calls.append(q.shape[0])
-        return sdpa(q, *a)  # type: ignore[arg-type]
-
-    backends = ta.SDPA_BACKENDS
-    ta.causal_sdpa = counted  # type: ignore[assignment]
-    # fp32 here: on CUDA neither cuDNN nor flash takes it, so the math kernel may run too.
-    ta.SDPA_BACKENDS = [*backends, ta.SDPBackend.MATH]
-    try:
-        tri = OfflineScheduler(runner).generate(PROMPTS, 8, chunk_size=chunk_size, keep_logits=True)
-    finally:
-        ta.causal_sdpa, ta.SDPA_BACKENDS = sdpa, backends  # type: ignore[assignment]
-    assert calls, "no step took the SDPA path"
-    assert tri.tokens == ref.tokens
-    for req_a, req_b in zip(tri.logits, ref.logits):
-        for a, b in zip(req_a, req_b):
-            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -181,13 +183,27 @@ def _extend_kernel(
     )
 
 
-def extend_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the extend kernel for a q dtype and head size."""
+@functools.cache
+def _large_smem(device: int) -> bool:
+    """Whether a block may use Hopper-sized shared memory (227 KB on H100/H200): the deeper
+    tile configs below need more than the 164 KB of an A100."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= 200 * 1024
+
+
+def extend_config(dtype: torch.dtype, head_dim: int,
+                  kv_dtype: torch.dtype | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the extend kernel for a q dtype, head size
+    and cache dtype (default: q's)."""
     if dtype == torch.float32:
         return 64, 32, 4, 2
     if triton.next_power_of_2(head_dim) <= 64:
         return 128, 64, 4, 3
-    return 128, 128, 8, 2  # D=128 bf16/fp16: best average over the bench shapes on H200 (bench --sweep)
+    # D=128 bf16/fp16 (bench_kernels.py --only extend --sweep, H100, 4 shapes from 4x1024 new
+    # tokens to 4096 on an 8192 prefix): a third stage is 2-6% faster than (128, 128, 8, 2)
+    # on every shape; an fp8 cache is fastest with (256, 64, 8, 2): 10-17% over the bf16 tiles.
+    if torch.cuda.is_available() and _large_smem(torch.cuda.current_device()):
+        return (256, 64, 8, 2) if kv_dtype is not None and is_fp8(kv_dtype) else (128, 128, 8, 3)
+    return 128, 128, 8, 2
 
 
 def extend_tiles(q_start_loc: torch.Tensor, num_tiles: int, block_m: int,
@@ -234,7 +250,8 @@ def paged_extend_attention(
     max_new_tokens bounds the grid (read from q_start_loc, a host sync, when not given); pass it
     under CUDA graphs. config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override for tuning.
     An fp8 cache (float8_e4m3fn / float8_e5m2) holds K / k_scale and V / v_scale.
-    tiles: a tile table from `extend_tiles` (same BLOCK_M as `extend_config`): the grid is its
+    tiles: a tile table from `extend_tiles` (the BLOCK_M `extend_config` gives for q's and the
+    cache's dtypes): the grid is its
     tiles instead of requests x the longest request's blocks, so that a launch sized for many
     requests and tokens (a CUDA graph's) runs no programs for absent ones.
     """
@@ -252,7 +269,7 @@ def paged_extend_attention(
     if total == 0 or batch == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    block_m, block_n, warps, stages = config or extend_config(q.dtype, head_dim)
+    block_m, block_n, warps, stages = config or extend_config(q.dtype, head_dim, k_cache.dtype)
     if tiles is not None:
         grid: tuple[int, ...] = (hq, tiles.shape[1])
     else:

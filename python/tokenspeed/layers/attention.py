@@ -174,4 +174,4 @@ def create_backend(name: str, kv_cache: PagedKVCache, *, num_heads: int, head_di
         return FlashInferBackend(kv_cache, num_heads, head_dim, sliding_window, q_dtype)
     from tokenspeed.layers.triton_attention import TritonBackend
 
-    return TritonBackend(kv_cache, max_context_len, sliding_window, q_dtype)
+    return TritonBackend(kv_cache, max_context_len, sliding_window)

@@ -5,36 +5,18 @@ Pure-decode steps run `paged_decode_attention`; steps with prefill chunks run
 the step (the scheduler runs decodes first). The metadata is a few small device tensors plus
 Python ints, so a decode step can be captured in a CUDA graph: the graph runner builds
 `TritonMetadata` over its static buffers and the kernels never read sizes back to the host.
-
-Eager steps whose prefill chunks are all fresh prompts (no cached prefix) attend through torch's
-SDPA instead, on the step's own q/k/v: on an H100 cuDNN's fused attention runs a 4096-token
-causal prompt at 528 TF/s against the paged extend kernel's 323 (kernels/bench/
-bench_prefill_attention.py). Graph steps keep the paged kernel: SDPA's shapes are fixed at capture.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
 from tokenspeed.layers.rotary import Rope
-
-logger = logging.getLogger(__name__)
-
-# cuDNN first (Hopper's fastest here), then FlashAttention-2; never the unfused math kernel.
-SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
-# Fresh prompts take SDPA when each has at least this many tokens (shorter ones are launch-bound
-# either way) and a step has at most this many (one launch per prompt per layer).
-SDPA_MIN_TOKENS = 64
-SDPA_MAX_PROMPTS = 16
 
 
 @dataclass
@@ -55,9 +37,6 @@ class TritonMetadata:
     # graph's request rows) as decode-kernel metadata over every row, and each row's q row in
     # the step (one past the last token for the other rows: a scratch row of the output).
     singles: tuple[TritonMetadata, torch.Tensor] | None = None
-    # extend, eager: every request after the leading decodes is a fresh prompt; their [start,
-    # end) rows of the step, each attended by SDPA instead of the extend kernel.
-    fresh_rows: tuple[tuple[int, int], ...] | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -67,21 +46,13 @@ class TritonBackend(AttentionBackend):
     fuses_rope = True  # rotary_embedding_write_kv: RoPE and the KV write in one kernel
 
     def __init__(self, kv_cache: PagedKVCache, max_context_len: int,
-                 sliding_window: int | None = None, q_dtype: torch.dtype | None = None) -> None:
+                 sliding_window: int | None = None) -> None:
         import tokenspeed_kernels  # noqa: F401  (fail at start-up, not at the first step)
 
         self.kv_cache = kv_cache
         self.max_context_len = max_context_len
         self.num_kv_heads = int(kv_cache.k[0].shape[2]) if kv_cache.k else 1
         self.sliding_window = sliding_window
-        # Fresh prompts through SDPA (module docstring): on CUDA when a probe call runs here;
-        # TOKENSPEED_FRESH_PREFILL_SDPA=0 keeps the paged kernel (A/B runs). Tests set it directly.
-        device = kv_cache.page_table.device
-        self.fresh_sdpa = (device.type == "cuda" and bool(kv_cache.k)
-                           and os.environ.get("TOKENSPEED_FRESH_PREFILL_SDPA", "1") != "0"
-                           and sdpa_runs(device, q_dtype or kv_cache.dtype,
-                                         int(kv_cache.k[0].shape[3])))
-        self.fresh_sdpa_min_tokens = SDPA_MIN_TOKENS
 
     def decode_num_splits(self, batch_size: int) -> int:
         """Splits of the decode kernel for a batch: sized for the longest context the runner
@@ -123,18 +94,7 @@ class TritonBackend(AttentionBackend):
             page_table=self.kv_cache.page_table[slots[d:], :cols],
             seq_lens=seq_lens_d[d:].to(torch.int32), decode=False,
             q_start_loc=(query_start[d:] - d).to(torch.int32), prefix_lens=start_pos[d:].to(torch.int32),
-            max_new_tokens=int(batch.num_tokens.max()), leading_decodes=decodes,
-            fresh_rows=self._fresh_rows(batch, d))
-
-    def _fresh_rows(self, batch: ForwardBatch, d: int) -> tuple[tuple[int, int], ...] | None:
-        """The rows of the requests after the d leading decodes when all are fresh prompts that
-        SDPA takes (see SDPA_MIN_TOKENS / SDPA_MAX_PROMPTS), else None."""
-        if not self.fresh_sdpa or len(batch.num_tokens) - d > SDPA_MAX_PROMPTS:
-            return None
-        if batch.start_pos[d:].any() or batch.num_tokens[d:].min() < self.fresh_sdpa_min_tokens:
-            return None
-        qs = batch.query_start
-        return tuple((int(qs[i]), int(qs[i + 1])) for i in range(d, len(batch.num_tokens)))
+            max_new_tokens=int(batch.num_tokens.max()), leading_decodes=decodes)
 
     def init_graphs(self, sizes: list[int]) -> None:
         # The page-table rows of a graph's requests, gathered before each replay.
@@ -164,7 +124,7 @@ class TritonBackend(AttentionBackend):
         heads. Page-table rows are gathered at full width inside the graph."""
         from tokenspeed_kernels import extend_config, extend_tiles
 
-        block_m = extend_config(q_dtype, head_dim)[0]
+        block_m = extend_config(q_dtype, head_dim, self.kv_cache.dtype)[0]
         num_tiles = min(int(slots.shape[0]), num_tokens) + num_tokens // block_m
         page_table = self.kv_cache.page_table[slots]
         seq_lens32 = seq_lens.to(torch.int32)
@@ -185,13 +145,11 @@ class TritonBackend(AttentionBackend):
         itself stays unrotated: both attention kernels read every key from the cache."""
         from tokenspeed_kernels import paged_decode_attention, paged_extend_attention
 
-        m: TritonMetadata = batch.metadata
-        # SDPA reads the fresh prompts' keys from k, so they are rotated in place there too.
-        k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc,
-                                    rope, rotate_k=m.fresh_rows is not None)
+        k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc, rope)
         # fp8 cache: K/V dequantised in the kernels' registers with the layer's scales (1.0 else).
         scales = {"k_scale": self.kv_cache.k_scale[layer.layer_id],
                   "v_scale": self.kv_cache.v_scale[layer.layer_id]}
+        m: TritonMetadata = batch.metadata
         if m.singles is not None:
             return self._forward_graph_step(q, k_cache, v_cache, m, layer.scaling, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -205,11 +163,6 @@ class TritonBackend(AttentionBackend):
             d = lead.page_table.shape[0]
             paged_decode_attention(q[:d], k_cache, v_cache, lead.page_table, lead.seq_lens,
                                    layer.scaling, out=out[:d], num_splits=lead.num_splits, **scales)
-        if m.fresh_rows is not None:
-            with sdpa_kernel(SDPA_BACKENDS):
-                for s, e in m.fresh_rows:
-                    out[s:e] = causal_sdpa(q[s:e], k[s:e], v[s:e], layer.scaling)
-            return out.flatten(1)
         paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
                                m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
                                max_new_tokens=m.max_new_tokens, tiles=m.tiles, **scales)
@@ -239,38 +192,12 @@ class TritonBackend(AttentionBackend):
         return out[:t].flatten(1)
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one fresh prompt over itself: q [n, Hq, D], k/v [n, Hkv, D] (row
-    strides free) -> [n, Hq, D] (a transposed view). The caller picks the SDPA backends."""
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])
-    return o[0].transpose(0, 1)
-
-
-def sdpa_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether SDPA_BACKENDS take a causal GQA prompt of this dtype and head size here (one
-    small call at start-up, so that no step finds out)."""
-    try:
-        q = torch.randn(SDPA_MIN_TOKENS, 4, head_dim, device=device, dtype=dtype)
-        kv = torch.randn(SDPA_MIN_TOKENS, 2, head_dim, device=device, dtype=dtype)
-        with sdpa_kernel(SDPA_BACKENDS):
-            causal_sdpa(q, kv, kv, head_dim ** -0.5)
-        return True
-    except RuntimeError as e:
-        logger.info("fresh prompts keep the paged extend kernel: SDPA refused %s head_dim %d "
-                    "(%s)", dtype, head_dim, str(e).splitlines()[0][:200])
-        return False
-
-
 def store_kv(kv_cache: PagedKVCache, layer_id: int, q: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, out_cache_loc: torch.Tensor, rope: Rope | None,
-             rotate_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             v: torch.Tensor, out_cache_loc: torch.Tensor,
+             rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write a layer's new K/V into the paged cache (slots with out_cache_loc -1 are skipped);
-    with `rope`, rotate q in place and k on its way in, in the same kernel (rotate_k: k in
-    place too). An fp8 cache stores K / k_scale and V / v_scale of the layer. Returns the
-    layer's (k_cache, v_cache)."""
+    with `rope`, rotate q in place and k on its way in, in the same kernel. An fp8 cache stores
+    K / k_scale and V / v_scale of the layer. Returns the layer's (k_cache, v_cache)."""
     from tokenspeed_kernels import rotary_embedding_write_kv, write_kv_to_pages
 
     k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]
@@ -279,5 +206,5 @@ def store_kv(kv_cache: PagedKVCache, layer_id: int, q: torch.Tensor, k: torch.Te
         write_kv_to_pages(k, v, k_cache, v_cache, out_cache_loc, **scales)
     else:
         rotary_embedding_write_kv(rope.positions, q, k, v, rope.cos_sin_cache(), k_cache, v_cache,
-                                  out_cache_loc, is_neox=True, rotate_k=rotate_k, **scales)
+                                  out_cache_loc, is_neox=True, **scales)
     return k_cache, v_cache
