@@ -227,3 +227,18 @@ def test_without_max_slots_the_slots_follow_the_kv_pool(tiny_llama: str) -> None
     # An explicit --max-running-requests wins over the pool.
     explicit = ModelRunner(tiny_llama, page_size=4, num_pages=4096, max_slots=8, max_context_len=64)
     assert explicit.max_slots == 8 and explicit.kv_cache.page_table.shape[0] == 8
+
+
+@pytest.mark.parametrize("lengths", [[1089, 1089, 1089, 65, 65, 66], [1, 3, 5], [0, 7, 16, 17]])
+def test_packed_step_inputs_start_aligned(lengths: list[int]) -> None:
+    """A step's inputs travel as one packed int64 transfer; every view must start 16-byte
+    aligned whatever the lengths, or Triton compiles its kernels again for the misaligned
+    pointer in the middle of serving (an odd token count put `positions` at an odd offset)."""
+    from tokenspeed.host_copy import to_device_int64
+
+    arrays = [np.arange(n, dtype=np.int64) * (i + 1) for i, n in enumerate(lengths)]
+    views = to_device_int64(arrays, torch.device("cpu"))
+    base = views[0].untyped_storage().data_ptr()
+    for a, v in zip(arrays, views):
+        assert (v.data_ptr() - base) % 16 == 0
+        np.testing.assert_array_equal(v.numpy(), a)

@@ -12,26 +12,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+ALIGN = 16  # elements (128 bytes): where each array of a packed transfer starts
+
 
 def to_device_int64(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Copies several host integer arrays to the device as int64 in one transfer; returns device
-    views in the same order. Safe to call while the GPU is busy: the host does not wait."""
-    sizes = [len(a) for a in arrays]
-    packed = np.empty(sum(sizes), dtype=np.int64)
-    offset = 0
-    for a, n in zip(arrays, sizes):
-        packed[offset:offset + n] = a
-        offset += n
+    views in the same order. Safe to call while the GPU is busy: the host does not wait.
+    Every view starts 128-byte aligned: Triton specializes a kernel on whether each pointer is
+    16-byte aligned, so a view at an odd offset (a step with an odd token count) would compile
+    it again, mid-serving (~200-300 ms once on a fresh machine, session 13)."""
+    starts = np.cumsum([0] + [-(-len(a) // ALIGN) * ALIGN for a in arrays])
+    packed = np.zeros(int(starts[-1]), dtype=np.int64)
+    for a, start in zip(arrays, starts):
+        packed[start:start + len(a)] = a
     host = torch.from_numpy(packed)
     if device.type == "cuda":
         dev = host.pin_memory().to(device, non_blocking=True)
     else:
         dev = host  # `packed` is a fresh array: nothing else aliases it
-    out, offset = [], 0
-    for n in sizes:
-        out.append(dev[offset:offset + n])
-        offset += n
-    return out
+    return [dev[start:start + len(a)] for a, start in zip(arrays, starts)]
 
 
 class DeviceToHost:
