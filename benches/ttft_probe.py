@@ -11,6 +11,8 @@ Per request (streamed /v1/completions, token-id prompt, distinct random ids so t
 never hits, `ignore_eos`, one connection kept alive like a benchmark client) it records:
 - client: send → response headers, → first SSE event, → first event with text (TTFT as
   sglang.bench_serving / `tokenspeed bench serve` define it), and the gaps between later events;
+- bare socket: the same kind of request (fresh ids) over a plain socket, to its first `data:`
+  bytes: TTFT without the Python HTTP client's own time;
 - engine: submit → first token routed (the server's `tokenspeed:time_to_first_token_seconds`
   histogram, read before and after each request: its sum grows by exactly this request's TTFT);
 - worker: the prefill step's own timings (TOKENSPEED_STEP_TRACE, python/tokenspeed/step_trace.py):
@@ -31,6 +33,7 @@ import itertools
 import json
 import os
 import re
+import socket
 import statistics
 import sys
 import tempfile
@@ -63,6 +66,31 @@ def engine_ttft_sum(client: httpx.Client, url: str) -> tuple[float, float] | Non
             return None
         vals[suffix] = float(m.group(1))
     return vals["sum"], vals["count"]
+
+
+def raw_first_event(url: str, ids: list[int], max_tokens: int) -> float:
+    """Seconds from sending the same streamed request over a bare socket (HTTP/1.1, no client
+    library; connected before the clock starts) to the first `data:` bytes: the server's TTFT
+    without the Python client's own overhead (~1.5 ms of httpx on a slow CPU)."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        sock.sendall(head + body)
+        buf = b""
+        while b"data:" not in buf:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise RuntimeError(f"stream ended before any event: {buf[:300]!r}")
+            buf += chunk
+        first = time.perf_counter() - t0
+        while sock.recv(65536):  # drain to the end (Connection: close)
+            pass
+    return first
 
 
 def one_request(client: httpx.Client, url: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -166,6 +194,8 @@ def main() -> int:
                     for i in range(args.reps + 2):
                         ids = rng.integers(1000, 100000, n).tolist()
                         r = one_request(client, url, ids, args.max_tokens)
+                        raw_ids = rng.integers(1000, 100000, n).tolist()
+                        r["raw_first_event"] = raw_first_event(url, raw_ids, args.max_tokens)
                         if i >= 2:
                             runs.append(r)
                     results[n] = runs
@@ -184,6 +214,7 @@ def main() -> int:
             "prompt_tokens": n, "max_tokens": args.max_tokens, "reps": len(runs),
             "ttft_ms": med([r["ttft"] for r in runs]),
             "first_event_ms": med([r["first_event"] for r in runs]),
+            "raw_first_event_ms": med([r["raw_first_event"] for r in runs]),
             "headers_ms": med([r["headers"] for r in runs]),
             "engine_ttft_ms": med([r["engine_ttft"] for r in runs]),
             "engine_submit_to_sent_ms": med([e.get("submit_to_sent_us") for e in emine], 1e-3),
@@ -201,6 +232,7 @@ def main() -> int:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     cols = [("prompt", "prompt_tokens"), ("TTFT", "ttft_ms"), ("1st event", "first_event_ms"),
+            ("1st event, bare socket", "raw_first_event_ms"),
             ("engine TTFT", "engine_ttft_ms"), ("submit→plan sent", "engine_submit_to_sent_ms"),
             ("plan sent→result", "engine_sent_to_result_ms"), ("worker step", "worker_total_ms"),
             ("worker launch", "worker_launch_ms"), ("gpu wait", "worker_gpu_wait_ms"),
