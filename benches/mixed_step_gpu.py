@@ -75,6 +75,7 @@ def main() -> None:
     path = llama31_8b_dir(args.layers)
     sizes = extend_capture_sizes(2048)
     slots = args.decodes + 4 * (args.reps + 2) + 1
+
     def graph_size(tokens: int) -> int | None:
         i = bisect.bisect_left(sizes, tokens)
         return sizes[i] if i < len(sizes) else None

@@ -372,8 +372,8 @@ def main() -> int:
     if "extend" in groups:
         bench_extend(tab, dtype)
         if args.sweep:
-            for cfg in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2),
-                        (128, 32, 4, 3), (256, 64, 8, 2)):  # fmt: skip
+            for cfg in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+                        (128, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3), (256, 64, 8, 2)):  # fmt: skip
                 bench_extend(tab, dtype, config=cfg)
     if "elementwise" in groups:
         bench_elementwise(tab, dtype)

@@ -102,7 +102,7 @@ def bench(n: int, b: int, configs: list[tuple[int, int, int, int]], dev: torch.d
             return out.view(b, n, HQ, D).transpose(1, 2)
 
         label = "x".join(map(str, cfg)) if cfg else "default " + "x".join(
-            map(str, extend_config(torch.bfloat16, D)))
+            map(str, extend_config(torch.bfloat16, D, device=dev)))
         runs[f"paged extend {label}"] = ours
     reference = None
     for name, fn in runs.items():

@@ -43,7 +43,7 @@ def _run(
         table = torch.cat([page_table, page_table[:1].expand(pad_requests, -1)])
         args = (table, i32(starts + [starts[-1]] * pad_requests), i32(prefix_lens + pad),
                 i32(seq_lens + pad), head_dim**-0.5)
-        block_m = extend_config(dtype, head_dim, k_cache.dtype)[0]
+        block_m = extend_config(dtype, head_dim, k_cache.dtype, q.device)[0]
         requests = len(new_lens) + pad_requests
         tiles = extend_tiles(args[1], min(requests, starts[-1]) + starts[-1] // block_m, block_m)
         paged_extend_attention(q, k_cache, v_cache, *args, out=out, tiles=tiles)

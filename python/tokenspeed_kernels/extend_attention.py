@@ -184,16 +184,19 @@ def _extend_kernel(
 
 
 @functools.cache
-def _large_smem(device: int) -> bool:
+def _large_smem(device: torch.device) -> bool:
     """Whether a block may use Hopper-sized shared memory (227 KB on H100/H200): the deeper
     tile configs below need more than the 164 KB of an A100."""
+    if device.type != "cuda":
+        return False
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= 200 * 1024
 
 
-def extend_config(dtype: torch.dtype, head_dim: int,
-                  kv_dtype: torch.dtype | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the extend kernel for a q dtype, head size
-    and cache dtype (default: q's)."""
+def extend_config(dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None,
+                  device: torch.device | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the extend kernel for a q dtype, head size,
+    cache dtype (default: q's) and the device it runs on (default: one without Hopper-sized
+    shared memory)."""
     if dtype == torch.float32:
         return 64, 32, 4, 2
     if triton.next_power_of_2(head_dim) <= 64:
@@ -201,7 +204,7 @@ def extend_config(dtype: torch.dtype, head_dim: int,
     # D=128 bf16/fp16 (bench_kernels.py --only extend --sweep, H100, 4 shapes from 4x1024 new
     # tokens to 4096 on an 8192 prefix): a third stage is 2-6% faster than (128, 128, 8, 2)
     # on every shape; an fp8 cache is fastest with (256, 64, 8, 2): 10-17% over the bf16 tiles.
-    if torch.cuda.is_available() and _large_smem(torch.cuda.current_device()):
+    if device is not None and _large_smem(device):
         return (256, 64, 8, 2) if kv_dtype is not None and is_fp8(kv_dtype) else (128, 128, 8, 3)
     return 128, 128, 8, 2
 
@@ -251,9 +254,9 @@ def paged_extend_attention(
     under CUDA graphs. config: (BLOCK_M, BLOCK_N, num_warps, num_stages) override for tuning.
     An fp8 cache (float8_e4m3fn / float8_e5m2) holds K / k_scale and V / v_scale.
     tiles: a tile table from `extend_tiles` (the BLOCK_M `extend_config` gives for q's and the
-    cache's dtypes): the grid is its
-    tiles instead of requests x the longest request's blocks, so that a launch sized for many
-    requests and tokens (a CUDA graph's) runs no programs for absent ones.
+    cache's dtypes on q's device): the grid is its tiles instead of requests x the longest
+    request's blocks, so that a launch sized for many requests and tokens (a CUDA graph's) runs
+    no programs for absent ones.
     """
     total, hq, head_dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
@@ -269,7 +272,7 @@ def paged_extend_attention(
     if total == 0 or batch == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    block_m, block_n, warps, stages = config or extend_config(q.dtype, head_dim, k_cache.dtype)
+    block_m, block_n, warps, stages = config or extend_config(q.dtype, head_dim, k_cache.dtype, q.device)
     if tiles is not None:
         grid: tuple[int, ...] = (hq, tiles.shape[1])
     else:

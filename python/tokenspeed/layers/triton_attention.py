@@ -124,7 +124,8 @@ class TritonBackend(AttentionBackend):
         heads. Page-table rows are gathered at full width inside the graph."""
         from tokenspeed_kernels import extend_config, extend_tiles
 
-        block_m = extend_config(q_dtype, head_dim, self.kv_cache.dtype)[0]
+        block_m = extend_config(q_dtype, head_dim, self.kv_cache.dtype,
+                                self.kv_cache.page_table.device)[0]
         num_tiles = min(int(slots.shape[0]), num_tokens) + num_tokens // block_m
         page_table = self.kv_cache.page_table[slots]
         seq_lens32 = seq_lens.to(torch.int32)
