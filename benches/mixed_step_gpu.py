@@ -8,7 +8,8 @@ bf16, extend graphs as `tokenspeed serve` captures them.
         [--profile 12]
 
 --profile N: after the timings, one more step of each case under torch.profiler, and its N
-costliest GPU kernels (ms, launches) with the sum of all kernel time: where a step's time goes.
+costliest GPU kernels (ms, launches) with the sum of all kernel time and the GPU's idle gaps
+(tokenspeed.step_profile.summarize: the summary a served step gets under TOKENSPEED_STEP_PROFILE).
 A prompt past the largest extend graph (2048) runs eager; --decodes 0 times the prompt alone.
 """
 
@@ -16,45 +17,17 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import itertools
 import json
 import tempfile
 import time
-from collections import defaultdict
 
 import numpy as np
 import torch
-from decode_step_report import cuda_kernels
 from runner_steps import PlanBuilder, llama31_8b_dir
 
+from tokenspeed.step_profile import summarize
+
 PAGE = 16
-
-
-def idle_gaps(trace: dict, top: int = 6) -> list[str]:
-    """Where the GPU waited in a profiled step: the time from the first host op to the first
-    kernel, the largest gaps between kernels (with the kernels around them), and the CUDA
-    runtime calls that took longest on the host (a sync or an allocation shows here)."""
-    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]) for e in ev
-                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    host = [e for e in ev if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
-    if not gpu or not host:
-        return []
-    t0 = min(float(e["ts"]) for e in host)
-    gaps = sorted(((b[0] - a[1], a[1] - t0, a[2], b[2]) for a, b in itertools.pairwise(gpu)), reverse=True)
-    idle = sum(g[0] for g in gaps if g[0] > 0)
-    lines = [(f"  GPU: first kernel {1e-3 * (gpu[0][0] - t0):.2f} ms after the step began, last ends "
-             f"{1e-3 * (gpu[-1][1] - t0):.2f}; idle between kernels {1e-3 * idle:.2f} ms; largest gaps:")]
-    lines += [f"    {1e-3 * g:.2f} ms at {1e-3 * at:.2f}: after {a[:50]} / before {b[:50]}"
-              for g, at, a, b in gaps[:top] if g > 20]
-    calls: dict[str, list[float]] = defaultdict(list)
-    for e in ev:
-        if e.get("cat") == "cuda_runtime":
-            calls[e["name"]].append(float(e.get("dur", 0)) / 1e3)
-    slow = sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:top]
-    lines.append("  host CUDA calls (ms, count): " + ", ".join(
-        f"{n} {sum(v):.2f}/{len(v)}" for n, v in slow))
-    return lines
 
 
 def main() -> None:
@@ -118,14 +91,7 @@ def main() -> None:
             prof.export_chrome_trace(f.name)
             with open(f.name) as trace:
                 events = json.load(trace)
-        kernels = cuda_kernels(events)
-        by_name: dict[str, list[float]] = defaultdict(list)
-        for k in kernels:
-            by_name[k.name[:90]].append(k.dur_us / 1e3)
-        total = sum(sum(v) for v in by_name.values())
-        rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:args.profile]
-        return [f"  kernels: {total:.2f} ms GPU in {sum(len(v) for v in by_name.values())} launches"] + [
-            f"  {sum(v):7.3f} ms {len(v):5d}x  {name}" for name, v in rows] + idle_gaps(events)
+        return summarize(events, args.profile)
 
     cases = {}
     if args.decodes:

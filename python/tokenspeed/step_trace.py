@@ -13,7 +13,8 @@ For each step it logs, in milliseconds:
   on the machine: a benchmark can cut the trace to its own run and take the intervals between
   results, i.e. the step times running streams see; benches/step_intervals.py).
 TOKENSPEED_STEP_TRACE=N logs every N-th step (1: all); steps that carry new requests are always
-logged (prefill latency is what this is for).
+logged (prefill latency is what this is for). TOKENSPEED_STEP_PROFILE=DIR also profiles the steps
+that carry new requests (step_profile.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from tokenspeed.step_profile import StepProfiler
+
 if TYPE_CHECKING:
     from tokenspeed.plan import StepPlan
 
@@ -30,8 +33,9 @@ logger = logging.getLogger("tokenspeed.step_trace")
 
 
 class StepTrace:
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, profiler: StepProfiler | None = None) -> None:
         self.every = max(1, every)
+        self.profiler = profiler
         self._steps: dict[int, dict[str, float]] = {}
         self._idle_since: float | None = time.perf_counter()
         self.count = 0
@@ -39,14 +43,18 @@ class StepTrace:
     @classmethod
     def from_env(cls) -> StepTrace | None:
         raw = os.environ.get("TOKENSPEED_STEP_TRACE", "")
-        if not raw or raw == "0":
+        profiler = StepProfiler.from_env()
+        if (not raw or raw == "0") and profiler is None:
             return None
         try:
-            return cls(int(raw))
+            every = int(raw or 0) or 2**62  # profiling alone: log only steps with new requests
         except ValueError:
-            return cls(1)
+            every = 1
+        return cls(every, profiler)
 
     def received(self, plan: StepPlan) -> None:
+        if self.profiler is not None:
+            self.profiler.received(int(plan.step_id), len(plan.new_slot))
         now = time.perf_counter()
         idle = 0.0
         if self._idle_since is not None:
@@ -72,6 +80,8 @@ class StepTrace:
         s = self._steps.pop(int(step_id), None)
         if not self._steps:  # nothing in flight any more: the GPU idles until the next plan
             self._idle_since = now
+        if self.profiler is not None:
+            self.profiler.sent(int(step_id))
         if s is None:
             return
         self.count += 1
