@@ -218,10 +218,56 @@ def compare_with_hf(name: str, path: str, *, graphs: bool = True, **runner_kw: o
     torch.cuda.empty_cache()
 
 
-def test_llama31_8b_shaped_bf16_matches_hf(tmp_path: Path) -> None:
+def count_prefill_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts launches of `prefill_attention` (the fresh-prompt attention) from here on."""
+    import tokenspeed_kernels
+
+    calls = [0]
+    real = tokenspeed_kernels.prefill_attention
+
+    def counted(*args: object, **kw: object) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tokenspeed_kernels, "prefill_attention", counted)
+    return calls
+
+
+def test_llama31_8b_shaped_bf16_matches_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Full width, 4 of the 32 layers (time and memory); the per-layer code path is the same.
+    # The batched prefill (8 fresh prompts, eager) takes the fresh-prompt attention on Hopper.
+    calls = count_prefill_calls(monkeypatch)
     compare_with_hf("llama-3.1-8b x4 layers",
                     write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4))
+    assert calls[0] == (4 if torch.cuda.get_device_capability()[0] >= 9 else 0)
+
+
+def test_fresh_prompt_beside_decodes_matches_the_paged_kernel(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step (two decodes, then two fresh prompts; eager): the prompts' attention through
+    `prefill_attention` gives the logits the paged extend kernel gives."""
+    import tokenspeed_kernels
+
+    path = write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4)
+    prompts = prompts_for(LLAMA31_8B["vocab_size"], [40, 300, 400, 129])
+
+    def mixed_step_logits() -> torch.Tensor:
+        drv = Driver(make_runner(path, "bfloat16", graphs=False))
+        firsts = drv.step([(0, prompts[0]), (1, prompts[1])]).argmax(-1).tolist()
+        return drv.step([(0, [firsts[0]]), (1, [firsts[1]]), (2, prompts[2]), (3, prompts[3])])
+
+    calls = count_prefill_calls(monkeypatch)
+    fresh = mixed_step_logits()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("prefill_attention needs TMA (Hopper or newer)")
+    assert calls[0] == 8  # 4 layers x (the first step, the mixed step)
+    monkeypatch.setattr(tokenspeed_kernels, "prefill_supported", lambda *a: False)
+    paged = mixed_step_logits()
+    assert calls[0] == 8
+    cos = torch.nn.functional.cosine_similarity(fresh, paged, dim=-1)
+    print(f"\n[fresh vs paged] logits cosine min {cos.min().item():.6f}")
+    assert cos.min().item() > 0.9995
+    assert torch.equal(fresh.argmax(-1), paged.argmax(-1))
 
 
 def test_llama31_8b_shaped_bf16_extend_graphs_match_hf(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ output's relative error against torch's math backend (fp32 softmax of the bf16 i
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -42,17 +43,23 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1, help="prompts of --tokens each, one launch")
     ap.add_argument("--configs", default="128x64x8x3,128x128x8x3,128x64x4x3,64x64x4x3,128x32x4x3",
                     help="extend (BLOCK_M x BLOCK_N x warps x stages) besides the default")
+    ap.add_argument("--prefill-configs", default="128x128x8x2,128x64x8x3,128x64x4x3,64x64x4x3",
+                    help="prefill_attention (contiguous K/V, TMA) configs besides its default")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn "
           f"{torch.backends.cudnn.version()}")
     print("| tokens | kernel | us | TF/s | rel err |\n|---|---|---|---|---|")
     configs = [parse_config(c) for c in args.configs.split(",") if c]
+    # A "ws" suffix: the main loop warp-specialized (tl.range(warp_specialize=True)).
+    prefill_configs = [(parse_config(c.removesuffix("ws")), c.endswith("ws"))
+                       for c in args.prefill_configs.split(",") if c]
     for n in (int(x) for x in args.tokens.split(",")):
-        bench(n, args.requests, configs, dev)
+        bench(n, args.requests, configs, prefill_configs, dev)
 
 
-def bench(n: int, b: int, configs: list[tuple[int, int, int, int]], dev: torch.device) -> None:
+def bench(n: int, b: int, configs: list[tuple[int, int, int, int]],
+          prefill_configs: list[tuple[tuple[int, int, int, int], bool]], dev: torch.device) -> None:
     """One row per kernel for b prompts of n tokens."""
     total = b * n
     torch.manual_seed(0)
@@ -104,6 +111,21 @@ def bench(n: int, b: int, configs: list[tuple[int, int, int, int]], dev: torch.d
         label = "x".join(map(str, cfg)) if cfg else "default " + "x".join(
             map(str, extend_config(torch.bfloat16, D, device=dev)))
         runs[f"paged extend {label}"] = ours
+    # The same q/k/v as strided views of one fused QKV row per token, as the model has them.
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qv, kv, vv = (t.view(total, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=1))
+    if tk.prefill_supported(dev, q.dtype, D):
+        for cfg, ws in [(None, False), *prefill_configs]:
+            def fresh(cfg: tuple[int, int, int, int] | None = cfg, ws: bool = ws,
+                      views: bool = False) -> torch.Tensor:
+                tk.prefill_attention(*((qv, kv, vv) if views else (q, k, v)), starts, scale, n,
+                                     out=out, config=cfg, warp_specialize=ws)
+                return out.view(b, n, HQ, D).transpose(1, 2)
+
+            label = "x".join(map(str, cfg or tk.prefill_config(D))) + (" ws" if ws else "")
+            runs[f"prefill tma {label}"] = fresh
+            if cfg is None:
+                runs[f"prefill tma {label} (qkv views)"] = functools.partial(fresh, views=True)
     reference = None
     for name, fn in runs.items():
         try:

@@ -1,8 +1,9 @@
 """triton attention backend: tokenspeed_kernels' paged kernels (decode split-K, extend over prefix).
 
 Pure-decode steps run `paged_decode_attention`; steps with prefill chunks run
-`paged_extend_attention` for the chunks and the decode kernel for the one-token requests leading
-the step (the scheduler runs decodes first). The metadata is a few small device tensors plus
+`paged_extend_attention` for the chunks (`prefill_attention` over the QKV output instead when
+they are all fresh prompts, eager, on Hopper or newer) and the decode kernel for the one-token
+requests leading the step (the scheduler runs decodes first). The metadata is a few small device tensors plus
 Python ints, so a decode step can be captured in a CUDA graph: the graph runner builds
 `TritonMetadata` over its static buffers and the kernels never read sizes back to the host.
 """
@@ -37,6 +38,9 @@ class TritonMetadata:
     # graph's request rows) as decode-kernel metadata over every row, and each row's q row in
     # the step (one past the last token for the other rows: a scratch row of the output).
     singles: tuple[TritonMetadata, torch.Tensor] | None = None
+    # extend, eager: every request after the leading decodes is a fresh prompt (no cached
+    # prefix), so where `prefill_supported` its attention reads K/V from the QKV output itself.
+    fresh: bool = False
 
 
 class TritonBackend(AttentionBackend):
@@ -94,7 +98,8 @@ class TritonBackend(AttentionBackend):
             page_table=self.kv_cache.page_table[slots[d:], :cols],
             seq_lens=seq_lens_d[d:].to(torch.int32), decode=False,
             q_start_loc=(query_start[d:] - d).to(torch.int32), prefix_lens=start_pos[d:].to(torch.int32),
-            max_new_tokens=int(batch.num_tokens.max()), leading_decodes=decodes)
+            max_new_tokens=int(batch.num_tokens.max()), leading_decodes=decodes,
+            fresh=not batch.start_pos[d:].any())
 
     def init_graphs(self, sizes: list[int]) -> None:
         # The page-table rows of a graph's requests, gathered before each replay.
@@ -143,14 +148,22 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         """rope: rotate q (in place) and k on their way into the cache, one kernel for both. k
-        itself stays unrotated: both attention kernels read every key from the cache."""
-        from tokenspeed_kernels import paged_decode_attention, paged_extend_attention
+        itself stays unrotated (the paged kernels read every key from the cache) unless the
+        step's prompts are all fresh: `prefill_attention` then reads the rotated k in place."""
+        from tokenspeed_kernels import (
+            paged_decode_attention,
+            paged_extend_attention,
+            prefill_attention,
+            prefill_supported,
+        )
 
-        k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc, rope)
+        m: TritonMetadata = batch.metadata
+        fresh = m.fresh and prefill_supported(q.device, q.dtype, q.shape[-1])
+        k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc,
+                                    rope, rotate_k=fresh)
         # fp8 cache: K/V dequantised in the kernels' registers with the layer's scales (1.0 else).
         scales = {"k_scale": self.kv_cache.k_scale[layer.layer_id],
                   "v_scale": self.kv_cache.v_scale[layer.layer_id]}
-        m: TritonMetadata = batch.metadata
         if m.singles is not None:
             return self._forward_graph_step(q, k_cache, v_cache, m, layer.scaling, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -164,9 +177,13 @@ class TritonBackend(AttentionBackend):
             d = lead.page_table.shape[0]
             paged_decode_attention(q[:d], k_cache, v_cache, lead.page_table, lead.seq_lens,
                                    layer.scaling, out=out[:d], num_splits=lead.num_splits, **scales)
-        paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
-                               m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
-                               max_new_tokens=m.max_new_tokens, tiles=m.tiles, **scales)
+        if fresh:
+            prefill_attention(q[d:], k[d:], v[d:], m.q_start_loc, layer.scaling,
+                              m.max_new_tokens, out=out[d:])
+        else:
+            paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
+                                   m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
+                                   max_new_tokens=m.max_new_tokens, tiles=m.tiles, **scales)
         return out.flatten(1)
 
     @staticmethod
@@ -194,11 +211,12 @@ class TritonBackend(AttentionBackend):
 
 
 def store_kv(kv_cache: PagedKVCache, layer_id: int, q: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, out_cache_loc: torch.Tensor,
-             rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
+             v: torch.Tensor, out_cache_loc: torch.Tensor, rope: Rope | None,
+             rotate_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Write a layer's new K/V into the paged cache (slots with out_cache_loc -1 are skipped);
-    with `rope`, rotate q in place and k on its way in, in the same kernel. An fp8 cache stores
-    K / k_scale and V / v_scale of the layer. Returns the layer's (k_cache, v_cache)."""
+    with `rope`, rotate q in place and k on its way in, in the same kernel (`rotate_k`: k in
+    place too). An fp8 cache stores K / k_scale and V / v_scale of the layer. Returns the
+    layer's (k_cache, v_cache)."""
     from tokenspeed_kernels import rotary_embedding_write_kv, write_kv_to_pages
 
     k_cache, v_cache = kv_cache.k[layer_id], kv_cache.v[layer_id]
@@ -207,5 +225,5 @@ def store_kv(kv_cache: PagedKVCache, layer_id: int, q: torch.Tensor, k: torch.Te
         write_kv_to_pages(k, v, k_cache, v_cache, out_cache_loc, **scales)
     else:
         rotary_embedding_write_kv(rope.positions, q, k, v, rope.cos_sin_cache(), k_cache, v_cache,
-                                  out_cache_loc, is_neox=True, **scales)
+                                  out_cache_loc, is_neox=True, rotate_k=rotate_k, **scales)
     return k_cache, v_cache

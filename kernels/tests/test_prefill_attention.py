@@ -1,0 +1,54 @@
+"""prefill_attention (fresh prompts, K/V read from strided QKV views with TMA) vs torch's causal
+attention per request, GQA; on the CPU under the Triton interpreter with small tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import TOL, rel_err
+from tokenspeed_kernels import prefill_attention, prefill_supported
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    out, start, group = torch.empty_like(q, dtype=torch.float32), 0, q.shape[1] // k.shape[1]
+    for n in lens:
+        qi, ki, vi = (t[start:start + n].float().transpose(0, 1) for t in (q, k, v))
+        ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
+        out[start:start + n] = F.scaled_dot_product_attention(
+            qi, ki, vi, is_causal=True, scale=q.shape[-1] ** -0.5).transpose(0, 1)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize(("lens", "group", "head_dim"), [
+    ([70, 33, 130], 2, 64),  # lengths off the tiles; each request's tiles read into the next
+    ([1, 5, 200], 4, 128),   # a one-token prompt; the last request's tiles read past the end
+    ([257], 1, 64),
+])
+def test_prefill_matches_causal_attention(lens: list[int], group: int, head_dim: int,
+                                          device: str) -> None:
+    gen = torch.Generator().manual_seed(len(lens) * 100 + group)
+    hkv, total = 2, sum(lens)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    # One fused row per token, as the QKV projection leaves them: q, k, v are strided views.
+    qkv = torch.randn(total, (hkv * group + 2 * hkv) * head_dim, generator=gen).to(device, dtype)
+    q, k, v = (t.view(total, -1, head_dim)
+               for t in qkv.split([hkv * group * head_dim, hkv * head_dim, hkv * head_dim], 1))
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                          device=device)
+    # Small tiles on the CPU (the interpreter is slow); the default ones on a GPU.
+    config = None if device == "cuda" else (32, 16, 4, 2)
+    out = prefill_attention(q, k, v, starts, head_dim ** -0.5, max(lens), config=config)
+    err = rel_err(out, _reference(q, k, v, lens))
+    assert err < (3e-4 if dtype == torch.float32 else TOL[dtype]), f"rel err {err:.2e}"
+
+
+def test_supported_only_where_tma_runs() -> None:
+    assert not prefill_supported(torch.device("cpu"), torch.bfloat16, 128)
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        assert prefill_supported(dev, torch.float32, 128) is False
+        assert prefill_supported(dev, torch.bfloat16, 96) is False
+        assert prefill_supported(dev, torch.bfloat16, 128) == (torch.cuda.get_device_capability()[0] >= 9)

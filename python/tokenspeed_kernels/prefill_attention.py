@@ -1,0 +1,121 @@
+"""Causal attention of fresh prompts (no cached prefix) over their own contiguous K/V: the
+`paged_extend_attention` of a step whose requests all start at position 0, reading keys and
+values straight from the QKV projection's output with TMA (tensor-descriptor) loads instead of
+gathering them page by page from the cache. Hopper and newer (TMA); the paged kernel elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed_kernels.extend_attention import LOG2E
+
+
+@triton.jit
+def _prefill_tile(q, acc, m_i, l_i, k_desc, v_desc, row0, kv_col, n0, offs_m, offs_n, qk_scale,
+                  MASKED: tl.constexpr):
+    """One online-softmax step over keys [n0, n0 + BLOCK_N) of the request starting at row0."""
+    k = k_desc.load([row0 + n0, kv_col])
+    v = v_desc.load([row0 + n0, kv_col])
+    s = tl.dot(q, tl.trans(k))
+    if MASKED:  # keys past a row's position (the request's end included) are hidden
+        s = tl.where(n0 + offs_n[None, :] <= offs_m[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(q_desc, k_desc, v_desc, out_ptr, q_start_loc_ptr, qk_scale, stride_ot,
+                    stride_oh, group, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """One program = one (request, q head, BLOCK_M new tokens); the last blocks launch first."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.num_programs(2) - 1 - tl.program_id(2)
+    row0 = tl.load(q_start_loc_ptr + b)
+    n_new = tl.load(q_start_loc_ptr + b + 1) - row0
+    m0 = mblk * BLOCK_M
+    if m0 >= n_new:
+        return
+    kv_col = (h // group) * HEAD_DIM
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    # Rows past the request (the next request's, or zeros past the last) are computed, not stored;
+    # every row sees key 0, so no row's maximum stays -inf.
+    q = q_desc.load([row0 + m0, h * HEAD_DIM])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    full_end = m0 // BLOCK_N * BLOCK_N
+    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_desc, v_desc, row0, kv_col, n0, offs_m,
+                                      offs_n, qk_scale, False)
+    for n0 in range(full_end, tl.minimum(n_new, m0 + BLOCK_M), BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_desc, v_desc, row0, kv_col, n0, offs_m,
+                                      offs_n, qk_scale, True)
+    out = acc / l_i[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = (row0 + offs_m).to(tl.int64)
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_m < n_new)[:, None])
+
+
+@functools.cache
+def prefill_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `prefill_attention` runs here: TMA (compute capability 9+), bf16/fp16, a head
+    size TMA and tl.dot take whole (16..256, a power of two)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and dtype in (torch.bfloat16, torch.float16)
+            and head_dim in (16, 32, 64, 128, 256))
+
+
+def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    return (128, 128, 8, 3) if head_dim <= 128 else (128, 64, 8, 2)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start_loc: torch.Tensor,
+                      scale: float, max_new_tokens: int, out: torch.Tensor | None = None,
+                      config: tuple[int, int, int, int] | None = None,
+                      warp_specialize: bool = False) -> torch.Tensor:
+    """Causal attention of each request's tokens over its own earlier tokens.
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D] (rotated k), requests' tokens concatenated, each possibly a
+    strided view of a fused QKV output (a token's heads adjacent); q_start_loc: [B+1] int32
+    cumulative offsets; max_new_tokens: the longest request (sizes the grid). Returns [T, Hq, D].
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    total, hq, head_dim = q.shape
+    hkv = k.shape[1]
+    assert hq % hkv == 0, "Hq must be a multiple of Hkv"
+    for t in (q, k, v):
+        assert t.stride(2) == 1 and t.stride(1) == head_dim, "heads must be adjacent in a row"
+    if out is None:
+        out = torch.empty_like(q)
+    batch = q_start_loc.shape[0] - 1
+    if total == 0 or batch == 0:
+        return out
+    block_m, block_n, warps, stages = config or prefill_config(head_dim)
+
+    def desc(t: torch.Tensor, heads: int, rows: int) -> TensorDescriptor:
+        return TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, head_dim])
+
+    grid = (batch, hq, triton.cdiv(max_new_tokens, block_m))
+    _prefill_kernel[grid](
+        desc(q, hq, block_m), desc(k, hkv, block_n), desc(v, hkv, block_n), out, q_start_loc,
+        scale * LOG2E, out.stride(0), out.stride(1), hq // hkv,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=warp_specialize,
+        num_warps=warps, num_stages=stages)
+    return out
