@@ -1,6 +1,7 @@
 """Causal prefill attention (fresh prompts, no cached prefix) at Llama-3.1-8B shapes: the paged
-extend kernel at its default and other tile configs, against torch's SDPA backends (cuDNN, flash,
-efficient) on the same q/k/v, GPU only. Prints TF/s (4 * D * Hq * attended pairs / time) and each
+extend kernel and `prefill_attention` (K/V read with TMA from contiguous or QKV-strided rows) at
+their defaults and other tile configs, against torch's SDPA backends (cuDNN, flash, efficient) on
+the same q/k/v, GPU only. Prints TF/s (4 * D * Hq * attended pairs / time) and each
 output's relative error against torch's math backend (fp32 softmax of the bf16 inputs).
 
     python3 bench/bench_prefill_attention.py [--tokens 1024,4096] [--configs 128x64x8x3,...]
@@ -51,15 +52,13 @@ def main() -> None:
           f"{torch.backends.cudnn.version()}")
     print("| tokens | kernel | us | TF/s | rel err |\n|---|---|---|---|---|")
     configs = [parse_config(c) for c in args.configs.split(",") if c]
-    # A "ws" suffix: the main loop warp-specialized (tl.range(warp_specialize=True)).
-    prefill_configs = [(parse_config(c.removesuffix("ws")), c.endswith("ws"))
-                       for c in args.prefill_configs.split(",") if c]
+    prefill_configs = [parse_config(c) for c in args.prefill_configs.split(",") if c]
     for n in (int(x) for x in args.tokens.split(",")):
         bench(n, args.requests, configs, prefill_configs, dev)
 
 
 def bench(n: int, b: int, configs: list[tuple[int, int, int, int]],
-          prefill_configs: list[tuple[tuple[int, int, int, int], bool]], dev: torch.device) -> None:
+          prefill_configs: list[tuple[int, int, int, int]], dev: torch.device) -> None:
     """One row per kernel for b prompts of n tokens."""
     total = b * n
     torch.manual_seed(0)
@@ -115,14 +114,13 @@ def bench(n: int, b: int, configs: list[tuple[int, int, int, int]],
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
     qv, kv, vv = (t.view(total, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=1))
     if tk.prefill_supported(dev, q.dtype, D):
-        for cfg, ws in [(None, False), *prefill_configs]:
-            def fresh(cfg: tuple[int, int, int, int] | None = cfg, ws: bool = ws,
-                      views: bool = False) -> torch.Tensor:
+        for cfg in [None, *prefill_configs]:
+            def fresh(cfg: tuple[int, int, int, int] | None = cfg, views: bool = False) -> torch.Tensor:
                 tk.prefill_attention(*((qv, kv, vv) if views else (q, k, v)), starts, scale, n,
-                                     out=out, config=cfg, warp_specialize=ws)
+                                     out=out, config=cfg)
                 return out.view(b, n, HQ, D).transpose(1, 2)
 
-            label = "x".join(map(str, cfg or tk.prefill_config(D))) + (" ws" if ws else "")
+            label = "x".join(map(str, cfg or tk.prefill_config(D)))
             runs[f"prefill tma {label}"] = fresh
             if cfg is None:
                 runs[f"prefill tma {label} (qkv views)"] = functools.partial(fresh, views=True)

@@ -38,7 +38,7 @@ def _prefill_tile(q, acc, m_i, l_i, k_desc, v_desc, row0, kv_col, n0, offs_m, of
 @triton.jit
 def _prefill_kernel(q_desc, k_desc, v_desc, out_ptr, q_start_loc_ptr, qk_scale, stride_ot,
                     stride_oh, group, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                    BLOCK_N: tl.constexpr):
     """One program = one (request, q head, BLOCK_M new tokens); the last blocks launch first."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -58,7 +58,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, out_ptr, q_start_loc_ptr, qk_scale, 
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end = m0 // BLOCK_N * BLOCK_N
-    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(q, acc, m_i, l_i, k_desc, v_desc, row0, kv_col, n0, offs_m,
                                       offs_n, qk_scale, False)
     for n0 in range(full_end, tl.minimum(n_new, m0 + BLOCK_M), BLOCK_N):
@@ -81,14 +81,15 @@ def prefill_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -
 
 
 def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). D=128 on the H100 (bench_prefill_attention.py,
+    session 14): 128x128x8x3 is fastest at 4096 tokens (454 TF/s; 2 stages 388, 128x64 397,
+    64x64x4x3 437); a warp-specialized main loop (tl.range(warp_specialize=True)) gained nothing."""
     return (128, 128, 8, 3) if head_dim <= 128 else (128, 64, 8, 2)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start_loc: torch.Tensor,
                       scale: float, max_new_tokens: int, out: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int] | None = None,
-                      warp_specialize: bool = False) -> torch.Tensor:
+                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of each request's tokens over its own earlier tokens.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (rotated k), requests' tokens concatenated, each possibly a
@@ -116,6 +117,5 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
     _prefill_kernel[grid](
         desc(q, hq, block_m), desc(k, hkv, block_n), desc(v, hkv, block_n), out, q_start_loc,
         scale * LOG2E, out.stride(0), out.stride(1), hq // hkv,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=warp_specialize,
-        num_warps=warps, num_stages=stages)
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return out
