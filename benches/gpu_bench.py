@@ -20,6 +20,7 @@ title says which), e.g. `--only S3 --skip-hf --quantization fp8`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -172,8 +173,6 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
     except subprocess.TimeoutExpired:
         ctx.row(sc.label, "timed out", f"> {timeout:.0f} s", "-")
         return
-    if server_log is not None and os.environ.get("TOKENSPEED_STEP_TRACE") == "1":
-        step_rows(ctx, sc, server_log, (started, time.monotonic()))
     record: dict[str, Any] = {}
     if raw.exists():
         for line in raw.read_text().splitlines():
@@ -181,6 +180,9 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
             if rec.get("tag") == sc.sid:
                 record = rec
     ctx.records[sc.sid] = record
+    if server_log is not None and os.environ.get("TOKENSPEED_STEP_TRACE") == "1":
+        step_rows(ctx, sc, server_log, (started, time.monotonic()),
+                  dig(record, "metrics.slowest_itls") or [])
     if rc != 0 or not record:
         ctx.row(sc.label, "FAILED", f"rc={rc}", "-", first_error=record.get("first_error"))
     mism = record.get("length_mismatches")
@@ -195,11 +197,24 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
             ctx.row(sc.label, "prefix cache hit rate (server counters)", round(hit, 3), "-")
 
 
-def step_rows(ctx: Ctx, sc: Scenario, server_log: Path, window: tuple[float, float]) -> None:
+def step_rows(ctx: Ctx, sc: Scenario, server_log: Path, window: tuple[float, float],
+              client_gaps: list[dict[str, float]]) -> None:
+    """The run's step intervals, and for each of the client's slowest gaps the server's steps
+    inside it: several steps there put the delay after the server's results (engine, HTTP,
+    the client), none puts it in the server's step."""
     import step_intervals
 
-    s = step_intervals.summarize(step_intervals.intervals(
-        step_intervals.parse(server_log.read_text(errors="replace")), *window))
+    steps = step_intervals.parse(server_log.read_text(errors="replace"))
+    for gap in client_gaps:
+        end = float(gap["clock_s"])
+        inside = step_intervals.sent_between(steps, end - float(gap["ms"]) / 1e3, end)
+        ctx.row(sc.label, "client gap (ms) / server results inside it", round(float(gap["ms"]), 1),
+                "-", at_s=round(float(gap["at_s"]), 2), request=gap["request"],
+                chunk=gap["chunk"], server_results=len(inside),
+                longest_server_interval_ms=round(max(
+                    (1e3 * (b.sent_s - a.sent_s) for a, b in itertools.pairwise(inside)),
+                    default=0.0), 1))
+    s = step_intervals.summarize(step_intervals.intervals(steps, *window))
     if s is None:
         ctx.row(sc.label, "step intervals (server trace)", "no traced steps", "-")
         return

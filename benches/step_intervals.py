@@ -56,6 +56,11 @@ def intervals(steps: list[Step], since: float = float("-inf"),
     return out
 
 
+def sent_between(steps: list[Step], start: float, end: float) -> list[Step]:
+    """The steps whose results were sent in [start, end] (`time.monotonic()` seconds)."""
+    return [s for s in steps if start <= s.sent_s <= end]
+
+
 def summarize(pairs: list[tuple[float, Step]], slowest: int = 5) -> dict[str, Any] | None:
     if not pairs:
         return None

@@ -152,6 +152,12 @@ def test_metric_definitions() -> None:
     assert m["tpot_ms"]["mean"] == pytest.approx(np.mean([200, 400]))
     assert m["e2e_ms"]["median"] == pytest.approx(1050)
     assert m["concurrency"] == pytest.approx(2.1 / 2.0)
+    # The longest gap first: request b's (1.2 -> 1.5), its first, ending 1.5 s after the first
+    # send; then a's two gaps of 0.2 s (0.8 - 0.6 rounds a hair above 1.0 - 0.8) and its 0.1.
+    slow = m["slowest_itls"]
+    assert [(s["request"], s["chunk"]) for s in slow] == [(1, 1), (0, 2), (0, 3), (0, 1)]
+    assert slow[0]["ms"] == pytest.approx(300) and slow[0]["at_s"] == pytest.approx(1.5)
+    assert slow[0]["clock_s"] == pytest.approx(1.5)
 
 
 def test_server_prompt_tokens_preferred_when_all_report_them() -> None:

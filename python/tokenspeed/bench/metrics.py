@@ -97,8 +97,21 @@ def compute_metrics(results: list[RequestResult]) -> dict[str, object]:
         "tpot_ms": _stats(tpots),
         "itl_ms": _stats(itls),
         "e2e_ms": _stats([r.e2e for r in ok]),
+        "slowest_itls": slowest_itls(results),
     })
     return out
+
+
+def slowest_itls(results: list[RequestResult], n: int = 5) -> list[dict[str, float]]:
+    """The n longest inter-token gaps, each with where it happened: request index, chunk index,
+    and when the gap ended, both since the first send (`at_s`) and as the raw perf_counter
+    value (`clock_s`, CLOCK_MONOTONIC on Linux: the clock of the server's step trace `at`),
+    so that a gap can be matched with the server's steps around it."""
+    t0 = min((r.send_time for r in results if r.ok), default=0.0)
+    gaps = [(b - a, i, k + 1, b) for i, r in enumerate(results) if r.ok
+            for k, (a, b) in enumerate(itertools.pairwise(r.chunk_times))]
+    return [{"ms": 1e3 * g, "request": i, "chunk": k, "at_s": end - t0, "clock_s": end}
+            for g, i, k, end in sorted(gaps, reverse=True)[:n]]
 
 
 def verify_lengths(results: list[RequestResult]) -> list[tuple[int, int, int]]:
