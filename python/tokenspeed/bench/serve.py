@@ -241,8 +241,20 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
             if bar is not None:
                 bar.update(1)
 
+        async def start_all() -> None:
+            # One task per request, started one at a time: the event loop polls its sockets
+            # between starts. Started all at once (S1 sends 2,000 at t=0), every task's first
+            # steps (~1 ms of Python each) run back to back before the loop reads any stream,
+            # and the first streams' tokens wait ~0.2 s in the socket: a client-made gap that
+            # the metrics would count as the server's inter-token latency (session 14).
+            tasks = []
+            for i in range(len(reqs)):
+                tasks.append(asyncio.ensure_future(one(i)))
+                await asyncio.sleep(0)
+            await asyncio.gather(*tasks)
+
         try:
-            await asyncio.gather(*[one(i) for i in range(len(reqs))])
+            await start_all()
         finally:
             gc.enable()
             gc.unfreeze()
