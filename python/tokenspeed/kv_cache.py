@@ -72,33 +72,35 @@ class PagedKVCache:
 
     def update_page_table(self, slots: np.ndarray, first: np.ndarray, count: np.ndarray,
                           pages: np.ndarray) -> None:
-        """Row `slots[i]` entries [first[i], first[i] + count[i]) = the next count[i] of `pages`."""
+        """Row `slots[i]` entries [first[i], first[i] + count[i]) = the next count[i] of `pages`
+        (entries written twice keep the later one). Validated before anything is written."""
         if len(slots) == 0:
             return
+        slots, first, count = (np.asarray(a, dtype=np.int64) for a in (slots, first, count))
         if len(pages) and int(pages.max()) >= self.num_pages:
             raise ValueError(f"page id {int(pages.max())} out of range (num_pages={self.num_pages})")
-        offset = 0
-        for slot, start, n in zip(slots.tolist(), first.tolist(), count.tolist()):
-            if slot >= self.max_slots:
-                raise ValueError(f"slot {slot} out of range (max_slots={self.max_slots})")
-            if start + n > self.max_pages_per_slot:
-                raise ValueError(f"slot {slot}: page-table entries [{start}, {start + n}) exceed "
-                                 f"max_context_len ({self.max_pages_per_slot} pages)")
-            self.page_table_host[slot, start:start + n] = pages[offset:offset + n]
-            offset += n
-        if offset != len(pages):
-            raise ValueError(f"page-table update: counts sum to {offset}, got {len(pages)} pages")
+        if (bad := np.flatnonzero(slots >= self.max_slots)).size:
+            raise ValueError(f"slot {slots[bad[0]]} out of range (max_slots={self.max_slots})")
+        if (bad := np.flatnonzero(first + count > self.max_pages_per_slot)).size:
+            i = bad[0]
+            raise ValueError(f"slot {slots[i]}: page-table entries [{first[i]}, {first[i] + count[i]}) "
+                             f"exceed max_context_len ({self.max_pages_per_slot} pages)")
+        if int(count.sum()) != len(pages):
+            raise ValueError(f"page-table update: counts sum to {int(count.sum())}, got {len(pages)} pages")
+        # Flat index of every entry: its slot's row, its run's first column + its place in the run.
+        run_start = np.cumsum(count) - count
+        flat = (np.repeat(slots * self.max_pages_per_slot + first - run_start, count)
+                + np.arange(len(pages), dtype=np.int64))
+        values = np.asarray(pages, dtype=np.int64)
+        if len(np.unique(slots)) < len(slots):  # a slot listed twice: keep each entry's last write
+            _, last = np.unique(flat[::-1], return_index=True)
+            keep = len(flat) - 1 - last
+            flat, values = flat[keep], values[keep]
+        self.page_table_host.reshape(-1)[flat] = values
         # The device copy gets the same entries through one non-blocking transfer (the GPU may
         # still be running the previous step, which reads the old entries of other slots).
-        rows = np.repeat(slots.astype(np.int64), count.astype(np.int64))
-        cols = np.concatenate([np.arange(s, s + n, dtype=np.int64)
-                               for s, n in zip(first.tolist(), count.tolist())])
-        # Entries written twice in one update keep the last value, as on the host.
-        flat = np.unique(rows * self.max_pages_per_slot + cols)
-        rows, cols = flat // self.max_pages_per_slot, flat % self.max_pages_per_slot
-        rows_d, cols_d, pages_d = to_device_int64([rows, cols, self.page_table_host[rows, cols]],
-                                                  self.page_table.device)
-        self.page_table[rows_d, cols_d] = pages_d.to(torch.int32)
+        flat_d, values_d = to_device_int64([flat, values], self.page_table.device)
+        self.page_table.view(-1)[flat_d] = values_d.to(torch.int32)
 
     def cache_locs(self, slot: int, start: int, end: int) -> np.ndarray:
         """Flat cache indices (page * page_size + offset) of positions [start, end) of a slot."""
