@@ -1,11 +1,12 @@
-"""triton attention backend: tokenspeed_kernels' paged kernels (decode split-K, extend over prefix).
+"""triton attention backend: tokenspeed_kernels' paged kernels (decode split-K, extend over prefix)
+and, for fresh prompts, `prefill_attention`.
 
 Pure-decode steps run `paged_decode_attention`; steps with prefill chunks run
 `paged_extend_attention` for the chunks (`prefill_attention` over the QKV output instead when
 they are all fresh prompts, eager, on Hopper or newer) and the decode kernel for the one-token
-requests leading the step (the scheduler runs decodes first). The metadata is a few small device tensors plus
-Python ints, so a decode step can be captured in a CUDA graph: the graph runner builds
-`TritonMetadata` over its static buffers and the kernels never read sizes back to the host.
+requests leading the step (the scheduler runs decodes first). The metadata is a few small device
+tensors plus Python ints, so a decode step can be captured in a CUDA graph: the graph runner
+builds `TritonMetadata` over its static buffers and the kernels never read sizes back to the host.
 """
 
 from __future__ import annotations
