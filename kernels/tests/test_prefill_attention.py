@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TOL, rel_err
-from tokenspeed_kernels import prefill_attention, prefill_supported
+from tokenspeed_kernels import prefill_attention, prefill_layout_ok, prefill_supported
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -52,3 +52,13 @@ def test_supported_only_where_tma_runs() -> None:
         assert prefill_supported(dev, torch.float32, 128) is False
         assert prefill_supported(dev, torch.bfloat16, 96) is False
         assert prefill_supported(dev, torch.bfloat16, 128) == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+def test_layout_check_accepts_fused_qkv_views_only() -> None:
+    qkv = torch.zeros(10, (4 + 2 + 2) * 64, dtype=torch.bfloat16)
+    q, k, v = (t.view(10, -1, 64) for t in qkv.split([256, 128, 128], 1))
+    assert prefill_layout_ok(q, k, v) and prefill_layout_ok(q[3:], k[3:], v[3:])
+    assert not prefill_layout_ok(q.transpose(0, 1))  # heads not adjacent within a token's row
+    odd = torch.zeros(10, 8 * 64 + 1, dtype=torch.bfloat16)[:, :512].view(10, 8, 64)
+    assert not prefill_layout_ok(odd)  # rows 1026 bytes apart: not 16-byte aligned
+    assert not prefill_layout_ok(qkv.view(-1)[1:1 + 5 * 64].view(5, 1, 64))  # base off by 2 bytes

@@ -8,7 +8,12 @@ from tokenspeed_kernels.gemv import skinny_linear
 from tokenspeed_kernels.kv_cache import write_kv_to_pages
 from tokenspeed_kernels.moe import fused_moe, moe_align, moe_route
 from tokenspeed_kernels.norm import fused_add_rmsnorm, rmsnorm
-from tokenspeed_kernels.prefill_attention import prefill_attention, prefill_config, prefill_supported
+from tokenspeed_kernels.prefill_attention import (
+    prefill_attention,
+    prefill_config,
+    prefill_layout_ok,
+    prefill_supported,
+)
 from tokenspeed_kernels.rotary import build_cos_sin_cache, rotary_embedding
 from tokenspeed_kernels.rotary_kv import rotary_embedding_write_kv
 
@@ -27,6 +32,7 @@ __all__ = [
     "per_token_quant_fp8",
     "prefill_attention",
     "prefill_config",
+    "prefill_layout_ok",
     "prefill_supported",
     "rmsnorm",
     "rotary_embedding",

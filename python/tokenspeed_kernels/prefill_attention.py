@@ -73,18 +73,25 @@ def _prefill_kernel(q_desc, k_desc, v_desc, out_ptr, q_start_loc_ptr, qk_scale, 
 
 @functools.cache
 def prefill_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `prefill_attention` runs here: TMA (compute capability 9+), bf16/fp16, a head
-    size TMA and tl.dot take whole (16..256, a power of two)."""
+    """Whether `prefill_attention` runs here: TMA (compute capability 9+), bf16/fp16, and a head
+    size its GPU tests cover (64, 128)."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-            and dtype in (torch.bfloat16, torch.float16)
-            and head_dim in (16, 32, 64, 128, 256))
+            and dtype in (torch.bfloat16, torch.float16) and head_dim in (64, 128))
+
+
+def prefill_layout_ok(*tensors: torch.Tensor) -> bool:
+    """Whether q, k and v can back its tensor descriptors: each token's heads adjacent, rows
+    starting 16-byte aligned (views of a fused QKV row are)."""
+    return all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and t.data_ptr() % 16 == 0
+               and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
 def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). D=128 on the H100 (bench_prefill_attention.py,
     session 14): 128x128x8x3 is fastest at 4096 tokens (454 TF/s; 2 stages 388, 128x64 397,
-    64x64x4x3 437); a warp-specialized main loop (tl.range(warp_specialize=True)) gained nothing."""
-    return (128, 128, 8, 3) if head_dim <= 128 else (128, 64, 8, 2)
+    64x64x4x3 437); a warp-specialized main loop (tl.range(warp_specialize=True)) gained nothing.
+    D=64 takes the same tiles (tested, not tuned)."""
+    return 128, 128, 8, 3
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start_loc: torch.Tensor,
@@ -101,8 +108,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
     total, hq, head_dim = q.shape
     hkv = k.shape[1]
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
-    for t in (q, k, v):
-        assert t.stride(2) == 1 and t.stride(1) == head_dim, "heads must be adjacent in a row"
+    assert prefill_layout_ok(q, k, v), "heads must be adjacent in a row, rows 16-byte aligned"
     if out is None:
         out = torch.empty_like(q)
     batch = q_start_loc.shape[0] - 1

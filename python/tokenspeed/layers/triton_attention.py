@@ -155,13 +155,13 @@ class TritonBackend(AttentionBackend):
             paged_decode_attention,
             paged_extend_attention,
             prefill_attention,
+            prefill_layout_ok,
             prefill_supported,
         )
 
         m: TritonMetadata = batch.metadata
-        # Its tensor descriptors need each token's heads adjacent (views of a fused QKV row are).
         fresh = (m.fresh and prefill_supported(q.device, q.dtype, q.shape[-1])
-                 and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v)))
+                 and prefill_layout_ok(q, k, v))
         k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc,
                                     rope, rotate_k=fresh)
         # fp8 cache: K/V dequantised in the kernels' registers with the layer's scales (1.0 else).
