@@ -108,6 +108,29 @@ def test_idle_saturates_at_u32_and_never_goes_negative() -> None:
     assert clock.take_us() == U32_MAX
 
 
+def test_a_steps_run_time_spans_its_marks_once_the_gpu_passed_them() -> None:
+    now = FakeClock()
+    wall = IdleClock(now=now)
+    now.t = 1.0
+    wall.begin()
+    now.t = 1.03
+    assert wall.busy_us(wall.end()) == 30_000
+    assert wall.busy_us(None) is None
+
+    gpu: list[FakeEvent] = []
+    clock = IdleClock(new_event=lambda: FakeEvent(gpu))
+    clock.begin()
+    first = clock.end()
+    clock.begin()  # queued behind the first: the GPU starts it when the first is done
+    second = clock.end()
+    s0, e0, s1, e1 = gpu
+    s0.stamp, e0.stamp = 0.0, 4.0
+    assert clock.busy_us(first) == 4000
+    assert clock.busy_us(second) is None, "still running: never blocks"
+    s1.stamp, e1.stamp = 4.0, 11.5
+    assert clock.busy_us(second) == 7500
+
+
 def test_the_idle_time_crosses_the_result_channel_only_when_measured() -> None:
     from tokenspeed import _core
     from tokenspeed.plan import StepPlan
@@ -122,9 +145,13 @@ def test_the_idle_time_crosses_the_result_channel_only_when_measured() -> None:
         ch.send_result(1, out.arrays())
         assert len(w.recv_result(1000)["timing_gpu_idle_us"]) == 0  # no timing row
         out.gpu_idle_us = 1234
+        out.gpu_busy_us = 25_000
         ch.send_result(2, out.arrays())
-        got = np.frombuffer(w.recv_result(1000)["timing_gpu_idle_us"], RESULT_DTYPES["timing_gpu_idle_us"])
+        res = w.recv_result(1000)
+        got = np.frombuffer(res["timing_gpu_idle_us"], RESULT_DTYPES["timing_gpu_idle_us"])
         assert got.tolist() == [1234]
+        busy = np.frombuffer(res["timing_gpu_busy_us"], RESULT_DTYPES["timing_gpu_busy_us"])
+        assert busy.tolist() == [25_000]
     finally:
         w.close()
 

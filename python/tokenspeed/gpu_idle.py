@@ -13,6 +13,11 @@ launch returns, so the marks are host wall-clock times.
 A gap is reported with the first result sent after the GPU has passed both its marks (the
 `StepTiming.gpu_idle_us` of the step result): the sum over results is exact, the attribution
 to one step may lag by one.
+
+The same two marks give each step's run time on the GPU (`StepTiming.gpu_busy_us`): from its
+start mark, which the GPU passes once the previous step's work is done, to its end mark. The
+engine learns what a step costs from it (`--max-mixed-step-ms`): the intervals between results
+cannot tell, as the worker sends step N's result only after queuing step N+1.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Event(Protocol):
 
 
 Mark = Event | float
+Span = tuple[Mark, Mark]  # a step's start and end marks
 
 
 class IdleClock:
@@ -47,6 +53,7 @@ class IdleClock:
         self._new_event = new_event
         self._now = now
         self._last_end: Mark | None = None
+        self._start: Mark | None = None  # of the step being queued
         self._gaps: deque[tuple[Mark, Mark]] = deque()  # the GPU has not passed them yet
         self._idle_ms = 0.0  # gaps passed, not yet taken
 
@@ -71,10 +78,29 @@ class IdleClock:
             self._gaps.append((self._last_end, start))
         # A step that begins again without ending (a bare `forward`) opens no second gap.
         self._last_end = None
+        self._start = start
 
-    def end(self) -> None:
-        """After a step's last kernel is queued (on the CPU: its work is done)."""
+    def end(self) -> Span | None:
+        """After a step's last kernel is queued (on the CPU: its work is done). Returns the
+        step's span (its start and end marks, for `busy_us`); None without a `begin`."""
         self._last_end = self._mark()
+        start, self._start = self._start, None
+        return None if start is None else (start, self._last_end)
+
+    @staticmethod
+    def busy_us(span: Span | None) -> int | None:
+        """Microseconds of the step's span (saturating at u32); None while the GPU has not
+        passed its end mark (it never blocks) or without a span."""
+        if span is None:
+            return None
+        start, end = span
+        if isinstance(start, float) or isinstance(end, float):
+            ms = 1e3 * (float(end) - float(start))  # type: ignore[arg-type]
+        elif end.query():
+            ms = start.elapsed_time(end)
+        else:
+            return None
+        return min(U32_MAX, max(0, round(1e3 * ms)))
 
     def take_us(self) -> int:
         """Microseconds of idle in the gaps the GPU has passed, since the last call (saturating at

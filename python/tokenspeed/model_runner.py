@@ -22,7 +22,7 @@ from tokenspeed.cuda_graph import (
 )
 from tokenspeed.distributed import dp_graph_batch, dp_token_counts, state, sync_sampled_tokens, world_min
 from tokenspeed.distributed import moe_parallel as distributed_moe_parallel
-from tokenspeed.gpu_idle import IdleClock
+from tokenspeed.gpu_idle import IdleClock, Span
 from tokenspeed.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import (
@@ -81,12 +81,14 @@ class PendingStep:
     def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None,
                  top_k: np.ndarray | None = None,
                  prompt: dict[int, PromptLogprobs] | None = None,
-                 idle_clock: IdleClock | None = None) -> None:
+                 idle_clock: IdleClock | None = None,
+                 span: Span | None = None) -> None:
         self.slots = slots
         self.top_k = top_k
         self.prompt = prompt or {}
         self._outputs = outputs
         self._idle_clock = idle_clock
+        self._span = span  # the step's marks on the idle clock (its run time)
 
     def ready(self) -> bool:
         """True once `wait()` would not block."""
@@ -102,6 +104,7 @@ class PendingStep:
                              top_logprobs=top_logprobs, top_k=self.top_k, prompt=self.prompt)
         if self._idle_clock is not None:  # after the wait: this step's marks are passed
             out.gpu_idle_us = self._idle_clock.take_us()
+            out.gpu_busy_us = IdleClock.busy_us(self._span) or 0
         return out
 
 
@@ -467,8 +470,8 @@ class ModelRunner:
                 self.sampler.observe_inputs(slot, ids[ids != LAST_SAMPLED].tolist())
         prompt = self.prompt_scorer.take()
         if len(slots) == 0:
-            self.idle_clock.end()
-            return PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock)
+            span = self.idle_clock.end()
+            return PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock, span=span)
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
         res = self.sampler.sample(slots.tolist(), logits, slots_dev,

@@ -146,6 +146,8 @@ class StepOutput:
         # `StepTiming::gpu_idle_us`: the GPU's idle time between steps the worker measured
         # since its previous result (gpu_idle.py); None: no timing row.
         self.gpu_idle_us: int | None = None
+        # `StepTiming::gpu_busy_us`: this step's run time on the GPU (0: not measured).
+        self.gpu_busy_us = 0
 
     def arrays(self) -> dict[str, bytes]:
         """{result array name: bytes}: one accepted token per event; each event's top-k rows
@@ -175,6 +177,7 @@ class StepOutput:
             out["event_error"] = errors.tobytes()
         if self.gpu_idle_us is not None:
             out["timing_gpu_idle_us"] = np.asarray([self.gpu_idle_us], d["timing_gpu_idle_us"]).tobytes()
+            out["timing_gpu_busy_us"] = np.asarray([self.gpu_busy_us], d["timing_gpu_busy_us"]).tobytes()
         return out
 
     def _with_prompt(self, out: dict[str, bytes], k: np.ndarray) -> dict[str, bytes]:

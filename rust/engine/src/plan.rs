@@ -366,6 +366,10 @@ section! {
         /// from the end of one step's GPU work to the start of the next one's (CUDA events; host
         /// wall clock on the CPU). Saturates at u32::MAX (71 minutes).
         pub gpu_idle_us: u32,
+        /// Microseconds this step ran: from when the GPU could start it (the previous step's
+        /// work done) to the end of its own; 0 when not measured. What the scheduler learns
+        /// step costs from (`Scheduler::observe_run_time`).
+        pub gpu_busy_us: u32,
     }
     lists {}
 }
@@ -400,6 +404,12 @@ impl StepResult {
             1,      // timing: one row
         ];
         <StepResult as Message>::max_encoded_len(&counts)
+    }
+
+    /// This step's run time on the worker's GPU, when it was measured.
+    pub fn gpu_busy(&self) -> Option<std::time::Duration> {
+        let us = self.timing.first()?.gpu_busy_us;
+        (us > 0).then(|| std::time::Duration::from_micros(u64::from(us)))
     }
 
     /// Microseconds the worker's GPU sat idle between steps since its previous result (0 when

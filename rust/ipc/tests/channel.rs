@@ -66,6 +66,7 @@ fn result_for(p: &Plan) -> StepResult {
             .collect(),
         timing: vec![StepTiming {
             gpu_idle_us: p.step_id as u32 * 7,
+            gpu_busy_us: p.step_id as u32 * 11,
         }],
     }
 }

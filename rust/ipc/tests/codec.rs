@@ -151,13 +151,16 @@ fn result() -> impl Strategy<Value = StepResult> {
     (
         any::<u64>(),
         prop::collection::vec(event(), 0..12),
-        prop::option::of(any::<u32>()),
+        prop::option::of((any::<u32>(), any::<u32>())),
     )
-        .prop_map(|(step_id, events, idle)| StepResult {
+        .prop_map(|(step_id, events, timing)| StepResult {
             step_id,
             events,
-            timing: idle
-                .map(|gpu_idle_us| StepTiming { gpu_idle_us })
+            timing: timing
+                .map(|(gpu_idle_us, gpu_busy_us)| StepTiming {
+                    gpu_idle_us,
+                    gpu_busy_us,
+                })
                 .into_iter()
                 .collect(),
         })
@@ -245,10 +248,13 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         ..Default::default()
     };
     assert_eq!(r.gpu_idle_us(), 0);
+    assert_eq!(r.gpu_busy(), None);
     r.timing = vec![StepTiming {
         gpu_idle_us: u32::MAX,
+        gpu_busy_us: 0,
     }];
     assert_eq!(r.gpu_idle_us(), u64::from(u32::MAX));
+    assert_eq!(r.gpu_busy(), None, "0: not measured");
     assert!(r.encoded_len() <= StepResult::max_encoded_len(&l));
     let mut buf = vec![0u8; StepResult::max_encoded_len(&l)];
     encode(&r, &mut buf).unwrap();
@@ -256,6 +262,8 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         decode::<StepResult>(&buf).unwrap().gpu_idle_us(),
         u64::from(u32::MAX)
     );
+    r.timing[0].gpu_busy_us = 25_000;
+    assert_eq!(r.gpu_busy(), Some(std::time::Duration::from_millis(25)));
 }
 
 #[test]
