@@ -193,6 +193,17 @@ def test_reused_slot_starts_fresh(tiny_llama: str) -> None:
     assert again.tokens[0] == greedy_from_scratch(tiny_llama, PREFIX, 6)[0]
 
 
+def test_the_start_up_eager_steps_leave_the_slots_and_pages_usable(tiny_llama: str) -> None:
+    """On CUDA, start-up runs two eager mixed steps on slots 0-1 and the first pages (to compile
+    their kernels before serving); requests in those slots and pages afterwards are unaffected."""
+    runner = runner_for(tiny_llama)
+    runner._compile_eager_steps()
+    sched = OfflineScheduler(runner)
+    got = sched.generate([PREFIX, TAIL_B], 6)
+    assert got.tokens[0] == greedy_from_scratch(tiny_llama, PREFIX, 6)[0]
+    assert got.tokens[1] == greedy_from_scratch(tiny_llama, TAIL_B, 6)[0]
+
+
 def test_plan_errors_name_the_problem(tiny_llama: str) -> None:
     # (Token counts that disagree with the tokens cannot reach the worker: the codec refuses
     # them, see rust/ipc/tests/codec.rs.)

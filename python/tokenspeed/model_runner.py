@@ -223,6 +223,8 @@ class ModelRunner:
             if self.lockstep:  # a GPU check greps for it
                 logger.info("decode CUDA graphs under data-parallel attention: %d groups, one "
                             "padded size per step on every rank", sizes.attn_dp)
+        if self.device.type == "cuda" and not self.lockstep:
+            self._compile_eager_steps()
         logger.info("model %s loaded: dtype=%s%s device=%s attention=%s%s kv pages=%d x %d tokens "
                     "(%s), cuda graphs up to batch %d%s", c.architecture, self.dtype,
                     "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'}"
@@ -479,10 +481,34 @@ class ModelRunner:
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
         self.last_tokens[slots_dev] = res.tokens
         outputs = DeviceToHost([res.tokens, res.logprobs, res.top_ids, res.top_logprobs])
-        self.idle_clock.end()  # after the step's last kernel and copy
-        return PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock)
+        span = self.idle_clock.end()  # after the step's last kernel and copy
+        return PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock,
+                           span)
 
     # --- plan → state and batch ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _compile_eager_steps(self) -> None:
+        """Runs two mixed steps eagerly on scratch slots and pages before serving, so that the
+        kernels only an eager step launches (past the CUDA graphs' sizes) are compiled now: the
+        extend kernel's untiled launch for a prompt chunk after earlier tokens, and
+        `prefill_attention` for fresh prompts. Triton compiles a kernel variant on first use;
+        in the middle of a run that stalls every running stream (1.5 s in S1 on an H100, at the
+        first chunk that continued a prompt past 64 requests)."""
+        ps = self.page_size
+        slots = [0, 1][:self.max_slots]
+        width = -(-48 // ps)  # pages for positions 0..47
+        rows = [(slot, 0, range(slot * width, (slot + 1) * width)) for slot in slots]
+        for start in (16, 0):  # a chunk after 16 earlier tokens, then a fresh prompt
+            chunk = (slots[-1], start, [0] * 16, True)
+            decode = [(0, 16, [0], True)] if len(slots) > 1 else []
+            plan = StepPlan.build(page_tables=rows, scheduled=[*decode, chunk])
+            self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
+                                            plan.pt_pages)
+            batch = self._build_batch(plan, *self._token_indices(plan))
+            self.backend.prepare(batch)
+            hidden = self.model(batch.input_ids, batch.positions, batch)
+            self.model.compute_logits(hidden[-1:])  # type: ignore[operator]
 
     def _apply_state(self, plan: StepPlan) -> None:
         for slot in plan.finished_slot.tolist():
