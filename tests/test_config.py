@@ -386,7 +386,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--model-path", "--tokenizer-path", "--host", "--port", "--served-model-name", "--api-key",
         "--chat-template", "--context-length", "--page-size", "--max-running-requests",
         "--chunked-prefill-size", "--max-prefill-tokens", "--max-mixed-prefill-tokens",
-        "--max-total-tokens", "--schedule-policy", "--schedule-lead-ms",
+        "--max-total-tokens", "--schedule-policy", "--schedule-lead-ms", "--max-mixed-step-ms",
         "--disable-radix-cache", "--disable-overlap-schedule", "--mem-fraction-static", "--device",
         "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--disable-piecewise-cuda-graph",

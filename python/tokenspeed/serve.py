@@ -270,6 +270,7 @@ def launch(cfg: Any) -> int:
             "chunked_prefill_size": chunk,
             "max_prefill_tokens": int(cfg.max_prefill_tokens),
             "max_mixed_prefill_tokens": int(cfg.max_mixed_prefill_tokens),
+            "max_mixed_step_ms": float(cfg.max_mixed_step_ms),
             "schedule_policy": cfg.schedule_policy,
             "disable_radix_cache": bool(cfg.disable_radix_cache),
             "disable_overlap_schedule": bool(cfg.disable_overlap_schedule),

@@ -52,6 +52,7 @@ class ServeConfig:
     chunked_prefill_size: int = _default("chunked_prefill_size")
     max_prefill_tokens: int = _default("max_prefill_tokens")
     max_mixed_prefill_tokens: int = _default("max_mixed_prefill_tokens")
+    max_mixed_step_ms: float = _default("max_mixed_step_ms")
     max_queued_requests: int = _default("max_queued_requests")
     schedule_policy: str = _default("schedule_policy")
     page_size: int = _default("page_size")

@@ -17,6 +17,7 @@
 //!   ... -- --cap 1024 --eager-host-ms 35   (eager steps bound by their ~35 ms host launch)
 //!   ... -- --rate 8 --input 1024 --output 256 --prompts 600 --lead-ms 3   (`--schedule-lead-ms`:
 //!   the next plan is made 3 ms before a running decode step ends, with its end known exactly)
+//!   ... -- --cap 1024 --step-ms 40   (`--max-mixed-step-ms`: mixed steps capped by learned time)
 
 use std::collections::{HashMap, VecDeque};
 
@@ -81,6 +82,8 @@ struct Args {
     eager_host_ms: f64,
     /// Plan the next step this long before a running decode-only step ends (0: at once).
     lead_ms: f64,
+    /// `--max-mixed-step-ms` (0: off); the scheduler learns the model's step times.
+    step_ms: f64,
 }
 
 fn parse() -> Result<Args, String> {
@@ -95,6 +98,7 @@ fn parse() -> Result<Args, String> {
         rate: 0.0,
         eager_host_ms: 0.0,
         lead_ms: 0.0,
+        step_ms: 0.0,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     for pair in argv.chunks(2) {
@@ -113,6 +117,7 @@ fn parse() -> Result<Args, String> {
             "--rate" => a.rate = value.parse().map_err(|e| bad(&e))?,
             "--eager-host-ms" => a.eager_host_ms = value.parse().map_err(|e| bad(&e))?,
             "--lead-ms" => a.lead_ms = value.parse().map_err(|e| bad(&e))?,
+            "--step-ms" => a.step_ms = value.parse().map_err(|e| bad(&e))?,
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
@@ -160,6 +165,7 @@ fn main() {
         chunked_prefill_size: a.chunk,
         max_prefill_tokens: 16384,
         max_mixed_prefill_tokens: a.cap,
+        max_mixed_step_ms: a.step_ms,
         policy: SchedulePolicy::Fcfs,
         enable_radix_cache: true,
         max_context_len: 8192,
@@ -183,8 +189,8 @@ fn main() {
     let mut now = 0.0f64;
     // Per request: arrival and the times its tokens arrived.
     let mut times: HashMap<RequestId, (f64, Vec<f64>)> = HashMap::new();
-    // Steps queued or running: their result, when they end, and whether decode-only.
-    let mut in_flight: VecDeque<(StepResult, f64, bool)> = VecDeque::new();
+    // Steps queued or running: their result, when they end, whether decode-only, run time.
+    let mut in_flight: VecDeque<(StepResult, f64, bool, f64)> = VecDeque::new();
     let (mut steps, mut most_running) = (0u64, 0usize);
     loop {
         while next < arrive.len() && arrive[next] <= now {
@@ -208,7 +214,7 @@ fn main() {
         // With a lead, the plan behind a running decode step waits until `lead` before its end,
         // and the arrivals until then join it.
         let hold = match in_flight.front() {
-            Some(&(_, end, true)) if a.lead_ms > 0.0 && in_flight.len() == 1 => {
+            Some(&(_, end, true, _)) if a.lead_ms > 0.0 && in_flight.len() == 1 => {
                 Some(end - a.lead_ms).filter(|&t| t > now)
             }
             _ => None,
@@ -225,8 +231,9 @@ fn main() {
         let made = plan.is_some();
         if let Some(plan) = plan {
             // The GPU starts this step when the previous one ends (it is queued behind it).
-            let start = in_flight.back().map_or(now, |(_, end, _)| end.max(now));
-            let end = start + model.step_ms(&plan);
+            let start = in_flight.back().map_or(now, |(_, end, _, _)| end.max(now));
+            let run = model.step_ms(&plan);
+            let end = start + run;
             let events = plan
                 .scheduled
                 .iter()
@@ -245,14 +252,18 @@ fn main() {
             };
             let decode_only =
                 !plan.scheduled.is_empty() && plan.scheduled.iter().all(|r| r.tokens.len() == 1);
-            in_flight.push_back((result, end, decode_only));
+            in_flight.push_back((result, end, decode_only, run));
             steps += 1;
         }
         if in_flight.len() >= 2 || (!made && !in_flight.is_empty()) {
-            let Some((result, end, _)) = in_flight.pop_front() else {
+            let Some((result, end, _, run)) = in_flight.pop_front() else {
                 continue;
             };
             now = now.max(end);
+            sched.observe_run_time(
+                result.step_id,
+                std::time::Duration::from_secs_f64(run / 1e3),
+            );
             for out in sched.advance(&result) {
                 if let Some(entry) = times.get_mut(&out.id) {
                     entry.1.extend(out.tokens.iter().map(|_| end));
@@ -284,8 +295,9 @@ fn main() {
         v.sort_by(f64::total_cmp);
     }
     println!(
-        "cap {} chunk {} max-running {} pool {} | {} x {}/{} at {} | steps {} most running {} retractions {}",
+        "cap {} step-ms {} chunk {} max-running {} pool {} | {} x {}/{} at {} | steps {} most running {} retractions {}",
         a.cap,
+        a.step_ms,
         a.chunk,
         a.max_running,
         a.pool_tokens,

@@ -26,6 +26,7 @@ mod finish;
 mod reconcile;
 mod request;
 mod step;
+mod step_cost;
 
 pub use request::{
     ConfigError, FinishReason, Request, RequestId, RequestOutput, SchedulePolicy, SchedulerConfig,
@@ -239,6 +240,8 @@ pub struct Scheduler {
     admitted: Vec<RequestId>,
     /// Requests sent back to the queue so far (`SchedulerStats::retractions`).
     retractions: u64,
+    /// Run times of past steps, for `max_mixed_step_ms`.
+    step_cost: step_cost::StepCost,
 }
 
 impl Scheduler {
@@ -280,11 +283,18 @@ impl Scheduler {
             in_flight: VecDeque::new(),
             admitted: Vec::new(),
             retractions: 0,
+            step_cost: step_cost::StepCost::default(),
         })
     }
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    /// Step `step_id` ran for `run` on the GPU (the worker's `StepTiming::gpu_busy_us`): what
+    /// `max_mixed_step_ms` learns from. Steps never timed are simply not learned from.
+    pub fn observe_run_time(&mut self, step_id: u64, run: std::time::Duration) {
+        self.step_cost.ran(step_id, run.as_secs_f64() * 1e3);
     }
 
     /// Queues a request, or says why it can never be served.
@@ -370,6 +380,18 @@ impl Scheduler {
             waiting: self.waiting.len(),
             retractions: self.retractions,
         }
+    }
+
+    /// Whether prompt tokens wait to be scheduled: a request in the queue, or a running one
+    /// with prompt chunks still to come.
+    pub fn has_prompt_work(&self) -> bool {
+        !self.waiting.is_empty()
+            || self.running.iter().any(|id| {
+                self.requests.get(id).is_some_and(|seq| {
+                    matches!(seq.phase, Phase::Prefilling(_))
+                        && matches!(seq.work(), Work::Known(_))
+                })
+            })
     }
 
     /// True when no request is waiting or running and no plan awaits its result.

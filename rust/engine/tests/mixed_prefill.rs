@@ -99,3 +99,83 @@ fn cap_zero_keeps_the_chunked_prefill_budget_in_mixed_steps() {
     assert!(decodes);
     assert_eq!(tokens, 63, "64-token budget minus one decode");
 }
+
+/// `max_mixed_step_ms`: a fake GPU where a step takes 1 ms, plus 0.3 ms per decode, plus 0.02 ms
+/// per prompt token. `decoders` requests decode while two 3000-token prompts arrive; returns the
+/// prompt tokens of every plan of the wave that also carried decodes, but the last (what was
+/// left of the 6000 tokens).
+fn timed_wave(decoders: u64) -> Vec<usize> {
+    fn step_ms(plan: &Plan) -> f64 {
+        let (prompt, _) = split(plan);
+        let decodes = plan
+            .scheduled
+            .iter()
+            .filter(|s| s.tokens.len() == 1)
+            .count();
+        1.0 + 0.3 * decodes as f64 + 0.02 * prompt as f64
+    }
+    let config = SchedulerConfig {
+        max_running_requests: 256,
+        chunked_prefill_size: 8192,
+        max_prefill_tokens: 16384,
+        max_mixed_prefill_tokens: 1024,
+        max_mixed_step_ms: 40.0,
+        max_context_len: 4096,
+        ..config(40_000, 1)
+    };
+    let mut h = Harness::with_overlap(config, true);
+    h.step_ms = Some(step_ms);
+    for id in 1..=decoders {
+        h.submit(request(id, prompt(id as u32, 4), 120));
+    }
+    for _ in 0..5 {
+        h.step();
+    }
+    let first = h.plans.len();
+    for id in [1000, 1001] {
+        h.submit(request(id, prompt(id as u32, 3000), 2));
+    }
+    h.run(2000);
+    for id in [1000u64, 1001] {
+        assert_eq!(h.tokens(id), reference(&prompt(id as u32, 3000), 2));
+    }
+    h.assert_no_leak();
+    let mut chunks: Vec<usize> = h.plans[first..]
+        .iter()
+        .map(split)
+        .filter(|&(tokens, decodes)| decodes && tokens > 0)
+        .map(|(tokens, _)| tokens)
+        .collect();
+    assert_eq!(
+        chunks.iter().sum::<usize>(),
+        6000,
+        "every prompt beside decodes"
+    );
+    chunks.pop();
+    chunks
+}
+
+#[test]
+fn a_time_cap_fits_the_prompt_share_to_what_the_decodes_leave() {
+    // 100 decodes take 31 ms: 9 ms left for prompt tokens, 450 of them, rounded down to a
+    // multiple of 64: 448. The first mixed steps, before one has been timed, take the token cap.
+    let chunks = timed_wave(100);
+    assert!(chunks[..2].iter().all(|&n| n == 1024), "{chunks:?}");
+    let timed = &chunks[2..];
+    assert!(timed.len() >= 8, "{chunks:?}");
+    // The decodes part grows by a request or two as prompts finish and decode.
+    assert!(timed.iter().all(|&n| n == 448 || n == 384), "{chunks:?}");
+}
+
+#[test]
+fn a_time_cap_leaves_a_few_decodes_the_token_cap() {
+    let chunks = timed_wave(10);
+    assert!(chunks.iter().all(|&n| n == 1024), "{chunks:?}");
+}
+
+#[test]
+fn a_time_cap_never_stops_a_wave_when_decodes_alone_fill_it() {
+    // 150 decodes take 46 ms, more than the 40 ms target: prompts still move, 256 tokens a step.
+    let chunks = timed_wave(150);
+    assert!(chunks[2..].iter().all(|&n| n == 256), "{chunks:?}");
+}

@@ -71,6 +71,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 chunked_prefill_size: budget,
                 max_prefill_tokens: 1024,
                 max_mixed_prefill_tokens: 0,
+                max_mixed_step_ms: 0.0,
                 policy: if lpm {
                     SchedulePolicy::Lpm
                 } else {

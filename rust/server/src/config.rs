@@ -28,6 +28,10 @@ pub struct ServerConfig {
     /// separate cap).
     #[serde(default)]
     pub max_mixed_prefill_tokens: u32,
+    /// Run time, in ms, a step that also carries decodes is planned to stay within
+    /// (`--max-mixed-step-ms`; 0: off).
+    #[serde(default)]
+    pub max_mixed_step_ms: f64,
     pub schedule_policy: String,
     #[serde(default)]
     pub disable_radix_cache: bool,

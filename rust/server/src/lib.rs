@@ -81,6 +81,7 @@ pub fn scheduler_config(c: &ServerConfig) -> Result<SchedulerConfig, ServeError>
         chunked_prefill_size: c.chunked_prefill_size,
         max_prefill_tokens: c.max_prefill_tokens,
         max_mixed_prefill_tokens: c.max_mixed_prefill_tokens,
+        max_mixed_step_ms: c.max_mixed_step_ms,
         policy,
         enable_radix_cache: !c.disable_radix_cache,
         max_context_len: c.context_length,

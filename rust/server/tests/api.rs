@@ -163,6 +163,7 @@ impl ScriptedWorker {
                         events: sampled,
                         timing: vec![StepTiming {
                             gpu_idle_us: GPU_IDLE_US_PER_STEP,
+                            gpu_busy_us: 0,
                         }],
                     })
                     .is_err()
@@ -282,6 +283,8 @@ struct HarnessOpts<'a> {
     schedule_lead_ms: f64,
     /// How long the scripted worker takes per step.
     step_time: Duration,
+    /// `--max-running-requests` (0: the harness's 16).
+    max_running_requests: u32,
 }
 
 fn harness_from(o: HarnessOpts) -> Harness {
@@ -293,6 +296,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         grammar_backend,
         schedule_lead_ms,
         step_time,
+        max_running_requests,
     } = o;
     let dir = smollm2_dir();
     let tok = TextTokenizer::from_dir(&dir, None).expect("tokenizer");
@@ -311,10 +315,15 @@ fn harness_from(o: HarnessOpts) -> Harness {
         context_length: 256,
         page_size: 4,
         num_pages: 512,
-        max_running_requests: 16,
+        max_running_requests: if max_running_requests == 0 {
+            16
+        } else {
+            max_running_requests
+        },
         chunked_prefill_size: 64,
         max_prefill_tokens: 64,
         max_mixed_prefill_tokens: 0,
+        max_mixed_step_ms: 0.0,
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
         disable_overlap_schedule,
@@ -494,6 +503,43 @@ async fn a_schedule_lead_sends_the_next_decode_plan_shortly_before_the_running_s
         }
         assert_eq!(h.log.max_in_flight.load(Ordering::Relaxed), 2);
     }
+}
+
+#[tokio::test]
+async fn no_lead_while_prompts_wait_to_be_computed() {
+    // One request runs at a time: while the first decodes, the second waits in the queue. Its
+    // prompt work makes the next step due at once, so the engine holds no plan for the lead
+    // (that would only leave the worker less time to launch a step behind the running one).
+    let h = harness_from(HarnessOpts {
+        schedule_lead_ms: 10.0,
+        step_time: Duration::from_millis(40),
+        max_running_requests: 1,
+        ..Default::default()
+    });
+    let body = r#"{"prompt": "The capital of France is", "max_tokens": 14, "ignore_eos": true}"#;
+    let (first, second) = tokio::join!(
+        call(&h.state, "POST", "/v1/completions", Some(body), None),
+        async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            call(&h.state, "POST", "/v1/completions", Some(body), None).await
+        }
+    );
+    assert_eq!(first.0, StatusCode::OK, "{}", first.1);
+    assert_eq!(second.0, StatusCode::OK, "{}", second.1);
+    // The first request's decode plans after the second arrived, then the second's own
+    // decodes (nothing waits by then: the lead holds again).
+    let slack = plan_slack(&h.log, 28);
+    let waiting = &slack[4..12];
+    assert!(
+        waiting.iter().all(|&s| s >= 30),
+        "plans ~40 ms ahead while a prompt waits: {slack:?} ms"
+    );
+    let mut alone = slack[slack.len() - 6..].to_vec();
+    alone.sort_unstable();
+    assert!(
+        (0..=25).contains(&alone[alone.len() / 2]),
+        "lead 10 once nothing waits: {slack:?} ms"
+    );
 }
 
 #[tokio::test]

@@ -124,6 +124,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         chunked_prefill_size: 256,
         max_prefill_tokens: 256,
         max_mixed_prefill_tokens: 0,
+        max_mixed_step_ms: 0.0,
         schedule_policy: "fcfs".into(),
         disable_radix_cache: false,
         disable_overlap_schedule: false,

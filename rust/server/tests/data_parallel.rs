@@ -104,6 +104,7 @@ fn group(n: usize, policy: Policy) -> Group {
             chunked_prefill_size: 256,
             max_prefill_tokens: 256,
             max_mixed_prefill_tokens: 0,
+            max_mixed_step_ms: 0.0,
             policy: SchedulePolicy::Fcfs,
             enable_radix_cache: true,
             max_context_len: 4096,

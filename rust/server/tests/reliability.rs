@@ -76,6 +76,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         step_log_interval: 0,
         enable_metrics: true,
         max_mixed_prefill_tokens: 0,
+        max_mixed_step_ms: 0.0,
         sampling_defaults: Default::default(),
         vocab_size: 0,
         grammar_backend: None,

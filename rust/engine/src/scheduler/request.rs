@@ -49,6 +49,11 @@ pub struct SchedulerConfig {
     /// stream waits for the step, so this bounds the inter-token gap while a wave of prompts
     /// prefills: the wave is spread over more, shorter steps.
     pub max_mixed_prefill_tokens: u32,
+    /// Run time a step that also carries decodes is planned to stay within, in ms
+    /// (`--max-mixed-step-ms`; 0: off): its prompt tokens are capped by what the measured run
+    /// times of recent steps say fits (`step_cost.rs`), never below `MIN_TIME_CAPPED_PROMPT`.
+    #[serde(default)]
+    pub max_mixed_step_ms: f64,
     pub policy: SchedulePolicy,
     /// False for `--disable-radix-cache`.
     pub enable_radix_cache: bool,
@@ -66,10 +71,16 @@ impl SchedulerConfig {
             ("max_prefill_tokens", self.max_prefill_tokens),
             ("max_context_len", self.max_context_len),
         ];
-        match positive.into_iter().find(|(_, v)| *v == 0) {
-            Some((field, _)) => Err(ConfigError::Zero { field }),
-            None => Ok(()),
+        if let Some((field, _)) = positive.into_iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError::Zero { field });
         }
+        if !(self.max_mixed_step_ms.is_finite() && self.max_mixed_step_ms >= 0.0) {
+            return Err(ConfigError::Invalid {
+                field: "max_mixed_step_ms",
+                rule: "a finite number >= 0",
+            });
+        }
+        Ok(())
     }
 }
 
@@ -77,6 +88,11 @@ impl SchedulerConfig {
 pub enum ConfigError {
     #[error("scheduler config: {field} must be positive")]
     Zero { field: &'static str },
+    #[error("scheduler config: {field} must be {rule}")]
+    Invalid {
+        field: &'static str,
+        rule: &'static str,
+    },
 }
 
 /// A request's id: one random UUID per API request, shared by the logs, the engine and the

@@ -1,11 +1,21 @@
 //! Building a step: decodes first, then prefill chunks of running requests, then admission;
 //! pages come from the pool, the cache, or a retracted younger request.
 
+use super::step_cost::StepShape;
 use super::{
     Expected, Phase, RequestId, Scheduler, Sequence, StepBuilder, Work, RESERVE_RATIO_BUMP,
 };
 use crate::pages::Pages;
 use crate::plan::{FinishedSlot, Plan, ScheduledRequest, LAST_SAMPLED};
+
+/// The fewest prompt tokens the time cap leaves a step with decodes: a quarter of the default
+/// mixed-step token cap, so that when decodes alone take the whole target a wave of prompts
+/// still progresses (at some cost to the gap) instead of waiting for decodes to finish.
+const MIN_TIME_CAPPED_PROMPT: usize = 256;
+/// The time cap is rounded down to a multiple of this many tokens: steps of fewer distinct
+/// sizes, so the worker's eager launches reuse the same cached activation blocks (every new
+/// size can make the CUDA allocator free and re-allocate, which waits for the GPU).
+const TIME_CAPPED_GRAIN: usize = 64;
 
 impl Scheduler {
     /// Builds the next step, or `None` when there is nothing to run or report.
@@ -14,21 +24,24 @@ impl Scheduler {
     /// the module doc. The worker must run plans in order, on one GPU stream.
     pub fn schedule(&mut self) -> Option<Plan> {
         let mut step = StepBuilder::default();
-        let decodes = self
-            .running
-            .iter()
-            .filter(|id| self.decode_work(id).is_some())
-            .count();
+        let (mut decodes, mut decode_context) = (0, 0);
+        for id in &self.running {
+            if self.decode_work(id).is_some() {
+                decodes += 1;
+                decode_context += self.context_after_decode(id);
+            }
+        }
         // Decodes always run (one token is the least progress a request can make); prefill
         // chunks get what is left of the budget.
         let mut budget = (self.config.chunked_prefill_size as usize)
             .saturating_sub(decodes)
             .min(self.config.max_prefill_tokens as usize);
         // Running streams wait for the whole step: while any decodes, cap its prefill share.
-        let mixed_cap = self.config.max_mixed_prefill_tokens as usize;
-        if decodes > 0 && mixed_cap > 0 {
-            budget = budget.min(mixed_cap);
+        if decodes > 0 {
+            budget = budget.min(self.mixed_prompt_cap(decode_context));
         }
+        let full_budget = budget;
+        let mut scheduled = StepShape::default();
         let mut retracted = false;
 
         let mut i = 0;
@@ -63,6 +76,9 @@ impl Scheduler {
             }
             if decode.is_none() {
                 budget -= fit;
+            } else {
+                scheduled.decodes += 1;
+                scheduled.decode_context += self.context_after_decode(&id);
             }
             self.schedule_chunk(id, fit, &mut step);
             i += 1;
@@ -84,8 +100,36 @@ impl Scheduler {
         }
         step.plan.step_id = self.next_step;
         self.next_step += 1;
+        scheduled.prompt_tokens = full_budget - budget;
+        self.step_cost.planned(step.plan.step_id, scheduled);
         self.in_flight.push_back((step.plan.step_id, step.expected));
         Some(step.plan)
+    }
+
+    /// Most prompt tokens a step that carries decodes may take: `max_mixed_prefill_tokens`, and
+    /// what fits in `max_mixed_step_ms` by the measured run times (at least
+    /// `MIN_TIME_CAPPED_PROMPT`, so a wave of prompts still moves when decodes alone fill it).
+    fn mixed_prompt_cap(&self, decode_context: usize) -> usize {
+        let tokens = match self.config.max_mixed_prefill_tokens {
+            0 => usize::MAX,
+            cap => cap as usize,
+        };
+        let ms = self.config.max_mixed_step_ms;
+        let timed = (ms > 0.0)
+            .then(|| self.step_cost.prompt_tokens_within(ms, decode_context))
+            .flatten()
+            .map_or(usize::MAX, |n| {
+                (n / TIME_CAPPED_GRAIN * TIME_CAPPED_GRAIN).max(MIN_TIME_CAPPED_PROMPT)
+            });
+        tokens.min(timed)
+    }
+
+    /// Context a decode of `id` attends to (its KV read, what the decode's time grows with).
+    fn context_after_decode(&self, id: &RequestId) -> usize {
+        self.requests
+            .get(id)
+            .and_then(Sequence::active)
+            .map_or(0, |a| a.computed + 1)
     }
 
     /// Tokens `id` feeds in the next step if that is a decode (one token: the last sampled one,

@@ -26,6 +26,7 @@ pub fn base_config() -> SchedulerConfig {
         chunked_prefill_size: 8192,
         max_prefill_tokens: 16384,
         max_mixed_prefill_tokens: 0,
+        max_mixed_step_ms: 0.0,
         policy: SchedulePolicy::Fcfs,
         enable_radix_cache: true,
         max_context_len: 4096,
@@ -260,6 +261,9 @@ pub struct Harness {
     pub lose_samples_at: Vec<u64>,
     /// `max_new_tokens` of each submitted request.
     max_new: HashMap<RequestId, u32>,
+    /// The run time of a plan, in ms: when set, each advanced step's is reported to the
+    /// scheduler (`observe_run_time`), as the engine measures it.
+    pub step_ms: Option<fn(&Plan) -> f64>,
 }
 
 impl Harness {
@@ -278,6 +282,7 @@ impl Harness {
             in_flight: VecDeque::new(),
             lose_samples_at: Vec::new(),
             max_new: HashMap::new(),
+            step_ms: None,
         }
     }
 
@@ -313,6 +318,17 @@ impl Harness {
         let Some(result) = self.in_flight.pop_front() else {
             return;
         };
+        if let Some(step_ms) = self.step_ms {
+            if let Some(plan) = self
+                .plans
+                .iter()
+                .rev()
+                .find(|p| p.step_id == result.step_id)
+            {
+                let run = std::time::Duration::from_secs_f64(step_ms(plan) / 1e3);
+                self.sched.observe_run_time(result.step_id, run);
+            }
+        }
         for out in self.sched.advance(&result) {
             self.record(out);
         }
