@@ -925,7 +925,17 @@ async fn server_info_reports_engine_busy_stalled_and_gpu_idle_time() {
     )
     .await;
     assert_eq!(s, StatusCode::OK, "{b}");
-    let (_, b) = call(&h.state, "GET", "/get_server_info", None, None).await;
+    // The engine publishes its counters just after routing the last token: wait for them.
+    let mut b = String::new();
+    for _ in 0..200 {
+        b = call(&h.state, "GET", "/get_server_info", None, None)
+            .await
+            .1;
+        if json_of(&b)["engine"]["steps"].as_f64().unwrap_or(0.0) >= 6.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let engine = &json_of(&b)["engine"];
     let busy = engine["busy_s"].as_f64().unwrap_or(-1.0);
     let stalled = engine["stalled_s"].as_f64().unwrap_or(-1.0);
