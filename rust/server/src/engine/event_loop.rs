@@ -353,9 +353,6 @@ impl EngineLoop {
             }
             self.mark();
             self.plan_clock.on_result(result.step_id, Instant::now());
-            if let Some(run) = result.gpu_busy() {
-                self.scheduler.observe_run_time(result.step_id, run);
-            }
             while let Some(plan) = self.in_flight.pop_front() {
                 if plan.step_id == result.step_id {
                     return Ok(Some((plan, result)));
@@ -389,6 +386,9 @@ impl EngineLoop {
     fn deliver(&mut self, plan: &Plan, result: StepResult) {
         let started = Instant::now();
         self.gpu_idle += Duration::from_micros(result.gpu_idle_us());
+        if let Some(run) = result.gpu_busy() {
+            self.scheduler.observe_run_time(plan.step_id, run);
+        }
         let mut outputs = self.scheduler.advance(&result);
         if !self.grammars.is_empty() {
             outputs = outputs
