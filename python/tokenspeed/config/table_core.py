@@ -205,10 +205,14 @@ MEMORY_FLAGS: list[Flag] = [
       "take and what each prompt token adds, and gives a mixed step only the prompt tokens "
       "that fit (at least 256, at most --max-mixed-prefill-tokens): a few decodes leave room "
       "for a whole prompt, hundreds of long-context ones for a shorter chunk. Bounds the gap "
-      "between tokens under heavy load where a token cap cannot tell the two apart. The "
-      "default, 40, measured on an H100 (Llama-3.1-8B, 2000 prompts at once): p99 step "
-      "interval 46.0 -> 40.8 ms, p99 inter-token gap 55.6 -> 52.5 ms, throughput -1.0%; "
-      "1024-token prompts at 8 req/s unchanged (their mixed steps take ~27 ms).",
+      "between tokens under heavy load where a token cap cannot tell the two apart. Applies "
+      "only while the batch is full: while a request waits and a slot and the KV pool have "
+      "room for it, a mixed step takes up to --max-mixed-prefill-tokens, since a full batch "
+      "of B requests needs B x prompt/output length prompt tokens a step to refill (S1: "
+      "400-500 with an fp8 cache, above the 256 floor) and a batch that cannot refill costs "
+      "more than a longer gap. The default, 40, measured on an H100 (Llama-3.1-8B, 2000 "
+      "prompts at once): p99 step interval 46.0 -> 40.8 ms; 1024-token prompts at 8 req/s "
+      "unchanged (their mixed steps take ~27 ms).",
       G_MEMORY, 40.0, minimum=0.0, component="server", implemented=True),
     f("--schedule-lead-ms", "With overlap scheduling, plan the next step this many ms before "
       "the running decode step is expected to end (the shortest recent decode step), not as "

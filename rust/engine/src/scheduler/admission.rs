@@ -9,6 +9,18 @@ use super::{
     RESERVE_CLIP,
 };
 
+/// How many of a request's tokens may come from the prefix cache. Never the whole sequence: the
+/// last token must be computed to get logits. Prompt logprobs need every prompt position
+/// computed, and penalties every token fed to the worker (its history): no cached prefix then.
+fn matchable_len(seq: &Sequence) -> usize {
+    let sampling = &seq.req.sampling;
+    if (sampling.prompt_logprobs && seq.completion_tokens() == 0) || sampling.penalized() {
+        0
+    } else {
+        seq.tokens.len() - 1
+    }
+}
+
 impl Scheduler {
     /// Tokens a request is still expected to generate, as admission budgets them.
     pub(super) fn expected_growth(&self, seq: &Sequence) -> usize {
@@ -52,25 +64,12 @@ impl Scheduler {
             let Some(seq) = self.requests.get(&id) else {
                 continue;
             };
-            // Never match the whole sequence: the last token must be computed to get logits.
-            // Prompt logprobs need every prompt position computed, and penalties every token
-            // fed to the worker (its history): no cached prefix then.
-            let sampling = &seq.req.sampling;
-            let matchable = if (sampling.prompt_logprobs && seq.completion_tokens() == 0)
-                || sampling.penalized()
-            {
-                0
-            } else {
-                seq.tokens.len() - 1
-            };
-            let m = self.cache.match_prefix(&seq.tokens[..matchable]);
+            let m = self.cache.match_prefix(&seq.tokens[..matchable_len(seq)]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
             let growth = self.expected_growth(seq);
             let uncached = seq.tokens.len() - m.len;
-            let whole = (uncached + growth).div_ceil(ps);
-            // An idle engine always admits (the request fits the pool: `submit` checked).
-            if !self.running.is_empty() && spare < reserved + whole {
+            if !self.fits_beside_running(uncached + growth, reserved) {
                 self.cache.unlock(m.node);
                 break;
             }
@@ -112,6 +111,38 @@ impl Scheduler {
             *budget -= n;
             reserved += (uncached - n + growth).div_ceil(ps);
         }
+    }
+
+    /// Whether a request that needs pages for `tokens` more tokens (its uncached prompt and
+    /// expected growth) fits beside what running requests still need (`reserved` pages): the
+    /// test admission applies. An idle engine always admits (the request fits the pool:
+    /// `submit` checked).
+    fn fits_beside_running(&self, tokens: usize, reserved: usize) -> bool {
+        let spare = self.pool.free_count() + self.cache.evictable_pages();
+        self.running.is_empty()
+            || spare >= reserved + tokens.div_ceil(self.config.page_size as usize)
+    }
+
+    /// Whether the next request in admission order would be admitted if the step had the
+    /// prompt tokens for it: a slot is free and its pages fit beside the running requests'.
+    /// While this holds the batch is not full and a mixed step's prompt share is not capped
+    /// by time (`Scheduler::mixed_prompt_cap`).
+    pub(super) fn next_admission_fits(&self) -> bool {
+        if self.free_slots.is_empty() {
+            return false;
+        }
+        let Some(seq) = self
+            .admission_order()
+            .first()
+            .and_then(|id| self.requests.get(id))
+        else {
+            return false;
+        };
+        let cached = self
+            .cache
+            .peek_prefix_len(&seq.tokens[..matchable_len(seq)]);
+        let tokens = seq.tokens.len() - cached + self.expected_growth(seq);
+        self.fits_beside_running(tokens, self.reserved_pages())
     }
 
     fn admission_order(&self) -> Vec<RequestId> {

@@ -107,17 +107,28 @@ impl Scheduler {
     }
 
     /// Most prompt tokens a step that carries decodes may take: `max_mixed_prefill_tokens`, and
-    /// what fits in `max_mixed_step_ms` by the measured run times (at least
-    /// `MIN_TIME_CAPPED_PROMPT`, so a wave of prompts still moves when decodes alone fill it).
+    /// while the batch is full, what fits in `max_mixed_step_ms` by the measured run times (at
+    /// least `MIN_TIME_CAPPED_PROMPT`, so a wave of prompts still moves when decodes alone fill
+    /// it).
+    ///
+    /// Why not while the batch has room: a full batch of B requests finishes B / output-length
+    /// requests a step, and refilling their places costs B x prompt-length / output-length
+    /// prompt tokens a step (S1, 1k in / 1k out: B tokens, 400-500 with an fp8 cache). Once
+    /// decodes alone fill the target the time cap leaves 256, so admission fell behind
+    /// completion and the batch shrank to ~256 with the pool half empty (issue 29). A longer
+    /// gap costs the streams less than a batch that cannot refill.
     fn mixed_prompt_cap(&self, decode_context: usize) -> usize {
         let tokens = match self.config.max_mixed_prefill_tokens {
             0 => usize::MAX,
             cap => cap as usize,
         };
         let ms = self.config.max_mixed_step_ms;
-        let timed = (ms > 0.0)
-            .then(|| self.step_cost.prompt_tokens_within(ms, decode_context))
-            .flatten()
+        if ms <= 0.0 || self.next_admission_fits() {
+            return tokens;
+        }
+        let timed = self
+            .step_cost
+            .prompt_tokens_within(ms, decode_context)
             .map_or(usize::MAX, |n| {
                 (n / TIME_CAPPED_GRAIN * TIME_CAPPED_GRAIN).max(MIN_TIME_CAPPED_PROMPT)
             });
