@@ -152,14 +152,15 @@ def dig(record: dict[str, Any], path: str) -> Any:
 
 
 def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
-                 server_log: Path | None = None) -> None:
-    """One `tokenspeed bench serve` run. With TOKENSPEED_STEP_TRACE=1 in the environment (the
-    server inherits it), also the step intervals of the run from `server_log`
+                 server_log: Path | None = None) -> tuple[str, dict[str, Any]]:
+    """One `tokenspeed bench serve` run; returns its status ("ok", "failed", "timed out",
+    "skipped") and its JSON record ({} if none). With TOKENSPEED_STEP_TRACE=1 in the environment
+    (the server inherits it), also the step intervals of the run from `server_log`
     (benches/step_intervals.py): the gaps the server produced, beside the client's ITL."""
     timeout = min(sc.timeout_s, ctx.left())
     if timeout < 20:
         ctx.row(sc.label, "skipped", "out of time", "-")
-        return
+        return "skipped", {}
     raw = ctx.out / "bench_serve.jsonl"
     cmd = [sys.executable, "-m", "tokenspeed.cli", "bench", "serve", "--base-url", url,
            "--tokenizer", str(tokenizer_dir), "--output-file", str(raw), "--tag", sc.sid,
@@ -172,7 +173,7 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
         rc = res.returncode
     except subprocess.TimeoutExpired:
         ctx.row(sc.label, "timed out", f"> {timeout:.0f} s", "-")
-        return
+        return "timed out", {}
     record: dict[str, Any] = {}
     if raw.exists():
         for line in raw.read_text().splitlines():
@@ -195,6 +196,7 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
         if after is not None and after[0] > before[0]:
             hit = (after[1] - before[1]) / (after[0] - before[0])
             ctx.row(sc.label, "prefix cache hit rate (server counters)", round(hit, 3), "-")
+    return ("ok" if rc == 0 and record else "failed"), record
 
 
 def step_rows(ctx: Ctx, sc: Scenario, server_log: Path, window: tuple[float, float],

@@ -373,6 +373,60 @@ def test_bench_serve_against_fake_server(fake_server: str, tmp_path: Path, capsy
     assert bench_main([*args[:-2], "--no-verify"]) == 0
 
 
+@pytest.mark.parametrize("stagger", [False, True])
+def test_request_tasks_start_all_at_once_unless_staggered(
+        fake_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stagger: bool) -> None:
+    """At --request-rate inf every request's task exists before the first request is sent (as
+    sglang.bench_serving and vllm bench serve do); --stagger-starts starts them one at a time, so the
+    first request goes out while it is the only one."""
+    import asyncio
+
+    from tokenspeed.bench import serve
+
+    seen: list[int] = []  # request tasks alive at each send
+    real_send = serve.send
+
+    async def counting_send(*a: object, **kw: object) -> RequestResult:
+        seen.append(sum("run_requests.<locals>.one" in t.get_coro().__qualname__ for t in asyncio.all_tasks()))
+        return await real_send(*a, **kw)
+
+    monkeypatch.setattr(serve, "send", counting_send)
+    out = tmp_path / "runs.jsonl"
+    n = 12
+    args = ["serve", "--base-url", fake_server, "--tokenizer", _write_word_tokenizer(tmp_path),
+            "--num-prompts", str(n), "--random-input-len", "8", "--random-output-len", "4",
+            "--warmup-requests", "0", "--disable-tqdm", "--output-file", str(out)]
+    assert bench_main(args + (["--stagger-starts"] if stagger else [])) == 0
+    assert len(seen) == n
+    assert seen[0] == (1 if stagger else n)
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["stagger_starts"] is stagger and rec["request_rate"] == "inf"
+    assert rec["metrics"]["completed"] == n and rec["length_mismatches"] == 0
+
+
+def test_git_commit_only_from_a_tokenspeed_checkout(tmp_path: Path) -> None:
+    """An installed copy inside another git repository (a pyenv checkout, say) has no commit."""
+    import shutil
+    import subprocess
+
+    from tokenspeed.bench import serve
+
+    here = Path(serve.__file__).resolve()
+    if (here.parents[3] / ".git").exists():  # running from the source tree (PYTHONPATH=python)
+        assert serve.git_commit() is not None and len(serve.git_commit() or "") == 40
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q", str(tmp_path)], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    copy = tmp_path / "lib" / "tokenspeed" / "bench" / "serve.py"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(here, copy)
+    spec = importlib.util.spec_from_file_location("serve_copy", copy)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.git_commit() is None
+
+
 # --- live: the real server (runs last; needs the built core) ----------------------------------
 
 HAVE_CORE = importlib.util.find_spec("tokenspeed._core") is not None

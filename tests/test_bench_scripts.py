@@ -177,3 +177,140 @@ def test_step_intervals_from_the_worker_trace(si: ModuleType, caplog: pytest.Log
     s = si.summarize(pairs, slowest=1)
     assert s["max_ms"] == pytest.approx(55.0) and s["slowest"][0]["tokens"] == 1032
     assert si.summarize([]) is None
+
+
+# --- benches/scenarios/scoreboard.py: comparison, flags, resuming ------------------------------
+
+@pytest.fixture(scope="module")
+def sb() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("scoreboard", BENCHES / "scenarios" / "scoreboard.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sb_entry(sb: ModuleType, sid: str, prec: str, metrics: dict[str, float], *, status: str = "ok",
+              gpu: str = "G", quick: bool = False, s1_prompts: int = 2000) -> dict:
+    wl = sb.workloads(quick, s1_prompts=s1_prompts)[sid]
+    return {"scenario": sid, "precision": prec, "status": status, "gpu": gpu, "quick": quick,
+            "commit": "abc1234", "date": "2026-12-01", "workload": wl.text, "prompts": wl.prompts,
+            "args": wl.args, "metrics": metrics}
+
+
+def test_scoreboard_flags_rows_worse_by_more_than_3_percent_in_their_direction(sb: ModuleType) -> None:
+    lower, higher = False, True
+    assert sb.compare(104.0, 100.0, lower) == (pytest.approx(4.0), "WORSE")  # latency up 4%
+    assert sb.compare(102.0, 100.0, lower) == (pytest.approx(2.0), "")
+    assert sb.compare(96.0, 100.0, lower) == (pytest.approx(-4.0), "better")
+    assert sb.compare(96.0, 100.0, higher) == (pytest.approx(-4.0), "WORSE")  # throughput down 4%
+    assert sb.compare(98.0, 100.0, higher) == (pytest.approx(-2.0), "")
+    assert sb.compare(104.0, 100.0, higher) == (pytest.approx(4.0), "better")
+    assert sb.compare(5.0, None, lower) == (None, "new")
+    assert sb.compare(None, 5.0, lower) == (None, "not run")
+
+
+def test_scoreboard_table_against_the_seeded_baseline(sb: ModuleType) -> None:
+    base = sb.load_baseline(sb.BASELINE)
+    gpu = "NVIDIA H100 80GB HBM3"
+    cell = sb.baseline_cell(base, gpu, "S1", "fp8-kv", "output tok/s")
+    assert cell["value"] == 8049 and cell["commit"] == "ddcddc1" and cell["date"] == "2026-11-26"
+    assert "1000 requests" in cell["note"]
+    assert sb.baseline_cell(base, gpu, "S2", "bf16", "p99 ITL ms")["value"] == 29.31
+    entries = {("S1", "bf16"): _sb_entry(sb, "S1", "bf16", {"output tok/s": 7312 * 0.96, "max ITL ms": 150.0}),
+               ("S3", "bf16"): _sb_entry(sb, "S3", "bf16", {"median TPOT ms": 5.80 * 1.02,
+                                                            "median TTFT ms": 9.9 * 0.9}),
+               ("S2", "fp8-kv"): _sb_entry(sb, "S2", "fp8-kv", {}, status="timed out")}
+    rows = sb.build_rows(entries, base, gpu, list(sb.PRECISIONS), list(sb.SCENARIOS))
+    by = {(r.scenario, r.precision, r.metric): r for r in rows}
+    assert len(rows) == 18
+    assert by[("S1", "bf16", "output tok/s")].flag == "WORSE"
+    assert by[("S1", "bf16", "max ITL ms")].flag == "new"  # nothing recorded for it
+    assert by[("S3", "bf16", "median TPOT ms")].flag == ""
+    assert by[("S3", "bf16", "median TTFT ms")].flag == "better"
+    assert by[("S2", "fp8-kv", "median TTFT ms")].flag == "TIMED OUT"
+    assert by[("S1", "fp8-both", "output tok/s")].flag == "not run"
+    table = sb.render(rows, "title", entries, sb.workloads())
+    assert "| S1 | bf16 | output tok/s | 7,020 | 7,312 | -4.0% | **WORSE** |" in table
+    assert "| S1 | bf16 | max ITL ms | 150.00 | - | - | new |" in table
+    assert "| S3 | bf16 | median TPOT ms | 5.92 | 5.80 | +2.0% |  |" in table
+    assert "1 row(s) more than 3% worse" in table and "1000 requests" in table
+    # Another GPU has no recorded numbers: every measured row is new.
+    assert {r.flag for r in sb.build_rows(entries, base, "NVIDIA H200", ["bf16"], ["S1"])} == {"new"}
+
+
+def test_scoreboard_resumes_what_out_does_not_hold(sb: ModuleType) -> None:
+    wl = sb.workloads()
+    results = [
+        _sb_entry(sb, "S3", "bf16", {}),
+        _sb_entry(sb, "S2", "bf16", {}, status="failed"),
+        _sb_entry(sb, "S1", "bf16", {}, s1_prompts=400),  # another workload: runs again
+        _sb_entry(sb, "S3", "fp8-kv", {}, gpu="other"),  # another GPU: runs here
+        _sb_entry(sb, "S2", "fp8-kv", {}, quick=True),  # quick runs are kept apart
+        _sb_entry(sb, "S1", "fp8-kv", {}, status="failed"),
+        _sb_entry(sb, "S1", "fp8-kv", {}),  # the last line wins
+    ]
+    precs, scens = list(sb.PRECISIONS), list(sb.SCENARIOS)
+    assert sb.pending(results, "G", False, wl, precs, scens) == {
+        "bf16": ["S2", "S1"], "fp8-kv": ["S3", "S2"], "fp8-both": ["S3", "S2", "S1"]}
+    assert sb.pending(results, "G", False, wl, precs, scens, rerun=True) == {p: scens for p in precs}
+    assert sb.pending(results, "G", False, sb.workloads(s1_prompts=400), ["bf16"], ["S3", "S1"]) == {}
+
+
+def test_scoreboard_runs_only_what_is_missing_and_records(sb: ModuleType, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The matrix loop against a stand-in server and bench: a second run with the same --out runs
+    nothing, a failed (scenario, precision) runs again, --report-only --record writes the baseline."""
+    ran: list[str] = []
+    servers: list[tuple[str, list[str]]] = []
+    failing = {"S2/fp8-kv"}
+
+    def start_server(ctx: object, model_dir: Path, tag: str, extra: list[str], timeout_s: float) -> tuple:
+        servers.append((tag, extra))
+        return object(), "http://x"
+
+    def run_scenario(ctx: object, url: str, tok: Path, sc: object, log: Path) -> tuple[str, dict]:
+        ran.append(sc.sid)  # type: ignore[attr-defined]
+        status = "failed" if sc.sid in failing else "ok"  # type: ignore[attr-defined]
+        metrics = {"output_throughput": 7000.0, "itl_ms": {"max": 100.0, "p99": 25.0},
+                   "ttft_ms": {"median": 10.0}, "tpot_ms": {"median": 5.5}}
+        return status, {"commit": "0123456789abcdef", "metrics": metrics, "stagger_starts": False}
+
+    monkeypatch.setattr(sb.gpu_bench, "start_server", start_server)
+    monkeypatch.setattr(sb.gpu_bench, "run_scenario", run_scenario)
+    monkeypatch.setattr(sb.gpu_bench, "stop_server", lambda proc: None)
+    monkeypatch.setattr(sb, "repo_commit", lambda: None)  # then the bench record's commit
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    base = tmp_path / "baseline.json"
+    base.write_text(json.dumps({"G": {"S3": {"bf16": {"median TPOT ms": {"value": 5.0, "commit": "x",
+                                                                          "date": "d"}}}}}))
+    out = tmp_path / "out"
+    common = ["--out", str(out), "--gpu", "G", "--tokenizer", str(tok), "--baseline", str(base),
+              "--only-precision", "fp8-kv,bf16", "--budget-s", "100000"]
+    assert sb.main(common) == 0
+    assert ran == ["S3/bf16", "S2/bf16", "S1/bf16", "S3/fp8-kv", "S2/fp8-kv", "S1/fp8-kv"]
+    assert [t for t, _ in servers] == ["bf16", "fp8-kv"] and servers[1][1] == ["--kv-cache-dtype", "fp8"]
+    summary = (out / "summary.md").read_text()
+    assert "| S3 | bf16 | median TPOT ms | 5.50 | 5.00 | +10.0% | **WORSE** |" in summary
+    assert "| S2 | fp8-kv | median TTFT ms | - | - | - | FAILED |" in summary
+    ran.clear()
+    servers.clear()
+    failing.clear()
+    assert sb.main(common) == 0
+    assert ran == ["S2/fp8-kv"] and [t for t, _ in servers] == ["fp8-kv"]
+    ran.clear()
+    assert sb.main([*common, "--only", "S1"]) == 0 and ran == []
+    entries = [json.loads(line) for line in (out / "scoreboard.jsonl").read_text().splitlines()]
+    assert len(entries) == 7 and all(e["gpu"] == "G" and e["commit"] == "0123456" for e in entries)
+    assert entries[0]["metrics"] == {"median TPOT ms": 5.5, "median TTFT ms": 10.0}
+
+    assert sb.main(["--out", str(out), "--report-only", "--record", "--baseline", str(base)]) == 0
+    assert ran == []
+    recorded = json.loads(base.read_text())["G"]
+    assert recorded["S3"]["bf16"]["median TPOT ms"] == {"value": 5.5, "commit": "0123456",
+                                                        "date": entries[0]["date"]}
+    assert recorded["S1"]["fp8-kv"]["output tok/s"]["value"] == 7000.0
+    assert recorded["S2"]["fp8-kv"]["p99 ITL ms"]["value"] == 25.0  # its rerun succeeded
+    assert "fp8-both" not in recorded["S1"]

@@ -73,6 +73,14 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
                                        "prompt tokens (default: the server's model dir from /get_model_info "
                                        "if local, else the server's /tokenize)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--stagger-starts", action="store_true",
+                   help="start the request tasks one at a time, letting the event loop read the open "
+                        "streams between starts, instead of creating every task at once (the default, as "
+                        "sglang.bench_serving and vllm bench serve do). With thousands of requests at t=0, "
+                        "creating them all first costs ~1 ms of Python each before the loop reads any "
+                        "stream, and that client-made start-up gap counts in the first streams' ITL; "
+                        "staggering keeps it out, but sends the last request later. Only matters when many "
+                        "requests are due at once (--request-rate inf)")
     p.add_argument("--warmup-requests", type=int, default=1,
                    help="requests sent (concurrently, the first prompt) before measuring (default 1)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
@@ -112,12 +120,19 @@ def default_model(base_url: str) -> str | None:
 
 
 def git_commit() -> str | None:
+    """HEAD of the TokenSpeed checkout this file runs from; None when installed (site-packages
+    may lie inside another git repository, e.g. a pyenv checkout)."""
+    here = Path(__file__).resolve()
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return (out.stdout.strip() or None) if out.returncode == 0 else None
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], check=False, capture_output=True,
+                             text=True, timeout=5, cwd=here.parent)
     except (OSError, subprocess.SubprocessError):
         return None
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2:
+        return None
+    top, head = lines
+    return head if (Path(top) / "python" / "tokenspeed" / "bench" / "serve.py").resolve() == here else None
 
 
 async def _flush_cache(client: httpx.AsyncClient, base_url: str) -> str:
@@ -242,11 +257,16 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
                 bar.update(1)
 
         async def start_all() -> None:
-            # One task per request, started one at a time: the event loop polls its sockets
-            # between starts. Started all at once (S1 sends 2,000 at t=0), every task's first
-            # steps (~1 ms of Python each) run back to back before the loop reads any stream,
-            # and the first streams' tokens wait ~0.2 s in the socket: a client-made gap that
-            # the metrics would count as the server's inter-token latency (session 14).
+            if not args.stagger_starts:
+                # Every task created before any runs (sglang.bench_serving, vllm bench serve):
+                # all requests are due at t=0 and none waits for the client to start the others.
+                await asyncio.gather(*[asyncio.ensure_future(one(i)) for i in range(len(reqs))])
+                return
+            # --stagger-starts: one task at a time, the event loop polling its sockets between
+            # starts. Started all at once (S1 sends 2,000 at t=0), every task's first steps (~1 ms
+            # of Python each) run back to back before the loop reads any stream, and the first
+            # streams' tokens wait ~0.2 s in the socket: a client-made gap that the metrics count
+            # as the server's inter-token latency (session 14).
             tasks = []
             for i in range(len(reqs)):
                 tasks.append(asyncio.ensure_future(one(i)))
@@ -323,7 +343,8 @@ def run_serve_bench(args: argparse.Namespace, argv: list[str], extra_record: dic
     if server.get("gpu_idle"):
         m["gpu_idle"] = server["gpu_idle"]
     header = {"Backend": args.backend, "Traffic request rate": args.request_rate,
-              "Max request concurrency": args.max_concurrency or "not set"}
+              "Max request concurrency": args.max_concurrency or "not set",
+              "Request task starts": "staggered" if args.stagger_starts else "all at once"}
     print(format_metrics(m, header))
     print(f"output tokens counted from: {out_source}")
     realised = length_stats([r.output_tokens for r in results if r.ok])
@@ -347,7 +368,8 @@ def run_serve_bench(args: argparse.Namespace, argv: list[str], extra_record: dic
         "bench": title, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "argv": argv, "base_url": args.base_url, "backend": args.backend,
         "model": model, "tokenizer": tok.source, "request_rate": args.request_rate,
-        "max_concurrency": args.max_concurrency, "ignore_eos": ignore_eos, "seed": args.seed,
+        "max_concurrency": args.max_concurrency, "stagger_starts": bool(args.stagger_starts),
+        "ignore_eos": ignore_eos, "seed": args.seed,
         "tag": args.tag, "dataset": summary, "notes": notes, "output_tokens_source": out_source,
         "realised_output_len": realised, "length_mismatches": len(mismatches) if ignore_eos else None,
         "first_error": failed[0].error if failed else None, **(extra_record or {}), "metrics": m,
