@@ -44,7 +44,7 @@ def main() -> int:
         use_old_path()
     from gpu_bench import write_model_dir
     from tokenspeed.bench.one_batch import decode_plan, prefill_plan
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     model_dir = write_model_dir(Path(tempfile.mkdtemp()), args.tokenizer, 32, {})
     for max_ctx in args.max_context:

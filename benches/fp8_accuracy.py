@@ -54,8 +54,8 @@ import numpy as np
 import torch
 
 from tokenspeed.bench.model_configs import LLAMA31_8B
-from tokenspeed.model_runner import ModelRunner
-from tokenspeed.models.offline import OfflineScheduler
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
 SMALL = {**LLAMA31_8B, "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "bos_token_id": 1,

@@ -94,7 +94,7 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 def start_server(ctx: Ctx, model_dir: Path, tag: str, extra: list[str],
                  timeout_s: float) -> tuple[subprocess.Popen, str] | None:
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", str(model_dir), "--load-format", "dummy",
+    cmd = [sys.executable, "-m", "tokenspeed.launch.cli", "serve", str(model_dir), "--load-format", "dummy",
            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
            "--context-length", "8192", "--enable-metrics", *extra]
     log = open(ctx.out / f"server_{tag}.log", "w")  # noqa: SIM115  (the server writes it)
@@ -162,7 +162,7 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
         ctx.row(sc.label, "skipped", "out of time", "-")
         return "skipped", {}
     raw = ctx.out / "bench_serve.jsonl"
-    cmd = [sys.executable, "-m", "tokenspeed.cli", "bench", "serve", "--base-url", url,
+    cmd = [sys.executable, "-m", "tokenspeed.launch.cli", "bench", "serve", "--base-url", url,
            "--tokenizer", str(tokenizer_dir), "--output-file", str(raw), "--tag", sc.sid,
            "--disable-tqdm", *sc.args]
     print(f"\n=== {sc.label}\n$ {' '.join(cmd)}", flush=True)

@@ -9,7 +9,7 @@ bf16, extend graphs as `tokenspeed serve` captures them.
 
 --profile N: after the timings, one more step of each case under torch.profiler, and its N
 costliest GPU kernels (ms, launches) with the sum of all kernel time and the GPU's idle gaps
-(tokenspeed.step_profile.summarize: the summary a served step gets under TOKENSPEED_STEP_PROFILE).
+(tokenspeed.diagnostics.step_profile.summarize: the summary a served step gets under TOKENSPEED_STEP_PROFILE).
 A prompt past the largest extend graph (2048) runs eager; --decodes 0 times the prompt alone.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from runner_steps import PlanBuilder, llama31_8b_dir
 
-from tokenspeed.step_profile import summarize
+from tokenspeed.diagnostics.step_profile import summarize
 
 PAGE = 16
 
@@ -42,8 +42,8 @@ def main() -> None:
     args = ap.parse_args()
     cuda = args.device == "cuda"
 
-    from tokenspeed.cuda_graph import extend_capture_sizes
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.model_runner import ModelRunner
 
     path = llama31_8b_dir(args.layers)
     sizes = extend_capture_sizes(2048)

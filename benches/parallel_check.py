@@ -152,7 +152,12 @@ def _allreduce_rank(rank: int, init: str, out: Any) -> None:
     try:
         import torch
 
-        from tokenspeed.distributed import ParallelSizes, destroy_distributed, init_distributed, tp_all_reduce
+        from tokenspeed.distributed.groups import (
+            ParallelSizes,
+            destroy_distributed,
+            init_distributed,
+            tp_all_reduce,
+        )
 
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
@@ -185,7 +190,7 @@ def allreduce_ms() -> Any:
     """ms per 8B decode step's worth of all-reduces (64 x [1, 4096] bf16, one CUDA graph)."""
     import multiprocessing as mp
 
-    from tokenspeed.distributed import free_tcp_port
+    from tokenspeed.distributed.groups import free_tcp_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import write_model_dir
 from tokenspeed.bench.one_batch import decode_plan, prefill_plan
-from tokenspeed.model_runner import ModelRunner
-from tokenspeed.plan import LAST_SAMPLED
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.plan import LAST_SAMPLED
 
 
 def wall_ms(fn, reps: int) -> tuple[float, object]:

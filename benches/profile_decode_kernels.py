@@ -64,7 +64,7 @@ from decode_step_report import (
 
 from gpu_bench import MODELS
 from tokenspeed.bench.one_batch import decode_plan
-from tokenspeed.plan import StepPlan
+from tokenspeed.worker.plan import StepPlan
 
 # name: (label, --quantization, --kv-cache-dtype, S1's running requests on an H100)
 CONFIGS: dict[str, tuple[str, str | None, str, int]] = {
@@ -115,7 +115,7 @@ def fill_prefill(runner: Any, batch: int, pages_per_slot: int, context: int, see
 
 def graph_size(batch: int, max_bs: int) -> int:
     """The captured size the server replays for `batch` requests (cuda_graph.capture_sizes)."""
-    from tokenspeed.cuda_graph import capture_sizes
+    from tokenspeed.worker.cuda_graph import capture_sizes
 
     sizes = capture_sizes(max(max_bs, batch))
     return next(s for s in sizes if s >= batch)
@@ -124,7 +124,7 @@ def graph_size(batch: int, max_bs: int) -> int:
 def capture_one(runner: Any, size: int) -> None:
     """The decode graph of `size` rows only, as ModelRunner captures each of its sizes (the
     server captures every size of its grid; the others are never replayed here)."""
-    from tokenspeed.cuda_graph import DecodeGraphRunner
+    from tokenspeed.worker.cuda_graph import DecodeGraphRunner
 
     graphs = DecodeGraphRunner(runner.model, runner.kv_cache, runner.backend, size,
                                runner.config.vocab_size, runner.device, runner.last_tokens)
@@ -246,7 +246,7 @@ def run_config(name: str, args: argparse.Namespace, batch: int, model_dir: str, 
                checkpoint: Callable[[Result], None]) -> Result:
     """Build, fill, time and profile one configuration; `checkpoint(res)` saves the timings
     before the profiler runs (a hang there leaves them on disk)."""
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     label, quant, kv_dtype, _ = CONFIGS[name]
     cuda = args.device.startswith("cuda")

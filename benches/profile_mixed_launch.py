@@ -27,8 +27,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     args = ap.parse_args()
 
-    from tokenspeed.cuda_graph import extend_capture_sizes
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.model_runner import ModelRunner
 
     path = llama31_8b_dir(args.layers)
     slots = args.decodes + args.reps + 1

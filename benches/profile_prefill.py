@@ -22,7 +22,7 @@ import torch
 
 
 def make_plan(step_id: int, slot: int, tokens: int, page_size: int, first_page: int, vocab: int):
-    from tokenspeed.plan import StepPlan
+    from tokenspeed.worker.plan import StepPlan
 
     pages = list(range(first_page, first_page + -(-tokens // page_size)))
     ids = np.random.default_rng(step_id).integers(10, min(vocab, 30000), tokens).tolist()
@@ -56,7 +56,7 @@ def main() -> None:
         with open(f"{args.model}/config.json", "w") as f:
             json.dump(cfg, f)
 
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     page_size = 16
     runner = ModelRunner(args.model, dtype=args.dtype, device=args.device,

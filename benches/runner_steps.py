@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Sequence
 
 from tokenspeed.bench.model_configs import LLAMA31_8B
-from tokenspeed.plan import StepPlan
+from tokenspeed.worker.plan import StepPlan
 
 
 def llama31_8b_dir(layers: int | None = None) -> str:

@@ -15,7 +15,7 @@ never hits, `ignore_eos`, one connection kept alive like a benchmark client) it 
   bytes: TTFT without the Python HTTP client's own time;
 - engine: submit → first token routed (the server's `tokenspeed:time_to_first_token_seconds`
   histogram, read before and after each request: its sum grows by exactly this request's TTFT);
-- worker: the prefill step's own timings (TOKENSPEED_STEP_TRACE, python/tokenspeed/step_trace.py):
+- worker: the prefill step's own timings (TOKENSPEED_STEP_TRACE, python/tokenspeed/diagnostics/step_trace.py):
   plan received → kernels queued (`launch`, host time), → outputs on the host (`gpu_wait`),
   → result sent.
 So: client − engine = HTTP, JSON, SSE and TCP; engine − worker total = engine thread, scheduler

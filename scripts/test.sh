@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-export TOKENSPEED_TEST_ASSETS="${TOKENSPEED_TEST_ASSETS:-$("$PY" -m tokenspeed.assets test-assets | tail -n1)}"
+export TOKENSPEED_TEST_ASSETS="${TOKENSPEED_TEST_ASSETS:-$("$PY" -m tokenspeed.launch.assets test-assets | tail -n1)}"
 
 echo "== rust: fmt, clippy, tests =="
 cargo fmt --all -- --check

@@ -36,7 +36,7 @@ class Server:
 def start_server(tmp_dir: str, *args: str, timeout_s: float = 300) -> Server:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
-    cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", *args]
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

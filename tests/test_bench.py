@@ -222,7 +222,7 @@ def test_offline_server_command() -> None:
     assert url == "http://127.0.0.1:31234"
     cmd, url = server_command(["/m", "--host", "0.0.0.0"])
     port = cmd[cmd.index("--port") + 1]
-    assert url == f"http://127.0.0.1:{port}" and cmd[2:4] == ["tokenspeed.cli", "serve"]
+    assert url == f"http://127.0.0.1:{port}" and cmd[2:4] == ["tokenspeed.launch.cli", "serve"]
 
 
 class _FakeRunner:
@@ -234,7 +234,7 @@ class _FakeRunner:
         self.plans: list[object] = []
 
     def step(self, plan: object) -> object:
-        from tokenspeed.plan import StepOutput, StepPlan
+        from tokenspeed.worker.plan import StepOutput, StepPlan
 
         assert isinstance(plan, StepPlan)
         self.plans.append(plan)

@@ -151,11 +151,11 @@ def test_step_intervals_from_the_worker_trace(si: ModuleType, caplog: pytest.Log
     import logging
     import time
 
-    from tokenspeed.plan import StepPlan
-    from tokenspeed.step_trace import StepTrace
+    from tokenspeed.diagnostics.step_trace import StepTrace
+    from tokenspeed.worker.plan import StepPlan
 
     trace = StepTrace(every=1)
-    with caplog.at_level(logging.INFO, logger="tokenspeed.step_trace"):
+    with caplog.at_level(logging.INFO, logger="tokenspeed.diagnostics.step_trace"):
         for step in range(3):
             trace.received(StepPlan.build(step, new=[], page_tables=[(0, 0, [1])],
                                           scheduled=[(0, 0, [5, 6], True)]))

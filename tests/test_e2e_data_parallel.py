@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from server_harness import Server, pid_alive, shm_segments, start_server, stop_server, wait_exit
-from tokenspeed.serve import LaunchError, data_parallel_size
+from tokenspeed.launch.serve import LaunchError, data_parallel_size
 
 # The session `server` fixture's flags (tests/conftest.py): the one-replica reference.
 FLAGS = ("--page-size", "4", "--max-running-requests", "32", "--max-total-tokens", "16384",

@@ -36,7 +36,7 @@ from tp_ranks import (
 from transformers import LlamaConfig
 
 from server_harness import Server, start_server, stop_server
-from tokenspeed.distributed import (
+from tokenspeed.distributed.groups import (
     ParallelConfigError,
     ParallelSizes,
     Tick,
@@ -91,7 +91,7 @@ REGEX = {"regex": "[a-z]{2,5}-[0-9]{3}"}
 
 
 def _serve_fails(*args: str) -> str:
-    cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--device", "cpu", *args]
+    cmd = [sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--device", "cpu", *args]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0, out.stdout + out.stderr
     return out.stderr

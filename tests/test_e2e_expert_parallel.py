@@ -84,7 +84,7 @@ def test_serve_ep2_gives_tp1_text_and_a_dead_rank_stops_it(moe_dir: Path, tmp_pa
 
 
 def _serve_fails(*args: str) -> str:
-    cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--device", "cpu", *args]
+    cmd = [sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--device", "cpu", *args]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0, out.stdout + out.stderr
     return out.stderr

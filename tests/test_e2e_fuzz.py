@@ -38,7 +38,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
 
 
 def _tiny_model(root: Path) -> Path:
-    from tokenspeed.assets import ensure_default_model
+    from tokenspeed.launch.assets import ensure_default_model
 
     src = ensure_default_model()
     root.mkdir(parents=True, exist_ok=True)

@@ -106,7 +106,7 @@ def test_logit_bias_forces_and_forbids_tokens(server: Server, client: openai.Ope
 @pytest.fixture(scope="module")
 def hf_model() -> object:
     transformers = pytest.importorskip("transformers")
-    from tokenspeed.assets import ensure_default_model
+    from tokenspeed.launch.assets import ensure_default_model
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(ensure_default_model()), torch_dtype=torch.float32).eval()
 

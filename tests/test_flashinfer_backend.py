@@ -55,7 +55,7 @@ def test_missing_flashinfer_or_a_cpu_device_is_a_clear_error() -> None:
 def test_serve_with_an_unusable_flashinfer_backend_exits_with_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Checked before any worker starts: exit 1, the reason on one line, no traceback."""
-    from tokenspeed.cli import main
+    from tokenspeed.launch.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                       "max_position_embeddings": 256}))

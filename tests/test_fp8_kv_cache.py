@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from test_models_numerics import TINY_CONFIGS, randomize
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from tokenspeed.kv_cache import PagedKVCache
-from tokenspeed.model_runner import ModelRunner
-from tokenspeed.models.offline import OfflineScheduler
+from tokenspeed.layers.kv_cache import PagedKVCache
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
 PROMPTS = [[(13 * i + 5 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([5, 19, 33, 8])]
 NEW = 24

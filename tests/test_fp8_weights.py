@@ -19,12 +19,12 @@ from tokenspeed.layers.quantization.fp8 import (
     FP8,
     dequantize,
     fp8_linear,
-    quantize_model,
     quantize_per_channel,
     reference_linear,
 )
+from tokenspeed.layers.quantization.fp8_model import quantize_model
 from tokenspeed.layers.quantization.methods import Fp8Config, QuantizationError, resolve_quantization
-from tokenspeed.model_runner import ModelRunner
+from tokenspeed.worker.model_runner import ModelRunner
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -215,7 +215,7 @@ def test_fp8_checkpoints_with_an_fp8_lm_head_load_as_they_are(tiny_llama: str, t
 def test_an_fp8_head_loads_each_ranks_rows_and_scales(scale_shape: tuple[int, ...]) -> None:
     """Vocab-parallel: rank r keeps rows [r * 49, r * 49 + 49) of a 97-token head (rank 1's last
     row is padding: zero weight, zero scale); per-row and per-tensor scales alike."""
-    from tokenspeed.layers.quantization.fp8 import prepare_fp8_checkpoint
+    from tokenspeed.layers.quantization.fp8_model import prepare_fp8_checkpoint
 
     gen = torch.Generator().manual_seed(6)
     q, s = quantize_per_channel(torch.randn(97, 48, generator=gen))
@@ -282,7 +282,7 @@ def test_unsupported_quantization_flag_fails_at_start(tiny_llama: str) -> None:
 
 def test_serve_with_an_unsupported_method_exits_with_one_line(
         tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from tokenspeed.cli import main
+    from tokenspeed.launch.cli import main
 
     rc = main(["serve", tiny_llama, "--quantization", "awq", "--device", "cpu"])
     err = capsys.readouterr().err
@@ -292,7 +292,7 @@ def test_serve_with_an_unsupported_method_exits_with_one_line(
 
 def test_row_linear_checkpoint_scale_is_expanded() -> None:
     """A per-tensor scale of a row-parallel layer (o_proj/down_proj) fills every output row."""
-    from tokenspeed.layers.quantization.fp8 import prepare_fp8_checkpoint
+    from tokenspeed.layers.quantization.fp8_model import prepare_fp8_checkpoint
 
     layer = RowLinear(32, 16)
     prepare_fp8_checkpoint(layer, Fp8Config("modelopt"))

@@ -60,7 +60,7 @@ def prompts_for(vocab: int, lens: list[int] = PROMPT_LENS, seed: int = 0) -> lis
 
 def make_runner(path: str, dtype: str, *, graphs: bool = True, max_slots: int = 8,
                 **kw: object) -> object:
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     kw.setdefault("num_pages", max_slots * MAX_CONTEXT // PAGE + 8)
     kw.setdefault("max_context_len", MAX_CONTEXT)
@@ -85,7 +85,7 @@ class Driver:
 
     def plan(self, reqs: list[tuple[int, list[int]]]) -> object:
         """The StepPlan for `reqs`, pages allocated as the sequences grow."""
-        from tokenspeed.plan import StepPlan
+        from tokenspeed.worker.plan import StepPlan
 
         new = [s for s, _ in reqs if s not in self.lens]
         page_tables = []
@@ -274,7 +274,7 @@ def test_fresh_prompt_beside_decodes_matches_the_paged_kernel(tmp_path: Path,
 
 def test_llama31_8b_shaped_bf16_extend_graphs_match_hf(tmp_path: Path) -> None:
     """The 8 prompts' prefill (838 tokens, 8 requests) replays the extend graph of 1024."""
-    from tokenspeed.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
 
     compare_with_hf("llama-3.1-8b x4 layers, extend graphs",
                     write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4),
@@ -297,7 +297,7 @@ def staggered_greedy(runner: object, prompts: list[list[int]], n: int) -> list[l
 
 
 def test_extend_graphs_fp32_mixed_steps_match_hf_exactly(tmp_path: Path) -> None:
-    from tokenspeed.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
 
     path = write_config(tmp_path, "small", SMALL_FP32)
     runner = make_runner(path, "float32", extend_graph_sizes=extend_capture_sizes(256))
@@ -319,7 +319,7 @@ def test_a_new_requests_step_is_launched_without_waiting_for_the_gpu(tmp_path: P
     running decode never synchronizes with the GPU: torch's sync debug mode raises if it
     does. (A scalar written into a CUDA tensor with `t[i] = x` did: every such step waited
     for the step in flight, ~30 ms under load.)"""
-    from tokenspeed.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
 
     path = write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4)
     runner = make_runner(path, "bfloat16", extend_graph_sizes=extend_capture_sizes(512),
@@ -367,7 +367,7 @@ def test_eager_mixed_steps_compile_no_kernel_after_start_up(tmp_path: Path) -> N
     """Start-up compiles what eager steps launch (`ModelRunner._compile_eager_steps`): past the
     extend graphs, a fresh prompt and a chunk continuing one beside a decode compile no Triton
     kernel (a compile mid-run stalled every stream for 1.5 s in S1)."""
-    from tokenspeed.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
 
     path = write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=2)
     kernels = _triton_kernels()
@@ -418,8 +418,8 @@ def test_greedy_batches_take_the_fused_pass_with_the_torch_paths_result() -> Non
     """A plain greedy batch on CUDA is served by greedy_logprobs (one pass over bf16 logits);
     its tokens equal the general path's (one row with top logprobs sends the batch there) and
     its logprobs agree to fp32 rounding."""
-    from tokenspeed.plan import NEUTRAL_SAMPLING
-    from tokenspeed.sampler import Sampler
+    from tokenspeed.worker.plan import NEUTRAL_SAMPLING
+    from tokenspeed.worker.sampler import Sampler
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(411, 128256, device="cuda", generator=gen) * 3).to(torch.bfloat16)
@@ -473,7 +473,7 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(tmp_path: Path) -> None:
 def test_kv_pool_from_memory_profile_survives_the_largest_steps(tmp_path: Path) -> None:
     """Pages sized by the profile (weights + a max-size prefill + graphs): a full chunk of
     prefill and a full decode batch then run without running out of memory."""
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     path = write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4)
     free, total = torch.cuda.mem_get_info()
@@ -498,7 +498,7 @@ def test_real_smollm2_answers_paris() -> None:
         pytest.skip("TOKENSPEED_TEST_ASSETS/smollm2 not present")
     from transformers import AutoTokenizer
 
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     tok = AutoTokenizer.from_pretrained(str(path))
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -516,7 +516,7 @@ def test_real_smollm2_answers_paris() -> None:
 def test_decodes_launched_ahead_match_step_by_step(tmp_path: Path) -> None:
     """One-step-ahead scheduling: every decode (a CUDA graph replay) is queued before the previous
     step's tokens reach the host, its input ids resolved on the GPU (LAST_SAMPLED)."""
-    from tokenspeed.plan import LAST_SAMPLED
+    from tokenspeed.worker.plan import LAST_SAMPLED
 
     path = write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=4)
     prompts = prompts_for(LLAMA31_8B["vocab_size"], seed=2)
@@ -545,7 +545,7 @@ def test_flashinfer_chunked_prefill_and_mixed_steps_match_triton(tmp_path: Path)
     """Prefill in chunks (each attends to the pages of the chunks before it) mixed with other
     requests' decodes: FlashInfer's prefill wrapper against the triton kernels, logits compared
     for as long as the two greedy continuations agree (flat dummy logits make near-ties)."""
-    from tokenspeed.models.offline import OfflineScheduler
+    from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
     path = write_config(tmp_path, "llama8b", LLAMA31_8B, num_hidden_layers=2)
     prompts = prompts_for(LLAMA31_8B["vocab_size"], lens=[5, 40, 77, 130, 200], seed=3)

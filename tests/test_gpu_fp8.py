@@ -117,7 +117,7 @@ def test_fp8_graphs_on_and_off_give_identical_tokens(llama8b_x4: str) -> None:
 
 def test_fp8_kv_pool_holds_twice_the_pages(llama8b_x4: str) -> None:
     """Same memory budget, half the bytes per page: the profile gives ~2x the pages."""
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     free, total = torch.cuda.mem_get_info()
     fraction = 1.0 - (free - 12 * 2**30) / total  # ~8 GiB of KV above the 4-layer weights
@@ -198,7 +198,7 @@ def test_quantise_while_loading_a_safetensors_checkpoint_on_cuda(tmp_path: Path)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     runner = ModelRunner(str(tmp_path), dtype="bfloat16", device="cuda", page_size=16, max_slots=8,
                          max_context_len=512, num_pages=300, quantization="fp8", kv_cache_dtype="fp8")

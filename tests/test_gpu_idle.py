@@ -11,8 +11,8 @@ import numpy as np
 import openai
 
 from server_harness import Server
-from tokenspeed.gpu_idle import U32_MAX, IdleClock
-from tokenspeed.plan import RESULT_DTYPES, StepOutput
+from tokenspeed.worker.gpu_idle import U32_MAX, IdleClock
+from tokenspeed.worker.plan import RESULT_DTYPES, StepOutput
 
 
 class FakeClock:
@@ -133,7 +133,7 @@ def test_a_steps_run_time_spans_its_marks_once_the_gpu_passed_them() -> None:
 
 def test_the_idle_time_crosses_the_result_channel_only_when_measured() -> None:
     from tokenspeed import _core
-    from tokenspeed.plan import StepPlan
+    from tokenspeed.worker.plan import StepPlan
 
     name = f"ts-pytest-{os.getpid()}-gpu-idle"
     w = _core.testing.create_test_writer(name, 1)

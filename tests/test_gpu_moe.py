@@ -61,7 +61,7 @@ def test_qwen3_30b_a3b_shaped_bf16_matches_hf(tmp_path: Path) -> None:
 def test_qwen3_moe_fp32_extend_graphs_mixed_steps_match_hf(tmp_path: Path) -> None:
     """Prefills beside decodes (one prompt joining each step) replay extend graphs, whose fused
     MoE sees the padded token count."""
-    from tokenspeed.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
 
     path = write_config(tmp_path, "moe", SMALL_MOE_FP32)
     prompts = prompts_for(SMALL_MOE_FP32["vocab_size"])
@@ -75,7 +75,7 @@ def test_qwen3_moe_fp32_extend_graphs_mixed_steps_match_hf(tmp_path: Path) -> No
 
 
 def test_qwen3_30b_a3b_shaped_bf16_extend_graphs_match_hf(tmp_path: Path) -> None:
-    from tokenspeed.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
 
     compare_with_hf("qwen3-30b-a3b x4 layers, extend graphs",
                     write_config(tmp_path, "qwen3moe", QWEN3_30B_A3B, num_hidden_layers=4,

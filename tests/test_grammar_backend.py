@@ -1,4 +1,4 @@
-"""The worker-side grammar backend (`--grammar-backend xgrammar`, python/tokenspeed/grammar_backend.py):
+"""The worker-side grammar backend (`--grammar-backend xgrammar`, python/tokenspeed/worker/grammar_backend.py):
 each slot's matcher through admission, steps, abort and slot reuse, with synthetic plans and token
 ids over the default model's tokenizer. Masks are checked against the HF tokenizer's own decoding
 of each allowed id, not against xgrammar."""
@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from tokenspeed._core import GRAMMAR_KINDS
-from tokenspeed.assets import ensure_default_model
-from tokenspeed.grammar_backend import (
+from tokenspeed.launch.assets import ensure_default_model
+from tokenspeed.worker.grammar_backend import (
     GRAMMAR_ERROR,
     XGrammarConfig,
     XGrammarSlots,
     xgrammar_json_options,
 )
-from tokenspeed.plan import LAST_SAMPLED, PLAN_DTYPES, StepOutput, StepPlan
+from tokenspeed.worker.plan import LAST_SAMPLED, PLAN_DTYPES, StepOutput, StepPlan
 
 EOS = 2  # the default model's <|endoftext|>
 SLOT = 3
@@ -192,7 +192,7 @@ def test_a_grammar_xgrammar_cannot_compile_fails_at_its_first_sample(slots: XGra
 def test_serve_fails_at_start_when_xgrammar_does_not_import(tmp_path: Path) -> None:
     (tmp_path / "xgrammar.py").write_text("raise ImportError('no xgrammar here')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "serve", "--device", "cpu", "--port", "1",
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--device", "cpu", "--port", "1",
                         "--grammar-backend", "xgrammar"], env=env, capture_output=True, text=True, check=False,
                        timeout=120)
     assert r.returncode != 0

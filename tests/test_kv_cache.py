@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenspeed.kv_cache import PagedKVCache
+from tokenspeed.layers.kv_cache import PagedKVCache
 
 
 def _cache() -> PagedKVCache:

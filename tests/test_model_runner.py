@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenspeed.config.derived import default_max_running_requests
-from tokenspeed.model_runner import ModelRunner
-from tokenspeed.models.offline import OfflineScheduler
-from tokenspeed.plan import LAST_SAMPLED, PLAN_DTYPES, StepPlan
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.offline_scheduler import OfflineScheduler
+from tokenspeed.worker.plan import LAST_SAMPLED, PLAN_DTYPES, StepPlan
 
 U32 = np.uint32
 
@@ -245,7 +245,7 @@ def test_packed_step_inputs_start_aligned(lengths: list[int]) -> None:
     """A step's inputs travel as one packed int64 transfer; every view must start 16-byte
     aligned whatever the lengths, or Triton compiles its kernels again for the misaligned
     pointer in the middle of serving (an odd token count put `positions` at an odd offset)."""
-    from tokenspeed.host_copy import to_device_int64
+    from tokenspeed.layers.host_copy import to_device_int64
 
     arrays = [np.arange(n, dtype=np.int64) * (i + 1) for i, n in enumerate(lengths)]
     views = to_device_int64(arrays, torch.device("cpu"))

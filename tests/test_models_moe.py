@@ -16,11 +16,12 @@ from test_models_numerics import TINY_NEW_TOKENS, TINY_PROMPTS, assert_matches_h
 from test_models_weights import llama_cpp_permute
 from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
-from tokenspeed.distributed import ParallelSizes
-from tokenspeed.layers.moe import FusedMoE, MoeOptions, MoeParallel, SparseMoeBlock
-from tokenspeed.model_runner import ModelRunner
+from tokenspeed.distributed.groups import ParallelSizes
+from tokenspeed.layers.moe import FusedMoE, MoeOptions, MoeParallel
 from tokenspeed.models.config import check_expert_parallel, config_from_hf_dict
-from tokenspeed.models.offline import OfflineScheduler
+from tokenspeed.models.moe_base import SparseMoeBlock
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
 _BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
@@ -263,7 +264,7 @@ def test_expert_parallel_size_is_checked_against_the_model(tmp_path: Path) -> No
 
 def test_moe_flags_reach_the_worker_and_are_checked_at_launch(tmp_path: Path) -> None:
     from tokenspeed.config import ConfigError, parse_serve_args
-    from tokenspeed.serve import LaunchError, check_moe_settings
+    from tokenspeed.launch.serve import LaunchError, check_moe_settings
 
     cfg = parse_serve_args(["m", "--moe-backend", "torch_native", "--dry-run"])
     assert cfg.worker_dict()["moe_backend"] == "torch_native" and cfg.ep_size == 1

@@ -19,8 +19,8 @@ from transformers import (
 )
 
 from tokenspeed.layers.rotary import rope_inv_freq
-from tokenspeed.model_runner import ModelRunner
-from tokenspeed.models.offline import OfflineScheduler
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
 LOGIT_ATOL = 1e-3  # max |ours - HF| over every sampled step, fp32
 

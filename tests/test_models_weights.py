@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tokenspeed.model_runner import ModelRunner
-from tokenspeed.models.offline import OfflineScheduler
-from tokenspeed.weights import gguf_to_hf_name, resolve_load_format, unpermute_llama_qk
+from tokenspeed.models.weights import gguf_to_hf_name, resolve_load_format, unpermute_llama_qk
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
 LOGIT_ATOL = 1e-3
 

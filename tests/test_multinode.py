@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from server_harness import Server, free_port, start_server, stop_server
-from tokenspeed.assets import ensure_default_model
+from tokenspeed.launch.assets import ensure_default_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 FLAGS = ("--max-total-tokens", "1024", "--max-running-requests", "4", "--page-size", "4")
@@ -65,7 +65,7 @@ def test_two_nodes_give_one_nodes_tokens(model: str, tmp_path: Path) -> None:
     multi = ("--nnodes", "2", "--tp", "2", "--dist-init-addr", addr, *FLAGS)
     log1 = tmp_path / "node1.log"
     with open(log1, "w") as log:
-        node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", model,
+        node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed.launch.cli", "serve", model,
                                   "--device", "cpu", "--node-rank", "1", *multi],
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -93,7 +93,7 @@ def test_a_rank_dying_on_node_1_stops_node_0_naming_it(model: str, tmp_path: Pat
     multi = ("--nnodes", "2", "--tp", "2", "--dist-init-addr", addr, *FLAGS)
     log1 = tmp_path / "node1.log"
     with open(log1, "w") as log:
-        node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", model,
+        node1 = subprocess.Popen([sys.executable, "-m", "tokenspeed.launch.cli", "serve", model,
                                   "--device", "cpu", "--node-rank", "1", *multi],
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

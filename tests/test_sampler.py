@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenspeed.plan import NEUTRAL_SAMPLING
-from tokenspeed.sampler import Sampler, TokenMasks
+from tokenspeed.worker.plan import NEUTRAL_SAMPLING
+from tokenspeed.worker.sampler import Sampler, TokenMasks
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tokenspeed.bench.serve import gpu_idle_share
-from tokenspeed.plan import StepPlan
-from tokenspeed.step_profile import summarize
-from tokenspeed.step_trace import StepTrace
+from tokenspeed.diagnostics.step_profile import summarize
+from tokenspeed.diagnostics.step_trace import StepTrace
+from tokenspeed.worker.plan import StepPlan
 
 
 def _plan(step: int, new: bool) -> StepPlan:
@@ -32,7 +32,7 @@ def test_trace_is_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_steps_with_new_requests_are_always_logged(caplog: pytest.LogCaptureFixture) -> None:
     trace = StepTrace(every=1000)
-    with caplog.at_level(logging.INFO, logger="tokenspeed.step_trace"):
+    with caplog.at_level(logging.INFO, logger="tokenspeed.diagnostics.step_trace"):
         for step, new in ((0, True), (1, False), (2, False)):
             trace.received(_plan(step, new))
             trace.launched(step)
@@ -89,7 +89,7 @@ def test_profiler_traces_steps_with_new_requests(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("TOKENSPEED_STEP_PROFILE_LIMIT", "1")
     trace = StepTrace.from_env()
     assert trace is not None and trace.profiler is not None
-    with caplog.at_level(logging.INFO, logger="tokenspeed.step_profile"):
+    with caplog.at_level(logging.INFO, logger="tokenspeed.diagnostics.step_profile"):
         for step, new in ((0, False), (1, True), (2, True)):  # only step 1: the limit is 1
             trace.received(_plan(step, new))
             torch.ones(64, 64) @ torch.ones(64, 64)

@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 
-from tokenspeed.supervisor import DeathWatch, Watched, how_it_ended
+from tokenspeed.launch.supervisor import DeathWatch, Watched, how_it_ended
 
 
 def _children(*codes: int | None) -> list[Watched]:

@@ -19,7 +19,7 @@ from tp_ranks import generate_on_rank, layers_on_rank, run_ranks
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from server_harness import Server, start_server, stop_server
-from tokenspeed.distributed import (
+from tokenspeed.distributed.groups import (
     ParallelConfigError,
     ParallelSizes,
     free_tcp_port,
@@ -243,7 +243,7 @@ def test_serve_tp3_gives_tp1_tokens_and_a_dead_rank_fails_fast(tmp_path: Path) -
 
 
 def test_serve_refuses_heads_that_do_not_split(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--device", "cpu", "--tp", "2"]
+    cmd = [sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--device", "cpu", "--tp", "2"]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "9 attention heads do not split over --tp-size 2" in out.stderr, out.stderr

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from tokenspeed.cuda_graph import ExtendGraphRunner
-from tokenspeed.model_runner import ModelRunner
-from tokenspeed.models.offline import OfflineScheduler
-from tokenspeed.plan import PLAN_DTYPES, StepPlan
+from tokenspeed.worker.cuda_graph import ExtendGraphRunner
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.offline_scheduler import OfflineScheduler
+from tokenspeed.worker.plan import PLAN_DTYPES, StepPlan
 
 U32 = np.uint32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

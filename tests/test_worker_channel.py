@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tokenspeed import _core
-from tokenspeed.plan import NEUTRAL_SAMPLING, PLAN_DTYPES, RESULT_DTYPES, StepOutput, StepPlan
+from tokenspeed.worker.plan import NEUTRAL_SAMPLING, PLAN_DTYPES, RESULT_DTYPES, StepOutput, StepPlan
 
 testing = _core.testing
 
@@ -95,7 +95,7 @@ def test_results_round_trip_per_request_events(name):
     assert np.frombuffer(r["event_tokens"], np.uint32).tolist() == [10, 11, 12]
     assert np.frombuffer(r["event_error"], np.uint32).tolist() == [0, 1]
     # Prompt logprobs: on slot 5's sampled event, and as a token-less event for slot 9's chunk.
-    from tokenspeed.prompt_logprobs import PromptLogprobs
+    from tokenspeed.worker.prompt_logprobs import PromptLogprobs
     prompt = {5: PromptLogprobs(np.array([-1.0, -2.0]), np.array([[4, 6], [1, 2]]),
                                 np.array([[-0.1, -0.2], [-0.3, -0.4]]), np.array([1, 3000])),
               9: PromptLogprobs(np.array([-3.0]), np.zeros((1, 0), np.int64), np.zeros((1, 0)),

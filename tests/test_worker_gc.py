@@ -7,19 +7,19 @@ import logging
 
 import pytest
 
-from tokenspeed import worker
+from tokenspeed.worker import loop
 
 
 def test_startup_objects_frozen_and_slow_collections_logged(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     callbacks = list(gc.callbacks)
     try:
-        worker._quiet_garbage_collector()
+        loop._quiet_garbage_collector()
         assert gc.get_freeze_count() > 0
         (timed,) = [cb for cb in gc.callbacks if cb not in callbacks]
         clock = iter([10.0, 10.005, 20.0, 20.035])
-        monkeypatch.setattr(worker.time, "perf_counter", lambda: next(clock))
-        with caplog.at_level(logging.WARNING, logger="tokenspeed.worker"):
+        monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+        with caplog.at_level(logging.WARNING, logger="tokenspeed.worker.loop"):
             for _ in range(2):  # 5 ms: quiet; 35 ms: logged
                 timed("start", {"generation": 2, "collected": 0})
                 timed("stop", {"generation": 2, "collected": 7})

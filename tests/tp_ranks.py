@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tokenspeed.distributed import (
+from tokenspeed.distributed.groups import (
     ParallelSizes,
     destroy_distributed,
     free_tcp_port,
@@ -120,8 +120,8 @@ def generate_on_rank(rank: int, path: str, prompts: list[list[int]], n: int,
                      load_format: str = "auto") -> tuple:
     """Greedy (or `sampling`) generation through ModelRunner. `seed_by_rank`: each rank's
     sampler gets its own seed, so only the broadcast of rank 0's ids keeps the ranks in step."""
-    from tokenspeed.model_runner import ModelRunner
-    from tokenspeed.models.offline import OfflineScheduler
+    from tokenspeed.worker.model_runner import ModelRunner
+    from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
     runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=128,
                          seed=rank if seed_by_rank else 0, load_format=load_format)
@@ -133,12 +133,13 @@ def generate_on_rank(rank: int, path: str, prompts: list[list[int]], n: int,
 
 
 def moe_all_gather_on_rank(rank: int, counts: list[int]) -> str:
-    """Data-parallel attention's MoE exchange (distributed.MoeAllGather): each rank passes only
+    """Data-parallel attention's MoE exchange (layers/moe_exchange.py MoeAllGather): each rank passes only
     its attention group's tokens (`counts[group]` of them, the counts unequal) and must get back
     exactly those rows of one rank's output over all experts, whatever the EP x MoE-TP split.
     A count that disagrees with the tokens fails."""
-    from tokenspeed.distributed import MoeAllGather, dp_token_counts, moe_parallel
+    from tokenspeed.distributed.groups import dp_token_counts
     from tokenspeed.layers.moe import FusedMoE, MoeOptions
+    from tokenspeed.layers.moe_exchange import MoeAllGather, moe_parallel
 
     experts, top_k, hidden, inter = 8, 2, 16, 12
     g = torch.Generator().manual_seed(0)
@@ -171,15 +172,15 @@ def moe_all_gather_on_rank(rank: int, counts: list[int]) -> str:
 
 
 def moe_all_to_all_on_rank(rank: int, cases: list[tuple[list[int], str]]) -> str:
-    """`--all2all-backend torch_all2all` (moe_all2all.MoeAllToAll) against one rank's FusedMoE
+    """`--all2all-backend torch_all2all` (layers/moe_all2all.py) against one rank's FusedMoE
     over every token. Per case: `counts[g]` tokens in attention group g (one entry without
     data-parallel attention), routed at random or all to the first / last EP rank's experts
     ("first" / "last": the other EP ranks receive nothing). Each rank must get back exactly its
     group's rows of the one-rank output, and receive exactly the tokens that have one of its
     experts: each token once from one rank of its group, none for experts held elsewhere."""
-    from tokenspeed.distributed import moe_communication, moe_parallel
     from tokenspeed.layers.moe import FusedMoE, MoeOptions, Routing
-    from tokenspeed.moe_all2all import MoeAllToAll
+    from tokenspeed.layers.moe_all2all import MoeAllToAll
+    from tokenspeed.layers.moe_exchange import moe_communication, moe_parallel
 
     st = state()
     experts, top_k, hidden, inter = 8, 2, 16, 12
@@ -229,8 +230,8 @@ class _LockstepRunner:
         self.chosen: list[int | None] = []
 
     def tick(self, plan: Any) -> torch.Tensor | None:
-        from tokenspeed.cuda_graph import decode_only
-        from tokenspeed.distributed import lockstep_forward, lockstep_tick
+        from tokenspeed.distributed.groups import lockstep_forward, lockstep_tick
+        from tokenspeed.worker.cuda_graph import decode_only
 
         tokens = int(plan.sched_tokens_len.sum()) if plan is not None else 0
         tick = lockstep_tick(plan is not None, tokens, False,
@@ -269,9 +270,9 @@ def lockstep_generate_on_rank(rank: int, path: str, prompts: list[list[list[int]
     graph path (`DecodeGraphRunner` of sizes 1, 2, 4, its body run eagerly: no capture on the
     CPU), every group padded to one size and an idle group replaying it on padding rows;
     else every step is eager with each group's own token count."""
-    from tokenspeed.cuda_graph import DecodeGraphRunner
-    from tokenspeed.model_runner import ModelRunner
-    from tokenspeed.models.offline import OfflineScheduler
+    from tokenspeed.worker.cuda_graph import DecodeGraphRunner
+    from tokenspeed.worker.model_runner import ModelRunner
+    from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
     runner = ModelRunner(path, page_size=4, num_pages=num_pages, max_slots=4,
                          max_context_len=128)
@@ -291,7 +292,7 @@ def lockstep_generate_on_rank(rank: int, path: str, prompts: list[list[list[int]
 
 def lockstep_tick_on_rank(rank: int, rows: list[tuple[bool, int, bool]]) -> tuple:
     """Each rank says (has a plan, its tokens, decode-only) = rows[rank]; returns the tick."""
-    from tokenspeed.distributed import lockstep_tick
+    from tokenspeed.distributed.groups import lockstep_tick
 
     has_plan, tokens, decode = rows[rank]
     t = lockstep_tick(has_plan, tokens, False, decode)
@@ -300,6 +301,6 @@ def lockstep_tick_on_rank(rank: int, rows: list[tuple[bool, int, bool]]) -> tupl
 
 def world_min_on_rank(rank: int) -> int:
     """Each rank offers 7 - rank (a graph size its own pool allows): all must get the least."""
-    from tokenspeed.distributed import world_min
+    from tokenspeed.distributed.groups import world_min
 
     return world_min(7 - rank)

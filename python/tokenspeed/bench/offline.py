@@ -63,7 +63,7 @@ def server_command(serve_flags: list[str]) -> tuple[list[str], str]:
         port = str(free_port())
         flags += ["--port", port]
     connect = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return [sys.executable, "-m", "tokenspeed.cli", "serve", *flags], f"http://{connect}:{port}"
+    return [sys.executable, "-m", "tokenspeed.launch.cli", "serve", *flags], f"http://{connect}:{port}"
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: str) -> None:

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tokenspeed.plan import StepPlan
+from tokenspeed.worker.plan import StepPlan
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenspeed bench one-batch",
-                                description="Static batch through tokenspeed.model_runner.ModelRunner: one "
+                                description="Static batch through tokenspeed.worker.model_runner.ModelRunner: one "
                                             "prefill of batch x input-len tokens, then output-len - 1 decode "
                                             "steps, greedy. Reports the median over --num-runs after a "
                                             "warm-up run of the same shape.")
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit("tokenspeed bench one-batch: --input-len and --output-len must be >= 1")
     import torch
 
-    from tokenspeed.model_runner import ModelRunner
+    from tokenspeed.worker.model_runner import ModelRunner
 
     device = args.device
     if device == "auto":

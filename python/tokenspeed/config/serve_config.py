@@ -77,7 +77,7 @@ class ServeConfig:
     enable_auto_tool_choice: bool = _default("enable_auto_tool_choice")
     constrained_json_whitespace_pattern: str | None = _default("constrained_json_whitespace_pattern")
     constrained_json_disable_any_whitespace: bool = _default("constrained_json_disable_any_whitespace")
-    # Parallelism (checked together by tokenspeed.distributed.ParallelSizes at launch).
+    # Parallelism (checked together by tokenspeed.distributed.groups.ParallelSizes at launch).
     tp_size: int = _default("tp_size")
     ep_size: int = _default("ep_size")
     enable_expert_parallel: bool = _default("enable_expert_parallel")  # EP size = world size

@@ -2,7 +2,7 @@
 
 TokenSpeed splits tensor parallelism by layer family: attention (`--attn-tp-size`, which the
 familiar `--tensor-parallel-size` / `--tp` / `--tp-size` map to), dense MLP (`--dense-tp-size`)
-and MoE (`--moe-tp-size`). The combinations are checked in `tokenspeed.distributed.ParallelSizes`
+and MoE (`--moe-tp-size`). The combinations are checked in `tokenspeed.distributed.groups.ParallelSizes`
 (which names both values of an impossible pair); the MoE layers take their expert-parallel /
 MoE-TP slice from those groups (layers/moe.py) and sum their partial outputs over the world
 (`--all2all-backend naive`, distributed.MoeAllReduce). Data parallelism (`--dp-size`) runs one
@@ -11,7 +11,7 @@ Attention TP smaller than the world (`--world-size 8 --attn-tp-size 4`, or SGLan
 `--tp 8 --dp 2 --enable-dp-attention`) is data-parallel attention: one world of ranks, one engine
 per attention group behind that router, the MoE layers gathering every group's tokens
 (`--all2all-backend allgather_reducescatter`, distributed.MoeAllGather) in lockstep (worker.py).
-`--all2all-backend torch_all2all` (moe_all2all.MoeAllToAll) sends each token only to the ranks
+`--all2all-backend torch_all2all` (layers.moe_all2all.MoeAllToAll) sends each token only to the ranks
 holding its experts instead, in either layout.
 """
 

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenspeed.host_copy import to_device_int64
-from tokenspeed.kv_cache import PagedKVCache
+from tokenspeed.layers.host_copy import to_device_int64
+from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.rotary import Rope
 
 
@@ -146,32 +146,3 @@ def check_backend(name: str, device: torch.device | None = None) -> None:
                              "use torch_native")
         return
     raise ValueError(f"unknown attention_backend {name!r} (available: {', '.join(BACKENDS)})")
-
-
-def backend_memory_bytes(name: str, num_graphs: int) -> int:
-    """Device memory a backend allocates beside the KV cache (workspaces), for the KV sizing."""
-    if name == "flashinfer":
-        from tokenspeed.layers.flashinfer_attention import FlashInferBackend
-
-        return FlashInferBackend.memory_bytes(num_graphs)
-    return 0
-
-
-def create_backend(name: str, kv_cache: PagedKVCache, *, num_heads: int, head_dim: int,
-                   max_context_len: int | None = None, sliding_window: int | None = None,
-                   q_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """num_heads/head_dim: the model's query heads and head size (FlashInfer plans with them
-    once per step, before any layer runs); q_dtype: the model's dtype (default: the cache's)."""
-    check_backend(name)
-    max_context_len = max_context_len or kv_cache.max_pages_per_slot * kv_cache.page_size
-    if name == "torch_native":
-        from tokenspeed.layers.torch_native_attention import TorchNativeBackend
-
-        return TorchNativeBackend(kv_cache)
-    if name == "flashinfer":
-        from tokenspeed.layers.flashinfer_attention import FlashInferBackend
-
-        return FlashInferBackend(kv_cache, num_heads, head_dim, sliding_window, q_dtype)
-    from tokenspeed.layers.triton_attention import TritonBackend
-
-    return TritonBackend(kv_cache, max_context_len, sliding_window)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenspeed.distributed import tp_all_gather, tp_all_reduce
+from tokenspeed.distributed.groups import tp_all_gather, tp_all_reduce
 from tokenspeed.layers.linear import linear
 
 

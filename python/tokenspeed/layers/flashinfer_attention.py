@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
+from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.rotary import Rope
 from tokenspeed.layers.triton_attention import store_kv
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenspeed.distributed import tp_all_reduce
+from tokenspeed.distributed.groups import tp_all_reduce
+from tokenspeed.layers.quantization.fp8 import fp8_linear
 
 
 def shard_rows(full: Any, tp_rank: int, tp_size: int) -> Any:
@@ -44,8 +45,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x W^T (+ b): the skinny GEMV kernel for small decode batches on CUDA, cuBLAS otherwise.
     weight_scale: FP8 weights (layers/quantization/fp8.py picks their kernels)."""
     if weight_scale is not None:
-        from tokenspeed.layers.quantization.fp8 import fp8_linear
-
         return fp8_linear(x, weight, weight_scale, bias)
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype

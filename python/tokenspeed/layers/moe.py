@@ -11,8 +11,8 @@ to the full output, so `MoeCommunication.combine` is an all-reduce over that gro
 parallel attention (DP + EP) `dispatch` all-gathers the replicas' tokens first and `combine`
 reduce-scatters instead. With `--all2all-backend torch_all2all` (moe_all2all.py) `dispatch`
 routes first and sends each token only to the ranks holding its experts: the experts then get
-`Routing` (weights and ids) instead of router logits. The process groups come from the parallel
-runtime; this module only calls the hook.
+`Routing` (weights and ids) instead of router logits. The exchanges over the process groups are
+in moe_exchange.py; the MoE families' `SparseMoeBlock` (models/moe_base.py) calls the hook.
 
 Backends: `torch_native` (CPU and reference: a loop over the experts that receive tokens, which
 reads the per-expert counts on the host, so it cannot run inside a CUDA graph) and `triton`
@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from tokenspeed.layers.linear import linear
-from tokenspeed.models.config import ModelConfig
 
 MOE_BACKENDS = ("triton", "torch_native")
 GRAPH_SAFE_MOE_BACKENDS = ("triton",)
@@ -213,21 +212,3 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
-
-
-class SparseMoeBlock(nn.Module):
-    """router → experts → combine across ranks. Parameter names follow HF (`gate`, `experts`)."""
-
-    def __init__(self, config: ModelConfig, options: MoeOptions = MoeOptions()) -> None:
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act {config.hidden_act!r} (only silu)")
-        self.gate = Router(config.hidden_size, config.num_experts)
-        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, config.norm_topk_prob, options)
-        # The hook of the parallel runtime: all-reduce (or all-gather / reduce-scatter) goes here.
-        self.comm: MoeCommunication = SingleRank()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, routing = self.comm.dispatch(x, self.gate(x))
-        return self.comm.combine(self.experts(x, routing))

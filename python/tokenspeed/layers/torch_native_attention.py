@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
+from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.quantization.kv_cache import is_fp8, quantize_fp8
 
 

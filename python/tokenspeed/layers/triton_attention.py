@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
+from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.rotary import Rope
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from tokenspeed.distributed import ParallelState, state
+from tokenspeed.distributed.groups import ParallelState, state
 from tokenspeed.layers.activation import SiluAndMul
 from tokenspeed.layers.attention import Attention, ForwardBatch
 from tokenspeed.layers.embedding import LMHead, VocabEmbedding
@@ -131,6 +132,9 @@ STACKED_PARAMS = [
 
 
 class LlamaForCausalLM(nn.Module):
+    # The HF modules fused into one of ours; FP8 checkpoints name the HF ones (fp8_model.py).
+    STACKED_PARAMS: ClassVar[list[tuple[str, str, int]]] = STACKED_PARAMS
+
     def __init__(self, config: ModelConfig, max_positions: int | None = None,
                  moe: MoeOptions | None = None, parallel: ParallelState | None = None) -> None:
         super().__init__()
@@ -179,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
         shard = 0
-        for hf, ours, idx in STACKED_PARAMS:
+        for hf, ours, idx in self.STACKED_PARAMS:
             if hf in name:
                 name, shard = name.replace(hf, ours), idx
                 break

@@ -9,8 +9,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tokenspeed.distributed import moe_communication
-from tokenspeed.layers.moe import FusedMoE, SparseMoeBlock
+from tokenspeed.layers.moe import FusedMoE, MoeCommunication, MoeOptions, Router, SingleRank
+from tokenspeed.layers.moe_exchange import moe_communication
+from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import LlamaForCausalLM, LlamaMLP
 
 # One expert's matrix: HF safetensors (`mlp.experts.3.gate_proj.weight`, Mixtral's `w1`/`w2`/`w3`).
@@ -18,6 +19,26 @@ _ONE_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 # All experts stacked on dim 0: transformers 5's fused tensors (`mlp.experts.gate_up_proj`
 # [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) and the GGUF stacks (`gate_proj`/`up_proj` [E, I, H]).
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
+
+
+class SparseMoeBlock(nn.Module):
+    """router → experts → combine across ranks. Parameter names follow HF (`gate`, `experts`)."""
+
+    def __init__(self, config: ModelConfig, options: MoeOptions | None = None) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} (only silu)")
+        self.gate = Router(config.hidden_size, config.num_experts)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size, config.norm_topk_prob,
+                                options or MoeOptions())
+        # The exchange across ranks (layers/moe_exchange.py): all-reduce, all-gather /
+        # reduce-scatter or all-to-all goes here.
+        self.comm: MoeCommunication = SingleRank()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, routing = self.comm.dispatch(x, self.gate(x))
+        return self.comm.combine(self.experts(x, routing))
 
 
 class MoeForCausalLM(LlamaForCausalLM):

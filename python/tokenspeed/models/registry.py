@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenspeed.distributed import ParallelState
+from tokenspeed.distributed.groups import ParallelState
 from tokenspeed.layers.moe import MoeOptions
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import LlamaForCausalLM

@@ -190,7 +190,7 @@ fn grammar_compiler(
     // its matcher then computes each step's mask on the engine thread (engine/grammar.rs);
     // with xgrammar the spec travels to the worker once, at admission (plan.rs `GrammarRow`),
     // whose xgrammar matcher masks and advances on the sampled tokens it has itself
-    // (python/tokenspeed/grammar_backend.py), so no mask completion is needed. The worker
+    // (python/tokenspeed/worker/grammar_backend.py), so no mask completion is needed. The worker
     // checked at start that xgrammar imports and maps the JSON whitespace flags.
     match config.grammar_backend.as_deref() {
         None | Some("none") => Ok(None),

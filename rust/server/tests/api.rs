@@ -33,7 +33,7 @@ fn smollm2_dir() -> PathBuf {
     let dir = PathBuf::from(root).join("smollm2");
     assert!(
         dir.join("tokenizer.json").exists(),
-        "test assets missing at {dir:?}: run `python -m tokenspeed.assets test-assets`"
+        "test assets missing at {dir:?}: run `python -m tokenspeed.launch.assets test-assets`"
     );
     dir
 }

@@ -1,7 +1,7 @@
 //! Mask computation time per token for a JSON schema on the Llama-3 vocab (128k ids), at batch 1
 //! and batch 64 (sequential, and in parallel with rayon), plus compile and matcher-creation time.
 //!
-//! TOKENSPEED_TEST_ASSETS=$(python3 -m tokenspeed.assets test-assets | tail -1) \
+//! TOKENSPEED_TEST_ASSETS=$(python3 -m tokenspeed.launch.assets test-assets | tail -1) \
 //!   cargo bench -p tokenspeed-structured --bench mask
 //!
 //! Each matcher follows a real output (a valid instance, tokenized), so the masks are the ones a
@@ -123,7 +123,7 @@ fn run(
 
 fn main() {
     let dir = std::env::var_os("TOKENSPEED_TEST_ASSETS")
-        .expect("set TOKENSPEED_TEST_ASSETS (python3 -m tokenspeed.assets test-assets | tail -1)");
+        .expect("set TOKENSPEED_TEST_ASSETS (python3 -m tokenspeed.launch.assets test-assets | tail -1)");
     let tok = TextTokenizer::from_dir(&std::path::Path::new(&dir).join("llama3"), None).unwrap();
     // Llama-3's embedding has 128256 rows; the tokenizer as many ids.
     let vocab = tok.vocab_size();

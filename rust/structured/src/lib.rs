@@ -44,7 +44,7 @@
 //! samples", resolved on the GPU, and the CPU never waits. A grammar request's *mask* for step
 //! N+1 depends on the token step N samples, which the CPU only learns when result N arrives, so
 //! the mask cannot ride in plan N+1 when that plan is sent early. Its *input* still can. So
-//! (as built in `rust/server/src/engine/grammar.rs` and `python/tokenspeed/worker.py`):
+//! (as built in `rust/server/src/engine/grammar.rs` and `python/tokenspeed/worker/loop.py`):
 //!
 //! 1. Plan N+1 is built and sent as for any request; its mask row for such a request is
 //!    *pending* (empty).

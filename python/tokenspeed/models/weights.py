@@ -22,8 +22,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tokenspeed.distributed import ParallelState, single_rank, state
+from tokenspeed.distributed.groups import ParallelState, single_rank, state
 from tokenspeed.layers.moe import MoeOptions, MoeParallel
+from tokenspeed.layers.quantization.fp8_model import prepare_fp8_checkpoint, quantize_model
 from tokenspeed.layers.quantization.kv_cache import KVScales, split_kv_scales
 from tokenspeed.layers.quantization.methods import Fp8Config
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
@@ -272,8 +273,6 @@ def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
     random for dummy). The checkpoint's KV cache scales, if any, go to `kv_scales`. fp8: FP8
     linear weights, read as they are from an FP8 checkpoint, else quantised once loaded.
     `parallel`: the rank's groups (None: `distributed.state()`)."""
-    from tokenspeed.layers.quantization.fp8 import prepare_fp8_checkpoint, quantize_model
-
     parallel = parallel or state()
     with _default_dtype(dtype), torch.device(device):
         model = build_model(ckpt.config, max_positions, moe, parallel)

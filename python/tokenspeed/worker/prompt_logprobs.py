@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from tokenspeed.plan import StepPlan
-    from tokenspeed.sampler import Sampler
+    from tokenspeed.worker.plan import StepPlan
+    from tokenspeed.worker.sampler import Sampler
 
 PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once (bounds the [rows, vocab] buffer)
 

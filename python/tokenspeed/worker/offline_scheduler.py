@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenspeed.plan import StepPlan
+from tokenspeed.worker.plan import StepPlan
 
 
 @dataclass

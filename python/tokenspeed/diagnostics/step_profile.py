@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("tokenspeed.step_profile")
+logger = logging.getLogger("tokenspeed.diagnostics.step_profile")
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "user_annotation", "python_function")

@@ -15,16 +15,16 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from tokenspeed.step_trace import StepTrace
+from tokenspeed.diagnostics.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from tokenspeed._core import WorkerChannel
-    from tokenspeed.distributed import ParallelSizes
-    from tokenspeed.grammar_backend import XGrammarConfig, XGrammarSlots
-    from tokenspeed.model_runner import ModelRunner, PendingStep
-    from tokenspeed.plan import StepPlan
+    from tokenspeed.distributed.groups import ParallelSizes
+    from tokenspeed.worker.grammar_backend import XGrammarConfig, XGrammarSlots
+    from tokenspeed.worker.model_runner import ModelRunner, PendingStep
+    from tokenspeed.worker.plan import StepPlan
 
-logger = logging.getLogger("tokenspeed.worker")
+logger = logging.getLogger("tokenspeed.worker.loop")
 
 
 @dataclass
@@ -56,7 +56,7 @@ class WorkerSpec:
     quantization_param_path: str | None = None  # its per-layer scales (JSON)
     quantization: str | None = None  # fp8 weights; None: as the checkpoint declares
     lm_head_quantization: str = "auto"  # the LM head under FP8 weights (auto / fp8 / none)
-    # Tensor parallelism (distributed.py): this replica's sizes and where its ranks meet.
+    # Tensor parallelism (distributed/groups.py): this replica's sizes and where its ranks meet.
     parallel: ParallelSizes | None = None
     dist_init_method: str = ""
     dist_timeout_s: float = 300.0
@@ -64,7 +64,7 @@ class WorkerSpec:
     xgrammar: XGrammarConfig | None = None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """The worker must not outlive the server (PR_SET_PDEATHSIG = 1)."""
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
@@ -93,7 +93,7 @@ def _quiet_garbage_collector() -> None:
 
 def run_worker(spec: WorkerSpec, ready: Connection) -> None:
     """Entry point of the worker process."""
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C reaches the whole process group: the server drains, then closes the channel,
     # which ends this worker; dying on the SIGINT would fail the requests being drained.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -103,13 +103,13 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
     parent = os.getppid()
     try:
         from tokenspeed._core import WorkerChannel
-        from tokenspeed.model_runner import ModelRunner
+        from tokenspeed.worker.model_runner import ModelRunner
 
         if spec.parallel is not None and spec.parallel.world_size > 1:
             # Join the process group first: the model's layers take their shards from it.
             import torch
 
-            from tokenspeed.distributed import init_distributed
+            from tokenspeed.distributed.groups import init_distributed
 
             init_distributed(spec.rank, spec.parallel, spec.dist_init_method,
                              torch.device(spec.device), spec.dist_timeout_s)
@@ -137,7 +137,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         )
         grammars = None
         if spec.xgrammar is not None and _leads(spec):  # rank 0 samples for the replica
-            from tokenspeed.grammar_backend import XGrammarSlots
+            from tokenspeed.worker.grammar_backend import XGrammarSlots
 
             grammars = XGrammarSlots(spec.xgrammar, runner.max_slots)
         # Reader index on this node's ring (multi-node: rank is global, world_size per node;
@@ -179,7 +179,7 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
     the loop polls for the next plan, so a plan the engine sends ahead (one-step-ahead
     scheduling) is queued on the GPU behind the running step and the GPU never waits for the
     host. Results go back in step order."""
-    from tokenspeed.plan import StepPlan
+    from tokenspeed.worker.plan import StepPlan
 
     if runner.lockstep:
         # Only MoE layers span attention groups (dense TP stays inside one): a dense model's
@@ -223,9 +223,9 @@ def serve_plans_lockstep(channel: WorkerChannel, runner: ModelRunner, spec: Work
     group's requests, rounded up to a captured size), an idle group on padding rows only.
     The engines know nothing of it: a group's plans and results flow as in `serve_plans`,
     one-step-ahead plans included (a plan sent ahead is simply picked up by a later tick)."""
-    from tokenspeed.cuda_graph import decode_only
-    from tokenspeed.distributed import lockstep_forward, lockstep_tick
-    from tokenspeed.plan import StepPlan
+    from tokenspeed.distributed.groups import lockstep_forward, lockstep_tick
+    from tokenspeed.worker.cuda_graph import decode_only
+    from tokenspeed.worker.plan import StepPlan
 
     group = spec.rank // spec.parallel.attn_tp  # type: ignore[union-attr]
     trace = StepTrace.from_env()
@@ -282,7 +282,7 @@ def serve_plans_lockstep(channel: WorkerChannel, runner: ModelRunner, spec: Work
 
 def _recv_plan(channel: WorkerChannel, spec: WorkerSpec, parent: int) -> StepPlan | None:
     """The next plan, waiting for it (None when the channel closed or the server died)."""
-    from tokenspeed.plan import StepPlan
+    from tokenspeed.worker.plan import StepPlan
 
     while True:
         try:
@@ -301,7 +301,7 @@ def _run_plan(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec, par
               grammars: XGrammarSlots | None) -> Pending | object:
     """Launch one plan (its forward pass queued) and send the step in flight's result once it
     is ready; returns the new step in flight, or _CLOSED."""
-    from tokenspeed.sampler import has_pending_masks
+    from tokenspeed.worker.sampler import has_pending_masks
 
     if trace:
         trace.received(plan)

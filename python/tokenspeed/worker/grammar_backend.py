@@ -6,7 +6,7 @@ backend) and sends it once, when the request takes a slot (rust/engine/src/plan.
 `GrammarRow`). From then on the worker has all it needs: it samples the tokens itself, so no mask
 crosses the plan and no mask completion round trip is needed. One-step-ahead scheduling keeps
 working: the next plan's forward pass is queued on the GPU first, then the worker waits for the
-step in flight's tokens, advances the matchers, fills the masks and queues the sample (worker.py).
+step in flight's tokens, advances the matchers, fills the masks and queues the sample (loop.py).
 The masks reach the sampler as the same `TokenMasks` the llguidance backend sends (xgrammar's
 bitmask has the same layout: bit i % 32 of word i // 32 allows token i), so only where masks are
 computed differs between the backends.
@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tokenspeed.sampler import TokenMasks
+from tokenspeed.worker.sampler import TokenMasks
 
 if TYPE_CHECKING:
-    from tokenspeed.plan import StepOutput, StepPlan
+    from tokenspeed.worker.plan import StepOutput, StepPlan
 
 logger = logging.getLogger("tokenspeed.grammar")
 

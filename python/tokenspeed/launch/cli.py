@@ -20,7 +20,7 @@ def _serve(argv: list[str]) -> int:
         print(cfg.to_json())
         return 0
     logging.basicConfig(level=(cfg.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(message)s")
-    from tokenspeed.serve import LaunchError, launch
+    from tokenspeed.launch.serve import LaunchError, launch
 
     try:
         return launch(cfg)

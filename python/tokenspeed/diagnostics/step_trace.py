@@ -22,14 +22,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import Protocol
 
-from tokenspeed.step_profile import StepProfiler
+from tokenspeed.diagnostics.step_profile import StepProfiler
 
-if TYPE_CHECKING:
-    from tokenspeed.plan import StepPlan
+logger = logging.getLogger("tokenspeed.diagnostics.step_trace")
 
-logger = logging.getLogger("tokenspeed.step_trace")
+
+class TracedPlan(Protocol):
+    """What a trace reads of a step's plan (the worker's `StepPlan`, worker/plan.py)."""
+
+    step_id: int
+    new_slot: Sized
+    sched_slot: Sized
+    sched_tokens: Sized
 
 
 class StepTrace:
@@ -52,7 +59,7 @@ class StepTrace:
             every = 1
         return cls(every, profiler)
 
-    def received(self, plan: StepPlan) -> None:
+    def received(self, plan: TracedPlan) -> None:
         if self.profiler is not None:
             self.profiler.received(int(plan.step_id), len(plan.new_slot))
         now = time.perf_counter()

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tokenspeed.host_copy import to_device_int64
+from tokenspeed.layers.host_copy import to_device_int64
 
 if TYPE_CHECKING:
-    from tokenspeed.plan import StepPlan
+    from tokenspeed.worker.plan import StepPlan
 
 _GREEDY_EPS = 1e-5
 

@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tokenspeed.distributed import dp_token_counts, state
-from tokenspeed.host_copy import to_device_int64
-from tokenspeed.kv_cache import PagedKVCache
+from tokenspeed.distributed.groups import dp_token_counts, state
 from tokenspeed.layers.attention import GRAPH_BACKENDS, AttentionBackend, ForwardBatch
-from tokenspeed.plan import LAST_SAMPLED
+from tokenspeed.layers.host_copy import to_device_int64
+from tokenspeed.layers.kv_cache import PagedKVCache
+from tokenspeed.worker.plan import LAST_SAMPLED
 
 if TYPE_CHECKING:
-    from tokenspeed.plan import StepPlan
-    from tokenspeed.sampler import Sampler
+    from tokenspeed.worker.plan import StepPlan
+    from tokenspeed.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

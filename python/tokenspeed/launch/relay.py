@@ -30,7 +30,10 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-logger = logging.getLogger("tokenspeed.relay")
+from tokenspeed.launch.supervisor import describe
+from tokenspeed.worker.loop import die_with_parent
+
+logger = logging.getLogger("tokenspeed.launch.relay")
 
 TICK_S = 1.0
 _SHUTDOWN = "shutdown"
@@ -94,9 +97,7 @@ def run_source(channel_name: str, reader: int, nnodes: int, dist_init_addr: str,
     """Node 0's relay process: reads every plan as reader `reader` and broadcasts it."""
     import torch.distributed as dist
 
-    from tokenspeed.worker import _die_with_parent
-
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level="INFO", format="[relay 0] %(asctime)s %(levelname)s %(message)s")
     # SIGTERM (the server stopping, or its death): tell the other nodes before leaving.
     stopping: list[int] = []
@@ -137,8 +138,6 @@ def run_sink(writer: Any, node_rank: int, nnodes: int, dist_init_addr: str, time
     ring until node 0 shuts down. `workers`: this node's ranks (supervisor.Watched); `where`
     names the node and host. Returns the process exit code."""
     import torch.distributed as dist
-
-    from tokenspeed.supervisor import describe
 
     _join(node_rank, nnodes, dist_init_addr, timeout_s)
     _min_capacity(local)

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
-from tokenspeed.distributed import free_tcp_port
-from tokenspeed.supervisor import DeathWatch, Watched, describe, without_sigint
-from tokenspeed.worker import WorkerSpec, run_worker
+from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
+from tokenspeed.launch import relay
+from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
+from tokenspeed.worker.loop import WorkerSpec, run_worker
 
-logger = logging.getLogger("tokenspeed.serve")
+logger = logging.getLogger("tokenspeed.launch.serve")
 
 
 class LaunchError(RuntimeError):
@@ -26,7 +27,7 @@ class LaunchError(RuntimeError):
 
 def resolve_model(model_path: str | None) -> Path:
     if model_path is None:
-        from tokenspeed.assets import ensure_default_model
+        from tokenspeed.launch.assets import ensure_default_model
 
         return ensure_default_model()
     path = Path(model_path).expanduser()
@@ -119,7 +120,7 @@ def launch(cfg: Any) -> int:
                           f"0..{sizes.nnodes - 1}")
     dp = data_parallel_size(cfg, sizes.nnodes)
     # Data-parallel attention: the world's attention groups, each with its own engine and plan
-    # ring (distributed.py); ranks on this node reading one ring.
+    # ring (distributed/groups.py); ranks on this node reading one ring.
     groups = sizes.attn_dp
     readers = sizes.attn_tp if groups > 1 else world
     if groups > 1 and dp > 1:
@@ -151,7 +152,7 @@ def launch(cfg: Any) -> int:
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
     vocab_size = model_vocab_size(model_dir)
-    from tokenspeed.grammar_backend import xgrammar_config
+    from tokenspeed.worker.grammar_backend import xgrammar_config
 
     try:  # xgrammar masks on the worker: grammars cross the plan instead of masks
         xgrammar = xgrammar_config(cfg.grammar_backend, cfg.constrained_json_whitespace_pattern,
@@ -173,7 +174,7 @@ def launch(cfg: Any) -> int:
         num_pages = max(1, int(cfg.max_total_tokens) // page_size)
     if device == "cpu" and dp > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Replicas share the CPU: split its cores between all their ranks (spawned workers read
-        # this when torch starts), as distributed.py does between the ranks of one group.
+        # this when torch starts), as distributed/groups.py does between the ranks of one group.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (world * dp)))
     ctx = mp.get_context("spawn")
     workers, links, watched = [], [], []
@@ -234,8 +235,6 @@ def launch(cfg: Any) -> int:
         pages = min(c["num_pages"] for c in capacities)
         max_running = min(int(c["max_running_requests"]) for c in capacities)
         if sizes.nnodes > 1:
-            from tokenspeed import relay
-
             timeout = float(cfg.dist_timeout or 300)
             if node_rank > 0:  # no HTTP here: relay node 0's plans until it shuts down
                 return relay.run_sink(channel, node_rank, sizes.nnodes, cfg.dist_init_addr,
@@ -352,7 +351,7 @@ def extend_graph_sizes(cfg: Any) -> list[int]:
         return []
     if cfg.piecewise_cuda_graph_tokens:
         return sorted({int(t) for t in cfg.piecewise_cuda_graph_tokens})
-    from tokenspeed.cuda_graph import extend_capture_sizes
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
 
     return extend_capture_sizes(int(cfg.piecewise_cuda_graph_max_tokens))
 
@@ -373,8 +372,6 @@ def data_parallel_size(cfg: Any, nnodes: int) -> int:
 def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
     """The checked parallel sizes, and that the model's heads split over them; one line naming
     both values otherwise, before any worker starts."""
-    from tokenspeed.distributed import ParallelConfigError, resolve_sizes
-
     try:
         dp_attention = 1
         if cfg.enable_dp_attention:
@@ -388,7 +385,7 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
                               int(cfg.ep_size or 1), bool(cfg.enable_expert_parallel),
                               dp_attention, cfg.all2all_backend)
         if sizes.world_size > 1:
-            from tokenspeed.weights import open_checkpoint
+            from tokenspeed.models.weights import open_checkpoint
 
             c = open_checkpoint(str(model_dir), cfg.load_format or "auto").config
             sizes.check_model(c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)

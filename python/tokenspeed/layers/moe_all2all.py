@@ -1,9 +1,9 @@
 """`--all2all-backend torch_all2all`: the MoE exchange that sends each token only to the ranks
 holding one of its top-k experts, through torch.distributed.all_to_all_single (NCCL or gloo).
 
-Layout (distributed.py): world rank r is EP rank r // moe_tp and MoE-TP rank r % moe_tp; EP rank
-e holds experts [e * L, (e + 1) * L) (L experts per rank), each MoE-TP rank of its block a slice
-of their intermediate dimension. The ranks of one attention-TP group hold the same tokens (TP
+Layout (distributed/groups.py): world rank r is EP rank r // moe_tp and MoE-TP rank r % moe_tp;
+EP rank e holds experts [e * L, (e + 1) * L) (L experts per rank), each MoE-TP rank of its block
+a slice of their intermediate dimension. The ranks of one attention-TP group hold the same tokens (TP
 replicates activations; under data-parallel attention each group has its own), so attention-TP
 rank a dispatches only share a of them (ceil(n / attn_tp) rows): every token leaves one rank.
 
@@ -27,15 +27,12 @@ destinations (two adds commute exactly), so such runs may differ in the last bit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from tokenspeed.distributed import state
-from tokenspeed.layers.moe import Routing
-
-if TYPE_CHECKING:
-    from tokenspeed.layers.moe import FusedMoE
+from tokenspeed.distributed.groups import state
+from tokenspeed.layers.moe import FusedMoE, Routing
 
 
 class _Sent(NamedTuple):

@@ -133,7 +133,7 @@ def ensure_test_tokenizers() -> Path:
     if (out / "llama3" / "tokenizer.json").exists() and (out / "qwen2" / "tokenizer.json").exists():
         return out
     with _locked(cache_dir() / "locks" / "tokenizers.lock"):
-        from tokenspeed._tiktoken_convert import build_tokenizer_json
+        from tokenspeed.launch._tiktoken_convert import build_tokenizer_json
 
         for name, sub in (("llama3", "llama3"), ("qwen3", "qwen2")):
             target = out / sub / "tokenizer.json"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-logger = logging.getLogger("tokenspeed.supervisor")
+logger = logging.getLogger("tokenspeed.launch.supervisor")
 
 COLLECT_S = 1.0
 GRACE_S = 10.0  # long enough for load balancers and slow clients to see the 503s

@@ -12,34 +12,30 @@ from tokenspeed.config.derived import (
     default_cuda_graph_max_bs,
     default_max_running_requests,
 )
-from tokenspeed.cuda_graph import (
-    EXTEND_GRAPH_MAX_REQUESTS,
-    DecodeGraphRunner,
-    ExtendGraphRunner,
-    capture_sizes,
-    decode_only,
-    graph_memory_estimate,
+from tokenspeed.distributed.groups import (
+    dp_graph_batch,
+    dp_token_counts,
+    state,
+    sync_sampled_tokens,
+    world_min,
 )
-from tokenspeed.distributed import dp_graph_batch, dp_token_counts, state, sync_sampled_tokens, world_min
-from tokenspeed.distributed import moe_parallel as distributed_moe_parallel
-from tokenspeed.gpu_idle import IdleClock, Span
-from tokenspeed.host_copy import DeviceToHost, to_device_int64
-from tokenspeed.kv_cache import PagedKVCache
 from tokenspeed.layers.attention import (
     GRAPH_BACKENDS,
     AttentionBackend,
     ForwardBatch,
-    backend_memory_bytes,
     check_backend,
-    create_backend,
     resolve_backend_name,
 )
+from tokenspeed.layers.attention_backends import backend_memory_bytes, create_backend
+from tokenspeed.layers.host_copy import DeviceToHost, to_device_int64
+from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.moe import (
     GRAPH_SAFE_MOE_BACKENDS,
     MoeOptions,
     MoeParallel,
     resolve_moe_backend,
 )
+from tokenspeed.layers.moe_exchange import moe_parallel as distributed_moe_parallel
 from tokenspeed.layers.quantization.kv_cache import (
     KVScales,
     is_fp8,
@@ -48,10 +44,19 @@ from tokenspeed.layers.quantization.kv_cache import (
 )
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
-from tokenspeed.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
-from tokenspeed.prompt_logprobs import PromptLogprobs, PromptScorer
-from tokenspeed.sampler import Sampler, TokenMasks, token_masks
-from tokenspeed.weights import load_model, open_checkpoint
+from tokenspeed.models.weights import load_model, open_checkpoint
+from tokenspeed.worker.cuda_graph import (
+    EXTEND_GRAPH_MAX_REQUESTS,
+    DecodeGraphRunner,
+    ExtendGraphRunner,
+    capture_sizes,
+    decode_only,
+    graph_memory_estimate,
+)
+from tokenspeed.worker.gpu_idle import IdleClock, Span
+from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
+from tokenspeed.worker.prompt_logprobs import PromptLogprobs, PromptScorer
+from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +156,7 @@ class ModelRunner:
         check_backend(self.attention_backend, self.device)
         self.moe_backend = resolve_moe_backend(moe_backend, self.device)
         # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
-        moe_parallel = moe_parallel or distributed_moe_parallel()  # TP/EP groups (distributed.py)
+        moe_parallel = moe_parallel or distributed_moe_parallel()  # from the TP/EP groups
         check_expert_parallel(c, moe_parallel.ep_size, moe_parallel.tp_size)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         # FP8 weights (--quantization or the checkpoint's quantization_config); fails here, before
@@ -186,7 +191,7 @@ class ModelRunner:
         if num_pages is None:
             num_pages = self._profile_num_pages(mem_fraction_static, chunked_prefill_size)
         self.num_pages = num_pages
-        if max_slots is None:  # the engine takes the smallest of all ranks' (serve.py)
+        if max_slots is None:  # the engine takes the smallest of all ranks' (launch/serve.py)
             self.max_slots = default_max_running_requests(num_pages * page_size, max_context_len)
             self.cuda_graph_max_bs = min(self.cuda_graph_max_bs, self.max_slots)
         if use_graphs:  # every rank captures the same sizes: their collectives must match

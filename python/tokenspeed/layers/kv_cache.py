@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenspeed.host_copy import to_device_int64
+from tokenspeed.layers.host_copy import to_device_int64
 
 
 class PagedKVCache:

@@ -14,16 +14,17 @@ of them and an MoE layer reduces first inside its moe-TP block.
 Data-parallel attention (`attn_tp < world`): the world holds `world / attn_tp` attention groups,
 each served by its own engine (scheduler, radix cache, KV pool) and reading its own plan ring;
 dense layers stay inside a group (`dense_tp` divides `attn_tp`) and only the MoE layers span the
-world: `MoeAllGather` gathers every group's tokens over `attn_dp` (the ranks with the same
-attention-TP index), each rank computes its experts' partial output for all of them, and the sum
-over the world comes back to each group's own rows. Every rank must therefore run every forward
-pass together: `lockstep_tick` (worker.py) decides each step, over a CPU (gloo) group, which
-groups run a plan and which run an idle forward, and gives every group's token count. When every
-group's plan is decode-only, every rank replays the decode CUDA graph of one size instead
-(`Tick.graph_batch`), each group padded to it: `MoeAllGather` with equal counts has static
-shapes and reads nothing on the host. Steps with prompt tokens run eagerly.
+world: `MoeAllGather` (layers/moe_exchange.py) gathers every group's tokens over `attn_dp` (the
+ranks with the same attention-TP index), each rank computes its experts' partial output for all
+of them, and the sum over the world comes back to each group's own rows. Every rank must
+therefore run every forward pass together: `lockstep_tick` (worker/loop.py) decides each step,
+over a CPU (gloo) group, which groups run a plan and which run an idle forward, and gives every
+group's token count. When every group's plan is decode-only, every rank replays the decode CUDA
+graph of one size instead (`Tick.graph_batch`), each group padded to it: `MoeAllGather` with
+equal counts has static shapes and reads nothing on the host. Steps with prompt tokens run
+eagerly.
 
-`--all2all-backend torch_all2all` (moe_all2all.MoeAllToAll) replaces either exchange: each token
+`--all2all-backend torch_all2all` (layers/moe_all2all.py) replaces either exchange: each token
 goes only to the ranks holding its experts, with and without data-parallel attention.
 
 A process that never called `init_distributed` is a world of one: every group has size 1 and
@@ -39,7 +40,6 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -400,6 +400,12 @@ def dp_token_counts(counts: list[int] | None, graph_batch: int | None = None) ->
         _DP_COUNTS, _DP_GRAPH_BATCH = saved
 
 
+def dp_counts() -> list[int] | None:
+    """Every attention group's token count in the forward pass being run (None: outside a
+    lockstep step)."""
+    return _DP_COUNTS
+
+
 def dp_graph_batch() -> int | None:
     """The decode graph size the current lockstep step replays on every rank (None: eager)."""
     return _DP_GRAPH_BATCH
@@ -409,7 +415,7 @@ def dp_graph_batch() -> int | None:
 class Tick:
     """One lockstep step as every rank sees it, per attention group: whether the group runs a
     plan this step, its token count, whether that plan is decode-only (one token per request,
-    no prompt to score: `cuda_graph.decode_only`; True for a group without tokens), and
+    no prompt to score: `worker.cuda_graph.decode_only`; True for a group without tokens), and
     whether some rank is leaving (channel closed)."""
 
     runs_plan: list[bool]
@@ -465,96 +471,6 @@ def lockstep_forward(tick: Tick, graph_sizes: list[int]) -> AbstractContextManag
     if bs is not None:
         return dp_token_counts([bs] * len(tick.tokens), graph_batch=bs)
     return dp_token_counts(tick.forward_counts() if tick.forward else None)
-
-
-class MoeAllReduce:
-    """`SparseMoeBlock.comm` under TP/EP: every rank holds every token (attention TP replicates
-    the activations) and computes a partial output over its experts and intermediate slice; the
-    partials of the ep x moe-TP grid, which is the whole world, sum to the layer's output."""
-
-    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, router_logits
-
-    def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        return _STATE.world.all_reduce(partial)
-
-
-class MoeAllGather:
-    """`SparseMoeBlock.comm` under data-parallel attention (`--all2all-backend
-    allgather_reducescatter`): each attention group holds only its own tokens. `dispatch`
-    all-gathers hidden states and router logits over `attn_dp` (padded to the largest group's
-    count, known from the lockstep tick, so no extra collective sizes it); every rank computes
-    its experts' partial output for every group's real tokens; `combine` puts them back in the
-    padded layout, reduce-scatters it over `attn_dp` (each rank keeps its group's block, summed
-    over the ranks of its attention-TP index) and all-reduces that block over `attn_tp` (the
-    rest of the world), then drops the padding.
-    Equal counts (a padded decode graph's [B] * groups, `dp_token_counts(graph_batch=B)`) need
-    no row selection: the experts run on every gathered row, padding rows included, and the
-    exchange has static shapes and no index built on the host, so it is captured in the graph."""
-
-    def __init__(self) -> None:
-        self._rows: torch.Tensor | None = None  # the real rows of the gathered layout
-        self._padded = (0, 0)  # (groups * largest count, this group's count)
-
-    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        st = _STATE
-        counts = _DP_COUNTS
-        if counts is None or len(counts) != st.sizes.attn_dp:
-            raise RuntimeError(f"data-parallel attention: a forward pass without the "
-                               f"{st.sizes.attn_dp} groups' token counts (dp_token_counts)")
-        g = st.attn_group
-        if x.shape[0] != counts[g]:
-            raise RuntimeError(f"attention group {g}: {x.shape[0]} tokens in the forward pass, "
-                               f"the lockstep tick announced {counts[g]}")
-        width = x.shape[1]
-        most = max(counts)
-        both = torch.cat([x, router_logits.to(x.dtype)], dim=1)
-        if most > both.shape[0]:
-            both = torch.cat([both, both.new_zeros(most - both.shape[0], both.shape[1])])
-        gathered = st.attn_dp.all_gather(both, dim=0)  # [groups * most, H + E]
-        self._padded = (len(counts) * most, counts[g])
-        if min(counts) == most:  # nothing to drop
-            self._rows = None
-            return gathered[:, :width], gathered[:, width:].to(router_logits.dtype)
-        # The real rows (no expert work on padding); host ints only: no device sync.
-        self._rows = torch.cat([torch.arange(j * most, j * most + n, device=x.device)
-                                for j, n in enumerate(counts)])
-        both = gathered.index_select(0, self._rows)
-        return both[:, :width], both[:, width:].to(router_logits.dtype)
-
-    def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        st = _STATE
-        rows, own = self._padded
-        padded = partial if self._rows is None else \
-            partial.new_zeros(rows, partial.shape[1]).index_copy_(0, self._rows, partial)
-        block = st.attn_dp.reduce_scatter(padded)  # [most, H]: this group's rows
-        return st.attn_tp.all_reduce(block)[:own]
-
-
-def moe_communication(st: ParallelState | None, experts: Any) -> Any:
-    """The MoE exchange of one layer (`experts`, its FusedMoE) for this rank's groups: None on
-    one rank; `MoeAllToAll` with `--all2all-backend torch_all2all`; else `MoeAllGather` under
-    data-parallel attention and `MoeAllReduce` otherwise (allgather_reducescatter with one
-    attention group gathers nothing: it is naive)."""
-    st = st or _STATE
-    if st.world.size == 1:
-        return None
-    if st.sizes.all2all_backend == "torch_all2all":
-        from tokenspeed.moe_all2all import MoeAllToAll
-
-        return MoeAllToAll(experts)
-    return MoeAllGather() if st.sizes.attn_dp > 1 else MoeAllReduce()
-
-
-def moe_parallel(st: ParallelState | None = None) -> Any:
-    """This rank's place in the MoE grid (`layers.moe.MoeParallel`) from its groups."""
-    from tokenspeed.layers.moe import MoeParallel
-
-    st = st or _STATE
-    return MoeParallel(ep_rank=st.ep.rank, ep_size=st.ep.size, tp_rank=st.moe_tp.rank,
-                       tp_size=st.moe_tp.size)
 
 
 def sync_sampled_tokens(tokens: torch.Tensor) -> torch.Tensor:
