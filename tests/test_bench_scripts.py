@@ -211,8 +211,34 @@ def test_scoreboard_flags_rows_worse_by_more_than_3_percent_in_their_direction(s
     assert sb.compare(None, 5.0, lower) == (None, "not run")
 
 
-def test_scoreboard_table_against_the_seeded_baseline(sb: ModuleType) -> None:
+def _cell(value: float, note: str | None = None) -> dict:
+    cell = {"value": value, "commit": "ddcddc1", "date": "2026-11-26"}
+    return cell | ({"note": note} if note else {})
+
+
+# The numbers the scoreboard was seeded with (issue 29's third-party runs, session 15): the real
+# baseline file moves with every --record, so the table is checked against a fixed copy.
+SEEDED_BASELINE = {"NVIDIA H100 80GB HBM3": {
+    "S1": {"bf16": {"output tok/s": _cell(7312)},
+           "fp8-kv": {"output tok/s": _cell(8049, "measured with 1000 requests")},
+           "fp8-both": {"output tok/s": _cell(7474)}},
+    "S2": {"bf16": {"median TTFT ms": _cell(39.44), "p99 ITL ms": _cell(29.31)}},
+    "S3": {"bf16": {"median TPOT ms": _cell(5.8), "median TTFT ms": _cell(9.9)}}}}
+
+
+def test_scoreboard_baseline_file_names_a_gpu_and_its_cells(sb: ModuleType) -> None:
     base = sb.load_baseline(sb.BASELINE)
+    gpus = [k for k in base if not k.startswith("_")]
+    assert gpus, "at least one GPU recorded"
+    for gpu in gpus:
+        cell = sb.baseline_cell(base, gpu, "S1", "bf16", "output tok/s")
+        assert cell is not None and cell["value"] > 0 and cell["commit"] and cell["date"]
+
+
+def test_scoreboard_table_against_the_seeded_baseline(sb: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps(SEEDED_BASELINE))
+    base = sb.load_baseline(path)
     gpu = "NVIDIA H100 80GB HBM3"
     cell = sb.baseline_cell(base, gpu, "S1", "fp8-kv", "output tok/s")
     assert cell["value"] == 8049 and cell["commit"] == "ddcddc1" and cell["date"] == "2026-11-26"
