@@ -408,21 +408,36 @@ def test_exactly_these_flags_are_implemented() -> None:
     assert c["implemented"] == len(expected) and c["flags"] == len(FLAGS) > 250
 
 
-def test_server_and_worker_split() -> None:
-    cfg = parse_serve_args(["org/m", "--api-key", "k", "--dtype", "bfloat16", "--dry-run"])
-    server, worker = cfg.server_dict(), cfg.worker_dict()
+def test_each_component_reads_the_section_its_flags_name() -> None:
+    cfg = parse_serve_args(["org/m", "--api-key", "k", "--dtype", "bfloat16", "--max-mixed-step-ms", "25",
+                            "--dry-run"])
+    server, scheduler, worker = cfg.section("server"), cfg.section("scheduler"), cfg.section("worker")
     assert server["api_key"] == "k" and "dtype" not in server and server["model_path"] == "org/m"
     assert worker["dtype"] == "bfloat16" and "api_key" not in worker and worker["model_path"] == "org/m"
-    for both in ("model_path", "page_size", "random_seed", "context_length", "tp_size"):
-        assert both in server and both in worker
-    assert "dry_run" not in server and "dry_run" not in worker
-    assert set(server) | set(worker) | {"dry_run", "config_file"} == set(cfg.to_dict())
+    # The scheduler's section is its whole config (the launcher adds the measured num_pages and
+    # resolves context_length / max_running_requests): Rust's SchedulerConfig, field for field.
+    assert set(scheduler) == {"page_size", "max_running_requests", "chunked_prefill_size",
+                              "max_prefill_tokens", "max_mixed_prefill_tokens", "max_mixed_step_ms",
+                              "schedule_policy", "disable_radix_cache", "context_length"}
+    assert scheduler["max_mixed_step_ms"] == 25.0 and "max_mixed_step_ms" not in server
+    for shared in ("page_size", "context_length", "chunked_prefill_size"):
+        assert shared in scheduler and shared in worker
+    assert {"dry_run", "tp_size"} <= set(cfg.section("launch"))
+    assert cfg.server_dict() == server | scheduler and cfg.worker_dict() == worker
+    every = set().union(*(cfg.section(r) for r in ("server", "scheduler", "worker", "launch")))
+    assert every == set(cfg.to_dict())
+
+
+def test_serve_config_is_generated_from_the_table() -> None:
+    # One field per implemented flag, its default the table's: nothing restates a setting.
+    assert {f.name: f.default for f in fields(ServeConfig)} == {
+        f.dest: f.default for f in FLAGS if f.implemented}
 
 
 def test_table_is_well_formed() -> None:
     for flag in FLAGS:
         assert flag.help[:1].isupper() and flag.help.endswith("."), flag.name
-        assert flag.component in ("server", "worker", "both", "cli")
+        assert flag.readers and set(flag.readers) <= {"server", "scheduler", "worker", "launch"}
         assert flag.default is None or flag.check(flag.default) is None
         if flag.supported is not None:
             assert set(flag.supported) <= set(flag.choices or ()), flag.name

@@ -13,11 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Kind = Literal["str", "int", "float", "bool", "json", "list"]
-# Which process consumes the setting: the Rust server core, the Python worker, both,
-# or only the command-line front end (`--config`, `--dry-run`).
-Component = Literal["server", "worker", "both", "cli"]
+# Who reads a setting; each reader's config is derived from the flags that name it:
+#   server     the Rust core's front end and engine loop (ServerConfig, rust/server/src/config.rs)
+#   scheduler  the Rust scheduler (SchedulerConfig, rust/engine/src/scheduler/request.rs): sent
+#              as ServerConfig's `scheduler` section, field names = flag dests
+#   worker     the Python worker (WorkerSpec.settings)
+#   launch     only the launcher (`tokenspeed serve` in Python: `--config`, `--dry-run`, the
+#              parallel layout, values it derives and hands on in another form)
+# The `server` and `scheduler` sections are exact: Rust refuses a missing or unknown field.
+Reader = Literal["server", "scheduler", "worker", "launch"]
 
-COMPONENTS: tuple[str, ...] = ("server", "worker", "both", "cli")
+READERS: tuple[str, ...] = ("server", "scheduler", "worker", "launch")
 
 # Help groups, in the order `tokenspeed serve --help` prints them.
 G_MODEL = "Model and tokenizer"
@@ -108,7 +114,7 @@ class Flag:
     unsupported_values: tuple[Any, ...] = ()
     refusals: dict[Any, str] = field(default_factory=dict)
     takes_value: bool = False
-    component: Component = "server"
+    readers: tuple[Reader, ...] = ("server",)
     implemented: bool = False
     dest: str = ""
     metavar: str | None = None
@@ -118,8 +124,8 @@ class Flag:
             object.__setattr__(self, "dest", self.name.lstrip("-").replace("-", "_"))
         if self.negated and self.kind != "bool":
             raise ValueError(f"{self.name}: only bool flags can have negated spellings")
-        if self.component not in COMPONENTS:
-            raise ValueError(f"{self.name}: unknown component {self.component!r}")
+        if not self.readers or not set(self.readers) <= set(READERS):
+            raise ValueError(f"{self.name}: readers must be some of {READERS}, got {self.readers!r}")
         if self.group not in GROUPS:
             raise ValueError(f"{self.name}: unknown help group {self.group!r}")
         if self.choices is not None and not set(self.refusals) <= set(self.choices):

@@ -45,7 +45,7 @@ LOAD_FORMATS = (
 MODEL_FLAGS: list[Flag] = [
     s("--model-path", "Model to serve: a local directory or a Hugging Face style repo ID. "
       f"It may also be given as the first positional argument. Default: {DEFAULT_MODEL}.",
-      G_MODEL, aliases=("--model",), component="both", implemented=True, metavar="PATH"),
+      G_MODEL, aliases=("--model",), readers=("server", "worker"), implemented=True, metavar="PATH"),
     s("--tokenizer-path", "Where to load the tokenizer from. Default: the model directory.",
       G_MODEL, aliases=("--tokenizer",), implemented=True, metavar="PATH"),
     c("--tokenizer-mode", "Tokenizer flavour: 'auto' prefers a fast tokenizer, 'slow' forces the "
@@ -56,25 +56,25 @@ MODEL_FLAGS: list[Flag] = [
     c("--load-format", "How weights are read from disk. Available now: auto (detect from the "
       "files), safetensors, gguf, and dummy (random weights, for benchmarking).", G_MODEL,
       LOAD_FORMATS, "auto", supported=("auto", "safetensors", "gguf", "dummy"),
-      component="worker", implemented=True, metavar="FORMAT"),
+      readers=("worker",), implemented=True, metavar="FORMAT"),
     j("--model-loader-extra-config", "Extra JSON options handed to the weight loader.", G_MODEL,
-      component="worker"),
+      readers=("worker",)),
     b("--trust-remote-code", "Accepted for compatibility with vLLM and SGLang recipes. TokenSpeed "
       "never runs Python code shipped inside a model repository, so this switch has no effect.",
-      G_MODEL, component="worker", implemented=True),
+      G_MODEL, readers=("worker",), implemented=True),
     i("--context-length", "Longest sequence, prompt plus output, in tokens. Default: the maximum "
       "from the model's config.", G_MODEL, aliases=("--max-model-len",), minimum=1,
-      component="both", implemented=True),
+      readers=("scheduler", "worker"), implemented=True),
     b("--is-embedding", "Serve a causal language model as an embedding model.", G_MODEL,
-      component="both"),
+      readers=("server", "worker")),
     b("--enable-multimodal", "Turn on image/video/audio inputs for multimodal models.", G_MODEL,
-      component="both"),
+      readers=("server", "worker")),
     s("--revision", "Model revision to fetch: a branch, tag or commit. TokenSpeed loads "
-      "local files only, so only the default is accepted.", G_MODEL, component="worker"),
+      "local files only, so only the default is accepted.", G_MODEL, readers=("worker",)),
     c("--model-impl", "Which model implementation to run: TokenSpeed's own or a fallback.",
-      G_MODEL, ("auto", "sglang", "transformers"), "auto", component="worker"),
+      G_MODEL, ("auto", "sglang", "transformers"), "auto", readers=("worker",)),
     s("--download-dir", "Directory for downloaded weights. TokenSpeed has no hub download yet.",
-      G_MODEL, component="worker", metavar="DIR"),
+      G_MODEL, readers=("worker",), metavar="DIR"),
 ]
 
 HTTP_FLAGS: list[Flag] = [
@@ -87,13 +87,13 @@ HTTP_FLAGS: list[Flag] = [
     s("--warmups", "Comma-separated names of custom warm-up routines to run before serving.",
       G_HTTP),
     i("--nccl-port", "Port for the NCCL rendezvous between workers. Default: a free port.", G_HTTP,
-      minimum=1, maximum=65535, component="worker"),
+      minimum=1, maximum=65535, readers=("worker",)),
     i("--max-request-body-bytes", "Largest request body accepted; a larger one is refused with "
-      "413 before it is read in full.", G_HTTP, 8 << 20, minimum=1, component="server",
+      "413 before it is read in full.", G_HTTP, 8 << 20, minimum=1, readers=("server",),
       implemented=True, metavar="BYTES"),
     f("--shutdown-timeout", "Seconds in-flight requests get to finish after SIGTERM/SIGINT "
       "(new requests get 503 meanwhile) before they are aborted; 0 aborts them at once "
-      "(vLLM's flag).", G_HTTP, 30.0, minimum=0.0, component="server", implemented=True),
+      "(vLLM's flag).", G_HTTP, 30.0, minimum=0.0, readers=("server",), implemented=True),
 ]
 
 API_FLAGS: list[Flag] = [
@@ -132,12 +132,12 @@ API_FLAGS: list[Flag] = [
 QUANT_FLAGS: list[Flag] = [
     c("--dtype", "Precision of weights and activations. 'auto' lets the worker follow the "
       "checkpoint's dtype. 'half' and 'float' are accepted as float16 and float32.", G_QUANT, ("auto", "float16", "bfloat16", "float32"), "auto",
-      value_aliases={"half": "float16", "float": "float32"}, component="worker",
+      value_aliases={"half": "float16", "float": "float32"}, readers=("worker",),
       implemented=True),
     s("--quantization", "Weight quantization method. Available now: fp8 (per-channel FP8 weights, "
       "per-token FP8 activations; a bf16/fp16/fp32 checkpoint is quantised while loading). FP8 "
       "checkpoints (compressed-tensors, ModelOpt) are detected from config.json without it; other "
-      "methods (awq, gptq, bitsandbytes, ...) fail at start.", G_QUANT, component="worker",
+      "methods (awq, gptq, bitsandbytes, ...) fail at start.", G_QUANT, readers=("worker",),
       implemented=True, metavar="METHOD"),
     c("--lm-head-quantization", "Precision of the LM head's weights under FP8 weight "
       "quantization. 'auto': FP8 when --quantization fp8 quantises the checkpoint (the head is "
@@ -145,61 +145,61 @@ QUANT_FLAGS: list[Flag] = [
       "(FP8 when it ships lm_head.weight_scale); 'fp8': always FP8 (needs FP8 weights); 'none': "
       "the model dtype, as vLLM does (an FP8 head is dequantised once loaded). A tied head "
       "gets its own FP8 copy; the embedding keeps the model dtype.", G_QUANT,
-      ("auto", "fp8", "none"), "auto", component="worker", implemented=True),
+      ("auto", "fp8", "none"), "auto", readers=("worker",), implemented=True),
     s("--quantization-param-path", "JSON file with per-layer scaling factors for an FP8 KV "
       "cache, in vLLM's kv_cache_scales layout ({\"kv_cache\": {\"scaling_factor\": {tp_rank: "
       "{layer: scale}}}}). Default: the checkpoint's k_scale/v_scale tensors, else 1.0.", G_QUANT,
-      component="worker", implemented=True, metavar="PATH"),
+      readers=("worker",), implemented=True, metavar="PATH"),
     s("--modelopt-quant", "Quantize with NVIDIA ModelOpt using this scheme at load time.",
-      G_QUANT, component="worker"),
+      G_QUANT, readers=("worker",)),
     s("--modelopt-checkpoint-restore-path", "Load an already ModelOpt-quantized checkpoint from "
-      "here.", G_QUANT, component="worker", metavar="PATH"),
+      "here.", G_QUANT, readers=("worker",), metavar="PATH"),
     s("--modelopt-checkpoint-save-path", "Save the ModelOpt-quantized model here.", G_QUANT,
-      component="worker", metavar="PATH"),
+      readers=("worker",), metavar="PATH"),
     c("--kv-cache-dtype", "Storage type of the KV cache. 'auto' uses the model dtype; 'fp8' "
       "(= fp8_e4m3) and fp8_e5m2 store 8-bit floats with per-layer scales (see "
       "--quantization-param-path), so the same memory holds twice the tokens of bfloat16.",
       G_QUANT, ("auto", "fp8", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16"), "auto",
-      component="worker", implemented=True),
+      readers=("worker",), implemented=True),
     b("--enable-fp32-lm-head", "Compute the output logits in float32.", G_QUANT,
-      component="worker"),
+      readers=("worker",)),
     s("--torchao-config", "Quantize with torchao using this recipe (int8dq, int4wo-128, ...).",
-      G_QUANT, component="worker"),
+      G_QUANT, readers=("worker",)),
 ]
 
 MEMORY_FLAGS: list[Flag] = [
     f("--mem-fraction-static", "Fraction of GPU memory TokenSpeed may take for weights plus KV "
       "cache, between 0 and 1. Default: chosen from the GPU size.", G_MEMORY,
       aliases=("--gpu-memory-utilization",), minimum=0.0, min_exclusive=True, maximum=1.0,
-      component="worker", implemented=True, metavar="FRACTION"),
+      readers=("worker",), implemented=True, metavar="FRACTION"),
     i("--max-running-requests", "Most requests decoded at the same time. Default: derived from the "
       f"KV pool, its tokens / {KV_TOKENS_PER_RUNNING_REQUEST} (or / the context length when "
       f"shorter), rounded down to a multiple of {RUNNING_REQUESTS_STEP}, within "
       f"[{MIN_DEFAULT_RUNNING_REQUESTS}, {MAX_DEFAULT_RUNNING_REQUESTS}]: 256 for Llama-3.1-8B on "
       "an H100, 512 with --kv-cache-dtype fp8 (twice the tokens); /get_server_info reports it. "
       "Slots and plans are sized for the upper bound before the pool is known.", G_MEMORY,
-      aliases=("--max-num-seqs",), minimum=1, component="both", implemented=True),
+      aliases=("--max-num-seqs",), minimum=1, readers=("scheduler", "worker"), implemented=True),
     i("--prefill-max-requests", "Most new requests admitted in one prefill batch.", G_MEMORY,
       minimum=1),
     i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected. "
       "Bounded by default (SGLang's is unbounded) so that a burst cannot grow memory without "
-      "limit.", G_MEMORY, 4096, minimum=1, component="server", implemented=True),
+      "limit.", G_MEMORY, 4096, minimum=1, readers=("server",), implemented=True),
     i("--max-total-tokens", "Size of the KV cache pool in tokens, overriding the size worked out "
-      "from --mem-fraction-static. Mostly for testing.", G_MEMORY, minimum=1, component="both",
+      "from --mem-fraction-static. Mostly for testing.", G_MEMORY, minimum=1, readers=("launch",),
       implemented=True),
     i("--chunked-prefill-size", "Token budget of one scheduler iteration: long prompts are "
       "prefilled in chunks of at most this many tokens. vLLM's --max-num-batched-tokens maps "
       "here. The value -1 (no chunking) is not available yet.", G_MEMORY, 8192,
       aliases=("--max-num-batched-tokens",), minimum=1, allowed_special=(-1,),
-      unsupported_values=(-1,), implemented=True),
+      unsupported_values=(-1,), implemented=True, readers=("scheduler", "worker")),
     i("--max-prefill-tokens", "Most prompt tokens in one prefill batch; a single prompt longer "
-      "than this still runs alone.", G_MEMORY, 16384, minimum=1, implemented=True),
+      "than this still runs alone.", G_MEMORY, 16384, minimum=1, implemented=True, readers=("scheduler",)),
     i("--max-mixed-prefill-tokens", "Most prompt tokens in a step that also carries decodes (0: "
       "no cap beyond --chunked-prefill-size). Running streams wait for the whole step, so the "
       "cap spreads a wave of prompts over more, shorter steps. Like vLLM's long-prefill "
       "threshold and SGLang's mixed chunk. The default, 1024, measured on an H100 (Llama-3.1-8B, "
       "2000 prompts at once): p99 inter-token gap 203 -> 63 ms, throughput +1.9% over no cap.",
-      G_MEMORY, 1024, minimum=0, implemented=True),
+      G_MEMORY, 1024, minimum=0, implemented=True, readers=("scheduler",)),
     f("--max-mixed-step-ms", "Run time a step that also carries decodes is planned to stay "
       "within (0: off). The engine learns from measured step times what the running decodes "
       "take and what each prompt token adds, and gives a mixed step only the prompt tokens "
@@ -213,19 +213,19 @@ MEMORY_FLAGS: list[Flag] = [
       "more than a longer gap. The default, 40, measured on an H100 (Llama-3.1-8B, 2000 "
       "prompts at once): p99 step interval 46.0 -> 40.8 ms; 1024-token prompts at 8 req/s "
       "unchanged (their mixed steps take ~27 ms).",
-      G_MEMORY, 40.0, minimum=0.0, component="server", implemented=True),
+      G_MEMORY, 40.0, minimum=0.0, readers=("scheduler",), implemented=True),
     f("--schedule-lead-ms", "With overlap scheduling, plan the next step this many ms before "
       "the running decode step is expected to end (the shortest recent decode step), not as "
       "soon as it starts, so requests that arrive meanwhile join it: up to one decode step "
       "less time to first token. It must cover the worker's launch of a step, or the GPU "
       "waits. 0: plan at once. The default, 2, measured on an H100 (Llama-3.1-8B, 1024-token "
       "prompts at 8 req/s): median TTFT 44.4 -> 39.0 ms, inter-token gaps, batch-1 decode and "
-      "saturated throughput unchanged.", G_MEMORY, 2.0, minimum=0.0, component="server",
+      "saturated throughput unchanged.", G_MEMORY, 2.0, minimum=0.0, readers=("server",),
       implemented=True),
     c("--schedule-policy", "Order in which waiting requests are admitted: fcfs (arrival order) "
       "or lpm (longest cached prefix first).", G_MEMORY,
       ("fcfs", "lpm", "random", "dfs-weight", "lof"), "fcfs", supported=("fcfs", "lpm"),
-      implemented=True),
+      implemented=True, readers=("scheduler",)),
     b("--enable-priority-scheduling", "Admit requests by their priority field rather than by "
       "policy order.", G_MEMORY),
     b("--schedule-low-priority-values-first", "With priority scheduling, treat smaller priority "
@@ -235,7 +235,7 @@ MEMORY_FLAGS: list[Flag] = [
     f("--schedule-conservativeness", "How cautiously the scheduler admits requests; larger means "
       "fewer retractions.", G_MEMORY, 1.0, minimum=0.0),
     i("--page-size", "Tokens per KV cache page (block). Default 16; note SGLang defaults to 1.",
-      G_MEMORY, 16, aliases=("--block-size",), minimum=1, component="both", implemented=True),
+      G_MEMORY, 16, aliases=("--block-size",), minimum=1, readers=("scheduler", "worker"), implemented=True),
     f("--hybrid-kvcache-ratio", "Split between uniform and hybrid KV buffers for models mixing "
       "sliding-window and full attention, from 0 to 1.", G_MEMORY, minimum=0.0, maximum=1.0),
     f("--swa-full-tokens-ratio", "KV tokens kept per sliding-window layer relative to a full "
@@ -245,7 +245,7 @@ MEMORY_FLAGS: list[Flag] = [
     b("--disable-radix-cache", "Turn off prefix caching, the reuse of KV cache between "
       "requests that share a prompt prefix. vLLM's --no-enable-prefix-caching does the same; "
       "--enable-prefix-caching keeps it on.", G_MEMORY, aliases=("--no-enable-prefix-caching",),
-      negated=("--enable-prefix-caching",), implemented=True),
+      negated=("--enable-prefix-caching",), implemented=True, readers=("scheduler",)),
     b("--prefill-only-one-req", "Put at most one request in each prefill batch. Takes a value: "
       "true or false.", G_MEMORY, takes_value=True),
 ]
@@ -253,32 +253,32 @@ MEMORY_FLAGS: list[Flag] = [
 RUNTIME_FLAGS: list[Flag] = [
     c("--device", "Where the model runs. 'auto' picks CUDA when a GPU is visible, else CPU.",
       G_RUNTIME, ("auto", "cuda", "cpu", "xpu", "hpu", "npu", "mps"), "auto",
-      supported=("auto", "cuda", "cpu"), component="worker", implemented=True),
+      supported=("auto", "cuda", "cpu"), readers=("worker",), implemented=True),
     i("--stream-interval", "Send streamed output every this many tokens.", G_RUNTIME, 1,
       minimum=1),
     b("--stream-output", "Stream output as disjoint segments instead of cumulative text.",
       G_RUNTIME),
     i("--random-seed", "Seed for all random number generators, for reproducible sampling.",
-      G_RUNTIME, aliases=("--seed",), minimum=0, component="both", implemented=True),
+      G_RUNTIME, aliases=("--seed",), minimum=0, readers=("worker",), implemented=True),
     # The default bounds whitespace (one space, or a newline and an indent): with any amount
     # allowed, as by default in SGLang and vLLM, small models loop on whitespace until max_tokens.
     s("--constrained-json-whitespace-pattern", "Regex of whitespace allowed between tokens of "
       "JSON-constrained output; 'any' allows any run of whitespace.", G_RUNTIME,
-      r"( |\n[ \t]{0,16})", implemented=True, metavar="REGEX"),
+      r"( |\n[ \t]{0,16})", implemented=True, metavar="REGEX", readers=("launch",)),
     b("--constrained-json-disable-any-whitespace", "Force compact JSON in JSON-constrained "
-      "output.", G_RUNTIME, implemented=True),
+      "output.", G_RUNTIME, implemented=True, readers=("launch",)),
     f("--watchdog-timeout", "Abort the server when one forward step takes longer than this many "
-      "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="server",
+      "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, readers=("server",),
       implemented=True),
     f("--soft-watchdog-timeout", "Dump debugging state when one forward step takes longer than "
-      "this many seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, component="both"),
+      "this many seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, readers=("server", "worker")),
     i("--dist-timeout", "Seconds a rank waits for the others, to form the process group and in "
       "any collective, before it fails naming itself.", G_RUNTIME, 300, minimum=1,
-      component="worker", implemented=True),
+      readers=("worker",), implemented=True),
     i("--base-gpu-id", "First GPU index to use, for running several servers on one machine.",
-      G_RUNTIME, 0, minimum=0, component="worker"),
+      G_RUNTIME, 0, minimum=0, readers=("worker",)),
     i("--gpu-id-step", "Stride between the GPU indices used by consecutive workers.", G_RUNTIME,
-      1, minimum=1, component="worker"),
+      1, minimum=1, readers=("worker",)),
     b("--sleep-on-idle", "Lower CPU use while no requests are running.", G_RUNTIME),
     j("--mm-process-config", "JSON options for multimodal preprocessing (image, video, audio).",
       G_RUNTIME),
@@ -286,7 +286,7 @@ RUNTIME_FLAGS: list[Flag] = [
 
 LOGGING_FLAGS: list[Flag] = [
     c("--log-level", "Verbosity of all logs.", G_LOGGING, LOG_LEVELS, "info", casefold=True,
-      component="both", implemented=True),
+      readers=("launch", "worker"), implemented=True),
     c("--log-level-http", "Verbosity of the HTTP access log. Default: same as --log-level.",
       G_LOGGING, LOG_LEVELS, casefold=True),
     b("--log-requests", "Log every request and its response.", G_LOGGING, implemented=True),
@@ -317,7 +317,7 @@ LOGGING_FLAGS: list[Flag] = [
     f("--gc-warning-threshold-secs", "Warn when a Python garbage collection pause is longer "
       "than this; 0 turns the warning off.", G_LOGGING, 0.0, minimum=0.0),
     i("--decode-log-interval", "Write a decode progress line every this many steps.", G_LOGGING,
-      40, minimum=1, component="server", implemented=True),
+      40, minimum=1, readers=("server",), implemented=True),
     b("--enable-request-time-stats-logging", "Log per-request timing breakdowns.", G_LOGGING),
     j("--kv-events-config", "JSON settings for publishing KV cache events (NVIDIA Dynamo).",
       G_LOGGING),
@@ -329,9 +329,9 @@ LOGGING_FLAGS: list[Flag] = [
 LAUNCH_FLAGS: list[Flag] = [
     s("--config", "Read flags from this YAML file. Keys are flag names without the leading "
       "dashes, in any accepted spelling; flags on the command line win over the file.",
-      G_LAUNCH, component="cli", implemented=True, metavar="FILE", dest="config_file"),
+      G_LAUNCH, readers=("launch",), implemented=True, metavar="FILE", dest="config_file"),
     b("--dry-run", "Print the resolved configuration as JSON and exit without serving.",
-      G_LAUNCH, component="cli", implemented=True),
+      G_LAUNCH, readers=("launch",), implemented=True),
 ]
 
 CORE_FLAGS: list[Flag] = [

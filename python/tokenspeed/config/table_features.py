@@ -40,92 +40,92 @@ LORA_MODULES = (
 OVERRIDE_FLAGS: list[Flag] = [
     j("--json-model-override-args", "JSON object merged over the model's config.json. vLLM's "
       "--hf-overrides is the same setting.", G_OVERRIDE, aliases=("--hf-overrides",),
-      component="worker"),
+      readers=("worker",)),
     j("--preferred-sampling-params", "JSON default sampling parameters for requests that set "
       "none.", G_OVERRIDE),
 ]
 
 LORA_FLAGS: list[Flag] = [
-    b("--enable-lora", "Serve LoRA adapters on top of the base model.", G_LORA, component="both"),
+    b("--enable-lora", "Serve LoRA adapters on top of the base model.", G_LORA, readers=("server", "worker")),
     i("--max-lora-rank", "Largest LoRA rank to reserve room for. Default: from the adapters.",
-      G_LORA, minimum=1, component="worker"),
+      G_LORA, minimum=1, readers=("worker",)),
     lst("--lora-target-modules", "Modules LoRA applies to, or 'all'. Default: from the "
-        "adapters.", G_LORA, choices=LORA_MODULES, component="worker"),
+        "adapters.", G_LORA, choices=LORA_MODULES, readers=("worker",)),
     lst("--lora-paths", "Adapters to load at start: PATH, NAME=PATH, or a JSON object with "
-        "lora_name, lora_path and pinned.", G_LORA, nargs="*", component="both"),
+        "lora_name, lora_path and pinned.", G_LORA, nargs="*", readers=("server", "worker")),
     i("--max-loras-per-batch", "Most distinct adapters in one batch, the base model included.",
-      G_LORA, 8, minimum=1, component="both"),
+      G_LORA, 8, minimum=1, readers=("server", "worker")),
     i("--max-loaded-loras", "Most adapters kept in GPU memory at once.", G_LORA, minimum=1,
-      component="both"),
+      readers=("server", "worker")),
     c("--lora-eviction-policy", "Which adapter leaves GPU memory first when it is full.", G_LORA,
       ("lru", "fifo"), "lru"),
     c("--lora-backend", "Kernels used for LoRA computation.", G_LORA, ("triton", "csgmv"),
-      "triton", component="worker"),
+      "triton", readers=("worker",)),
     c("--max-lora-chunk-size", "Chunk size of the chunked SGMV LoRA kernels.", G_LORA,
-      (16, 32, 64, 128), 16, component="worker"),
+      (16, 32, 64, 128), 16, readers=("worker",)),
 ]
 
 KERNEL_FLAGS: list[Flag] = [
     c("--attention-backend", "Attention kernels. Available now: triton, flashinfer (needs the "
       "flashinfer-python package; JIT-compiles on first use) and torch_native. Default: triton "
       "on CUDA, torch_native on CPU.", G_KERNEL,
-      ATTENTION_BACKENDS, supported=("torch_native", "triton", "flashinfer"), component="worker",
+      ATTENTION_BACKENDS, supported=("torch_native", "triton", "flashinfer"), readers=("worker",),
       implemented=True),
     c("--prefill-attention-backend", "Attention kernels for prefill only, overriding "
-      "--attention-backend.", G_KERNEL, ATTENTION_BACKENDS, component="worker"),
+      "--attention-backend.", G_KERNEL, ATTENTION_BACKENDS, readers=("worker",)),
     c("--decode-attention-backend", "Attention kernels for decode only, overriding "
-      "--attention-backend.", G_KERNEL, ATTENTION_BACKENDS, component="worker"),
+      "--attention-backend.", G_KERNEL, ATTENTION_BACKENDS, readers=("worker",)),
     c("--sampling-backend", "Kernels used for token sampling.", G_KERNEL,
-      ("flashinfer", "pytorch", "ascend"), component="worker"),
+      ("flashinfer", "pytorch", "ascend"), readers=("worker",)),
     c("--grammar-backend", "Engine for grammar- and JSON-schema-constrained decoding "
       "(response_format, guided_*, tool_choice required): llguidance computes token masks in "
       "the Rust core; xgrammar computes them on the worker (needs the xgrammar package); none "
       "refuses such requests.", G_KERNEL,
       ("xgrammar", "outlines", "llguidance", "none"), "llguidance",
-      supported=("llguidance", "xgrammar", "none"), component="both", implemented=True),
+      supported=("llguidance", "xgrammar", "none"), readers=("server", "worker"), implemented=True),
     c("--mm-attention-backend", "Attention kernels for multimodal encoders.", G_KERNEL,
-      ("sdpa", "fa3", "triton_attn", "ascend_attn"), component="worker"),
+      ("sdpa", "fa3", "triton_attn", "ascend_attn"), readers=("worker",)),
     c("--nsa-prefill-backend", "Sparse-attention (NSA) kernels for prefill.", G_KERNEL,
       ("flashmla_sparse", "flashmla_decode", "fa3", "tilelang", "aiter"), "flashmla_sparse",
-      component="worker"),
+      readers=("worker",)),
     c("--nsa-decode-backend", "Sparse-attention (NSA) kernels for decode.", G_KERNEL,
       ("flashmla_prefill", "flashmla_kv", "fa3", "tilelang", "aiter"), "flashmla_kv",
-      component="worker"),
+      readers=("worker",)),
     c("--fp8-gemm-backend", "Kernels for FP8 matrix multiplies.", G_KERNEL,
       ("auto", "deep_gemm", "flashinfer_trtllm", "cutlass", "triton", "aiter"), "auto",
-      component="worker"),
+      readers=("worker",)),
     b("--disable-flashinfer-autotune", "Skip FlashInfer kernel autotuning at start.", G_KERNEL,
-      component="worker"),
+      readers=("worker",)),
 ]
 
 SPEC_FLAGS: list[Flag] = [
     c("--speculative-algorithm", "Speculative decoding method.", G_SPEC,
-      ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"), component="both"),
+      ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"), readers=("server", "worker")),
     j("--speculative-config", "Speculative decoding settings as one JSON object (vLLM style).",
-      G_SPEC, component="both"),
+      G_SPEC, readers=("server", "worker")),
     s("--speculative-draft-model-path", "Draft model for speculative decoding: a directory or "
-      "repo ID.", G_SPEC, aliases=("--speculative-draft-model",), component="worker",
+      "repo ID.", G_SPEC, aliases=("--speculative-draft-model",), readers=("worker",),
       metavar="PATH"),
     s("--speculative-draft-model-revision", "Revision of the draft model.", G_SPEC,
-      component="worker"),
+      readers=("worker",)),
     i("--speculative-num-steps", "Draft steps per verification.", G_SPEC, minimum=1,
-      component="both"),
+      readers=("server", "worker")),
     i("--speculative-eagle-topk", "Candidates kept per draft step in EAGLE tree drafting.",
-      G_SPEC, minimum=1, component="both"),
+      G_SPEC, minimum=1, readers=("server", "worker")),
     i("--speculative-num-draft-tokens", "Draft tokens verified per step.", G_SPEC, minimum=1,
-      component="both"),
+      readers=("server", "worker")),
     f("--speculative-accept-threshold-single", "Probability above which one draft token is "
-      "accepted.", G_SPEC, 1.0, minimum=0.0, maximum=1.0, component="worker"),
+      "accepted.", G_SPEC, 1.0, minimum=0.0, maximum=1.0, readers=("worker",)),
     f("--speculative-accept-threshold-acc", "Accumulated probability threshold for accepting "
-      "draft tokens.", G_SPEC, 1.0, minimum=0.0, maximum=1.0, component="worker"),
+      "draft tokens.", G_SPEC, 1.0, minimum=0.0, maximum=1.0, readers=("worker",)),
     s("--speculative-token-map", "File restricting the draft vocabulary to frequent tokens.",
-      G_SPEC, component="worker", metavar="PATH"),
+      G_SPEC, readers=("worker",), metavar="PATH"),
     c("--speculative-attention-mode", "Whether verification runs as a prefill or a decode "
-      "attention pass.", G_SPEC, ("prefill", "decode"), "prefill", component="worker"),
+      "attention pass.", G_SPEC, ("prefill", "decode"), "prefill", readers=("worker",)),
     s("--speculative-moe-runner-backend", "MoE runner for the draft model.", G_SPEC,
-      component="worker"),
+      readers=("worker",)),
     s("--speculative-moe-a2a-backend", "MoE all-to-all backend for the draft model.", G_SPEC,
-      component="worker"),
+      readers=("worker",)),
 ]
 
 NGRAM_FLAGS: list[Flag] = [
@@ -147,20 +147,20 @@ NGRAM_FLAGS: list[Flag] = [
 
 HICACHE_FLAGS: list[Flag] = [
     b("--enable-hierarchical-cache", "Spill prefix-cache KV pages to host memory (and "
-      "optionally storage) instead of dropping them.", G_HICACHE, component="both"),
+      "optionally storage) instead of dropping them.", G_HICACHE, readers=("server", "worker")),
     f("--hicache-ratio", "Host KV pool size as a multiple of the GPU KV pool.", G_HICACHE, 2.0,
-      minimum=0.0, min_exclusive=True, component="both"),
+      minimum=0.0, min_exclusive=True, readers=("server", "worker")),
     i("--hicache-size", "Host KV pool size in GB; overrides --hicache-ratio when non-zero.",
-      G_HICACHE, 0, minimum=0, component="both"),
+      G_HICACHE, 0, minimum=0, readers=("server", "worker")),
     c("--hicache-write-policy", "When GPU KV pages are copied to host memory.", G_HICACHE,
       ("write_back", "write_through", "write_through_selective"), "write_through"),
     c("--radix-eviction-policy", "Which cached prefix is evicted first.", G_HICACHE,
       ("lru", "lfu"), "lru"),
     c("--hicache-io-backend", "Copy mechanism between GPU and host KV pools.", G_HICACHE,
-      ("direct", "kernel", "kernel_ascend"), "kernel", component="worker"),
+      ("direct", "kernel", "kernel_ascend"), "kernel", readers=("worker",)),
     c("--hicache-mem-layout", "Layout of the host KV pool.", G_HICACHE,
       ("layer_first", "page_first", "page_first_direct", "page_first_kv_split"), "layer_first",
-      component="worker"),
+      readers=("worker",)),
     c("--hicache-storage-backend", "Third tier for KV pages below host memory.", G_HICACHE,
       ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic", "eic")),
     c("--hicache-storage-prefetch-policy", "When a prefetch from the storage tier may stop.",
@@ -168,20 +168,20 @@ HICACHE_FLAGS: list[Flag] = [
     s("--hicache-storage-backend-extra-config", "Extra JSON settings for the storage tier.",
       G_HICACHE),
     b("--enable-lmcache", "Use LMCache as the hierarchical KV cache.", G_HICACHE,
-      component="both"),
+      readers=("server", "worker")),
     s("--kvstore-backend", "External KV store that shares prefix KV pages between TokenSpeed "
-      "servers.", G_HICACHE, component="both", metavar="NAME"),
+      "servers.", G_HICACHE, readers=("server", "worker"), metavar="NAME"),
     j("--kvstore-config", "JSON settings for the external KV store.", G_HICACHE,
-      component="both"),
+      readers=("server", "worker")),
 ]
 
 MAMBA_FLAGS: list[Flag] = [
     i("--max-mamba-cache-size", "Most state slots in the Mamba cache.", G_MAMBA, minimum=1,
-      component="both"),
+      readers=("server", "worker")),
     c("--mamba-ssm-dtype", "Storage type of Mamba SSM state.", G_MAMBA, ("float32", "bfloat16"),
-      "float32", component="worker"),
+      "float32", readers=("worker",)),
     f("--mamba-full-memory-ratio", "Memory of Mamba state relative to full-attention KV cache.",
-      G_MAMBA, 0.2, minimum=0.0, min_exclusive=True, component="both"),
+      G_MAMBA, 0.2, minimum=0.0, min_exclusive=True, readers=("server", "worker")),
     c("--mamba-scheduler-strategy", "How the scheduler budgets Mamba state.", G_MAMBA,
       ("auto", "no_buffer", "extra_buffer"), "auto"),
     i("--mamba-track-interval", "Tokens between saved Mamba state checkpoints.", G_MAMBA, 256,
@@ -190,38 +190,38 @@ MAMBA_FLAGS: list[Flag] = [
 
 SPARSITY_FLAGS: list[Flag] = [
     b("--enable-double-sparsity", "Use double-sparsity attention.", G_SPARSITY,
-      component="worker"),
+      readers=("worker",)),
     s("--ds-channel-config-path", "Channel configuration file for double sparsity.", G_SPARSITY,
-      component="worker", metavar="PATH"),
+      readers=("worker",), metavar="PATH"),
     i("--ds-heavy-channel-num", "Heavy channels kept by double sparsity.", G_SPARSITY, 32,
-      minimum=1, component="worker"),
+      minimum=1, readers=("worker",)),
     i("--ds-heavy-token-num", "Heavy tokens kept by double sparsity.", G_SPARSITY, 256,
-      minimum=1, component="worker"),
+      minimum=1, readers=("worker",)),
     s("--ds-heavy-channel-type", "Which projection picks the heavy channels.", G_SPARSITY, "qk",
-      component="worker"),
+      readers=("worker",)),
     i("--ds-sparse-decode-threshold", "Sequence length above which decode uses double "
-      "sparsity.", G_SPARSITY, 4096, minimum=0, component="worker"),
+      "sparsity.", G_SPARSITY, 4096, minimum=0, readers=("worker",)),
 ]
 
 OFFLOAD_FLAGS: list[Flag] = [
     i("--cpu-offload-gb", "GB of weights kept in host memory instead of on the GPU.", G_OFFLOAD,
-      0, minimum=0, component="worker"),
+      0, minimum=0, readers=("worker",)),
     i("--offload-group-size", "Layers per offloading group; -1 turns group offload off.",
-      G_OFFLOAD, -1, minimum=1, allowed_special=(-1,), component="worker"),
+      G_OFFLOAD, -1, minimum=1, allowed_special=(-1,), readers=("worker",)),
     i("--offload-num-in-group", "Layers offloaded within each group.", G_OFFLOAD, 1, minimum=1,
-      component="worker"),
+      readers=("worker",)),
     i("--offload-prefetch-step", "Layers prefetched ahead of use.", G_OFFLOAD, 1, minimum=0,
-      component="worker"),
-    s("--offload-mode", "Where offloaded layers live.", G_OFFLOAD, "cpu", component="worker"),
+      readers=("worker",)),
+    s("--offload-mode", "Where offloaded layers live.", G_OFFLOAD, "cpu", readers=("worker",)),
 ]
 
 MISC_FLAGS: list[Flag] = [
     i("--multi-item-scoring-delimiter", "Token ID that separates query and items in "
-      "multi-item scoring requests.", G_MISC, minimum=0, component="both"),
+      "multi-item scoring requests.", G_MISC, minimum=0, readers=("server", "worker")),
     j("--forward-hooks", "JSON list of forward hooks to attach to model modules.", G_MISC,
-      component="worker"),
+      readers=("worker",)),
     b("--enable-deterministic-inference", "Batch-invariant kernels so results do not depend on "
-      "batch composition.", G_MISC, component="both"),
+      "batch composition.", G_MISC, readers=("server", "worker")),
 ]
 
 FEATURE_TABLE: list[Flag] = [

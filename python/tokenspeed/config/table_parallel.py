@@ -71,27 +71,27 @@ PARALLEL_FLAGS: list[Flag] = [
       "unless set apart, the dense and MoE layers). --tensor-parallel-size, --tp and "
       "--attn-tp-size are the same setting; give only one.", G_PARALLEL, 1,
       aliases=("--tensor-parallel-size", "--tp", "--attn-tp-size"), minimum=1,
-      component="both", implemented=True, metavar="N"),
+      readers=("launch",), implemented=True, metavar="N"),
     i("--dense-tp-size", "Tensor-parallel size of dense MLP layers, when it differs from "
       "attention TP (a divisor of it: each dense shard is then replicated).", G_PARALLEL,
-      minimum=1, component="both", implemented=True, metavar="N"),
+      minimum=1, readers=("launch",), implemented=True, metavar="N"),
     i("--moe-tp-size", "Tensor-parallel size of MoE expert layers, when it differs from "
       "attention TP (times the expert-parallel size it must equal the world size).",
-      G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
+      G_PARALLEL, minimum=1, readers=("launch",), implemented=True, metavar="N"),
     i("--world-size", "Total number of worker processes across all nodes (default: the "
       "attention TP size; given alone, it is also the TP size). Larger than --attn-tp-size: "
       "data-parallel attention, world / attn-tp attention groups, each with its own scheduler, "
       "prefix cache and KV pool, sharing the MoE experts (dense layers stay inside a group; "
       "one node; CUDA graphs off; for attention TP 1 use --enable-dp-attention, since --tp 1 "
       "is the default).", G_PARALLEL, minimum=1,
-      component="both", implemented=True, metavar="N"),
+      readers=("launch",), implemented=True, metavar="N"),
     i("--nprocs-per-node", "Worker processes started on each node (default: world size / "
-      "nodes).", G_PARALLEL, minimum=1, component="both", implemented=True, metavar="N"),
+      "nodes).", G_PARALLEL, minimum=1, readers=("launch",), implemented=True, metavar="N"),
     i("--dp-size", "Data-parallel size: number of independent model replicas behind one "
       "endpoint, each with its own scheduler, prefix cache, KV pool and worker group of "
       "--tp-size ranks (on GPU replica r uses GPUs r*tp .. r*tp+tp-1; on CPU they share it). "
       "With --enable-dp-attention it is the number of attention groups in one world instead.",
-      G_PARALLEL, 1, aliases=("--data-parallel-size", "--dp"), minimum=1, component="both",
+      G_PARALLEL, 1, aliases=("--data-parallel-size", "--dp"), minimum=1, readers=("server", "worker"),
       implemented=True, metavar="N"),
     c("--load-balance-method", "How requests are spread over data-parallel replicas: "
       "round_robin (in turn; SGLang's default), shortest_queue (fewest running and queued "
@@ -108,42 +108,42 @@ PARALLEL_FLAGS: list[Flag] = [
       "--dp D, one world of T ranks in D attention groups of T/D ranks, each group with its own "
       "scheduler, prefix cache and KV pool; MoE layers span the world (--ep-size/--moe-tp-size), "
       "dense MLP layers stay tensor-parallel inside a group (unlike SGLang, not over the "
-      "world). One node; runs without CUDA graphs.", G_PARALLEL, component="both",
+      "world). One node; runs without CUDA graphs.", G_PARALLEL, readers=("launch",),
       implemented=True),
     b("--enable-dp-lm-head", "Keep the output head data-parallel under DP attention, avoiding "
-      "an all-gather.", G_PARALLEL, component="worker"),
+      "an all-gather.", G_PARALLEL, readers=("worker",)),
     i("--pp-size", "Pipeline-parallel size: number of stages the layers are split into.",
-      G_PARALLEL, 1, aliases=("--pipeline-parallel-size",), minimum=1, component="both",
+      G_PARALLEL, 1, aliases=("--pipeline-parallel-size",), minimum=1, readers=("server", "worker"),
       metavar="N"),
     i("--pp-max-micro-batch-size", "Largest micro-batch in pipeline parallelism.", G_PARALLEL,
-      minimum=1, component="both"),
+      minimum=1, readers=("server", "worker")),
 ]
 
 MULTINODE_FLAGS: list[Flag] = [
     s("--dist-init-addr", "Address (host:port) of rank 0, where all nodes meet to form the process group "
       "(default: a free port on 127.0.0.1).",
-      G_MULTINODE, aliases=("--nccl-init-addr",), component="both", implemented=True,
+      G_MULTINODE, aliases=("--nccl-init-addr",), readers=("launch",), implemented=True,
       metavar="HOST:PORT"),
     i("--nnodes", "Number of nodes the deployment spans. Node 0 serves HTTP and schedules; "
       "each other node relays its plans (needs --dist-init-addr).", G_MULTINODE, 1, minimum=1,
-      component="both", implemented=True),
+      readers=("launch",), implemented=True),
     i("--node-rank", "Index of this node, from 0. Only this differs between nodes.",
-      G_MULTINODE, 0, minimum=0, component="both", implemented=True),
+      G_MULTINODE, 0, minimum=0, readers=("launch",), implemented=True),
 ]
 
 EP_FLAGS: list[Flag] = [
     i("--ep-size", "Expert-parallel size: ranks the MoE experts are spread over (each holds a "
       "contiguous 1/N of them whole; N must divide the model's expert count and the world "
       "size; the MoE-TP size defaults to world / N).", G_EP, 1,
-      aliases=("--expert-parallel-size", "--ep"), minimum=1, component="both",
+      aliases=("--expert-parallel-size", "--ep"), minimum=1, readers=("launch",),
       implemented=True, metavar="N"),
     b("--enable-expert-parallel", "Spread MoE experts over all ranks of the deployment: the "
       "expert-parallel size becomes the world size (vLLM's meaning; with --ep-size it must "
-      "agree).", G_EP, component="both", implemented=True),
+      "agree).", G_EP, readers=("launch",), implemented=True),
     c("--moe-backend", "Kernels of the mixture-of-experts layers: triton (fused routing, grouped "
       "GEMMs and combine; runs in decode CUDA graphs) or torch_native (a loop over the experts: "
       "the reference, and no CUDA graphs for MoE models). Default: triton on CUDA, torch_native "
-      "on CPU.", G_EP, ("triton", "torch_native"), component="worker", implemented=True),
+      "on CPU.", G_EP, ("triton", "torch_native"), readers=("worker",), implemented=True),
     c("--all2all-backend", "How MoE layers exchange tokens with the ranks holding their "
       "experts (vLLM's names). naive: every rank already holds every token (attention TP "
       "replicates them), computes a partial output over its experts and the partials are "
@@ -159,54 +159,54 @@ EP_FLAGS: list[Flag] = [
       "batches, not small-batch decode. The others (pplx, DeepEP, FlashInfer all2allv) are "
       "external libraries TokenSpeed does not call: refused, saying why.", G_EP,
       _ALL2ALL_CHOICES, "naive", supported=("naive", "allgather_reducescatter", "torch_all2all"),
-      refusals=_refusals(_ALL2ALL_CHOICES), component="worker", implemented=True),
+      refusals=_refusals(_ALL2ALL_CHOICES), readers=("worker",), implemented=True),
     c("--moe-a2a-backend", "All-to-all backend for expert parallelism, SGLang's flag. "
       "TokenSpeed's own exchanges are chosen with --all2all-backend.", G_EP, _MOE_A2A_CHOICES,
-      "none", refusals=_refusals(_MOE_A2A_CHOICES), component="worker"),
-    s("--moe-runner-backend", "Kernel runner for MoE layers.", G_EP, "auto", component="worker"),
+      "none", refusals=_refusals(_MOE_A2A_CHOICES), readers=("worker",)),
+    s("--moe-runner-backend", "Kernel runner for MoE layers.", G_EP, "auto", readers=("worker",)),
     c("--flashinfer-mxfp4-moe-precision", "Compute precision of FlashInfer MXFP4 MoE kernels.",
-      G_EP, ("default", "bf16"), "default", component="worker"),
+      G_EP, ("default", "bf16"), "default", readers=("worker",)),
     b("--enable-flashinfer-allreduce-fusion", "Fuse all-reduce with residual RMSNorm.", G_EP,
-      component="worker"),
+      readers=("worker",)),
     c("--deepep-mode", "DeepEP dispatch mode: normal, low_latency, or auto (choose per batch).",
-      G_EP, ("normal", "low_latency", "auto"), "auto", component="worker"),
+      G_EP, ("normal", "low_latency", "auto"), "auto", readers=("worker",)),
     i("--ep-num-redundant-experts", "Extra expert replicas placed for load balancing.", G_EP, 0,
-      minimum=0, component="worker"),
+      minimum=0, readers=("worker",)),
     s("--ep-dispatch-algorithm", "How a rank is picked among an expert's replicas.", G_EP,
-      component="worker"),
+      readers=("worker",)),
     s("--init-expert-location", "Initial placement of experts on ranks.", G_EP, "trivial",
-      component="worker"),
+      readers=("worker",)),
     b("--enable-eplb", "Turn on expert-parallel load balancing (moving experts at run time).",
-      G_EP, component="worker"),
+      G_EP, readers=("worker",)),
     s("--eplb-algorithm", "Algorithm used by the expert load balancer.", G_EP, "auto",
-      component="worker"),
+      readers=("worker",)),
     i("--eplb-rebalance-num-iterations", "Forward steps between expert rebalances.", G_EP, 1000,
-      minimum=1, component="worker"),
+      minimum=1, readers=("worker",)),
     i("--eplb-rebalance-layers-per-chunk", "Layers moved per rebalancing step.", G_EP, minimum=1,
-      component="worker"),
+      readers=("worker",)),
     f("--eplb-min-rebalancing-utilization-threshold", "Rebalance only when GPU utilization is "
-      "below this fraction.", G_EP, 1.0, minimum=0.0, maximum=1.0, component="worker"),
+      "below this fraction.", G_EP, 1.0, minimum=0.0, maximum=1.0, readers=("worker",)),
     s("--expert-distribution-recorder-mode", "What the expert-usage recorder collects.", G_EP,
-      component="worker"),
+      readers=("worker",)),
     i("--expert-distribution-recorder-buffer-size", "Steps of history the expert-usage recorder "
-      "keeps.", G_EP, minimum=1, component="worker"),
+      "keeps.", G_EP, minimum=1, readers=("worker",)),
     b("--enable-expert-distribution-metrics", "Export expert-usage balance metrics.", G_EP,
-      component="worker"),
-    s("--deepep-config", "DeepEP tuning file or JSON string.", G_EP, component="worker"),
+      readers=("worker",)),
+    s("--deepep-config", "DeepEP tuning file or JSON string.", G_EP, readers=("worker",)),
     i("--moe-dense-tp-size", "Tensor-parallel size of dense MLP layers in MoE models.", G_EP,
-      minimum=1, component="both"),
+      minimum=1, readers=("server", "worker")),
     s("--elastic-ep-backend", "Collective backend for elastic expert parallelism.", G_EP,
-      component="worker"),
+      readers=("worker",)),
     s("--mooncake-ib-device", "InfiniBand device(s) for Mooncake elastic EP.", G_EP,
-      component="worker"),
+      readers=("worker",)),
 ]
 
 PD_FLAGS: list[Flag] = [
     c("--disaggregation-mode", "Role in prefill/decode disaggregation: prefill, decode, or null "
       "(a normal combined server).", G_PD, ("null", "prefill", "decode"), "null",
-      component="both"),
+      readers=("server", "worker")),
     c("--disaggregation-transfer-backend", "Transport that moves KV cache from prefill to decode "
-      "servers.", G_PD, ("mooncake", "nixl", "ascend", "fake"), "mooncake", component="both"),
+      "servers.", G_PD, ("mooncake", "nixl", "ascend", "fake"), "mooncake", readers=("server", "worker")),
     i("--disaggregation-bootstrap-port", "Port of the prefill server's bootstrap service.", G_PD,
       8998, minimum=1, maximum=65535),
     i("--disaggregation-decode-tp", "Tensor-parallel size of the decode servers (set on prefill "
@@ -224,11 +224,11 @@ PD_FLAGS: list[Flag] = [
     i("--disaggregation-decode-polling-interval", "Poll for incoming requests every this many "
       "decode steps.", G_PD, 1, minimum=1),
     b("--enable-pdmux", "Multiplex prefill and decode on one GPU with green contexts.", G_PD,
-      component="both"),
+      readers=("server", "worker")),
     s("--pdmux-config-path", "Configuration file for prefill/decode multiplexing.", G_PD,
       metavar="PATH"),
     i("--sm-group-num", "Number of SM partitions for prefill/decode multiplexing.", G_PD, 8,
-      minimum=1, component="worker"),
+      minimum=1, readers=("worker",)),
 ]
 
 PARALLEL_TABLE: list[Flag] = [*PARALLEL_FLAGS, *MULTINODE_FLAGS, *EP_FLAGS, *PD_FLAGS]

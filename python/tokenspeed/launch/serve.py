@@ -254,45 +254,21 @@ def launch(cfg: Any) -> int:
             agreed = _wait_ready(watched[-1:], [parent_end], timeout_s=timeout + 60,
                                  where=watch.where)[0]
             pages, max_running = agreed["num_pages"], agreed["max_running_requests"]
-        server_config = {
-            "host": cfg.host,
-            "port": int(cfg.port),
+        # The Rust core's config: the flags it reads, cut from the declared table by reader
+        # (ServerConfig's fields and its `scheduler` section are named after the flags), then
+        # what this launcher resolved or measured in their place.
+        server_config = cfg.section("server") | {
             "model_path": str(cfg.model_path or model_dir),
             "tokenizer_path": str(tokenizer_dir),
             "served_model_name": cfg.served_model_name or (cfg.model_path or model_dir.name),
-            "api_key": cfg.api_key,
-            "chat_template": cfg.chat_template,
-            "context_length": context,
-            "page_size": page_size,
-            "num_pages": pages,
-            "max_running_requests": max_running,
-            "chunked_prefill_size": chunk,
-            "max_prefill_tokens": int(cfg.max_prefill_tokens),
-            "max_mixed_prefill_tokens": int(cfg.max_mixed_prefill_tokens),
-            "max_mixed_step_ms": float(cfg.max_mixed_step_ms),
-            "schedule_policy": cfg.schedule_policy,
-            "disable_radix_cache": bool(cfg.disable_radix_cache),
-            "disable_overlap_schedule": bool(cfg.disable_overlap_schedule),
-            "schedule_lead_ms": float(cfg.schedule_lead_ms),
-            "log_requests": bool(cfg.log_requests),
-            "skip_server_warmup": bool(cfg.skip_server_warmup),
-            "max_queued_requests": int(cfg.max_queued_requests),
-            "max_request_body_bytes": int(cfg.max_request_body_bytes),
-            "shutdown_timeout": float(cfg.shutdown_timeout),
-            "watchdog_timeout": float(cfg.watchdog_timeout),
-            "step_log_interval": int(cfg.decode_log_interval),
-            "enable_metrics": bool(cfg.enable_metrics),
             "sampling_defaults": sampling_defaults(model_dir, cfg.sampling_defaults),
+            "dp_size": engines,
+            "scheduler": cfg.section("scheduler") | {
+                "context_length": context, "num_pages": pages, "max_running_requests": max_running},
             "vocab_size": vocab_size,
-            "grammar_backend": cfg.grammar_backend,
-            "tool_call_parser": cfg.tool_call_parser,
-            "reasoning_parser": cfg.reasoning_parser,
-            "enable_auto_tool_choice": bool(cfg.enable_auto_tool_choice),
             "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                                 else cfg.constrained_json_whitespace_pattern),
             "worker_pids": [p.pid for p in workers],
-            "dp_size": engines,
-            "load_balance_method": cfg.load_balance_method,
             "server_info": {
                 "device": capacities[0]["device"],
                 "tp_size": sizes.attn_tp,

@@ -166,9 +166,9 @@ fn main() {
         max_prefill_tokens: 16384,
         max_mixed_prefill_tokens: a.cap,
         max_mixed_step_ms: a.step_ms,
-        policy: SchedulePolicy::Fcfs,
-        enable_radix_cache: true,
-        max_context_len: 8192,
+        schedule_policy: SchedulePolicy::Fcfs,
+        disable_radix_cache: false,
+        context_length: 8192,
     };
     let mut sched = match Scheduler::new(config) {
         Ok(s) => s,

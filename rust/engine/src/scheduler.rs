@@ -266,7 +266,7 @@ impl Scheduler {
         let cache = RadixCache::new(
             pool.clone(),
             config.page_size as usize,
-            config.enable_radix_cache,
+            !config.disable_radix_cache,
         );
         Ok(Scheduler {
             free_slots: (0..config.max_running_requests).collect(),
@@ -310,12 +310,12 @@ impl Scheduler {
             return Err(SubmitError::ZeroMaxNewTokens { id });
         }
         let total = req.prompt.len() as u64 + u64::from(req.max_new_tokens);
-        if total > u64::from(self.config.max_context_len) {
+        if total > u64::from(self.config.context_length) {
             return Err(SubmitError::ContextTooLong {
                 id,
                 prompt_tokens: req.prompt.len(),
                 max_new_tokens: req.max_new_tokens,
-                max_context_len: self.config.max_context_len,
+                max_context_len: self.config.context_length,
             });
         }
         // The last sampled token is never fed back, so it needs no KV.

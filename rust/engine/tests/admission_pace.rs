@@ -52,9 +52,9 @@ fn run_wave(requests: u64, max_mixed_prefill_tokens: u32, max_mixed_step_ms: f64
         max_prefill_tokens: 16384,
         max_mixed_prefill_tokens,
         max_mixed_step_ms,
-        max_context_len: 4096,
-        policy: SchedulePolicy::Fcfs,
-        enable_radix_cache: true,
+        context_length: 4096,
+        schedule_policy: SchedulePolicy::Fcfs,
+        disable_radix_cache: false,
     };
     let mut sched = Scheduler::new(config).expect("valid config");
     for id in 0..requests {

@@ -120,7 +120,7 @@ fn timed_wave(decoders: u64, prompt_lens: &[usize], num_pages: u32) -> Vec<(usiz
         max_prefill_tokens: 16384,
         max_mixed_prefill_tokens: 1024,
         max_mixed_step_ms: 40.0,
-        max_context_len: 4096,
+        context_length: 4096,
         ..config(num_pages, 1)
     };
     let mut h = Harness::with_overlap(config, true);

@@ -204,7 +204,7 @@ fn shared_prefixes_under_pressure_give_the_same_tokens_as_one_plan_at_a_time() {
     let cfg = tokenspeed_engine::SchedulerConfig {
         max_running_requests: 6,
         chunked_prefill_size: 16,
-        policy: SchedulePolicy::Lpm,
+        schedule_policy: SchedulePolicy::Lpm,
         ..config(24, 2)
     };
     let base = prompt(9, 12);

@@ -127,7 +127,7 @@ fn max_running_requests_caps_slots_and_freed_slots_are_reused() {
 fn first_admitted(policy: SchedulePolicy) -> RequestId {
     let mut h = Harness::new(tokenspeed_engine::SchedulerConfig {
         max_running_requests: 1,
-        policy,
+        schedule_policy: policy,
         ..config(256, 4)
     });
     let shared = prompt(7, 16);
@@ -218,7 +218,7 @@ fn a_fully_cached_prompt_still_computes_its_last_token() {
 #[test]
 fn disabled_radix_cache_never_reports_hits() {
     let mut h = Harness::new(tokenspeed_engine::SchedulerConfig {
-        enable_radix_cache: false,
+        disable_radix_cache: true,
         ..config(64, 4)
     });
     h.submit(request(1, prompt(3, 16), 2));
@@ -293,7 +293,7 @@ fn a_request_larger_than_the_pool_is_rejected_at_submit() {
 #[test]
 fn submit_rejects_bad_requests_with_context() {
     let mut s = Scheduler::new(tokenspeed_engine::SchedulerConfig {
-        max_context_len: 32,
+        context_length: 32,
         ..config(64, 4)
     })
     .expect("valid");
@@ -582,7 +582,7 @@ fn many_requests_with_shared_prefixes_and_pressure_leave_no_leak() {
     let mut h = Harness::new(tokenspeed_engine::SchedulerConfig {
         max_running_requests: 6,
         chunked_prefill_size: 16,
-        policy: SchedulePolicy::Lpm,
+        schedule_policy: SchedulePolicy::Lpm,
         ..config(24, 2)
     });
     let base = prompt(9, 12);

@@ -72,13 +72,13 @@ fn workload() -> impl Strategy<Value = Workload> {
                 max_prefill_tokens: 1024,
                 max_mixed_prefill_tokens: 0,
                 max_mixed_step_ms: 0.0,
-                policy: if lpm {
+                schedule_policy: if lpm {
                     SchedulePolicy::Lpm
                 } else {
                     SchedulePolicy::Fcfs
                 },
-                enable_radix_cache: cache,
-                max_context_len: 1024,
+                disable_radix_cache: !cache,
+                context_length: 1024,
             };
             // Prompts drawn from a few stems so that prefixes are shared.
             let one = (

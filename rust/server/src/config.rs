@@ -1,6 +1,7 @@
 //! The server's configuration, handed over from Python's resolved flag table as JSON.
 
 use serde::{Deserialize, Serialize};
+use tokenspeed_engine::SchedulerConfig;
 
 /// Everything the Rust core needs to serve. Python resolves flags, spawns the workers and
 /// learns the KV capacity (`num_pages`) from them before building this. Values come from the
@@ -14,38 +15,18 @@ pub struct ServerConfig {
     pub model_path: String,
     pub tokenizer_path: String,
     pub served_model_name: String,
-    #[serde(default)]
     pub api_key: Option<String>,
-    #[serde(default)]
     pub chat_template: Option<String>,
-    pub context_length: u32,
-    pub page_size: u32,
-    pub num_pages: u32,
-    pub max_running_requests: u32,
-    pub chunked_prefill_size: u32,
-    pub max_prefill_tokens: u32,
-    /// Prefill tokens in a step that also carries decodes (`--max-mixed-prefill-tokens`; 0: no
-    /// separate cap).
-    #[serde(default)]
-    pub max_mixed_prefill_tokens: u32,
-    /// Run time, in ms, a step that also carries decodes is planned to stay within
-    /// (`--max-mixed-step-ms`; 0: off).
-    #[serde(default)]
-    pub max_mixed_step_ms: f64,
-    pub schedule_policy: String,
-    #[serde(default)]
-    pub disable_radix_cache: bool,
+    /// What the scheduler reads (the flags whose readers include "scheduler", plus the KV
+    /// pages the workers allocated): the engine crate's own type, so no field is restated here.
+    pub scheduler: SchedulerConfig,
     /// One plan at a time instead of scheduling step N+1 while the worker runs step N.
-    #[serde(default)]
     pub disable_overlap_schedule: bool,
     /// Plan step N+1 this many ms before a decode-only step N is expected to end (0: as soon
     /// as N starts).
-    #[serde(default)]
     pub schedule_lead_ms: f64,
-    #[serde(default)]
     pub log_requests: bool,
     /// Skip the one-token generation that proves the whole path works before binding HTTP.
-    #[serde(default)]
     pub skip_server_warmup: bool,
     /// Requests waiting beyond this are refused (overload), not queued forever.
     pub max_queued_requests: u32,
@@ -57,47 +38,35 @@ pub struct ServerConfig {
     pub watchdog_timeout: f64,
     /// Process ids of the worker ranks, watched for liveness (under data parallelism, replica
     /// 0's ranks, then replica 1's, ...).
-    #[serde(default)]
     pub worker_pids: Vec<i32>,
     /// Data-parallel replicas (`--dp-size`): one engine and worker group each; absent: 1.
-    #[serde(default)]
     pub dp_size: Option<u32>,
     /// `--load-balance-method` over the replicas (needed when `dp_size` > 1).
-    #[serde(default)]
     pub load_balance_method: Option<String>,
     /// Log a step line every this many steps (`--decode-log-interval`; 0 = never).
-    pub step_log_interval: u64,
+    pub decode_log_interval: u64,
     /// Serve Prometheus metrics at /metrics (`--enable-metrics`); without it the route is absent.
-    #[serde(default)]
     pub enable_metrics: bool,
     /// Sampling values for the fields a request omits (`--sampling-defaults model`: the model's
     /// generation_config.json; empty with `openai`).
-    #[serde(default)]
     pub sampling_defaults: SamplingDefaults,
     /// The model's vocabulary size (config.json; may exceed the tokenizer's, padded ids are
     /// never sampled under a grammar); 0: the tokenizer's.
-    #[serde(default)]
     pub vocab_size: u32,
     /// `--grammar-backend`: "llguidance", "xgrammar" (masks on the worker), or absent / "none"
     /// (structured output refused).
-    #[serde(default)]
     pub grammar_backend: Option<String>,
     /// `--tool-call-parser`: how tool calls are read from chat output (tools need it).
-    #[serde(default)]
     pub tool_call_parser: Option<String>,
     /// `--reasoning-parser`: splits think-tag reasoning from the answer in chat output.
-    #[serde(default)]
     pub reasoning_parser: Option<String>,
     /// `--enable-auto-tool-choice`: tool_choice "auto" (and absent, with tools) is allowed.
-    #[serde(default)]
     pub enable_auto_tool_choice: bool,
     /// Whitespace between JSON tokens under a schema: a regex, "any", or "compact"
     /// (`--constrained-json-whitespace-pattern`, `--constrained-json-disable-any-whitespace`);
     /// absent: any.
-    #[serde(default)]
     pub json_whitespace: Option<String>,
     /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
-    #[serde(default)]
     pub server_info: serde_json::Value,
 }
 

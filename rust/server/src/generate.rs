@@ -185,7 +185,7 @@ async fn start_on(
     replica: Option<usize>,
 ) -> Result<Generation, ApiError> {
     let prompt_ids = tokenize_prompt(state, spec.prompt.clone()).await?;
-    let context = state.config.context_length;
+    let context = state.config.scheduler.context_length;
     crate::validate::check_prompt(&prompt_ids, state.tokenizer.vocab_size() as u32, context)?;
     let room = context - prompt_ids.len() as u32;
     let max_new_tokens = match spec.max_new_tokens {

@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::serve::ListenerExt;
-use tokenspeed_engine::scheduler::{SchedulePolicy, SchedulerConfig};
 use tokenspeed_structured::JsonWhitespace;
 use tokenspeed_text::TextTokenizer;
 
@@ -62,30 +61,6 @@ pub fn init_logging(level: &str) {
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .try_init();
-}
-
-pub fn scheduler_config(c: &ServerConfig) -> Result<SchedulerConfig, ServeError> {
-    let policy = match c.schedule_policy.as_str() {
-        "fcfs" => SchedulePolicy::Fcfs,
-        "lpm" => SchedulePolicy::Lpm,
-        other => {
-            return Err(ServeError::Config(format!(
-                "unknown schedule policy {other:?} (fcfs, lpm)"
-            )))
-        }
-    };
-    Ok(SchedulerConfig {
-        page_size: c.page_size,
-        num_pages: c.num_pages,
-        max_running_requests: c.max_running_requests,
-        chunked_prefill_size: c.chunked_prefill_size,
-        max_prefill_tokens: c.max_prefill_tokens,
-        max_mixed_prefill_tokens: c.max_mixed_prefill_tokens,
-        max_mixed_step_ms: c.max_mixed_step_ms,
-        policy,
-        enable_radix_cache: !c.disable_radix_cache,
-        max_context_len: c.context_length,
-    })
 }
 
 /// Everything needed to answer HTTP, with the engine thread already running.
@@ -131,7 +106,7 @@ pub fn build_state_replicas(
         .map_err(ServeError::Config)?;
     let metrics = Arc::new(metrics::Metrics::new(
         &config.served_model_name,
-        config.context_length,
+        config.scheduler.context_length,
     ));
     // The HTTP layer admits at most max_running + max_queued generating requests (a fast 429
     // before tokenizing), so the waiting queue stays within --max-queued-requests once the
@@ -140,10 +115,11 @@ pub fn build_state_replicas(
     // over the limit, and refusing it there would come late (after tokenizing, between steps).
     // Under data parallelism both limits are per replica, so the HTTP layer admits N times as
     // many (the router spreads them).
-    let max_in_flight = config.max_running_requests as usize + config.max_queued_requests as usize;
+    let max_in_flight =
+        config.scheduler.max_running_requests as usize + config.max_queued_requests as usize;
     let options = EngineOptions {
         max_queued_requests: max_in_flight,
-        step_log_interval: config.step_log_interval,
+        step_log_interval: config.decode_log_interval,
         overlap: !config.disable_overlap_schedule,
         plan_lead: (config.schedule_lead_ms > 0.0)
             .then(|| Duration::from_secs_f64(config.schedule_lead_ms / 1e3)),
@@ -156,7 +132,7 @@ pub fn build_state_replicas(
     let mut engines = Vec::with_capacity(dp);
     for link in links {
         let (engine, _thread) = engine::spawn_engine(
-            scheduler_config(&config)?,
+            config.scheduler.clone(),
             link,
             options.clone(),
             metrics.clone(),

@@ -14,6 +14,7 @@ use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokenspeed_engine::plan::RequestEvent;
 use tokenspeed_engine::{GrammarRow, Plan, StepResult, StepTiming, LAST_SAMPLED};
+use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
@@ -312,20 +313,22 @@ fn harness_from(o: HarnessOpts) -> Harness {
         served_model_name: "test-model".into(),
         api_key: api_key.map(str::to_string),
         chat_template: None,
-        context_length: 256,
-        page_size: 4,
-        num_pages: 512,
-        max_running_requests: if max_running_requests == 0 {
-            16
-        } else {
-            max_running_requests
+        scheduler: SchedulerConfig {
+            page_size: 4,
+            num_pages: 512,
+            max_running_requests: if max_running_requests == 0 {
+                16
+            } else {
+                max_running_requests
+            },
+            chunked_prefill_size: 64,
+            max_prefill_tokens: 64,
+            max_mixed_prefill_tokens: 0,
+            max_mixed_step_ms: 0.0,
+            schedule_policy: SchedulePolicy::Fcfs,
+            disable_radix_cache: false,
+            context_length: 256,
         },
-        chunked_prefill_size: 64,
-        max_prefill_tokens: 64,
-        max_mixed_prefill_tokens: 0,
-        max_mixed_step_ms: 0.0,
-        schedule_policy: "fcfs".into(),
-        disable_radix_cache: false,
         disable_overlap_schedule,
         schedule_lead_ms,
         log_requests: false,
@@ -337,7 +340,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         worker_pids: vec![],
         dp_size: None,
         load_balance_method: None,
-        step_log_interval: 0,
+        decode_log_interval: 0,
         enable_metrics,
         sampling_defaults: Default::default(),
         vocab_size: 0,

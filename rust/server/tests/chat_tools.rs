@@ -14,6 +14,7 @@ use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokenspeed_engine::plan::RequestEvent;
 use tokenspeed_engine::{Plan, StepResult};
+use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
@@ -117,16 +118,18 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         served_model_name: "test-model".into(),
         api_key: None,
         chat_template: None,
-        context_length: 1024,
-        page_size: 4,
-        num_pages: 1024,
-        max_running_requests: 8,
-        chunked_prefill_size: 256,
-        max_prefill_tokens: 256,
-        max_mixed_prefill_tokens: 0,
-        max_mixed_step_ms: 0.0,
-        schedule_policy: "fcfs".into(),
-        disable_radix_cache: false,
+        scheduler: SchedulerConfig {
+            page_size: 4,
+            num_pages: 1024,
+            max_running_requests: 8,
+            chunked_prefill_size: 256,
+            max_prefill_tokens: 256,
+            max_mixed_prefill_tokens: 0,
+            max_mixed_step_ms: 0.0,
+            schedule_policy: SchedulePolicy::Fcfs,
+            disable_radix_cache: false,
+            context_length: 1024,
+        },
         disable_overlap_schedule: false,
         schedule_lead_ms: 0.0,
         log_requests: false,
@@ -138,7 +141,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         worker_pids: vec![],
         dp_size: None,
         load_balance_method: None,
-        step_log_interval: 0,
+        decode_log_interval: 0,
         enable_metrics: false,
         sampling_defaults: Default::default(),
         vocab_size: 0,

@@ -105,9 +105,9 @@ fn group(n: usize, policy: Policy) -> Group {
             max_prefill_tokens: 256,
             max_mixed_prefill_tokens: 0,
             max_mixed_step_ms: 0.0,
-            policy: SchedulePolicy::Fcfs,
-            enable_radix_cache: true,
-            max_context_len: 4096,
+            schedule_policy: SchedulePolicy::Fcfs,
+            disable_radix_cache: false,
+            context_length: 4096,
         };
         let options = EngineOptions {
             max_queued_requests: 64,

@@ -12,6 +12,7 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tokenspeed_engine::{Plan, StepResult};
+use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
@@ -54,14 +55,18 @@ fn state(watchdog_timeout: f64) -> AppState {
         served_model_name: "test-model".into(),
         api_key: Some(KEY.into()),
         chat_template: None,
-        context_length: 256,
-        page_size: 4,
-        num_pages: 256,
-        max_running_requests: 2,
-        chunked_prefill_size: 64,
-        max_prefill_tokens: 64,
-        schedule_policy: "fcfs".into(),
-        disable_radix_cache: false,
+        scheduler: SchedulerConfig {
+            page_size: 4,
+            num_pages: 256,
+            max_running_requests: 2,
+            chunked_prefill_size: 64,
+            max_prefill_tokens: 64,
+            max_mixed_prefill_tokens: 0,
+            max_mixed_step_ms: 0.0,
+            schedule_policy: SchedulePolicy::Fcfs,
+            disable_radix_cache: false,
+            context_length: 256,
+        },
         disable_overlap_schedule: false,
         schedule_lead_ms: 0.0,
         log_requests: false,
@@ -73,10 +78,8 @@ fn state(watchdog_timeout: f64) -> AppState {
         worker_pids: vec![],
         dp_size: None,
         load_balance_method: None,
-        step_log_interval: 0,
+        decode_log_interval: 0,
         enable_metrics: true,
-        max_mixed_prefill_tokens: 0,
-        max_mixed_step_ms: 0.0,
         sampling_defaults: Default::default(),
         vocab_size: 0,
         grammar_backend: None,

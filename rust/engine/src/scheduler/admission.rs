@@ -147,7 +147,7 @@ impl Scheduler {
 
     fn admission_order(&self) -> Vec<RequestId> {
         let mut order: Vec<RequestId> = self.waiting.iter().copied().collect();
-        if self.config.policy == SchedulePolicy::Lpm && order.len() <= LPM_MAX_WAITING {
+        if self.config.schedule_policy == SchedulePolicy::Lpm && order.len() <= LPM_MAX_WAITING {
             let mut keyed: Vec<(bool, usize, RequestId)> = order
                 .iter()
                 .map(|id| {

@@ -31,34 +31,37 @@ impl FromStr for SchedulePolicy {
     }
 }
 
+/// What the scheduler reads, as `tokenspeed serve` hands it over: each field is the flag of the
+/// same name (`python/tokenspeed/config/table_*.py`, the flags whose readers include
+/// "scheduler"; the one owner of their defaults and help) or, for `num_pages`, what the workers
+/// measured. Python sends every field (no serde defaults that could disagree with the table).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SchedulerConfig {
-    /// Tokens per KV page (`--page-size`).
+    /// Tokens per KV page.
     pub page_size: u32,
     /// KV pages the workers allocated (reported by the worker at start).
     pub num_pages: u32,
-    /// Worker slots; at most this many requests hold KV at once (`--max-running-requests`).
+    /// Worker slots; at most this many requests hold KV at once.
     pub max_running_requests: u32,
-    /// Tokens per step, decodes included (`--chunked-prefill-size`). Decodes always run, so a
-    /// step can exceed it only when more requests decode than this many.
+    /// Tokens per step, decodes included. Decodes always run, so a step can exceed it only when
+    /// more requests decode than this many.
     pub chunked_prefill_size: u32,
-    /// Prefill tokens per step (`--max-prefill-tokens`).
+    /// Prefill tokens per step.
     pub max_prefill_tokens: u32,
-    /// Prefill tokens in a step that also carries decodes (`--max-mixed-prefill-tokens`; 0: no
-    /// cap beyond the two above). A step's time grows with its prefill tokens and every running
-    /// stream waits for the step, so this bounds the inter-token gap while a wave of prompts
-    /// prefills: the wave is spread over more, shorter steps.
+    /// Prefill tokens in a step that also carries decodes (0: no cap beyond the two above). A
+    /// step's time grows with its prefill tokens and every running stream waits for the step,
+    /// so this bounds the inter-token gap while a wave of prompts prefills: the wave is spread
+    /// over more, shorter steps.
     pub max_mixed_prefill_tokens: u32,
-    /// Run time a step that also carries decodes is planned to stay within, in ms
-    /// (`--max-mixed-step-ms`; 0: off): its prompt tokens are capped by what the measured run
-    /// times of recent steps say fits (`step_cost.rs`), never below `MIN_TIME_CAPPED_PROMPT`.
-    #[serde(default)]
+    /// Run time a step that also carries decodes is planned to stay within, in ms (0: off):
+    /// while the batch is full its prompt tokens are capped by what the measured run times of
+    /// recent steps say fits (`step_cost.rs`), never below `MIN_TIME_CAPPED_PROMPT`.
     pub max_mixed_step_ms: f64,
-    pub policy: SchedulePolicy,
-    /// False for `--disable-radix-cache`.
-    pub enable_radix_cache: bool,
-    /// Prompt plus generated tokens of one request (`--context-length`).
-    pub max_context_len: u32,
+    pub schedule_policy: SchedulePolicy,
+    pub disable_radix_cache: bool,
+    /// Prompt plus generated tokens of one request.
+    pub context_length: u32,
 }
 
 impl SchedulerConfig {
@@ -69,7 +72,7 @@ impl SchedulerConfig {
             ("max_running_requests", self.max_running_requests),
             ("chunked_prefill_size", self.chunked_prefill_size),
             ("max_prefill_tokens", self.max_prefill_tokens),
-            ("max_context_len", self.max_context_len),
+            ("context_length", self.context_length),
         ];
         if let Some((field, _)) = positive.into_iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero { field });

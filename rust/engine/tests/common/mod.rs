@@ -27,9 +27,9 @@ pub fn base_config() -> SchedulerConfig {
         max_prefill_tokens: 16384,
         max_mixed_prefill_tokens: 0,
         max_mixed_step_ms: 0.0,
-        policy: SchedulePolicy::Fcfs,
-        enable_radix_cache: true,
-        max_context_len: 4096,
+        schedule_policy: SchedulePolicy::Fcfs,
+        disable_radix_cache: false,
+        context_length: 4096,
     }
 }
 
@@ -40,8 +40,8 @@ pub fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
         max_running_requests: 16,
         chunked_prefill_size: 64,
         max_prefill_tokens: 1024,
-        enable_radix_cache: true,
-        max_context_len: 1024,
+        disable_radix_cache: false,
+        context_length: 1024,
         ..base_config()
     }
 }

@@ -268,7 +268,7 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
         };
         let ids = generate::tokenize_prompt(&state, prompt).await?;
         Ok::<_, ApiError>(ok_json(json!({
-            "tokens": ids, "count": ids.len(), "max_model_len": state.config.context_length,
+            "tokens": ids, "count": ids.len(), "max_model_len": state.config.scheduler.context_length,
         })))
     };
     run.await.unwrap_or_else(|e| e.into_response())
@@ -302,7 +302,7 @@ pub async fn model_info(State(state): State<AppState>) -> Response {
         "tokenizer_path": state.config.tokenizer_path,
         "served_model_name": state.config.served_model_name,
         "is_generation": true,
-        "context_length": state.config.context_length,
+        "context_length": state.config.scheduler.context_length,
         "vocab_size": state.tokenizer.vocab_size(),
         "eos_token_ids": state.tokenizer.eos_token_ids(),
     }))
@@ -316,13 +316,6 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
         "version": env!("CARGO_PKG_VERSION"),
         "healthy": state.engine.is_healthy(),
         "uptime_s": state.started.elapsed().as_secs_f64(),
-        "page_size": state.config.page_size,
-        "num_pages": state.config.num_pages,
-        "context_length": state.config.context_length,
-        "max_running_requests": state.config.max_running_requests,
-        "chunked_prefill_size": state.config.chunked_prefill_size,
-        "schedule_policy": state.config.schedule_policy,
-        "disable_radix_cache": state.config.disable_radix_cache,
         "disable_overlap_schedule": state.config.disable_overlap_schedule,
         "kv_pages": {
             "total": stats.total_pages, "free": stats.free_pages, "used": stats.used_pages,
@@ -332,9 +325,14 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
         "dp_size": replicas.len(),
         "replicas": replicas,
     });
-    if let (Value::Object(extra), Value::Object(out)) = (&state.config.server_info, &mut info) {
-        for (k, v) in extra {
-            out.entry(k.clone()).or_insert_with(|| v.clone());
+    // The scheduler's settings as it holds them (page_size, num_pages, context_length, ...),
+    // then the extra facts the launcher reported.
+    let scheduler = serde_json::to_value(&state.config.scheduler).unwrap_or(Value::Null);
+    for source in [&scheduler, &state.config.server_info] {
+        if let (Value::Object(extra), Value::Object(out)) = (source, &mut info) {
+            for (k, v) in extra {
+                out.entry(k.clone()).or_insert_with(|| v.clone());
+            }
         }
     }
     ok_json(info)

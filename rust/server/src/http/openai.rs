@@ -35,7 +35,7 @@ fn model_card(state: &AppState) -> Value {
         "created": state.started_unix(),
         "owned_by": "tokenspeed",
         "root": state.config.model_path,
-        "max_model_len": state.config.context_length,
+        "max_model_len": state.config.scheduler.context_length,
     })
 }
 
