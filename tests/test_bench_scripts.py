@@ -17,8 +17,9 @@ TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_at
         "num_key_value_heads": 2, "head_dim": 32}
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCHES / f"{name}.py")
+def _load(script: str) -> ModuleType:
+    """A script under benches/ (`diagnostics/step_intervals`), imported as a module by its name."""
+    spec = importlib.util.spec_from_file_location(Path(script).name, BENCHES / f"{script}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
@@ -28,8 +29,8 @@ def _load(name: str) -> ModuleType:
 
 @pytest.fixture(scope="module")
 def pdk() -> ModuleType:
-    """The report half of profile_decode_kernels.py (the script itself runs in a subprocess)."""
-    return _load("decode_step_report")
+    """The report half of diagnostics/profile_decode_kernels.py (the script itself runs in a subprocess)."""
+    return _load("diagnostics/decode_step_report")
 
 
 def test_decode_kernel_names_land_in_their_classes(pdk: ModuleType) -> None:
@@ -114,7 +115,7 @@ def test_roofline_of_an_fp8_step(pdk: ModuleType) -> None:
 
 
 def test_cpu_smoke_run_writes_the_class_table(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(BENCHES / "profile_decode_kernels.py"), "--device", "cpu",
+    cmd = [sys.executable, str(BENCHES / "diagnostics" / "profile_decode_kernels.py"), "--device", "cpu",
            "--layers", "2", "--batch-sizes", "2", "--context", "24", "--dtype", "float32",
            "--config-overrides", json.dumps(TINY), "--out", str(tmp_path), "--step-reps", "2",
            "--profile-steps", "1", "--warmup", "1", "--attn-sweep", "32x4x2,32x4x2h"]
@@ -142,7 +143,7 @@ def test_cpu_smoke_run_writes_the_class_table(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def si() -> ModuleType:
-    return _load("step_intervals")
+    return _load("diagnostics/step_intervals")
 
 
 def test_step_intervals_from_the_worker_trace(si: ModuleType, caplog: pytest.LogCaptureFixture) -> None:
@@ -183,12 +184,7 @@ def test_step_intervals_from_the_worker_trace(si: ModuleType, caplog: pytest.Log
 
 @pytest.fixture(scope="module")
 def sb() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scoreboard", BENCHES / "scenarios" / "scoreboard.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return _load("scenarios/scoreboard")
 
 
 def _sb_entry(sb: ModuleType, sid: str, prec: str, metrics: dict[str, float], *, status: str = "ok",

@@ -5,10 +5,10 @@ the triton kernels; the FP8 linear's kernels against the dequantised matmul.
 
 The dummy model's logits are flat (top-1 - top-2 gap median ~0.19) and fp8's own rounding moves
 them by ~0.14 (KV) / ~0.23 (weights) std, so any fp8 implementation agrees on only ~0.75 / ~0.6 of
-its greedy tokens (benches/fp8_numerics_cpu.py). Each kernel variant is therefore compared with its
-kernel-free twin, the same fp8 rounding done in torch (torch_native attention over the fp8 cache;
-fp8.GEMM_BACKEND = "reference"): error std <= 1.25 x the twin's, agreement >= the twin's - 0.05,
-cosine >= 0.95 (benches/fp8_accuracy.py prints the same numbers).
+its greedy tokens (benches/diagnostics/fp8_numerics_cpu.py). Each kernel variant is therefore
+compared with its kernel-free twin, the same fp8 rounding done in torch (torch_native attention over
+the fp8 cache; fp8.GEMM_BACKEND = "reference"): error std <= 1.25 x the twin's, agreement >= the
+twin's - 0.05, cosine >= 0.95 (benches/diagnostics/fp8_accuracy.py prints the same numbers).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 kernels (rotary_embedding_write_kv, paged_decode_attention(fused_reduce=True)) vs the old path
 (separate rotary + KV write, split + reduce decode kernels). Llama-3.1-8B, dummy bf16 weights,
 128-token prompt. Run each mode in its own process (the old path is patched in before capture):
-    python3 benches/decode_fusion_ab.py new; python3 benches/decode_fusion_ab.py old
+    python3 benches/diagnostics/decode_fusion_ab.py new; python3 benches/diagnostics/decode_fusion_ab.py old
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scenarios"))  # gpu_bench (not a package)
 
 
 def use_old_path() -> None:

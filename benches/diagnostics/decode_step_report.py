@@ -1,4 +1,4 @@
-"""The analysis half of benches/profile_decode_kernels.py: a decode step's kernels from a
+"""The analysis half of benches/diagnostics/profile_decode_kernels.py: a decode step's kernels from a
 torch.profiler trace, grouped into classes, against a roofline per class, and the report
 (markdown and json). Pure functions of their inputs: tested on CPU (tests/test_bench_scripts.py)."""
 
@@ -296,7 +296,7 @@ def _sweep_table(r: Result) -> list[str]:
 
 
 def markdown(results: list[Result], skipped: list[str], meta: dict[str, Any]) -> str:
-    lines = ["# Decode step by kernel class (benches/profile_decode_kernels.py)", "",
+    lines = ["# Decode step by kernel class (benches/diagnostics/profile_decode_kernels.py)", "",
              (f"{meta['device']}; {meta['model']} ({meta['layers']} layers, dummy weights), "
               f"context {meta['context']} tokens per request, fill `{meta['fill']}`, "
               f"{meta['attention_backend'] or 'default'} attention; roofline at {meta['hbm_tbs']} TB/s, "

@@ -9,7 +9,7 @@ The bf16 run generates greedily; every other run is teacher-forced on its tokens
 Why twins. On the default model (4-layer Llama-3.1-8B shape, dummy weights N(0, 0.02), norms 1)
 the logits are a random projection over 128k tokens: the reference's top-1 minus top-2 gap has a
 median of ~0.19 while fp8's rounding alone moves logits by ~0.14 (std) for an fp8 KV cache and
-~0.23 for fp8 weights (benches/fp8_numerics_cpu.py: the same model in fp32 torch, quantise ->
+~0.23 for fp8 weights (benches/diagnostics/fp8_numerics_cpu.py: the same model in fp32 torch, quantise ->
 dequantise, K/V std 1.28, 1% of them below e4m3's smallest normal). So ANY fp8 implementation agrees
 on ~0.75 (KV) / ~0.6 (weights) of the greedy tokens there; agreement says nothing about the
 kernels. What does: each kernel variant against its twin with the same fp8 rounding done in torch
@@ -33,10 +33,11 @@ since then; SmolLM2's head is tied: it gets its own FP8 copy): fp8 KV 0.953, fp8
 mean 0.9974 / 0.9915 (0.9927) / 0.9892 / 0.9929. Both weight rows are under the 0.9 bar on this
 run, with or without the FP8 head.
 
-Run (repo root, GPU): python benches/fp8_accuracy.py [--layers 4] [--backends triton,flashinfer]
+Run (repo root, GPU): python benches/diagnostics/fp8_accuracy.py [--layers 4] [--backends triton,flashinfer]
 Real weights on the CPU (no twins: the CPU paths are the torch ones):
-  python benches/fp8_accuracy.py --device cpu --model ~/.cache/tokenspeed/models/SmolLM2-135M-Instruct
-CPU smoke test of the script itself: python benches/fp8_accuracy.py --device cpu --small [--twins]
+  python benches/diagnostics/fp8_accuracy.py --device cpu \
+      --model ~/.cache/tokenspeed/models/SmolLM2-135M-Instruct
+CPU smoke test of the script itself: python benches/diagnostics/fp8_accuracy.py --device cpu --small [--twins]
 """
 
 from __future__ import annotations

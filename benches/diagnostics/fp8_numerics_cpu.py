@@ -21,7 +21,7 @@ the exact model, logits cosine, error std, and the margin analysis that says whe
 degenerate: the reference's top-1 minus top-2 logit gap, and agreement restricted to positions whose
 gap exceeds 3x the variant's error std ("non-tie positions").
 
-Run: python3 benches/fp8_numerics_cpu.py [--layers 4] [--seqs 2 --seq-len 128] [--small]
+Run: python3 benches/diagnostics/fp8_numerics_cpu.py [--layers 4] [--seqs 2 --seq-len 128] [--small]
 (the full 8B shapes take ~2 min on 2 cores and ~3 GB; --init vllm: uniform(-1e-3, 1e-3) everywhere,
 norms included, as vLLM/SGLang's dummy loader does.)
 """

@@ -8,7 +8,7 @@ constrained output is checked to be a valid prefix of such JSON (by the token co
 (tests/test_e2e_structured.py).
 
 Run on the GPU machine from the repo root, with `tokenspeed._core` importable:
-    python3 benches/grammar_bench.py --tokenizer .carry/llama3/tokenizer.json --out grammar_out
+    python3 benches/diagnostics/grammar_bench.py --tokenizer .carry/llama3/tokenizer.json --out grammar_out
 CPU smoke test (tiny model): add --layers 2 --config-overrides '{"hidden_size": 256, ...}'.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scenarios"))  # gpu_bench (not a package)
 from gpu_bench import Ctx, start_server, stop_server, write_model_dir
 
 SCHEMA = {

@@ -4,8 +4,8 @@ the prompt alone, the decodes alone, both together, and both with the prompt cut
 step fills an extend-graph size exactly (no padded tokens). Llama-3.1-8B config, dummy weights,
 bf16, extend graphs as `tokenspeed serve` captures them.
 
-    python3 benches/mixed_step_gpu.py [--decodes 20] [--prompt 1024] [--context 1024] [--reps 5]
-        [--profile 12]
+    python3 benches/diagnostics/mixed_step_gpu.py [--decodes 20] [--prompt 1024] [--context 1024]
+        [--reps 5] [--profile 12]
 
 --profile N: after the timings, one more step of each case under torch.profiler, and its N
 costliest GPU kernels (ms, launches) with the sum of all kernel time and the GPU's idle gaps
@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 import torch
-from runner_steps import PlanBuilder, llama31_8b_dir
 
+from runner_steps import PlanBuilder, llama31_8b_dir
 from tokenspeed.diagnostics.step_profile import summarize
 
 PAGE = 16

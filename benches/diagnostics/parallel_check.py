@@ -25,7 +25,8 @@ GPUs must agree, and S3 (batch-1 decode ms/token) on each.
 
 Run on a 2-GPU machine from the repo root, with `tokenspeed._core` importable:
 
-    python benches/parallel_check.py --mode tp --tokenizer .carry/llama3/tokenizer.json --out "$OUT"
+    python benches/diagnostics/parallel_check.py --mode tp --tokenizer .carry/llama3/tokenizer.json \
+        --out "$OUT"
 
 Checks (`--checks`, comma-separated; default both):
   fp32  4 layers in fp32: the 2-GPU server's greedy tokens on 4 short prompts (32 new tokens
@@ -36,7 +37,8 @@ Checks (`--checks`, comma-separated; default both):
         run's own top-1/top-2 logprob gap is printed; then S3 (128 in / 512 out, 10 prompts:
         gpu_bench.py's scenario) on each server while it is up.
 `--cpu-smoke`: a narrow 2-layer config on gloo CPU ranks (fp32 check only), to check the script
-without GPUs: `python benches/parallel_check.py --mode ep --cpu-smoke --tokenizer <tokenizer.json>`.
+without GPUs:
+`python benches/diagnostics/parallel_check.py --mode ep --cpu-smoke --tokenizer <tokenizer.json>`.
 Prints one table, and writes it to OUT/<mode>_check.md and OUT/<mode>_check.json.
 (An earlier tp_check.py compared ModelRunner ranks without a server; on the H200 pair its TP=2
 offline loop never returned while `serve --tp 2` worked, so the check now goes through serve,
@@ -57,8 +59,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_bench  # benches/ is not a package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scenarios"))  # gpu_bench (not a package)
+import gpu_bench
 
 PROMPT_LENS, NEW_TOKENS = (9, 16, 23, 31), 32
 # Per mode: the model and the serve flags at 1 and 2 GPUs.

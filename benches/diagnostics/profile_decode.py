@@ -8,7 +8,7 @@ For Llama-3.1-8B (dummy bf16 weights) at batch 1, 64 and 256 after a 128-token p
   ahead   = time per step when each step is launched before the previous one's tokens are
             read back (input LAST_SAMPLED, as the worker runs under one-step-ahead scheduling)
 The server adds the engine thread, shm round trip and HTTP on top of `step`; compare with S3.
-Usage (GPU machine): python3 benches/profile_decode.py --tokenizer .carry/llama3/tokenizer.json
+Usage (GPU machine): python3 benches/diagnostics/profile_decode.py --tokenizer .carry/llama3/tokenizer.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scenarios"))  # gpu_bench (not a package)
 from gpu_bench import write_model_dir
 from tokenspeed.bench.one_batch import decode_plan, prefill_plan
 from tokenspeed.worker.model_runner import ModelRunner

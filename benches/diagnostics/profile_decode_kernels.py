@@ -27,7 +27,7 @@ gzipped Chrome trace per configuration.
 
 GPU (the lead's device call): bash benches/device_check.sh fp8prof:150
 CPU smoke (seconds; no graphs or CUDA events: host clock and CPU-activity profile):
-    python3 benches/profile_decode_kernels.py --device cpu --layers 2 --batch-sizes 2 \\
+    python3 benches/diagnostics/profile_decode_kernels.py --device cpu --layers 2 --batch-sizes 2 \\
         --context 64 --config-overrides '{"vocab_size": 512, "hidden_size": 128, ...}'
 """
 
@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_step_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scenarios"))  # gpu_bench (not a package)
 from decode_step_report import (
     Kernel,
     Result,
@@ -61,7 +62,6 @@ from decode_step_report import (
     summarize,
     write_outputs,
 )
-
 from gpu_bench import MODELS
 from tokenspeed.bench.one_batch import decode_plan
 from tokenspeed.worker.plan import StepPlan

@@ -3,7 +3,7 @@ step still runs on the GPU, split by ModelRunner phase, plus the CUDA runtime ca
 (torch profiler). Under load (S2: 1024/256 at 8 req/s) such steps showed ~30 ms of launch time
 where an idle server's prefill launch takes ~1.5 ms: this finds where it goes.
 
-    python3 benches/profile_mixed_launch.py [--decodes 20] [--prompt 1024] [--reps 5]
+    python3 benches/diagnostics/profile_mixed_launch.py [--decodes 20] [--prompt 1024] [--reps 5]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 import torch
+
 from runner_steps import PlanBuilder, llama31_8b_dir
 
 PAGE = 16

@@ -2,7 +2,7 @@
 kernel launches per step and the top host-time items (torch profiler), and a cProfile of the
 Python side. Runs on CPU (any small config) and on CUDA (the Llama-3.1-8B dummy config).
 
-    python3 benches/profile_prefill.py MODEL [--device cuda] [--tokens 16] [--dtype bfloat16]
+    python3 benches/diagnostics/profile_prefill.py MODEL [--device cuda] [--tokens 16] [--dtype bfloat16]
 
 MODEL: a directory with config.json (+ weights unless --load-format dummy, the default), or
 `llama31-8b` for the Llama-3.1-8B config (dummy weights; --layers cuts it).

@@ -7,7 +7,7 @@ scheduler, a prefill wave, an eager launch) or delays after the result (engine, 
 benchmark client). An interval that follows an idle worker (nothing in flight) is counted
 without the idle time.
 
-    python3 benches/step_intervals.py server_on.log [--since T0 --until T1]
+    python3 benches/diagnostics/step_intervals.py server_on.log [--since T0 --until T1]
 
 (T0/T1: `time.monotonic()` seconds on the server's machine; gpu_bench passes each scenario's
 window when it runs with TOKENSPEED_STEP_TRACE=1.)

@@ -4,7 +4,8 @@ and whatever appears after its start-up log line was compiled while serving (a s
 for a compile). Session 13 found `_rotary_kv_kernel` compiled again at S1's first eager step
 with an odd token count this way (host_copy.ALIGN).
 
-    TRITON_CACHE_DIR=/tmp/tc python3 benches/gpu_bench.py ...; python3 benches/triton_cache_list.py /tmp/tc
+    TRITON_CACHE_DIR=/tmp/tc python3 benches/scenarios/gpu_bench.py ...
+    python3 benches/diagnostics/triton_cache_list.py /tmp/tc
 """
 
 from __future__ import annotations

@@ -7,13 +7,13 @@ on two GPUs share nothing but the HTTP front end and the router).
 
 Run on a machine with 2 GPUs from the repo root, with `tokenspeed._core` importable:
 
-    python benches/dp_bench.py --tokenizer .carry/llama3/tokenizer.json --out "$OUT"
+    python benches/scenarios/dp_bench.py --tokenizer .carry/llama3/tokenizer.json --out "$OUT"
 
 S1 is REDUCED to 400 of BENCHMARKS.md's 2000 prompts unless --full (as in gpu_bench.py).
 `--method` picks --load-balance-method (default: the flag table's, round_robin).
 `--cpu-smoke`: a narrow 2-layer config on CPU with gpu_bench's quick S1 (64 in / 64 out, 32
 prompts), to check the script without GPUs:
-`python benches/dp_bench.py --cpu-smoke --tokenizer <a tokenizer.json>`.
+`python benches/scenarios/dp_bench.py --cpu-smoke --tokenizer <a tokenizer.json>`.
 Writes OUT/dp_bench.md and OUT/dp_bench.json (plus gpu_bench's raw records and server logs).
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_bench  # benches/ is not a package
+import gpu_bench  # benches/scenarios/ is not a package
 
 TARGET = 1.9
 

@@ -4,7 +4,7 @@
 
 Run on the GPU machine from the repo root, with `tokenspeed._core` importable:
 
-    python benches/gpu_bench.py --tokenizer .carry/llama3/tokenizer.json --out "$OUT"
+    python benches/scenarios/gpu_bench.py --tokenizer .carry/llama3/tokenizer.json --out "$OUT"
 
 Starts `tokenspeed serve <tmp dir> --load-format dummy` (config.json written here, the Llama-3
 tokenizer.json copied beside it), runs `tokenspeed bench serve` for S3, S4, S1 (reduced), S5
@@ -156,7 +156,7 @@ def run_scenario(ctx: Ctx, url: str, tokenizer_dir: Path, sc: Scenario,
     """One `tokenspeed bench serve` run; returns its status ("ok", "failed", "timed out",
     "skipped") and its JSON record ({} if none). With TOKENSPEED_STEP_TRACE=1 in the environment
     (the server inherits it), also the step intervals of the run from `server_log`
-    (benches/step_intervals.py): the gaps the server produced, beside the client's ITL."""
+    (benches/diagnostics/step_intervals.py): the gaps the server produced, beside the client's ITL."""
     timeout = min(sc.timeout_s, ctx.left())
     if timeout < 20:
         ctx.row(sc.label, "skipped", "out of time", "-")
@@ -204,7 +204,8 @@ def step_rows(ctx: Ctx, sc: Scenario, server_log: Path, window: tuple[float, flo
     """The run's step intervals, and for each of the client's slowest gaps the server's steps
     inside it: several steps there put the delay after the server's results (engine, HTTP,
     the client), none puts it in the server's step."""
-    import step_intervals
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "diagnostics"))
+    import step_intervals  # benches/diagnostics/ (not a package), needed only under a step trace
 
     steps = step_intervals.parse(server_log.read_text(errors="replace"))
     for gap in client_gaps:

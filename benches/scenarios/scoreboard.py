@@ -4,7 +4,7 @@ weights+KV on one GPU, compared with the last recorded numbers of that GPU.
 
 For each precision -- bf16 (no flags), fp8-kv (`--kv-cache-dtype fp8`), fp8-both
 (`--quantization fp8 --kv-cache-dtype fp8`) -- ONE `tokenspeed serve` (Llama-3.1-8B config, dummy
-weights, benches/gpu_bench.py's server) runs, in this order:
+weights, benches/scenarios/gpu_bench.py's server) runs, in this order:
   S3  batch-1:  128 in / 512 out, concurrency 1, 10 prompts (random-ids)
   S2  online:   1024 in / 256 out at 8 req/s (Poisson, seed 0), 600 prompts (random-ids; --s2-prompts)
   S1  offline:  1024 in / 1024 out, 2000 prompts (dataset `random`: TEXT prompts, re-tokenized to
@@ -25,7 +25,7 @@ run again unless --rerun, so the matrix can be spread over several commands (the
 scenario that no longer fits is skipped (and runs next time). The whole matrix takes ~25 minutes
 on an H100 (S1 ~5 min a precision, S2 ~1.5, S3 ~0.5, a server start ~1-2).
 
-Device commands (repo root; `.carry/` as in benches/RESULTS.md: the abi3 wheel in .carry/wheel,
+Device commands (repo root; `.carry/` as in benches/README.md: the abi3 wheel in .carry/wheel,
 the Llama-3 tokenizer in .carry/llama3; carry [".carry"]; <HEAD> = `git rev-parse --short HEAD`
 here, since the device's copy may not know the commit). Each command is limited to 10 minutes, so
 one precision per command (timeout_s 600); a machine stays warm only ~30 s after a call, so the
@@ -74,8 +74,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # benches/ (not a package): gpu_bench, step_intervals
-import gpu_bench  # benches/ is not a package
+sys.path.insert(0, str(HERE))  # gpu_bench (benches/scenarios/ is not a package)
+import gpu_bench
 
 BASELINE = HERE / "scoreboard_baseline.json"
 RESULTS = "scoreboard.jsonl"

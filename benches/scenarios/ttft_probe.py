@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """S7 first token: TTFT at concurrency 1 for prompts of 16 / 128 / 1024 / 4096 tokens against
-`tokenspeed serve` (Llama-3.1-8B config, dummy bf16 weights, as benches/gpu_bench.py serves it),
+`tokenspeed serve` (Llama-3.1-8B config, dummy bf16 weights, as benches/scenarios/gpu_bench.py serves it),
 split into where the time goes.
 
 Run on the GPU machine from the repo root, with `tokenspeed._core` importable:
 
-    python3 benches/ttft_probe.py --tokenizer .carry/llama3/tokenizer.json --out "$OUT"
+    python3 benches/scenarios/ttft_probe.py --tokenizer .carry/llama3/tokenizer.json --out "$OUT"
 
 Per request (streamed /v1/completions, token-id prompt, distinct random ids so the radix cache
 never hits, `ignore_eos`, one connection kept alive like a benchmark client) it records:

@@ -1,6 +1,6 @@
 """GPU diagnostic: what holds the fp8-KV decode attention kernel below the bf16 kernel's GB/s.
 
-On the H100 (session 11, benches/profile_decode_kernels.py) the decode attention kernel reads a
+On the H100 (session 11, benches/diagnostics/profile_decode_kernels.py) the decode attention kernel reads a
 bf16 cache at ~2,950 GB/s but an fp8 cache at ~1,850 (2,100-2,190 with its dots in fp16): the
 bytes halve, the time per request only falls by a quarter. This times variants of the kernel's
 inner loop on one layer's S1-sized cache (--batch requests x --context tokens, Llama-3.1-8B

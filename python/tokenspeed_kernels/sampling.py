@@ -3,7 +3,7 @@
 A greedy batch needs, per row, the argmax and log_softmax at it. In torch that is an argmax, a
 log-sum-exp (a max pass, then exp and sum materialised) and a gather, plus a float copy of
 16-bit logits: at S1 sizes (411 x 128256 float32 logits from a decode graph's buffer) the
-sampler's kernels took 0.58 ms of a 34 ms step on the H100 (benches/profile_decode_kernels.py).
+sampler's kernels took 0.58 ms of a 34 ms step on the H100 (benches/diagnostics/profile_decode_kernels.py).
 This reads the logits once, keeping a running max, its first index and the sum of
 exponentials (the online log-sum-exp).
 """

@@ -6,7 +6,7 @@ Each step that carries new requests (up to TOKENSPEED_STEP_PROFILE_LIMIT of them
 profiled from the plan's arrival to its result being sent; the Chrome trace goes to
 DIR/step-<id>.json and a summary to the log (`summarize`: kernel time by name, when the first
 kernel began, the GPU's idle gaps with the host ops that ran meanwhile, the slowest CUDA runtime
-calls). `benches/mixed_step_gpu.py --profile` prints the same summary for a step run in-process.
+calls). `benches/diagnostics/mixed_step_gpu.py --profile` prints the same summary for a step run in-process.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ For each step it logs, in milliseconds:
 - `total`: plan received → result sent,
 - `at`: when the result was sent, in seconds of `time.monotonic()` (one clock for every process
   on the machine: a benchmark can cut the trace to its own run and take the intervals between
-  results, i.e. the step times running streams see; benches/step_intervals.py).
+  results, i.e. the step times running streams see; benches/diagnostics/step_intervals.py).
 TOKENSPEED_STEP_TRACE=N logs every N-th step (1: all); steps that carry new requests are always
 logged (prefill latency is what this is for). TOKENSPEED_STEP_PROFILE=DIR also profiles the steps
 that carry new requests (step_profile.py).

@@ -122,8 +122,9 @@ fn run(
 }
 
 fn main() {
-    let dir = std::env::var_os("TOKENSPEED_TEST_ASSETS")
-        .expect("set TOKENSPEED_TEST_ASSETS (python3 -m tokenspeed.launch.assets test-assets | tail -1)");
+    let dir = std::env::var_os("TOKENSPEED_TEST_ASSETS").expect(
+        "set TOKENSPEED_TEST_ASSETS (python3 -m tokenspeed.launch.assets test-assets | tail -1)",
+    );
     let tok = TextTokenizer::from_dir(&std::path::Path::new(&dir).join("llama3"), None).unwrap();
     // Llama-3's embedding has 128256 rows; the tokenizer as many ids.
     let vocab = tok.vocab_size();

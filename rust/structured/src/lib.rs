@@ -56,7 +56,7 @@
 //!
 //! The same idea is SGLang's overlap scheduler (its forward thread waits on a "sampling info
 //! done" event before sampling grammar batches). Measured on an H100 (Llama-3.1-8B shape): +0.8%
-//! per token at batch 1 (benches/grammar_bench.py).
+//! per token at batch 1 (benches/diagnostics/grammar_bench.py).
 //!
 //! Finishing: after `consume_token`, `is_finished()` means only eos can follow: finish the
 //! request now (finish_reason "stop"). Step N+1 already has it in flight, exactly as for a request

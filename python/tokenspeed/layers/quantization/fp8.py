@@ -11,7 +11,7 @@ the kernel:
   build lacks row-wise scaling) or, with TOKENSPEED_FP8_GEMM=triton, tokenspeed_kernels.fp8_matmul;
 * elsewhere (CPU tests): dequantise, then matmul (the reference).
 TOKENSPEED_FP8_GEMM=reference (or setting GEMM_BACKEND) runs `reference_linear` instead on any
-device: the same numerics in fp32 torch, kernel-free (benches/fp8_accuracy.py compares the kernels
+device: the same numerics in fp32 torch, kernel-free (benches/diagnostics/fp8_accuracy.py compares the kernels
 against it at model level).
 """
 
