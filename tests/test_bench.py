@@ -387,7 +387,7 @@ def test_request_tasks_start_all_at_once_unless_staggered(
     real_send = serve.send
 
     async def counting_send(*a: object, **kw: object) -> RequestResult:
-        seen.append(sum("run_requests.<locals>.one" in t.get_coro().__qualname__ for t in asyncio.all_tasks()))
+        seen.append(sum("_send_all.<locals>.one" in t.get_coro().__qualname__ for t in asyncio.all_tasks()))
         return await real_send(*a, **kw)
 
     monkeypatch.setattr(serve, "send", counting_send)

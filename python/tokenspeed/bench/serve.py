@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -196,14 +197,7 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
     """Warm-up, cache flush, then every request on its Poisson arrival; returns results and notes.
     `server`, when given, receives the server's engine counters over the run ("gpu_idle")."""
     notes: list[str] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.request_timeout, connect=60)
-    # httpx's pool scans all its connections on every request and release (O(n^2) at high
-    # concurrency), so requests are spread over clients of <= ~CONNS_PER_CLIENT connections each.
-    in_flight = min(len(reqs), args.max_concurrency or len(reqs))
-    ssl_ctx = ssl.create_default_context()
-    clients = [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=ssl_ctx)
-               for _ in range(max(1, math.ceil(in_flight / CONNS_PER_CLIENT)))]
+    clients = _open_clients(args, len(reqs))
     async with contextlib.AsyncExitStack() as stack:
         for c in clients:
             await stack.enter_async_context(c)
@@ -213,76 +207,102 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
                                  temperature=args.temperature, extra=args.extra_body)
 
         if args.warmup_requests > 0:
-            path, body = payload(reqs[0])
-            warm = await asyncio.gather(*[
-                send(clients[k % len(clients)], args.base_url, args.backend, path, body,
-                     RequestResult(reqs[0].prompt_len, reqs[0].output_len))
-                for k in range(args.warmup_requests)])
-            bad = [w for w in warm if not w.ok]
-            if bad:
-                raise SystemExit(f"tokenspeed bench: warm-up request failed: {bad[0].error}")
-            notes.append(f"warm-up: {args.warmup_requests} request(s) ok")
+            notes.append(await _warm_up(args, clients, reqs[0], *payload(reqs[0])))
         if not args.disable_cache_flush:
             notes.append(f"flush_cache: {await _flush_cache(clients[0], args.base_url)}")
 
         counters = await _engine_counters(clients[0], args.base_url)
-        offsets = arrival_offsets(len(reqs), args.request_rate, np.random.default_rng(args.seed + 1))
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        results = [RequestResult(r.prompt_len, r.output_len) for r in reqs]
-        bar = None
-        if not args.disable_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(reqs), desc="requests", file=sys.stderr)
-        # The client's own garbage collector pauses every stream at once, and the metrics would
-        # count the pause as the server's inter-token gap (S1 holds ~1,000 streams): collected
-        # before the run, frozen, and off until it ends (reference cycles wait till then).
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-        start = time.perf_counter()
-
-        async def one(i: int) -> None:
-            delay = start + float(offsets[i]) - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            path, body = payload(reqs[i])
-            c = clients[i % len(clients)]
-            if sem is None:
-                await send(c, args.base_url, args.backend, path, body, results[i])
-            else:
-                async with sem:
-                    await send(c, args.base_url, args.backend, path, body, results[i])
-            if bar is not None:
-                bar.update(1)
-
-        async def start_all() -> None:
-            if not args.stagger_starts:
-                # Every task created before any runs (sglang.bench_serving, vllm bench serve):
-                # all requests are due at t=0 and none waits for the client to start the others.
-                await asyncio.gather(*[asyncio.ensure_future(one(i)) for i in range(len(reqs))])
-                return
-            # --stagger-starts: one task at a time, the event loop polling its sockets between
-            # starts. Started all at once (S1 sends 2,000 at t=0), every task's first steps (~1 ms
-            # of Python each) run back to back before the loop reads any stream, and the first
-            # streams' tokens wait ~0.2 s in the socket: a client-made gap that the metrics count
-            # as the server's inter-token latency (session 14).
-            tasks = []
-            for i in range(len(reqs)):
-                tasks.append(asyncio.ensure_future(one(i)))
-                await asyncio.sleep(0)
-            await asyncio.gather(*tasks)
-
-        try:
-            await start_all()
-        finally:
-            gc.enable()
-            gc.unfreeze()
-        if bar is not None:
-            bar.close()
+        results = await _send_all(args, reqs, clients, payload)
         if server is not None:
             server["gpu_idle"] = gpu_idle_share(counters, await _engine_counters(clients[0], args.base_url))
     return results, notes
+
+
+def _open_clients(args: argparse.Namespace, num_requests: int) -> list[httpx.AsyncClient]:
+    """httpx's pool scans all its connections on every request and release (O(n^2) at high
+    concurrency), so requests are spread over clients of <= ~CONNS_PER_CLIENT connections each."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.request_timeout, connect=60)
+    in_flight = min(num_requests, args.max_concurrency or num_requests)
+    ssl_ctx = ssl.create_default_context()
+    return [httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, verify=ssl_ctx)
+            for _ in range(max(1, math.ceil(in_flight / CONNS_PER_CLIENT)))]
+
+
+async def _warm_up(args: argparse.Namespace, clients: list[httpx.AsyncClient], req: BenchRequest,
+                   path: str, body: dict) -> str:
+    """--warmup-requests copies of the first request, all at once; any failure ends the run."""
+    warm = await asyncio.gather(*[
+        send(clients[k % len(clients)], args.base_url, args.backend, path, body,
+             RequestResult(req.prompt_len, req.output_len))
+        for k in range(args.warmup_requests)])
+    bad = [w for w in warm if not w.ok]
+    if bad:
+        raise SystemExit(f"tokenspeed bench: warm-up request failed: {bad[0].error}")
+    return f"warm-up: {args.warmup_requests} request(s) ok"
+
+
+async def _send_all(args: argparse.Namespace, reqs: list[BenchRequest],
+                    clients: list[httpx.AsyncClient],
+                    payload: Callable[[BenchRequest], tuple[str, dict]]) -> list[RequestResult]:
+    """Every request on its Poisson arrival, at most --max-concurrency at once."""
+    offsets = arrival_offsets(len(reqs), args.request_rate, np.random.default_rng(args.seed + 1))
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    results = [RequestResult(r.prompt_len, r.output_len) for r in reqs]
+    bar = None
+    if not args.disable_tqdm:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(reqs), desc="requests", file=sys.stderr)
+    # The client's own garbage collector pauses every stream at once, and the metrics would
+    # count the pause as the server's inter-token gap (S1 holds ~1,000 streams): collected
+    # before the run, frozen, and off until it ends (reference cycles wait till then).
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    start = time.perf_counter()
+
+    async def one(i: int) -> None:
+        delay = start + float(offsets[i]) - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        path, body = payload(reqs[i])
+        c = clients[i % len(clients)]
+        if sem is None:
+            await send(c, args.base_url, args.backend, path, body, results[i])
+        else:
+            async with sem:
+                await send(c, args.base_url, args.backend, path, body, results[i])
+        if bar is not None:
+            bar.update(1)
+
+    try:
+        await _start_all(one, len(reqs), args.stagger_starts)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    if bar is not None:
+        bar.close()
+    return results
+
+
+async def _start_all(one: Callable[[int], Awaitable[None]], n: int, stagger: bool) -> None:
+    """Start request 0..n-1's tasks and wait for all of them."""
+    if not stagger:
+        # Every task created before any runs (sglang.bench_serving, vllm bench serve):
+        # all requests are due at t=0 and none waits for the client to start the others.
+        await asyncio.gather(*[asyncio.ensure_future(one(i)) for i in range(n)])
+        return
+    # --stagger-starts: one task at a time, the event loop polling its sockets between
+    # starts. Started all at once (S1 sends 2,000 at t=0), every task's first steps (~1 ms
+    # of Python each) run back to back before the loop reads any stream, and the first
+    # streams' tokens wait ~0.2 s in the socket: a client-made gap that the metrics count
+    # as the server's inter-token latency (session 14).
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.ensure_future(one(i)))
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
 
 
 def resolve_output_tokens(results: list[RequestResult], tok: BenchTokenizer) -> str:

@@ -9,14 +9,19 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.worker.loop import WorkerSpec, run_worker
+
+if TYPE_CHECKING:
+    from tokenspeed.distributed.groups import ParallelSizes
+    from tokenspeed.worker.grammar_backend import XGrammarConfig
 
 logger = logging.getLogger("tokenspeed.launch.serve")
 
@@ -90,27 +95,82 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+@dataclass
+class Layout:
+    """Where this node's ranks run, resolved and checked before any worker starts."""
+
+    model_dir: Path
+    tokenizer_dir: Path
+    context: int  # the context length: --context-length, else the model's
+    device: str  # "cuda" or "cpu" (each rank's own device is derived from it)
+    sizes: ParallelSizes
+    node_rank: int
+    dp: int  # data-parallel replicas (one engine and process group each)
+    groups: int  # attention groups of one world (data-parallel attention; 1: none)
+    readers: int  # ranks on this node reading one plan ring
+    init_methods: list[str]  # where each replica's process group meets
+
+    @property
+    def world(self) -> int:
+        """Ranks on this node: all of them read the one plan ring."""
+        return self.sizes.nprocs_per_node
+
+    @property
+    def engines(self) -> int:
+        """Engines (and plan channels): one per replica, or per attention group of one."""
+        return self.dp * self.groups
+
+
 def launch(cfg: Any) -> int:
     """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
-    from tokenspeed import _core
+    layout = resolve_layout(cfg)
+    vocab_size = model_vocab_size(layout.model_dir)
+    xgrammar = worker_xgrammar(cfg, layout, vocab_size)
+    channel_names, channels = open_channels(cfg, layout, vocab_size, xgrammar is not None)
+    ctx = mp.get_context("spawn")
+    workers, links, watched = spawn_workers(ctx, cfg, layout, channel_names, xgrammar)
+    watch = DeathWatch(watched, layout.node_rank, layout.sizes.nnodes)
+    try:
+        logger.info("node %d: started %d worker rank(s): %s", layout.node_rank,
+                    layout.world * layout.dp, _describe_ranks(layout, workers))
+        capacities = _wait_ready(watched, links, where=watch.where)
+        # Every rank's pool holds these pages and its worker this many slots (every replica's
+        # too: the engines share one configuration).
+        pages = min(c["num_pages"] for c in capacities)
+        max_running = min(int(c["max_running_requests"]) for c in capacities)
+        if layout.sizes.nnodes > 1:
+            timeout = float(cfg.dist_timeout or 300)
+            if layout.node_rank > 0:  # no HTTP here: relay node 0's plans until it shuts down
+                return relay.run_sink(channels[0], layout.node_rank, layout.sizes.nnodes,
+                                      cfg.dist_init_addr, timeout, (pages, max_running),
+                                      watched, watch.where)
+            pages, max_running = start_relay(ctx, cfg, layout, channel_names[0], timeout,
+                                             (pages, max_running), workers, watched, watch)
+        config = server_config(cfg, layout, vocab_size, capacities, pages, max_running, workers)
+        logger.info(
+            "workers ready on %s: %d KV pages x %d tokens, %d running requests%s; starting HTTP "
+            "on %s:%s", layout.device, pages, int(cfg.page_size), max_running,
+            "" if cfg.max_running_requests else " (derived from the KV pool)", cfg.host, cfg.port,
+        )
+        return serve_core(cfg, config, channels, watch)
+    finally:
+        watch.stop()  # before the workers are stopped on purpose
+        for c in channels:
+            c.close()
+        _stop_workers(workers)
 
+
+def resolve_layout(cfg: Any) -> Layout:
+    """The model, the device and the parallel layout, every flag checked against them."""
     model_dir = resolve_model(cfg.model_path)
     tokenizer_dir = Path(cfg.tokenizer_path).expanduser() if cfg.tokenizer_path else model_dir
     context = cfg.context_length or model_context_length(model_dir)
     device = resolve_device(cfg.device)
-    if cfg.attention_backend:  # a backend that cannot run here: one line, before any worker starts
-        import torch
-
-        from tokenspeed.layers.attention import check_backend
-
-        try:
-            check_backend(cfg.attention_backend, torch.device(device))
-        except ValueError as e:
-            raise LaunchError(str(e)) from None
+    check_attention_backend(cfg.attention_backend, device)
     sizes = parallel_sizes(cfg, model_dir)
     check_moe_settings(cfg, model_dir, device, sizes)
     check_quantization(cfg.quantization, model_dir, cfg.lm_head_quantization)
-    world = sizes.nprocs_per_node  # ranks on this node: all of them read the one plan ring
+    world = sizes.nprocs_per_node
     node_rank = int(cfg.node_rank or 0)
     if sizes.nnodes > 1 and not cfg.dist_init_addr:
         raise LaunchError(f"--nnodes {sizes.nnodes} needs --dist-init-addr HOST:PORT (node 0's "
@@ -128,7 +188,6 @@ def launch(cfg: Any) -> int:
                           f"(--world-size {sizes.world_size}, --attn-tp-size {sizes.attn_tp}) are "
                           "not built yet; with --enable-dp-attention, --dp-size counts the "
                           "attention groups of one world instead")
-    engines = dp * groups
     # One process group per replica, each meeting at its own address.
     init_methods = [f"tcp://{cfg.dist_init_addr or f'127.0.0.1:{free_tcp_port()}'}"]
     init_methods += [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(1, dp)]
@@ -139,82 +198,77 @@ def launch(cfg: Any) -> int:
             need = f"--dp-size {dp} x --tp-size {world}" if dp > 1 else f"--tp-size {world}"
             raise LaunchError(f"{need} needs {world * dp} GPUs, this node has "
                               f"{torch.cuda.device_count()}")
+    return Layout(model_dir, tokenizer_dir, context, device, sizes, node_rank, dp, groups,
+                  readers, init_methods)
+
+
+def check_attention_backend(backend: str | None, device: str) -> None:
+    """A backend that cannot run here: one line, before any worker starts."""
+    if not backend:
+        return
+    import torch
+
+    from tokenspeed.layers.attention import check_backend
+
+    try:
+        check_backend(backend, torch.device(device))
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
+def worker_xgrammar(cfg: Any, layout: Layout, vocab_size: int) -> XGrammarConfig | None:
+    """With `--grammar-backend xgrammar` the workers mask: grammars cross the plan, not masks."""
+    from tokenspeed.worker.grammar_backend import xgrammar_config
+
+    try:
+        return xgrammar_config(cfg.grammar_backend, cfg.constrained_json_whitespace_pattern,
+                               bool(cfg.constrained_json_disable_any_whitespace),
+                               str(layout.tokenizer_dir), vocab_size)
+    except (ImportError, ValueError) as e:
+        raise LaunchError(str(e)) from None
+
+
+def open_channels(cfg: Any, layout: Layout, vocab_size: int,
+                  worker_grammars: bool) -> tuple[list[str], list[Any]]:
+    """One plan channel per engine (data-parallel replica, or attention group of one), read by
+    that engine's ranks only; their names and the channels this node writes."""
+    from tokenspeed import _core
+
     # Worker slots and plan slots hold this many requests; without --max-running-requests each
     # worker derives the engine's limit from its KV pool (config/derived.py), at most this.
     slots = int(cfg.max_running_requests or MAX_DEFAULT_RUNNING_REQUESTS)
     chunk = int(cfg.chunked_prefill_size)
-    page_size = int(cfg.page_size)
-
-    # One plan channel per engine (data-parallel replica, or attention group of one), read by
-    # that engine's ranks only.
-    channel_names = [f"/tokenspeed-{os.getpid()}" + (f"-dp{e}" if engines > 1 else "")
-                     for e in range(engines)]
+    names = [f"/tokenspeed-{os.getpid()}" + (f"-dp{e}" if layout.engines > 1 else "")
+             for e in range(layout.engines)]
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
-    vocab_size = model_vocab_size(model_dir)
-    from tokenspeed.worker.grammar_backend import xgrammar_config
-
-    try:  # xgrammar masks on the worker: grammars cross the plan instead of masks
-        xgrammar = xgrammar_config(cfg.grammar_backend, cfg.constrained_json_whitespace_pattern,
-                                   bool(cfg.constrained_json_disable_any_whitespace),
-                                   str(tokenizer_dir), vocab_size)
-    except (ImportError, ValueError) as e:
-        raise LaunchError(str(e)) from None
     mask_words = -(-vocab_size // 32) if cfg.grammar_backend == "llguidance" else 0
-    slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-context // page_size),
-                                  mask_words, xgrammar is not None)
-    if node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
-        channels = [_core.ServerChannel.create(name, readers + (sizes.nnodes > 1), 4, slot_bytes)
-                    for name in channel_names]
-    else:  # written by this node's relay (relay.py)
-        channels = [_core.testing.create_test_writer(channel_names[0], world, 4, slot_bytes)]
-    channel, channel_name = channels[0], channel_names[0]
-    num_pages = None
-    if cfg.max_total_tokens:
-        num_pages = max(1, int(cfg.max_total_tokens) // page_size)
-    if device == "cpu" and dp > 1 and "OMP_NUM_THREADS" not in os.environ:
+    slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
+                                  mask_words, worker_grammars)
+    if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
+        readers = layout.readers + (layout.sizes.nnodes > 1)
+        return names, [_core.ServerChannel.create(name, readers, 4, slot_bytes) for name in names]
+    # Written by this node's relay (relay.py).
+    return names, [_core.testing.create_test_writer(names[0], layout.world, 4, slot_bytes)]
+
+
+def spawn_workers(ctx: Any, cfg: Any, layout: Layout, channel_names: list[str],
+                  xgrammar: XGrammarConfig | None) -> tuple[list[Any], list[Any], list[Watched]]:
+    """One worker process per rank of this node (of every replica); their processes, the ends
+    of their ready pipes, and how the death watch names each."""
+    world, dp, node_rank = layout.world, layout.dp, layout.node_rank
+    if layout.device == "cpu" and dp > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Replicas share the CPU: split its cores between all their ranks (spawned workers read
         # this when torch starts), as distributed/groups.py does between the ranks of one group.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (world * dp)))
-    ctx = mp.get_context("spawn")
     workers, links, watched = [], [], []
     for replica, rank in ((r, k) for r in range(dp) for k in range(node_rank * world, (node_rank + 1) * world)):
         local = rank - node_rank * world
-        gpu = replica * world + local  # replica r: GPUs r*tp .. r*tp+tp-1
-        spec = WorkerSpec(
-            rank=rank,
-            world_size=readers,
-            model_path=str(model_dir),
-            channel_name=channel_names[replica * groups + local // readers],
-            device=f"cuda:{gpu}" if device == "cuda" and world * dp > 1 else device,
-            dtype=cfg.dtype,
-            load_format=cfg.load_format,
-            page_size=page_size,
-            num_pages=num_pages,
-            max_slots=cfg.max_running_requests,
-            context_length=context,
-            seed=int(cfg.random_seed or 0),
-            mem_fraction_static=cfg.mem_fraction_static,
-            attention_backend=cfg.attention_backend or None,
-            disable_cuda_graph=bool(cfg.disable_cuda_graph),
-            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-            extend_graph_sizes=extend_graph_sizes(cfg),
-            chunked_prefill_size=chunk,
-            moe_backend=cfg.moe_backend or None,
-            log_level=cfg.log_level,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            quantization_param_path=cfg.quantization_param_path,
-            quantization=cfg.quantization,
-            lm_head_quantization=cfg.lm_head_quantization,
-            parallel=sizes,
-            dist_init_method=init_methods[replica],
-            dist_timeout_s=float(cfg.dist_timeout),
-            xgrammar=xgrammar,
-        )
+        spec = worker_spec(cfg, layout, replica, rank, channel_names, xgrammar)
         parent_end, child_end = ctx.Pipe(duplex=False)
         in_replica = f" of data-parallel replica {replica}" if dp > 1 else ""
-        if groups > 1:
-            in_replica += f" (attention group {local // readers})"
+        if layout.groups > 1:
+            in_replica += f" (attention group {local // layout.readers})"
         proc = ctx.Process(target=without_sigint, args=(run_worker, spec, child_end),
                            name=f"tokenspeed-worker-{rank}" + (f"-dp{replica}" if dp > 1 else ""),
                            daemon=True)
@@ -222,88 +276,110 @@ def launch(cfg: Any) -> int:
         child_end.close()
         workers.append(proc)
         links.append(parent_end)
-        watched.append(Watched(proc, f"worker rank {rank} of {sizes.world_size}{in_replica}"))
+        watched.append(Watched(proc, f"worker rank {rank} of {layout.sizes.world_size}{in_replica}"))
+    return workers, links, watched
 
-    watch = DeathWatch(watched, node_rank, sizes.nnodes)
-    try:
-        logger.info("node %d: started %d worker rank(s): %s", node_rank, world * dp, ", ".join(
-            (f"replica {i // world} " if dp > 1 else "")
-            + f"rank {node_rank * world + i % world} pid {p.pid}" for i, p in enumerate(workers)))
-        capacities = _wait_ready(watched, links, where=watch.where)
-        # Every rank's pool holds these pages and its worker this many slots (every replica's
-        # too: the engines share one configuration).
-        pages = min(c["num_pages"] for c in capacities)
-        max_running = min(int(c["max_running_requests"]) for c in capacities)
-        if sizes.nnodes > 1:
-            timeout = float(cfg.dist_timeout or 300)
-            if node_rank > 0:  # no HTTP here: relay node 0's plans until it shuts down
-                return relay.run_sink(channel, node_rank, sizes.nnodes, cfg.dist_init_addr,
-                                      timeout, (pages, max_running), watched, watch.where)
-            parent_end, child_end = ctx.Pipe(duplex=False)
-            source = ctx.Process(target=without_sigint, name="tokenspeed-relay", daemon=True,
-                                 args=(relay.run_source, channel_name, world, sizes.nnodes,
-                                       cfg.dist_init_addr, timeout, (pages, max_running),
-                                       child_end))
-            source.start()
-            child_end.close()
-            workers.append(source)  # watched like a rank: its death fails the server
-            # Its link stays open after the ready report: a rank that dies on another node is
-            # named there (relay.run_source).
-            watched.append(Watched(source, "plan relay to the other nodes", link=parent_end))
-            logger.info("plan relay to %d other node(s): pid %d", sizes.nnodes - 1, source.pid)
-            agreed = _wait_ready(watched[-1:], [parent_end], timeout_s=timeout + 60,
-                                 where=watch.where)[0]
-            pages, max_running = agreed["num_pages"], agreed["max_running_requests"]
-        # The Rust core's config: the flags it reads, cut from the declared table by reader
-        # (ServerConfig's fields and its `scheduler` section are named after the flags), then
-        # what this launcher resolved or measured in their place.
-        server_config = cfg.section("server") | {
-            "model_path": str(cfg.model_path or model_dir),
-            "tokenizer_path": str(tokenizer_dir),
-            "served_model_name": cfg.served_model_name or (cfg.model_path or model_dir.name),
-            "sampling_defaults": sampling_defaults(model_dir, cfg.sampling_defaults),
-            "dp_size": engines,
-            "scheduler": cfg.section("scheduler") | {
-                "context_length": context, "num_pages": pages, "max_running_requests": max_running},
-            "vocab_size": vocab_size,
-            "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
-                                else cfg.constrained_json_whitespace_pattern),
+
+def worker_spec(cfg: Any, layout: Layout, replica: int, rank: int, channel_names: list[str],
+                xgrammar: XGrammarConfig | None) -> WorkerSpec:
+    """Rank `rank` of replica `replica`: the worker section of the declared configuration, and
+    what this launcher resolved for that rank."""
+    world = layout.world
+    local = rank - layout.node_rank * world
+    gpu = replica * world + local  # replica r: GPUs r*tp .. r*tp+tp-1
+    return WorkerSpec(
+        rank=rank,
+        world_size=layout.readers,
+        channel_name=channel_names[replica * layout.groups + local // layout.readers],
+        settings=cfg.section("worker"),
+        model_path=str(layout.model_dir),
+        device=f"cuda:{gpu}" if layout.device == "cuda" and world * layout.dp > 1 else layout.device,
+        num_pages=max(1, int(cfg.max_total_tokens) // int(cfg.page_size)) if cfg.max_total_tokens else None,
+        context_length=layout.context,
+        extend_graph_sizes=extend_graph_sizes(cfg),
+        parallel=layout.sizes,
+        dist_init_method=layout.init_methods[replica],
+        xgrammar=xgrammar,
+    )
+
+
+def _describe_ranks(layout: Layout, workers: list[Any]) -> str:
+    world = layout.world
+    return ", ".join((f"replica {i // world} " if layout.dp > 1 else "")
+                     + f"rank {layout.node_rank * world + i % world} pid {p.pid}"
+                     for i, p in enumerate(workers))
+
+
+def start_relay(ctx: Any, cfg: Any, layout: Layout, channel_name: str, timeout: float,
+                capacity: tuple[int, int], workers: list[Any], watched: list[Watched],
+                watch: DeathWatch) -> tuple[int, int]:
+    """Node 0 of several: start the relay of plans to the other nodes and wait for it; returns
+    the KV pages and running requests every node agreed on."""
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    source = ctx.Process(target=without_sigint, name="tokenspeed-relay", daemon=True,
+                         args=(relay.run_source, channel_name, layout.world, layout.sizes.nnodes,
+                               cfg.dist_init_addr, timeout, capacity, child_end))
+    source.start()
+    child_end.close()
+    workers.append(source)  # watched like a rank: its death fails the server
+    # Its link stays open after the ready report: a rank that dies on another node is
+    # named there (relay.run_source).
+    watched.append(Watched(source, "plan relay to the other nodes", link=parent_end))
+    logger.info("plan relay to %d other node(s): pid %d", layout.sizes.nnodes - 1, source.pid)
+    agreed = _wait_ready(watched[-1:], [parent_end], timeout_s=timeout + 60, where=watch.where)[0]
+    return agreed["num_pages"], agreed["max_running_requests"]
+
+
+def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[dict], pages: int,
+                  max_running: int, workers: list[Any]) -> dict[str, Any]:
+    """The Rust core's config: the flags it reads, cut from the declared table by reader
+    (ServerConfig's fields and its `scheduler` section are named after the flags), then what
+    this launcher resolved or measured in their place."""
+    sizes, model_dir = layout.sizes, layout.model_dir
+    return cfg.section("server") | {
+        "model_path": str(cfg.model_path or model_dir),
+        "tokenizer_path": str(layout.tokenizer_dir),
+        "served_model_name": cfg.served_model_name or (cfg.model_path or model_dir.name),
+        "sampling_defaults": sampling_defaults(model_dir, cfg.sampling_defaults),
+        "dp_size": layout.engines,
+        "scheduler": cfg.section("scheduler") | {
+            "context_length": layout.context, "num_pages": pages,
+            "max_running_requests": max_running},
+        "vocab_size": vocab_size,
+        "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
+                            else cfg.constrained_json_whitespace_pattern),
+        "worker_pids": [p.pid for p in workers],
+        "server_info": {
+            "device": capacities[0]["device"],
+            "tp_size": sizes.attn_tp,
+            "load_balance_method": cfg.load_balance_method,
+            "parallel": {"world_size": sizes.world_size, "attn_tp_size": sizes.attn_tp,
+                         "dense_tp_size": sizes.dense_tp, "moe_tp_size": sizes.moe_tp,
+                         "ep_size": sizes.ep, "attn_dp_size": layout.groups,
+                         "all2all_backend": sizes.all2all_backend,
+                         "nnodes": sizes.nnodes},
+            "num_pages_per_rank": [int(c["num_pages"]) for c in capacities],
+            # Decode batches up to this replay a CUDA graph (0: none; this node's ranks).
+            "cuda_graph_max_bs": min(int(c["cuda_graph_max_bs"]) for c in capacities),
+            "model_dir": str(model_dir),
             "worker_pids": [p.pid for p in workers],
-            "server_info": {
-                "device": capacities[0]["device"],
-                "tp_size": sizes.attn_tp,
-                "load_balance_method": cfg.load_balance_method,
-                "parallel": {"world_size": sizes.world_size, "attn_tp_size": sizes.attn_tp,
-                             "dense_tp_size": sizes.dense_tp, "moe_tp_size": sizes.moe_tp,
-                             "ep_size": sizes.ep, "attn_dp_size": groups,
-                             "all2all_backend": sizes.all2all_backend,
-                             "nnodes": sizes.nnodes},
-                "num_pages_per_rank": [int(c["num_pages"]) for c in capacities],
-                # Decode batches up to this replay a CUDA graph (0: none; this node's ranks).
-                "cuda_graph_max_bs": min(int(c["cuda_graph_max_bs"]) for c in capacities),
-                "model_dir": str(model_dir),
-                "worker_pids": [p.pid for p in workers],
-            },
-        }
-        logger.info(
-            "workers ready on %s: %d KV pages x %d tokens, %d running requests%s; starting HTTP "
-            "on %s:%s", device, pages, page_size, max_running,
-            "" if cfg.max_running_requests else " (derived from the KV pool)", cfg.host, cfg.port,
-        )
-        watch.start()
-        try:
-            _core.serve(json.dumps(server_config), channels, cfg.log_level)
-        except RuntimeError as e:  # a worker died or hung, or the engine failed: exit non-zero
-            died = watch.report()  # which child died, if one did
-            raise LaunchError(f"{died} ({e})" if died else str(e)) from None
-        if watch.failure:  # the watch stopped the server because a child died
-            return 1
-        return 0
-    finally:
-        watch.stop()  # before the workers are stopped on purpose
-        for c in channels:
-            c.close()
-        _stop_workers(workers)
+        },
+    }
+
+
+def serve_core(cfg: Any, config: dict[str, Any], channels: list[Any], watch: DeathWatch) -> int:
+    """Hand the process to the Rust core until it stops; non-zero when a child died."""
+    from tokenspeed import _core
+
+    watch.start()
+    try:
+        _core.serve(json.dumps(config), channels, cfg.log_level)
+    except RuntimeError as e:  # a worker died or hung, or the engine failed: exit non-zero
+        died = watch.report()  # which child died, if one did
+        raise LaunchError(f"{died} ({e})" if died else str(e)) from None
+    if watch.failure:  # the watch stopped the server because a child died
+        return 1
+    return 0
 
 
 def _stop_workers(workers: list[Any]) -> None:

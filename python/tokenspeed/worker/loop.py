@@ -13,7 +13,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenspeed.diagnostics.step_trace import StepTrace
 
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from tokenspeed._core import WorkerChannel
     from tokenspeed.distributed.groups import ParallelSizes
     from tokenspeed.worker.grammar_backend import XGrammarConfig, XGrammarSlots
-    from tokenspeed.worker.model_runner import ModelRunner, PendingStep
+    from tokenspeed.worker.model_runner import ModelRunner
+    from tokenspeed.worker.pending_step import PendingStep
     from tokenspeed.worker.plan import StepPlan
 
 logger = logging.getLogger("tokenspeed.worker.loop")
@@ -29,37 +30,23 @@ logger = logging.getLogger("tokenspeed.worker.loop")
 
 @dataclass
 class WorkerSpec:
-    """What a worker needs; picklable (workers are spawned, not forked)."""
+    """What a worker needs; picklable (workers are spawned, not forked). `settings` is the
+    declared configuration's worker section (`ServeConfig.section("worker")`, by flag dest: the
+    flags whose readers name the worker); the rest is what the launcher resolved for this rank."""
 
     rank: int
     world_size: int
-    model_path: str
     channel_name: str
-    device: str
-    dtype: str
-    load_format: str
-    page_size: int
-    num_pages: int | None
-    max_slots: int | None  # --max-running-requests; None: derived from the KV pool (the runner)
-    context_length: int
-    seed: int
-    mem_fraction_static: float | None
-    attention_backend: str | None  # None/"auto": triton on CUDA, torch_native on CPU
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
+    settings: dict[str, Any]
+    model_path: str  # the model's directory (--model-path, or the default model fetched)
+    device: str  # this rank's device ("cuda:1" with several ranks)
+    num_pages: int | None  # --max-total-tokens in pages; None: profiled (the runner)
+    context_length: int  # --context-length, else the model's
     extend_graph_sizes: list[int] | None = None  # token counts of the extend CUDA graphs
-    chunked_prefill_size: int | None = None  # largest prefill step: sizes the memory profile
-    moe_backend: str | None = None  # None/"auto": triton on CUDA, torch_native on CPU
-    log_level: str = "info"
     recv_timeout_ms: int = 1000
-    kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3 / fp8_e5m2: fp8 KV cache
-    quantization_param_path: str | None = None  # its per-layer scales (JSON)
-    quantization: str | None = None  # fp8 weights; None: as the checkpoint declares
-    lm_head_quantization: str = "auto"  # the LM head under FP8 weights (auto / fp8 / none)
     # Tensor parallelism (distributed/groups.py): this replica's sizes and where its ranks meet.
     parallel: ParallelSizes | None = None
     dist_init_method: str = ""
-    dist_timeout_s: float = 300.0
     # --grammar-backend xgrammar: this worker masks grammar-constrained rows (grammar_backend.py).
     xgrammar: XGrammarConfig | None = None
 
@@ -98,12 +85,12 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
     # which ends this worker; dying on the SIGINT would fail the requests being drained.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
-        level=spec.log_level.upper(), format=f"[worker {spec.rank}] %(asctime)s %(levelname)s %(message)s"
+        level=spec.settings["log_level"].upper(),
+        format=f"[worker {spec.rank}] %(asctime)s %(levelname)s %(message)s",
     )
     parent = os.getppid()
     try:
         from tokenspeed._core import WorkerChannel
-        from tokenspeed.worker.model_runner import ModelRunner
 
         if spec.parallel is not None and spec.parallel.world_size > 1:
             # Join the process group first: the model's layers take their shards from it.
@@ -112,29 +99,8 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
             from tokenspeed.distributed.groups import init_distributed
 
             init_distributed(spec.rank, spec.parallel, spec.dist_init_method,
-                             torch.device(spec.device), spec.dist_timeout_s)
-        runner = ModelRunner(
-            spec.model_path,
-            dtype=spec.dtype,
-            device=spec.device,
-            load_format=spec.load_format,
-            page_size=spec.page_size,
-            num_pages=spec.num_pages,
-            max_slots=spec.max_slots,
-            max_context_len=spec.context_length,
-            seed=spec.seed,
-            mem_fraction_static=spec.mem_fraction_static,
-            attention_backend=spec.attention_backend,
-            disable_cuda_graph=spec.disable_cuda_graph,
-            cuda_graph_max_bs=spec.cuda_graph_max_bs,
-            extend_graph_sizes=spec.extend_graph_sizes,
-            chunked_prefill_size=spec.chunked_prefill_size,
-            moe_backend=spec.moe_backend,
-            kv_cache_dtype=spec.kv_cache_dtype,
-            quantization_param_path=spec.quantization_param_path,
-            quantization=spec.quantization,
-            lm_head_quantization=spec.lm_head_quantization,
-        )
+                             torch.device(spec.device), float(spec.settings["dist_timeout"]))
+        runner = load_runner(spec)
         grammars = None
         if spec.xgrammar is not None and _leads(spec):  # rank 0 samples for the replica
             from tokenspeed.worker.grammar_backend import XGrammarSlots
@@ -154,9 +120,39 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         sys.exit(1)
 
     logger.info("ready: %d KV pages of %d tokens, %d running requests%s", runner.num_pages,
-                spec.page_size, runner.max_slots,
-                "" if spec.max_slots else " (derived from the KV pool)")
+                runner.page_size, runner.max_slots,
+                "" if spec.settings["max_running_requests"] else " (derived from the KV pool)")
     serve_plans(channel, runner, spec, parent, grammars)
+
+
+def load_runner(spec: WorkerSpec) -> ModelRunner:
+    """The model runner of this rank, built from the worker's flags and what the launcher
+    resolved for it."""
+    from tokenspeed.worker.model_runner import ModelRunner
+
+    s = spec.settings
+    return ModelRunner(
+        spec.model_path,
+        dtype=s["dtype"],
+        device=spec.device,
+        load_format=s["load_format"],
+        page_size=int(s["page_size"]),
+        num_pages=spec.num_pages,
+        max_slots=s["max_running_requests"],  # None: derived from the KV pool (the runner)
+        max_context_len=spec.context_length,
+        seed=int(s["random_seed"] or 0),
+        mem_fraction_static=s["mem_fraction_static"],
+        attention_backend=s["attention_backend"] or None,  # None: triton on CUDA, else torch_native
+        disable_cuda_graph=bool(s["disable_cuda_graph"]),
+        cuda_graph_max_bs=s["cuda_graph_max_bs"],
+        extend_graph_sizes=spec.extend_graph_sizes,
+        chunked_prefill_size=int(s["chunked_prefill_size"]),  # largest step: sizes the profile
+        moe_backend=s["moe_backend"] or None,  # None: triton on CUDA, else torch_native
+        kv_cache_dtype=s["kv_cache_dtype"],
+        quantization_param_path=s["quantization_param_path"],
+        quantization=s["quantization"],
+        lm_head_quantization=s["lm_head_quantization"],
+    )
 
 
 def _leads(spec: WorkerSpec) -> bool:

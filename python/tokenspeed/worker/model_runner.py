@@ -44,7 +44,7 @@ from tokenspeed.layers.quantization.kv_cache import (
 )
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
-from tokenspeed.models.weights import load_model, open_checkpoint
+from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
 from tokenspeed.worker.cuda_graph import (
     EXTEND_GRAPH_MAX_REQUESTS,
     DecodeGraphRunner,
@@ -53,9 +53,10 @@ from tokenspeed.worker.cuda_graph import (
     decode_only,
     graph_memory_estimate,
 )
-from tokenspeed.worker.gpu_idle import IdleClock, Span
+from tokenspeed.worker.gpu_idle import IdleClock
+from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
-from tokenspeed.worker.prompt_logprobs import PromptLogprobs, PromptScorer
+from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
 
 logger = logging.getLogger(__name__)
@@ -78,39 +79,6 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
-
-
-class PendingStep:
-    """A launched step whose sampled tokens are on their way to the host."""
-
-    def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None,
-                 top_k: np.ndarray | None = None,
-                 prompt: dict[int, PromptLogprobs] | None = None,
-                 idle_clock: IdleClock | None = None,
-                 span: Span | None = None) -> None:
-        self.slots = slots
-        self.top_k = top_k
-        self.prompt = prompt or {}
-        self._outputs = outputs
-        self._idle_clock = idle_clock
-        self._span = span  # the step's marks on the idle clock (its run time)
-
-    def ready(self) -> bool:
-        """True once `wait()` would not block."""
-        return self._outputs is None or self._outputs.ready()
-
-    def wait(self) -> StepOutput:
-        if self._outputs is None:
-            out = StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0),
-                             prompt=self.prompt)
-        else:
-            tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
-            out = StepOutput(slots=self.slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
-                             top_logprobs=top_logprobs, top_k=self.top_k, prompt=self.prompt)
-        if self._idle_clock is not None:  # after the wait: this step's marks are passed
-            out.gpu_idle_us = self._idle_clock.take_us()
-            out.gpu_busy_us = IdleClock.busy_us(self._span) or 0
-        return out
 
 
 class ModelRunner:
@@ -148,17 +116,30 @@ class ModelRunner:
         self.max_context_len = max_context_len
         ckpt = open_checkpoint(model_path, load_format)
         self.config = ckpt.config
-        c = self.config
         # This rank's heads (tensor parallelism: the KV cache holds only these).
-        self.num_heads, self.num_kv_heads = local_heads(c, state().attn_tp.size)
+        self.num_heads, self.num_kv_heads = local_heads(self.config, state().attn_tp.size)
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
         self.attention_backend = resolve_backend_name(attention_backend, self.device)
         check_backend(self.attention_backend, self.device)
         self.moe_backend = resolve_moe_backend(moe_backend, self.device)
         # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
         moe_parallel = moe_parallel or distributed_moe_parallel()  # from the TP/EP groups
-        check_expert_parallel(c, moe_parallel.ep_size, moe_parallel.tp_size)
+        check_expert_parallel(self.config, moe_parallel.ep_size, moe_parallel.tp_size)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self._load_weights(ckpt, model_path, seed, moe_parallel, quantization,
+                           lm_head_quantization, quantization_param_path)
+        use_graphs = self._plan_graphs(disable_cuda_graph, cuda_graph_max_bs, extend_graph_sizes)
+        self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
+                           use_graphs)
+        self._allocate_step_state(seed)
+        self._capture_graphs()
+        self._log_loaded(moe_parallel)
+
+    def _load_weights(self, ckpt: Checkpoint, model_path: str, seed: int, moe_parallel: MoeParallel,
+                      quantization: str | None, lm_head_quantization: str,
+                      quantization_param_path: str | None) -> None:
+        """The model's weights (FP8 ones quantised), and the KV cache's scales."""
+        c = self.config
         # FP8 weights (--quantization or the checkpoint's quantization_config); fails here, before
         # any weight is read, for methods TokenSpeed does not run.
         self.fp8 = resolve_quantization(quantization, c.raw,
@@ -166,12 +147,18 @@ class ModelRunner:
                                         lm_head_quantization)
         ckpt_scales = KVScales()
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
-                                max_positions=max_context_len, seed=seed,
+                                max_positions=self.max_context_len, seed=seed,
                                 moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel),
                                 kv_scales=ckpt_scales, fp8=self.fp8)
         self.kv_scales = self._kv_scales(ckpt_scales, quantization_param_path)
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
+
+    def _plan_graphs(self, disable_cuda_graph: bool, cuda_graph_max_bs: int | None,
+                     extend_graph_sizes: list[int] | None) -> bool:
+        """Which CUDA graphs this rank may capture (`cuda_graph_max_bs`, `extend_graph_sizes`;
+        before the KV pool is sized); whether it captures any."""
+        c = self.config
         # torch_native MoE reads expert counts on the host: it cannot be captured in a graph.
         moe_graph_safe = not c.num_experts or self.moe_backend in GRAPH_SAFE_MOE_BACKENDS
         # MoE layers under torch_all2all run eager (ParallelSizes.graph_capturable); under
@@ -188,18 +175,30 @@ class ModelRunner:
         self.extend_graph_sizes = sorted(set(extend_graph_sizes or ())) \
             if (use_graphs and self.attention_backend == "triton"
                 and sizes.extend_graph_capturable(moe)) else []
+        return use_graphs
+
+    def _size_kv_pool(self, num_pages: int | None, max_slots: int | None,
+                      mem_fraction_static: float | None, chunked_prefill_size: int | None,
+                      use_graphs: bool) -> None:
+        """The KV pages (given, or what fits beside the model), and the running requests and
+        decode graphs they hold."""
         if num_pages is None:
             num_pages = self._profile_num_pages(mem_fraction_static, chunked_prefill_size)
         self.num_pages = num_pages
         if max_slots is None:  # the engine takes the smallest of all ranks' (launch/serve.py)
-            self.max_slots = default_max_running_requests(num_pages * page_size, max_context_len)
+            self.max_slots = default_max_running_requests(num_pages * self.page_size,
+                                                          self.max_context_len)
             self.cuda_graph_max_bs = min(self.cuda_graph_max_bs, self.max_slots)
         if use_graphs:  # every rank captures the same sizes: their collectives must match
             self.cuda_graph_max_bs = world_min(self.cuda_graph_max_bs)
+
+    def _allocate_step_state(self, seed: int) -> None:
+        """The KV cache, the attention backend, the sampler and what steps keep on the device."""
+        c = self.config
         self.kv_cache = PagedKVCache(
-            num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=page_size,
+            num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=self.page_size,
             num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
-            device=self.device, max_slots=self.max_slots, max_context_len=max_context_len,
+            device=self.device, max_slots=self.max_slots, max_context_len=self.max_context_len,
             k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         self.backend = self._make_backend(self.kv_cache)
         self.sampler = Sampler(self.device, seed, capacity=self.max_slots)
@@ -213,6 +212,11 @@ class ModelRunner:
         self._idle: tuple[PagedKVCache, AttentionBackend] | None = None  # idle_forward's cache
         # Marks around each step's GPU work: the GPU's idle time between steps (gpu_idle.py).
         self.idle_clock = IdleClock.for_device(self.device)
+
+    def _capture_graphs(self) -> None:
+        """Capture the planned CUDA graphs (one memory pool for all, largest first), then
+        compile the eager steps."""
+        c = self.config
         pool = None  # one memory pool for all graphs (largest, the extend ones, first)
         if self.extend_graph_sizes:
             self.extend_graphs = ExtendGraphRunner(
@@ -227,9 +231,12 @@ class ModelRunner:
             self.graphs.capture(pool)
             if self.lockstep:  # a GPU check greps for it
                 logger.info("decode CUDA graphs under data-parallel attention: %d groups, one "
-                            "padded size per step on every rank", sizes.attn_dp)
+                            "padded size per step on every rank", state().sizes.attn_dp)
         if self.device.type == "cuda" and not self.lockstep:
             self._compile_eager_steps()
+
+    def _log_loaded(self, moe_parallel: MoeParallel) -> None:
+        c = self.config
         logger.info("model %s loaded: dtype=%s%s device=%s attention=%s%s kv pages=%d x %d tokens "
                     "(%s), cuda graphs up to batch %d%s", c.architecture, self.dtype,
                     "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'}"
@@ -237,7 +244,7 @@ class ModelRunner:
                     self.device, self.attention_backend,
                     f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok}"
                     f"{_expert_slice(c.num_experts, moe_parallel)})"
-                    if c.num_experts else "", self.num_pages, page_size, self.kv_dtype,
+                    if c.num_experts else "", self.num_pages, self.page_size, self.kv_dtype,
                     self.cuda_graph_max_bs,
                     f" and steps up to {self.extend_graph_sizes[-1]} tokens"
                     if self.extend_graph_sizes else "")

@@ -1,0 +1,43 @@
+"""PendingStep: a launched step whose sampled tokens are on their way to the host."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenspeed.layers.host_copy import DeviceToHost
+from tokenspeed.worker.gpu_idle import IdleClock, Span
+from tokenspeed.worker.plan import StepOutput
+from tokenspeed.worker.prompt_logprobs import PromptLogprobs
+
+
+class PendingStep:
+    """A launched step whose sampled tokens are on their way to the host."""
+
+    def __init__(self, slots: np.ndarray, outputs: DeviceToHost | None,
+                 top_k: np.ndarray | None = None,
+                 prompt: dict[int, PromptLogprobs] | None = None,
+                 idle_clock: IdleClock | None = None,
+                 span: Span | None = None) -> None:
+        self.slots = slots
+        self.top_k = top_k
+        self.prompt = prompt or {}
+        self._outputs = outputs
+        self._idle_clock = idle_clock
+        self._span = span  # the step's marks on the idle clock (its run time)
+
+    def ready(self) -> bool:
+        """True once `wait()` would not block."""
+        return self._outputs is None or self._outputs.ready()
+
+    def wait(self) -> StepOutput:
+        if self._outputs is None:
+            out = StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0),
+                             prompt=self.prompt)
+        else:
+            tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
+            out = StepOutput(slots=self.slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
+                             top_logprobs=top_logprobs, top_k=self.top_k, prompt=self.prompt)
+        if self._idle_clock is not None:  # after the wait: this step's marks are passed
+            out.gpu_idle_us = self._idle_clock.take_us()
+            out.gpu_busy_us = IdleClock.busy_us(self._span) or 0
+        return out
