@@ -136,7 +136,7 @@ def test_the_idle_time_crosses_the_result_channel_only_when_measured() -> None:
     from tokenspeed.worker.plan import StepPlan
 
     name = f"ts-pytest-{os.getpid()}-gpu-idle"
-    w = _core.testing.create_test_writer(name, 1)
+    w = _core.PlanWriter.create(name, 1)
     ch = _core.WorkerChannel.attach(name, 0)
     try:
         w.send_plan(1, StepPlan.build(1).arrays())

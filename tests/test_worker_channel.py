@@ -1,4 +1,4 @@
-"""WorkerChannel (tokenspeed._core) against a real shm segment written by the test writer:
+"""WorkerChannel (tokenspeed._core) against a real shm segment written by a PlanWriter (the channel's writing end):
 plans and results round-trip through the Rust codec into numpy views, named and typed by the
 schema `_core` declares."""
 
@@ -17,7 +17,7 @@ import pytest
 from tokenspeed import _core
 from tokenspeed.worker.plan import NEUTRAL_SAMPLING, PLAN_DTYPES, RESULT_DTYPES, StepOutput, StepPlan
 
-testing = _core.testing
+PlanWriter = _core.PlanWriter
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def random_plan(rng: np.random.Generator, step_id: int) -> StepPlan:
 
 
 def test_every_plan_section_round_trips_into_zero_copy_numpy_views(name):
-    w = testing.create_test_writer(name, 1)
+    w = PlanWriter.create(name, 1)
     ch = _core.WorkerChannel.attach(name, 0)
     rng = np.random.default_rng(0)
     for step in range(50):
@@ -69,7 +69,7 @@ def test_every_plan_section_round_trips_into_zero_copy_numpy_views(name):
 
 
 def test_results_round_trip_per_request_events(name):
-    w = testing.create_test_writer(name, 1)
+    w = PlanWriter.create(name, 1)
     ch = _core.WorkerChannel.attach(name, 0)
     w.send_plan(1, StepPlan.build(1).arrays())
     assert ch.recv(1000) is not None
@@ -129,7 +129,7 @@ def test_neutral_sampling_and_constants_come_from_the_rust_core():
 
 
 def test_timeout_and_shutdown(name):
-    w = testing.create_test_writer(name, 1)
+    w = PlanWriter.create(name, 1)
     ch = _core.WorkerChannel.attach(name, 0)
     t = time.monotonic()
     assert ch.recv(50) is None
@@ -142,7 +142,7 @@ def test_timeout_and_shutdown(name):
 
 
 def test_recv_releases_the_gil(name):
-    _w = testing.create_test_writer(name, 1)
+    _w = PlanWriter.create(name, 1)
     ch = _core.WorkerChannel.attach(name, 0)
     ticks = 0
     stop = False
@@ -162,7 +162,7 @@ def test_recv_releases_the_gil(name):
 
 
 def test_errors(name):
-    w = testing.create_test_writer(name, 2, slots=2, slot_bytes=256)
+    w = PlanWriter.create(name, 2, slots=2, slot_bytes=256)
     with pytest.raises(ValueError):
         _core.WorkerChannel.attach(name, 2)
     r1 = _core.WorkerChannel.attach(name, 1)
@@ -201,7 +201,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_two_ranks_in_child_processes(name):
-    w = testing.create_test_writer(name, 2, slots=4)
+    w = PlanWriter.create(name, 2, slots=4)
     procs = [
         subprocess.Popen([sys.executable, "-c", CHILD.format(path=sys.path, name=name, rank=r)])
         for r in range(2)
@@ -220,7 +220,7 @@ def test_two_ranks_in_child_processes(name):
 def test_views_outlive_the_channel_object(name):
     import gc
 
-    w = testing.create_test_writer(name, 1)
+    w = PlanWriter.create(name, 1)
     ch = _core.WorkerChannel.attach(name, 0)
     plan = StepPlan.build(3, scheduled=[(1, 0, [4, 5, 6], True)])
     w.send_plan(3, plan.arrays())

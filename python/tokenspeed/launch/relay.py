@@ -13,7 +13,7 @@ died (global rank, pid, node, host, how) into the relay group's TCP store on nod
 passes it to the launcher (supervisor.DeathWatch), so node 0's log names the remote rank.
 
 Plans travel as {schema array name: bytes} (what `WorkerChannel.recv` shows, copied) and are
-written with `_core.testing.create_test_writer(...).send_plan`, the one way Python can write a
+written with `_core.PlanWriter.create(...).send_plan`, the one way Python can write a
 plan today: it re-encodes them through the schema's codec. A raw-slot path
 (`WorkerChannel.recv_raw() -> bytes`, a writer's `send_raw(bytes)`) would skip that; it needs
 `rust/py` changes.

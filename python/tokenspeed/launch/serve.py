@@ -249,7 +249,7 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
         readers = layout.readers + (layout.sizes.nnodes > 1)
         return names, [_core.ServerChannel.create(name, readers, 4, slot_bytes) for name in names]
     # Written by this node's relay (relay.py).
-    return names, [_core.testing.create_test_writer(names[0], layout.world, 4, slot_bytes)]
+    return names, [_core.PlanWriter.create(names[0], layout.world, 4, slot_bytes)]
 
 
 def spawn_workers(ctx: Any, cfg: Any, layout: Layout, channel_names: list[str],

@@ -5,13 +5,13 @@ use pyo3::prelude::*;
 
 mod channel;
 mod server;
-mod testing;
+mod writer;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     channel::register(m)?;
     server::register(m)?;
-    testing::register(m)?;
+    writer::register(m)?;
     Ok(())
 }

@@ -1,6 +1,7 @@
-//! `tokenspeed._core.testing`: the server's end of a channel without the server, for Python
-//! tests that round-trip real shared memory. Plans go in and results come out as arrays named
-//! by the schema, through the same derived codec as production: there is no parser here.
+//! `tokenspeed._core.PlanWriter`: the writing end of a plan channel, driven from Python. The
+//! multi-node relay writes node 0's plans into another node's ring with it (launch/relay.py),
+//! and tests play the server with it over real shared memory. Plans go in and results come out
+//! as arrays named by the schema, through the same derived codec as the server: no parser here.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -13,20 +14,30 @@ use tokenspeed_ipc::{codec, PlanChannel};
 
 use crate::channel::{ms, to_py, try_lock, ChannelShutdown};
 
-#[pyclass(module = "tokenspeed._core.testing")]
-pub struct TestWriter {
+#[pyclass(module = "tokenspeed._core")]
+pub struct PlanWriter {
     inner: Mutex<Option<PlanChannel>>,
 }
 
-fn with_writer<R>(w: &TestWriter, f: impl FnOnce(&mut PlanChannel) -> PyResult<R>) -> PyResult<R> {
+fn with_writer<R>(w: &PlanWriter, f: impl FnOnce(&mut PlanChannel) -> PyResult<R>) -> PyResult<R> {
     match try_lock(&w.inner)?.as_mut() {
         Some(ch) => f(ch),
-        None => Err(ChannelShutdown::new_err("test writer closed")),
+        None => Err(ChannelShutdown::new_err("plan writer closed")),
     }
 }
 
 #[pymethods]
-impl TestWriter {
+impl PlanWriter {
+    /// Creates a channel `name` for `n_readers` ranks and returns its writing end.
+    #[staticmethod]
+    #[pyo3(signature = (name, n_readers=1, slots=8, slot_bytes=1 << 20))]
+    fn create(name: &str, n_readers: u32, slots: u32, slot_bytes: u32) -> PyResult<PlanWriter> {
+        let ch = PlanChannel::create(name, slots, slot_bytes, n_readers).map_err(to_py)?;
+        Ok(PlanWriter {
+            inner: Mutex::new(Some(ch)),
+        })
+    }
+
     /// Sends a plan given as {schema array name: little-endian bytes} (GIL released while
     /// blocked); missing arrays are zeros / empty lists.
     #[pyo3(signature = (step_id, arrays, timeout_ms=Some(10_000)))]
@@ -95,26 +106,7 @@ impl TestWriter {
     }
 }
 
-/// Creates a channel `name` for `n_readers` ranks and returns its writing end.
-#[pyfunction]
-#[pyo3(signature = (name, n_readers=1, slots=8, slot_bytes=1 << 20))]
-fn create_test_writer(
-    name: &str,
-    n_readers: u32,
-    slots: u32,
-    slot_bytes: u32,
-) -> PyResult<TestWriter> {
-    let ch = PlanChannel::create(name, slots, slot_bytes, n_readers).map_err(to_py)?;
-    Ok(TestWriter {
-        inner: Mutex::new(Some(ch)),
-    })
-}
-
-/// Builds the `testing` submodule.
-pub fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
-    let m = PyModule::new(parent.py(), "testing")?;
-    m.add_class::<TestWriter>()?;
-    m.add_function(wrap_pyfunction!(create_test_writer, &m)?)?;
-    parent.add_submodule(&m)?;
-    Ok(())
+/// Adds `PlanWriter` to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PlanWriter>()
 }
