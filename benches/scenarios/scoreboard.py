@@ -403,7 +403,12 @@ def run_matrix(a: argparse.Namespace, out: Path, gpu: str, wl: dict[str, Workloa
                         continue
                     entry = make_entry(sid, prec, w, status, rec, gpu, a.quick, commit)
                     append_result(out, entry)
-                    print(f"{sid} {prec}: {status} {json.dumps(entry['metrics'])}", flush=True)
+                    # Why a run failed travels with its line: a failed request's error, or
+                    # responses shorter than max_tokens (the bench's length check).
+                    why = "" if status == "ok" else (
+                        f" first_error={rec.get('first_error')!r} "
+                        f"length_mismatches={rec.get('length_mismatches')}")
+                    print(f"{sid} {prec}: {status} {json.dumps(entry['metrics'])}{why}", flush=True)
             finally:
                 gpu_bench.stop_server(proc)
     finally:
