@@ -103,11 +103,13 @@ fn run_wave(requests: u64, max_mixed_prefill_tokens: u32, max_mixed_step_ms: f64
         if in_flight.len() >= 2 || (plan.is_none() && !in_flight.is_empty()) {
             let (result, ms) = in_flight.pop_front().expect("a plan in flight");
             sched.observe_run_time(result.step_id, std::time::Duration::from_secs_f64(ms / 1e3));
-            wave.completed += sched
-                .advance(&result)
-                .iter()
-                .filter(|o| o.finished.is_some())
-                .count();
+            for out in sched.advance(&result) {
+                if out.finished.is_some() {
+                    // ignore_eos: every request runs to exactly max_new_tokens.
+                    assert_eq!(out.completion_tokens, OUTPUT, "request {}", out.id);
+                    wave.completed += 1;
+                }
+            }
         } else if plan.is_none() {
             assert!(sched.is_idle(), "nothing scheduled but requests remain");
             return wave;
@@ -154,6 +156,15 @@ fn a_wave_keeps_the_batch_full_while_requests_wait_and_the_pool_has_room() {
         "the batch fell to {smallest} of {} while requests waited",
         capacity()
     );
+}
+
+#[test]
+fn a_larger_refill_chunk_also_keeps_the_batch_full_and_every_length() {
+    // Two prompts a mixed step (--max-mixed-prefill-tokens 2048), as tried on the GPU.
+    let wave = run_wave(2000, 2048, 40.0);
+    assert_eq!(wave.completed, 2000, "every request finished");
+    let smallest = smallest_batch_after_ramp(&wave, 0.95);
+    assert!(smallest as f64 >= 0.95 * capacity() as f64, "{smallest}");
 }
 
 #[test]
