@@ -3,16 +3,15 @@
 //! alone fill `max_mixed_step_ms` (which would otherwise leave each step 256 prompt tokens,
 //! fewer than refilling the batch needs).
 //!
-//! The worker is a stand-in that samples a fixed token (no KV mirror: 2,000 requests of the
-//! fake model's whole-sequence hash would take minutes); token-exact behaviour is covered by
-//! the other scheduler tests. Step times come from a linear cost model, reported to the
-//! scheduler one step late as the engine does with overlap.
+//! The fake worker samples a fixed token (`FakeWorker::constant_token`: hashing 2,000 whole
+//! sequences would take minutes) but checks every plan as usual; token-exact behaviour is
+//! covered by the other scheduler tests. Step times come from a linear cost model, reported to
+//! the scheduler one step late as the engine does with overlap.
 
-use std::collections::VecDeque;
+mod common;
 
-use tokenspeed_engine::{
-    Plan, Request, RequestEvent, SchedulePolicy, Scheduler, SchedulerConfig, StepResult,
-};
+use common::{config, request, Harness};
+use tokenspeed_engine::{Plan, Request, SchedulerConfig};
 
 const PROMPT: usize = 1024;
 const OUTPUT: u32 = 512;
@@ -42,80 +41,45 @@ struct Wave {
     completed: usize,
 }
 
-/// Submits `requests` at once and drives the scheduler to the end.
+/// Submits `requests` at once and drives the scheduler to the end, two plans in flight (a
+/// result comes back one step late, as the engine keeps with overlap).
 fn run_wave(requests: u64, max_mixed_prefill_tokens: u32, max_mixed_step_ms: f64) -> Wave {
     let config = SchedulerConfig {
-        page_size: PAGE,
-        num_pages: (POOL_REQUESTS * (PROMPT + OUTPUT as usize)) as u32 / PAGE,
         max_running_requests: 512,
         chunked_prefill_size: 8192,
         max_prefill_tokens: 16384,
         max_mixed_prefill_tokens,
         max_mixed_step_ms,
         context_length: 4096,
-        schedule_policy: SchedulePolicy::Fcfs,
-        disable_radix_cache: false,
+        ..config(
+            (POOL_REQUESTS * (PROMPT + OUTPUT as usize)) as u32 / PAGE,
+            PAGE,
+        )
     };
-    let mut sched = Scheduler::new(config).expect("valid config");
+    let mut h = Harness::with_overlap(config, true);
+    h.worker.constant_token = Some(7);
+    h.step_ms = Some(step_ms);
     for id in 0..requests {
         let prompt = (0..PROMPT as u32).map(|i| (id as u32) * 1000 + i).collect();
-        sched
-            .submit(Request {
-                id: id.into(),
-                prompt,
-                max_new_tokens: OUTPUT,
-                ignore_eos: true,
-                ..Request::default()
-            })
-            .expect("request accepted");
+        h.submit(Request {
+            ignore_eos: true,
+            ..request(id, prompt, OUTPUT)
+        });
     }
-    let mut wave = Wave {
-        running: Vec::new(),
-        waiting: Vec::new(),
-        completed: 0,
-    };
-    // Two plans in flight, as the engine keeps with overlap: a result comes back one step late.
-    let mut in_flight: VecDeque<(StepResult, f64)> = VecDeque::new();
-    for _ in 0..20_000 {
-        let plan = sched.schedule();
-        if let Some(plan) = &plan {
-            let stats = sched.stats();
-            wave.running.push(stats.running);
-            wave.waiting.push(stats.waiting);
-            let events = plan
-                .scheduled
-                .iter()
-                .filter(|r| r.sample)
-                .map(|r| RequestEvent {
-                    slot: r.slot,
-                    tokens: vec![7],
-                    logprobs: vec![-0.5],
-                    ..RequestEvent::default()
-                })
-                .collect();
-            let result = StepResult {
-                step_id: plan.step_id,
-                events,
-                ..Default::default()
-            };
-            in_flight.push_back((result, step_ms(plan)));
-        }
-        if in_flight.len() >= 2 || (plan.is_none() && !in_flight.is_empty()) {
-            let (result, ms) = in_flight.pop_front().expect("a plan in flight");
-            sched.observe_run_time(result.step_id, std::time::Duration::from_secs_f64(ms / 1e3));
-            for out in sched.advance(&result) {
-                if out.finished.is_some() {
-                    // ignore_eos: every request runs to exactly max_new_tokens.
-                    assert_eq!(out.completion_tokens, OUTPUT, "request {}", out.id);
-                    wave.completed += 1;
-                }
-            }
-        } else if plan.is_none() {
-            assert!(sched.is_idle(), "nothing scheduled but requests remain");
-            return wave;
-        }
+    h.run(20_000);
+    let mut completed = 0;
+    for id in 0..requests {
+        let last = h.last_output(id);
+        assert!(last.finished.is_some(), "request {id} finished");
+        // ignore_eos: every request runs to exactly max_new_tokens.
+        assert_eq!(last.completion_tokens, OUTPUT, "request {id}");
+        completed += 1;
     }
-    panic!("the wave did not finish");
+    Wave {
+        running: h.stats.iter().map(|s| s.running).collect(),
+        waiting: h.stats.iter().map(|s| s.waiting).collect(),
+        completed,
+    }
 }
 
 /// What the pool and the slot limit allow at once: requests that ignore EOS hold their whole

@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 
 use tokenspeed_engine::{
     FinishReason, Plan, Request, RequestEvent, RequestId, RequestOutput, SchedulePolicy, Scheduler,
-    SchedulerConfig, StepResult, LAST_SAMPLED,
+    SchedulerConfig, SchedulerStats, StepResult, LAST_SAMPLED,
 };
 
 /// A small engine's settings; tests override what they exercise.
@@ -101,6 +101,9 @@ pub struct FakeWorker {
     /// Tokens a slot's sampling steps return: the true continuation, as a perfect drafter
     /// would (speculative decoding accepting several tokens); 1 when absent.
     pub accept: HashMap<u32, usize>,
+    /// Sample this token instead of the fake model's: for waves of thousands of long requests,
+    /// where reading each sequence back to hash it would take minutes (the plan checks stay).
+    pub constant_token: Option<u32>,
 }
 
 impl FakeWorker {
@@ -111,6 +114,7 @@ impl FakeWorker {
             kv: vec![None; (config.num_pages * config.page_size) as usize],
             last_step: None,
             accept: HashMap::new(),
+            constant_token: None,
         }
     }
 
@@ -214,6 +218,15 @@ impl FakeWorker {
                     prompt_logprobs,
                     ..RequestEvent::default()
                 });
+            } else if let (true, Some(token)) = (r.sample, self.constant_token) {
+                slot.last_sampled = Some(token);
+                events.push(RequestEvent {
+                    slot: r.slot,
+                    logprobs: vec![-0.5],
+                    tokens: vec![token],
+                    prompt_logprobs,
+                    ..RequestEvent::default()
+                });
             } else if r.sample {
                 let mut seq: Vec<u32> = (0..end)
                     .map(|pos| {
@@ -252,6 +265,8 @@ pub struct Harness {
     pub outputs: HashMap<RequestId, Vec<RequestOutput>>,
     /// Every plan, in order, as scheduled.
     pub plans: Vec<Plan>,
+    /// The scheduler's stats right after each plan was made (same index as `plans`).
+    pub stats: Vec<SchedulerStats>,
     /// Keep up to two plans in flight, as the engine does with overlap on.
     pub overlap: bool,
     /// Plans executed whose results `advance` has not seen yet, oldest first.
@@ -278,6 +293,7 @@ impl Harness {
             sched: Scheduler::new(config).expect("valid config"),
             outputs: HashMap::new(),
             plans: Vec::new(),
+            stats: Vec::new(),
             overlap,
             in_flight: VecDeque::new(),
             lose_samples_at: Vec::new(),
@@ -298,6 +314,7 @@ impl Harness {
         let plan = self.sched.schedule();
         let made = plan.is_some();
         if let Some(plan) = plan {
+            self.stats.push(self.sched.stats());
             let mut result = self.worker.execute(&plan);
             if self.lose_samples_at.contains(&plan.step_id) && !result.events.is_empty() {
                 result.events.remove(0);
