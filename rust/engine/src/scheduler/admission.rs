@@ -131,11 +131,13 @@ impl Scheduler {
         if self.free_slots.is_empty() {
             return false;
         }
-        let Some(seq) = self
-            .admission_order()
-            .first()
-            .and_then(|id| self.requests.get(id))
-        else {
+        // The queue's head, without copying the queue (S1: ~2,000 ids) when nothing reorders it.
+        let next = if self.lpm_reorders() {
+            self.admission_order().first().copied()
+        } else {
+            self.waiting.front().copied()
+        };
+        let Some(seq) = next.and_then(|id| self.requests.get(&id)) else {
             return false;
         };
         let cached = self
@@ -147,7 +149,7 @@ impl Scheduler {
 
     fn admission_order(&self) -> Vec<RequestId> {
         let mut order: Vec<RequestId> = self.waiting.iter().copied().collect();
-        if self.config.schedule_policy == SchedulePolicy::Lpm && order.len() <= LPM_MAX_WAITING {
+        if self.lpm_reorders() {
             let mut keyed: Vec<(bool, usize, RequestId)> = order
                 .iter()
                 .map(|id| {
@@ -162,5 +164,11 @@ impl Scheduler {
             order = keyed.into_iter().map(|k| k.2).collect();
         }
         order
+    }
+
+    /// Whether admission order differs from arrival order: `lpm`, while few enough wait that
+    /// ranking them is cheap.
+    fn lpm_reorders(&self) -> bool {
+        self.config.schedule_policy == SchedulePolicy::Lpm && self.waiting.len() <= LPM_MAX_WAITING
     }
 }
