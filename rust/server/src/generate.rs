@@ -374,20 +374,13 @@ impl Generation {
                 }
             }
             chunk.text.push_str(&self.stops.finish());
-            chunk.finish = Some(match reason {
-                FinishReason::Length => Finish {
-                    reason: "length",
-                    matched: None,
-                },
-                FinishReason::Stop => Finish {
-                    reason: "stop",
-                    matched: token.tokens.last().map(|&t| Value::from(t)),
-                },
-                // Nothing was matched: the grammar allows no more.
-                FinishReason::Complete => Finish {
-                    reason: "stop",
-                    matched: None,
-                },
+            chunk.finish = Some(Finish {
+                reason: reason.api_name(),
+                // A stop token is the one matched; a completed grammar (or an ending this
+                // side did not cause) matched nothing.
+                matched: (reason == FinishReason::Stop)
+                    .then(|| token.tokens.last().map(|&t| Value::from(t)))
+                    .flatten(),
             });
             return Some(Ok(chunk));
         }
