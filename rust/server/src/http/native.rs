@@ -166,6 +166,10 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         vocab,
     )?;
     spec.prompt = prompt;
+    spec.priority = validate::priority(
+        req.priority,
+        state.config.scheduler.enable_priority_scheduling,
+    )?;
     spec.min_new_tokens = sp.min_new_tokens.unwrap_or(spec.min_new_tokens);
     let start_len = match req.logprob_start_len.filter(|_| want_logprobs) {
         None | Some(-1) => None,
@@ -324,6 +328,11 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
         "engine": stats,
         "dp_size": replicas.len(),
         "replicas": replicas,
+        // What a router in front reads to name this worker's model (SGLang's router: the
+        // `model_path` and `served_model_name` of its /server_info).
+        "model_path": state.config.model_path,
+        "tokenizer_path": state.config.tokenizer_path,
+        "served_model_name": state.config.served_model_name,
     });
     // The scheduler's settings as it holds them (page_size, num_pages, context_length, ...),
     // then the extra facts the launcher reported.
