@@ -97,7 +97,8 @@ impl EngineLoop {
                 Command::Abort { .. }
                 | Command::StopMatched { .. }
                 | Command::AbortAll { .. }
-                | Command::PrefixLen { .. } => {}
+                | Command::PrefixLen { .. }
+                | Command::SetPaused { .. } => {}
                 Command::Shutdown => return,
             }
         }

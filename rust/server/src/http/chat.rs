@@ -111,6 +111,10 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         top,
         vocab,
     )?;
+    base.priority = validate::priority(
+        req.priority,
+        state.config.scheduler.enable_priority_scheduling,
+    )?;
     // vLLM's echo: the reply starts with the last message when that is the assistant's.
     let echo = match req.messages.last() {
         Some(m) if req.echo == Some(true) && last_role == "assistant" => message_text(m),

@@ -360,6 +360,7 @@ mod tests {
             prompt_logprobs: None,
             grammar: None,
             grammar_starts_after: None,
+            priority: 0,
         }
     }
 

@@ -198,6 +198,10 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         top,
         vocab,
     )?;
+    base.priority = validate::priority(
+        req.priority,
+        state.config.scheduler.enable_priority_scheduling,
+    )?;
     let echo_logprobs = echo && want_logprobs;
     if echo_logprobs {
         // The echoed prompt's tokens come with their logprobs (the first has none).
