@@ -101,7 +101,10 @@ API_FLAGS: list[Flag] = [
       implemented=True, metavar="KEY"),
     s("--served-model-name", "Model name reported by /v1/models and expected in requests. "
       "Default: the model path.", G_API, implemented=True, metavar="NAME"),
-    s("--weight-version", "Free-form version label for the loaded weights.", G_API, "default"),
+    s("--weight-version", "Free-form version label for the loaded weights, reported by "
+      "/get_model_info, /get_weight_version and each /generate response's meta_info (as SGLang "
+      "does), so an RL trainer can tell which weights produced a sample.", G_API, "default",
+      implemented=True, readers=("server",)),
     s("--chat-template", "Chat template to use instead of the tokenizer's own: a file path or "
       "a built-in template name.", G_API, implemented=True, metavar="TEMPLATE"),
     s("--completion-template", "Template for code-completion (fill-in-the-middle) prompts.",

@@ -311,6 +311,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         model_path: "test-model".into(),
         tokenizer_path: dir.to_string_lossy().into_owned(),
         served_model_name: "test-model".into(),
+        weight_version: "default".into(),
         api_key: api_key.map(str::to_string),
         chat_template: None,
         scheduler: SchedulerConfig {
@@ -1300,4 +1301,18 @@ async fn pause_in_abort_mode_ends_in_flight_requests_and_later_ones_wait() {
     )
     .await;
     assert_eq!(s, StatusCode::OK, "{b}");
+}
+
+#[tokio::test]
+async fn weight_version_is_reported_by_model_info_and_every_generate_answer() {
+    let h = harness(None);
+    let (s, b) = call(&h.state, "GET", "/get_weight_version", None, None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert_eq!(json_of(&b)["weight_version"], "default");
+    let (_, b) = call(&h.state, "GET", "/get_model_info", None, None).await;
+    assert_eq!(json_of(&b)["weight_version"], "default");
+    let body = r#"{"text": "x", "sampling_params": {"max_new_tokens": 2}}"#;
+    let (s, b) = call(&h.state, "POST", "/generate", Some(body), None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert_eq!(json_of(&b)["meta_info"]["weight_version"], "default");
 }

@@ -116,6 +116,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         model_path: "test-model".into(),
         tokenizer_path: dir.to_string_lossy().into_owned(),
         served_model_name: "test-model".into(),
+        weight_version: "default".into(),
         api_key: None,
         chat_template: None,
         scheduler: SchedulerConfig {

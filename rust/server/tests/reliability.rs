@@ -53,6 +53,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         model_path: "test-model".into(),
         tokenizer_path: smollm2_dir().to_string_lossy().into_owned(),
         served_model_name: "test-model".into(),
+        weight_version: "default".into(),
         api_key: Some(KEY.into()),
         chat_template: None,
         scheduler: SchedulerConfig {

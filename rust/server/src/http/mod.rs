@@ -91,6 +91,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health_generate", get(native::health_generate))
         .route("/pause_generation", post(ops::pause_generation))
         .route("/continue_generation", post(ops::continue_generation))
+        .route("/get_weight_version", get(ops::weight_version))
         .merge(generating)
         .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
         .route_layer(middleware::from_fn_with_state(

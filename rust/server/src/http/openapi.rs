@@ -30,6 +30,7 @@ use super::{chat, native, openai, ops};
         native::abort_request,
         ops::pause_generation,
         ops::continue_generation,
+        ops::weight_version,
     )
 )]
 pub struct ApiDoc;

@@ -1,4 +1,5 @@
-//! Operations and RL hooks (SGLang's routes): pause and continue generation.
+//! Operations and RL hooks (SGLang's routes): pause and continue generation, the weights'
+//! version label.
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -60,6 +61,12 @@ pub async fn pause_generation(State(state): State<AppState>, body: Bytes) -> Res
         ))
     };
     run.await.unwrap_or_else(|e| e.into_response())
+}
+
+/// SGLang's: the `--weight-version` label of the weights serving now.
+#[utoipa::path(get, path = "/get_weight_version", responses((status = 200, description = "the weights' version label")))]
+pub async fn weight_version(State(state): State<AppState>) -> Response {
+    ok_json(json!({"weight_version": state.config.weight_version}))
 }
 
 /// Resumes planning steps after `/pause_generation`.
