@@ -402,6 +402,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--grammar-backend", "--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice",
         "--constrained-json-whitespace-pattern", "--constrained-json-disable-any-whitespace",
         "--dp-size", "--load-balance-method", "--enable-dp-attention",
+        "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
@@ -418,7 +419,8 @@ def test_each_component_reads_the_section_its_flags_name() -> None:
     # resolves context_length / max_running_requests): Rust's SchedulerConfig, field for field.
     assert set(scheduler) == {"page_size", "max_running_requests", "chunked_prefill_size",
                               "max_prefill_tokens", "max_mixed_prefill_tokens", "max_mixed_step_ms",
-                              "schedule_policy", "disable_radix_cache", "context_length"}
+                              "schedule_policy", "disable_radix_cache", "context_length",
+                              "enable_priority_scheduling", "schedule_low_priority_values_first"}
     assert scheduler["max_mixed_step_ms"] == 25.0 and "max_mixed_step_ms" not in server
     for shared in ("page_size", "context_length", "chunked_prefill_size"):
         assert shared in scheduler and shared in worker
