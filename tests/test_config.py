@@ -473,3 +473,17 @@ def test_sampling_defaults_come_from_generation_config_unless_openai(tmp_path) -
     assert sampling_defaults(tmp_path, "model") == {"temperature": 0.6, "top_p": 0.9, "top_k": 20.0}
     assert sampling_defaults(tmp_path, "openai") == {}
     assert sampling_defaults(tmp_path / "missing", "model") == {}
+
+
+def test_priority_order_flag_needs_priority_scheduling() -> None:
+    from types import SimpleNamespace
+
+    from tokenspeed.launch.serve import LaunchError, check_priority_flags
+
+    with pytest.raises(LaunchError, match="needs --enable-priority-scheduling"):
+        check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=True,
+                                             enable_priority_scheduling=False))
+    check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=True,
+                                         enable_priority_scheduling=True))
+    check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=False,
+                                         enable_priority_scheduling=False))
