@@ -23,6 +23,8 @@ class ModelConfig:
     rope_theta: float
     # HF-style rope parameters minus the theta: {"rope_type": "llama3", "factor": ...}.
     rope_scaling: dict[str, Any] = field(default_factory=dict)
+    # Features of each head that rotate (partial_rotary_factor * head_dim); 0: all of them.
+    rotary_dim: int = 0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -85,7 +87,8 @@ def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """Theta and scaling from either the transformers-4 (`rope_theta`, `rope_scaling`) or -5
-    (`rope_parameters`) spelling."""
+    (`rope_parameters`) spelling. Phi-3's `original_max_position_embeddings` sits beside them
+    and its older checkpoints call LongRoPE "su"."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
@@ -93,9 +96,22 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     if "type" in merged and "rope_type" not in merged:
         merged["rope_type"] = merged.pop("type")
     merged.pop("type", None)
+    merged.pop("partial_rotary_factor", None)  # ModelConfig.rotary_dim
+    if merged.get("rope_type") == "su":
+        merged["rope_type"] = "longrope"
     if merged.get("rope_type", "default") == "default":
         merged = {}
+    if merged.get("rope_type") in ("longrope", "yarn", "llama3"):
+        merged.setdefault("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings")
+                          or raw.get("max_position_embeddings"))
     return float(theta), merged
+
+
+def _rotary_dim(raw: dict[str, Any], head_dim: int) -> int:
+    factor = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get(
+        "partial_rotary_factor") or 1.0
+    return int(head_dim * float(factor))
 
 
 def _sliding_windows(raw: dict[str, Any], arch: str, layers: int) -> list[int | None]:
@@ -116,7 +132,8 @@ def _sliding_windows(raw: dict[str, Any], arch: str, layers: int) -> list[int | 
 # on its own rather than with a model).
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                       "phi3": "Phi3ForCausalLM"}
 
 
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -125,6 +142,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     heads = raw["num_attention_heads"]
     theta, scaling = _rope(raw)
     layers = raw["num_hidden_layers"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -133,11 +151,12 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         rope_theta=theta,
         rope_scaling=scaling,
+        rotary_dim=_rotary_dim(raw, head_dim),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", arch in _QKV_BIAS_BY_DEFAULT)),
         mlp_bias=bool(raw.get("mlp_bias", False)),

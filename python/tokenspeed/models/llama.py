@@ -104,7 +104,8 @@ class LlamaModel(nn.Module):
         tp = parallel.attn_tp
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
-                                          config.rope_scaling)
+                                          config.rope_scaling, config.rotary_dim,
+                                          config.max_position_embeddings)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb, parallel, make_mlp(i))
             for i in range(config.num_hidden_layers))

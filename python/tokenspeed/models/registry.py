@@ -9,6 +9,7 @@ from tokenspeed.layers.moe import MoeOptions
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import LlamaForCausalLM
 from tokenspeed.models.mixtral import MixtralForCausalLM
+from tokenspeed.models.phi3 import Phi3ForCausalLM
 from tokenspeed.models.qwen2 import Qwen2ForCausalLM
 from tokenspeed.models.qwen3 import Qwen3ForCausalLM
 from tokenspeed.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
