@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_models_families import PHI3_LONGROPE
+from test_models_families import GEMMA3, GPT_OSS, PHI3_LONGROPE
 from test_models_numerics import save_tiny_checkpoint
 from tokenizers import Tokenizer
 from transformers import PretrainedConfig
@@ -31,6 +31,8 @@ def _with_vocab(cfg: PretrainedConfig) -> PretrainedConfig:
 # window (32), so the short factors rotate, as transformers has them for this short sequence.
 FAMILIES: dict[str, tuple[PretrainedConfig, int]] = {
     "phi3": (PHI3_LONGROPE, 32),
+    "gemma3": (GEMMA3, 256),
+    "gpt_oss": (GPT_OSS, 256),
 }
 
 

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from test_models_numerics import assert_matches_hf, hf_greedy, randomize
 from tp_ranks import generate_on_rank, run_ranks
-from transformers import AutoModelForCausalLM, Phi3Config, PretrainedConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    Phi3Config,
+    PretrainedConfig,
+)
 
 from tokenspeed.worker.model_runner import ModelRunner
 from tokenspeed.worker.offline_scheduler import OfflineScheduler
@@ -28,8 +35,29 @@ PHI3_LONGROPE = Phi3Config(
                      "short_factor": [1.0 + 0.1 * i for i in range(6)],
                      "long_factor": [2.0 + 0.7 * i for i in range(6)]})
 
+# Local layers (window 8, so the prompts outgrow it) around a global one, each with its own
+# rope (global: linear-scaled theta 1e5), q/k norm, query_pre_attn_scalar != head_dim, logit
+# soft-capping; tied embeddings (Gemma's default).
+GEMMA3 = Gemma3TextConfig(
+    **{**_BASE, "num_hidden_layers": 4}, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+    final_logit_softcapping=3.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+# Sliding (window 8) and full layers, sinks, YaRN (untruncated correction range, as shipped),
+# 8 experts top-2 with biases and the clamped SwiGLU (a low limit, so the clamp bites).
+GPT_OSS = GptOssConfig(
+    **{**_BASE, "intermediate_size": 32}, head_dim=16, sliding_window=8, num_local_experts=8,
+    num_experts_per_tok=2, swiglu_limit=0.5, pad_token_id=0, eos_token_id=2,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False})
+
 FAMILY_CONFIGS: dict[str, PretrainedConfig] = {
     "phi3_longrope": PHI3_LONGROPE,
+    "gemma3": GEMMA3,
+    "gpt_oss": GPT_OSS,
 }
 
 
@@ -57,6 +85,8 @@ CASES: dict[str, Case] = {
     "phi3_longrope_long": Case("phi3_longrope", 128, tuple(map(tuple, _prompts([33, 40, 47, 64])))),
     # A server context within the window: short factors, sequences up to 32 tokens.
     "phi3_longrope_short": Case("phi3_longrope", 32, tuple(map(tuple, _prompts([3, 17, 9, 1]))), 12),
+    "gemma3": Case("gemma3"),
+    "gpt_oss": Case("gpt_oss"),
 }
 
 
@@ -110,9 +140,10 @@ def test_family_dummy_weights_generate(family_models: Callable[[str], tuple], na
     assert all(torch.isfinite(x).all() for req in res.logits for x in req)
 
 
-@pytest.mark.parametrize("name", ["phi3_longrope"])
+@pytest.mark.parametrize("name", ["phi3_longrope", "gemma3"])
 def test_family_tp2_matches_tp1(family_models: Callable[[str], tuple], name: str) -> None:
-    """The fused checkpoint tensors (Phi-3 qkv_proj / gate_up_proj) cut per rank."""
+    """Phi-3's fused checkpoint tensors (qkv_proj / gate_up_proj) cut per rank; Gemma 3's
+    per-head q/k norms on each rank's heads."""
     path, _ = family_models(name)
     prompts = PROMPTS[:3]
     ref_tokens, ref_logits, _ = generate_on_rank(0, path, prompts, 8)
@@ -120,3 +151,76 @@ def test_family_tp2_matches_tp1(family_models: Callable[[str], tuple], name: str
     assert tokens == ref_tokens
     worst = max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r))
     assert worst < 1e-3, worst
+
+
+# --- GPT-OSS MXFP4 -----------------------------------------------------------------------------
+
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+                     -4.0, -6.0])
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] float → (blocks uint8 [..., out, in / 32, 16], scales uint8 [..., out, in / 32]),
+    OpenAI's layout: per 32 values a power-of-two scale, each value the nearest E2M1."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp(min=1e-12)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - _FP4).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_dequantisation_matches_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tokenspeed.models.gpt_oss import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (3, 8, 2), generator=g, dtype=torch.uint8)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    torch.testing.assert_close(dequantize_mxfp4(blocks, scales), ref.transpose(1, 2))
+    w = torch.randn(2, 4, 64, generator=g)
+    back = dequantize_mxfp4(*quantize_mxfp4(w))
+    # Within half the widest step (4 → 6) of the largest group's scale, amax / 6 <= 2^e < amax / 3.
+    assert (back - w).abs().max() <= w.abs().max() / 3
+    assert (back - w).abs().mean() < 0.05 * w.abs().mean() * 6
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path: Path) -> None:
+    """Experts stored as OpenAI ships them (MXFP4 blocks + scales, biases in the clear): served
+    with HF's greedy tokens on the dequantised weights."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT_OSS).eval()
+    randomize(model, seed=2)
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = quantize_mxfp4(p.data.transpose(1, 2))  # [E, out, in]
+                from tokenspeed.models.gpt_oss import dequantize_mxfp4
+
+                p.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    saved = {k: v for k, v in saved.items()
+             if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**saved, **tensors}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    prompts = PROMPTS[:3]
+    ref_tokens, ref_logits = hf_one_by_one(model, prompts, 8)
+    runner = ModelRunner(str(tmp_path), page_size=4, max_slots=4, max_context_len=128, seed=0)
+    assert_matches_hf(runner, prompts, ref_tokens, ref_logits, chunk_size=8)
+
+
+def test_gpt_oss_refuses_backends_without_sinks(family_models: Callable[[str], tuple]) -> None:
+    path, _ = family_models("gpt_oss")
+    with pytest.raises(ValueError, match="attention sinks"):
+        ModelRunner(path, page_size=4, max_slots=4, max_context_len=128, seed=0,
+                    attention_backend="triton")
+    with pytest.raises(NotImplementedError, match="torch_native"):
+        ModelRunner(path, page_size=4, max_slots=4, max_context_len=128, seed=0,
+                    moe_backend="triton")

@@ -25,6 +25,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     # Features of each head that rotate (partial_rotary_factor * head_dim); 0: all of them.
     rotary_dim: int = 0
+    # Sliding-window layers' own rope (Gemma 3: `rope_parameters["sliding_attention"]` or
+    # `rope_local_base_freq`): (theta, scaling); None: the same rope as the full layers.
+    sliding_rope: tuple[float, dict[str, Any]] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -85,11 +88,24 @@ def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
             "moe_layers": [i not in dense and (i + 1) % step == 0 for i in range(layers)]}
 
 
+def _sliding_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]] | None:
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("sliding_attention"), dict):
+        return _rope({**raw, "rope_parameters": params["sliding_attention"], "rope_scaling": None,
+                      "rope_theta": None})
+    if raw.get("rope_local_base_freq"):
+        return float(raw["rope_local_base_freq"]), {}
+    return None
+
+
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """Theta and scaling from either the transformers-4 (`rope_theta`, `rope_scaling`) or -5
-    (`rope_parameters`) spelling. Phi-3's `original_max_position_embeddings` sits beside them
-    and its older checkpoints call LongRoPE "su"."""
+    (`rope_parameters`) spelling; per layer type (Gemma 3), the full-attention layers'. Phi-3's
+    `original_max_position_embeddings` sits beside them and its older checkpoints call LongRoPE
+    "su"."""
     params = dict(raw.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     scaling = dict(raw.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
     merged = {**scaling, **params}
@@ -133,7 +149,8 @@ def _sliding_windows(raw: dict[str, Any], arch: str, layers: int) -> list[int | 
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                       "phi3": "Phi3ForCausalLM"}
+                       "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "gpt_oss": "GptOssForCausalLM"}
 
 
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -157,13 +174,14 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         rotary_dim=_rotary_dim(raw, head_dim),
+        sliding_rope=_sliding_rope(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", arch in _QKV_BIAS_BY_DEFAULT)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=arch in _QK_NORM,
         sliding_windows=_sliding_windows(raw, arch, layers),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
-        hidden_act=raw.get("hidden_act", "silu"),
+        hidden_act=raw.get("hidden_act") or raw.get("hidden_activation") or "silu",
         **_moe(raw, arch, layers),
         raw=raw,
     )

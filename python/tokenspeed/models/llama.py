@@ -145,8 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.parallel.sizes.check_model(config.num_attention_heads, config.num_key_value_heads,
                                         config.intermediate_size)
         tp = self.parallel.attn_tp
-        self.model = LlamaModel(config, max_positions or config.max_position_embeddings,
-                                self.parallel, self.make_mlp)
+        self.model = self.make_model(max_positions or config.max_position_embeddings)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -155,6 +154,10 @@ class LlamaForCausalLM(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden]; `compute_logits` projects the rows that sample."""
         return self.model(input_ids, positions, batch)
+
+    def make_model(self, max_positions: int) -> nn.Module:
+        """The decoder stack (`model.*` in the checkpoint); other families build their own."""
+        return LlamaModel(self.config, max_positions, self.parallel, self.make_mlp)
 
     def make_mlp(self, layer_id: int) -> nn.Module:
         """The MLP of layer `layer_id` (dense here; the MoE families return a SparseMoeBlock)."""

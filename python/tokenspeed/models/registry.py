@@ -7,6 +7,8 @@ from torch import nn
 from tokenspeed.distributed.groups import ParallelState
 from tokenspeed.layers.moe import MoeOptions
 from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.gemma3 import Gemma3ForCausalLM
+from tokenspeed.models.gpt_oss import GptOssForCausalLM
 from tokenspeed.models.llama import LlamaForCausalLM
 from tokenspeed.models.mixtral import MixtralForCausalLM
 from tokenspeed.models.phi3 import Phi3ForCausalLM
@@ -22,6 +24,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 
