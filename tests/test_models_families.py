@@ -14,6 +14,8 @@ from test_models_numerics import assert_matches_hf, hf_greedy, randomize
 from tp_ranks import generate_on_rank, run_ranks
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma3TextConfig,
     GptOssConfig,
     Phi3Config,
@@ -54,10 +56,28 @@ GPT_OSS = GptOssConfig(
                      "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
                      "truncate": False})
 
+# MLA with a low-rank q (V3) or a plain q_proj (V2), YaRN with mscale; a dense first layer then
+# routed + shared experts: V3 sigmoid scores, grouped top-k (4 groups, 2 kept), correction
+# bias, renormalised and scaled; V2 softmax, group-limited greedy, scaled.
+_DEEPSEEK = {**_BASE, "num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 32,
+             "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+             "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+             "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1,
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}
+DEEPSEEK_V3 = DeepseekV3Config(**_DEEPSEEK, q_lora_rank=24, routed_scaling_factor=2.5,
+                               norm_topk_prob=True)
+DEEPSEEK_V2 = DeepseekV2Config(**_DEEPSEEK, q_lora_rank=None, routed_scaling_factor=1.5,
+                               topk_method="group_limited_greedy")
+
 FAMILY_CONFIGS: dict[str, PretrainedConfig] = {
     "phi3_longrope": PHI3_LONGROPE,
     "gemma3": GEMMA3,
     "gpt_oss": GPT_OSS,
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v2": DEEPSEEK_V2,
 }
 
 
@@ -92,6 +112,8 @@ CASES: dict[str, Case] = {
     "gemma3_triton": Case("gemma3", prompts=tuple(map(tuple, _prompts([19, 11]))), new_tokens=4,
                           backend="triton"),
     "gpt_oss": Case("gpt_oss"),
+    "deepseek_v3": Case("deepseek_v3"),
+    "deepseek_v2": Case("deepseek_v2"),
 }
 
 
@@ -105,6 +127,10 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], t
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(FAMILY_CONFIGS[name]).eval()
             randomize(model, seed=1)
+            for module in model.modules():  # DeepSeek-V3's routing bias is a buffer
+                bias = getattr(module, "e_score_correction_bias", None)
+                if bias is not None:
+                    bias.copy_(0.3 * torch.randn(bias.shape, generator=torch.Generator().manual_seed(4)))
             path = tmp_path_factory.mktemp(name)
             model.save_pretrained(path)
             cache[name] = (str(path), model)

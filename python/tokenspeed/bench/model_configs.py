@@ -73,3 +73,21 @@ GPT_OSS_20B: dict[str, Any] = {
     "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
     "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002,
 }
+# DeepSeek-V2-Lite (deepseek-ai/DeepSeek-V2-Lite config.json): 27 layers, MLA (kv_lora 512, no
+# q_lora, 16 heads of 128 + 64 rope), layer 0 dense, then 64 routed experts top-6 + 2 shared;
+# 15.7B parameters. TokenSpeed caches full per-head K/V for it (docs/models.md).
+DEEPSEEK_V2_LITE: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+    "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "rope_theta": 10000.0, "rope_scaling": {
+        "type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "bos_token_id": 100000, "eos_token_id": 100001,
+}

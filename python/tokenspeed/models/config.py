@@ -73,9 +73,16 @@ def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
     Mixtral: every layer sparse, experts as wide as `intermediate_size`, top-k always
     renormalised. Qwen3-MoE: `norm_topk_prob`; layer i is dense when listed in `mlp_only_layers`
     or when (i + 1) is not a multiple of `decoder_sparse_step` (as in HF Qwen3MoeDecoderLayer)."""
-    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts")
+                  or raw.get("n_routed_experts") or 0)
     if experts == 0:
         return {}
+    if arch.startswith("Deepseek"):  # dense up to first_k_dense_replace, then every freq-th
+        first, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
+        return {"num_experts": experts, "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+                "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+                "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+                "moe_layers": [i >= first and i % freq == 0 for i in range(layers)]}
     if arch == "MixtralForCausalLM":
         return {"num_experts": experts, "num_experts_per_tok": int(raw["num_experts_per_tok"]),
                 "moe_intermediate_size": int(raw["intermediate_size"]), "norm_topk_prob": True,
@@ -150,7 +157,8 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                        "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                       "gpt_oss": "GptOssForCausalLM"}
+                       "gpt_oss": "GptOssForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                       "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -160,6 +168,8 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     theta, scaling = _rope(raw)
     layers = raw["num_hidden_layers"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    if "kv_lora_rank" in raw:  # DeepSeek MLA: the cache's heads hold nope + rope features
+        head_dim = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],

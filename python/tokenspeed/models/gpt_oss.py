@@ -15,6 +15,7 @@ dequantised at load into the model's dtype."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -121,6 +122,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, layer_id: int) -> nn.Module:
         return GptOssMoe(self.config, self.parallel, self)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        if self._mxfp4_blocks:
+            raise KeyError(f"MXFP4 tensors without their blocks / scales: {sorted(self._mxfp4_blocks)}")
 
     def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
                     modules: dict[str, nn.Module]) -> str | None:

@@ -22,15 +22,17 @@ from tokenspeed.models.config import ModelConfig, local_heads
 class LlamaMLP(nn.Module):
     """gate_up column-parallel, down row-parallel over the dense-TP group."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} (only silu)")
         tp = parallel.dense_tp
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size,
+        inter = intermediate_size or config.intermediate_size  # DeepSeek's shared experts
+        self.gate_up_proj = GateUpLinear(config.hidden_size, inter,
                                          bias=config.mlp_bias, tp_rank=tp.rank, tp_size=tp.size)
         self.act = SiluAndMul()
-        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size,
+        self.down_proj = RowLinear(inter, config.hidden_size,
                                    bias=config.mlp_bias, tp_rank=tp.rank, tp_size=tp.size,
                                    group="dense_tp")
 

@@ -7,6 +7,7 @@ from torch import nn
 from tokenspeed.distributed.groups import ParallelState
 from tokenspeed.layers.moe import MoeOptions
 from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from tokenspeed.models.gemma3 import Gemma3ForCausalLM
 from tokenspeed.models.gpt_oss import GptOssForCausalLM
 from tokenspeed.models.llama import LlamaForCausalLM
@@ -26,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
