@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from tokenspeed._core import WorkerChannel
     from tokenspeed.distributed.groups import ParallelSizes
     from tokenspeed.worker.grammar_backend import XGrammarConfig, XGrammarSlots
+    from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
     from tokenspeed.worker.pending_step import PendingStep
     from tokenspeed.worker.plan import StepPlan
@@ -128,6 +129,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
 def load_runner(spec: WorkerSpec) -> ModelRunner:
     """The model runner of this rank, built from the worker's flags and what the launcher
     resolved for it."""
+    from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
 
     s = spec.settings
@@ -152,6 +154,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         quantization_param_path=s["quantization_param_path"],
         quantization=s["quantization"],
         lm_head_quantization=s["lm_head_quantization"],
+        lora=lora_settings(s),
     )
 
 
