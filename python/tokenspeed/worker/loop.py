@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from tokenspeed._core import WorkerChannel
     from tokenspeed.distributed.groups import ParallelSizes
     from tokenspeed.worker.grammar_backend import XGrammarConfig, XGrammarSlots
-    from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
     from tokenspeed.worker.pending_step import PendingStep
     from tokenspeed.worker.plan import StepPlan

@@ -15,9 +15,7 @@ another adapter.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,75 +26,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenspeed.config.lora import HF_MODULES, AdapterError, read_adapter_config
 from tokenspeed.layers.linear import ColumnLinear, RowLinear, shard_cols, shard_rows
 from tokenspeed.layers.lora import LoraBatch, LoraWeights, token_segments
 
 logger = logging.getLogger(__name__)
-
-# HF module name → (our module, sub-projection index).
-HF_MODULES: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
-# --lora-target-modules spellings of several HF modules.
-MODULE_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-                 "all": tuple(HF_MODULES)}
-DEFAULT_MAX_RANK = 64  # --max-lora-rank without it and without --lora-paths
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-class AdapterError(ValueError):
-    """An adapter TokenSpeed cannot serve; the message names it and why."""
-
-
-@dataclass(frozen=True)
-class AdapterConfig:
-    rank: int
-    scaling: float
-    modules: frozenset[str]  # HF module names from the config (what the weights hold is checked)
-
-
-def read_adapter_config(path: str | Path) -> AdapterConfig:
-    """The parts of a PEFT adapter_config.json TokenSpeed uses; refuses what it cannot serve."""
-    file = Path(path) / "adapter_config.json"
-    try:
-        cfg = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"LoRA adapter {path}: cannot read adapter_config.json: {e}") from None
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"LoRA adapter {path}: peft_type {cfg['peft_type']!r} is not LORA")
-    unsupported = [k for k in ("use_dora", "fan_in_fan_out") if cfg.get(k)]
-    unsupported += [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save",
-                                "layers_to_transform") if cfg.get(k)]
-    if cfg.get("bias", "none") != "none":
-        unsupported.append("bias")
-    if unsupported:
-        raise AdapterError(f"LoRA adapter {path}: {', '.join(unsupported)} not supported")
-    rank = int(cfg.get("r", 0))
-    if rank <= 0:
-        raise AdapterError(f"LoRA adapter {path}: r must be positive, got {rank}")
-    alpha = float(cfg.get("lora_alpha", rank))
-    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    targets = cfg.get("target_modules") or []
-    if isinstance(targets, str):  # a regex or "all-linear": what the weights hold decides
-        targets = list(HF_MODULES) if targets == "all-linear" else \
-            [m for m in HF_MODULES if re.search(targets, m)]
-    bad = sorted(set(targets) - set(HF_MODULES))
-    if bad:
-        raise AdapterError(f"LoRA adapter {path}: target modules {bad} not supported (only "
-                           f"{', '.join(HF_MODULES)}; embeddings and lm_head are never adapted)")
-    return AdapterConfig(rank, scaling, frozenset(targets))
-
-
-def resolve_target_modules(given: list[str] | None, adapters: list[AdapterConfig]) -> list[str]:
-    """--lora-target-modules as HF module names: given (groups expanded), else what the start-up
-    adapters target, else all."""
-    if given:
-        return sorted({m for g in given for m in MODULE_GROUPS.get(g, (g,))})
-    found = {m for a in adapters for m in a.modules}
-    return sorted(found or HF_MODULES)
-
 
 @dataclass
 class Adapter:
@@ -167,7 +102,7 @@ class LoraPool:
         self.layers = {k: v for k, v in lora_layers(model).items() if k[1] in ours}
         if not self.layers:
             raise AdapterError(f"{type(model).__name__} has no layers LoRA can adapt")
-        for (_, name), layer in self.layers.items():
+        for layer in self.layers.values():
             in_features = layer.weight.shape[1]
             subs = layer.output_sizes if isinstance(layer, ColumnLinear) else [layer.weight.shape[0]]
             layer.lora = LoraWeights(self.batch, in_features, subs, max_rank, pool_slots, dtype,

@@ -427,7 +427,9 @@ impl RadixCache {
 /// root the namespace leads it, elsewhere the page alone (a subtree has one namespace).
 fn child_key(parent: NodeId, ns: u32, first_page: &[u32]) -> Vec<u32> {
     if parent == NodeId::ROOT {
-        std::iter::once(ns).chain(first_page.iter().copied()).collect()
+        std::iter::once(ns)
+            .chain(first_page.iter().copied())
+            .collect()
     } else {
         first_page.to_vec()
     }

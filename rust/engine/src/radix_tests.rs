@@ -36,7 +36,10 @@ fn namespaces_never_share_a_prefix() {
     let base = cache.match_prefix(&[1, 2, 3, 4, 5]);
     let lora = cache.match_prefix_in(7, &[1, 2, 9, 9]);
     assert_eq!((base.len, lora.len), (4, 2));
-    assert!(base.pages.iter().all(|p| !lora.pages.contains(p)), "distinct KV pages");
+    assert!(
+        base.pages.iter().all(|p| !lora.pages.contains(p)),
+        "distinct KV pages"
+    );
     assert_eq!(cache.match_prefix_in(8, &[1, 2, 3, 4, 5]).len, 0);
     cache.check_invariants().expect("consistent");
     cache.flush();

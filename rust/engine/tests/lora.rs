@@ -28,8 +28,15 @@ fn prefix_cache_is_shared_within_an_adapter_never_across() {
     assert_eq!(h.last_output(2).cached_tokens, 0);
     assert_eq!(h.last_output(3).cached_tokens, 0);
     assert_eq!(h.last_output(4).cached_tokens, 16);
-    let new = h.plans.iter().flat_map(|p| &p.new_requests).collect::<Vec<_>>();
-    assert_eq!(new.iter().map(|r| r.lora_id).collect::<Vec<_>>(), [7, 8, 0, 7]);
+    let new = h
+        .plans
+        .iter()
+        .flat_map(|p| &p.new_requests)
+        .collect::<Vec<_>>();
+    assert_eq!(
+        new.iter().map(|r| r.lora_id).collect::<Vec<_>>(),
+        [7, 8, 0, 7]
+    );
     assert_eq!(new[1].lora_path, b"/adapters/8");
     h.assert_no_leak();
 }
@@ -43,7 +50,11 @@ fn adapters_per_batch_are_bounded_and_the_base_model_is_not_counted() {
     }
     h.step();
     let first: Vec<u32> = h.plans[0].new_requests.iter().map(|r| r.lora_id).collect();
-    assert_eq!(first, [1, 2, 0, 1], "adapter 3 waits; the base model and adapter 1 go ahead");
+    assert_eq!(
+        first,
+        [1, 2, 0, 1],
+        "adapter 3 waits; the base model and adapter 1 go ahead"
+    );
     h.run(50);
     for id in 1..=5 {
         assert!(h.finish_reason(id).is_some(), "request {id} finished");

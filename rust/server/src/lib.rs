@@ -7,6 +7,7 @@ pub mod constraint;
 pub mod engine;
 pub mod generate;
 pub mod http;
+pub mod lora;
 pub mod metrics;
 pub mod replicas;
 pub mod router;
@@ -128,6 +129,7 @@ pub fn build_state_replicas(
             .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
         mask_words: grammar.as_ref().map_or(0, |g| g.bitmask_words()),
         pool_metrics: dp == 1,
+        max_adapters: config.lora.max_per_batch_limit(),
     };
     let mut engines = Vec::with_capacity(dp);
     for link in links {
@@ -141,7 +143,9 @@ pub fn build_state_replicas(
         engines.push(engine);
     }
     let engine = Replicas::new(engines, policy);
+    let lora = lora::LoraRegistry::new(config.lora.clone()).map_err(ServeError::Config)?;
     Ok(http::AppState {
+        lora: Arc::new(lora),
         config: Arc::new(config),
         tokenizer: Arc::new(tokenizer),
         engine,

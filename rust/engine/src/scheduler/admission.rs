@@ -73,7 +73,9 @@ impl Scheduler {
                 adapters.insert(adapter);
             }
             let ns = seq.req.sampling.lora_id;
-            let m = self.cache.match_prefix_in(ns, &seq.tokens[..matchable_len(seq)]);
+            let m = self
+                .cache
+                .match_prefix_in(ns, &seq.tokens[..matchable_len(seq)]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
             let growth = self.expected_growth(seq);
@@ -176,7 +178,9 @@ impl Scheduler {
                     let seq = &self.requests[id];
                     let tokens = &seq.tokens[..seq.tokens.len() - 1];
                     let retracted = matches!(seq.phase, Phase::Retracted);
-                    let cached = self.cache.peek_prefix_len_in(seq.req.sampling.lora_id, tokens);
+                    let cached = self
+                        .cache
+                        .peek_prefix_len_in(seq.req.sampling.lora_id, tokens);
                     (retracted, cached, *id)
                 })
                 .collect();

@@ -74,7 +74,7 @@ fn non_empty(s: String) -> Option<String> {
 async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
     check_extra_fields("/v1/chat/completions", "ChatCompletionRequest", &req.extra)?;
-    state.check_model(req.model.as_deref())?;
+    let adapter = state.adapter_for(req.model.as_deref(), req.lora_path.as_deref())?;
     let last_role = check_messages(&req.messages)?;
     let continue_final = req.continue_final_message.unwrap_or(false);
     let add_generation_prompt = req.add_generation_prompt.unwrap_or(!continue_final);
@@ -111,6 +111,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         top,
         vocab,
     )?;
+    crate::lora::run_on(&mut base.sampling, adapter);
     // vLLM's echo: the reply starts with the last message when that is the assistant's.
     let echo = match req.messages.last() {
         Some(m) if req.echo == Some(true) && last_role == "assistant" => message_text(m),

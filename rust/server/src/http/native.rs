@@ -142,6 +142,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
             ))
         }
     };
+    let adapter = state.adapter_for(None, req.lora_path.as_deref())?;
     let sp = &req.sampling_params;
     let want_logprobs = req.return_logprob.unwrap_or(false);
     let top = if want_logprobs {
@@ -166,6 +167,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         vocab,
     )?;
     spec.prompt = prompt;
+    crate::lora::run_on(&mut spec.sampling, adapter);
     spec.min_new_tokens = sp.min_new_tokens.unwrap_or(spec.min_new_tokens);
     let start_len = match req.logprob_start_len.filter(|_| want_logprobs) {
         None | Some(-1) => None,

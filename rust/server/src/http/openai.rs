@@ -39,13 +39,31 @@ fn model_card(state: &AppState) -> Value {
     })
 }
 
-#[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "the served model")))]
+/// A loaded LoRA adapter, listed as vLLM lists one: its base model as `parent`.
+fn adapter_card(state: &AppState, adapter: &crate::lora::Adapter) -> Value {
+    json!({
+        "id": adapter.name,
+        "object": "model",
+        "created": state.started_unix(),
+        "owned_by": "tokenspeed",
+        "root": adapter.path,
+        "parent": state.config.served_model_name,
+        "max_model_len": state.config.scheduler.context_length,
+    })
+}
+
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "the served model and its LoRA adapters")))]
 pub async fn models(State(state): State<AppState>) -> Response {
-    ok_json(json!({"object": "list", "data": [model_card(&state)]}))
+    let mut data = vec![model_card(&state)];
+    data.extend(state.lora.list().iter().map(|a| adapter_card(&state, a)));
+    ok_json(json!({"object": "list", "data": data}))
 }
 
 #[utoipa::path(get, path = "/v1/models/{id}", params(("id" = String, Path, description = "model id")), responses((status = 200, description = "the model"), (status = 404, body = ErrorResponse)))]
 pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    if let Some(adapter) = state.lora.get(&id) {
+        return ok_json(adapter_card(&state, &adapter));
+    }
     match state.check_model(Some(&id)) {
         Ok(()) => ok_json(model_card(&state)),
         Err(e) => e.into_response(),
@@ -171,7 +189,7 @@ fn completion_prompts(prompt: PromptField) -> Result<Vec<Prompt>, ApiError> {
 async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
     check_extra_fields("/v1/completions", "CompletionRequest", &req.extra)?;
-    state.check_model(req.model.as_deref())?;
+    let adapter = state.adapter_for(req.model.as_deref(), req.lora_path.as_deref())?;
     if req.suffix.is_some() {
         return Err(ApiError::bad_param(
             "suffix",
@@ -198,6 +216,7 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         top,
         vocab,
     )?;
+    crate::lora::run_on(&mut base.sampling, adapter);
     let echo_logprobs = echo && want_logprobs;
     if echo_logprobs {
         // The echoed prompt's tokens come with their logprobs (the first has none).

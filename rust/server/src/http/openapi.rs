@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use super::{chat, native, openai};
+use super::{chat, lora, native, openai};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -28,6 +28,8 @@ use super::{chat, native, openai};
         native::metrics,
         native::version,
         native::abort_request,
+        lora::load_adapter,
+        lora::unload_adapter,
     )
 )]
 pub struct ApiDoc;
@@ -38,6 +40,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("/v1/detokenize", "/detokenize"),
     ("/server_info", "/get_server_info"),
     ("/ping", "/health"),
+    ("/load_lora_adapter", "/v1/load_lora_adapter"),
+    ("/unload_lora_adapter", "/v1/unload_lora_adapter"),
 ];
 
 /// Routes whose body names a `model`: an unknown one is a 404, as on OpenAI.
