@@ -18,6 +18,7 @@ from server_harness import Server, start_server, stop_server
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # ~70 s: a server, four PEFT adapters and their references
 
 PROMPT = "The three most useful things to pack for a long hike are"
 MAX_TOKENS = 6
@@ -39,25 +40,34 @@ def _base_model() -> torch.nn.Module:
         str(ensure_default_model()), torch_dtype=torch.float32).eval()
 
 
-def _save_adapter(path: Path, seed: int, rank: int, alpha: int, rslora: bool,
-                  targets: list[str]) -> None:
-    """A PEFT adapter with random A and B (PEFT zeroes B, which would make it a no-op)."""
+@pytest.fixture(scope="module")
+def hf_base() -> torch.nn.Module:
+    return _base_model()
+
+
+def _save_adapter(base: torch.nn.Module, path: Path, seed: int, rank: int, alpha: int,
+                  rslora: bool, targets: list[str]) -> torch.nn.Module:
+    """A PEFT adapter with random A and B (PEFT zeroes B, which would make it a no-op);
+    returns the base model without it."""
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
                              lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    model = peft.get_peft_model(_base_model(), config)
+    model = peft.get_peft_model(base, config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(str(path))
+    return model.unload()
 
 
 @pytest.fixture(scope="module")
-def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def adapter_dirs(tmp_path_factory: pytest.TempPathFactory,
+                 hf_base: torch.nn.Module) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
+    base = hf_base
     for seed, (name, spec) in enumerate(ADAPTERS.items()):
-        _save_adapter(root / name, seed, *spec)
+        base = _save_adapter(base, root / name, seed, *spec)
     return {name: root / name for name in ADAPTERS}
 
 
@@ -86,10 +96,10 @@ def prompt_ids(lora_server: Server) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def peft_tokens(adapter_dirs: dict[str, Path], prompt_ids: list[int]) -> dict[str | None, list[int]]:
+def peft_tokens(adapter_dirs: dict[str, Path], prompt_ids: list[int],
+                hf_base: torch.nn.Module) -> dict[str | None, list[int]]:
     """Greedy continuations by HF PEFT: each adapter's, and the base model's (None)."""
-    model = peft.PeftModel.from_pretrained(_base_model(), str(adapter_dirs["attn"]),
-                                           adapter_name="attn")
+    model = peft.PeftModel.from_pretrained(hf_base, str(adapter_dirs["attn"]), adapter_name="attn")
     for name in ADAPTERS:
         if name != "attn":
             model.load_adapter(str(adapter_dirs[name]), adapter_name=name)
@@ -178,3 +188,22 @@ def test_load_and_unload_at_run_time(lora_server: Server, client: openai.OpenAI,
         _complete(client, "late", prompt_ids)
     gone = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"})
     assert gone.status_code == 404 and "late" in gone.text
+
+
+def test_n_streaming_and_structured_output_on_an_adapter(client: openai.OpenAI, prompt_ids: list[int],
+                                                         peft_tokens: dict[str | None, list[int]]) -> None:
+    extra = {"return_tokens_as_token_ids": True}
+    r = client.completions.create(model="all", prompt=prompt_ids, max_tokens=MAX_TOKENS,
+                                  temperature=0, n=2, logprobs=0, extra_body=extra)
+    assert [_ids_of(c.logprobs.tokens) for c in r.choices] == [peft_tokens["all"]] * 2
+    stream = client.completions.create(model="mlp", prompt=prompt_ids, max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True, logprobs=0, extra_body=extra)
+    streamed = [t for chunk in stream for c in chunk.choices for t in (c.logprobs.tokens if c.logprobs else [])]
+    assert _ids_of(streamed) == peft_tokens["mlp"]
+    digits = client.completions.create(model="attn", prompt=prompt_ids, max_tokens=4, temperature=0,
+                                       extra_body={"regex": "[0-9]+"})
+    assert digits.choices[0].text.isdigit()
+
+
+def _ids_of(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]

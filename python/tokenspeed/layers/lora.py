@@ -45,8 +45,10 @@ class LoraBatch:
         self.active = len(segments) > 0
         self.per_token = False
         if self.active and self.token_slot.is_cuda:
-            dev = torch.from_numpy(np.ascontiguousarray(segments.T)).to(self.token_slot.device)
-            self.segments_dev = (dev[0], dev[1], dev[2])
+            from tokenspeed.layers.host_copy import to_device_int64
+
+            start, length, slot = to_device_int64(list(segments.T), self.token_slot.device)
+            self.segments_dev = (start, length, slot)
 
 
 class LoraWeights:

@@ -152,7 +152,7 @@ class LoraPool:
         host = np.full(self.batch.token_slot.shape[0], -1, np.int32)
         if token_slot is not None:
             host[:len(token_slot)] = token_slot
-        self.batch.token_slot.copy_(torch.from_numpy(host))
+        self.batch.token_slot.copy_(_to_copy(torch.from_numpy(host)), non_blocking=True)
         self._slots_clear = token_slot is None
 
     def _resident(self, aid: int, wanted: set[int]) -> int:
@@ -199,7 +199,16 @@ class LoraPool:
                 b = shard_rows(b, part, parts)
             else:  # A's columns split like the base input
                 a = shard_cols(a, layer.tp_rank, layer.tp_size)
-            layer.lora.set_sub(slot, sub, a.to(layer.lora.a.device), b.to(layer.lora.b.device))
+            dev = layer.lora.a.device
+            layer.lora.set_sub(slot, sub, _to_copy(a).to(dev, non_blocking=True),
+                               _to_copy(b).to(dev, non_blocking=True))
+
+
+def _to_copy(host: torch.Tensor) -> torch.Tensor:
+    """`host` ready for a non-blocking copy to a CUDA device: pinned (a pageable copy would
+    make the host wait for every queued kernel, undoing one-step-ahead scheduling; torch's
+    caching host allocator keeps the block until the copy is done)."""
+    return host.pin_memory() if torch.cuda.is_available() else host
 
 
 def lora_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
