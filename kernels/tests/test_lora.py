@@ -11,8 +11,9 @@ from tokenspeed.layers.lora import lora_reference, token_segments
 from tokenspeed_kernels.lora import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink
 
 # (in features, sub-projection output sizes, rank): a fused qkv with GQA, a gate_up, an o_proj
-# whose sizes are no multiple of any block.
-SHAPES = [(40, [24, 8, 8], 4), (36, [20, 20], 8), (50, [37], 3)]
+# whose sizes are no multiple of any block; a long K that the per-token shrink splits in slices
+# (1500 = 2 slices of 768, the last one short).
+SHAPES = [(40, [24, 8, 8], 4), (36, [20, 20], 8), (50, [37], 3), (1500, [20, 12], 4)]
 SLOTS = 3
 
 
@@ -52,8 +53,7 @@ def test_bgmv_matches_reference(dtype, shape, layout, device):
     # A fixed-size slot buffer longer than the step, as CUDA graphs hold it (-1 past the end).
     slots = torch.full((len(token_slot) + 7,), -1, dtype=torch.int32, device=device)
     slots[:len(token_slot)] = torch.from_numpy(token_slot).to(device)
-    xa = torch.zeros(x.shape[0], a.shape[1], dtype=dtype, device=device)
-    bgmv_shrink(x, a, slots, xa)
+    xa = bgmv_shrink(x, a, slots)
     offsets = tuple(np.cumsum(subs[:-1]).tolist())
     got = bgmv_expand(xa, b, slots, y.clone(), offsets, rank)
     scale = want.abs().max().item()
@@ -81,8 +81,7 @@ def test_base_rows_untouched(device):
     """Rows on the base model (-1) keep y exactly: no delta, no rounding through the kernel."""
     x, a, b, y, token_slot = _case(40, [24, 8, 8], 4, torch.float32, device, [2, 3], [-1, 1])
     slots = torch.from_numpy(token_slot).to(device)
-    xa = torch.zeros(x.shape[0], a.shape[1], device=device)
-    bgmv_shrink(x, a, slots, xa)
+    xa = bgmv_shrink(x, a, slots)
     got = bgmv_expand(xa, b, slots, y.clone(), (24, 32), 4)
     assert torch.equal(got[:2], y[:2])
     assert not torch.allclose(got[2:], y[2:])

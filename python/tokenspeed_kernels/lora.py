@@ -7,10 +7,13 @@ rank block i of xa). The scaling (alpha / r) is folded into B when an adapter is
 
 Two launch shapes of each:
 
-* BGMV (per token): one program per (token, column block), the adapter slot read from
-  `token_slot[t]` on the device. Its grid depends only on the token count, so it runs inside
-  CUDA graphs (decode and extend graphs write `token_slot` before a replay; padding rows and
-  base-model rows hold -1 and return at once). Weight-bandwidth bound, as decode is.
+* BGMV (per token): one program per (token, column block, K slice), the adapter slot read
+  from `token_slot[t]` on the device. Its grid depends only on the token count, so it runs
+  inside CUDA graphs (decode and extend graphs write `token_slot` before a replay; padding rows
+  and base-model rows hold -1 and return at once). Weight-bandwidth bound, as decode is: the
+  shrink's N (nsub * rank) is tiny, so a decode batch would be only T programs each streaming
+  a whole [N, K] slab; the K slices (split-K) give the GPU T * slices programs, and the expand
+  sums the slices' fp32 partials in a fixed order (deterministic, no atomics, no extra kernel).
 * SGMV (per segment): tokens of one request are contiguous and share an adapter, so one
   program multiplies a [BLOCK_M, K] tile of a segment by the adapter's weights with tl.dot:
   each weight tile is read once per BLOCK_M tokens instead of once per token (prefill). The
@@ -28,26 +31,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _bgmv_shrink_kernel(x_ptr, a_ptr, out_ptr, slot_ptr, K, N, stride_xt, stride_as, stride_an,
-                        stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _bgmv_shrink_kernel(x_ptr, a_ptr, out_ptr, slot_ptr, K, N, K_SLICE, stride_xt, stride_as,
+                        stride_an, stride_ok, stride_ot, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     s = tl.load(slot_ptr + t).to(tl.int64)
     if s < 0:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(2)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.minimum(K, (ks + 1) * K_SLICE)
+    for k0 in range(ks * K_SLICE, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + t * stride_xt + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + s * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
-                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end), other=0.0)
         acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
-    tl.store(out_ptr + t * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    tl.store(out_ptr + ks * stride_ok + t * stride_ot + offs_n, acc, mask=offs_n < N)
 
 
 @triton.jit
-def _bgmv_expand_kernel(xa_ptr, b_ptr, y_ptr, slot_ptr, R, OUT, off1, off2, stride_xat, stride_bs,
-                        stride_bn, stride_yt, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _bgmv_expand_kernel(xa_ptr, b_ptr, y_ptr, slot_ptr, R, OUT, off1, off2, SLICES, stride_xak,
+                        stride_xat, stride_bs, stride_bn, stride_yt, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
     s = tl.load(slot_ptr + t).to(tl.int64)
     if s < 0:
@@ -58,11 +65,16 @@ def _bgmv_expand_kernel(xa_ptr, b_ptr, y_ptr, slot_ptr, R, OUT, off1, off2, stri
     sub = (offs_n >= off1).to(tl.int32) + (offs_n >= off2).to(tl.int32)
     n_ok = offs_n < OUT
     r_ok = offs_r < R
-    xa = tl.load(xa_ptr + t * stride_xat + sub[:, None] * R + offs_r[None, :],
-                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    xa = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
+    for ks in range(SLICES):  # the shrink's K slices, summed in a fixed order
+        xa += tl.load(xa_ptr + ks * stride_xak + t * stride_xat + sub[:, None] * R + offs_r[None, :],
+                      mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    # Rounded to the activation dtype between the two matmuls, as the segment path and the
+    # torch reference do.
+    xa = xa.to(y_ptr.dtype.element_ty).to(tl.float32)
     b = tl.load(b_ptr + s * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-    delta = tl.sum(xa.to(tl.float32) * b.to(tl.float32), axis=1)
+    delta = tl.sum(xa * b.to(tl.float32), axis=1)
     y_ptrs = y_ptr + t * stride_yt + offs_n
     y = tl.load(y_ptrs, mask=n_ok, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -125,31 +137,48 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
+# The shrink's K slices: about this many elements of K each, at most MAX_K_SLICES.
+K_SLICE_TARGET = 512
+MAX_K_SLICES = 8
+BGMV_BLOCK_K = 128
+
+
+def bgmv_slices(k: int) -> int:
+    """How many K slices bgmv_shrink splits a reduction of length k into."""
+    return max(1, min(MAX_K_SLICES, k // K_SLICE_TARGET))
+
+
 def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, token_slot: torch.Tensor,
-                out: torch.Tensor) -> torch.Tensor:
-    """out[t] = x[t] @ a[token_slot[t]]^T for rows with a slot >= 0 (others untouched).
-    x [T, K], a [S, N, K], token_slot int32 [>= T], out [T, N]."""
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Partial products of x[t] @ a[token_slot[t]]^T over `bgmv_slices(K)` slices of K, fp32
+    [slices, T, N] (their sum is the product; bgmv_expand sums them). Rows with slot -1 are
+    not written. x [T, K], a [S, N, K], token_slot int32 [>= T]."""
     t, k = x.shape
     n = a.shape[1]
+    slices = bgmv_slices(k)
+    if out is None:
+        out = torch.empty(slices, t, n, dtype=torch.float32, device=x.device)
+    k_slice = triton.cdiv(triton.cdiv(k, slices), BGMV_BLOCK_K) * BGMV_BLOCK_K
     block_n = min(_pow2(n), 64)
-    grid = (t, triton.cdiv(n, block_n))
-    _bgmv_shrink_kernel[grid](x, a, out, token_slot, k, n, x.stride(0), a.stride(0), a.stride(1),
-                              out.stride(0), BLOCK_N=block_n, BLOCK_K=128)
+    grid = (t, triton.cdiv(n, block_n), triton.cdiv(k, k_slice))
+    _bgmv_shrink_kernel[grid](x, a, out, token_slot, k, n, k_slice, x.stride(0), a.stride(0),
+                              a.stride(1), out.stride(0), out.stride(1), BLOCK_N=block_n,
+                              BLOCK_K=BGMV_BLOCK_K)
     return out
 
 
 def bgmv_expand(xa: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor, y: torch.Tensor,
                 sub_offsets: tuple[int, ...], rank: int) -> torch.Tensor:
     """y[t, cols of sub i] += xa[t, i*rank:(i+1)*rank] @ b[slot, cols of sub i]^T, in place.
-    xa [T, nsub*rank], b [S, OUT, rank], y [T, OUT]; sub_offsets: first column of subs 1.. (at
-    most 2, i.e. up to three sub-projections)."""
+    xa: bgmv_shrink's partials [slices, T, nsub*rank]; b [S, OUT, rank], y [T, OUT];
+    sub_offsets: first column of subs 1.. (at most 2, i.e. up to three sub-projections)."""
     t, out_cols = y.shape
     offs = (*sub_offsets, out_cols, out_cols)[:2]
     block_n = 32
     grid = (t, triton.cdiv(out_cols, block_n))
-    _bgmv_expand_kernel[grid](xa, b, y, token_slot, rank, out_cols, offs[0], offs[1], xa.stride(0),
-                              b.stride(0), b.stride(1), y.stride(0), BLOCK_N=block_n,
-                              BLOCK_R=_pow2(rank))
+    _bgmv_expand_kernel[grid](xa, b, y, token_slot, rank, out_cols, offs[0], offs[1],
+                              xa.shape[0], xa.stride(0), xa.stride(1), b.stride(0), b.stride(1),
+                              y.stride(0), BLOCK_N=block_n, BLOCK_R=_pow2(rank))
     return y
 
 

@@ -86,12 +86,12 @@ class LoraWeights:
             return lora_reference(x, self.a, self.b, batch.segments, self.sub_sizes, self.rank, y)
         from tokenspeed_kernels.lora import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink
 
-        xa = torch.empty(x.shape[0], self.a.shape[1], dtype=x.dtype, device=x.device)
         if batch.per_token or batch.segments_dev is None:
             slots = batch.token_slot
-            bgmv_shrink(x, self.a, slots, xa)
+            partials = bgmv_shrink(x, self.a, slots)
             offsets = tuple(np.cumsum(self.sub_sizes[:-1]).tolist())
-            return bgmv_expand(xa, self.b, slots, y, offsets, self.rank)
+            return bgmv_expand(partials, self.b, slots, y, offsets, self.rank)
+        xa = torch.empty(x.shape[0], self.a.shape[1], dtype=x.dtype, device=x.device)
         start, length, slot = batch.segments_dev
         max_len = int(batch.segments[:, 1].max())
         sgmv_shrink(x, self.a, start, length, slot, max_len, xa)
