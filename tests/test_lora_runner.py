@@ -98,3 +98,22 @@ def test_fp8_base_weights(tiny: tuple[str, dict[str, str]]) -> None:
     agree, cos, margin = compare(ref, got)
     assert agree >= 0.85 and cos >= 0.99 and margin < 0.3, (agree, cos, margin)
     assert not torch.allclose(got[1][0], base_fp8[1][0]), "the adapter is applied under fp8"
+
+
+def test_an_unreadable_adapter_fails_its_request_only(tiny: tuple[str, dict[str, str]],
+                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An adapter deleted after the server checked it: its request's events carry FAILED, the
+    request beside it on another adapter runs, and so does the worker."""
+    from tokenspeed.worker.plan import StepPlan
+
+    path, adapters = tiny
+    lora = {"targets": ALL, "max_rank": 8, "pool_slots": 2, "max_loaded": None}
+    runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, lora=lora)
+    gone = str(tmp_path_factory.mktemp("gone"))
+    new = [{"slot": 0, "temperature": 0.0, "lora_id": 7, "lora_path": list(gone.encode())},
+           {"slot": 1, "temperature": 0.0, "lora_id": 1, "lora_path": list(adapters["qv"].encode())}]
+    plan = StepPlan.build(1, new=new, page_tables=[(0, 0, [0, 1]), (1, 0, [2, 3])],
+                          scheduled=[(0, 0, PROMPTS[1], True), (1, 0, PROMPTS[1], True)])
+    out = runner.step(plan)
+    assert out.errors is not None and out.errors.tolist() == [1, 0]
+    assert runner.lora is not None and runner.lora.failed == {0}

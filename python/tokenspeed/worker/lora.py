@@ -113,12 +113,23 @@ class LoraPool:
         self.free = list(range(pool_slots - 1, -1, -1))
         self.slot_adapter = np.zeros(max_slots, np.int64)  # request slot → adapter id (0: base)
         self._slots_clear = False  # whether batch.token_slot holds only -1
+        self.failed: set[int] = set()  # request slots whose adapter could not be read
 
     def admit(self, slot: int, adapter_id: int, path: str) -> None:
-        """A new request in worker slot `slot` runs adapter `adapter_id` (0: the base model)."""
+        """A new request in worker slot `slot` runs adapter `adapter_id` (0: the base model).
+        An adapter that cannot be read (gone since the server checked it) fails the request,
+        not the worker: its slot runs the base model and its events carry an error."""
         self.slot_adapter[slot] = adapter_id
-        if adapter_id:
-            self.paths[adapter_id] = path
+        self.failed.discard(slot)
+        if not adapter_id:
+            return
+        self.paths[adapter_id] = path
+        try:
+            self._adapter(adapter_id)  # read now: a failure is this request's alone
+        except (AdapterError, OSError) as e:
+            logger.error("slot %d: LoRA adapter %d: %s", slot, adapter_id, e)
+            self.slot_adapter[slot] = 0
+            self.failed.add(slot)
 
     def prepare(self, slots: np.ndarray, num_tokens: np.ndarray, per_token: bool,
                 padded_tokens: int = 0) -> None:
@@ -178,6 +189,11 @@ class LoraPool:
             self.host.move_to_end(aid)
             return self.host[aid]
         adapter = load_adapter(self.paths[aid], self.targets, self.max_rank, self.dtype)
+        missing = [f"layer {i} {hf}" for i, hf in adapter.weights
+                   if (i, HF_MODULES[hf][0]) not in self.layers]
+        if missing:  # e.g. an MLP adapter on a mixture-of-experts model
+            raise AdapterError(f"LoRA adapter {self.paths[aid]} adapts {missing[0]}, which this "
+                               "model has no adaptable linear layer for")
         self.host[aid] = adapter
         while self.max_loaded is not None and len(self.host) > self.max_loaded:
             self.host.popitem(last=False)

@@ -504,6 +504,7 @@ class ModelRunner:
             return PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock, span=span)
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
+        failed = self.lora.failed & set(slots.tolist()) if self.lora is not None else set()
         res = self.sampler.sample(slots.tolist(), logits, slots_dev,
                                   masks if masks is not None else token_masks(plan, slots, completion))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
@@ -511,7 +512,7 @@ class ModelRunner:
         outputs = DeviceToHost([res.tokens, res.logprobs, res.top_ids, res.top_logprobs])
         span = self.idle_clock.end()  # after the step's last kernel and copy
         return PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock,
-                           span)
+                           span, failed=failed)
 
     # --- plan → state and batch ------------------------------------------------------------
 
