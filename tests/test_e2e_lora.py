@@ -144,12 +144,27 @@ def test_mixed_batch_matches_peft(client: openai.OpenAI, prompt_ids: list[int],
         results = list(pool.map(lambda m: _complete(client, m, prompt_ids), names))
     for name, r in zip(names, results):
         assert _ids(r) == peft_tokens[None if name == base else name], name
+        assert r.model == name  # the adapter a request ran on, as vLLM names it
         cached = r.usage.prompt_tokens_details.cached_tokens
         assert (cached > 0) == (name == base), (name, cached)
     # The same adapter reuses its own cached prompt, and SGLang's lora_path names an adapter.
     again = _complete(client, base, prompt_ids, lora_path="attn")
     assert _ids(again) == peft_tokens["attn"]
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_on_an_adapter(lora_server: Server, client: openai.OpenAI) -> None:
+    """A chat request on an adapter runs the adapter on the rendered prompt: the same text as a
+    completion of the template's tokens on it."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = httpx.post(f"{lora_server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    chat = client.chat.completions.create(model="all", messages=messages, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    assert chat.model == "all"
+    text = client.completions.create(model="all", prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    base = client.completions.create(model=client.models.list().data[0].id, prompt=ids,
+                                     max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.choices[0].message.content == text.choices[0].text != base.choices[0].text
 
 
 def test_models_list_adapters_with_parent(client: openai.OpenAI) -> None:

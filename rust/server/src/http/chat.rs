@@ -111,6 +111,8 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         top,
         vocab,
     )?;
+    // Responses name the adapter a request ran on, as vLLM's do.
+    let model = adapter.as_ref().map(|a| a.name.clone());
     crate::lora::run_on(&mut base.sampling, adapter);
     // vLLM's echo: the reply starts with the last message when that is the assistant's.
     let echo = match req.messages.last() {
@@ -136,7 +138,8 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
     };
     let id = format!("chatcmpl-{}", rid.request());
-    let (created, model) = (unix_now(), state.config.served_model_name.clone());
+    let model = model.unwrap_or_else(|| state.config.served_model_name.clone());
+    let created = unix_now();
     if req.sampling.stream.unwrap_or(false) {
         let opts = stream_options(&req.sampling);
         let tokenizer = state.tokenizer.clone();

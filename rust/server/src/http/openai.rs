@@ -216,6 +216,8 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         top,
         vocab,
     )?;
+    // Responses name the adapter a request ran on, as vLLM's do.
+    let model = adapter.as_ref().map(|a| a.name.clone());
     crate::lora::run_on(&mut base.sampling, adapter);
     let echo_logprobs = echo && want_logprobs;
     if echo_logprobs {
@@ -259,7 +261,7 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         id: format!("cmpl-{}", rid.request()),
         object: "text_completion",
         created: unix_now(),
-        model: state.config.served_model_name.clone(),
+        model: model.unwrap_or_else(|| state.config.served_model_name.clone()),
         choices: Vec::new(),
         usage: None,
     };
