@@ -17,7 +17,7 @@ pub use plan::{
 };
 pub use radix::{NodeId, PrefixMatch, RadixCache};
 pub use scheduler::{
-    ConfigError, FinishReason, Request, RequestId, RequestOutput, SchedulePolicy, Scheduler,
-    SchedulerConfig, SchedulerStats, SubmitError,
+    ConfigError, FinishReason, Finished, Request, RequestId, RequestOutput, SchedulePolicy,
+    Scheduler, SchedulerConfig, SchedulerStats, SubmitError,
 };
 pub use schema::Message;

@@ -29,8 +29,8 @@ mod step;
 mod step_cost;
 
 pub use request::{
-    ConfigError, FinishReason, Request, RequestId, RequestOutput, SchedulePolicy, SchedulerConfig,
-    SchedulerStats, SubmitError,
+    ConfigError, FinishReason, Finished, Request, RequestId, RequestOutput, SchedulePolicy,
+    SchedulerConfig, SchedulerStats, SubmitError,
 };
 
 /// Above this many waiting requests `lpm` falls back to arrival order: ranking costs a tree walk
@@ -237,6 +237,8 @@ pub struct Scheduler {
     next_epoch: u64,
     /// Share of running requests' remaining tokens that admission keeps pages back for.
     reserve_ratio: f64,
+    /// Requests ended so far, by reason (`finish`).
+    finished_by_reason: HashMap<FinishReason, u64>,
     in_flight: VecDeque<(u64, Vec<Expected>)>,
     /// Requests admitted for the first time since the last `take_admitted` (queue-time metrics).
     admitted: Vec<RequestId>,
@@ -285,6 +287,7 @@ impl Scheduler {
             next_step: 0,
             next_epoch: 0,
             reserve_ratio: RESERVE_RATIO_INIT,
+            finished_by_reason: HashMap::new(),
             in_flight: VecDeque::new(),
             admitted: Vec::new(),
             retractions: 0,
@@ -354,20 +357,10 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Drops a request wherever it is; a running one's slot is reported in the next plan.
-    /// Returns false for an unknown (or already finished) id.
+    /// Ends a request the client abandoned: `finish(id, FinishReason::Abort)`. Returns false
+    /// for an unknown (or already finished) id.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        let Some(mut seq) = self.requests.remove(&id) else {
-            return false;
-        };
-        self.waiting.retain(|&w| w != id);
-        self.running.retain(|&r| r != id);
-        if let Phase::Prefilling(active) | Phase::Decoding(active) =
-            std::mem::replace(&mut seq.phase, Phase::Waiting)
-        {
-            self.release(&seq.tokens, active);
-        }
-        true
+        self.finish(id, FinishReason::Abort).is_some()
     }
 
     /// Drops every unlocked cached page. Only when idle (nothing waiting or running), as SGLang.

@@ -179,7 +179,8 @@ enum Command {
         id: RequestId,
     },
     /// The front end matched a stop string (its `StopSignal` says after how many tokens): the
-    /// request finishes as a stop (not an abort), its KV pages freed and its prefix cached.
+    /// scheduler finishes the request as `StopString` (not an abort), its KV pages freed and
+    /// its prefix cached.
     StopMatched {
         id: RequestId,
     },
@@ -299,7 +300,8 @@ impl EngineHandle {
     }
 
     /// Ends request `id` as finished by a stop string the front end found after its first
-    /// `generated` tokens: the engine, which ends every request, records it as a "stop".
+    /// `generated` tokens: the scheduler, which ends every request, records it as a
+    /// `StopString` ("stop" in the API).
     pub fn stop_matched(&self, id: RequestId, signal: &StopSignal, generated: u32) {
         signal.set(generated);
         let _ = self.commands.send(Command::StopMatched { id });

@@ -14,14 +14,17 @@ use crate::constraint::GrammarRequest;
 use crate::engine::{
     Constraint, EngineErrorKind, EngineEvent, EngineHandle, StopSignal, TokenEvent, TokenUsage,
 };
-use crate::http::error::ApiError;
-use crate::http::AppState;
+use crate::error::RequestError;
+use crate::frontend::Frontend;
 
 /// What the model is asked to continue.
 #[derive(Debug, Clone)]
 pub enum Prompt {
     /// Raw text; the tokenizer adds its special tokens (e.g. BOS).
     Text(String),
+    /// Raw text encoded without the tokenizer's special tokens (`/tokenize`'s
+    /// `add_special_tokens: false`).
+    PlainText(String),
     Ids(Vec<u32>),
     /// Chat messages rendered by the chat template, which writes any BOS itself.
     Chat {
@@ -131,11 +134,11 @@ pub struct Generation {
 /// `/health_generate`, proving the whole path (tokenizer, scheduler, shm, worker) works.
 /// `replica`: the data-parallel replica to probe (None: wherever the router sends it).
 pub async fn probe(
-    state: &AppState,
+    fe: &Frontend,
     prompt: Prompt,
     timeout: std::time::Duration,
     replica: Option<usize>,
-) -> Result<(), ApiError> {
+) -> Result<(), RequestError> {
     let spec = GenerationSpec {
         prompt,
         sampling: SamplingParams::greedy(),
@@ -153,10 +156,10 @@ pub async fn probe(
         grammar_starts_after: None,
     };
     let id = new_request_id();
-    let run = async { start_on(state, id, spec, replica).await?.collect().await };
+    let run = async { start_on(fe, id, spec, replica).await?.collect().await };
     match tokio::time::timeout(timeout, run).await {
         Ok(result) => result.map(|_| ()),
-        Err(_) => Err(ApiError::unavailable(format!(
+        Err(_) => Err(RequestError::unavailable(format!(
             "a one-token generation did not finish within {}s",
             timeout.as_secs()
         ))),
@@ -171,56 +174,36 @@ pub fn new_request_id() -> RequestId {
 /// Tokenizes and validates, then hands the request to the engine (the replica the router picks)
 /// under `id`.
 pub async fn start(
-    state: &AppState,
+    fe: &Frontend,
     id: RequestId,
     spec: GenerationSpec,
-) -> Result<Generation, ApiError> {
-    start_on(state, id, spec, None).await
+) -> Result<Generation, RequestError> {
+    start_on(fe, id, spec, None).await
 }
 
 async fn start_on(
-    state: &AppState,
+    fe: &Frontend,
     id: RequestId,
     spec: GenerationSpec,
     replica: Option<usize>,
-) -> Result<Generation, ApiError> {
-    let prompt_ids = tokenize_prompt(state, spec.prompt.clone()).await?;
-    let context = state.config.scheduler.context_length;
-    crate::validate::check_prompt(&prompt_ids, state.tokenizer.vocab_size() as u32, context)?;
-    let room = context - prompt_ids.len() as u32;
-    let max_new_tokens = match spec.max_new_tokens {
-        Some(m) if m > room => {
-            return Err(ApiError::bad_param(
-                "max_tokens",
-                format!(
-                    "This model's maximum context length is {context} tokens. However, you requested {} tokens \
-                     ({} in the prompt, {m} for the completion). Reduce the prompt or max_tokens.",
-                    prompt_ids.len() as u32 + m,
-                    prompt_ids.len()
-                ),
-            ))
-        }
-        Some(m) => m,
-        None => room,
-    };
-    if spec.min_new_tokens > max_new_tokens {
-        return Err(ApiError::bad_param(
-            "min_tokens",
-            format!(
-                "min_tokens ({}) must not exceed max_tokens ({max_new_tokens})",
-                spec.min_new_tokens
-            ),
-        ));
-    }
+) -> Result<Generation, RequestError> {
+    let prompt_ids = tokenize_prompt(fe, spec.prompt.clone()).await?;
+    let max_new_tokens = crate::validate::prompt_budget(
+        &prompt_ids,
+        fe.tokenizer.vocab_size() as u32,
+        fe.config.scheduler.context_length,
+        spec.max_new_tokens,
+        spec.min_new_tokens,
+    )?;
     // Compiled before submitting: an invalid grammar is a 400 before any KV is spent.
     let constraint = match &spec.grammar {
         Some(g) => Some(Constraint {
-            grammar: crate::constraint::compile(state, g).await?,
+            grammar: crate::constraint::compile(fe.grammar.as_ref(), g).await?,
             starts_after: spec.grammar_starts_after,
-            worker: match state.config.grammar_backend.as_deref() {
+            worker: match fe.config.grammar_backend.as_deref() {
                 Some("xgrammar") => Some(crate::constraint::worker_grammar(
                     g,
-                    state.grammar.as_ref().map_or(&[], |c| c.eos_token_ids()),
+                    fe.grammar.as_ref().map_or(&[], |c| c.eos_token_ids()),
                 )?),
                 _ => None,
             },
@@ -234,13 +217,13 @@ async fn start_on(
         max_new_tokens,
         min_new_tokens: spec.min_new_tokens,
         stop_token_ids: spec.stop_token_ids,
-        eos_token_ids: state.tokenizer.eos_token_ids().to_vec(),
+        eos_token_ids: fe.tokenizer.eos_token_ids().to_vec(),
         ignore_eos: spec.ignore_eos,
     };
-    state.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
-    let dispatched = state.engine.dispatch(request, constraint, replica).await;
+    fe.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
+    let dispatched = fe.engine.dispatch(request, constraint, replica).await;
     let events = dispatched.events;
-    if state.config.log_requests {
+    if fe.config.log_requests {
         tracing::info!(
             id = %id,
             prompt_tokens = prompt_ids.len(),
@@ -252,7 +235,7 @@ async fn start_on(
         .spaces_between_special_tokens(spec.spaces_between_special_tokens);
     Ok(Generation {
         prompt_ids,
-        tokenizer: state.tokenizer.clone(),
+        tokenizer: fe.tokenizer.clone(),
         events,
         detok,
         stops: StopMatcher::new(spec.stop),
@@ -272,13 +255,16 @@ async fn start_on(
     })
 }
 
-pub async fn tokenize_prompt(state: &AppState, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
-    let tokenizer = state.tokenizer.clone();
+pub async fn tokenize_prompt(fe: &Frontend, prompt: Prompt) -> Result<Vec<u32>, RequestError> {
+    let tokenizer = fe.tokenizer.clone();
     let ids = tokio::task::spawn_blocking(move || match prompt {
         Prompt::Ids(ids) => Ok(ids),
         Prompt::Text(text) => tokenizer
             .encode(&text, true)
-            .map_err(|e| ApiError::bad_param("prompt", e.to_string())),
+            .map_err(|e| RequestError::bad_param("prompt", e.to_string())),
+        Prompt::PlainText(text) => tokenizer
+            .encode(&text, false)
+            .map_err(|e| RequestError::bad_param("prompt", e.to_string())),
         Prompt::Chat {
             messages,
             template_vars,
@@ -293,14 +279,14 @@ pub async fn tokenize_prompt(state: &AppState, prompt: Prompt) -> Result<Vec<u32
             let messages = Value::Array(messages.into_iter().map(Value::Object).collect());
             let mut text = tokenizer
                 .apply_chat_template(&messages, add_generation_prompt, template_vars.as_ref())
-                .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+                .map_err(|e| RequestError::bad_param("messages", e.to_string()))?;
             if continue_final_message {
                 // The template closes every message: cut after the final one's content.
                 let content = final_text.unwrap_or_default();
                 match text.rfind(&content) {
                     Some(at) if !content.is_empty() => text.truncate(at + content.len()),
                     _ => {
-                        return Err(ApiError::bad_param(
+                        return Err(RequestError::bad_param(
                             "continue_final_message",
                             "the final message's content (a non-empty string) is not in the rendered prompt",
                         ))
@@ -309,12 +295,19 @@ pub async fn tokenize_prompt(state: &AppState, prompt: Prompt) -> Result<Vec<u32
             }
             tokenizer
                 .encode(&text, false)
-                .map_err(|e| ApiError::bad_param("messages", e.to_string()))
+                .map_err(|e| RequestError::bad_param("messages", e.to_string()))
         }
     })
     .await
-    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    .map_err(|e| RequestError::internal(format!("tokenizer task failed: {e}")))??;
     Ok(ids)
+}
+
+/// The text of client-sent token ids (`/detokenize`); they were checked against the vocabulary.
+pub fn detokenize(fe: &Frontend, ids: &[u32], skip_special: bool) -> Result<String, RequestError> {
+    fe.tokenizer
+        .decode(ids, skip_special)
+        .map_err(|e| RequestError::bad_param("tokens", e.to_string()))
 }
 
 impl Generation {
@@ -323,39 +316,16 @@ impl Generation {
     }
 
     /// The next chunk of the answer; None after the finishing chunk.
-    pub async fn next(&mut self) -> Option<Result<Chunk, ApiError>> {
+    pub async fn next(&mut self) -> Option<Result<Chunk, RequestError>> {
         if let Some(chunk) = self.pending.take() {
             return Some(Ok(chunk));
         }
         if self.finished {
             return None;
         }
-        let token = loop {
-            let event = match self.events.recv().await {
-                Some(e) => e,
-                None => {
-                    self.finished = true;
-                    return Some(Err(ApiError::unavailable("the engine dropped the request")));
-                }
-            };
-            match event {
-                EngineEvent::Token(t) => {
-                    self.take_prompt_logprobs(&t);
-                    if !t.tokens.is_empty() || t.finish.is_some() {
-                        break t;
-                    }
-                }
-                EngineEvent::Error { message, kind } => {
-                    self.finished = true;
-                    self.guard.done = true;
-                    return Some(Err(match kind {
-                        EngineErrorKind::BadRequest => ApiError::bad_request(message),
-                        EngineErrorKind::Overloaded => ApiError::overloaded(message),
-                        EngineErrorKind::Unavailable => ApiError::unavailable(message),
-                        EngineErrorKind::Internal => ApiError::internal(message),
-                    }));
-                }
-            }
+        let token = match self.recv_token().await {
+            Ok(t) => t,
+            Err(e) => return Some(Err(e)),
         };
         let mut chunk = Chunk {
             usage: token.usage,
@@ -373,7 +343,7 @@ impl Generation {
             });
             let piece = match self.detok.push(&self.tokenizer, id) {
                 Ok(p) => p,
-                Err(e) => return Some(Err(ApiError::internal(format!("detokenizer: {e}")))),
+                Err(e) => return Some(Err(RequestError::internal(format!("detokenizer: {e}")))),
             };
             let step = self.stops.push(&piece);
             chunk.text.push_str(&step.emit);
@@ -404,24 +374,48 @@ impl Generation {
                 }
             }
             chunk.text.push_str(&self.stops.finish());
-            chunk.finish = Some(match reason {
-                FinishReason::Length => Finish {
-                    reason: "length",
-                    matched: None,
-                },
-                FinishReason::Stop => Finish {
-                    reason: "stop",
-                    matched: token.tokens.last().map(|&t| Value::from(t)),
-                },
-                // Nothing was matched: the grammar allows no more.
-                FinishReason::Complete => Finish {
-                    reason: "stop",
-                    matched: None,
-                },
+            chunk.finish = Some(Finish {
+                reason: reason.api_name(),
+                // A stop token is the one matched; a completed grammar (or an ending this
+                // side did not cause) matched nothing.
+                matched: (reason == FinishReason::Stop)
+                    .then(|| token.tokens.last().map(|&t| Value::from(t)))
+                    .flatten(),
             });
             return Some(Ok(chunk));
         }
         Some(Ok(chunk))
+    }
+
+    /// The engine's next event with tokens or a finish (prompt logprobs kept on the way).
+    async fn recv_token(&mut self) -> Result<TokenEvent, RequestError> {
+        loop {
+            let event = match self.events.recv().await {
+                Some(e) => e,
+                None => {
+                    self.finished = true;
+                    return Err(RequestError::unavailable("the engine dropped the request"));
+                }
+            };
+            match event {
+                EngineEvent::Token(t) => {
+                    self.take_prompt_logprobs(&t);
+                    if !t.tokens.is_empty() || t.finish.is_some() {
+                        return Ok(t);
+                    }
+                }
+                EngineEvent::Error { message, kind } => {
+                    self.finished = true;
+                    self.guard.done = true;
+                    return Err(match kind {
+                        EngineErrorKind::BadRequest => RequestError::bad_request(message),
+                        EngineErrorKind::Overloaded => RequestError::overloaded(message),
+                        EngineErrorKind::Unavailable => RequestError::unavailable(message),
+                        EngineErrorKind::Internal => RequestError::internal(message),
+                    });
+                }
+            }
+        }
     }
 
     /// Ends `chunk` at the stop string `step` matched (kept in the text with
@@ -454,7 +448,7 @@ impl Generation {
     }
 
     /// Runs to the end and gathers every chunk into one.
-    pub async fn collect(mut self) -> Result<Chunk, ApiError> {
+    pub async fn collect(mut self) -> Result<Chunk, RequestError> {
         let mut all = Chunk::default();
         while let Some(chunk) = self.next().await {
             let chunk = chunk?;
@@ -491,19 +485,19 @@ pub struct Choices {
 /// proves the request valid (so an error gets a proper HTTP status) and puts the prompt in the
 /// radix cache: the prompt's other samples then reuse its KV pages, one prefill per prompt.
 pub async fn start_choices(
-    state: &AppState,
+    fe: &Frontend,
     id: RequestId,
     specs: Vec<GenerationSpec>,
     n: usize,
-) -> Result<Choices, ApiError> {
+) -> Result<Choices, RequestError> {
     let choice = |prompt: usize, sample: usize| id.choice((prompt * n + sample) as u32);
     let firsts =
         futures_util::future::join_all(specs.iter().enumerate().map(|(i, spec)| async move {
-            let mut gen = start(state, choice(i, 0), spec.clone()).await?;
+            let mut gen = start(fe, choice(i, 0), spec.clone()).await?;
             let first = match gen.next().await {
                 Some(Ok(c)) => c,
                 Some(Err(e)) => return Err(e),
-                None => return Err(ApiError::internal("the request ended without output")),
+                None => return Err(RequestError::internal("the request ended without output")),
             };
             gen.pending = Some(first);
             Ok(gen)
@@ -523,7 +517,7 @@ pub async fn start_choices(
             if sample.sampling.seed != tokenspeed_engine::NO_SEED {
                 sample.sampling.seed = (sample.sampling.seed + j as i64) & i64::MAX;
             }
-            gens.push(start(state, choice(i, j), sample).await?);
+            gens.push(start(fe, choice(i, j), sample).await?);
         }
     }
     Ok(Choices { gens, prompts, n })
@@ -531,7 +525,7 @@ pub async fn start_choices(
 
 impl Choices {
     /// Runs every choice to its end (concurrently).
-    pub async fn collect(self) -> Result<Vec<Chunk>, ApiError> {
+    pub async fn collect(self) -> Result<Vec<Chunk>, RequestError> {
         futures_util::future::join_all(self.gens.into_iter().map(Generation::collect))
             .await
             .into_iter()
@@ -542,7 +536,7 @@ impl Choices {
     /// stream aborts every unfinished choice.
     pub fn stream(
         self,
-    ) -> impl futures_util::Stream<Item = (usize, Result<Chunk, ApiError>)> + Send {
+    ) -> impl futures_util::Stream<Item = (usize, Result<Chunk, RequestError>)> + Send {
         let streams = self.gens.into_iter().enumerate().map(|(i, gen)| {
             Box::pin(futures_util::stream::unfold(
                 gen,

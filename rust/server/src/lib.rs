@@ -2,9 +2,12 @@
 //! SIGINT/SIGTERM (then drains: Ok) or until the worker group fails (Err, so the process exits
 //! non-zero and a supervisor restarts it); Python calls it (GIL released) once the workers are up.
 
+pub mod chat_output;
 pub mod config;
 pub mod constraint;
 pub mod engine;
+pub mod error;
+pub mod frontend;
 pub mod generate;
 pub mod http;
 pub mod lora;
@@ -103,8 +106,8 @@ pub fn build_state_replicas(
         message: e.to_string(),
     })?;
     let grammar = grammar_compiler(&config, &tokenizer)?;
-    let chat_parsers = http::chat_output::ChatParsers::from_config(&config, &tokenizer)
-        .map_err(ServeError::Config)?;
+    let chat_parsers =
+        chat_output::ChatParsers::from_config(&config, &tokenizer).map_err(ServeError::Config)?;
     let metrics = Arc::new(metrics::Metrics::new(
         &config.served_model_name,
         config.scheduler.context_length,
@@ -146,12 +149,14 @@ pub fn build_state_replicas(
     let lora = lora::LoraRegistry::new(config.lora.clone()).map_err(ServeError::Config)?;
     Ok(http::AppState {
         lora: Arc::new(lora),
-        config: Arc::new(config),
-        tokenizer: Arc::new(tokenizer),
-        engine,
-        grammar,
-        chat_parsers,
-        metrics,
+        frontend: Arc::new(frontend::Frontend {
+            config: Arc::new(config),
+            tokenizer: Arc::new(tokenizer),
+            engine,
+            grammar,
+            chat_parsers,
+            metrics,
+        }),
         started: Instant::now(),
         lifecycle: Arc::new(http::Lifecycle::new(max_in_flight * dp)),
     })
@@ -307,8 +312,8 @@ async fn warm_up(state: &http::AppState) -> Result<(), ServeError> {
         .enumerate()
     {
         result.map_err(|e| match state.engine.len() {
-            1 => ServeError::Warmup(e.message),
-            _ => ServeError::Warmup(format!("data-parallel replica {r}: {}", e.message)),
+            1 => ServeError::Warmup(e.to_string()),
+            _ => ServeError::Warmup(format!("data-parallel replica {r}: {}", e)),
         })?;
     }
     tracing::info!(

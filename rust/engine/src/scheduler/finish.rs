@@ -1,12 +1,44 @@
-//! When a request's tokens end it: the one owner of the token-level stop rules (stop token
-//! ids, EOS, `min_new_tokens`, `max_new_tokens`), and of what the worker must know of them.
+//! How requests end. `Scheduler::finish(id, reason)` is the one place a request leaves the
+//! scheduler, whatever ended it: a stop token or the length (decided here, `accept`, when a
+//! step's tokens come back), a stop string (the front end matches text and reports it), a
+//! completed grammar (the server's matcher reports it), an abort, or an error. Its pages go
+//! back there (to the radix cache) and the reason is recorded in the scheduler's stats.
 //!
-//! Stop *strings* need text, which only the server's detokenizer has: it ends a request on a
-//! matched string through the engine (`Scheduler::abort`), after every token rule here had
-//! its say on the same tokens.
+//! Also the token-level stop rules (stop token ids, EOS, `min_new_tokens`,
+//! `max_new_tokens`) and what the worker must know of them.
 
-use super::{FinishReason, Request, Sequence};
+use super::{FinishReason, Finished, Phase, Request, RequestId, Scheduler, Sequence};
 use crate::plan::SamplingParams;
+
+impl Scheduler {
+    /// Ends request `id` for `reason`, wherever it is (waiting, running, retracted): its slot
+    /// is reported free in the next plan and its pages go back (the computed prefix to the
+    /// radix cache). Returns the record of the ending; None for an unknown (or already
+    /// finished) id, so an ending reported twice (a stop string matched as the last token
+    /// also hit the length) counts once.
+    pub fn finish(&mut self, id: RequestId, reason: FinishReason) -> Option<Finished> {
+        let mut seq = self.requests.remove(&id)?;
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        if let Phase::Prefilling(active) | Phase::Decoding(active) =
+            std::mem::replace(&mut seq.phase, Phase::Finished)
+        {
+            self.release(&seq.tokens, active);
+        }
+        let slot = self.finished_by_reason.entry(reason).or_insert(0);
+        *slot += 1;
+        Some(Finished {
+            id,
+            reason,
+            completion_tokens: seq.completion_tokens() as u32,
+        })
+    }
+
+    /// How many requests ended for `reason` so far.
+    pub fn finished_count(&self, reason: FinishReason) -> u64 {
+        self.finished_by_reason.get(&reason).copied().unwrap_or(0)
+    }
+}
 
 /// Of `accepted` tokens following `completion_before` generated ones, how many the request
 /// keeps, and whether the last kept one finishes it. Tokens after a stop are dropped (with

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::{finish, Expected, Phase, RequestId, RequestOutput, Scheduler};
+use super::{finish, Expected, FinishReason, Phase, RequestId, RequestOutput, Scheduler};
 use super::{RESERVE_RATIO_EMA, RESERVE_RATIO_MIN};
 use crate::plan::{event_error, RequestEvent, StepResult};
 
@@ -56,9 +56,10 @@ impl Scheduler {
                     .to_string(),
                 code => format!("the model worker failed this request (error {code})"),
             };
-            self.finish(e.id);
+            self.finish(e.id, FinishReason::Error);
             return Some(RequestOutput {
                 error: Some(message),
+                finished: Some(FinishReason::Error),
                 ..out
             });
         }
@@ -92,13 +93,13 @@ impl Scheduler {
             }
             _ => None,
         };
-        if finished.is_some() {
+        if let Some(reason) = finished {
             let seq = self.requests.get(&e.id)?;
             let used = seq.completion_tokens() as f64 / f64::from(seq.req.max_new_tokens.max(1));
             self.reserve_ratio = ((1.0 - RESERVE_RATIO_EMA) * self.reserve_ratio
                 + RESERVE_RATIO_EMA * used)
                 .clamp(RESERVE_RATIO_MIN, 1.0);
-            self.finish(e.id);
+            self.finish(e.id, reason);
         } else if later_planned_wrong {
             // That step's KV is wrong: recompute from the known tokens (kept above).
             self.retract(e.id);
@@ -150,17 +151,5 @@ impl Scheduler {
         }
         a.prefix_node = m.node;
         a.prefix_pages = m.pages;
-    }
-
-    fn finish(&mut self, id: RequestId) {
-        let Some(mut seq) = self.requests.remove(&id) else {
-            return;
-        };
-        self.running.retain(|&r| r != id);
-        if let Phase::Prefilling(active) | Phase::Decoding(active) =
-            std::mem::replace(&mut seq.phase, Phase::Finished)
-        {
-            self.release(&seq.tokens, active);
-        }
     }
 }

@@ -179,16 +179,44 @@ pub struct Request {
     pub ignore_eos: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// A stop token was sampled (the output's last token).
     Stop,
     /// `max_new_tokens` reached.
     Length,
-    /// The output is complete under its grammar (structured output): set by the server, which
-    /// owns grammars; the scheduler never reports it.
+    /// A stop string matched: only the front end sees text, so it reports the match and the
+    /// scheduler ends the request (`Scheduler::finish`).
+    StopString,
+    /// The output is complete under its grammar (structured output): the server's grammar
+    /// matcher reports it, the scheduler ends the request.
     Complete,
+    /// The client went away or asked to stop.
+    Abort,
+    /// The worker (or the request's grammar) failed this request.
+    Error,
+}
+
+impl FinishReason {
+    /// The API's name for it: OpenAI's "stop" / "length", vLLM's "abort", or "error".
+    pub fn api_name(self) -> &'static str {
+        match self {
+            FinishReason::Stop | FinishReason::StopString | FinishReason::Complete => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+/// How a request ended (`Scheduler::finish`): the one record of every ending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    pub id: RequestId,
+    pub reason: FinishReason,
+    /// Tokens generated when it ended (those kept: none after a stop).
+    pub completion_tokens: u32,
 }
 
 /// What one step produced for one request: its accepted tokens (usually one), or an error.

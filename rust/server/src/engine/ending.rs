@@ -1,6 +1,8 @@
-//! How requests end on the engine thread, other than by their next token: finished (every
-//! finish is recorded in `record_finish`, whichever rule ended it), aborted, failed alone, or
-//! all at once when the worker group or the engine thread itself fails.
+//! How requests end on the engine thread, other than by their next token. Every ending is
+//! `Scheduler::finish(id, reason)` (the scheduler frees the slot and pages and records the
+//! reason); this side only routes what it learned there: a stop string the front end matched,
+//! a failed request (alone), or every request at once when the worker group or the engine
+//! thread itself fails. Finished requests' metrics are recorded in `record_finish`.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -19,7 +21,7 @@ impl EngineLoop {
     /// llguidance cannot write: llguidance#138). Every other request goes on.
     pub(super) fn fail_request(&mut self, id: RequestId, message: String) {
         self.grammars.remove(id);
-        self.scheduler.abort(id);
+        self.scheduler.finish(id, FinishReason::Error);
         if let Some(live) = self.requests.remove(&id) {
             tracing::warn!(id = %id, %message, "request failed");
             self.metrics
@@ -48,20 +50,21 @@ impl EngineLoop {
             e2e: now - live.submitted,
             prompt_tokens: live.prompt_tokens,
             generation_tokens: generated,
-            finished_reason: match reason {
-                FinishReason::Stop | FinishReason::Complete => "stop",
-                FinishReason::Length => "length",
-            },
+            finished_reason: reason.api_name(),
         });
     }
 
-    /// Ends a request a stop string finished (`StopSignal`): in the scheduler as `abort` does
-    /// (slot freed, computed prefix cached); for the metrics it finished, as a stop.
+    /// Ends a request a stop string finished (the front end matched it, `StopSignal`): the
+    /// scheduler finishes it as `StopString` (slot freed, computed prefix cached). Usage counts
+    /// the tokens up to the match, which only the front end knows.
     pub(super) fn end_stopped(&mut self, id: RequestId, live: LiveRequest) {
         self.grammars.remove(id);
-        self.scheduler.abort(id);
+        let reason = self
+            .scheduler
+            .finish(id, FinishReason::StopString)
+            .map_or(FinishReason::StopString, |f| f.reason);
         let generated = live.stop.get().unwrap_or(0);
-        self.record_finish(live, FinishReason::Stop, generated);
+        self.record_finish(live, reason, generated);
     }
 
     pub(super) fn count_abort(&self) {
@@ -112,7 +115,7 @@ impl EngineLoop {
                 .fail(format!("the model worker failed: {error}"));
         }
         for (id, live) in self.requests.drain() {
-            self.scheduler.abort(id);
+            self.scheduler.finish(id, FinishReason::Error);
             let _ = live.events.send(EngineEvent::Error {
                 message: format!("the model worker failed: {error}"),
                 kind: EngineErrorKind::Unavailable,

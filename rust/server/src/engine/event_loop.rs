@@ -205,7 +205,7 @@ impl EngineLoop {
             Command::Abort { id } => {
                 self.grammars.remove(id);
                 if self.requests.remove(&id).is_some() {
-                    self.scheduler.abort(id);
+                    self.scheduler.finish(id, FinishReason::Abort);
                     self.count_abort();
                 }
             }
@@ -226,7 +226,7 @@ impl EngineLoop {
             Command::AbortAll { message } => {
                 self.grammars.clear();
                 for (id, live) in self.requests.drain() {
-                    self.scheduler.abort(id);
+                    self.scheduler.finish(id, FinishReason::Abort);
                     self.metrics
                         .request_success
                         .with_label_values(&["abort"])
@@ -301,8 +301,12 @@ impl EngineLoop {
             Verdict::Continue => {}
             Verdict::Complete => {
                 if out.finished.is_none() {
-                    self.scheduler.abort(out.id);
-                    out.finished = Some(FinishReason::Complete);
+                    // The matcher reports it; the scheduler ends the request, and this last
+                    // output carries the reason it recorded.
+                    out.finished = self
+                        .scheduler
+                        .finish(out.id, FinishReason::Complete)
+                        .map(|f| f.reason);
                 }
             }
             Verdict::Failed(message) => {
@@ -514,7 +518,7 @@ impl EngineLoop {
                 if live.stop.get().is_some() {
                     self.end_stopped(id, live);
                 } else {
-                    self.scheduler.abort(id);
+                    self.scheduler.finish(id, FinishReason::Abort);
                     self.count_abort();
                 }
             }

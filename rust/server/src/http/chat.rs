@@ -8,12 +8,14 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
-use super::chat_output::{finish_reason, OutputStream};
-use super::chat_request::{check_messages, message_text, output_stage, template_messages};
+use std::sync::Arc;
+
+use axum::response::sse::Event;
+
 use super::error::ApiError;
 use super::openai::{
-    sse_data, sse_response, stream_options, total_usage, vllm_prompt_logprobs, with_prompts,
-    LogprobStyle,
+    sse_data, sse_response, stream_options, total_usage, vllm_prompt_logprobs, LogprobStyle,
+    StreamOptions,
 };
 use super::protocol::{check_extra_fields, parse_body, ChatCompletionRequest};
 use super::response::{
@@ -24,8 +26,9 @@ use super::response::{
 #[allow(unused_imports)] // named by the #[utoipa::path] attributes
 use super::response::{ErrorResponse, ServerSentEvent};
 use super::{ok_json, unix_now, AppState};
+use crate::chat_output::{finish_reason, OutputStream};
 use crate::engine::TokenUsage;
-use crate::generate::{self, Chunk, Prompt, TokenLogprob};
+use crate::generate::{self, Choices, Chunk, TokenLogprob};
 use crate::validate;
 use tokenspeed_text::TextTokenizer;
 
@@ -75,94 +78,81 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     let req: ChatCompletionRequest = parse_body(body)?;
     check_extra_fields("/v1/chat/completions", "ChatCompletionRequest", &req.extra)?;
     let adapter = state.adapter_for(req.model.as_deref(), req.lora_path.as_deref())?;
-    let last_role = check_messages(&req.messages)?;
-    let continue_final = req.continue_final_message.unwrap_or(false);
-    let add_generation_prompt = req.add_generation_prompt.unwrap_or(!continue_final);
-    if continue_final && add_generation_prompt {
-        return Err(ApiError::bad_param(
-            "continue_final_message",
-            "continue_final_message and add_generation_prompt cannot both be true",
-        ));
-    }
-    if continue_final && last_role != "assistant" {
-        return Err(ApiError::bad_param(
-            "continue_final_message",
-            "continue_final_message needs the last message to be the assistant's",
-        ));
-    }
-    let want_logprobs = req.logprobs.unwrap_or(false);
-    if req.top_logprobs.is_some() && !want_logprobs {
-        return Err(ApiError::bad_param(
-            "top_logprobs",
-            "top_logprobs needs logprobs: true",
-        ));
-    }
-    let top = validate::top_logprobs("top_logprobs", req.top_logprobs)?;
-    let max_tokens = validate::max_tokens(
-        "max_completion_tokens",
-        req.max_completion_tokens.or(req.max_tokens),
-    )?;
-    let n = validate::choices(req.sampling.n, 1)?;
-    let vocab = state.tokenizer.vocab_size() as u32;
-    let mut base = validate::generation_spec(
-        &req.sampling,
+    let mut checked = validate::chat::chat_request(
+        &req,
         &state.config.sampling_defaults,
-        max_tokens,
-        top,
-        vocab,
+        state.tokenizer.vocab_size() as u32,
+        &state.chat_parsers,
     )?;
     // Responses name the adapter a request ran on, as vLLM's do.
-    let model = adapter.as_ref().map(|a| a.name.clone());
-    crate::lora::run_on(&mut base.sampling, adapter);
-    // vLLM's echo: the reply starts with the last message when that is the assistant's.
-    let echo = match req.messages.last() {
-        Some(m) if req.echo == Some(true) && last_role == "assistant" => message_text(m),
-        _ => String::new(),
-    };
-    let stage = output_stage(&req, &state.chat_parsers, &mut base)?;
-    let keep_special = !base.skip_special_tokens;
-    let mut vars = req.chat_template_kwargs.clone().unwrap_or_default();
-    if let Some(tools) = req.tools.clone().filter(|t| !t.is_empty()) {
-        vars.insert("tools".into(), Value::Array(tools));
-    }
-    let prompt = Prompt::Chat {
-        messages: template_messages(req.messages),
-        template_vars: (!vars.is_empty()).then_some(Value::Object(vars)),
-        add_generation_prompt,
-        continue_final_message: continue_final,
-    };
+    let model = adapter.as_ref().map_or_else(
+        || state.config.served_model_name.clone(),
+        |a| a.name.clone(),
+    );
+    crate::lora::run_on(&mut checked.spec.sampling, adapter);
     let rid = generate::new_request_id();
-    let specs = with_prompts(&base, vec![prompt]);
-    let choices = generate::start_choices(&state, rid, specs, n).await?;
-    let style = LogprobStyle {
-        as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
-    };
-    let id = format!("chatcmpl-{}", rid.request());
-    let model = model.unwrap_or_else(|| state.config.served_model_name.clone());
-    let created = unix_now();
-    if req.sampling.stream.unwrap_or(false) {
-        let opts = stream_options(&req.sampling);
-        let tokenizer = state.tokenizer.clone();
-        let head = ChatCompletionChunk {
-            id,
+    let choices =
+        generate::start_choices(&state, rid, vec![checked.spec.clone()], checked.n).await?;
+    let render = ChatRender {
+        head: ChatCompletionChunk {
+            id: format!("chatcmpl-{}", rid.request()),
             object: "chat.completion.chunk",
-            created,
+            created: unix_now(),
             model,
             choices: Vec::new(),
             usage: None,
             prompt_logprobs: None,
-        };
-        // The first delta of each choice carries the role (and the echo), and with continuous
-        // usage the prompt's usage (vLLM's role chunk: no completion tokens yet).
-        let preamble = (0..choices.gens.len())
+        },
+        style: LogprobStyle {
+            as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
+        },
+        tokenizer: state.tokenizer.clone(),
+        prompt_logprobs: req.sampling.prompt_logprobs.is_some(),
+        checked,
+    };
+    if req.sampling.stream.unwrap_or(false) {
+        return Ok(render.stream(choices, stream_options(&req.sampling)));
+    }
+    render.json(choices).await
+}
+
+/// How a chat request's answer is rendered: what the checked request asked for, and the
+/// fields every chunk repeats.
+struct ChatRender {
+    checked: validate::chat::ValidatedChat,
+    /// `id`, `created`, `model` (its `object` is the streamed one's).
+    head: ChatCompletionChunk,
+    style: LogprobStyle,
+    tokenizer: Arc<TextTokenizer>,
+    /// vLLM's `prompt_logprobs` was asked for.
+    prompt_logprobs: bool,
+}
+
+impl ChatRender {
+    fn text(&self, c: &Chunk) -> String {
+        let mut text = c.text.clone();
+        strip_special_stop(&self.tokenizer, self.checked.keep_special, &mut text, c);
+        text
+    }
+
+    fn logprobs(&self, c: &Chunk) -> Option<ChatLogprobs> {
+        self.checked
+            .want_logprobs
+            .then(|| chat_logprobs(&self.tokenizer, self.style, &c.logprobs))
+    }
+
+    /// The first delta of each choice carries the role (and the echo), and with continuous
+    /// usage the prompt's usage (vLLM's role chunk: no completion tokens yet).
+    fn preamble(&self, choices: &Choices, opts: &StreamOptions) -> Vec<Event> {
+        (0..choices.gens.len())
             .map(|i| {
-                let prompt_tokens = choices.prompts.get(i / n).map_or(0, Vec::len) as u32;
+                let prompt_tokens = choices.prompts.get(i / choices.n).map_or(0, Vec::len) as u32;
                 sse_data(&ChatCompletionChunk {
                     choices: vec![ChatChunkChoice {
                         index: i as u32,
                         delta: ChatDelta {
                             role: Some("assistant"),
-                            content: Some(echo.clone()),
+                            content: Some(self.checked.echo.clone()),
                             ..ChatDelta::default()
                         },
                         logprobs: None,
@@ -172,142 +162,163 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
                     usage: opts
                         .continuous_usage
                         .then(|| Usage::before_output(prompt_tokens)),
-                    ..head.clone()
+                    ..self.head.clone()
                 })
             })
-            .collect();
-        // Per choice: its pass through the output stage, and its call ids.
-        let mut streams: Vec<OutputStream> =
-            (0..choices.gens.len()).map(|_| stage.stream()).collect();
-        let mut ids: Vec<Vec<String>> = vec![Vec::new(); choices.gens.len()];
-        // The prompt's logprobs, until they go out (choice 0's first chunk carries them).
-        let mut prompt_logprobs_due = req.sampling.prompt_logprobs.is_some();
-        let frame = {
-            let head = head.clone();
-            move |i: usize, c: &Chunk| {
-                let mut text = c.text.clone();
-                strip_special_stop(&tokenizer, keep_special, &mut text, c);
-                let (stream, ids) = (streams.get_mut(i)?, ids.get_mut(i)?);
-                let out = stream.push(&text, c.finish.is_some());
-                let logprobs = want_logprobs.then(|| chat_logprobs(&tokenizer, style, &c.logprobs));
-                let prompt_logprobs = (i == 0 && std::mem::take(&mut prompt_logprobs_due))
-                    .then(|| vllm_prompt_logprobs(&tokenizer, &c.prompt_logprobs));
-                if out.is_empty()
-                    && c.finish.is_none()
-                    && logprobs.is_none()
-                    && prompt_logprobs.is_none()
-                {
-                    return None; // held back: the next text decides it
-                }
-                let tool_calls = out
-                    .tool_calls
-                    .into_iter()
-                    .map(|d| {
-                        let first = d.name.is_some();
-                        if first {
-                            ids.push(call_id());
-                        }
-                        ToolCallChunk {
-                            index: d.index as u32,
-                            id: first.then(|| ids.get(d.index).cloned()).flatten(),
-                            kind: first.then_some("function"),
-                            function: FunctionCallChunk {
-                                name: d.name,
-                                arguments: d.arguments,
-                            },
-                        }
-                    })
-                    .collect::<Vec<_>>();
-                let finish = c
-                    .finish
-                    .as_ref()
-                    .map(|f| finish_reason(f.reason, stream.made_calls()));
-                Some(sse_data(&ChatCompletionChunk {
-                    choices: vec![ChatChunkChoice {
-                        index: i as u32,
-                        delta: ChatDelta {
-                            role: None,
-                            content: non_empty(out.content),
-                            reasoning_content: non_empty(out.reasoning_content),
-                            tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
-                        },
-                        logprobs,
-                        finish_reason: finish,
-                        matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
-                    }],
-                    usage: opts.continuous_usage.then(|| Usage::of(&c.usage)),
-                    prompt_logprobs,
-                    ..head.clone()
-                }))
-            }
-        };
+            .collect()
+    }
+
+    fn stream(self, choices: Choices, opts: StreamOptions) -> Response {
+        let preamble = self.preamble(&choices, &opts);
+        let (n, count) = (choices.n, choices.gens.len());
+        let head = self.head.clone();
         let usage = opts.include_usage.then_some(move |u: &[TokenUsage]| {
             sse_data(&ChatCompletionChunk {
                 usage: Some(Usage::of(&total_usage(u, n))),
                 ..head.clone()
             })
         });
-        return Ok(sse_response(choices, preamble, frame, usage));
+        let mut frames = ChatFrames {
+            streams: (0..count).map(|_| self.checked.stage.stream()).collect(),
+            ids: vec![Vec::new(); count],
+            prompt_logprobs_due: self.prompt_logprobs,
+            continuous_usage: opts.continuous_usage,
+            render: self,
+        };
+        sse_response(choices, preamble, move |i, c| frames.frame(i, c), usage)
     }
-    let chunks = choices.collect().await?;
-    let usages: Vec<TokenUsage> = chunks.iter().map(|c| c.usage).collect();
-    let choices = chunks
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let mut text = c.text.clone();
-            strip_special_stop(&state.tokenizer, keep_special, &mut text, c);
-            let parsed = stage.parse(&text);
-            let content = echo.clone() + &parsed.content;
-            let tool_calls: Vec<ToolCallOut> = parsed
-                .tool_calls
-                .into_iter()
-                .map(|call| ToolCallOut {
-                    id: call_id(),
-                    kind: "function",
-                    function: FunctionCallOut {
-                        name: call.name,
-                        arguments: call.arguments,
-                    },
-                })
-                .collect();
-            let made_calls = !tool_calls.is_empty();
-            ChatChoice {
-                index: i as u32,
-                message: ChatMessage {
-                    role: "assistant",
-                    // Plain chat keeps "" for an empty answer; the parsers' empty parts are null.
-                    content: if stage.is_passthrough() {
-                        Some(content)
-                    } else {
-                        non_empty(content)
-                    },
-                    reasoning_content: non_empty(parsed.reasoning_content),
-                    tool_calls,
+
+    async fn json(self, choices: Choices) -> Result<Response, ApiError> {
+        let n = choices.n;
+        let chunks = choices.collect().await?;
+        let usages: Vec<TokenUsage> = chunks.iter().map(|c| c.usage).collect();
+        let out: Vec<ChatChoice> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| self.choice(i, c))
+            .collect();
+        let prompt_logprobs = self
+            .prompt_logprobs
+            .then_some(())
+            .and(chunks.first())
+            .map(|c| {
+                // Every choice scored the same prompt: the first one's stand for all.
+                vllm_prompt_logprobs(&self.tokenizer, &c.prompt_logprobs)
+            });
+        Ok(ok_json(json!(ChatCompletion {
+            id: self.head.id,
+            object: "chat.completion",
+            created: self.head.created,
+            model: self.head.model,
+            choices: out,
+            usage: Usage::of(&total_usage(&usages, n)),
+            prompt_logprobs,
+        })))
+    }
+
+    /// Choice `i` of a whole (non-streamed) answer.
+    fn choice(&self, i: usize, c: &Chunk) -> ChatChoice {
+        let stage = &self.checked.stage;
+        let parsed = stage.parse(&self.text(c));
+        let content = self.checked.echo.clone() + &parsed.content;
+        let tool_calls: Vec<ToolCallOut> = parsed
+            .tool_calls
+            .into_iter()
+            .map(|call| ToolCallOut {
+                id: call_id(),
+                kind: "function",
+                function: FunctionCallOut {
+                    name: call.name,
+                    arguments: call.arguments,
                 },
-                logprobs: want_logprobs
-                    .then(|| chat_logprobs(&state.tokenizer, style, &c.logprobs)),
-                finish_reason: c
-                    .finish
-                    .as_ref()
-                    .map(|f| finish_reason(f.reason, made_calls)),
+            })
+            .collect();
+        let made_calls = !tool_calls.is_empty();
+        ChatChoice {
+            index: i as u32,
+            message: ChatMessage {
+                role: "assistant",
+                // Plain chat keeps "" for an empty answer; the parsers' empty parts are null.
+                content: if stage.is_passthrough() {
+                    Some(content)
+                } else {
+                    non_empty(content)
+                },
+                reasoning_content: non_empty(parsed.reasoning_content),
+                tool_calls,
+            },
+            logprobs: self.logprobs(c),
+            finish_reason: c
+                .finish
+                .as_ref()
+                .map(|f| finish_reason(f.reason, made_calls)),
+            matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
+        }
+    }
+}
+
+/// A streamed chat answer's state: per choice its pass through the output stage and its call
+/// ids, and whether the prompt's logprobs are still to go out (on choice 0's first chunk).
+struct ChatFrames {
+    render: ChatRender,
+    streams: Vec<OutputStream>,
+    ids: Vec<Vec<String>>,
+    prompt_logprobs_due: bool,
+    continuous_usage: bool,
+}
+
+impl ChatFrames {
+    fn frame(&mut self, i: usize, c: &Chunk) -> Option<Event> {
+        let text = self.render.text(c);
+        let (stream, ids) = (self.streams.get_mut(i)?, self.ids.get_mut(i)?);
+        let out = stream.push(&text, c.finish.is_some());
+        let logprobs = self.render.logprobs(c);
+        let prompt_logprobs = (i == 0 && std::mem::take(&mut self.prompt_logprobs_due))
+            .then(|| vllm_prompt_logprobs(&self.render.tokenizer, &c.prompt_logprobs));
+        if out.is_empty() && c.finish.is_none() && logprobs.is_none() && prompt_logprobs.is_none() {
+            return None; // held back: the next text decides it
+        }
+        let tool_calls = out
+            .tool_calls
+            .into_iter()
+            .map(|d| {
+                let first = d.name.is_some();
+                if first {
+                    ids.push(call_id());
+                }
+                ToolCallChunk {
+                    index: d.index as u32,
+                    id: first.then(|| ids.get(d.index).cloned()).flatten(),
+                    kind: first.then_some("function"),
+                    function: FunctionCallChunk {
+                        name: d.name,
+                        arguments: d.arguments,
+                    },
+                }
+            })
+            .collect::<Vec<_>>();
+        let finish = c
+            .finish
+            .as_ref()
+            .map(|f| finish_reason(f.reason, stream.made_calls()));
+        Some(sse_data(&ChatCompletionChunk {
+            choices: vec![ChatChunkChoice {
+                index: i as u32,
+                delta: ChatDelta {
+                    role: None,
+                    content: non_empty(out.content),
+                    reasoning_content: non_empty(out.reasoning_content),
+                    tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
+                },
+                logprobs,
+                finish_reason: finish,
                 matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
-            }
-        })
-        .collect();
-    let prompt_logprobs = req.sampling.prompt_logprobs.and(chunks.first()).map(|c| {
-        // Every choice scored the same prompt: the first one's stand for all.
-        vllm_prompt_logprobs(&state.tokenizer, &c.prompt_logprobs)
-    });
-    Ok(ok_json(json!(ChatCompletion {
-        id,
-        object: "chat.completion",
-        created,
-        model,
-        choices,
-        usage: Usage::of(&total_usage(&usages, n)),
-        prompt_logprobs,
-    })))
+            }],
+            usage: self.continuous_usage.then(|| Usage::of(&c.usage)),
+            prompt_logprobs,
+            ..self.render.head.clone()
+        }))
+    }
 }
 
 fn chat_logprobs(

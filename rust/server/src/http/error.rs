@@ -6,6 +6,7 @@ use axum::Json;
 use serde_json::json;
 
 use super::response::{ErrorDetail, ErrorResponse};
+use crate::error::RequestError;
 
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -121,5 +122,25 @@ impl IntoResponse for ApiError {
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} ({})", self.message, self.status)
+    }
+}
+
+/// The pipeline's errors in the OpenAI schema: an invalid request is a 400 (naming its
+/// parameter), overload a 429, an engine that cannot serve a 503, anything else a 500.
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        match e {
+            RequestError::Invalid {
+                param: Some(p),
+                message,
+            } => ApiError::bad_param(&p, message),
+            RequestError::Invalid {
+                param: None,
+                message,
+            } => ApiError::bad_request(message),
+            RequestError::Overloaded(m) => ApiError::overloaded(m),
+            RequestError::Unavailable(m) => ApiError::unavailable(m),
+            RequestError::Internal(m) => ApiError::internal(m),
+        }
     }
 }

@@ -2,8 +2,6 @@
 //! handler: drain refusal, auth, body limit, admission. Handlers live in `openai` and `native`.
 
 pub mod chat;
-pub mod chat_output;
-mod chat_request;
 pub mod error;
 pub mod lifecycle;
 pub mod lora;
@@ -23,33 +21,30 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use tokenspeed_text::TextTokenizer;
 
-use crate::config::ServerConfig;
-use crate::metrics::Metrics;
-use crate::replicas::Replicas;
+use crate::frontend::Frontend;
 use error::ApiError;
 use futures_util::StreamExt;
 pub use lifecycle::Lifecycle;
 use subtle::ConstantTimeEq;
 
+/// The pipeline's parts (`Frontend`, which `AppState` derefs to) and what only the HTTP layer
+/// reads: the start time and the drain / in-flight count.
 #[derive(Clone)]
 pub struct AppState {
-    pub config: Arc<ServerConfig>,
-    pub tokenizer: Arc<TextTokenizer>,
-    /// The engine of each data-parallel replica, behind the router (one without `--dp-size`).
-    pub engine: Replicas,
-    /// Compiles structured-output grammars against the model's vocabulary (None:
-    /// `--grammar-backend none`).
-    pub grammar: Option<Arc<tokenspeed_structured::GrammarCompiler>>,
-    /// The chat output stage's parsers (`--tool-call-parser`, `--reasoning-parser`).
-    pub chat_parsers: chat_output::ChatParsers,
-    pub metrics: Arc<Metrics>,
+    pub frontend: Arc<Frontend>,
     pub started: Instant,
     /// Draining (shutdown) and the count of generating requests in flight.
     pub lifecycle: Arc<Lifecycle>,
     /// The LoRA adapters requests may name (`--enable-lora`).
     pub lora: Arc<crate::lora::LoraRegistry>,
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Frontend;
+    fn deref(&self) -> &Frontend {
+        &self.frontend
+    }
 }
 
 impl AppState {

@@ -2,6 +2,7 @@
 //! /get_server_info, /flush_cache, /health, /health_generate, /metrics.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
@@ -133,83 +134,57 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         "NativeSamplingParams",
         &req.sampling_params.extra,
     )?;
-    let prompt = match (req.text, req.input_ids) {
-        (Some(t), None) => Prompt::Text(t),
-        (None, Some(ids)) => Prompt::Ids(ids),
-        _ => {
-            return Err(ApiError::bad_request(
-                "give exactly one of 'text' or 'input_ids'",
-            ))
-        }
-    };
     let adapter = state.adapter_for(None, req.lora_path.as_deref())?;
-    let sp = &req.sampling_params;
-    let want_logprobs = req.return_logprob.unwrap_or(false);
-    let top = if want_logprobs {
-        validate::top_logprobs("top_logprobs_num", req.top_logprobs_num)?
-    } else {
-        0
-    };
-    if sp.sampling.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_param(
-            "n",
-            "/generate returns one sample: use /v1/completions for n > 1",
-        ));
-    }
-    let max_new_tokens =
-        validate::max_tokens("max_new_tokens", Some(sp.max_new_tokens.unwrap_or(128)))?;
-    let vocab = state.tokenizer.vocab_size() as u32;
-    let mut spec = validate::generation_spec(
-        &sp.sampling,
+    let mut checked = validate::routes::generate_request(
+        &req,
         &state.config.sampling_defaults,
-        max_new_tokens,
-        top,
-        vocab,
+        state.tokenizer.vocab_size() as u32,
     )?;
-    spec.prompt = prompt;
-    crate::lora::run_on(&mut spec.sampling, adapter);
-    spec.min_new_tokens = sp.min_new_tokens.unwrap_or(spec.min_new_tokens);
-    let start_len = match req.logprob_start_len.filter(|_| want_logprobs) {
-        None | Some(-1) => None,
-        Some(s) => Some(usize::try_from(s).map_err(|_| {
-            ApiError::bad_param(
-                "logprob_start_len",
-                format!("logprob_start_len must be -1 or at least 0, got {s}"),
-            )
-        })?),
+    crate::lora::run_on(&mut checked.spec.sampling, adapter);
+    let mut gen = generate::start(&state, generate::new_request_id(), checked.spec).await?;
+    let report = LogprobReport {
+        top: checked.top as usize,
+        text: req.return_text_in_logprobs.unwrap_or(false),
+        input_from: validate::routes::logprob_start(checked.start_len, gen.prompt_ids.len())?,
+        prompt_ids: gen.prompt_ids.clone(),
     };
-    if start_len.is_some() {
-        // The prompt's logprobs come through the engine's prompt-logprobs path.
-        spec.sampling.prompt_logprobs = true;
-        spec.prompt_logprobs = Some(spec.prompt_logprobs.unwrap_or(0).max(top));
-    }
-    let mut gen = generate::start(&state, generate::new_request_id(), spec).await?;
-    let prompt_len = gen.prompt_ids.len();
-    let report = match start_len {
-        Some(s) if s >= prompt_len => {
-            return Err(ApiError::bad_param(
-                "logprob_start_len",
-                format!(
-                    "logprob_start_len ({s}) must be less than the prompt's {prompt_len} tokens"
-                ),
-            ))
-        }
-        // SGLang's default: only the last prompt token is listed (with a null logprob).
-        s => LogprobReport {
-            top: top as usize,
-            text: req.return_text_in_logprobs.unwrap_or(false),
-            input_from: s.unwrap_or(prompt_len.saturating_sub(1)),
-            prompt_ids: gen.prompt_ids.clone(),
-        },
+    let render = NativeRender {
+        id: gen.id().to_string(),
+        started,
+        report: checked.want_logprobs.then_some(report),
+        tokenizer: state.tokenizer.clone(),
     };
-    let tokenizer = state.tokenizer.clone();
-    let id = gen.id().to_string();
     if req.stream.unwrap_or(false) {
         // SGLang streams the cumulative text and ids so far in every event.
         let first = match gen.next().await {
             Some(c) => c?,
             None => return Err(ApiError::internal("the request ended without output")),
         };
+        return Ok(render.stream(gen, first));
+    }
+    let all = gen.collect().await?;
+    Ok(ok_json(render.body(&all)))
+}
+
+/// How a `/generate` answer is rendered (SGLang's shape).
+struct NativeRender {
+    id: String,
+    started: Instant,
+    /// With `return_logprob`: which logprobs `meta_info` lists.
+    report: Option<LogprobReport>,
+    tokenizer: Arc<TextTokenizer>,
+}
+
+impl NativeRender {
+    fn body(&self, acc: &Chunk) -> Value {
+        let logprobs = self.report.as_ref().map(|r| (r, &*self.tokenizer));
+        json!({
+            "text": acc.text, "output_ids": acc.token_ids,
+            "meta_info": meta_info(&self.id, acc, self.started, logprobs),
+        })
+    }
+
+    fn stream(self, mut gen: generate::Generation, first: Chunk) -> Response {
         let stream = async_stream::stream! {
             let mut acc = Chunk::default();
             let mut pending = Some(Ok(first));
@@ -224,21 +199,18 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
                         acc.prompt_logprobs.extend(c.prompt_logprobs);
                         acc.usage = c.usage;
                         acc.finish = c.finish;
-                        yield Ok::<_, Infallible>(Event::default().data(json!({
-                            "text": acc.text, "output_ids": acc.token_ids, "meta_info": meta_info(&id, &acc, started, want_logprobs.then_some((&report, &*tokenizer))),
-                        }).to_string()));
+                        yield Ok::<_, Infallible>(Event::default().data(self.body(&acc).to_string()));
                     }
-                    Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
+                    Err(e) => {
+                        yield Ok(Event::default().data(ApiError::from(e).body().to_string()));
+                        break;
+                    }
                 }
             }
             yield Ok(Event::default().data("[DONE]"));
         };
-        return Ok(Sse::new(stream).into_response());
+        Sse::new(stream).into_response()
     }
-    let all = gen.collect().await?;
-    Ok(ok_json(
-        json!({"text": all.text, "output_ids": all.token_ids, "meta_info": meta_info(&id, &all, started, want_logprobs.then_some((&report, &*tokenizer)))}),
-    ))
 }
 
 #[utoipa::path(post, path = "/tokenize", request_body = TokenizeRequest, responses((status = 200, description = "token ids"), (status = 400, body = ErrorResponse)))]
@@ -246,28 +218,7 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
     let run = async {
         let req: TokenizeRequest = parse_body(&body)?;
         state.check_model(req.model.as_deref())?;
-        let prompt = match (req.prompt.or(req.text), req.messages) {
-            (Some(t), None) if req.add_special_tokens == Some(false) => {
-                let ids = state
-                    .tokenizer
-                    .encode(&t, false)
-                    .map_err(|e| ApiError::bad_param("prompt", e.to_string()))?;
-                Prompt::Ids(ids)
-            }
-            (Some(t), None) => Prompt::Text(t),
-            (None, Some(messages)) => Prompt::Chat {
-                // Prepared as the chat route prepares them (tool calls, null content).
-                messages: super::chat_request::template_messages(messages),
-                template_vars: None,
-                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
-                continue_final_message: false,
-            },
-            _ => {
-                return Err(ApiError::bad_request(
-                    "give exactly one of 'prompt' or 'messages'",
-                ))
-            }
-        };
+        let prompt = validate::routes::tokenize_request(req)?;
         let ids = generate::tokenize_prompt(&state, prompt).await?;
         Ok::<_, ApiError>(ok_json(json!({
             "tokens": ids, "count": ids.len(), "max_model_len": state.config.scheduler.context_length,
@@ -281,17 +232,12 @@ pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response 
     let run = async {
         let req: DetokenizeRequest = parse_body(&body)?;
         state.check_model(req.model.as_deref())?;
-        let vocab = state.tokenizer.vocab_size() as u32;
-        if let Some(bad) = req.tokens.iter().find(|&&t| t >= vocab) {
-            return Err(ApiError::bad_param(
-                "tokens",
-                format!("token id {bad} is out of range (vocabulary size {vocab})"),
-            ));
-        }
-        let text = state
-            .tokenizer
-            .decode(&req.tokens, req.skip_special_tokens.unwrap_or(false))
-            .map_err(|e| ApiError::bad_param("tokens", e.to_string()))?;
+        validate::routes::token_ids(&req.tokens, state.tokenizer.vocab_size() as u32)?;
+        let text = generate::detokenize(
+            &state,
+            &req.tokens,
+            req.skip_special_tokens.unwrap_or(false),
+        )?;
         Ok::<_, ApiError>(ok_json(json!({"prompt": text, "text": text})))
     };
     run.await.unwrap_or_else(|e| e.into_response())
@@ -376,7 +322,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Response {
     let results = futures_util::future::join_all(probes).await;
     match results.into_iter().find_map(Result::err) {
         None => StatusCode::OK.into_response(),
-        Some(e) => e.into_response(),
+        Some(e) => ApiError::from(e).into_response(),
     }
 }
 

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -15,9 +16,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::protocol::{
-    check_extra_fields, parse_body, CompletionRequest, PromptField, SamplingFields,
-};
+use super::protocol::{check_extra_fields, parse_body, CompletionRequest, SamplingFields};
 use super::response::{
     Completion, CompletionChoice, CompletionLogprobs, PromptLogprob, PromptLogprobs, Usage,
 };
@@ -25,7 +24,7 @@ use super::response::{
 use super::response::{ErrorResponse, ServerSentEvent};
 use super::{ok_json, unix_now, AppState};
 use crate::engine::TokenUsage;
-use crate::generate::{self, Choices, Chunk, GenerationSpec, Prompt, TokenLogprob};
+use crate::generate::{self, Choices, Chunk, Prompt, TokenLogprob};
 use crate::validate;
 
 fn model_card(state: &AppState) -> Value {
@@ -152,7 +151,7 @@ where
                         yield Ok(event);
                     }
                 }
-                Err(e) => { yield Ok(Event::default().data(e.body().to_string())); break; }
+                Err(e) => { yield Ok(Event::default().data(ApiError::from(e).body().to_string())); break; }
             }
         }
         if let Some(usage) = &usage {
@@ -173,165 +172,173 @@ pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response
     }
 }
 
-fn completion_prompts(prompt: PromptField) -> Result<Vec<Prompt>, ApiError> {
-    let prompts: Vec<Prompt> = match prompt {
-        PromptField::Text(t) => vec![Prompt::Text(t)],
-        PromptField::Ids(ids) => vec![Prompt::Ids(ids)],
-        PromptField::Texts(v) => v.into_iter().map(Prompt::Text).collect(),
-        PromptField::IdBatches(v) => v.into_iter().map(Prompt::Ids).collect(),
-    };
-    if prompts.is_empty() {
-        return Err(ApiError::bad_param("prompt", "the prompt list is empty"));
-    }
-    Ok(prompts)
-}
-
 async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
     check_extra_fields("/v1/completions", "CompletionRequest", &req.extra)?;
     let adapter = state.adapter_for(req.model.as_deref(), req.lora_path.as_deref())?;
-    if req.suffix.is_some() {
-        return Err(ApiError::bad_param(
-            "suffix",
-            "suffix (fill-in-the-middle) is not supported",
-        ));
-    }
-    let prompts = completion_prompts(req.prompt)?;
-    let n = validate::choices(req.sampling.n, prompts.len())?;
-    if let Some(best_of) = req.best_of.filter(|&b| b as usize != n) {
-        return Err(ApiError::bad_param(
-            "best_of",
-            format!("best_of must equal n ({n}) or be absent (ranking samples is not supported), got {best_of}"),
-        ));
-    }
-    let echo = req.echo.unwrap_or(false);
-    let want_logprobs = req.logprobs.is_some();
-    let top = validate::top_logprobs("logprobs", req.logprobs)?;
-    let max_tokens = validate::max_tokens("max_tokens", Some(req.max_tokens.unwrap_or(16)))?;
-    let vocab = state.tokenizer.vocab_size() as u32;
-    let mut base = validate::generation_spec(
-        &req.sampling,
+    let mut checked = validate::routes::completion_request(
+        &req,
         &state.config.sampling_defaults,
-        max_tokens,
-        top,
-        vocab,
+        state.tokenizer.vocab_size() as u32,
     )?;
     // Responses name the adapter a request ran on, as vLLM's do.
-    let model = adapter.as_ref().map(|a| a.name.clone());
-    crate::lora::run_on(&mut base.sampling, adapter);
-    let echo_logprobs = echo && want_logprobs;
-    if echo_logprobs {
-        // The echoed prompt's tokens come with their logprobs (the first has none).
-        base.sampling.prompt_logprobs = true;
-        base.sampling.top_logprobs = base.sampling.top_logprobs.max(top);
+    let model = adapter.as_ref().map_or_else(
+        || state.config.served_model_name.clone(),
+        |a| a.name.clone(),
+    );
+    for spec in &mut checked.specs {
+        crate::lora::run_on(&mut spec.sampling, adapter.clone());
     }
-    let prompt_logprobs_field = req.sampling.prompt_logprobs.is_some();
-    let echo_texts: Vec<String> = if echo {
-        prompts.iter().map(|p| prompt_text(&state, p)).collect()
+    let echo_texts: Vec<String> = if checked.echo {
+        checked
+            .specs
+            .iter()
+            .map(|s| prompt_text(&state, &s.prompt))
+            .collect()
     } else {
         Vec::new()
     };
-    let specs = with_prompts(&base, prompts);
     let rid = generate::new_request_id();
-    let choices = generate::start_choices(&state, rid, specs, n).await?;
-    let style = LogprobStyle {
-        as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
-    };
-    let prompts = choices.prompts.clone();
-    let tokenizer = state.tokenizer.clone();
-    // Logprobs of choice `i`'s first chunk `c`: the echoed prompt's, then its tokens'.
-    let logprobs_of = move |i: usize, c: &Chunk, first: bool, offset: &mut usize| {
-        let mut out = CompletionLogprobs::default();
-        if first && echo_logprobs {
-            let ids = prompts.get(i / n).map_or(&[][..], Vec::as_slice);
-            out = prompt_completion_logprobs(&tokenizer, style, ids, &c.prompt_logprobs, top);
-            *offset = 0;
-            for t in &out.tokens {
-                *offset += t.chars().count();
-            }
-        }
-        let generated = completion_logprobs(&tokenizer, style, &c.logprobs, offset);
-        out.tokens.extend(generated.tokens);
-        out.token_logprobs.extend(generated.token_logprobs);
-        out.top_logprobs.extend(generated.top_logprobs);
-        out.text_offset.extend(generated.text_offset);
-        out
-    };
-    let head = Completion {
-        id: format!("cmpl-{}", rid.request()),
-        object: "text_completion",
-        created: unix_now(),
-        model: model.unwrap_or_else(|| state.config.served_model_name.clone()),
-        choices: Vec::new(),
-        usage: None,
-    };
-    let echo_of = move |i: usize| echo_texts.get(i / n).cloned().unwrap_or_default();
+    let choices = generate::start_choices(&state, rid, checked.specs, checked.n).await?;
+    let render = Arc::new(CompletionRender {
+        head: Completion {
+            id: format!("cmpl-{}", rid.request()),
+            object: "text_completion",
+            created: unix_now(),
+            model,
+            choices: Vec::new(),
+            usage: None,
+        },
+        style: LogprobStyle {
+            as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
+        },
+        tokenizer: state.tokenizer.clone(),
+        prompts: choices.prompts.clone(),
+        echo_texts,
+        n: checked.n,
+        top: checked.top,
+        want_logprobs: checked.want_logprobs,
+        echo_logprobs: checked.echo_logprobs,
+        prompt_logprobs: req.sampling.prompt_logprobs.is_some(),
+    });
     if req.sampling.stream.unwrap_or(false) {
-        let opts = stream_options(&req.sampling);
-        // Per choice: whether its echo went out, and its text offset so far.
-        let mut started = vec![false; choices.gens.len()];
-        let mut offsets = vec![0usize; choices.gens.len()];
-        let frame = {
-            let head = head.clone();
-            let tokenizer2 = state.tokenizer.clone();
-            move |i: usize, c: &Chunk| {
-                if c.text.is_empty()
-                    && c.finish.is_none()
-                    && c.prompt_logprobs.is_empty()
-                    && !want_logprobs
-                {
-                    return None;
-                }
-                let mut text = String::new();
-                let first = !std::mem::replace(&mut started[i], true);
-                if first {
-                    text = echo_of(i);
-                    offsets[i] = text.chars().count();
-                }
-                text.push_str(&c.text);
-                let logprobs = want_logprobs.then(|| logprobs_of(i, c, first, &mut offsets[i]));
-                let mut choice = completion_choice(i, text, logprobs, c);
-                if first && prompt_logprobs_field {
-                    choice.prompt_logprobs =
-                        Some(vllm_prompt_logprobs(&tokenizer2, &c.prompt_logprobs));
-                }
-                Some(sse_data(&Completion {
-                    choices: vec![choice],
-                    usage: opts.continuous_usage.then(|| Usage::of(&c.usage)),
-                    ..head.clone()
-                }))
-            }
-        };
-        let usage = opts.include_usage.then_some(move |u: &[TokenUsage]| {
-            sse_data(&Completion {
-                usage: Some(Usage::of(&total_usage(u, n))),
-                ..head.clone()
-            })
-        });
-        return Ok(sse_response(choices, Vec::new(), frame, usage));
+        return Ok(render.stream(choices, stream_options(&req.sampling)));
     }
     let chunks = choices.collect().await?;
     let usages: Vec<TokenUsage> = chunks.iter().map(|c| c.usage).collect();
-    let choices = chunks
+    let out = chunks
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let prefix = echo_of(i);
+            let prefix = render.echo_of(i);
             let mut offset = prefix.chars().count();
-            let logprobs = want_logprobs.then(|| logprobs_of(i, c, true, &mut offset));
+            let logprobs = render.logprobs(i, c, true, &mut offset);
             let mut choice = completion_choice(i, prefix + &c.text, logprobs, c);
-            if prompt_logprobs_field {
+            if render.prompt_logprobs {
                 choice.prompt_logprobs =
-                    Some(vllm_prompt_logprobs(&state.tokenizer, &c.prompt_logprobs));
+                    Some(vllm_prompt_logprobs(&render.tokenizer, &c.prompt_logprobs));
             }
             choice
         })
         .collect();
     Ok(ok_json(json!(Completion {
-        choices,
-        usage: Some(Usage::of(&total_usage(&usages, n))),
-        ..head
+        choices: out,
+        usage: Some(Usage::of(&total_usage(&usages, render.n))),
+        ..render.head.clone()
     })))
+}
+
+/// How a completion request's answer is rendered: what the checked request asked for, and
+/// the fields every chunk repeats.
+struct CompletionRender {
+    head: Completion,
+    style: LogprobStyle,
+    tokenizer: Arc<tokenspeed_text::TextTokenizer>,
+    /// Per prompt: its token ids.
+    prompts: Vec<Vec<u32>>,
+    /// Per prompt: the text `echo` prepends (empty without echo).
+    echo_texts: Vec<String>,
+    n: usize,
+    top: u32,
+    want_logprobs: bool,
+    echo_logprobs: bool,
+    /// vLLM's `prompt_logprobs` was asked for.
+    prompt_logprobs: bool,
+}
+
+impl CompletionRender {
+    fn echo_of(&self, i: usize) -> String {
+        self.echo_texts.get(i / self.n).cloned().unwrap_or_default()
+    }
+
+    /// Logprobs of choice `i`'s chunk `c` (None unless asked for): on its first chunk the
+    /// echoed prompt's, then its tokens'.
+    fn logprobs(
+        &self,
+        i: usize,
+        c: &Chunk,
+        first: bool,
+        offset: &mut usize,
+    ) -> Option<CompletionLogprobs> {
+        if !self.want_logprobs {
+            return None;
+        }
+        let (tokenizer, style) = (&*self.tokenizer, self.style);
+        let mut out = CompletionLogprobs::default();
+        if first && self.echo_logprobs {
+            let ids = self.prompts.get(i / self.n).map_or(&[][..], Vec::as_slice);
+            out = prompt_completion_logprobs(tokenizer, style, ids, &c.prompt_logprobs, self.top);
+            *offset = out.tokens.iter().map(|t| t.chars().count()).sum();
+        }
+        let generated = completion_logprobs(tokenizer, style, &c.logprobs, offset);
+        out.tokens.extend(generated.tokens);
+        out.token_logprobs.extend(generated.token_logprobs);
+        out.top_logprobs.extend(generated.top_logprobs);
+        out.text_offset.extend(generated.text_offset);
+        Some(out)
+    }
+
+    fn stream(self: Arc<Self>, choices: Choices, opts: StreamOptions) -> Response {
+        // Per choice: whether its echo went out, and its text offset so far.
+        let mut started = vec![false; choices.gens.len()];
+        let mut offsets = vec![0usize; choices.gens.len()];
+        let render = self.clone();
+        let frame = move |i: usize, c: &Chunk| {
+            if c.text.is_empty()
+                && c.finish.is_none()
+                && c.prompt_logprobs.is_empty()
+                && !render.want_logprobs
+            {
+                return None;
+            }
+            let mut text = String::new();
+            let first = !std::mem::replace(started.get_mut(i)?, true);
+            let offset = offsets.get_mut(i)?;
+            if first {
+                text = render.echo_of(i);
+                *offset = text.chars().count();
+            }
+            text.push_str(&c.text);
+            let logprobs = render.logprobs(i, c, first, offset);
+            let mut choice = completion_choice(i, text, logprobs, c);
+            if first && render.prompt_logprobs {
+                choice.prompt_logprobs =
+                    Some(vllm_prompt_logprobs(&render.tokenizer, &c.prompt_logprobs));
+            }
+            Some(sse_data(&Completion {
+                choices: vec![choice],
+                usage: opts.continuous_usage.then(|| Usage::of(&c.usage)),
+                ..render.head.clone()
+            }))
+        };
+        let usage = opts.include_usage.then_some(move |u: &[TokenUsage]| {
+            sse_data(&Completion {
+                usage: Some(Usage::of(&total_usage(u, self.n))),
+                ..self.head.clone()
+            })
+        });
+        sse_response(choices, Vec::new(), frame, usage)
+    }
 }
 
 fn completion_choice(
@@ -354,19 +361,10 @@ fn completion_choice(
 fn prompt_text(state: &AppState, prompt: &Prompt) -> String {
     match prompt {
         Prompt::Text(t) => t.clone(),
+        Prompt::PlainText(t) => t.clone(),
         Prompt::Ids(ids) => state.tokenizer.decode(ids, false).unwrap_or_default(),
         Prompt::Chat { .. } => String::new(),
     }
-}
-
-pub(super) fn with_prompts(base: &GenerationSpec, prompts: Vec<Prompt>) -> Vec<GenerationSpec> {
-    prompts
-        .into_iter()
-        .map(|prompt| GenerationSpec {
-            prompt,
-            ..base.clone()
-        })
-        .collect()
 }
 
 /// Legacy logprobs of generated tokens; `offset` is the text offset (in characters) of the

@@ -7,19 +7,20 @@ use serde_json::{Map, Value};
 use tokenspeed_structured::tool_call::forced;
 use tokenspeed_structured::{GrammarSpec, ToolCallFormat};
 
-use super::chat_output::{ChatParsers, OutputStage, ToolMode};
-use super::error::ApiError;
-use super::protocol::ChatCompletionRequest;
+use crate::chat_output::{ChatParsers, OutputStage, ToolMode};
+use crate::config::SamplingDefaults;
 use crate::constraint::GrammarRequest;
-use crate::generate::GenerationSpec;
+use crate::error::RequestError;
+use crate::generate::{GenerationSpec, Prompt};
+use crate::http::protocol::ChatCompletionRequest;
 
 const CHAT_ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
 /// Roles OpenAI defines, and content that is a string or text parts (no images or audio until
 /// a multimodal model exists). Returns the last message's role.
-pub(super) fn check_messages(messages: &[Map<String, Value>]) -> Result<String, ApiError> {
+pub fn check_messages(messages: &[Map<String, Value>]) -> Result<String, RequestError> {
     if messages.is_empty() {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "messages",
             "messages must be a non-empty array",
         ));
@@ -27,10 +28,10 @@ pub(super) fn check_messages(messages: &[Map<String, Value>]) -> Result<String, 
     let mut last_role = String::new();
     for (i, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-            ApiError::bad_param("messages", format!("messages[{i}] has no string 'role'"))
+            RequestError::bad_param("messages", format!("messages[{i}] has no string 'role'"))
         })?;
         if !CHAT_ROLES.contains(&role) {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "messages",
                 format!("messages[{i}].role {role:?} is not one of {CHAT_ROLES:?}"),
             ));
@@ -41,7 +42,7 @@ pub(super) fn check_messages(messages: &[Map<String, Value>]) -> Result<String, 
                 for (j, part) in parts.iter().enumerate() {
                     let kind = part.get("type").and_then(Value::as_str).unwrap_or_default();
                     if kind != "text" || !part.get("text").is_some_and(Value::is_string) {
-                        return Err(ApiError::bad_param(
+                        return Err(RequestError::bad_param(
                             "messages",
                             format!(
                                 "messages[{i}].content[{j}] has type {kind:?}: only text parts \
@@ -52,14 +53,14 @@ pub(super) fn check_messages(messages: &[Map<String, Value>]) -> Result<String, 
                 }
             }
             Some(_) => {
-                return Err(ApiError::bad_param(
+                return Err(RequestError::bad_param(
                     "messages",
                     format!("messages[{i}].content must be a string or a list of text parts"),
                 ))
             }
         }
         if role == "tool" && !m.get("tool_call_id").is_some_and(Value::is_string) {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "messages",
                 format!("messages[{i}] (role \"tool\") needs a string 'tool_call_id'"),
             ));
@@ -73,8 +74,8 @@ pub(super) fn check_messages(messages: &[Map<String, Value>]) -> Result<String, 
 }
 
 /// An assistant message's `tool_calls`, as OpenAI sends them back.
-fn check_message_tool_calls(i: usize, role: &str, calls: &Value) -> Result<(), ApiError> {
-    let bad = |m: String| ApiError::bad_param("messages", m);
+fn check_message_tool_calls(i: usize, role: &str, calls: &Value) -> Result<(), RequestError> {
+    let bad = |m: String| RequestError::bad_param("messages", m);
     if role != "assistant" {
         return Err(bad(format!(
             "messages[{i}] has tool_calls but role {role:?}: only assistant messages make calls"
@@ -103,7 +104,7 @@ fn check_message_tool_calls(i: usize, role: &str, calls: &Value) -> Result<(), A
 
 /// Messages as chat templates expect them (vLLM's conventions): null content is "" (templates
 /// concatenate it), and a call's `arguments` JSON text is an object (templates `tojson` it).
-pub(super) fn template_messages(messages: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
+pub fn template_messages(messages: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
     messages
         .into_iter()
         .map(|mut m| {
@@ -133,7 +134,7 @@ pub(super) fn template_messages(messages: Vec<Map<String, Value>>) -> Vec<Map<St
 }
 
 /// The text content of a message (its string, or its text parts joined).
-pub(super) fn message_text(m: &Map<String, Value>) -> String {
+pub fn message_text(m: &Map<String, Value>) -> String {
     match m.get("content") {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => parts
@@ -153,8 +154,8 @@ enum ToolChoice {
     Named(String),
 }
 
-fn tool_choice(req: &ChatCompletionRequest, has_tools: bool) -> Result<ToolChoice, ApiError> {
-    let bad = |m: String| ApiError::bad_param("tool_choice", m);
+fn tool_choice(req: &ChatCompletionRequest, has_tools: bool) -> Result<ToolChoice, RequestError> {
+    let bad = |m: String| RequestError::bad_param("tool_choice", m);
     let choice = match &req.tool_choice {
         None | Some(Value::Null) if has_tools => ToolChoice::Auto,
         None | Some(Value::Null) => ToolChoice::None,
@@ -191,7 +192,7 @@ fn tool_choice(req: &ChatCompletionRequest, has_tools: bool) -> Result<ToolChoic
 }
 
 /// Each tool is `{"type": "function", "function": {"name": .., "parameters": {..}}}`.
-fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+fn check_tools(tools: &[Value]) -> Result<(), RequestError> {
     for (i, tool) in tools.iter().enumerate() {
         let function = tool.get("function").and_then(Value::as_object);
         let ok = tool.get("type").and_then(Value::as_str) == Some("function")
@@ -203,7 +204,7 @@ fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
                         .is_none_or(|p| p.is_object() || p.is_null())
             });
         if !ok {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "tools",
                 format!(
                     "tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": \
@@ -220,7 +221,7 @@ fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
 fn tool_plan(
     req: &ChatCompletionRequest,
     parsers: &ChatParsers,
-) -> Result<(ToolMode, Option<GrammarRequest>), ApiError> {
+) -> Result<(ToolMode, Option<GrammarRequest>), RequestError> {
     let tools = req.tools.as_deref().unwrap_or_default();
     check_tools(tools)?;
     let parallel = req.parallel_tool_calls.unwrap_or(true);
@@ -230,7 +231,7 @@ fn tool_plan(
                 spec: GrammarSpec::JsonSchema(s),
                 field: "tool_choice",
             })
-            .map_err(|m| ApiError::bad_param("tool_choice", m))
+            .map_err(|m| RequestError::bad_param("tool_choice", m))
     };
     Ok(match tool_choice(req, !tools.is_empty())? {
         ToolChoice::None => (ToolMode::Off, None),
@@ -244,7 +245,7 @@ fn tool_plan(
                 None,
             ),
             _ => {
-                return Err(ApiError::bad_param(
+                return Err(RequestError::bad_param(
                     "tool_choice",
                     "tool_choice \"auto\" (the default when tools are given) needs the server \
                      started with --enable-auto-tool-choice and --tool-call-parser; \
@@ -268,15 +269,15 @@ fn tool_plan(
 
 /// The output stage of a request, and the spec changes it needs: the forced-call grammar,
 /// special tokens kept for the model's tool-call markers, grammars after the reasoning.
-pub(super) fn output_stage(
+pub fn output_stage(
     req: &ChatCompletionRequest,
     parsers: &ChatParsers,
     spec: &mut GenerationSpec,
-) -> Result<OutputStage, ApiError> {
+) -> Result<OutputStage, RequestError> {
     let (tools, grammar) = tool_plan(req, parsers)?;
     if let Some(grammar) = grammar {
         if let Some(other) = &spec.grammar {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "tool_choice",
                 format!(
                     "tool_choice \"required\" or a named function constrains the output, so it \
@@ -311,7 +312,7 @@ pub(super) fn output_stage(
     {
         // The reasoning stays free; the grammar applies from the token after its end.
         spec.grammar_starts_after = Some(parsers.think_end_id.ok_or_else(|| {
-            ApiError::bad_param(
+            RequestError::bad_param(
                 grammar.field,
                 format!(
                     "'{}' constrains the answer after the reasoning, but this model's tokenizer \
@@ -325,10 +326,83 @@ pub(super) fn output_stage(
     Ok(stage)
 }
 
+/// A chat request, checked: the generation to start (its prompt the rendered messages), the
+/// choices, and how its answer is rendered.
+pub struct ValidatedChat {
+    pub spec: GenerationSpec,
+    pub n: usize,
+    /// vLLM's echo: the reply starts with the last message when that is the assistant's.
+    pub echo: String,
+    pub stage: OutputStage,
+    pub want_logprobs: bool,
+    /// Special tokens kept in the text (a special stop token is then cut from the answer).
+    pub keep_special: bool,
+}
+
+/// Validates a parsed chat request against the model's defaults, vocabulary and parsers.
+pub fn chat_request(
+    req: &ChatCompletionRequest,
+    defaults: &SamplingDefaults,
+    vocab_size: u32,
+    parsers: &ChatParsers,
+) -> Result<ValidatedChat, RequestError> {
+    let last_role = check_messages(&req.messages)?;
+    let continue_final = req.continue_final_message.unwrap_or(false);
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(!continue_final);
+    if continue_final && add_generation_prompt {
+        return Err(RequestError::bad_param(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true",
+        ));
+    }
+    if continue_final && last_role != "assistant" {
+        return Err(RequestError::bad_param(
+            "continue_final_message",
+            "continue_final_message needs the last message to be the assistant's",
+        ));
+    }
+    let want_logprobs = req.logprobs.unwrap_or(false);
+    if req.top_logprobs.is_some() && !want_logprobs {
+        return Err(RequestError::bad_param(
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ));
+    }
+    let top = super::top_logprobs("top_logprobs", req.top_logprobs)?;
+    let max_tokens = super::max_tokens(
+        "max_completion_tokens",
+        req.max_completion_tokens.or(req.max_tokens),
+    )?;
+    let n = super::choices(req.sampling.n, 1)?;
+    let mut spec = super::generation_spec(&req.sampling, defaults, max_tokens, top, vocab_size)?;
+    let echo = match req.messages.last() {
+        Some(m) if req.echo == Some(true) && last_role == "assistant" => message_text(m),
+        _ => String::new(),
+    };
+    let stage = output_stage(req, parsers, &mut spec)?;
+    let mut vars = req.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(tools) = req.tools.clone().filter(|t| !t.is_empty()) {
+        vars.insert("tools".into(), Value::Array(tools));
+    }
+    spec.prompt = Prompt::Chat {
+        messages: template_messages(req.messages.clone()),
+        template_vars: (!vars.is_empty()).then_some(Value::Object(vars)),
+        add_generation_prompt,
+        continue_final_message: continue_final,
+    };
+    Ok(ValidatedChat {
+        keep_special: !spec.skip_special_tokens,
+        spec,
+        n,
+        echo,
+        stage,
+        want_logprobs,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::Prompt;
     use serde_json::json;
     use tokenspeed_structured::ReasoningFormat;
 
@@ -406,7 +480,7 @@ mod tests {
             ..reasoning_parsers()
         };
         let err = output_stage(&request(named), &parsers, &mut spec()).expect_err("refused");
-        assert_eq!(err.param.as_deref(), Some("tool_choice"));
+        assert_eq!(err.param(), Some("tool_choice"));
     }
 
     #[test]
@@ -459,7 +533,7 @@ mod tests {
             &mut s,
         )
         .expect_err("two grammars");
-        assert_eq!(err.param.as_deref(), Some("tool_choice"));
+        assert_eq!(err.param(), Some("tool_choice"));
     }
 
     #[test]

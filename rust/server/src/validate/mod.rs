@@ -1,11 +1,17 @@
-//! Request validation: one place that turns bad parameters into 400s naming the parameter
-//! and the numbers involved.
+//! Request validation: the one place that turns a parsed request into a typed one, or into a
+//! `RequestError::Invalid` naming the parameter and the numbers involved (`http/` renders it
+//! as a 400). Sampling fields here, chat messages and tools in `chat`, structured output forms
+//! in `grammar`; the context-length rule is `prompt_budget`, written once.
+
+pub mod chat;
+pub mod grammar;
+pub mod routes;
 
 use tokenspeed_engine::{SamplingParams, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, NO_SEED};
 
 use crate::config::SamplingDefaults;
+use crate::error::RequestError;
 use crate::generate::{GenerationSpec, Prompt};
-use crate::http::error::ApiError;
 use crate::http::protocol::SamplingFields;
 
 /// Choices one request may ask for (prompts × n).
@@ -24,7 +30,7 @@ pub fn generation_spec(
     max_new_tokens: Option<u32>,
     top_logprobs: u32,
     vocab_size: u32,
-) -> Result<GenerationSpec, ApiError> {
+) -> Result<GenerationSpec, RequestError> {
     // The model's defaults (vLLM's behaviour) stand in for what the request omits, and are
     // checked like the request's own values.
     let f = &SamplingFields {
@@ -37,7 +43,7 @@ pub fn generation_spec(
     };
     let stop = f.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.len() > MAX_STOP_STRINGS {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "stop",
             format!(
                 "at most {MAX_STOP_STRINGS} stop strings, got {}",
@@ -46,7 +52,7 @@ pub fn generation_spec(
         ));
     }
     if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "stop",
             format!(
                 "a stop string may have at most {MAX_STOP_STRING_BYTES} bytes, got {}",
@@ -56,7 +62,7 @@ pub fn generation_spec(
     }
     let stop_token_ids = f.stop_token_ids.clone().unwrap_or_default();
     if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "stop_token_ids",
             format!(
                 "at most {MAX_STOP_TOKEN_IDS} stop token ids, got {}",
@@ -65,7 +71,7 @@ pub fn generation_spec(
         ));
     }
     if let Some(bad) = stop_token_ids.iter().find(|&&t| t >= vocab_size) {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "stop_token_ids",
             format!("token id {bad} is out of range (vocabulary size {vocab_size})"),
         ));
@@ -91,7 +97,7 @@ pub fn generation_spec(
         include_stop_str_in_output: f.include_stop_str_in_output.unwrap_or(false),
         top_logprobs,
         prompt_logprobs,
-        grammar: crate::constraint::grammar_request(&f.constraint)?,
+        grammar: grammar::grammar_request(&f.constraint)?,
         grammar_starts_after: None,
     })
 }
@@ -100,12 +106,12 @@ pub fn generation_spec(
 fn logit_bias(
     bias: Option<&std::collections::HashMap<String, f32>>,
     vocab_size: u32,
-) -> Result<(Vec<u32>, Vec<f32>), ApiError> {
+) -> Result<(Vec<u32>, Vec<f32>), RequestError> {
     let Some(bias) = bias else {
         return Ok((Vec::new(), Vec::new()));
     };
     if bias.len() > MAX_LOGIT_BIAS {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "logit_bias",
             format!("at most {MAX_LOGIT_BIAS} entries, got {}", bias.len()),
         ));
@@ -113,19 +119,19 @@ fn logit_bias(
     let mut entries = Vec::with_capacity(bias.len());
     for (key, &value) in bias {
         let id: u32 = key.trim().parse().map_err(|_| {
-            ApiError::bad_param(
+            RequestError::bad_param(
                 "logit_bias",
                 format!("logit_bias keys must be token ids, got {key:?}"),
             )
         })?;
         if id >= vocab_size {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "logit_bias",
                 format!("token id {id} is out of range (vocabulary size {vocab_size})"),
             ));
         }
         if !(-100.0..=100.0).contains(&value) {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "logit_bias",
                 format!("logit_bias values must be in [-100, 100], got {value} for token {id}"),
             ));
@@ -137,13 +143,13 @@ fn logit_bias(
 }
 
 /// Choices asked for: `n` (1 when absent) per prompt, at most `MAX_CHOICES` in all.
-pub fn choices(n: Option<u32>, prompts: usize) -> Result<usize, ApiError> {
+pub fn choices(n: Option<u32>, prompts: usize) -> Result<usize, RequestError> {
     let n = n.unwrap_or(1) as usize;
     if n == 0 {
-        return Err(ApiError::bad_param("n", "n must be at least 1, got 0"));
+        return Err(RequestError::bad_param("n", "n must be at least 1, got 0"));
     }
     if n.saturating_mul(prompts) > MAX_CHOICES {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "n",
             format!("{prompts} prompt(s) × n={n} exceeds {MAX_CHOICES} choices per request"),
         ));
@@ -152,14 +158,14 @@ pub fn choices(n: Option<u32>, prompts: usize) -> Result<usize, ApiError> {
 }
 
 /// Builds engine sampling parameters from the API's optional fields, checking ranges.
-fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingParams, ApiError> {
+fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingParams, RequestError> {
     let mut p = SamplingParams {
         top_logprobs,
         ..SamplingParams::neutral()
     };
     if let Some(t) = f.temperature {
         if !t.is_finite() || t < 0.0 {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "temperature",
                 format!("temperature must be >= 0, got {t}"),
             ));
@@ -168,7 +174,7 @@ fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingPara
     }
     if let Some(v) = f.top_p {
         if !(v > 0.0 && v <= 1.0) {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "top_p",
                 format!("top_p must be in (0, 1], got {v}"),
             ));
@@ -177,7 +183,7 @@ fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingPara
     }
     if let Some(k) = f.top_k {
         if k < -1 {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "top_k",
                 format!("top_k must be -1 (disabled) or >= 1, got {k}"),
             ));
@@ -186,7 +192,7 @@ fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingPara
     }
     if let Some(v) = f.min_p {
         if !(0.0..=1.0).contains(&v) {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "min_p",
                 format!("min_p must be in [0, 1], got {v}"),
             ));
@@ -207,7 +213,7 @@ fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingPara
     ] {
         if let Some(v) = value {
             if !(-2.0..=2.0).contains(&v) {
-                return Err(ApiError::bad_param(
+                return Err(RequestError::bad_param(
                     name,
                     format!("{name} must be in [-2, 2], got {v}"),
                 ));
@@ -217,7 +223,7 @@ fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingPara
     }
     if let Some(v) = f.repetition_penalty {
         if !(v > 0.0 && v.is_finite()) {
-            return Err(ApiError::bad_param(
+            return Err(RequestError::bad_param(
                 "repetition_penalty",
                 format!("repetition_penalty must be > 0, got {v}"),
             ));
@@ -229,9 +235,9 @@ fn sampling_params(f: &SamplingFields, top_logprobs: u32) -> Result<SamplingPara
     Ok(p)
 }
 
-pub fn max_tokens(name: &str, value: Option<u32>) -> Result<Option<u32>, ApiError> {
+pub fn max_tokens(name: &str, value: Option<u32>) -> Result<Option<u32>, RequestError> {
     match value {
-        Some(0) => Err(ApiError::bad_param(
+        Some(0) => Err(RequestError::bad_param(
             name,
             format!("{name} must be at least 1, got 0"),
         )),
@@ -240,9 +246,9 @@ pub fn max_tokens(name: &str, value: Option<u32>) -> Result<Option<u32>, ApiErro
 }
 
 /// Top logprobs asked for: at most `MAX_TOP_LOGPROBS` (OpenAI's limit).
-pub fn top_logprobs(name: &str, value: Option<u32>) -> Result<u32, ApiError> {
+pub fn top_logprobs(name: &str, value: Option<u32>) -> Result<u32, RequestError> {
     match value {
-        Some(v) if v > MAX_TOP_LOGPROBS => Err(ApiError::bad_param(
+        Some(v) if v > MAX_TOP_LOGPROBS => Err(RequestError::bad_param(
             name,
             format!("{name} must be at most {MAX_TOP_LOGPROBS}, got {v}"),
         )),
@@ -250,13 +256,22 @@ pub fn top_logprobs(name: &str, value: Option<u32>) -> Result<u32, ApiError> {
     }
 }
 
-/// The prompt must leave room for at least one generated token and use known token ids.
-pub fn check_prompt(ids: &[u32], vocab_size: u32, context_length: u32) -> Result<(), ApiError> {
+/// The context-length rule, written once: the prompt must be non-empty, use known token ids
+/// and leave room for at least one generated token; `max_tokens` (None: up to the context
+/// length) must fit beside it, and `min_tokens` within that. Returns the request's
+/// `max_new_tokens`. (The scheduler keeps a defensive check; this is the user-facing one.)
+pub fn prompt_budget(
+    ids: &[u32],
+    vocab_size: u32,
+    context_length: u32,
+    max_tokens: Option<u32>,
+    min_tokens: u32,
+) -> Result<u32, RequestError> {
     if ids.is_empty() {
-        return Err(ApiError::bad_param("prompt", "the prompt is empty"));
+        return Err(RequestError::bad_param("prompt", "the prompt is empty"));
     }
     if ids.len() as u64 >= context_length as u64 {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "prompt",
             format!(
                 "The prompt has {} tokens, but this model's maximum context length is {context_length} tokens \
@@ -266,19 +281,41 @@ pub fn check_prompt(ids: &[u32], vocab_size: u32, context_length: u32) -> Result
         ));
     }
     if let Some(bad) = ids.iter().find(|&&t| t >= vocab_size) {
-        return Err(ApiError::bad_param(
+        return Err(RequestError::bad_param(
             "prompt",
             format!("token id {bad} is out of range (vocabulary size {vocab_size})"),
         ));
     }
-    Ok(())
+    let prompt = ids.len() as u32;
+    let room = context_length - prompt;
+    let max_new_tokens = match max_tokens {
+        Some(m) if m > room => {
+            return Err(RequestError::bad_param(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {context_length} tokens. However, you requested {} tokens \
+                     ({prompt} in the prompt, {m} for the completion). Reduce the prompt or max_tokens.",
+                    prompt + m,
+                ),
+            ))
+        }
+        Some(m) => m,
+        None => room,
+    };
+    if min_tokens > max_new_tokens {
+        return Err(RequestError::bad_param(
+            "min_tokens",
+            format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max_new_tokens})"),
+        ));
+    }
+    Ok(max_new_tokens)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn spec(f: SamplingFields, d: &SamplingDefaults) -> Result<GenerationSpec, ApiError> {
+    fn spec(f: SamplingFields, d: &SamplingDefaults) -> Result<GenerationSpec, RequestError> {
         generation_spec(&f, d, Some(4), 0, 1000)
     }
 
@@ -322,7 +359,7 @@ mod tests {
         );
         for bad in [&[("x", 1.0)][..], &[("1000", 1.0)], &[("1", 101.0)]] {
             let err = spec(f(bad), &SamplingDefaults::default()).expect_err("invalid");
-            assert_eq!(err.param.as_deref(), Some("logit_bias"), "{bad:?}");
+            assert_eq!(err.param(), Some("logit_bias"), "{bad:?}");
         }
     }
 }
