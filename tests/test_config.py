@@ -402,6 +402,8 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--grammar-backend", "--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice",
         "--constrained-json-whitespace-pattern", "--constrained-json-disable-any-whitespace",
         "--dp-size", "--load-balance-method", "--enable-dp-attention",
+        "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
+        "--max-loras-per-batch", "--max-loaded-loras",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
