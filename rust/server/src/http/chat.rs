@@ -90,6 +90,10 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         |a| a.name.clone(),
     );
     crate::lora::run_on(&mut checked.spec.sampling, adapter);
+    checked.spec.priority = validate::priority(
+        req.priority,
+        state.config.scheduler.enable_priority_scheduling,
+    )?;
     let rid = generate::new_request_id();
     let choices =
         generate::start_choices(&state, rid, vec![checked.spec.clone()], checked.n).await?;

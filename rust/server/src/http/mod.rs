@@ -8,6 +8,7 @@ pub mod lora;
 pub mod native;
 pub mod openai;
 pub mod openapi;
+pub mod ops;
 pub mod protocol;
 pub mod response;
 
@@ -112,6 +113,7 @@ pub fn router(state: AppState) -> Router {
         .route("/abort_request", post(native::abort_request))
         .route("/server_info", get(native::server_info))
         .route("/get_model_info", get(native::model_info))
+        .route("/model_info", get(native::model_info))
         .route("/get_server_info", get(native::server_info))
         .route(
             "/flush_cache",
@@ -122,6 +124,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/unload_lora_adapter", post(lora::unload_adapter))
         .route("/load_lora_adapter", post(lora::load_adapter))
         .route("/unload_lora_adapter", post(lora::unload_adapter))
+        .route("/pause_generation", post(ops::pause_generation))
+        .route("/continue_generation", post(ops::continue_generation))
+        .route("/get_weight_version", get(ops::weight_version))
         .merge(generating)
         .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
         .route_layer(middleware::from_fn_with_state(

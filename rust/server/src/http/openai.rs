@@ -186,7 +186,12 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         || state.config.served_model_name.clone(),
         |a| a.name.clone(),
     );
+    let priority = validate::priority(
+        req.priority,
+        state.config.scheduler.enable_priority_scheduling,
+    )?;
     for spec in &mut checked.specs {
+        spec.priority = priority;
         crate::lora::run_on(&mut spec.sampling, adapter.clone());
     }
     let echo_texts: Vec<String> = if checked.echo {

@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use super::{chat, lora, native, openai};
+use super::{chat, lora, native, openai, ops};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -30,6 +30,9 @@ use super::{chat, lora, native, openai};
         native::abort_request,
         lora::load_adapter,
         lora::unload_adapter,
+        ops::pause_generation,
+        ops::continue_generation,
+        ops::weight_version,
     )
 )]
 pub struct ApiDoc;
@@ -39,6 +42,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("/v1/tokenize", "/tokenize"),
     ("/v1/detokenize", "/detokenize"),
     ("/server_info", "/get_server_info"),
+    ("/model_info", "/get_model_info"),
     ("/ping", "/health"),
     ("/load_lora_adapter", "/v1/load_lora_adapter"),
     ("/unload_lora_adapter", "/v1/unload_lora_adapter"),
