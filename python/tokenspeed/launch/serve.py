@@ -9,11 +9,12 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
+from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
@@ -123,6 +124,7 @@ class Layout:
 
 def launch(cfg: Any) -> int:
     """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
+    cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir)
     xgrammar = worker_xgrammar(cfg, layout, vocab_size)
@@ -147,6 +149,9 @@ def launch(cfg: Any) -> int:
             pages, max_running = start_relay(ctx, cfg, layout, channel_names[0], timeout,
                                              (pages, max_running), workers, watched, watch)
         config = server_config(cfg, layout, vocab_size, capacities, pages, max_running, workers)
+        config["lora"] = lora.server(cfg.max_loras_per_batch) if lora else {
+            "enabled": False, "adapters": [], "max_rank": 0, "target_modules": [],
+            "max_per_batch": 0}
         logger.info(
             "workers ready on %s: %d KV pages x %d tokens, %d running requests%s; starting HTTP "
             "on %s:%s", layout.device, pages, int(cfg.page_size), max_running,
@@ -158,6 +163,20 @@ def launch(cfg: Any) -> int:
         for c in channels:
             c.close()
         _stop_workers(workers)
+
+
+def lora_settings(cfg: Any) -> tuple[Any, LoraSettings | None]:
+    """The LoRA settings, resolved with the start-up adapters (config/lora.py), and `cfg`
+    with the rank and modules the workers' pools hold filled in."""
+    try:
+        lora = resolve_lora(cfg.enable_lora, cfg.lora_paths, cfg.max_lora_rank,
+                            cfg.lora_target_modules)
+    except AdapterError as e:
+        raise LaunchError(str(e)) from None
+    if lora is None:
+        return cfg, None
+    return replace(cfg, enable_lora=True, max_lora_rank=lora.max_rank,
+                   lora_target_modules=lora.targets), lora
 
 
 def check_priority_flags(cfg: Any) -> None:

@@ -27,6 +27,9 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// The most `logit_bias` entries one request may carry (bounds the plan's slot size).
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
+/// The longest LoRA adapter path (bytes) a request carries to the worker.
+pub const MAX_LORA_PATH: usize = 1024;
+
 section! {
     /// A slot whose request finished or was aborted/retracted since the last plan: the worker
     /// drops its state before taking new requests.
@@ -61,6 +64,9 @@ section! {
         /// Report the logprob of each prompt token (and `top_logprobs` alternatives) as the
         /// prompt is computed; the prompt is then computed from its first token, uncached.
         pub prompt_logprobs: bool,
+        /// The LoRA adapter the request runs: the server's registry id, never reused for
+        /// another adapter (0: the base model).
+        pub lora_id: u32,
     }
     lists {
         /// The tokens that would end the request (masked while `min_tokens` is not reached).
@@ -69,6 +75,9 @@ section! {
         pub logit_bias_ids: Vec<u32>,
         /// One per id in `logit_bias_ids`.
         pub logit_bias_values: Vec<f32>,
+        /// The adapter's directory (UTF-8; empty for the base model): the worker reads it the
+        /// first time it sees `lora_id`, or again after dropping it from its host cache.
+        pub lora_path: Vec<u8>,
     }
 }
 
@@ -274,6 +283,7 @@ impl Plan {
             r * pages, // new requests, their stop ids (bounded by the vocabulary in practice)
             r * MAX_LOGIT_BIAS,
             r * MAX_LOGIT_BIAS, // their logit bias ids and values
+            r * MAX_LORA_PATH,  // their LoRA adapter paths
             2 * r,
             2 * r * pages, // page-table updates: a rewrite of a shared prefix plus new pages
             r * pages,     // copies

@@ -88,6 +88,8 @@ struct Active {
     /// Page-table entries 0.. to rewrite in the slot's next plan: set when caching the prompt
     /// found another request's identical pages already in the tree and ours were freed.
     pending_table: Option<Vec<u32>>,
+    /// The radix-cache namespace of its KV: its LoRA adapter (0: the base model).
+    ns: u32,
 }
 
 impl Active {
@@ -244,6 +246,9 @@ pub struct Scheduler {
     retractions: u64,
     /// Run times of past steps, for `max_mixed_step_ms`.
     step_cost: step_cost::StepCost,
+    /// Most distinct LoRA adapters among running requests (`--max-loras-per-batch`: the
+    /// worker's adapter pool slots; every running request is in every step).
+    max_adapters: usize,
 }
 
 impl Scheduler {
@@ -287,7 +292,14 @@ impl Scheduler {
             admitted: Vec::new(),
             retractions: 0,
             step_cost: step_cost::StepCost::default(),
+            max_adapters: usize::MAX,
         })
+    }
+
+    /// At most `n` distinct LoRA adapters (the base model not counted) run at once; a waiting
+    /// request for another one waits until a running adapter has no request left.
+    pub fn limit_adapters(&mut self, n: usize) {
+        self.max_adapters = n;
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -425,7 +437,7 @@ impl Scheduler {
         let full = active.computed.min(tokens.len()) / ps;
         let mut own = active.own;
         drop(own.split_off(full.saturating_sub(active.prefix_pages.len())));
-        self.cache.insert(&tokens[..full * ps], own);
+        self.cache.insert_in(active.ns, &tokens[..full * ps], own);
         self.cache.unlock(active.prefix_node);
         self.free_slots.insert(active.slot);
         self.released_slots.push(active.slot);

@@ -49,6 +49,8 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
                 stop_ids,
                 logit_bias_ids: bias_ids,
                 logit_bias_values: bias,
+                lora_id: slot % 3,
+                lora_path: vec![b'a'; (slot % 5) as usize],
             },
         )
 }
@@ -353,6 +355,7 @@ fn the_slot_bound_holds_the_largest_step() {
                 stop_ids: vec![1; 8],
                 logit_bias_ids: vec![1; tokenspeed_engine::MAX_LOGIT_BIAS],
                 logit_bias_values: vec![1.0; tokenspeed_engine::MAX_LOGIT_BIAS],
+                lora_path: vec![b'/'; tokenspeed_engine::MAX_LORA_PATH],
                 ..Default::default()
             };
             4

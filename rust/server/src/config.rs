@@ -70,6 +70,8 @@ pub struct ServerConfig {
     pub json_whitespace: Option<String>,
     /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
     pub server_info: serde_json::Value,
+    /// LoRA adapters (`--enable-lora`, `--lora-paths`, ...), as the launcher resolved them.
+    pub lora: crate::lora::LoraConfig,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

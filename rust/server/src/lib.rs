@@ -10,6 +10,7 @@ pub mod error;
 pub mod frontend;
 pub mod generate;
 pub mod http;
+pub mod lora;
 pub mod metrics;
 pub mod replicas;
 pub mod router;
@@ -131,6 +132,7 @@ pub fn build_state_replicas(
             .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
         mask_words: grammar.as_ref().map_or(0, |g| g.bitmask_words()),
         pool_metrics: dp == 1,
+        max_adapters: config.lora.max_per_batch_limit(),
     };
     let mut engines = Vec::with_capacity(dp);
     for link in links {
@@ -144,7 +146,9 @@ pub fn build_state_replicas(
         engines.push(engine);
     }
     let engine = Replicas::new(engines, policy);
+    let lora = lora::LoraRegistry::new(config.lora.clone()).map_err(ServeError::Config)?;
     Ok(http::AppState {
+        lora: Arc::new(lora),
         frontend: Arc::new(frontend::Frontend {
             config: Arc::new(config),
             tokenizer: Arc::new(tokenizer),

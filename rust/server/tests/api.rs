@@ -353,6 +353,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         enable_auto_tool_choice: false,
         json_whitespace: None,
         server_info: Value::Null,
+        lora: Default::default(),
     };
     let log = Arc::new(WorkerLog::default());
     let mut link = Box::new(ScriptedWorker::start(

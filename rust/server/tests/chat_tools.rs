@@ -154,6 +154,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         enable_auto_tool_choice: auto,
         json_whitespace: None,
         server_info: Value::Null,
+        lora: Default::default(),
     }
 }
 

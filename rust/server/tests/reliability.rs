@@ -91,6 +91,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         enable_auto_tool_choice: false,
         json_whitespace: None,
         server_info: Value::Null,
+        lora: Default::default(),
     };
     build_state(config, Box::new(SilentWorker)).expect("state")
 }

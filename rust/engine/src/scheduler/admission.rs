@@ -57,6 +57,7 @@ impl Scheduler {
     pub(super) fn admit(&mut self, budget: &mut usize, step: &mut StepBuilder) {
         let ps = self.config.page_size as usize;
         let mut reserved = self.reserved_pages();
+        let mut adapters = self.running_adapters();
         for id in self.admission_order() {
             if *budget == 0 || self.free_slots.is_empty() {
                 break;
@@ -64,7 +65,17 @@ impl Scheduler {
             let Some(seq) = self.requests.get(&id) else {
                 continue;
             };
-            let m = self.cache.match_prefix(&seq.tokens[..matchable_len(seq)]);
+            let adapter = seq.req.sampling.lora_id;
+            if adapter != 0 && !adapters.contains(&adapter) {
+                if adapters.len() >= self.max_adapters {
+                    continue; // waits for a pool slot; requests on running adapters go ahead
+                }
+                adapters.insert(adapter);
+            }
+            let ns = seq.req.sampling.lora_id;
+            let m = self
+                .cache
+                .match_prefix_in(ns, &seq.tokens[..matchable_len(seq)]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
             let growth = self.expected_growth(seq);
@@ -103,6 +114,7 @@ impl Scheduler {
                 in_flight: 0,
                 drafting: false,
                 pending_table: None,
+                ns,
             });
             self.next_epoch += 1;
             self.waiting.retain(|&w| w != id);
@@ -111,6 +123,16 @@ impl Scheduler {
             *budget -= n;
             reserved += (uncached - n + growth).div_ceil(ps);
         }
+    }
+
+    /// The LoRA adapters of the running requests (the base model, 0, left out).
+    fn running_adapters(&self) -> std::collections::HashSet<u32> {
+        self.running
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .map(|seq| seq.req.sampling.lora_id)
+            .filter(|&a| a != 0)
+            .collect()
     }
 
     /// Whether a request that needs pages for `tokens` more tokens (its uncached prompt and
@@ -142,7 +164,7 @@ impl Scheduler {
         };
         let cached = self
             .cache
-            .peek_prefix_len(&seq.tokens[..matchable_len(seq)]);
+            .peek_prefix_len_in(seq.req.sampling.lora_id, &seq.tokens[..matchable_len(seq)]);
         let tokens = seq.tokens.len() - cached + self.expected_growth(seq);
         self.fits_beside_running(tokens, self.reserved_pages())
     }
@@ -157,8 +179,10 @@ impl Scheduler {
                     let seq = &self.requests[id];
                     let retracted = matches!(seq.phase, Phase::Retracted);
                     let matched = if lpm {
-                        self.cache
-                            .peek_prefix_len(&seq.tokens[..seq.tokens.len() - 1])
+                        self.cache.peek_prefix_len_in(
+                            seq.req.sampling.lora_id,
+                            &seq.tokens[..seq.tokens.len() - 1],
+                        )
                     } else {
                         0
                     };

@@ -134,8 +134,8 @@ impl Scheduler {
         let to_tree = std::mem::replace(&mut a.own, rest);
         let ours = to_tree.ids().to_vec();
         let tokens = &seq.tokens[..full * ps];
-        self.cache.insert(tokens, to_tree);
-        let m = self.cache.match_prefix(tokens);
+        self.cache.insert_in(a.ns, tokens, to_tree);
+        let m = self.cache.match_prefix_in(a.ns, tokens);
         debug_assert_eq!(
             m.len,
             full * ps,

@@ -77,13 +77,19 @@ fn non_empty(s: String) -> Option<String> {
 async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
     check_extra_fields("/v1/chat/completions", "ChatCompletionRequest", &req.extra)?;
-    state.check_model(req.model.as_deref())?;
+    let adapter = state.adapter_for(req.model.as_deref(), req.lora_path.as_deref())?;
     let mut checked = validate::chat::chat_request(
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
         &state.chat_parsers,
     )?;
+    // Responses name the adapter a request ran on, as vLLM's do.
+    let model = adapter.as_ref().map_or_else(
+        || state.config.served_model_name.clone(),
+        |a| a.name.clone(),
+    );
+    crate::lora::run_on(&mut checked.spec.sampling, adapter);
     checked.spec.priority = validate::priority(
         req.priority,
         state.config.scheduler.enable_priority_scheduling,
@@ -96,7 +102,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
             id: format!("chatcmpl-{}", rid.request()),
             object: "chat.completion.chunk",
             created: unix_now(),
-            model: state.config.served_model_name.clone(),
+            model,
             choices: Vec::new(),
             usage: None,
             prompt_logprobs: None,

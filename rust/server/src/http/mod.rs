@@ -4,6 +4,7 @@
 pub mod chat;
 pub mod error;
 pub mod lifecycle;
+pub mod lora;
 pub mod native;
 pub mod openai;
 pub mod openapi;
@@ -36,6 +37,8 @@ pub struct AppState {
     pub started: Instant,
     /// Draining (shutdown) and the count of generating requests in flight.
     pub lifecycle: Arc<Lifecycle>,
+    /// The LoRA adapters requests may name (`--enable-lora`).
+    pub lora: Arc<crate::lora::LoraRegistry>,
 }
 
 impl std::ops::Deref for AppState {
@@ -46,19 +49,47 @@ impl std::ops::Deref for AppState {
 }
 
 impl AppState {
-    /// 404 unless `model` names what we serve (absent means "the one model").
+    /// 404 unless `model` names what we serve (absent means "the one model") or a loaded
+    /// LoRA adapter.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             None => Ok(()),
             Some(m)
                 if m.is_empty()
                     || m == self.config.served_model_name
-                    || m == self.config.model_path =>
+                    || m == self.config.model_path
+                    || self.lora.get(m).is_some() =>
             {
                 Ok(())
             }
             Some(m) => Err(ApiError::model_not_found(m)),
         }
+    }
+
+    /// The LoRA adapter a generating request runs: SGLang's `lora_path` (an adapter's name;
+    /// 400 when not loaded), else the `model` field when it names one (vLLM), else none;
+    /// `model` must name the base model or an adapter either way (404).
+    pub fn adapter_for(
+        &self,
+        model: Option<&str>,
+        lora_path: Option<&str>,
+    ) -> Result<Option<crate::lora::Adapter>, ApiError> {
+        self.check_model(model)?;
+        if let Some(name) = lora_path {
+            if !self.lora.enabled() {
+                return Err(ApiError::bad_param(
+                    "lora_path",
+                    "LoRA adapters need the server started with --enable-lora",
+                ));
+            }
+            return self.lora.get(name).map(Some).ok_or_else(|| {
+                ApiError::bad_param(
+                    "lora_path",
+                    format!("the LoRA adapter `{name}` is not loaded"),
+                )
+            });
+        }
+        Ok(model.and_then(|m| self.lora.get(m)))
     }
 }
 
@@ -89,6 +120,10 @@ pub fn router(state: AppState) -> Router {
             post(native::flush_cache).get(native::flush_cache),
         )
         .route("/health_generate", get(native::health_generate))
+        .route("/v1/load_lora_adapter", post(lora::load_adapter))
+        .route("/v1/unload_lora_adapter", post(lora::unload_adapter))
+        .route("/load_lora_adapter", post(lora::load_adapter))
+        .route("/unload_lora_adapter", post(lora::unload_adapter))
         .route("/pause_generation", post(ops::pause_generation))
         .route("/continue_generation", post(ops::continue_generation))
         .route("/get_weight_version", get(ops::weight_version))

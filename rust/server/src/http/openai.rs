@@ -38,13 +38,31 @@ fn model_card(state: &AppState) -> Value {
     })
 }
 
-#[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "the served model")))]
+/// A loaded LoRA adapter, listed as vLLM lists one: its base model as `parent`.
+fn adapter_card(state: &AppState, adapter: &crate::lora::Adapter) -> Value {
+    json!({
+        "id": adapter.name,
+        "object": "model",
+        "created": state.started_unix(),
+        "owned_by": "tokenspeed",
+        "root": adapter.path,
+        "parent": state.config.served_model_name,
+        "max_model_len": state.config.scheduler.context_length,
+    })
+}
+
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "the served model and its LoRA adapters")))]
 pub async fn models(State(state): State<AppState>) -> Response {
-    ok_json(json!({"object": "list", "data": [model_card(&state)]}))
+    let mut data = vec![model_card(&state)];
+    data.extend(state.lora.list().iter().map(|a| adapter_card(&state, a)));
+    ok_json(json!({"object": "list", "data": data}))
 }
 
 #[utoipa::path(get, path = "/v1/models/{id}", params(("id" = String, Path, description = "model id")), responses((status = 200, description = "the model"), (status = 404, body = ErrorResponse)))]
 pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    if let Some(adapter) = state.lora.get(&id) {
+        return ok_json(adapter_card(&state, &adapter));
+    }
     match state.check_model(Some(&id)) {
         Ok(()) => ok_json(model_card(&state)),
         Err(e) => e.into_response(),
@@ -157,18 +175,24 @@ pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response
 async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
     check_extra_fields("/v1/completions", "CompletionRequest", &req.extra)?;
-    state.check_model(req.model.as_deref())?;
+    let adapter = state.adapter_for(req.model.as_deref(), req.lora_path.as_deref())?;
     let mut checked = validate::routes::completion_request(
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
     )?;
+    // Responses name the adapter a request ran on, as vLLM's do.
+    let model = adapter.as_ref().map_or_else(
+        || state.config.served_model_name.clone(),
+        |a| a.name.clone(),
+    );
     let priority = validate::priority(
         req.priority,
         state.config.scheduler.enable_priority_scheduling,
     )?;
     for spec in &mut checked.specs {
         spec.priority = priority;
+        crate::lora::run_on(&mut spec.sampling, adapter.clone());
     }
     let echo_texts: Vec<String> = if checked.echo {
         checked
@@ -186,7 +210,7 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
             id: format!("cmpl-{}", rid.request()),
             object: "text_completion",
             created: unix_now(),
-            model: state.config.served_model_name.clone(),
+            model,
             choices: Vec::new(),
             usage: None,
         },

@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use super::{chat, native, openai, ops};
+use super::{chat, lora, native, openai, ops};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -28,6 +28,8 @@ use super::{chat, native, openai, ops};
         native::metrics,
         native::version,
         native::abort_request,
+        lora::load_adapter,
+        lora::unload_adapter,
         ops::pause_generation,
         ops::continue_generation,
         ops::weight_version,
@@ -42,6 +44,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("/server_info", "/get_server_info"),
     ("/model_info", "/get_model_info"),
     ("/ping", "/health"),
+    ("/load_lora_adapter", "/v1/load_lora_adapter"),
+    ("/unload_lora_adapter", "/v1/unload_lora_adapter"),
 ];
 
 /// Routes whose body names a `model`: an unknown one is a 404, as on OpenAI.

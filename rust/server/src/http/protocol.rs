@@ -106,6 +106,8 @@ pub struct StreamOptions {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct CompletionRequest {
     pub model: Option<String>,
+    /// SGLang's: the name of a loaded LoRA adapter to run the request on.
+    pub lora_path: Option<String>,
     pub prompt: PromptField,
     pub max_tokens: Option<u32>,
     /// Number of top logprobs per token (legacy completions API).
@@ -125,6 +127,8 @@ pub struct CompletionRequest {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatCompletionRequest {
     pub model: Option<String>,
+    /// SGLang's: the name of a loaded LoRA adapter to run the request on.
+    pub lora_path: Option<String>,
     pub messages: Vec<Map<String, Value>>,
     pub max_tokens: Option<u32>,
     pub max_completion_tokens: Option<u32>,
@@ -153,6 +157,8 @@ pub struct ChatCompletionRequest {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct GenerateRequest {
     pub text: Option<String>,
+    /// The name of a loaded LoRA adapter to run the request on.
+    pub lora_path: Option<String>,
     pub input_ids: Option<Vec<u32>>,
     #[serde(default)]
     pub sampling_params: NativeSamplingParams,
@@ -274,7 +280,6 @@ const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     ),
     ("functions", "tool calling"),
     ("function_call", "tool calling"),
-    ("lora_path", "LoRA adapters"),
     ("lora_request", "LoRA adapters"),
     ("audio", "audio output"),
     ("prediction", "predicted outputs"),
