@@ -152,6 +152,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         quantization_param_path=s["quantization_param_path"],
         quantization=s["quantization"],
         lm_head_quantization=s["lm_head_quantization"],
+        pooling=bool(s["is_embedding"]),
     )
 
 

@@ -241,6 +241,7 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         max_pages_per_request: 4,
         mask_words: 0,
         worker_grammars: false,
+        pooled_dim: 0,
     };
     let mut r = StepResult {
         step_id: 3,
@@ -345,6 +346,7 @@ fn the_slot_bound_holds_the_largest_step() {
         max_pages_per_request: 8,
         mask_words: 5,
         worker_grammars: true,
+        pooled_dim: 0,
     };
     let full = Plan {
         finished: vec![FinishedSlot::default(); 4],

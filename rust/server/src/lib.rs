@@ -11,6 +11,7 @@ pub mod frontend;
 pub mod generate;
 pub mod http;
 pub mod metrics;
+pub mod pooling;
 pub mod replicas;
 pub mod router;
 pub mod validate;

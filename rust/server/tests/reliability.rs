@@ -87,6 +87,8 @@ fn state(watchdog_timeout: f64) -> AppState {
         reasoning_parser: None,
         enable_auto_tool_choice: false,
         json_whitespace: None,
+        is_embedding: false,
+        pooling_labels: vec![],
         server_info: Value::Null,
     };
     build_state(config, Box::new(SilentWorker)).expect("state")

@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use super::{chat, native, openai};
+use super::{chat, native, openai, pooling};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -28,6 +28,10 @@ use super::{chat, native, openai};
         native::metrics,
         native::version,
         native::abort_request,
+        pooling::embeddings,
+        pooling::score,
+        pooling::rerank,
+        pooling::classify,
     )
 )]
 pub struct ApiDoc;
@@ -38,6 +42,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("/v1/detokenize", "/detokenize"),
     ("/server_info", "/get_server_info"),
     ("/ping", "/health"),
+    ("/rerank", "/v1/rerank"),
 ];
 
 /// Routes whose body names a `model`: an unknown one is a 404, as on OpenAI.
@@ -46,9 +51,23 @@ const MODEL_ROUTES: &[&str] = &[
     "/v1/chat/completions",
     "/tokenize",
     "/detokenize",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/rerank",
+    "/classify",
 ];
 /// Routes that queue work for the engine: a full queue is a 429, a dead worker a 503.
-const QUEUED_ROUTES: &[&str] = &["/v1/completions", "/v1/chat/completions", "/generate"];
+const QUEUED_ROUTES: &[&str] = &[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/generate",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/rerank",
+    "/classify",
+];
 /// Routes open without the API key (load balancers and scrapers need them).
 const OPEN_ROUTES: &[&str] = &["/health", "/ping", "/metrics"];
 
