@@ -250,7 +250,8 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
              for e in range(layout.engines)]
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
-    mask_words = -(-vocab_size // 32) if cfg.grammar_backend == "llguidance" else 0
+    mask_words = -(-vocab_size // 32) \
+        if cfg.grammar_backend == "llguidance" and not cfg.is_embedding else 0
     # --is-embedding: one pooled vector per slot comes back in a result.
     pooled_dim = _pooling_facts(layout.model_dir)[1] if cfg.is_embedding else 0
     slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
