@@ -26,7 +26,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 
 
 # `--is-embedding`: encoders that pool (their own classes) ...
-ENCODER_REGISTRY: dict[str, type[BertModel] | type[BertForSequenceClassification]] = {
+ENCODER_REGISTRY: dict[str, type[BertModel | BertForSequenceClassification]] = {
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
 }

@@ -411,9 +411,9 @@ impl StepResult {
             prompt,
             prompt * k,
             prompt * k,
-            prompt, // prompt ranks
+            prompt,           // prompt ranks
             r * l.pooled_dim, // pooled vectors: at most one per slot
-            1,      // timing: one row
+            1,                // timing: one row
         ];
         <StepResult as Message>::max_encoded_len(&counts)
     }

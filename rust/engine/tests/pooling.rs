@@ -93,7 +93,10 @@ fn a_pooling_prompt_waits_for_a_step_with_room_instead_of_being_chunked() {
 fn a_pooling_prompt_longer_than_a_step_is_refused() {
     let mut h = Harness::new(config(64, 4));
     let err = h.sched.submit(pooling(1, prompt(1, 65))).unwrap_err();
-    assert!(matches!(err, SubmitError::PoolingPromptTooLong { .. }), "{err}");
+    assert!(
+        matches!(err, SubmitError::PoolingPromptTooLong { .. }),
+        "{err}"
+    );
 }
 
 #[test]

@@ -26,6 +26,7 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
         (f(), f(), f()),
         (any::<i64>(), any::<u32>(), any::<u32>(), ids(5)),
         (ids(4), prop::collection::vec(f(), 0..4), any::<bool>()),
+        (any::<bool>(), any::<u32>()),
     )
         .prop_map(
             |(
@@ -33,6 +34,7 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
                 (r, fr, pr),
                 (seed, lp, min_tokens, stop_ids),
                 (bias_ids, bias, prompt_logprobs),
+                (pooling, segment_b),
             )| SamplingParams {
                 slot,
                 temperature: t,
@@ -46,6 +48,8 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
                 top_logprobs: lp,
                 min_tokens,
                 prompt_logprobs,
+                pooling,
+                segment_b,
                 stop_ids,
                 logit_bias_ids: bias_ids,
                 logit_bias_values: bias,

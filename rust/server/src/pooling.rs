@@ -155,7 +155,11 @@ async fn wait(p: &mut Pending) -> Result<Vec<f32>, RequestError> {
 }
 
 /// The warm-up / `/health_generate` probe of an embedding server: one pooled prompt.
-pub async fn probe(fe: &Frontend, prompt: Prompt, replica: Option<usize>) -> Result<(), RequestError> {
+pub async fn probe(
+    fe: &Frontend,
+    prompt: Prompt,
+    replica: Option<usize>,
+) -> Result<(), RequestError> {
     let input = tokenize(fe, prompt).await?;
     run(fe, vec![input], replica).await.map(|_| ())
 }

@@ -113,7 +113,11 @@ impl Scheduler {
 
     /// A pooling request's prompt ran: it ends with the pooled vector its event carries
     /// (prefill-only, so this is its only output).
-    fn finish_pooled(&mut self, id: RequestId, event: Option<&RequestEvent>) -> Option<RequestOutput> {
+    fn finish_pooled(
+        &mut self,
+        id: RequestId,
+        event: Option<&RequestEvent>,
+    ) -> Option<RequestOutput> {
         let seq = self.requests.get(&id)?;
         let out = match event.filter(|ev| !ev.pooled.is_empty()) {
             Some(ev) => RequestOutput {
@@ -121,9 +125,11 @@ impl Scheduler {
                 ..seq.output(Vec::new(), ev, None)
             },
             None => RequestOutput {
-                error: Some("the model worker returned no pooled vector for this request \
+                error: Some(
+                    "the model worker returned no pooled vector for this request \
                              (is the server started with --is-embedding?)"
-                    .to_string()),
+                        .to_string(),
+                ),
                 finished: Some(FinishReason::Error),
                 ..seq.output(Vec::new(), &RequestEvent::default(), None)
             },

@@ -160,12 +160,7 @@ pub fn rerank_request(
         })
         .collect();
     let top_n = match req.top_n {
-        Some(0) => {
-            return Err(RequestError::bad_param(
-                "top_n",
-                "top_n must be at least 1",
-            ))
-        }
+        Some(0) => return Err(RequestError::bad_param("top_n", "top_n must be at least 1")),
         Some(n) => (n as usize).min(documents.len()),
         None => documents.len(),
     };
@@ -179,12 +174,12 @@ pub fn rerank_request(
 /// Scores need one number per pair: an embedding model's cosine, or a one-label classifier.
 fn check_scorer(model: PoolingModel) -> Result<(), RequestError> {
     match model {
-        PoolingModel::Classifier { labels } if labels != 1 => Err(RequestError::bad_request(
-            format!(
+        PoolingModel::Classifier { labels } if labels != 1 => {
+            Err(RequestError::bad_request(format!(
                 "this classifier has {labels} labels: scoring needs one relevance logit \
                  (a cross-encoder with num_labels 1); use /classify"
-            ),
-        )),
+            )))
+        }
         _ => Ok(()),
     }
 }
