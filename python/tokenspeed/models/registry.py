@@ -8,8 +8,12 @@ from tokenspeed.distributed.groups import ParallelState
 from tokenspeed.layers.moe import MoeOptions
 from tokenspeed.models.bert import BertForSequenceClassification, BertModel
 from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from tokenspeed.models.gemma3 import Gemma3ForCausalLM
+from tokenspeed.models.gpt_oss import GptOssForCausalLM
 from tokenspeed.models.llama import LlamaForCausalLM
 from tokenspeed.models.mixtral import MixtralForCausalLM
+from tokenspeed.models.phi3 import Phi3ForCausalLM
 from tokenspeed.models.pooling import DecoderEmbedding, PoolingConfig, read_pooling_config
 from tokenspeed.models.qwen2 import Qwen2ForCausalLM
 from tokenspeed.models.qwen3 import Qwen3ForCausalLM
@@ -22,6 +26,11 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -33,6 +42,7 @@ ENCODER_REGISTRY: dict[str, type[BertModel | BertForSequenceClassification]] = {
 # ... and decoders used as embedders: checkpoints saved as the bare model name the same layers.
 DECODER_EMBEDDER_NAMES = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
                           "Qwen3Model": "Qwen3ForCausalLM"}
+DECODER_EMBEDDERS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 def build_model(config: ModelConfig, max_positions: int | None = None,
@@ -63,10 +73,10 @@ def build_pooling_model(config: ModelConfig, pooling: PoolingConfig,
     arch = config.architecture
     if arch in ENCODER_REGISTRY:
         return ENCODER_REGISTRY[arch](config, pooling)
-    decoder = MODEL_REGISTRY.get(DECODER_EMBEDDER_NAMES.get(arch, arch))
-    if decoder is None or config.num_experts:
+    name = DECODER_EMBEDDER_NAMES.get(arch, arch)
+    if name not in DECODER_EMBEDDERS:
         raise NotImplementedError(
             f"architecture {arch!r} cannot serve as an embedding model (--is-embedding "
-            f"supports {sorted(ENCODER_REGISTRY)} and the dense decoders "
-            f"{sorted(set(MODEL_REGISTRY) - {'Qwen3MoeForCausalLM', 'MixtralForCausalLM'})})")
+            f"supports {sorted(ENCODER_REGISTRY)} and the decoders {sorted(DECODER_EMBEDDERS)})")
+    decoder = MODEL_REGISTRY[name]
     return DecoderEmbedding(decoder(config, max_positions, moe, parallel), pooling)
