@@ -65,8 +65,10 @@ MODEL_FLAGS: list[Flag] = [
     i("--context-length", "Longest sequence, prompt plus output, in tokens. Default: the maximum "
       "from the model's config.", G_MODEL, aliases=("--max-model-len",), minimum=1,
       readers=("scheduler", "worker"), implemented=True),
-    b("--is-embedding", "Serve a causal language model as an embedding model.", G_MODEL,
-      readers=("server", "worker")),
+    b("--is-embedding", "Serve an embedding or scoring model: /v1/embeddings, /v1/score, "
+      "/v1/rerank and /classify instead of the generating routes (docs/embeddings.md). BERT "
+      "encoders and cross-encoders, and Llama/Qwen2/Qwen3 decoders used as embedders.",
+      G_MODEL, readers=("server", "worker"), implemented=True),
     b("--enable-multimodal", "Turn on image/video/audio inputs for multimodal models.", G_MODEL,
       readers=("server", "worker")),
     s("--revision", "Model revision to fetch: a branch, tag or commit. TokenSpeed loads "

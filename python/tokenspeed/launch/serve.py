@@ -56,6 +56,14 @@ def model_vocab_size(model_dir: Path) -> int:
     return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
 
 
+def _pooling_facts(model_dir: Path) -> tuple[list[str], int]:
+    """`--is-embedding`: the classifier's labels (none for an embedding model) and the floats
+    of one pooled vector (models/pooling.py; imported here only when pooling)."""
+    from tokenspeed.models.pooling import model_pooling_facts
+
+    return model_pooling_facts(str(model_dir))
+
+
 def check_quantization(method: str | None, model_dir: Path, lm_head: str = "auto") -> None:
     """An unsupported --quantization or checkpoint quantization_config (or --lm-head-quantization
     fp8 without FP8 weights): one line, before any worker starts (the worker would refuse it too,
@@ -269,9 +277,12 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
              for e in range(layout.engines)]
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
-    mask_words = -(-vocab_size // 32) if cfg.grammar_backend == "llguidance" else 0
+    mask_words = -(-vocab_size // 32) \
+        if cfg.grammar_backend == "llguidance" and not cfg.is_embedding else 0
+    # --is-embedding: one pooled vector per slot comes back in a result.
+    pooled_dim = _pooling_facts(layout.model_dir)[1] if cfg.is_embedding else 0
     slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
-                                  mask_words, worker_grammars)
+                                  mask_words, worker_grammars, pooled_dim)
     if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         readers = layout.readers + (layout.sizes.nnodes > 1)
         return names, [_core.ServerChannel.create(name, readers, 4, slot_bytes) for name in names]
@@ -373,6 +384,7 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
             "context_length": layout.context, "num_pages": pages,
             "max_running_requests": max_running},
         "vocab_size": vocab_size,
+        "pooling_labels": _pooling_facts(model_dir)[0] if cfg.is_embedding else [],
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                             else cfg.constrained_json_whitespace_pattern),
         "worker_pids": [p.pid for p in workers],

@@ -154,6 +154,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         quantization=s["quantization"],
         lm_head_quantization=s["lm_head_quantization"],
         lora=lora_settings(s),
+        pooling=bool(s["is_embedding"]),
     )
 
 

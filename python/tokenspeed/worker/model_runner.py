@@ -59,6 +59,7 @@ from tokenspeed.worker.gpu_idle import IdleClock
 from tokenspeed.worker.lora import LoraPool
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
+from tokenspeed.worker.pooling_step import pool_step
 from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
 
@@ -107,7 +108,7 @@ class ModelRunner:
                  moe_parallel: MoeParallel | None = None, kv_cache_dtype: str = "auto",
                  quantization_param_path: str | None = None,
                  quantization: str | None = None, lm_head_quantization: str = "auto",
-                 lora: dict[str, Any] | None = None) -> None:
+                 lora: dict[str, Any] | None = None, pooling: bool = False) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -130,6 +131,9 @@ class ModelRunner:
         moe_parallel = moe_parallel or distributed_moe_parallel()  # from the TP/EP groups
         check_expert_parallel(self.config, moe_parallel.ep_size, moe_parallel.tp_size)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        # --is-embedding: every request pools (prefill-only steps, eager: worker/pooling_step.py).
+        self.pooling = pooling
+        disable_cuda_graph = disable_cuda_graph or pooling
         self._load_weights(ckpt, model_path, seed, moe_parallel, quantization,
                            lm_head_quantization, quantization_param_path)
         # LoRA (worker/lora.py): its pool in every adapted layer, before memory is profiled
@@ -159,7 +163,7 @@ class ModelRunner:
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
                                 max_positions=self.max_context_len, seed=seed,
                                 moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel),
-                                kv_scales=ckpt_scales, fp8=self.fp8)
+                                kv_scales=ckpt_scales, fp8=self.fp8, pooling=self.pooling)
         self.kv_scales = self._kv_scales(ckpt_scales, quantization_param_path)
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
@@ -405,6 +409,8 @@ class ModelRunner:
         """Queue a step on the GPU without waiting for it: state changes, forward, sampling and
         the copy of the sampled tokens back to the host. The worker receives the next plan while
         this one runs; `PendingStep.wait()` gives the output."""
+        if self.pooling:
+            return pool_step(self, plan)
         # The graph's logits buffer is read by the sampler before the next replay rewrites it
         # (same stream), so no copy is needed here.
         logits, rows = self._forward(plan, copy_logits=False)

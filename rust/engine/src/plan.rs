@@ -67,6 +67,14 @@ section! {
         /// The LoRA adapter the request runs: the server's registry id, never reused for
         /// another adapter (0: the base model).
         pub lora_id: u32,
+        /// A pooling request (embedding, score, classification): prefill-only. The whole
+        /// prompt runs in one step from its first token (uncached), nothing is sampled, and
+        /// the step's event carries the model's pooled vector (`RequestEvent::pooled`); the
+        /// request then ends (`FinishReason::Pooled`).
+        pub pooling: bool,
+        /// With `pooling`: the position where the second segment of a text pair starts (token
+        /// type 1 for a BERT cross-encoder); 0: one segment.
+        pub segment_b: u32,
     }
     lists {
         /// The tokens that would end the request (masked while `min_tokens` is not reached).
@@ -268,6 +276,9 @@ pub struct StepLimits {
     pub mask_words: usize,
     /// Grammars travel to the worker (`GrammarRow`, a worker-side grammar backend).
     pub worker_grammars: bool,
+    /// Floats of one pooled vector (`RequestEvent::pooled`: the model's hidden size or label
+    /// count); 0 when the model does not pool (`--is-embedding` off).
+    pub pooled_dim: usize,
 }
 
 impl Plan {
@@ -342,7 +353,8 @@ section! {
         /// have a strictly larger logprob), one per prompt logprob: vLLM reports it even for a
         /// token outside the top-k.
         pub prompt_ranks: Vec<u32>,
-        /// A pooled hidden state (embedding requests).
+        /// The pooled vector of a `pooling` request (float32; an embedding, or a classifier's
+        /// scores), on the event of the step that computed its prompt.
         pub pooled: Vec<f32>,
     }
 }
@@ -409,9 +421,9 @@ impl StepResult {
             prompt,
             prompt * k,
             prompt * k,
-            prompt, // prompt ranks
-            0,      // pooled vectors: none until embedding models exist
-            1,      // timing: one row
+            prompt,           // prompt ranks
+            r * l.pooled_dim, // pooled vectors: at most one per slot
+            1,                // timing: one row
         ];
         <StepResult as Message>::max_encoded_len(&counts)
     }

@@ -142,6 +142,7 @@ impl Sequence {
                 .map(|i| ev.prompt_top(i))
                 .collect(),
             prompt_ranks: ev.prompt_ranks.clone(),
+            pooled: ev.pooled.clone(),
             tokens,
             finished,
             error: None,
@@ -331,6 +332,19 @@ impl Scheduler {
                 prompt_tokens: req.prompt.len(),
                 max_new_tokens: req.max_new_tokens,
                 max_context_len: self.config.context_length,
+            });
+        }
+        // Prefill-only: the whole prompt in one step (a bidirectional encoder, and pooling over
+        // every position, need it all at once).
+        let step_tokens = self
+            .config
+            .chunked_prefill_size
+            .min(self.config.max_prefill_tokens);
+        if req.sampling.pooling && req.prompt.len() > step_tokens as usize {
+            return Err(SubmitError::PoolingPromptTooLong {
+                id,
+                prompt_tokens: req.prompt.len(),
+                max_step_tokens: step_tokens,
             });
         }
         // The last sampled token is never fed back, so it needs no KV.

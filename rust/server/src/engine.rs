@@ -69,6 +69,8 @@ pub struct TokenEvent {
     pub prompt_ranks: Vec<u32>,
     pub finish: Option<FinishReason>,
     pub usage: TokenUsage,
+    /// A pooling request's vector (`FinishReason::Pooled`); empty otherwise.
+    pub pooled: Vec<f32>,
 }
 
 #[derive(Debug, Clone)]

@@ -158,6 +158,16 @@ pub async fn probe(
         grammar_starts_after: None,
         priority: 0,
     };
+    if fe.config.is_embedding {
+        let run = crate::pooling::probe(fe, spec.prompt, replica);
+        return match tokio::time::timeout(timeout, run).await {
+            Ok(result) => result,
+            Err(_) => Err(RequestError::unavailable(format!(
+                "a pooling request did not finish within {}s",
+                timeout.as_secs()
+            ))),
+        };
+    }
     let id = new_request_id();
     let run = async { start_on(fe, id, spec, replica).await?.collect().await };
     match tokio::time::timeout(timeout, run).await {

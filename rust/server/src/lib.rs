@@ -12,6 +12,7 @@ pub mod generate;
 pub mod http;
 pub mod lora;
 pub mod metrics;
+pub mod pooling;
 pub mod replicas;
 pub mod router;
 pub mod validate;
@@ -177,6 +178,9 @@ fn grammar_compiler(
     // whose xgrammar matcher masks and advances on the sampled tokens it has itself
     // (python/tokenspeed/worker/grammar_backend.py), so no mask completion is needed. The worker
     // checked at start that xgrammar imports and maps the JSON whitespace flags.
+    if config.is_embedding {
+        return Ok(None); // an embedding server generates nothing (and BERT's WordPiece has no bytes)
+    }
     match config.grammar_backend.as_deref() {
         None | Some("none") => Ok(None),
         Some(backend @ ("llguidance" | "xgrammar")) => {

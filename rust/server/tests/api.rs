@@ -352,6 +352,8 @@ fn harness_from(o: HarnessOpts) -> Harness {
         reasoning_parser: None,
         enable_auto_tool_choice: false,
         json_whitespace: None,
+        is_embedding: false,
+        pooling_labels: vec![],
         server_info: Value::Null,
         lora: Default::default(),
     };

@@ -153,6 +153,8 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         reasoning_parser: reasoning.map(str::to_string),
         enable_auto_tool_choice: auto,
         json_whitespace: None,
+        is_embedding: false,
+        pooling_labels: vec![],
         server_info: Value::Null,
         lora: Default::default(),
     }

@@ -90,6 +90,8 @@ fn state(watchdog_timeout: f64) -> AppState {
         reasoning_parser: None,
         enable_auto_tool_choice: false,
         json_whitespace: None,
+        is_embedding: false,
+        pooling_labels: vec![],
         server_info: Value::Null,
         lora: Default::default(),
     };

@@ -12,9 +12,14 @@ use super::{
 /// How many of a request's tokens may come from the prefix cache. Never the whole sequence: the
 /// last token must be computed to get logits. Prompt logprobs need every prompt position
 /// computed, and penalties every token fed to the worker (its history): no cached prefix then.
+/// Nor for pooling: the model pools over every position (and an encoder's attention is
+/// bidirectional, so its KV is no prefix of anything).
 fn matchable_len(seq: &Sequence) -> usize {
     let sampling = &seq.req.sampling;
-    if (sampling.prompt_logprobs && seq.completion_tokens() == 0) || sampling.penalized() {
+    if (sampling.prompt_logprobs && seq.completion_tokens() == 0)
+        || sampling.penalized()
+        || sampling.pooling
+    {
         0
     } else {
         seq.tokens.len() - 1
@@ -85,7 +90,8 @@ impl Scheduler {
                 break;
             }
             let n = (seq.tokens.len() - m.len).min(*budget).min(spare * ps);
-            if n == 0 {
+            // A pooling prompt runs whole or waits (no chunks), in arrival order like any other.
+            if n == 0 || (seq.req.sampling.pooling && n < uncached) {
                 // Head-of-line blocking is deliberate: skipping ahead would starve long prompts.
                 self.cache.unlock(m.node);
                 break;

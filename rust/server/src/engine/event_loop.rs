@@ -502,6 +502,7 @@ impl EngineLoop {
             prompt_logprobs: out.prompt_logprobs,
             prompt_top_logprobs: out.prompt_top_logprobs,
             prompt_ranks: out.prompt_ranks,
+            pooled: out.pooled,
             finish: out.finished,
             usage: TokenUsage {
                 prompt_tokens: out.prompt_tokens,

@@ -9,6 +9,7 @@ pub mod native;
 pub mod openai;
 pub mod openapi;
 pub mod ops;
+pub mod pooling;
 pub mod protocol;
 pub mod response;
 
@@ -101,7 +102,22 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/generate", post(native::generate))
-        .route_layer(middleware::from_fn_with_state(state.clone(), admit));
+        .route_layer(middleware::from_fn_with_state(state.clone(), admit))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            refuse_on_embedding_server,
+        ));
+    let pooling = Router::new()
+        .route("/v1/embeddings", post(pooling::embeddings))
+        .route("/v1/score", post(pooling::score))
+        .route("/v1/rerank", post(pooling::rerank))
+        .route("/rerank", post(pooling::rerank))
+        .route("/classify", post(pooling::classify))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admit))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            refuse_on_generation_server,
+        ));
     let api = Router::new()
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
@@ -128,6 +144,7 @@ pub fn router(state: AppState) -> Router {
         .route("/continue_generation", post(ops::continue_generation))
         .route("/get_weight_version", get(ops::weight_version))
         .merge(generating)
+        .merge(pooling)
         .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -221,6 +238,39 @@ async fn limit_body(State(state): State<AppState>, req: Request, next: Next) -> 
     }
     next.run(Request::from_parts(parts, Body::from(bytes)))
         .await
+}
+
+/// An `--is-embedding` server pools; it has no generating routes (a 400 that says so).
+async fn refuse_on_embedding_server(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if state.config.is_embedding {
+        return ApiError::bad_request(format!(
+            "{} generates text, but this server runs an embedding model (--is-embedding): use \
+             /v1/embeddings, /v1/score, /v1/rerank or /classify",
+            req.uri().path()
+        ))
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// The pooling routes need `--is-embedding` (a 400 that says so on a generation server).
+async fn refuse_on_generation_server(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if !state.config.is_embedding {
+        return ApiError::bad_request(format!(
+            "{} needs an embedding or scoring model: start the server with --is-embedding",
+            req.uri().path()
+        ))
+        .into_response();
+    }
+    next.run(req).await
 }
 
 /// Admission for the generating routes, before the handler tokenizes: 503 when the engine
