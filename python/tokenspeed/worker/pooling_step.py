@@ -9,7 +9,7 @@ Eager only: a step's shape is the prompts', there is no decode to replay as a gr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any  # the runner: a ModelRunner (model_runner.py imports this module)
 
 import numpy as np
 import torch
@@ -17,9 +17,6 @@ import torch
 from tokenspeed.layers.host_copy import DeviceToHost
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import StepOutput, StepPlan, new_request_rows
-
-if TYPE_CHECKING:
-    from tokenspeed.worker.model_runner import ModelRunner
 
 
 def token_types(plan: StepPlan, segment_b: dict[int, int], device: torch.device) -> torch.Tensor:
@@ -34,7 +31,7 @@ def token_types(plan: StepPlan, segment_b: dict[int, int], device: torch.device)
 
 
 @torch.inference_mode()
-def pool_step(runner: ModelRunner, plan: StepPlan) -> PendingStep:
+def pool_step(runner: Any, plan: StepPlan) -> PendingStep:
     segment_b: dict[int, int] = runner.__dict__.setdefault("_segment_b", {})
     for slot, params, _ in new_request_rows(plan):
         segment_b[slot] = int(params.get("segment_b", 0))
@@ -57,7 +54,7 @@ class PooledStep(PendingStep):
     """A launched pooling step: its vectors on their way to the host."""
 
     def __init__(self, slots: np.ndarray, vectors: DeviceToHost, span: object,
-                 runner: ModelRunner) -> None:
+                 runner: Any) -> None:
         super().__init__(slots, None, idle_clock=runner.idle_clock, span=span)  # type: ignore[arg-type]
         self._vectors = vectors
 
