@@ -66,6 +66,9 @@ pub struct ServerConfig {
     /// (`--constrained-json-whitespace-pattern`, `--constrained-json-disable-any-whitespace`);
     /// absent: any.
     pub json_whitespace: Option<String>,
+    /// `--constrained-json-allow-additional-properties`: an object schema that leaves
+    /// `additionalProperties` unspecified allows undeclared properties (else it does not).
+    pub constrained_json_allow_additional_properties: bool,
     /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
     pub server_info: serde_json::Value,
 }

@@ -62,6 +62,8 @@ pub struct GenerationSpec {
     pub grammar: Option<GrammarRequest>,
     /// The grammar starts after this token (a reasoning model's think-end), if set.
     pub grammar_starts_after: Option<u32>,
+    /// vLLM's `truncate_prompt_tokens`: the prompt's last tokens kept.
+    pub truncate_prompt: Option<crate::validate::Truncation>,
 }
 
 #[derive(Debug, Clone)]
@@ -115,6 +117,8 @@ impl Drop for AbortGuard {
 
 pub struct Generation {
     pub prompt_ids: Vec<u32>,
+    /// The most tokens it may generate (`max_tokens`, or the room left in the context).
+    pub max_new_tokens: u32,
     tokenizer: Arc<TextTokenizer>,
     events: UnboundedReceiver<EngineEvent>,
     detok: IncrementalDetokenizer,
@@ -154,6 +158,7 @@ pub async fn probe(
         prompt_logprobs: None,
         grammar: None,
         grammar_starts_after: None,
+        truncate_prompt: None,
     };
     let id = new_request_id();
     let run = async { start_on(fe, id, spec, replica).await?.collect().await };
@@ -187,7 +192,13 @@ async fn start_on(
     spec: GenerationSpec,
     replica: Option<usize>,
 ) -> Result<Generation, RequestError> {
-    let prompt_ids = tokenize_prompt(fe, spec.prompt.clone()).await?;
+    let mut prompt_ids = tokenize_prompt(fe, spec.prompt.clone()).await?;
+    crate::validate::truncate_prompt(
+        &mut prompt_ids,
+        spec.truncate_prompt,
+        fe.config.scheduler.context_length,
+        spec.max_new_tokens,
+    );
     let max_new_tokens = crate::validate::prompt_budget(
         &prompt_ids,
         fe.tokenizer.vocab_size() as u32,
@@ -196,7 +207,13 @@ async fn start_on(
         spec.min_new_tokens,
     )?;
     // Compiled before submitting: an invalid grammar is a 400 before any KV is spent.
-    let constraint = match &spec.grammar {
+    let grammar = spec.grammar.clone().map(|g| {
+        crate::validate::grammar::close_objects(
+            g,
+            fe.config.constrained_json_allow_additional_properties,
+        )
+    });
+    let constraint = match &grammar {
         Some(g) => Some(Constraint {
             grammar: crate::constraint::compile(fe.grammar.as_ref(), g).await?,
             starts_after: spec.grammar_starts_after,
@@ -235,6 +252,7 @@ async fn start_on(
         .spaces_between_special_tokens(spec.spaces_between_special_tokens);
     Ok(Generation {
         prompt_ids,
+        max_new_tokens,
         tokenizer: fe.tokenizer.clone(),
         events,
         detok,
@@ -508,6 +526,9 @@ pub async fn start_choices(
         by_prompt.push(first?);
     }
     let prompts = by_prompt.iter().map(|g| g.prompt_ids.clone()).collect();
+    for first in &by_prompt {
+        fe.metrics.observe_params(n, first.max_new_tokens);
+    }
     let mut gens = Vec::with_capacity(specs.len() * n);
     for (i, (spec, first)) in specs.into_iter().zip(by_prompt).enumerate() {
         gens.push(first);

@@ -349,6 +349,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         reasoning_parser: None,
         enable_auto_tool_choice: false,
         json_whitespace: None,
+        constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
     };
     let log = Arc::new(WorkerLog::default());

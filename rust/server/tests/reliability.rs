@@ -87,6 +87,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         reasoning_parser: None,
         enable_auto_tool_choice: false,
         json_whitespace: None,
+        constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
     };
     build_state(config, Box::new(SilentWorker)).expect("state")
