@@ -113,6 +113,11 @@ pub fn build_state_replicas(
         &config.served_model_name,
         config.scheduler.context_length,
     ));
+    metrics.set_cache_config(
+        config.scheduler.page_size,
+        config.scheduler.num_pages,
+        !config.scheduler.disable_radix_cache,
+    );
     // The HTTP layer admits at most max_running + max_queued generating requests (a fast 429
     // before tokenizing), so the waiting queue stays within --max-queued-requests once the
     // running slots are full. The engine's own check is a backstop at that same total: a

@@ -146,6 +146,7 @@ pub fn router(state: AppState) -> Router {
         .merge(generating)
         .merge(pooling)
         .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
+        .route_layer(middleware::from_fn(require_json))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -204,6 +205,28 @@ async fn refuse_while_draining(
 ) -> Response {
     if state.lifecycle.is_draining() && req.uri().path() != "/metrics" {
         return ApiError::unavailable("the server is shutting down").into_response();
+    }
+    next.run(req).await
+}
+
+/// The API routes read JSON: a body declared as anything else (a form or text, which a browser
+/// sends cross-site without a CORS preflight) gets 415. A body without a Content-Type is read
+/// as JSON, as FastAPI-based servers do.
+async fn require_json(req: Request, next: Next) -> Response {
+    if let Some(value) = req.headers().get(header::CONTENT_TYPE) {
+        let mime = value
+            .to_str()
+            .unwrap_or_default()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        let json = mime == "application/json"
+            || (mime.starts_with("application/") && mime.ends_with("+json"));
+        if !json {
+            return ApiError::unsupported_media_type(&mime).into_response();
+        }
     }
     next.run(req).await
 }
