@@ -12,6 +12,7 @@ pub mod generate;
 pub mod http;
 pub mod metrics;
 pub mod replicas;
+pub mod response_store;
 pub mod router;
 pub mod validate;
 pub mod worker_link;
@@ -155,6 +156,7 @@ pub fn build_state_replicas(
         }),
         started: Instant::now(),
         lifecycle: Arc::new(http::Lifecycle::new(max_in_flight * dp)),
+        responses: Arc::default(),
     })
 }
 

@@ -5,6 +5,8 @@
 
 pub mod chat;
 pub mod grammar;
+pub mod messages;
+pub mod responses;
 pub mod routes;
 
 use tokenspeed_engine::{SamplingParams, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, NO_SEED};
