@@ -1,14 +1,13 @@
 """`/v1/responses` (OpenAI's Responses API) and `/v1/messages` (Anthropic's Messages API), issue 31,
 through the official `openai` and `anthropic` clients against `tokenspeed serve` on CPU with the default
 model. Both routes are adapters over the chat pipeline, so forced tool calls and JSON schemas are grammar-
-constrained and validate even from a 135M model; reasoning items are checked on a server with the qwen3
-reasoning parser (the default model never writes a think-end, so its whole answer is reasoning), which
-also runs with --api-key to check that Anthropic's `x-api-key` header is accepted."""
+constrained and validate even from a 135M model. Reasoning items, calls parsed from the model's own markup
+(tool_choice auto) and the `x-api-key` header are tested in Rust on scripted model output
+(rust/server/tests/chat_tools.rs): the default model writes neither think tags nor tool-call markup."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import anthropic
 import httpx
@@ -16,20 +15,12 @@ import jsonschema
 import openai
 import pytest
 
-from server_harness import Server, start_server, stop_server
+from server_harness import Server
 
-KEY = "sk-agents"
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+# Small schemas keep the constrained answers (and the CPU test) short.
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
         "additionalProperties": False}
+WEATHER = CITY
 QUESTION = "What is the weather like in Paris right now?"
 TOOL = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
         "parameters": WEATHER}
@@ -38,15 +29,6 @@ ANTHROPIC_TOOL = {"name": "get_weather", "description": "Current weather in a ci
 TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
                "response.content_part.added"]
 TEXT_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(str(tmp_path_factory.mktemp("agents")), "--reasoning-parser", "qwen3", "--api-key", KEY)
-    try:
-        yield srv
-    finally:
-        stop_server(srv)
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +84,9 @@ def test_forced_tool_call_and_its_output(client: openai.OpenAI, model: str) -> N
     # The result goes back as a function_call_output item, continuing the stored response.
     follow = respond(client, model, previous_response_id=r.id, tools=[TOOL], tool_choice="none",
                      input=[{"type": "function_call_output", "call_id": call.call_id,
-                             "output": "18 degrees and sunny"}])
+                             "output": "18 degrees and sunny"}], max_output_tokens=4)
     assert follow.output[0].type == "message" and follow.output_text, follow
-    assert follow.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    assert follow.usage.input_tokens > r.usage.input_tokens
 
 
 def test_previous_response_chain_get_and_delete(client: openai.OpenAI, model: str) -> None:
@@ -114,8 +96,7 @@ def test_previous_response_chain_get_and_delete(client: openai.OpenAI, model: st
     assert second.previous_response_id == first.id
     # The second prompt holds the first turn (its input and output) and the new input.
     alone = respond(client, model, input="What is my name?", max_output_tokens=1)
-    assert second.usage.input_tokens >= (alone.usage.input_tokens + first.usage.input_tokens
-                                         + first.usage.output_tokens - 8)
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens + 4
     got = client.responses.retrieve(first.id)
     assert got.id == first.id and got.output_text == first.output_text
     client.responses.delete(first.id)
@@ -173,24 +154,14 @@ def test_unbuilt_fields_are_refused_by_name(client: openai.OpenAI, model: str) -
     assert r.status in ("completed", "incomplete")
 
 
-def test_reasoning_items(keyed_server: Server) -> None:
-    client = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
-    r = respond(client, model, max_output_tokens=8)
-    assert r.output[0].type == "reasoning", r.output
-    assert r.output[0].content[0].text, r.output[0]
-    events = list(respond(client, model, max_output_tokens=8, stream=True))
-    kinds = [e.type for e in events]
-    assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" not in kinds, kinds
-    done = [e.item for e in events if e.type == "response.output_item.done"]
-    assert done[0].type == "reasoning" and done[0].content[0].text == events[-1].response.output[0].content[0].text
 
 
 # --- /v1/messages -------------------------------------------------------------------------------------
 
 
 def ask(claude: anthropic.Anthropic, model: str, **kwargs: object) -> anthropic.types.Message:
-    args: dict = {"model": model, "max_tokens": 16, "temperature": 0,
+    # This SDK has no sampling parameters: they go in the body, as Anthropic's API defines them.
+    args: dict = {"model": model, "max_tokens": 16, "extra_body": {"temperature": 0, "top_k": 1},
                   "messages": [{"role": "user", "content": QUESTION}]}
     return claude.messages.create(**{**args, **kwargs})
 
@@ -219,20 +190,20 @@ def test_messages_tool_use_and_result(claude: anthropic.Anthropic, model: str) -
                                            "input": use[0].input}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
                                       "content": "18 degrees and sunny"}]}],
-        tool_choice={"type": "none"})
+        tool_choice={"type": "none"}, max_tokens=4)
     assert follow.content[0].type == "text" and follow.content[0].text, follow
     assert follow.usage.input_tokens > m.usage.input_tokens
 
 
 def test_messages_stream(claude: anthropic.Anthropic, model: str) -> None:
-    with claude.messages.stream(model=model, max_tokens=8, temperature=0,
+    with claude.messages.stream(model=model, max_tokens=8, extra_body={"temperature": 0},
                                 messages=[{"role": "user", "content": "Say hello"}]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text and final.content[0].text == text, final
     assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens > 0
-    with claude.messages.stream(model=model, max_tokens=64, temperature=0, tools=[ANTHROPIC_TOOL],
-                                tool_choice={"type": "any"},
+    with claude.messages.stream(model=model, max_tokens=64, extra_body={"temperature": 0}, tools=[ANTHROPIC_TOOL],
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                 messages=[{"role": "user", "content": QUESTION}]) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
@@ -253,18 +224,9 @@ def test_messages_errors_take_anthropics_shape(server: Server, claude: anthropic
     with pytest.raises(anthropic.BadRequestError) as e:
         ask(claude, model, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    with pytest.raises(anthropic.BadRequestError):
+    with pytest.raises(anthropic.BadRequestError) as e:
         ask(claude, model, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert "thinking" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         ask(claude, model="no-such-model")
 
-
-def test_messages_x_api_key(keyed_server: Server) -> None:
-    model = httpx.get(f"{keyed_server.url}/v1/models", headers={"x-api-key": KEY}, timeout=30).json()["data"][0]["id"]
-    keyed = anthropic.Anthropic(base_url=keyed_server.url, api_key=KEY, max_retries=0, timeout=120)
-    m = ask(keyed, model, max_tokens=4)
-    assert m.content and m.content[0].type == "thinking", m  # all reasoning (no think-end written)
-    wrong = anthropic.Anthropic(base_url=keyed_server.url, api_key="wrong", max_retries=0, timeout=30)
-    with pytest.raises(anthropic.AuthenticationError) as e:
-        ask(wrong, model, max_tokens=4)
-    assert e.value.body["error"]["type"] == "authentication_error"
