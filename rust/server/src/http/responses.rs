@@ -215,8 +215,11 @@ struct Render {
     keep_special: bool,
     tokenizer: Arc<TextTokenizer>,
     /// With `store`: where the response goes, and the conversation it answered.
-    store: Option<(Arc<ResponseStore>, Vec<Map<String, Value>>)>,
+    store: Option<Keep>,
 }
+
+/// Where a stored response goes, and the conversation (chat messages) it answered.
+type Keep = (Arc<ResponseStore>, Vec<Map<String, Value>>);
 
 impl Render {
     fn text(&self, c: &Chunk) -> String {
