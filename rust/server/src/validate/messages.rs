@@ -261,6 +261,8 @@ pub fn messages_request(
         continue_final_message: None,
         chat_template_kwargs: None,
         echo: None,
+        // Admission priority: the default (a non-zero `priority` is refused as unbuilt here).
+        priority: None,
         sampling: SamplingFields {
             temperature: req.temperature,
             top_p: req.top_p,
