@@ -249,6 +249,7 @@ pub fn messages_request(
     };
     let chat = ChatCompletionRequest {
         model: None,
+        lora_path: None,
         messages,
         max_tokens: None,
         max_completion_tokens: Some(req.max_tokens),

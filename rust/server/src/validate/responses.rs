@@ -334,6 +334,7 @@ pub fn responses_request(
     let tools = chat_tools(req.tools.as_deref().unwrap_or_default())?;
     let chat = ChatCompletionRequest {
         model: None,
+        lora_path: None,
         messages,
         max_tokens: None,
         max_completion_tokens: req.max_output_tokens,
