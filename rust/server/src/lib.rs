@@ -14,6 +14,7 @@ pub mod lora;
 pub mod metrics;
 pub mod pooling;
 pub mod replicas;
+pub mod response_store;
 pub mod router;
 pub mod validate;
 pub mod worker_link;
@@ -165,6 +166,7 @@ pub fn build_state_replicas(
         }),
         started: Instant::now(),
         lifecycle: Arc::new(http::Lifecycle::new(max_in_flight * dp)),
+        responses: Arc::default(),
     })
 }
 
