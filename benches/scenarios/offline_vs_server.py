@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gpu_bench  # noqa: E402  (beside this file)
+import gpu_bench
 
 
 def run(via: str, model_dir: Path, a: argparse.Namespace, serve: list[str], out: Path) -> dict:
