@@ -9,11 +9,12 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
+from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
@@ -53,6 +54,14 @@ def model_vocab_size(model_dir: Path) -> int:
     """The model's vocabulary (its logits' width; may exceed the tokenizer's)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+
+
+def _pooling_facts(model_dir: Path) -> tuple[list[str], int]:
+    """`--is-embedding`: the classifier's labels (none for an embedding model) and the floats
+    of one pooled vector (models/pooling.py; imported here only when pooling)."""
+    from tokenspeed.models.pooling import model_pooling_facts
+
+    return model_pooling_facts(str(model_dir))
 
 
 def check_quantization(method: str | None, model_dir: Path, lm_head: str = "auto") -> None:
@@ -134,6 +143,10 @@ class WorkerGroup:
     watched: list[Watched]
     watch: DeathWatch
     capacities: list[dict]
+    # The configuration the workers run with (LoRA's rank and modules resolved), and the
+    # start-up adapters.
+    cfg: Any = None
+    lora: LoraSettings | None = None
     pages: int = 0
     max_running: int = 0
 
@@ -147,6 +160,7 @@ class WorkerGroup:
 def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
     """Resolves the layout, opens the plan channels, spawns this node's workers and waits for
     their KV capacity; a failed start stops what was started."""
+    cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir)
     xgrammar = worker_xgrammar(cfg, layout, vocab_size)
@@ -159,7 +173,8 @@ def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
             c.close()
         raise
     watch = DeathWatch(watched, layout.node_rank, layout.sizes.nnodes, on_failure=on_failure)
-    group = WorkerGroup(layout, vocab_size, channel_names, channels, workers, watched, watch, [])
+    group = WorkerGroup(layout, vocab_size, channel_names, channels, workers, watched, watch, [],
+                        cfg, lora)
     try:
         logger.info("node %d: started %d worker rank(s): %s", layout.node_rank,
                     layout.world * layout.dp, _describe_ranks(layout, workers))
@@ -177,6 +192,7 @@ def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
 def launch(cfg: Any) -> int:
     """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
     group = start_workers(cfg)
+    cfg = group.cfg
     layout, channels, workers, watched, watch = (group.layout, group.channels, group.workers,
                                                  group.watched, group.watch)
     try:
@@ -191,7 +207,7 @@ def launch(cfg: Any) -> int:
             pages, max_running = start_relay(ctx, cfg, layout, group.channel_names[0], timeout,
                                              (pages, max_running), workers, watched, watch)
         config = server_config(cfg, layout, group.vocab_size, group.capacities, pages,
-                               max_running, workers)
+                               max_running, workers, group.lora)
         logger.info(
             "workers ready on %s: %d KV pages x %d tokens, %d running requests%s; starting HTTP "
             "on %s:%s", layout.device, pages, int(cfg.page_size), max_running,
@@ -200,6 +216,20 @@ def launch(cfg: Any) -> int:
         return serve_core(cfg, config, channels, watch)
     finally:
         group.stop()
+
+
+def lora_settings(cfg: Any) -> tuple[Any, LoraSettings | None]:
+    """The LoRA settings, resolved with the start-up adapters (config/lora.py), and `cfg`
+    with the rank and modules the workers' pools hold filled in."""
+    try:
+        lora = resolve_lora(cfg.enable_lora, cfg.lora_paths, cfg.max_lora_rank,
+                            cfg.lora_target_modules)
+    except AdapterError as e:
+        raise LaunchError(str(e)) from None
+    if lora is None:
+        return cfg, None
+    return replace(cfg, enable_lora=True, max_lora_rank=lora.max_rank,
+                   lora_target_modules=lora.targets), lora
 
 
 def check_priority_flags(cfg: Any) -> None:
@@ -292,9 +322,12 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
              for e in range(layout.engines)]
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
-    mask_words = -(-vocab_size // 32) if cfg.grammar_backend == "llguidance" else 0
+    mask_words = -(-vocab_size // 32) \
+        if cfg.grammar_backend == "llguidance" and not cfg.is_embedding else 0
+    # --is-embedding: one pooled vector per slot comes back in a result.
+    pooled_dim = _pooling_facts(layout.model_dir)[1] if cfg.is_embedding else 0
     slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
-                                  mask_words, worker_grammars)
+                                  mask_words, worker_grammars, pooled_dim)
     if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         readers = layout.readers + (layout.sizes.nnodes > 1)
         return names, [_core.ServerChannel.create(name, readers, 4, slot_bytes) for name in names]
@@ -381,7 +414,8 @@ def start_relay(ctx: Any, cfg: Any, layout: Layout, channel_name: str, timeout: 
 
 
 def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[dict], pages: int,
-                  max_running: int, workers: list[Any]) -> dict[str, Any]:
+                  max_running: int, workers: list[Any],
+                  lora: LoraSettings | None = None) -> dict[str, Any]:
     """The Rust core's config: the flags it reads, cut from the declared table by reader
     (ServerConfig's fields and its `scheduler` section are named after the flags), then what
     this launcher resolved or measured in their place."""
@@ -396,9 +430,13 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
             "context_length": layout.context, "num_pages": pages,
             "max_running_requests": max_running},
         "vocab_size": vocab_size,
+        "pooling_labels": _pooling_facts(model_dir)[0] if cfg.is_embedding else [],
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                             else cfg.constrained_json_whitespace_pattern),
         "worker_pids": [p.pid for p in workers],
+        "lora": lora.server(cfg.max_loras_per_batch) if lora else {
+            "enabled": False, "adapters": [], "max_rank": 0, "target_modules": [],
+            "max_per_batch": 0},
         "server_info": {
             "device": capacities[0]["device"],
             "tp_size": sizes.attn_tp,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenspeed.distributed.groups import tp_all_reduce
+from tokenspeed.layers.lora import LoraWeights
 from tokenspeed.layers.quantization.fp8 import fp8_linear
 
 
@@ -32,6 +33,30 @@ def shard_cols(full: Any, tp_rank: int, tp_size: int) -> Any:
         return full
     size = full.shape[1] // tp_size
     return full.narrow(1, tp_rank * size, size)
+
+
+class RowRange:
+    """Rows [start, start + length) of a tensor or `weights.LazyTensor`, still unread: one
+    sub-matrix of a fused checkpoint tensor (Phi-3's qkv_proj), which `shard_rows` then narrows
+    to a rank's shard (reading only that)."""
+
+    def __init__(self, base: Any, start: int, length: int) -> None:
+        self._base, self._start = base, start
+        self.shape = torch.Size([length, *base.shape[1:]])
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._base.narrow(0, self._start + start, length)
+        return self.full().narrow(dim, start, length)
+
+    def full(self) -> torch.Tensor:
+        return self._base.narrow(0, self._start, self.shape[0])
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.full().to(dtype)
 
 
 # Up to this many rows (decode batches) a CUDA matmul streams the weights through
@@ -86,6 +111,7 @@ class ColumnLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.weight_scale: nn.Parameter | None = None  # set by FP8 quantization
+        self.lora: LoraWeights | None = None  # set by the LoRA pool (--enable-lora)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard: int = 0) -> None:
         offset = sum(self.output_sizes[:shard])
@@ -95,7 +121,8 @@ class ColumnLinear(nn.Module):
         _copy(param.data.narrow(0, offset, size), local.to(param.dtype), f"shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        y = linear(x, self.weight, self.bias, self.weight_scale)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 class QKVLinear(ColumnLinear):
@@ -143,6 +170,7 @@ class RowLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.weight_scale: nn.Parameter | None = None  # set by FP8 quantization
+        self.lora: LoraWeights | None = None  # set by the LoRA pool (--enable-lora)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard: int = 0) -> None:
         if param is self.bias:
@@ -152,6 +180,10 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.weight_scale)
-        y = tp_all_reduce(linear(x, self.weight, None, self.weight_scale), self.group)
+            y = linear(x, self.weight, self.bias, self.weight_scale)
+            return y if self.lora is None else self.lora.add_to(x, y)
+        partial = linear(x, self.weight, None, self.weight_scale)
+        if self.lora is not None:  # x A^T is a partial sum too: the all-reduce completes both
+            partial = self.lora.add_to(x, partial)
+        y = tp_all_reduce(partial, self.group)
         return y if self.bias is None else y + self.bias

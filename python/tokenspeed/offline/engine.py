@@ -66,8 +66,8 @@ class EngineCore:
         self.group = start_workers(cfg, on_failure=self._on_failure)
         g = self.group
         try:
-            config = server_config(cfg, g.layout, g.vocab_size, g.capacities, g.pages,
-                                   g.max_running, g.workers)
+            config = server_config(g.cfg, g.layout, g.vocab_size, g.capacities, g.pages,
+                                   g.max_running, g.workers, g.lora)
             logger.info("workers ready on %s: %d KV pages x %d tokens, %d running requests",
                         g.layout.device, g.pages, int(cfg.page_size), g.max_running)
             self.core = _core.Engine.start(json.dumps(config), g.channels, cfg.log_level or "info")

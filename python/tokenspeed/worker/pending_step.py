@@ -9,6 +9,9 @@ from tokenspeed.worker.gpu_idle import IdleClock, Span
 from tokenspeed.worker.plan import StepOutput
 from tokenspeed.worker.prompt_logprobs import PromptLogprobs
 
+# `RequestEvent::error` of a request the worker could not run (plan.rs event_error::FAILED).
+FAILED = 1
+
 
 class PendingStep:
     """A launched step whose sampled tokens are on their way to the host."""
@@ -17,13 +20,14 @@ class PendingStep:
                  top_k: np.ndarray | None = None,
                  prompt: dict[int, PromptLogprobs] | None = None,
                  idle_clock: IdleClock | None = None,
-                 span: Span | None = None) -> None:
+                 span: Span | None = None, failed: set[int] | None = None) -> None:
         self.slots = slots
         self.top_k = top_k
         self.prompt = prompt or {}
         self._outputs = outputs
         self._idle_clock = idle_clock
         self._span = span  # the step's marks on the idle clock (its run time)
+        self.failed = failed or set()  # slots whose request failed (a LoRA adapter unreadable)
 
     def ready(self) -> bool:
         """True once `wait()` would not block."""
@@ -37,6 +41,9 @@ class PendingStep:
             tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
             out = StepOutput(slots=self.slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
                              top_logprobs=top_logprobs, top_k=self.top_k, prompt=self.prompt)
+        if self.failed:
+            out.errors = np.asarray([FAILED if s in self.failed else 0 for s in self.slots.tolist()],
+                                    np.uint32)
         if self._idle_clock is not None:  # after the wait: this step's marks are passed
             out.gpu_idle_us = self._idle_clock.take_us()
             out.gpu_busy_us = IdleClock.busy_us(self._span) or 0

@@ -88,6 +88,8 @@ struct Active {
     /// Page-table entries 0.. to rewrite in the slot's next plan: set when caching the prompt
     /// found another request's identical pages already in the tree and ours were freed.
     pending_table: Option<Vec<u32>>,
+    /// The radix-cache namespace of its KV: its LoRA adapter (0: the base model).
+    ns: u32,
 }
 
 impl Active {
@@ -116,6 +118,8 @@ struct Sequence {
     /// Prompt tokens served from the cache at first admission (what usage reports).
     cached_tokens: Option<u32>,
     phase: Phase,
+    /// Times it was sent back to the queue (vLLM's per-request preemptions).
+    retractions: u32,
 }
 
 impl Sequence {
@@ -140,12 +144,14 @@ impl Sequence {
                 .map(|i| ev.prompt_top(i))
                 .collect(),
             prompt_ranks: ev.prompt_ranks.clone(),
+            pooled: ev.pooled.clone(),
             tokens,
             finished,
             error: None,
             prompt_tokens: self.req.prompt.len() as u32,
             cached_tokens: self.cached_tokens.unwrap_or(0),
             completion_tokens: self.completion_tokens() as u32,
+            preemptions: self.retractions,
         }
     }
 
@@ -244,6 +250,9 @@ pub struct Scheduler {
     retractions: u64,
     /// Run times of past steps, for `max_mixed_step_ms`.
     step_cost: step_cost::StepCost,
+    /// Most distinct LoRA adapters among running requests (`--max-loras-per-batch`: the
+    /// worker's adapter pool slots; every running request is in every step).
+    max_adapters: usize,
 }
 
 impl Scheduler {
@@ -287,7 +296,14 @@ impl Scheduler {
             admitted: Vec::new(),
             retractions: 0,
             step_cost: step_cost::StepCost::default(),
+            max_adapters: usize::MAX,
         })
+    }
+
+    /// At most `n` distinct LoRA adapters (the base model not counted) run at once; a waiting
+    /// request for another one waits until a running adapter has no request left.
+    pub fn limit_adapters(&mut self, n: usize) {
+        self.max_adapters = n;
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -321,6 +337,19 @@ impl Scheduler {
                 max_context_len: self.config.context_length,
             });
         }
+        // Prefill-only: the whole prompt in one step (a bidirectional encoder, and pooling over
+        // every position, need it all at once).
+        let step_tokens = self
+            .config
+            .chunked_prefill_size
+            .min(self.config.max_prefill_tokens);
+        if req.sampling.pooling && req.prompt.len() > step_tokens as usize {
+            return Err(SubmitError::PoolingPromptTooLong {
+                id,
+                prompt_tokens: req.prompt.len(),
+                max_step_tokens: step_tokens,
+            });
+        }
         // The last sampled token is never fed back, so it needs no KV.
         let pages = (total - 1).div_ceil(u64::from(self.config.page_size));
         if pages > u64::from(self.config.num_pages) {
@@ -339,6 +368,7 @@ impl Scheduler {
                 tokens,
                 cached_tokens: None,
                 phase: Phase::Waiting,
+                retractions: 0,
             },
         );
         self.waiting.push_back(id);
@@ -410,6 +440,7 @@ impl Scheduler {
         }
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
+        seq.retractions += 1;
         self.requests.insert(id, seq);
         self.retractions += 1;
     }
@@ -425,7 +456,7 @@ impl Scheduler {
         let full = active.computed.min(tokens.len()) / ps;
         let mut own = active.own;
         drop(own.split_off(full.saturating_sub(active.prefix_pages.len())));
-        self.cache.insert(&tokens[..full * ps], own);
+        self.cache.insert_in(active.ns, &tokens[..full * ps], own);
         self.cache.unlock(active.prefix_node);
         self.free_slots.insert(active.slot);
         self.released_slots.push(active.slot);
