@@ -168,6 +168,10 @@ fn main() {
         max_mixed_step_ms: a.step_ms,
         schedule_policy: SchedulePolicy::Fcfs,
         disable_radix_cache: false,
+        speculative_algorithm: None,
+        speculative_num_draft_tokens: None,
+        speculative_ngram_min_match_window_size: 1,
+        speculative_ngram_max_match_window_size: 12,
         context_length: 8192,
     };
     let mut sched = match Scheduler::new(config) {
