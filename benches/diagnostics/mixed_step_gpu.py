@@ -50,7 +50,7 @@ def main() -> None:
     from tokenspeed.worker.model_runner import ModelRunner
 
     if args.extend_graph_rows:  # an experiment: how a mixed step with more requests replays
-        import tokenspeed.worker.model_runner as model_runner
+        from tokenspeed.worker import model_runner
         model_runner.EXTEND_GRAPH_MAX_REQUESTS = args.extend_graph_rows
     path = llama31_8b_dir(args.layers)
     sizes = extend_capture_sizes(2048)

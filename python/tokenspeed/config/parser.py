@@ -20,10 +20,10 @@ import textwrap
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
-from tokenspeed.config.speculative import resolve_speculative
 from tokenspeed.config.errors import ConfigError, NotSupportedError
 from tokenspeed.config.flag import GROUPS, Flag
 from tokenspeed.config.serve_config import ServeConfig
+from tokenspeed.config.speculative import resolve_speculative
 from tokenspeed.config.table import (
     BY_DEST,
     BY_SPELLING,

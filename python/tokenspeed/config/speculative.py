@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from tokenspeed.config.errors import ConfigError
+from tokenspeed.config.errors import ConfigError, NotSupportedError
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,9 @@ def _apply_vllm_config(cfg: Any, spec: Any) -> Any:
                           f"(known: {', '.join(_METHODS)})")
     algorithm = _METHODS[method]
     if algorithm is None:
-        raise ConfigError(f"not supported yet: --speculative-config method {method!r} (draft "
-                          "models and heads are not built yet; available now: ngram)")
+        raise NotSupportedError([(f"not supported yet: --speculative-config (method {method!r}: "
+                                 "draft models and heads are not built yet; available now: "
+                                 "ngram)")])
     changes: dict[str, Any] = {"speculative_algorithm": algorithm}
     for key, dest in _VLLM_KEYS.items():
         if key in spec:

@@ -54,11 +54,11 @@ from tokenspeed.worker.cuda_graph import (
     graph_memory_estimate,
 )
 from tokenspeed.worker.gpu_idle import IdleClock
-from tokenspeed.worker.spec_verify import Drafts
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
 from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
+from tokenspeed.worker.spec_verify import Drafts
 
 logger = logging.getLogger(__name__)
 

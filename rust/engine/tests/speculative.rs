@@ -12,7 +12,7 @@ use tokenspeed_engine::{FinishReason, Request, SamplingParams, SchedulerConfig};
 /// Copies the token 5 back, except at every 7th position (a deviation drafts cannot predict).
 fn copy_model(seq: &[u32]) -> u32 {
     let n = seq.len();
-    if n % 7 == 0 {
+    if n.is_multiple_of(7) {
         50_000 + n as u32
     } else {
         seq[n - 5]
@@ -61,7 +61,11 @@ fn same_tokens_as_plain_decoding_and_drafts_accepted() {
         h.run(400);
         for id in 1..=3u64 {
             let want = reference(&prompt(id as u32), 40 + id as u32, None);
-            assert_eq!(h.tokens(id), want, "k={k} page_size={page_size} overlap={overlap}");
+            assert_eq!(
+                h.tokens(id),
+                want,
+                "k={k} page_size={page_size} overlap={overlap}"
+            );
             assert_eq!(h.finish_reason(id), Some(FinishReason::Length));
         }
         let s = h.sched.stats();
@@ -73,8 +77,14 @@ fn same_tokens_as_plain_decoding_and_drafts_accepted() {
             h.assert_no_leak();
             continue;
         }
-        assert!(s.spec_draft_tokens > 0 && s.spec_accepted_tokens > 0, "{s:?}");
-        assert!(s.spec_accepted_tokens < s.spec_draft_tokens, "some drafts rejected: {s:?}");
+        assert!(
+            s.spec_draft_tokens > 0 && s.spec_accepted_tokens > 0,
+            "{s:?}"
+        );
+        assert!(
+            s.spec_accepted_tokens < s.spec_draft_tokens,
+            "some drafts rejected: {s:?}"
+        );
         assert!(s.avg_spec_accept_length() > 1.5, "{s:?}");
         // Plain decoding takes 43 steps for the longest request alone.
         assert!(h.plans.len() < 40, "{} plans", h.plans.len());
@@ -88,7 +98,11 @@ fn max_tokens_and_stop_ids_cut_inside_an_accepted_run() {
         let mut h = harness(spec_config(6, 1), false);
         h.submit(request(1, prompt(1), max_new));
         h.run(100);
-        assert_eq!(h.tokens(1), reference(&prompt(1), max_new, None), "max_new={max_new}");
+        assert_eq!(
+            h.tokens(1),
+            reference(&prompt(1), max_new, None),
+            "max_new={max_new}"
+        );
         assert_eq!(h.finish_reason(1), Some(FinishReason::Length));
         h.assert_no_leak();
     }
@@ -128,7 +142,10 @@ fn no_drafts_for_penalties_min_tokens_or_forbidden_requests() {
     for id in 1..=3u64 {
         assert_eq!(h.tokens(id), reference(&prompt(id as u32), 20, None));
     }
-    assert!(h.plans.iter().all(|p| p.scheduled.iter().all(|r| r.num_draft_tokens == 0)));
+    assert!(h
+        .plans
+        .iter()
+        .all(|p| p.scheduled.iter().all(|r| r.num_draft_tokens == 0)));
     assert_eq!(h.sched.stats().spec_draft_tokens, 0);
 }
 
@@ -148,6 +165,9 @@ fn drafts_only_where_pages_allow_and_the_radix_cache_holds_verified_tokens() {
     let full = [prompt(1), h.tokens(1)].concat();
     assert_eq!(h.tokens(1), reference(&prompt(1), 50, None));
     assert_eq!(h.tokens(2), reference(&full, 10, None));
-    assert!(h.last_output(2).cached_tokens > 0, "the prefix came from the cache");
+    assert!(
+        h.last_output(2).cached_tokens > 0,
+        "the prefix came from the cache"
+    );
     h.assert_no_leak();
 }

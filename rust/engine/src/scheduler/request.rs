@@ -85,7 +85,11 @@ impl SchedulerConfig {
         if let Some((field, _)) = positive.into_iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero { field });
         }
-        if let Some(alg) = self.speculative_algorithm.as_deref().filter(|a| *a != "NGRAM") {
+        if let Some(alg) = self
+            .speculative_algorithm
+            .as_deref()
+            .filter(|a| *a != "NGRAM")
+        {
             return Err(ConfigError::Unsupported {
                 field: "speculative_algorithm",
                 value: alg.to_string(),

@@ -87,7 +87,11 @@ impl Scheduler {
                 scheduled.decodes += 1;
                 scheduled.decode_context += self.context_after_decode(&id);
             }
-            let fit = if decode.is_some() { fit - drafts.len() } else { fit };
+            let fit = if decode.is_some() {
+                fit - drafts.len()
+            } else {
+                fit
+            };
             self.schedule_chunk(id, fit, drafts, &mut step);
             i += 1;
         }

@@ -251,11 +251,11 @@ impl FakeWorker {
                     .collect();
                 let drafts = &r.tokens[r.tokens.len() - d..];
                 let mut tokens = Vec::new();
-                for i in 0..=d {
+                loop {
                     let t = (self.model)(&seq);
                     seq.push(t);
                     tokens.push(t);
-                    if i == d || drafts[i] != t {
+                    if drafts.get(tokens.len() - 1) != Some(&t) {
                         break;
                     }
                 }
