@@ -36,11 +36,11 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 REQUESTS = [
-    {"prompt": COPY, "max_tokens": 32, "temperature": 0, "logprobs": 2},
+    {"prompt": COPY, "max_tokens": 24, "temperature": 0, "logprobs": 2},
     # Cut by max_tokens in the middle of the copied run.
     {"prompt": COPY, "max_tokens": 7, "temperature": 0},
     # A stop string inside the copied run: nothing after it.
-    {"prompt": COPY, "max_tokens": 40, "temperature": 0, "stop": ["lamp"]},
+    {"prompt": COPY, "max_tokens": 30, "temperature": 0, "stop": ["lamp"]},
     {"prompt": COPY, "max_tokens": 16, "temperature": 0, "n": 2},
     {"prompt": "List 5 fruits:", "max_tokens": 24, "temperature": 0, "logprobs": 1},
     {"prompt": "Count: 1, 2, 3,", "max_tokens": 30, "temperature": 0, "stop": [" 9"]},
@@ -49,7 +49,7 @@ REQUESTS = [
 
 def answers(server: Server) -> list[dict]:
     def one(body: dict) -> dict:
-        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=400)
         r.raise_for_status()
         return r.json()
 
@@ -92,15 +92,15 @@ def test_acceptance_is_reported(spec_server: Server) -> None:
     assert values["tokenspeed:spec_decode_num_draft_tokens_total"] == engine["spec_draft_tokens"]
     assert values["tokenspeed:spec_decode_num_accepted_tokens_total"] == \
         engine["spec_accepted_tokens"]
-    assert "speculative decoding: the overlap scheduler is turned off" in spec_server.log()
+    assert "the overlap scheduler is turned off" in spec_server.log()
 
 
 def test_sampled_requests_run_with_drafts(spec_server: Server) -> None:
     body = {"prompt": COPY, "max_tokens": 24, "temperature": 0.7, "seed": 3}
-    r = httpx.post(f"{spec_server.url}/v1/completions", json=body, timeout=120)
+    r = httpx.post(f"{spec_server.url}/v1/completions", json=body, timeout=400)
     r.raise_for_status()
     out = r.json()
     assert out["usage"]["completion_tokens"] == 24
     # Seeded: the same request gives the same answer.
-    again = httpx.post(f"{spec_server.url}/v1/completions", json=body, timeout=120).json()
+    again = httpx.post(f"{spec_server.url}/v1/completions", json=body, timeout=400).json()
     assert again["choices"][0]["text"] == out["choices"][0]["text"]

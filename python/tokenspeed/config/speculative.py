@@ -5,12 +5,9 @@ arguments, so every reader (scheduler, worker) sees one consistent set."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from tokenspeed.config.errors import ConfigError, NotSupportedError
-
-logger = logging.getLogger(__name__)
 
 # vLLM's `--speculative-config` keys → the flag dest each one sets.
 _VLLM_KEYS = {
@@ -44,11 +41,18 @@ def resolve_speculative(cfg: Any) -> Any:
                           f"--speculative-ngram-max-match-window-size ({hi})")
     if not cfg.disable_overlap_schedule:
         # Drafts are built from the request's known tokens, which a one-step-ahead plan does
-        # not have yet (its last token is still being sampled).
-        logger.info("speculative decoding: the overlap scheduler is turned off "
-                    "(--disable-overlap-schedule); the two do not combine yet")
+        # not have yet (its last token is still being sampled). `launch` logs it.
         cfg = dataclasses.replace(cfg, disable_overlap_schedule=True)
     return cfg
+
+
+def speculative_note(cfg: Any) -> str | None:
+    """The start-up log line saying speculation is on and what it turned off."""
+    if cfg.speculative_algorithm is None:
+        return None
+    return (f"speculative decoding: {cfg.speculative_algorithm}, up to "
+            f"{cfg.speculative_num_draft_tokens} draft tokens per step; the overlap scheduler is "
+            "turned off (the two do not combine yet); verify steps run without CUDA graphs")
 
 
 def _apply_vllm_config(cfg: Any, spec: Any) -> Any:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
+from tokenspeed.config.speculative import speculative_note
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
@@ -123,6 +124,9 @@ class Layout:
 
 def launch(cfg: Any) -> int:
     """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
+    note = speculative_note(cfg)
+    if note:
+        logger.info(note)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir)
     xgrammar = worker_xgrammar(cfg, layout, vocab_size)
