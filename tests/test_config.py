@@ -404,6 +404,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--dp-size", "--load-balance-method", "--enable-dp-attention",
         "--speculative-algorithm", "--speculative-config", "--speculative-num-draft-tokens",
         "--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size",
+        "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
@@ -423,7 +424,8 @@ def test_each_component_reads_the_section_its_flags_name() -> None:
                               "schedule_policy", "disable_radix_cache", "context_length",
                               "speculative_algorithm", "speculative_num_draft_tokens",
                               "speculative_ngram_min_match_window_size",
-                              "speculative_ngram_max_match_window_size"}
+                              "speculative_ngram_max_match_window_size",
+                              "enable_priority_scheduling", "schedule_low_priority_values_first"}
     assert scheduler["max_mixed_step_ms"] == 25.0 and "max_mixed_step_ms" not in server
     for shared in ("page_size", "context_length", "chunked_prefill_size"):
         assert shared in scheduler and shared in worker
@@ -476,3 +478,17 @@ def test_sampling_defaults_come_from_generation_config_unless_openai(tmp_path) -
     assert sampling_defaults(tmp_path, "model") == {"temperature": 0.6, "top_p": 0.9, "top_k": 20.0}
     assert sampling_defaults(tmp_path, "openai") == {}
     assert sampling_defaults(tmp_path / "missing", "model") == {}
+
+
+def test_priority_order_flag_needs_priority_scheduling() -> None:
+    from types import SimpleNamespace
+
+    from tokenspeed.launch.serve import LaunchError, check_priority_flags
+
+    with pytest.raises(LaunchError, match="needs --enable-priority-scheduling"):
+        check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=True,
+                                             enable_priority_scheduling=False))
+    check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=True,
+                                         enable_priority_scheduling=True))
+    check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=False,
+                                         enable_priority_scheduling=False))

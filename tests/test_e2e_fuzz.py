@@ -86,6 +86,8 @@ def test_every_operation_survives_generated_requests(srv: Server) -> None:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             failures[operation.label] = str(e)[:1500]
+        # A generated /pause_generation case may have paused the engine: resume it.
+        httpx.post(f"{srv.url}/continue_generation", headers=AUTH, timeout=30)
     print({op: dict(c) for op, c in statuses.items()})
     assert not failures, "\n\n".join(f"{k}:\n{v}" for k, v in failures.items())
     # The fuzz reached past validation: generated requests were answered, generation included.

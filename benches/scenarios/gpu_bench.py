@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenspeed.bench.model_configs import LLAMA31_8B, QWEN3_30B_A3B
+from tokenspeed.bench.model_configs import (
+    DEEPSEEK_V2_LITE,
+    GEMMA3_12B,
+    GPT_OSS_20B,
+    LLAMA31_8B,
+    PHI4,
+    QWEN3_30B_A3B,
+)
 
 HF_WORKER = "--hf-worker"
 # --model → (config, label). Served with the Llama-3 tokenizer: a MoE config's vocabulary is cut to
@@ -45,6 +52,16 @@ MODELS: dict[str, tuple[dict[str, Any], str]] = {
     "qwen3-30b-a3b": ({**QWEN3_30B_A3B, "vocab_size": 128256, "bos_token_id": LLAMA31_8B["bos_token_id"],
                        "eos_token_id": LLAMA31_8B["eos_token_id"]},
                       "Qwen3-30B-A3B (vocab 128256)"),
+    **{name: ({**cfg, "vocab_size": 128256, "bos_token_id": LLAMA31_8B["bos_token_id"],
+               "eos_token_id": LLAMA31_8B["eos_token_id"]}, f"{label} (vocab 128256)")
+       for name, cfg, label in [("phi-4", PHI4, "Phi-4"), ("gemma-3-12b", GEMMA3_12B, "Gemma-3-12B"),
+                                ("gpt-oss-20b", GPT_OSS_20B, "GPT-OSS-20B"),
+                                ("deepseek-v2-lite", DEEPSEEK_V2_LITE, "DeepSeek-V2-Lite")]},
+}
+# Flags a model needs beyond the scenario's (GPT-OSS: sinks and its expert activation run on
+# the torch_native backends only so far).
+MODEL_SERVE_ARGS: dict[str, list[str]] = {
+    "gpt-oss-20b": ["--attention-backend", "torch_native", "--moe-backend", "torch_native"],
 }
 
 
@@ -441,7 +458,8 @@ def main() -> int:
         if ctx.left() < 60:
             ctx.row(f"server ({tag})", "skipped", "out of time", "-")
             continue
-        started = start_server(ctx, model_dir, tag, extra + quant_args + a.serve_args.split(),
+        started = start_server(ctx, model_dir, tag, extra + quant_args + MODEL_SERVE_ARGS.get(a.model, [])
+                               + a.serve_args.split(),
                                min(300.0, ctx.left() - 30))
         if started is None:
             ctx.row(f"server ({tag})", "FAILED to start", f"see server_{tag}.log", "-")

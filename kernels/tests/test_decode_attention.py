@@ -25,6 +25,7 @@ def _run(
     seed: int,
     fused_reduce: bool = True,
     prefetch: bool | None = None,
+    window: int | None = None,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, page_table = make_paged_cache(seq_lens, page_size, hkv, head_dim, dtype, device, gen)
@@ -33,8 +34,8 @@ def _run(
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale, out=out, num_splits=num_splits,
-                           fused_reduce=fused_reduce, prefetch=prefetch)  # fmt: skip
-    ref = ref_paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale)
+                           fused_reduce=fused_reduce, prefetch=prefetch, window=window)  # fmt: skip
+    ref = ref_paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale, window=window)
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"rel err {err:.2e}"
     if fused_reduce:  # the counters are left zeroed for the next launch (CUDA-graph replays)
@@ -64,6 +65,15 @@ def test_decode_prefetch(group: int, num_splits: int, fused_reduce: bool, device
     boundary (64, 128) and empty ones (8 splits of 7 tokens) give the reference's output."""
     _run([7, 64, 128, 200], 2, group, 64, 16, torch.float32, device, num_splits, seed=num_splits + group,
          fused_reduce=fused_reduce, prefetch=True)  # fmt: skip
+
+
+@FUSED
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_sliding_window(num_splits: int, fused_reduce: bool, device: str) -> None:
+    """Only the last `window` keys (Gemma 3 / GPT-OSS local layers): contexts shorter than,
+    equal to and longer than the window, split or not."""
+    _run([5, 24, 90], 2, 2, 64, 16, torch.float32, device, num_splits, seed=11,
+         fused_reduce=fused_reduce, window=24)  # fmt: skip
 
 
 @FUSED

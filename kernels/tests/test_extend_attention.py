@@ -21,6 +21,7 @@ def _run(
     device: str,
     seed: int,
     pad_requests: int = 0,
+    window: int | None = None,
 ) -> None:
     """pad_requests: run the tiled launch a CUDA graph makes instead, with that many absent
     requests (no new tokens) after the real ones and a tile table sized for the worst case."""
@@ -36,7 +37,7 @@ def _run(
         return torch.tensor(xs, dtype=torch.int32, device=device)
 
     args = (page_table, i32(starts), i32(prefix_lens), i32(seq_lens), head_dim**-0.5)
-    ref = ref_paged_extend_attention(q, k_cache, v_cache, *args)
+    ref = ref_paged_extend_attention(q, k_cache, v_cache, *args, window=window)
     out = torch.full_like(q, float("nan"))
     if pad_requests:
         pad = [0] * pad_requests
@@ -46,9 +47,9 @@ def _run(
         block_m = extend_config(dtype, head_dim, k_cache.dtype, q.device)[0]
         requests = len(new_lens) + pad_requests
         tiles = extend_tiles(args[1], min(requests, starts[-1]) + starts[-1] // block_m, block_m)
-        paged_extend_attention(q, k_cache, v_cache, *args, out=out, tiles=tiles)
+        paged_extend_attention(q, k_cache, v_cache, *args, out=out, tiles=tiles, window=window)
     else:
-        paged_extend_attention(q, k_cache, v_cache, *args, out=out)
+        paged_extend_attention(q, k_cache, v_cache, *args, out=out, window=window)
     tol = 3e-4 if dtype == torch.float32 else TOL[dtype]
     err = rel_err(out, ref)
     assert err < tol, f"rel err {err:.2e}"
@@ -65,6 +66,14 @@ def test_extend_shapes(group: int, head_dim: int, page_size: int, device: str) -
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_extend_dtypes(dtype: torch.dtype, device: str) -> None:
     _run([17, 0], [40, 9], 2, 2, 64, 16, dtype, device, seed=3)
+
+
+@pytest.mark.parametrize("pad_requests", [0, 2])
+def test_extend_sliding_window(pad_requests: int, device: str) -> None:
+    """Each query sees only the keys within the window: a fresh prompt longer than it, chunks
+    after a prefix longer than it, one token after a long prefix."""
+    _run([0, 40, 100], [70, 33, 1], 2, 2, 64, 16, torch.float32, device, seed=5,
+         pad_requests=pad_requests, window=24)
 
 
 def test_extend_empty_request(device: str) -> None:

@@ -106,6 +106,7 @@ def _decode_split_kernel(
     stride_fh,
     num_splits,
     group,
+    window,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -137,9 +138,11 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    # Sliding window (window > 0): only the last `window` keys; the splits share those.
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     # Split length is a multiple of BLOCK_N so every split but the last runs full tiles.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -220,7 +223,7 @@ def _decode_split_kernel(
             # barrier; this barrier makes that explicit. Partials are read through L2 (.cg).
             tl.debug_barrier()
             tl.store(sem, 0)  # every program has arrived: zero for the next launch / graph replay
-            n_used = tl.cdiv(seq_len, per_split)  # later splits are empty (lse -inf): not read
+            n_used = tl.cdiv(seq_len - lo, per_split)  # later splits are empty (lse -inf): not read
             _combine_group(part_out_ptr + b * stride_ob + kvh * group * stride_oh,
                            part_lse_ptr + b * stride_lb + kvh * group * stride_lh,
                            out_ptr + b * stride_fb + kvh * group * stride_fh,
@@ -315,8 +318,10 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     fp8_f16_dots: bool = True,
     prefetch: bool | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per request over its paged KV cache.
+    """Attention of one new token per request over its paged KV cache (window: only the last
+    `window` keys, sliding-window attention).
 
     q: [B, Hq, D]; k_cache/v_cache: [num_pages, page_size, Hkv, D]; page_table: [B, max_pages] int32;
     seq_lens: [B] int32 (tokens in cache, including the new one, >= 1). Returns out [B, Hq, D] in
@@ -402,6 +407,7 @@ def paged_decode_attention(
         out.stride(1),
         num_splits,
         group,
+        window or 0,
         BLOCK_H=block_h,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

@@ -27,6 +27,7 @@ def _attn_tile(
     n0,
     qpos,
     seq_len,
+    window,
     qk_scale,
     stride_kp,
     stride_ks,
@@ -42,9 +43,11 @@ def _attn_tile(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     KV_CAST: tl.constexpr,
+    SLIDING: tl.constexpr = False,
 ):
     """One online-softmax step over keys [n0, n0 + BLOCK_N) of the paged cache (KV_CAST: K/V of
-    another dtype (fp8) converted to q's in registers, exact; scales applied by the caller)."""
+    another dtype (fp8) converted to q's in registers, exact; scales applied by the caller).
+    SLIDING (with MASKED): a query sees only keys within `window` positions of its own."""
     pos = n0 + offs_n
     if MASKED:
         mask_n = pos < seq_len
@@ -70,6 +73,8 @@ def _attn_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if MASKED:
         s = tl.where((pos[None, :] <= qpos[:, None]) & mask_n[None, :], s, float("-inf"))
+    if SLIDING:
+        s = tl.where(pos[None, :] > qpos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -105,6 +110,7 @@ def _extend_kernel(
     stride_oh,
     stride_pt,
     group,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -114,6 +120,7 @@ def _extend_kernel(
     UPCAST: tl.constexpr,
     KV_CAST: tl.constexpr,
     TILED: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """One program = one (request, q head, BLOCK_M new tokens). KV_CAST: the K scale is in
     qk_scale, v_scale multiplies the output. TILED: the grid is (q head, tile) and the tile
@@ -156,22 +163,32 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     pt_row = page_table_ptr + b * stride_pt
 
-    # Keys before the tile's first query position are visible to every row: no masks.
-    full_end = (prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(
-            q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST, KV_CAST,
-        )  # fmt: skip
-    # Diagonal tiles: causal + sequence-end masks.
     diag_end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
-    for n0 in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(
-            q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST,
-        )  # fmt: skip
+    if SLIDING:
+        # From the tile holding the first row's oldest visible key, every tile masked.
+        lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, diag_end, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST, True,
+            )  # fmt: skip
+    else:
+        # Keys before the tile's first query position are visible to every row: no masks.
+        full_end = (prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST, KV_CAST,
+            )  # fmt: skip
+        # Diagonal tiles: causal + sequence-end masks.
+        for n0 in range(full_end, diag_end, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST,
+            )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_CAST:
@@ -244,8 +261,10 @@ def paged_extend_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tiles: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of new tokens over their request's paged cache (their own K/V already written).
+    """Attention of new tokens over their request's paged cache (their own K/V already written);
+    window: each query sees only the keys within `window` positions (sliding window).
 
     q: [T, Hq, D], requests' new tokens concatenated; q_start_loc: [B+1] int32 cumulative offsets;
     prefix_lens: [B] int32 cached tokens before the new ones; seq_lens: [B] int32 = prefix + new.
@@ -304,6 +323,7 @@ def paged_extend_attention(
         out.stride(1),
         page_table.stride(0),
         hq // hkv,
+        window or 0,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=block_m,
@@ -313,6 +333,7 @@ def paged_extend_attention(
         UPCAST=upcast_dot(q.dtype),
         KV_CAST=kv_cast,
         TILED=tiles is not None,
+        SLIDING=bool(window),
         num_warps=warps,
         num_stages=stages,
     )

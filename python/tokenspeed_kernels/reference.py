@@ -24,8 +24,10 @@ def ref_paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention of q [B, Hq, D] over the paged cache; returns [B, Hq, D] in `dtype`."""
+    """Decode attention of q [B, Hq, D] over the paged cache (window: its last `window` keys);
+    returns [B, Hq, D] in `dtype`."""
     batch, hq, _ = q.shape
     group = hq // k_cache.shape[2]
     lens = seq_lens.tolist()
@@ -35,6 +37,8 @@ def ref_paged_decode_attention(
         k = _gather_kv(k_cache, page_table, b, length, dtype).repeat_interleave(group, dim=1)
         v = _gather_kv(v_cache, page_table, b, length, dtype).repeat_interleave(group, dim=1)
         s = torch.einsum("hd,thd->ht", q[b].to(dtype), k) * scale
+        if window:
+            s[:, : max(0, length - window)] = float("-inf")
         p = torch.softmax(s.float(), dim=-1).to(dtype)
         out[b] = torch.einsum("ht,thd->hd", p, v)
     return out
@@ -82,8 +86,10 @@ def ref_paged_extend_attention(
     seq_lens: torch.Tensor,
     scale: float,
     dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Extend attention (causal over new tokens, full over the cached prefix); returns [T, Hq, D]."""
+    """Extend attention (causal over new tokens, full over the cached prefix; window: only keys
+    within `window` positions of each query); returns [T, Hq, D]."""
     hq = q.shape[1]
     group = hq // k_cache.shape[2]
     starts = q_start_loc.tolist()
@@ -100,6 +106,8 @@ def ref_paged_extend_attention(
         qpos = prefix + torch.arange(s1 - s0, device=q.device)
         kpos = torch.arange(length, device=q.device)
         s = s.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+        if window:
+            s = s.masked_fill(kpos[None, None, :] <= qpos[None, :, None] - window, float("-inf"))
         p = torch.softmax(s, dim=-1).to(dtype)
         out[s0:s1] = torch.einsum("hqt,thd->qhd", p, v)
     return out

@@ -33,3 +33,61 @@ QWEN3_30B_A3B: dict[str, Any] = {
     "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
     "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
 }
+# Phi-4 (microsoft/phi-4 config.json): 40 layers, hidden 5120, 40 / 10 heads of 128, no rope
+# scaling; 14.7B parameters.
+PHI4: dict[str, Any] = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 100352,
+    "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
+    "num_attention_heads": 40, "num_key_value_heads": 10, "rms_norm_eps": 1e-5,
+    "rope_theta": 250000.0, "max_position_embeddings": 16384,
+    "original_max_position_embeddings": 16384, "rope_scaling": None, "sliding_window": None,
+    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "bos_token_id": 100257, "eos_token_id": 100265,
+}
+# Gemma-3-12B's text tower (google/gemma-3-12b-it text_config) as a Gemma3ForCausalLM: 48
+# layers, 5 local (window 1024, theta 10k) per global (theta 1M, linear x8), 16 / 8 heads of 256.
+GEMMA3_12B: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208,
+    "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)],
+    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1,
+}
+# GPT-OSS-20B (openai/gpt-oss-20b config.json): 24 layers alternating sliding (128) / full,
+# 64 / 8 heads of 64 with sinks, 32 experts top-4 of width 2880, YaRN x32; 21B parameters.
+GPT_OSS_20B: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+    "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+    "rope_theta": 150000.0, "rope_scaling": {
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096, "truncate": False},
+    "swiglu_limit": 7.0, "attention_bias": True, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002,
+}
+# DeepSeek-V2-Lite (deepseek-ai/DeepSeek-V2-Lite config.json): 27 layers, MLA (kv_lora 512, no
+# q_lora, 16 heads of 128 + 64 rope), layer 0 dense, then 64 routed experts top-6 + 2 shared;
+# 15.7B parameters. TokenSpeed caches full per-head K/V for it (docs/models.md).
+DEEPSEEK_V2_LITE: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+    "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "rope_theta": 10000.0, "rope_scaling": {
+        "type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "bos_token_id": 100000, "eos_token_id": 100001,
+}

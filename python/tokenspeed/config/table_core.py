@@ -101,7 +101,10 @@ API_FLAGS: list[Flag] = [
       implemented=True, metavar="KEY"),
     s("--served-model-name", "Model name reported by /v1/models and expected in requests. "
       "Default: the model path.", G_API, implemented=True, metavar="NAME"),
-    s("--weight-version", "Free-form version label for the loaded weights.", G_API, "default"),
+    s("--weight-version", "Free-form version label for the loaded weights, reported by "
+      "/get_model_info, /get_weight_version and each /generate response's meta_info (as SGLang "
+      "does), so an RL trainer can tell which weights produced a sample.", G_API, "default",
+      implemented=True, readers=("server",)),
     s("--chat-template", "Chat template to use instead of the tokenizer's own: a file path or "
       "a built-in template name.", G_API, implemented=True, metavar="TEMPLATE"),
     s("--completion-template", "Template for code-completion (fill-in-the-middle) prompts.",
@@ -226,10 +229,13 @@ MEMORY_FLAGS: list[Flag] = [
       "or lpm (longest cached prefix first).", G_MEMORY,
       ("fcfs", "lpm", "random", "dfs-weight", "lof"), "fcfs", supported=("fcfs", "lpm"),
       implemented=True, readers=("scheduler",)),
-    b("--enable-priority-scheduling", "Admit requests by their priority field rather than by "
-      "policy order.", G_MEMORY),
+    b("--enable-priority-scheduling", "Admit waiting requests by their `priority` request field "
+      "(an integer, default 0) first; --schedule-policy orders requests of equal priority. "
+      "Without it a non-zero `priority` is refused (400).", G_MEMORY, implemented=True,
+      readers=("scheduler",)),
     b("--schedule-low-priority-values-first", "With priority scheduling, treat smaller priority "
-      "numbers as more urgent.", G_MEMORY),
+      "numbers as more urgent (vLLM's convention); by default larger ones are (SGLang's).",
+      G_MEMORY, implemented=True, readers=("scheduler",)),
     i("--priority-scheduling-preemption-threshold", "Priority gap needed before a new request "
       "may preempt a running one.", G_MEMORY, 10, minimum=0),
     f("--schedule-conservativeness", "How cautiously the scheduler admits requests; larger means "

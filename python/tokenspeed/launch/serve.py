@@ -164,6 +164,13 @@ def launch(cfg: Any) -> int:
         _stop_workers(workers)
 
 
+def check_priority_flags(cfg: Any) -> None:
+    """A priority-ordering flag without priority scheduling would be accepted and ignored."""
+    if cfg.schedule_low_priority_values_first and not cfg.enable_priority_scheduling:
+        raise LaunchError("--schedule-low-priority-values-first orders requests by their priority: "
+                          "it needs --enable-priority-scheduling")
+
+
 def resolve_layout(cfg: Any) -> Layout:
     """The model, the device and the parallel layout, every flag checked against them."""
     model_dir = resolve_model(cfg.model_path)
@@ -174,6 +181,7 @@ def resolve_layout(cfg: Any) -> Layout:
     sizes = parallel_sizes(cfg, model_dir)
     check_moe_settings(cfg, model_dir, device, sizes)
     check_quantization(cfg.quantization, model_dir, cfg.lm_head_quantization)
+    check_priority_flags(cfg)
     world = sizes.nprocs_per_node
     node_rank = int(cfg.node_rank or 0)
     if sizes.nnodes > 1 and not cfg.dist_init_addr:

@@ -16,3 +16,11 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up on a fused gate_up tensor (Gemma's `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return nn.functional.gelu(gate, approximate="tanh") * up

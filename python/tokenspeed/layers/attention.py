@@ -61,6 +61,7 @@ class AttentionBackend(ABC):
 
     name: str = ""
     fuses_rope: bool = False
+    supports_sinks: bool = False  # per-head attention sinks (GPT-OSS), see Attention.forward
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
@@ -92,10 +93,13 @@ class AttentionBackend(ABC):
 
 
 class Attention(nn.Module):
-    """Parameter-free attention layer: carries head geometry and delegates to the backend."""
+    """Parameter-free attention layer: carries head geometry and delegates to the backend.
+    `has_sinks`: the model passes per-head sink logits to forward (GPT-OSS): one more score per
+    query that joins the softmax's denominator and no value."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scaling: float, sliding_window: int | None = None) -> None:
+                 scaling: float, sliding_window: int | None = None,
+                 has_sinks: bool = False) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
@@ -105,18 +109,28 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.sliding_window = sliding_window
+        self.has_sinks = has_sinks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                rope: Rope | None = None) -> torch.Tensor:
+                rope: Rope | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """rope: RoPE still to apply to q and k (after any q/k norm): fused into the backend's
-        KV write where it can, else applied here first."""
+        KV write where it can, else applied here first. sinks: [num_heads] sink logits."""
         backend = batch.backend
+        extra = {} if sinks is None else {"sinks": sinks}
         if rope is None:
-            return backend.forward(q, k, v, self, batch)
+            return backend.forward(q, k, v, self, batch, **extra)
         if backend.fuses_rope:
-            return backend.forward(q, k, v, self, batch, rope=rope)  # type: ignore[call-arg]
+            return backend.forward(q, k, v, self, batch, rope=rope, **extra)  # type: ignore[call-arg]
         q, k = rope.apply(q, k)
-        return backend.forward(q, k, v, self, batch)
+        return backend.forward(q, k, v, self, batch, **extra)
+
+
+def check_layers(backend: AttentionBackend, model: nn.Module) -> None:
+    """Fail at start-up on a model whose attention layers need what the backend lacks."""
+    if not backend.supports_sinks and any(isinstance(m, Attention) and m.has_sinks
+                                          for m in model.modules()):
+        raise ValueError(f"attention backend {backend.name!r} has no attention sinks (GPT-OSS) "
+                         "yet; use --attention-backend torch_native")
 
 
 BACKENDS = ("torch_native", "triton", "flashinfer")

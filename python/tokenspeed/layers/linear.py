@@ -34,6 +34,30 @@ def shard_cols(full: Any, tp_rank: int, tp_size: int) -> Any:
     return full.narrow(1, tp_rank * size, size)
 
 
+class RowRange:
+    """Rows [start, start + length) of a tensor or `weights.LazyTensor`, still unread: one
+    sub-matrix of a fused checkpoint tensor (Phi-3's qkv_proj), which `shard_rows` then narrows
+    to a rank's shard (reading only that)."""
+
+    def __init__(self, base: Any, start: int, length: int) -> None:
+        self._base, self._start = base, start
+        self.shape = torch.Size([length, *base.shape[1:]])
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._base.narrow(0, self._start + start, length)
+        return self.full().narrow(dim, start, length)
+
+    def full(self) -> torch.Tensor:
+        return self._base.narrow(0, self._start, self.shape[0])
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.full().to(dtype)
+
+
 # Up to this many rows (decode batches) a CUDA matmul streams the weights through
 # tokenspeed_kernels.skinny_linear: 0.42 ms faster than cuBLAS per Llama-3.1-8B step at batch 1
 # on the H100 (kernels/bench/bench_gemv.py); beyond it cuBLAS is the better kernel.

@@ -95,11 +95,32 @@ class SingleRank:
         return partial
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The experts' gated activation: SiLU(gate) * up (`silu`), or GPT-OSS's clamped SwiGLU
+    (`swiglu_oai`): gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return nn.functional.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def moe_torch_native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     expert_start: int = 0) -> torch.Tensor:
-    """Reference: per local expert, gather its tokens, gate_up → SiLU-and-mul → down, scale by the
-    routing weight and add into the token's output (fp32)."""
+                     expert_start: int = 0, b13: torch.Tensor | None = None,
+                     b2: torch.Tensor | None = None,
+                     activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:
+    """Reference: per local expert, gather its tokens, gate_up → activation → down (biases
+    b13 [E, 2I] / b2 [E, H] when given), scale by the routing weight and add into the token's
+    output (fp32)."""
     tokens, hidden = x.shape
     num_local, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
@@ -113,8 +134,8 @@ def moe_torch_native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if count:
             assign = order[start:start + count]
             rows = assign // top_k
-            gate, up = linear(x[rows], w13[e]).chunk(2, dim=-1)
-            h = linear(nn.functional.silu(gate) * up, w2[e])
+            gate, up = linear(x[rows], w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)
+            h = linear(activation(gate, up), w2[e], None if b2 is None else b2[e])
             out.index_add_(0, rows, h.float() * weights[assign, None].float())
         start += count
     return out.to(x.dtype)
@@ -126,8 +147,13 @@ class FusedMoE(nn.Module):
     `forward` returns this rank's partial output (see the module docstring)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, options: MoeOptions = MoeOptions()) -> None:
+                 renormalize: bool, options: MoeOptions = MoeOptions(), bias: bool = False,
+                 activation: ExpertActivation = ExpertActivation()) -> None:
         super().__init__()
+        if options.backend == "triton" and (bias or activation.kind != "silu"):
+            raise NotImplementedError(
+                f"--moe-backend triton has no expert biases or {activation.kind!r} activation "
+                "(GPT-OSS) yet; use --moe-backend torch_native")
         p = options.parallel
         if num_experts % p.ep_size or intermediate_size % p.tp_size:
             raise ValueError(f"{num_experts} experts x {intermediate_size} intermediate do not "
@@ -144,6 +170,16 @@ class FusedMoE(nn.Module):
             torch.empty(self.num_local, 2 * self.inter_local, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(
             torch.empty(self.num_local, hidden_size, self.inter_local), requires_grad=False)
+        self.activation = activation
+        # Biases (GPT-OSS): gate_up's split like its rows; down's added once, by moe-TP rank 0
+        # (the other ranks' partial sums hold none).
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(self.num_local, 2 * self.inter_local),
+                                                  requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(self.num_local, hidden_size),
+                                               requires_grad=False)
 
     def local_expert(self, expert: int) -> int | None:
         """Index of global expert `expert` on this rank, None when another EP rank holds it."""
@@ -157,7 +193,12 @@ class FusedMoE(nn.Module):
         if e is None:
             return False
         i, t = self.inter_local, self.parallel.tp_rank
-        if shard == "down":
+        if shard in ("gate_bias", "up_bias") and self.gate_up_proj_bias is not None:
+            offset = 0 if shard == "gate_bias" else i
+            dst, src = self.gate_up_proj_bias.data[e].narrow(0, offset, i), loaded.narrow(0, t * i, i)
+        elif shard == "down_bias" and self.down_proj_bias is not None:
+            dst, src = self.down_proj_bias.data[e], loaded if t == 0 else torch.zeros_like(loaded)
+        elif shard == "down":
             dst, src = self.down_proj.data[e], loaded.narrow(1, t * i, i)
         elif shard in ("gate", "up"):
             offset = 0 if shard == "gate" else i
@@ -182,6 +223,14 @@ class FusedMoE(nn.Module):
         elif param is self.down_proj:
             for e in range(self.expert_start, self.expert_start + self.num_local):
                 self.load_expert(e, "down", full[e])
+        elif param is self.gate_up_proj_bias:
+            for e in range(self.expert_start, self.expert_start + self.num_local):
+                gate, up = full[e].chunk(2, dim=0)
+                self.load_expert(e, "gate_bias", gate)
+                self.load_expert(e, "up_bias", up)
+        elif param is self.down_proj_bias:
+            for e in range(self.expert_start, self.expert_start + self.num_local):
+                self.load_expert(e, "down_bias", full[e])
         else:
             raise ValueError("not a parameter of this expert bank")
 
@@ -200,15 +249,18 @@ class FusedMoE(nn.Module):
         if self.backend == "triton":
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_start)
         return moe_torch_native(x, self.gate_up_proj, self.down_proj, weights, ids,
-                                self.expert_start)
+                                self.expert_start, self.gate_up_proj_bias, self.down_proj_bias,
+                                self.activation)
 
 
 class Router(nn.Module):
-    """Replicated linear hidden → one logit per expert (HF `mlp.gate`)."""
+    """Replicated linear hidden → one logit per expert (HF `mlp.gate`; GPT-OSS `mlp.router`,
+    with a bias)."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.bias)

@@ -33,3 +33,20 @@ class RMSNorm(nn.Module):
             return x, residual
         residual = residual + x
         return self(residual), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scale (1 + weight), applied in float32 before the cast back (HF
+    Gemma3RMSNorm); the checkpoint's weights are centred on 0."""
+
+    dummy_value = 0.0  # dummy weights: the neutral scale
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

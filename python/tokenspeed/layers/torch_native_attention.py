@@ -47,6 +47,7 @@ class TorchNativeBackend(AttentionBackend):
     """
 
     name = "torch_native"
+    supports_sinks = True
 
     def __init__(self, kv_cache: PagedKVCache) -> None:
         self.kv_cache = kv_cache
@@ -79,7 +80,7 @@ class TorchNativeBackend(AttentionBackend):
         batch.metadata = _Metadata(decode, extends)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.flat(layer.layer_id)
         ks, vs = self.kv_cache.k_scale[layer.layer_id], self.kv_cache.v_scale[layer.layer_id]
         fp8 = is_fp8(k_cache.dtype)
@@ -115,8 +116,8 @@ class TorchNativeBackend(AttentionBackend):
             mask = m.valid
             if window is not None:
                 mask = mask & (torch.arange(mask.shape[1], device=q.device) > m.q_pos - window)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :],
-                                               scale=layer.scaling)
+            o = _attend(qd, kd, vd, mask[:, None, None, :], layer.scaling,
+                        None if sinks is None else sinks.view(hk, group))
             out[m.q_rows] = o.reshape(-1, hk * group, d)
 
         for r in meta.extends:
@@ -129,7 +130,20 @@ class TorchNativeBackend(AttentionBackend):
             mask = k_pos <= r.q_pos
             if window is not None:
                 mask = mask & (k_pos > r.q_pos - window)
-            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask.repeat(group, 1),
-                                               scale=layer.scaling)
+            o = _attend(qe, ke, ve, mask.repeat(group, 1), layer.scaling,
+                        None if sinks is None else sinks.view(hk, group).repeat_interleave(n, 1))
             out[r.q_start:r.q_end] = o.view(hk, group, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
         return out.flatten(1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA; with sinks (logits broadcastable to the scores without their key axis), the
+    softmax also counts one sink score per query, which carries no value (HF GPT-OSS)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    both = torch.cat([scores, sinks.float().unsqueeze(-1).expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(both - both.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)

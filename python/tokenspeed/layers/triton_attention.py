@@ -12,6 +12,7 @@ builds `TritonMetadata` over its static buffers and the kernels never read sizes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, kv_cache: PagedKVCache, max_context_len: int,
                  sliding_window: int | None = None) -> None:
+        """sliding_window: unused (each layer's window is `Attention.sliding_window`)."""
         import tokenspeed_kernels  # noqa: F401  (fail at start-up, not at the first step)
 
         self.kv_cache = kv_cache
@@ -70,10 +72,6 @@ class TritonBackend(AttentionBackend):
         seq_lens = batch.seq_lens.astype(np.int64)
         bsz = len(seq_lens)
         max_seq = int(seq_lens.max()) if bsz else 0
-        if self.sliding_window is not None and max_seq > self.sliding_window:
-            raise NotImplementedError(
-                f"the triton attention backend has no sliding-window attention (window "
-                f"{self.sliding_window}, context {max_seq}); use --attention-backend torch_native")
         slots, seq_lens_d, query_start, start_pos = batch.device_arrays()
         # The leading one-token requests (decodes; the scheduler runs them before prefill chunks)
         # go through the decode kernel even in a mixed step: it reads each K/V head once for all
@@ -160,39 +158,41 @@ class TritonBackend(AttentionBackend):
         )
 
         m: TritonMetadata = batch.metadata
-        fresh = (m.fresh and prefill_supported(q.device, q.dtype, q.shape[-1])
+        window = layer.sliding_window  # per layer (Gemma 3, GPT-OSS interleave)
+        fresh = (m.fresh and window is None and prefill_supported(q.device, q.dtype, q.shape[-1])
                  and prefill_layout_ok(q, k, v))
         k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc,
                                     rope, rotate_k=fresh)
-        # fp8 cache: K/V dequantised in the kernels' registers with the layer's scales (1.0 else).
-        scales = {"k_scale": self.kv_cache.k_scale[layer.layer_id],
-                  "v_scale": self.kv_cache.v_scale[layer.layer_id]}
+        # fp8 cache: K/V dequantised in the kernels' registers with the layer's scales (1.0 else);
+        # the layer's sliding window (None: full attention).
+        kw: dict[str, Any] = {"k_scale": self.kv_cache.k_scale[layer.layer_id],
+                              "v_scale": self.kv_cache.v_scale[layer.layer_id], "window": window}
         if m.singles is not None:
-            return self._forward_graph_step(q, k_cache, v_cache, m, layer.scaling, scales)
+            return self._forward_graph_step(q, k_cache, v_cache, m, layer.scaling, kw)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if m.decode:
             paged_decode_attention(q, k_cache, v_cache, m.page_table, m.seq_lens, layer.scaling,
-                                   out=out, num_splits=m.num_splits, **scales)
+                                   out=out, num_splits=m.num_splits, **kw)
             return out.flatten(1)
         d = 0
         if m.leading_decodes is not None:
             lead = m.leading_decodes
             d = lead.page_table.shape[0]
             paged_decode_attention(q[:d], k_cache, v_cache, lead.page_table, lead.seq_lens,
-                                   layer.scaling, out=out[:d], num_splits=lead.num_splits, **scales)
+                                   layer.scaling, out=out[:d], num_splits=lead.num_splits, **kw)
         if fresh:
             prefill_attention(q[d:], k[d:], v[d:], m.q_start_loc, layer.scaling,
                               m.max_new_tokens, out=out[d:])
         else:
             paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
                                    m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
-                                   max_new_tokens=m.max_new_tokens, tiles=m.tiles, **scales)
+                                   max_new_tokens=m.max_new_tokens, tiles=m.tiles, **kw)
         return out.flatten(1)
 
     @staticmethod
     def _forward_graph_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             m: TritonMetadata, scale: float,
-                            scales: dict[str, float]) -> torch.Tensor:
+                            kw: dict[str, Any]) -> torch.Tensor:
         """An extend graph's attention: the tiled extend launch for requests with several new
         tokens, the decode kernel for those with one, its rows copied into place (the other
         rows' land in a scratch row past the step's tokens)."""
@@ -204,11 +204,11 @@ class TritonBackend(AttentionBackend):
         out = torch.empty((t + 1, *q.shape[1:]), dtype=q.dtype, device=q.device)
         paged_extend_attention(q, k_cache, v_cache, m.page_table, m.q_start_loc, m.prefix_lens,
                                m.seq_lens, scale, out=out[:t], max_new_tokens=m.max_new_tokens,
-                               tiles=m.tiles, **scales)
+                               tiles=m.tiles, **kw)
         lone_q = q.index_select(0, q_rows.clamp(max=t - 1))
         lone_out = paged_decode_attention(lone_q, k_cache, v_cache, lone.page_table,
                                           lone.seq_lens, scale, num_splits=lone.num_splits,
-                                          **scales)
+                                          **kw)
         out.index_copy_(0, q_rows, lone_out)
         return out[:t].flatten(1)
 

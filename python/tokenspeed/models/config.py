@@ -23,6 +23,11 @@ class ModelConfig:
     rope_theta: float
     # HF-style rope parameters minus the theta: {"rope_type": "llama3", "factor": ...}.
     rope_scaling: dict[str, Any] = field(default_factory=dict)
+    # Features of each head that rotate (partial_rotary_factor * head_dim); 0: all of them.
+    rotary_dim: int = 0
+    # Sliding-window layers' own rope (Gemma 3: `rope_parameters["sliding_attention"]` or
+    # `rope_local_base_freq`): (theta, scaling); None: the same rope as the full layers.
+    sliding_rope: tuple[float, dict[str, Any]] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -68,9 +73,16 @@ def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
     Mixtral: every layer sparse, experts as wide as `intermediate_size`, top-k always
     renormalised. Qwen3-MoE: `norm_topk_prob`; layer i is dense when listed in `mlp_only_layers`
     or when (i + 1) is not a multiple of `decoder_sparse_step` (as in HF Qwen3MoeDecoderLayer)."""
-    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts")
+                  or raw.get("n_routed_experts") or 0)
     if experts == 0:
         return {}
+    if arch.startswith("Deepseek"):  # dense up to first_k_dense_replace, then every freq-th
+        first, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
+        return {"num_experts": experts, "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+                "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+                "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+                "moe_layers": [i >= first and i % freq == 0 for i in range(layers)]}
     if arch == "MixtralForCausalLM":
         return {"num_experts": experts, "num_experts_per_tok": int(raw["num_experts_per_tok"]),
                 "moe_intermediate_size": int(raw["intermediate_size"]), "norm_topk_prob": True,
@@ -83,19 +95,46 @@ def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
             "moe_layers": [i not in dense and (i + 1) % step == 0 for i in range(layers)]}
 
 
+def _sliding_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]] | None:
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("sliding_attention"), dict):
+        return _rope({**raw, "rope_parameters": params["sliding_attention"], "rope_scaling": None,
+                      "rope_theta": None})
+    if raw.get("rope_local_base_freq"):
+        return float(raw["rope_local_base_freq"]), {}
+    return None
+
+
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """Theta and scaling from either the transformers-4 (`rope_theta`, `rope_scaling`) or -5
-    (`rope_parameters`) spelling."""
+    (`rope_parameters`) spelling; per layer type (Gemma 3), the full-attention layers'. Phi-3's
+    `original_max_position_embeddings` sits beside them and its older checkpoints call LongRoPE
+    "su"."""
     params = dict(raw.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     scaling = dict(raw.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
     merged = {**scaling, **params}
     if "type" in merged and "rope_type" not in merged:
         merged["rope_type"] = merged.pop("type")
     merged.pop("type", None)
+    merged.pop("partial_rotary_factor", None)  # ModelConfig.rotary_dim
+    if merged.get("rope_type") == "su":
+        merged["rope_type"] = "longrope"
     if merged.get("rope_type", "default") == "default":
         merged = {}
+    if merged.get("rope_type") in ("longrope", "yarn", "llama3"):
+        merged.setdefault("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings")
+                          or raw.get("max_position_embeddings"))
     return float(theta), merged
+
+
+def _rotary_dim(raw: dict[str, Any], head_dim: int) -> int:
+    factor = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get(
+        "partial_rotary_factor") or 1.0
+    return int(head_dim * float(factor))
 
 
 def _sliding_windows(raw: dict[str, Any], arch: str, layers: int) -> list[int | None]:
@@ -116,7 +155,10 @@ def _sliding_windows(raw: dict[str, Any], arch: str, layers: int) -> list[int | 
 # on its own rather than with a model).
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                       "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "gpt_oss": "GptOssForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                       "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
@@ -125,6 +167,9 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     heads = raw["num_attention_heads"]
     theta, scaling = _rope(raw)
     layers = raw["num_hidden_layers"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    if "kv_lora_rank" in raw:  # DeepSeek MLA: the cache's heads hold nope + rope features
+        head_dim = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -133,18 +178,20 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         rope_theta=theta,
         rope_scaling=scaling,
+        rotary_dim=_rotary_dim(raw, head_dim),
+        sliding_rope=_sliding_rope(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", arch in _QKV_BIAS_BY_DEFAULT)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=arch in _QK_NORM,
         sliding_windows=_sliding_windows(raw, arch, layers),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
-        hidden_act=raw.get("hidden_act", "silu"),
+        hidden_act=raw.get("hidden_act") or raw.get("hidden_activation") or "silu",
         **_moe(raw, arch, layers),
         raw=raw,
     )

@@ -22,15 +22,17 @@ from tokenspeed.models.config import ModelConfig, local_heads
 class LlamaMLP(nn.Module):
     """gate_up column-parallel, down row-parallel over the dense-TP group."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} (only silu)")
         tp = parallel.dense_tp
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size,
+        inter = intermediate_size or config.intermediate_size  # DeepSeek's shared experts
+        self.gate_up_proj = GateUpLinear(config.hidden_size, inter,
                                          bias=config.mlp_bias, tp_rank=tp.rank, tp_size=tp.size)
         self.act = SiluAndMul()
-        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size,
+        self.down_proj = RowLinear(inter, config.hidden_size,
                                    bias=config.mlp_bias, tp_rank=tp.rank, tp_size=tp.size,
                                    group="dense_tp")
 
@@ -104,7 +106,8 @@ class LlamaModel(nn.Module):
         tp = parallel.attn_tp
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
-                                          config.rope_scaling)
+                                          config.rope_scaling, config.rotary_dim,
+                                          config.max_position_embeddings)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb, parallel, make_mlp(i))
             for i in range(config.num_hidden_layers))
@@ -144,8 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self.parallel.sizes.check_model(config.num_attention_heads, config.num_key_value_heads,
                                         config.intermediate_size)
         tp = self.parallel.attn_tp
-        self.model = LlamaModel(config, max_positions or config.max_position_embeddings,
-                                self.parallel, self.make_mlp)
+        self.model = self.make_model(max_positions or config.max_position_embeddings)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -154,6 +156,10 @@ class LlamaForCausalLM(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [T, hidden]; `compute_logits` projects the rows that sample."""
         return self.model(input_ids, positions, batch)
+
+    def make_model(self, max_positions: int) -> nn.Module:
+        """The decoder stack (`model.*` in the checkpoint); other families build their own."""
+        return LlamaModel(self.config, max_positions, self.parallel, self.make_mlp)
 
     def make_mlp(self, layer_id: int) -> nn.Module:
         """The MLP of layer `layer_id` (dense here; the MoE families return a SparseMoeBlock)."""

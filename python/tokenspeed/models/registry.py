@@ -7,8 +7,12 @@ from torch import nn
 from tokenspeed.distributed.groups import ParallelState
 from tokenspeed.layers.moe import MoeOptions
 from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from tokenspeed.models.gemma3 import Gemma3ForCausalLM
+from tokenspeed.models.gpt_oss import GptOssForCausalLM
 from tokenspeed.models.llama import LlamaForCausalLM
 from tokenspeed.models.mixtral import MixtralForCausalLM
+from tokenspeed.models.phi3 import Phi3ForCausalLM
 from tokenspeed.models.qwen2 import Qwen2ForCausalLM
 from tokenspeed.models.qwen3 import Qwen3ForCausalLM
 from tokenspeed.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -20,6 +24,11 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -210,13 +210,13 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02,
     with torch.no_grad():
         for name, full in full_model.named_parameters():
             p = params[name]
+            owner_name = name.rsplit(".", 1)[0]
             if "norm" in name or name.endswith(".bias"):
-                p.fill_(1.0 if "norm" in name else 0.0)
+                p.fill_(getattr(modules[owner_name], "dummy_value", 1.0) if "norm" in name else 0.0)
                 continue
             gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             value = torch.empty(full.shape, dtype=p.dtype, device=device).normal_(0.0, std,
                                                                                   generator=gen)
-            owner_name = name.rsplit(".", 1)[0]
             loader = getattr(modules[owner_name], "weight_loader", None)
             if loader is None:
                 p.copy_(value)

@@ -24,6 +24,7 @@ from tokenspeed.layers.attention import (
     AttentionBackend,
     ForwardBatch,
     check_backend,
+    check_layers,
     resolve_backend_name,
 )
 from tokenspeed.layers.attention_backends import backend_memory_bytes, create_backend
@@ -265,10 +266,12 @@ class ModelRunner:
         return scales.lists(layers)
 
     def _make_backend(self, kv_cache: PagedKVCache) -> AttentionBackend:
-        return create_backend(self.attention_backend, kv_cache,
-                              num_heads=self.num_heads, head_dim=self.config.head_dim,
-                              max_context_len=self.max_context_len, sliding_window=self._window,
-                              q_dtype=self.dtype)
+        backend = create_backend(self.attention_backend, kv_cache,
+                                 num_heads=self.num_heads, head_dim=self.config.head_dim,
+                                 max_context_len=self.max_context_len,
+                                 sliding_window=self._window, q_dtype=self.dtype)
+        check_layers(backend, self.model)
+        return backend
 
     def _profile_num_pages(self, mem_fraction_static: float | None,
                            chunked_prefill_size: int | None) -> int:

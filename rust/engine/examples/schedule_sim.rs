@@ -167,6 +167,8 @@ fn main() {
         max_mixed_prefill_tokens: a.cap,
         max_mixed_step_ms: a.step_ms,
         schedule_policy: SchedulePolicy::Fcfs,
+        enable_priority_scheduling: false,
+        schedule_low_priority_values_first: false,
         disable_radix_cache: false,
         speculative_algorithm: None,
         speculative_num_draft_tokens: None,

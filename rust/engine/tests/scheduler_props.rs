@@ -77,6 +77,8 @@ fn workload() -> impl Strategy<Value = Workload> {
                 } else {
                     SchedulePolicy::Fcfs
                 },
+                enable_priority_scheduling: false,
+                schedule_low_priority_values_first: false,
                 disable_radix_cache: !cache,
                 speculative_algorithm: None,
                 speculative_num_draft_tokens: None,

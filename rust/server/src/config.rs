@@ -15,6 +15,8 @@ pub struct ServerConfig {
     pub model_path: String,
     pub tokenizer_path: String,
     pub served_model_name: String,
+    /// `--weight-version`: the label of the loaded weights, reported with every answer.
+    pub weight_version: String,
     pub api_key: Option<String>,
     pub chat_template: Option<String>,
     /// What the scheduler reads (the flags whose readers include "scheduler", plus the KV

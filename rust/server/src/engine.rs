@@ -207,6 +207,12 @@ enum Command {
     AbortAll {
         message: String,
     },
+    /// Stops (or resumes) planning steps; requests stay where they are and new ones queue
+    /// (`/pause_generation`, `/continue_generation`). Steps already in flight finish.
+    SetPaused {
+        paused: bool,
+        reply: oneshot::Sender<()>,
+    },
     Shutdown,
 }
 
@@ -339,6 +345,19 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Shutdown);
     }
 
+    /// Stops or resumes planning steps (`Command::SetPaused`); resolves once the engine has
+    /// taken it, so a request sent after a pause returns is held by it.
+    pub async fn set_paused(&self, paused: bool) {
+        let (reply, rx) = oneshot::channel();
+        if self
+            .commands
+            .send(Command::SetPaused { paused, reply })
+            .is_ok()
+        {
+            let _ = rx.await;
+        }
+    }
+
     /// Ends every live request with an error carrying `message`.
     pub fn abort_all(&self, message: impl Into<String>) {
         let _ = self.commands.send(Command::AbortAll {
@@ -459,6 +478,7 @@ pub fn spawn_engine(
                 plan_clock: plan_clock::PlanClock::new(plan_lead),
                 prefix_queries: 0,
                 prefix_hits: 0,
+                paused: false,
             };
             engine.publish_stats(0, 0);
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run()));

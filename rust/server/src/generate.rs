@@ -62,6 +62,8 @@ pub struct GenerationSpec {
     pub grammar: Option<GrammarRequest>,
     /// The grammar starts after this token (a reasoning model's think-end), if set.
     pub grammar_starts_after: Option<u32>,
+    /// Admission priority (`validate::priority`); 0 is neutral.
+    pub priority: i64,
 }
 
 #[derive(Debug, Clone)]
@@ -154,6 +156,7 @@ pub async fn probe(
         prompt_logprobs: None,
         grammar: None,
         grammar_starts_after: None,
+        priority: 0,
     };
     let id = new_request_id();
     let run = async { start_on(fe, id, spec, replica).await?.collect().await };
@@ -219,6 +222,7 @@ async fn start_on(
         stop_token_ids: spec.stop_token_ids,
         eos_token_ids: fe.tokenizer.eos_token_ids().to_vec(),
         ignore_eos: spec.ignore_eos,
+        priority: spec.priority,
     };
     fe.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
     let dispatched = fe.engine.dispatch(request, constraint, replica).await;

@@ -248,6 +248,11 @@ impl Replicas {
         }
     }
 
+    /// Pauses or resumes every replica (`EngineHandle::set_paused`).
+    pub async fn set_paused(&self, paused: bool) {
+        join_all(self.inner.engines.iter().map(|e| e.set_paused(paused))).await;
+    }
+
     pub fn abort_all(&self, message: impl Into<String>) {
         let message = message.into();
         for e in &self.inner.engines {

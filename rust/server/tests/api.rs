@@ -311,6 +311,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         model_path: "test-model".into(),
         tokenizer_path: dir.to_string_lossy().into_owned(),
         served_model_name: "test-model".into(),
+        weight_version: "default".into(),
         api_key: api_key.map(str::to_string),
         chat_template: None,
         scheduler: SchedulerConfig {
@@ -326,6 +327,8 @@ fn harness_from(o: HarnessOpts) -> Harness {
             max_mixed_prefill_tokens: 0,
             max_mixed_step_ms: 0.0,
             schedule_policy: SchedulePolicy::Fcfs,
+            enable_priority_scheduling: false,
+            schedule_low_priority_values_first: false,
             disable_radix_cache: false,
             speculative_algorithm: None,
             speculative_num_draft_tokens: None,
@@ -1182,4 +1185,138 @@ async fn chat_continuous_usage_reaches_every_chunk_the_role_chunk_too() {
         counts.last().copied(),
         last["usage"]["completion_tokens"].as_u64()
     );
+}
+
+#[tokio::test]
+async fn priority_is_refused_unless_neutral_without_priority_scheduling() {
+    let h = harness(None);
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 2})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+        ),
+        (
+            "/generate",
+            json!({"text": "x", "sampling_params": {"max_new_tokens": 2}}),
+        ),
+    ] {
+        for (priority, status) in [
+            (json!(0), StatusCode::OK),
+            (Value::Null, StatusCode::OK),
+            (json!(3), StatusCode::BAD_REQUEST),
+            (json!(-1), StatusCode::BAD_REQUEST),
+        ] {
+            let mut body = body.clone();
+            body["priority"] = priority.clone();
+            let (s, b) = call(&h.state, "POST", path, Some(&body.to_string()), None).await;
+            assert_eq!(s, status, "{path} priority {priority}: {b}");
+            if status == StatusCode::BAD_REQUEST {
+                let v = json_of(&b);
+                assert_eq!(v["error"]["param"], "priority", "{b}");
+                assert!(b.contains("--enable-priority-scheduling"), "{b}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn unimplemented_fields_at_their_neutral_value_are_accepted() {
+    // SGLang's router spells out `"return_hidden_states": false` on every request it forwards.
+    let h = harness(None);
+    let body = r#"{"prompt": "x", "max_tokens": 2, "return_hidden_states": false}"#;
+    let (s, b) = call(&h.state, "POST", "/v1/completions", Some(body), None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let body = r#"{"prompt": "x", "max_tokens": 2, "return_hidden_states": true}"#;
+    let (s, b) = call(&h.state, "POST", "/v1/completions", Some(body), None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    assert_eq!(json_of(&b)["error"]["param"], "return_hidden_states");
+}
+
+#[tokio::test]
+async fn pause_in_place_holds_requests_until_continue() {
+    let h = harness(None);
+    let (s, b) = call(
+        &h.state,
+        "POST",
+        "/pause_generation",
+        Some(r#"{"mode": "in_place"}"#),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let state = h.state.clone();
+    let pending = tokio::spawn(async move {
+        let body = r#"{"prompt": "The capital of France is", "max_tokens": 4}"#;
+        call(&state, "POST", "/v1/completions", Some(body), None).await
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!pending.is_finished(), "a paused engine must not generate");
+    let (s, _) = call(&h.state, "POST", "/continue_generation", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, b) = tokio::time::timeout(Duration::from_secs(20), pending)
+        .await
+        .expect("continues")
+        .expect("task");
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert_eq!(json_of(&b)["usage"]["completion_tokens"], 4);
+}
+
+#[tokio::test]
+async fn pause_in_abort_mode_ends_in_flight_requests_and_later_ones_wait() {
+    let h = harness(None);
+    let (s, _) = call(
+        &h.state,
+        "POST",
+        "/pause_generation",
+        Some(r#"{"mode": "in_place"}"#),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let state = h.state.clone();
+    let held = tokio::spawn(async move {
+        let body = r#"{"prompt": "x", "max_tokens": 4}"#;
+        call(&state, "POST", "/v1/completions", Some(body), None).await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The default mode aborts what is in flight, as SGLang's does.
+    let (s, b) = call(&h.state, "POST", "/pause_generation", None, None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let (s, b) = tokio::time::timeout(Duration::from_secs(20), held)
+        .await
+        .expect("ended")
+        .expect("task");
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{b}");
+    assert!(b.contains("paused"), "{b}");
+    for bad in [r#"{"mode": "retract"}"#, r#"{"mode": "later"}"#] {
+        let (s, b) = call(&h.state, "POST", "/pause_generation", Some(bad), None).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+        assert_eq!(json_of(&b)["error"]["param"], "mode");
+    }
+    let (s, _) = call(&h.state, "POST", "/continue_generation", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, b) = call(
+        &h.state,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": "x", "max_tokens": 2}"#),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+}
+
+#[tokio::test]
+async fn weight_version_is_reported_by_model_info_and_every_generate_answer() {
+    let h = harness(None);
+    let (s, b) = call(&h.state, "GET", "/get_weight_version", None, None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert_eq!(json_of(&b)["weight_version"], "default");
+    let (_, b) = call(&h.state, "GET", "/get_model_info", None, None).await;
+    assert_eq!(json_of(&b)["weight_version"], "default");
+    let body = r#"{"text": "x", "sampling_params": {"max_new_tokens": 2}}"#;
+    let (s, b) = call(&h.state, "POST", "/generate", Some(body), None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert_eq!(json_of(&b)["meta_info"]["weight_version"], "default");
 }

@@ -116,6 +116,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         model_path: "test-model".into(),
         tokenizer_path: dir.to_string_lossy().into_owned(),
         served_model_name: "test-model".into(),
+        weight_version: "default".into(),
         api_key: None,
         chat_template: None,
         scheduler: SchedulerConfig {
@@ -127,6 +128,8 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
             max_mixed_prefill_tokens: 0,
             max_mixed_step_ms: 0.0,
             schedule_policy: SchedulePolicy::Fcfs,
+            enable_priority_scheduling: false,
+            schedule_low_priority_values_first: false,
             disable_radix_cache: false,
             speculative_algorithm: None,
             speculative_num_draft_tokens: None,

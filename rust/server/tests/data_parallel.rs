@@ -106,6 +106,8 @@ fn group(n: usize, policy: Policy) -> Group {
             max_mixed_prefill_tokens: 0,
             max_mixed_step_ms: 0.0,
             schedule_policy: SchedulePolicy::Fcfs,
+            enable_priority_scheduling: false,
+            schedule_low_priority_values_first: false,
             disable_radix_cache: false,
             speculative_algorithm: None,
             speculative_num_draft_tokens: None,

@@ -53,6 +53,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         model_path: "test-model".into(),
         tokenizer_path: smollm2_dir().to_string_lossy().into_owned(),
         served_model_name: "test-model".into(),
+        weight_version: "default".into(),
         api_key: Some(KEY.into()),
         chat_template: None,
         scheduler: SchedulerConfig {
@@ -64,6 +65,8 @@ fn state(watchdog_timeout: f64) -> AppState {
             max_mixed_prefill_tokens: 0,
             max_mixed_step_ms: 0.0,
             schedule_policy: SchedulePolicy::Fcfs,
+            enable_priority_scheduling: false,
+            schedule_low_priority_values_first: false,
             disable_radix_cache: false,
             speculative_algorithm: None,
             speculative_num_draft_tokens: None,

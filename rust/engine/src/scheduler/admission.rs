@@ -132,7 +132,7 @@ impl Scheduler {
             return false;
         }
         // The queue's head, without copying the queue (S1: ~2,000 ids) when nothing reorders it.
-        let next = if self.lpm_reorders() {
+        let next = if self.reorders() {
             self.admission_order().first().copied()
         } else {
             self.waiting.front().copied()
@@ -149,25 +149,51 @@ impl Scheduler {
 
     fn admission_order(&self) -> Vec<RequestId> {
         let mut order: Vec<RequestId> = self.waiting.iter().copied().collect();
-        if self.lpm_reorders() {
-            let mut keyed: Vec<(bool, usize, RequestId)> = order
+        let lpm = self.lpm_reorders();
+        if lpm || self.config.enable_priority_scheduling {
+            let mut keyed: Vec<(i64, bool, usize, RequestId)> = order
                 .iter()
                 .map(|id| {
                     let seq = &self.requests[id];
-                    let tokens = &seq.tokens[..seq.tokens.len() - 1];
                     let retracted = matches!(seq.phase, Phase::Retracted);
-                    (retracted, self.cache.peek_prefix_len(tokens), *id)
+                    let matched = if lpm {
+                        self.cache
+                            .peek_prefix_len(&seq.tokens[..seq.tokens.len() - 1])
+                    } else {
+                        0
+                    };
+                    (self.urgency(&seq.req), retracted, matched, *id)
                 })
                 .collect();
-            // Stable: ties keep arrival order. Retracted requests keep their place at the front.
-            keyed.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
-            order = keyed.into_iter().map(|k| k.2).collect();
+            // Stable: ties keep arrival order (FCFS within a priority). Most urgent first;
+            // within a priority, retracted requests keep their place at the front, so the
+            // oldest request still progresses; then the longest cached prefix (lpm).
+            keyed.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+            order = keyed.into_iter().map(|k| k.3).collect();
         }
         order
     }
 
-    /// Whether admission order differs from arrival order: `lpm`, while few enough wait that
-    /// ranking them is cheap.
+    /// A request's rank in admission order, smallest first: its priority, negated when larger
+    /// values are the urgent ones; 0 for all when priority scheduling is off.
+    pub(super) fn urgency(&self, req: &crate::Request) -> i64 {
+        match (
+            self.config.enable_priority_scheduling,
+            self.config.schedule_low_priority_values_first,
+        ) {
+            (false, _) => 0,
+            (true, true) => req.priority,
+            (true, false) => req.priority.saturating_neg(),
+        }
+    }
+
+    /// Whether admission order differs from arrival order: priority scheduling, or `lpm` while
+    /// few enough wait that ranking them is cheap.
+    fn reorders(&self) -> bool {
+        self.config.enable_priority_scheduling || self.lpm_reorders()
+    }
+
+    /// Whether `lpm` ranks the queue: while few enough wait that ranking them is cheap.
     fn lpm_reorders(&self) -> bool {
         self.config.schedule_policy == SchedulePolicy::Lpm && self.waiting.len() <= LPM_MAX_WAITING
     }

@@ -59,6 +59,12 @@ pub struct SchedulerConfig {
     /// recent steps say fits (`step_cost.rs`), never below `MIN_TIME_CAPPED_PROMPT`.
     pub max_mixed_step_ms: f64,
     pub schedule_policy: SchedulePolicy,
+    /// Admit waiting requests by `Request::priority` first (`schedule_policy` orders within a
+    /// priority); off: every request's priority is ignored (the server refuses non-zero ones).
+    pub enable_priority_scheduling: bool,
+    /// With priority scheduling: smaller values are more urgent (vLLM's convention); otherwise
+    /// larger ones are (SGLang's default).
+    pub schedule_low_priority_values_first: bool,
     pub disable_radix_cache: bool,
     /// Prompt plus generated tokens of one request.
     pub context_length: u32,
@@ -206,6 +212,9 @@ pub struct Request {
     /// The model's end-of-sequence ids: they end generation unless `ignore_eos`.
     pub eos_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Admission order with `enable_priority_scheduling` (which end is urgent:
+    /// `schedule_low_priority_values_first`); 0 is neutral.
+    pub priority: i64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

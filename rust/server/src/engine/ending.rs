@@ -100,7 +100,8 @@ impl EngineLoop {
                 Command::Abort { .. }
                 | Command::StopMatched { .. }
                 | Command::AbortAll { .. }
-                | Command::PrefixLen { .. } => {}
+                | Command::PrefixLen { .. }
+                | Command::SetPaused { .. } => {}
                 Command::Shutdown => return,
             }
         }

@@ -66,6 +66,8 @@ pub(super) struct EngineLoop {
     /// `EngineStats::{prefix_cache_queries, prefix_cache_hits}`.
     pub(super) prefix_queries: u64,
     pub(super) prefix_hits: u64,
+    /// `/pause_generation`: no step is planned until `/continue_generation`.
+    pub(super) paused: bool,
 }
 
 impl EngineLoop {
@@ -125,7 +127,7 @@ impl EngineLoop {
                     && at > Instant::now()
                     && !self.scheduler.has_prompt_work()
             });
-            let mut plan = if self.in_flight.len() < depth && hold.is_none() {
+            let mut plan = if !self.paused && self.in_flight.len() < depth && hold.is_none() {
                 self.scheduler.schedule().filter(|p| !p.is_empty())
             } else {
                 None
@@ -238,6 +240,10 @@ impl EngineLoop {
                         kind: EngineErrorKind::Unavailable,
                     });
                 }
+            }
+            Command::SetPaused { paused, reply } => {
+                self.paused = paused;
+                let _ = reply.send(());
             }
             Command::Shutdown => return false,
         }

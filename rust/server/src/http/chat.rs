@@ -78,11 +78,15 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     let req: ChatCompletionRequest = parse_body(body)?;
     check_extra_fields("/v1/chat/completions", "ChatCompletionRequest", &req.extra)?;
     state.check_model(req.model.as_deref())?;
-    let checked = validate::chat::chat_request(
+    let mut checked = validate::chat::chat_request(
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
         &state.chat_parsers,
+    )?;
+    checked.spec.priority = validate::priority(
+        req.priority,
+        state.config.scheduler.enable_priority_scheduling,
     )?;
     let rid = generate::new_request_id();
     let choices =

@@ -7,6 +7,7 @@ pub mod lifecycle;
 pub mod native;
 pub mod openai;
 pub mod openapi;
+pub mod ops;
 pub mod protocol;
 pub mod response;
 
@@ -81,12 +82,16 @@ pub fn router(state: AppState) -> Router {
         .route("/abort_request", post(native::abort_request))
         .route("/server_info", get(native::server_info))
         .route("/get_model_info", get(native::model_info))
+        .route("/model_info", get(native::model_info))
         .route("/get_server_info", get(native::server_info))
         .route(
             "/flush_cache",
             post(native::flush_cache).get(native::flush_cache),
         )
         .route("/health_generate", get(native::health_generate))
+        .route("/pause_generation", post(ops::pause_generation))
+        .route("/continue_generation", post(ops::continue_generation))
+        .route("/get_weight_version", get(ops::weight_version))
         .merge(generating)
         .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
         .route_layer(middleware::from_fn_with_state(

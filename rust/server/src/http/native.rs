@@ -95,6 +95,7 @@ impl LogprobReport {
 /// SGLang's `meta_info`, with its logprob fields when `logprobs` says so.
 fn meta_info(
     id: &str,
+    weight_version: &str,
     chunk: &Chunk,
     started: Instant,
     logprobs: Option<(&LogprobReport, &TextTokenizer)>,
@@ -110,6 +111,7 @@ fn meta_info(
         "cached_tokens": chunk.usage.cached_tokens,
         "finish_reason": finish,
         "e2e_latency": started.elapsed().as_secs_f64(),
+        "weight_version": weight_version,
     });
     if let Some((report, tokenizer)) = logprobs {
         report.fill(tokenizer, chunk, &mut meta);
@@ -134,10 +136,14 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         "NativeSamplingParams",
         &req.sampling_params.extra,
     )?;
-    let checked = validate::routes::generate_request(
+    let mut checked = validate::routes::generate_request(
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
+    )?;
+    checked.spec.priority = validate::priority(
+        req.priority,
+        state.config.scheduler.enable_priority_scheduling,
     )?;
     let mut gen = generate::start(&state, generate::new_request_id(), checked.spec).await?;
     let report = LogprobReport {
@@ -148,6 +154,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     };
     let render = NativeRender {
         id: gen.id().to_string(),
+        weight_version: state.config.weight_version.clone(),
         started,
         report: checked.want_logprobs.then_some(report),
         tokenizer: state.tokenizer.clone(),
@@ -167,6 +174,8 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
 /// How a `/generate` answer is rendered (SGLang's shape).
 struct NativeRender {
     id: String,
+    /// `--weight-version`.
+    weight_version: String,
     started: Instant,
     /// With `return_logprob`: which logprobs `meta_info` lists.
     report: Option<LogprobReport>,
@@ -178,7 +187,7 @@ impl NativeRender {
         let logprobs = self.report.as_ref().map(|r| (r, &*self.tokenizer));
         json!({
             "text": acc.text, "output_ids": acc.token_ids,
-            "meta_info": meta_info(&self.id, acc, self.started, logprobs),
+            "meta_info": meta_info(&self.id, &self.weight_version, acc, self.started, logprobs),
         })
     }
 
@@ -247,6 +256,7 @@ pub async fn model_info(State(state): State<AppState>) -> Response {
         "model_path": state.config.model_path,
         "tokenizer_path": state.config.tokenizer_path,
         "served_model_name": state.config.served_model_name,
+        "weight_version": state.config.weight_version,
         "is_generation": true,
         "context_length": state.config.scheduler.context_length,
         "vocab_size": state.tokenizer.vocab_size(),
@@ -272,6 +282,11 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
         "engine": stats,
         "dp_size": replicas.len(),
         "replicas": replicas,
+        // What a router in front reads to name this worker's model (SGLang's router: the
+        // `model_path` and `served_model_name` of its /server_info).
+        "model_path": state.config.model_path,
+        "tokenizer_path": state.config.tokenizer_path,
+        "served_model_name": state.config.served_model_name,
     });
     // The scheduler's settings as it holds them (page_size, num_pages, context_length, ...),
     // then the extra facts the launcher reported.

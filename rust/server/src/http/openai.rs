@@ -158,11 +158,18 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
     let req: CompletionRequest = parse_body(body)?;
     check_extra_fields("/v1/completions", "CompletionRequest", &req.extra)?;
     state.check_model(req.model.as_deref())?;
-    let checked = validate::routes::completion_request(
+    let mut checked = validate::routes::completion_request(
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
     )?;
+    let priority = validate::priority(
+        req.priority,
+        state.config.scheduler.enable_priority_scheduling,
+    )?;
+    for spec in &mut checked.specs {
+        spec.priority = priority;
+    }
     let echo_texts: Vec<String> = if checked.echo {
         checked
             .specs

@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use super::{chat, native, openai};
+use super::{chat, native, openai, ops};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -28,6 +28,9 @@ use super::{chat, native, openai};
         native::metrics,
         native::version,
         native::abort_request,
+        ops::pause_generation,
+        ops::continue_generation,
+        ops::weight_version,
     )
 )]
 pub struct ApiDoc;
@@ -37,6 +40,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("/v1/tokenize", "/tokenize"),
     ("/v1/detokenize", "/detokenize"),
     ("/server_info", "/get_server_info"),
+    ("/model_info", "/get_model_info"),
     ("/ping", "/health"),
 ];
 

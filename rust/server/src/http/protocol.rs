@@ -113,6 +113,8 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub best_of: Option<u32>,
     pub suffix: Option<String>,
+    /// vLLM's and SGLang's admission priority (`validate::priority`).
+    pub priority: Option<i64>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -138,6 +140,8 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<Map<String, Value>>,
     /// vLLM's: the reply starts with the last message's content when that is the assistant's.
     pub echo: Option<bool>,
+    /// vLLM's and SGLang's admission priority (`validate::priority`).
+    pub priority: Option<i64>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -160,6 +164,8 @@ pub struct GenerateRequest {
     pub logprob_start_len: Option<i64>,
     /// The third element of each logprob entry is the token's text instead of null.
     pub return_text_in_logprobs: Option<bool>,
+    /// vLLM's and SGLang's admission priority (`validate::priority`).
+    pub priority: Option<i64>,
     #[serde(flatten)]
     #[schema(ignore)]
     pub extra: Map<String, Value>,
@@ -255,7 +261,8 @@ fn culprit_field<T: serde::de::DeserializeOwned>(value: &Value, message: &str) -
 }
 
 /// Fields other servers define whose feature TokenSpeed does not have yet: refused with a 400
-/// naming them (accepting them would silently change what the client asked for).
+/// naming them (accepting them would silently change what the client asked for), unless they
+/// hold their neutral value (`is_neutral`).
 const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     (
         "guided_decoding_backend",
@@ -301,6 +308,17 @@ fn documented_fields(schema: &str) -> HashSet<String> {
     out
 }
 
+/// A value that asks for nothing: what clients that spell out every field send for a feature
+/// they do not use (SGLang's router sends `"return_hidden_states": false` on every request).
+fn is_neutral(v: &Value) -> bool {
+    match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+
 /// Refuses a field another server defines that TokenSpeed does not implement; names the fields
 /// the document does not define for `schema` in a warning, once per field name per process.
 pub fn check_extra_fields(
@@ -309,7 +327,7 @@ pub fn check_extra_fields(
     extra: &Map<String, Value>,
 ) -> Result<(), ApiError> {
     for (name, feature) in NOT_IMPLEMENTED {
-        if extra.get(*name).is_some_and(|v| !v.is_null()) {
+        if extra.get(*name).is_some_and(|v| !is_neutral(v)) {
             return Err(ApiError::bad_param(
                 name,
                 format!(
@@ -344,6 +362,21 @@ pub fn check_extra_fields(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn unimplemented_fields_pass_only_at_their_neutral_value() {
+        for neutral in [json!(null), json!(false), json!([]), json!({})] {
+            let extra = json!({"return_hidden_states": neutral});
+            let extra = extra.as_object().expect("object");
+            assert!(check_extra_fields("/v1/completions", "CompletionRequest", extra).is_ok());
+        }
+        for asks in [json!(true), json!(["x"])] {
+            let extra = json!({"return_hidden_states": asks});
+            let extra = extra.as_object().expect("object");
+            let err = check_extra_fields("/v1/completions", "CompletionRequest", extra);
+            assert!(err.is_err(), "{asks}");
+        }
+    }
 
     #[test]
     fn only_fields_the_document_lacks_are_unknown() {

@@ -434,6 +434,7 @@ mod tests {
             prompt_logprobs: None,
             grammar: None,
             grammar_starts_after: None,
+            priority: 0,
         }
     }
 

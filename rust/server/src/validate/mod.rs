@@ -99,7 +99,25 @@ pub fn generation_spec(
         prompt_logprobs,
         grammar: grammar::grammar_request(&f.constraint)?,
         grammar_starts_after: None,
+        priority: 0,
     })
+}
+
+/// The request's `priority` (vLLM's and SGLang's field, top level): any integer with
+/// --enable-priority-scheduling; without it only the neutral 0 (or none), since accepting
+/// another value would promise an order the scheduler does not keep.
+pub fn priority(given: Option<i64>, enabled: bool) -> Result<i64, RequestError> {
+    match given {
+        None => Ok(0),
+        Some(p) if enabled || p == 0 => Ok(p),
+        Some(p) => Err(RequestError::bad_param(
+            "priority",
+            format!(
+                "'priority' {p} needs priority scheduling: start the server with \
+                 --enable-priority-scheduling (only the neutral 0 is accepted without it)"
+            ),
+        )),
+    }
 }
 
 /// OpenAI's `logit_bias`: token id (a string key) → bias in [-100, 100], sorted by id.

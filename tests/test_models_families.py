@@ -1,0 +1,258 @@
+"""Phi-3/Phi-4, Gemma 3, GPT-OSS (and DeepSeek-V2/V3) through ModelRunner vs HF transformers on
+tiny random checkpoints, fp32 CPU: greedy tokens and logits over chunked prefill and decode,
+dummy loading, and TP=2 giving TP=1's tokens. test_e2e_model_families.py serves them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from test_models_numerics import assert_matches_hf, hf_greedy, randomize
+from tp_ranks import generate_on_rank, run_ranks
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    Gemma3TextConfig,
+    GptOssConfig,
+    Phi3Config,
+    PretrainedConfig,
+)
+
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.offline_scheduler import OfflineScheduler
+
+_BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+# LongRoPE: short factors below position 32, long ones from there (the prompts fit the
+# original window and the generation crosses it), partial rotary (Phi-4-mini: 0.75).
+PHI3_LONGROPE = Phi3Config(
+    **_BASE, original_max_position_embeddings=32, partial_rotary_factor=0.75,
+    pad_token_id=0, eos_token_id=2,
+    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                     "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                     "long_factor": [2.0 + 0.7 * i for i in range(6)]})
+
+# Local layers (window 8, so the prompts outgrow it) around a global one, each with its own
+# rope (global: linear-scaled theta 1e5), q/k norm, query_pre_attn_scalar != head_dim, logit
+# soft-capping; tied embeddings (Gemma's default).
+GEMMA3 = Gemma3TextConfig(
+    **{**_BASE, "num_hidden_layers": 4}, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+    final_logit_softcapping=3.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+# Sliding (window 8) and full layers, sinks, YaRN (untruncated correction range, as shipped),
+# 8 experts top-2 with biases and the clamped SwiGLU (a low limit, so the clamp bites).
+GPT_OSS = GptOssConfig(
+    **{**_BASE, "intermediate_size": 32}, head_dim=16, sliding_window=8, num_local_experts=8,
+    num_experts_per_tok=2, swiglu_limit=0.5, pad_token_id=0, eos_token_id=2,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False})
+
+# MLA with a low-rank q (V3) or a plain q_proj (V2), YaRN with mscale; a dense first layer then
+# routed + shared experts: V3 sigmoid scores, grouped top-k (4 groups, 2 kept), correction
+# bias, renormalised and scaled; V2 softmax, group-limited greedy, scaled.
+_DEEPSEEK = {**_BASE, "num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 32,
+             "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+             "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1,
+             "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+             "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1,
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}
+DEEPSEEK_V3 = DeepseekV3Config(**_DEEPSEEK, q_lora_rank=24, routed_scaling_factor=2.5,
+                               norm_topk_prob=True)
+DEEPSEEK_V2 = DeepseekV2Config(**_DEEPSEEK, q_lora_rank=None, routed_scaling_factor=1.5,
+                               topk_method="group_limited_greedy")
+
+FAMILY_CONFIGS: dict[str, PretrainedConfig] = {
+    "phi3_longrope": PHI3_LONGROPE,
+    "gemma3": GEMMA3,
+    "gpt_oss": GPT_OSS,
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v2": DEEPSEEK_V2,
+}
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+PROMPTS = _prompts([3, 17, 40, 1, 26])
+NEW_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    """A config served with `max_context_len` on `prompts`, `new_tokens` each, by the
+    `backend` attention backend (triton: under the Triton interpreter on the CPU)."""
+
+    config: str
+    max_context_len: int = 128
+    prompts: tuple[tuple[int, ...], ...] = tuple(map(tuple, PROMPTS))
+    new_tokens: int = NEW_TOKENS
+    backend: str = "torch_native"
+
+
+CASES: dict[str, Case] = {
+    # A server context beyond the original window: long factors at every position, as
+    # transformers has them for sequences longer than that window (prompts of 33+ tokens).
+    "phi3_longrope_long": Case("phi3_longrope", 128, tuple(map(tuple, _prompts([33, 40, 47, 64])))),
+    # A server context within the window: short factors, sequences up to 32 tokens.
+    "phi3_longrope_short": Case("phi3_longrope", 32, tuple(map(tuple, _prompts([3, 17, 9, 1]))), 12),
+    "gemma3": Case("gemma3"),
+    # The triton kernels' sliding window (layer by layer): prefill chunks past the window, decode.
+    "gemma3_triton": Case("gemma3", prompts=tuple(map(tuple, _prompts([19, 11]))), new_tokens=4,
+                          backend="triton"),
+    "gpt_oss": Case("gpt_oss"),
+    "deepseek_v3": Case("deepseek_v3"),
+    "deepseek_v2": Case("deepseek_v2"),
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple]:
+    """Per config: (checkpoint dir, HF model), built on first use."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(FAMILY_CONFIGS[name]).eval()
+            randomize(model, seed=1)
+            for module in model.modules():  # DeepSeek-V3's routing bias is a buffer
+                bias = getattr(module, "e_score_correction_bias", None)
+                if bias is not None:
+                    bias.copy_(0.3 * torch.randn(bias.shape, generator=torch.Generator().manual_seed(4)))
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            cache[name] = (str(path), model)
+        return cache[name]
+
+    return get
+
+
+def hf_one_by_one(model: torch.nn.Module, prompts: list[list[int]], n: int) -> tuple[list, list]:
+    """HF greedy one prompt at a time (a left-padded batch would put the longest prompt's
+    positions, and its sliding-window / rope choices, on every row)."""
+    tokens, logits = [], []
+    for p in prompts:
+        t, lg = hf_greedy(model, [p], n)
+        tokens += t
+        logits += lg
+    return tokens, logits
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_greedy_matches_hf(family_models: Callable[[str], tuple], case: str) -> None:
+    c = CASES[case]
+    path, model = family_models(c.config)
+    prompts = [list(p) for p in c.prompts]
+    ref_tokens, ref_logits = hf_one_by_one(model, prompts, c.new_tokens)
+    runner = ModelRunner(path, page_size=4, max_slots=8, max_context_len=c.max_context_len, seed=0,
+                         attention_backend=c.backend)
+    assert runner.config.architecture == type(model).__name__
+    assert_matches_hf(runner, prompts, ref_tokens, ref_logits, chunk_size=8)
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_family_dummy_weights_generate(family_models: Callable[[str], tuple], name: str) -> None:
+    path, _ = family_models(name)
+    runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=128, seed=0,
+                         load_format="dummy")
+    res = OfflineScheduler(runner).generate(PROMPTS[:2], 4, chunk_size=8, keep_logits=True)
+    assert all(len(t) == 4 for t in res.tokens)
+    assert all(torch.isfinite(x).all() for req in res.logits for x in req)
+
+
+@pytest.mark.parametrize("name", ["phi3_longrope", "gemma3"])
+def test_family_tp2_matches_tp1(family_models: Callable[[str], tuple], name: str) -> None:
+    """Phi-3's fused checkpoint tensors (qkv_proj / gate_up_proj) cut per rank; Gemma 3's
+    per-head q/k norms on each rank's heads."""
+    path, _ = family_models(name)
+    prompts = PROMPTS[:3]
+    ref_tokens, ref_logits, _ = generate_on_rank(0, path, prompts, 8)
+    tokens, logits, _ = run_ranks(generate_on_rank, 2, path, prompts, 8)[0]
+    assert tokens == ref_tokens
+    worst = max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r))
+    assert worst < 1e-3, worst
+
+
+# --- GPT-OSS MXFP4 -----------------------------------------------------------------------------
+
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+                     -4.0, -6.0])
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] float → (blocks uint8 [..., out, in / 32, 16], scales uint8 [..., out, in / 32]),
+    OpenAI's layout: per 32 values a power-of-two scale, each value the nearest E2M1."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp(min=1e-12)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - _FP4).abs().argmin(-1).to(torch.uint8)  # [..., G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_dequantisation_matches_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tokenspeed.models.gpt_oss import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (3, 8, 2), generator=g, dtype=torch.uint8)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    torch.testing.assert_close(dequantize_mxfp4(blocks, scales), ref.transpose(1, 2))
+    w = torch.randn(2, 4, 64, generator=g)
+    back = dequantize_mxfp4(*quantize_mxfp4(w))
+    # Within half the widest step (4 → 6) of the largest group's scale, amax / 6 <= 2^e < amax / 3.
+    assert (back - w).abs().max() <= w.abs().max() / 3
+    assert (back - w).abs().mean() < 0.05 * w.abs().mean() * 6
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path: Path) -> None:
+    """Experts stored as OpenAI ships them (MXFP4 blocks + scales, biases in the clear): served
+    with HF's greedy tokens on the dequantised weights."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT_OSS).eval()
+    randomize(model, seed=2)
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = quantize_mxfp4(p.data.transpose(1, 2))  # [E, out, in]
+                from tokenspeed.models.gpt_oss import dequantize_mxfp4
+
+                p.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    saved = {k: v for k, v in saved.items()
+             if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**saved, **tensors}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    prompts = PROMPTS[:3]
+    ref_tokens, ref_logits = hf_one_by_one(model, prompts, 8)
+    runner = ModelRunner(str(tmp_path), page_size=4, max_slots=4, max_context_len=128, seed=0)
+    assert_matches_hf(runner, prompts, ref_tokens, ref_logits, chunk_size=8)
+
+
+def test_gpt_oss_refuses_backends_without_sinks(family_models: Callable[[str], tuple]) -> None:
+    path, _ = family_models("gpt_oss")
+    with pytest.raises(ValueError, match="attention sinks"):
+        ModelRunner(path, page_size=4, max_slots=4, max_context_len=128, seed=0,
+                    attention_backend="triton")
+    with pytest.raises(NotImplementedError, match="torch_native"):
+        ModelRunner(path, page_size=4, max_slots=4, max_context_len=128, seed=0,
+                    moe_backend="triton")
