@@ -220,7 +220,7 @@ def test_value_normalisation() -> None:
         (["--revision", "main"], "--revision"),
         (["--download-dir", "/tmp/hf"], "--download-dir"),
         (["--quantization-param-path", "s.json", "--modelopt-quant", "fp8"], "--modelopt-quant"),
-        (["--enable-lora"], "--enable-lora"),
+        (["--lora-backend", "csgmv"], "--lora-backend"),
         (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
         (["--grammar-backend", "outlines"], "--grammar-backend"),
     ],
@@ -320,8 +320,8 @@ def test_config_file_missing(tmp_path: Path) -> None:
 
 
 def test_config_file_unsupported_and_empty(tmp_path: Path) -> None:
-    with pytest.raises(NotSupportedError, match=r"^not supported yet: --enable-lora \(.*serve.yaml"):
-        parse_serve_args(["--config", _yaml(tmp_path, "enable-lora: true\n")])
+    with pytest.raises(NotSupportedError, match=r"^not supported yet: --lora-backend \(.*serve.yaml"):
+        parse_serve_args(["--config", _yaml(tmp_path, "lora-backend: csgmv\n")])
     assert parse_serve_args(["--config", _yaml(tmp_path, "")]).port == 30000
     assert parse_serve_args(["--config", _yaml(tmp_path, "api-key:\n")]).api_key is None
     cfg = parse_serve_args(["--config", _yaml(tmp_path, "lora-paths: []\nhf-overrides: {}\nnnodes: 1\n")])
@@ -363,11 +363,11 @@ def test_dry_run_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_errors_exit_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--port", "x"], ["--enable-lora"]):
+    for argv in (["--port", "x"], ["--lora-backend", "csgmv"]):
         with pytest.raises(SystemExit) as info:
             load_serve_config(argv)
         assert info.value.code == 2
-    assert "not supported yet: --enable-lora (" in capsys.readouterr().err
+    assert "not supported yet: --lora-backend (" in capsys.readouterr().err
     assert load_serve_config(["--port", "1"]).port == 1
 
 
@@ -404,7 +404,10 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--dp-size", "--load-balance-method", "--enable-dp-attention",
         "--speculative-algorithm", "--speculative-config", "--speculative-num-draft-tokens",
         "--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size",
+        "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
+        "--max-loras-per-batch", "--max-loaded-loras",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
+        "--is-embedding",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -1,4 +1,5 @@
-"""Async streaming client for one request: OpenAI completions / chat, or the native /generate (SSE)."""
+"""Async client for one request: OpenAI completions / chat, or the native /generate (streamed,
+SSE); or one embedding (`openai-embeddings`: POST /v1/embeddings, one JSON answer)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ import httpx
 from tokenspeed.bench.datasets import BenchRequest
 from tokenspeed.bench.metrics import RequestResult
 
-BACKENDS = ("openai-completions", "openai-chat", "tokenspeed-native")
+BACKENDS = ("openai-completions", "openai-chat", "tokenspeed-native", "openai-embeddings")
+EMBEDDINGS = "openai-embeddings"
 
 
 def build_payload(backend: str, model: str | None, req: BenchRequest, *, ignore_eos: bool,
                   temperature: float = 0.0, extra: dict[str, Any] | None = None) -> tuple[str, dict]:
-    """(path, JSON body) of a streaming request that asks for `req.output_len` tokens."""
+    """(path, JSON body) of a streaming request that asks for `req.output_len` tokens (an
+    embedding request asks for none)."""
+    if backend == EMBEDDINGS:
+        body = {"input": [req.prompt] if isinstance(req.prompt, list) else req.prompt}
+        if model:
+            body["model"] = model
+        return "/v1/embeddings", body | (extra or {})
     if backend == "tokenspeed-native":
         sp: dict[str, Any] = {"max_new_tokens": req.output_len, "temperature": temperature}
         if ignore_eos:
@@ -107,6 +115,8 @@ def iter_sse_data(buffer: bytearray) -> list[bytes]:
 async def send(client: httpx.AsyncClient, base_url: str, backend: str, path: str, body: dict,
                result: RequestResult) -> RequestResult:
     """Streams one request into `result` (timestamps, text, usage); never raises."""
+    if backend == EMBEDDINGS:
+        return await send_embedding(client, base_url + path, body, result)
     parser = StreamParser(backend, result)
     buf = bytearray()
     result.send_time = time.perf_counter()
@@ -131,6 +141,30 @@ async def send(client: httpx.AsyncClient, base_url: str, backend: str, path: str
             result.error = "the stream ended without any output"
     except Exception as e:  # noqa: BLE001 - a failed request is data, not a crash
         result.end_time = time.perf_counter()
+        result.ok = False
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def send_embedding(client: httpx.AsyncClient, url: str, body: dict,
+                         result: RequestResult) -> RequestResult:
+    """One /v1/embeddings request: done when its vectors arrive (its "first chunk" too, so TTFT
+    is the latency); prompt tokens from its usage. Never raises."""
+    result.send_time = time.perf_counter()
+    try:
+        resp = await client.post(url, json=body)
+        result.end_time = time.perf_counter()
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:500]}")
+        data = resp.json()
+        if not data.get("data") or not data["data"][0].get("embedding"):
+            raise RuntimeError(f"no embedding in the answer: {str(data)[:200]}")
+        result.chunk_times.append(result.end_time)
+        result.usage_prompt_tokens = int(data.get("usage", {}).get("prompt_tokens") or 0)
+        result.usage_output_tokens = 0
+        result.ok = True
+    except Exception as e:  # noqa: BLE001 - a failed request is data, not a crash
+        result.end_time = result.end_time or time.perf_counter()
         result.ok = False
         result.error = f"{type(e).__name__}: {e}"
     return result

@@ -68,7 +68,8 @@ def add_dataset_args(p: argparse.ArgumentParser, *, num_prompts: int = 1000, inp
 def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="openai-completions",
                    help="openai-completions (/v1/completions, default), openai-chat (/v1/chat/completions), "
-                        "tokenspeed-native (SGLang-style /generate)")
+                        "tokenspeed-native (SGLang-style /generate), openai-embeddings (/v1/embeddings "
+                        "of an --is-embedding server: requests/s and input tokens/s)")
     p.add_argument("--model", help="model name to send (default: the first id of GET /v1/models)")
     p.add_argument("--tokenizer", help="dir with tokenizer.json (or the file) for counting and generating "
                                        "prompt tokens (default: the server's model dir from /get_model_info "
@@ -350,6 +351,8 @@ def run_serve_bench(args: argparse.Namespace, argv: list[str], extra_record: dic
         raise SystemExit("tokenspeed bench: random-ids sends token ids; use openai-completions or tokenspeed-native")
     reqs = build_dataset(args, tok)
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name != "sharegpt"
+    if args.backend == "openai-embeddings":  # nothing is generated: no length to check
+        ignore_eos = False
     summary = dataset_summary(args, reqs)
     print(f"tokenizer: {tok.source}; model: {model}; backend: {args.backend}; ignore_eos: {ignore_eos}")
     print_dataset(summary)

@@ -65,8 +65,10 @@ MODEL_FLAGS: list[Flag] = [
     i("--context-length", "Longest sequence, prompt plus output, in tokens. Default: the maximum "
       "from the model's config.", G_MODEL, aliases=("--max-model-len",), minimum=1,
       readers=("scheduler", "worker"), implemented=True),
-    b("--is-embedding", "Serve a causal language model as an embedding model.", G_MODEL,
-      readers=("server", "worker")),
+    b("--is-embedding", "Serve an embedding or scoring model: /v1/embeddings, /v1/score, "
+      "/v1/rerank and /classify instead of the generating routes (docs/embeddings.md). BERT "
+      "encoders and cross-encoders, and Llama/Qwen2/Qwen3 decoders used as embedders.",
+      G_MODEL, readers=("server", "worker"), implemented=True),
     b("--enable-multimodal", "Turn on image/video/audio inputs for multimodal models.", G_MODEL,
       readers=("server", "worker")),
     s("--revision", "Model revision to fetch: a branch, tag or commit. TokenSpeed loads "
@@ -273,6 +275,12 @@ RUNTIME_FLAGS: list[Flag] = [
       r"( |\n[ \t]{0,16})", implemented=True, metavar="REGEX", readers=("launch",)),
     b("--constrained-json-disable-any-whitespace", "Force compact JSON in JSON-constrained "
       "output.", G_RUNTIME, implemented=True, readers=("launch",)),
+    # Undeclared properties are refused by default, as in vLLM and SGLang (xgrammar's default):
+    # allowed, a small model keeps inventing properties until max_tokens.
+    b("--constrained-json-allow-additional-properties", "In JSON-constrained output (schemas "
+      "of response_format, tools, guided_json), allow properties a schema does not declare when "
+      "it leaves additionalProperties unspecified. Default: not allowed.", G_RUNTIME,
+      implemented=True, readers=("server",)),
     f("--watchdog-timeout", "Abort the server when one forward step takes longer than this many "
       "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, readers=("server",),
       implemented=True),

@@ -23,6 +23,7 @@ from tokenspeed.config.flag import (
     lst,
     s,
 )
+from tokenspeed.config.lora import DEFAULT_MAX_RANK
 
 # The table is laid out by hand, one flag per few lines.
 # fmt: off
@@ -45,18 +46,27 @@ OVERRIDE_FLAGS: list[Flag] = [
       "none.", G_OVERRIDE),
 ]
 
+# The launcher resolves the LoRA flags with the start-up adapters (config/lora.py) and hands
+# the server its part as one `lora` object.
 LORA_FLAGS: list[Flag] = [
-    b("--enable-lora", "Serve LoRA adapters on top of the base model.", G_LORA, readers=("server", "worker")),
-    i("--max-lora-rank", "Largest LoRA rank to reserve room for. Default: from the adapters.",
-      G_LORA, minimum=1, readers=("worker",)),
-    lst("--lora-target-modules", "Modules LoRA applies to, or 'all'. Default: from the "
-        "adapters.", G_LORA, choices=LORA_MODULES, readers=("worker",)),
+    b("--enable-lora", "Serve LoRA adapters (PEFT format) on top of the base model; requests "
+      "name one by `model` or `lora_path`. Implied by --lora-paths.", G_LORA,
+      readers=("launch", "worker"), implemented=True),
+    i("--max-lora-rank", "Largest LoRA rank to reserve room for. Default: the largest rank of "
+      f"the --lora-paths adapters, else {DEFAULT_MAX_RANK}.",
+      G_LORA, minimum=1, readers=("launch", "worker"), implemented=True),
+    lst("--lora-target-modules", "Modules LoRA applies to, or 'all'. Default: those the "
+        "--lora-paths adapters adapt, else all.", G_LORA, choices=LORA_MODULES,
+        readers=("launch", "worker"), implemented=True),
     lst("--lora-paths", "Adapters to load at start: PATH, NAME=PATH, or a JSON object with "
-        "lora_name, lora_path and pinned.", G_LORA, nargs="*", readers=("server", "worker")),
-    i("--max-loras-per-batch", "Most distinct adapters in one batch, the base model included.",
-      G_LORA, 8, minimum=1, readers=("server", "worker")),
-    i("--max-loaded-loras", "Most adapters kept in GPU memory at once.", G_LORA, minimum=1,
-      readers=("server", "worker")),
+        "lora_name, lora_path (and pinned, which is not supported yet).", G_LORA, nargs="*",
+        readers=("launch",), implemented=True),
+    i("--max-loras-per-batch", "Most distinct adapters in one batch (the base model not "
+      "counted): the adapter slots of the GPU pool.", G_LORA, 8, minimum=1,
+      readers=("launch", "worker"), implemented=True),
+    i("--max-loaded-loras", "Most adapters each worker keeps in host memory (least recently "
+      "used dropped, read from disk again when needed). Default: no limit.", G_LORA, minimum=1,
+      readers=("worker",), implemented=True),
     c("--lora-eviction-policy", "Which adapter leaves GPU memory first when it is full.", G_LORA,
       ("lru", "fifo"), "lru"),
     c("--lora-backend", "Kernels used for LoRA computation.", G_LORA, ("triton", "csgmv"),

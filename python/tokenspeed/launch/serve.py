@@ -9,12 +9,13 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
 from tokenspeed.config.speculative import speculative_note
+from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
@@ -54,6 +55,14 @@ def model_vocab_size(model_dir: Path) -> int:
     """The model's vocabulary (its logits' width; may exceed the tokenizer's)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+
+
+def _pooling_facts(model_dir: Path) -> tuple[list[str], int]:
+    """`--is-embedding`: the classifier's labels (none for an embedding model) and the floats
+    of one pooled vector (models/pooling.py; imported here only when pooling)."""
+    from tokenspeed.models.pooling import model_pooling_facts
+
+    return model_pooling_facts(str(model_dir))
 
 
 def check_quantization(method: str | None, model_dir: Path, lm_head: str = "auto") -> None:
@@ -127,6 +136,7 @@ def launch(cfg: Any) -> int:
     note = speculative_note(cfg)
     if note:
         logger.info(note)
+    cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir)
     xgrammar = worker_xgrammar(cfg, layout, vocab_size)
@@ -151,6 +161,9 @@ def launch(cfg: Any) -> int:
             pages, max_running = start_relay(ctx, cfg, layout, channel_names[0], timeout,
                                              (pages, max_running), workers, watched, watch)
         config = server_config(cfg, layout, vocab_size, capacities, pages, max_running, workers)
+        config["lora"] = lora.server(cfg.max_loras_per_batch) if lora else {
+            "enabled": False, "adapters": [], "max_rank": 0, "target_modules": [],
+            "max_per_batch": 0}
         logger.info(
             "workers ready on %s: %d KV pages x %d tokens, %d running requests%s; starting HTTP "
             "on %s:%s", layout.device, pages, int(cfg.page_size), max_running,
@@ -162,6 +175,20 @@ def launch(cfg: Any) -> int:
         for c in channels:
             c.close()
         _stop_workers(workers)
+
+
+def lora_settings(cfg: Any) -> tuple[Any, LoraSettings | None]:
+    """The LoRA settings, resolved with the start-up adapters (config/lora.py), and `cfg`
+    with the rank and modules the workers' pools hold filled in."""
+    try:
+        lora = resolve_lora(cfg.enable_lora, cfg.lora_paths, cfg.max_lora_rank,
+                            cfg.lora_target_modules)
+    except AdapterError as e:
+        raise LaunchError(str(e)) from None
+    if lora is None:
+        return cfg, None
+    return replace(cfg, enable_lora=True, max_lora_rank=lora.max_rank,
+                   lora_target_modules=lora.targets), lora
 
 
 def check_priority_flags(cfg: Any) -> None:
@@ -254,9 +281,12 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
              for e in range(layout.engines)]
     # A slot holds the largest plan and result of a step, a bound derived from the schema
     # (with structured output, one token mask row per slot: the model's vocabulary in bits).
-    mask_words = -(-vocab_size // 32) if cfg.grammar_backend == "llguidance" else 0
+    mask_words = -(-vocab_size // 32) \
+        if cfg.grammar_backend == "llguidance" and not cfg.is_embedding else 0
+    # --is-embedding: one pooled vector per slot comes back in a result.
+    pooled_dim = _pooling_facts(layout.model_dir)[1] if cfg.is_embedding else 0
     slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
-                                  mask_words, worker_grammars)
+                                  mask_words, worker_grammars, pooled_dim)
     if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         readers = layout.readers + (layout.sizes.nnodes > 1)
         return names, [_core.ServerChannel.create(name, readers, 4, slot_bytes) for name in names]
@@ -358,6 +388,7 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
             "context_length": layout.context, "num_pages": pages,
             "max_running_requests": max_running},
         "vocab_size": vocab_size,
+        "pooling_labels": _pooling_facts(model_dir)[0] if cfg.is_embedding else [],
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                             else cfg.constrained_json_whitespace_pattern),
         "worker_pids": [p.pid for p in workers],

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenspeed.distributed.groups import tp_all_reduce
+from tokenspeed.layers.lora import LoraWeights
 from tokenspeed.layers.quantization.fp8 import fp8_linear
 
 
@@ -110,6 +111,7 @@ class ColumnLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.weight_scale: nn.Parameter | None = None  # set by FP8 quantization
+        self.lora: LoraWeights | None = None  # set by the LoRA pool (--enable-lora)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard: int = 0) -> None:
         offset = sum(self.output_sizes[:shard])
@@ -119,7 +121,8 @@ class ColumnLinear(nn.Module):
         _copy(param.data.narrow(0, offset, size), local.to(param.dtype), f"shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        y = linear(x, self.weight, self.bias, self.weight_scale)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 class QKVLinear(ColumnLinear):
@@ -167,6 +170,7 @@ class RowLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.weight_scale: nn.Parameter | None = None  # set by FP8 quantization
+        self.lora: LoraWeights | None = None  # set by the LoRA pool (--enable-lora)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard: int = 0) -> None:
         if param is self.bias:
@@ -176,6 +180,10 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.weight_scale)
-        y = tp_all_reduce(linear(x, self.weight, None, self.weight_scale), self.group)
+            y = linear(x, self.weight, self.bias, self.weight_scale)
+            return y if self.lora is None else self.lora.add_to(x, y)
+        partial = linear(x, self.weight, None, self.weight_scale)
+        if self.lora is not None:  # x A^T is a partial sum too: the all-reduce completes both
+            partial = self.lora.add_to(x, partial)
+        y = tp_all_reduce(partial, self.group)
         return y if self.bias is None else y + self.bias

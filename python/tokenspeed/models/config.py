@@ -63,8 +63,9 @@ def local_heads(config: ModelConfig, tp_size: int) -> tuple[int, int]:
             max(1, config.num_key_value_heads // tp_size))
 
 
-_QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM"}
-_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+# (The bare `*Model` names: decoder checkpoints saved as embedders, models/pooling.py.)
+_QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM", "Qwen2Model"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model"}
 
 
 def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from tokenspeed.layers.quantization.fp8_model import prepare_fp8_checkpoint, qua
 from tokenspeed.layers.quantization.kv_cache import KVScales, split_kv_scales
 from tokenspeed.layers.quantization.methods import Fp8Config
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
-from tokenspeed.models.registry import build_model
+from tokenspeed.models.registry import build_model, pooling_config_for
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -268,14 +268,17 @@ def open_checkpoint(model_path: str, load_format: str = "auto") -> Checkpoint:
 def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
                max_positions: int, seed: int = 0, moe: MoeOptions | None = None,
                kv_scales: KVScales | None = None, fp8: Fp8Config | None = None,
-               parallel: ParallelState | None = None) -> nn.Module:
+               parallel: ParallelState | None = None, pooling: bool = False) -> nn.Module:
     """Build this rank's shard of the model on `device` in `dtype` and fill its weights (seeded
     random for dummy). The checkpoint's KV cache scales, if any, go to `kv_scales`. fp8: FP8
     linear weights, read as they are from an FP8 checkpoint, else quantised once loaded.
-    `parallel`: the rank's groups (None: `distributed.state()`)."""
+    `parallel`: the rank's groups (None: `distributed.state()`). `pooling`: the model as an
+    embedding / scoring model (`--is-embedding`; its pooling read from the checkpoint)."""
     parallel = parallel or state()
+    pool_cfg = pooling_config_for(ckpt.config, os.path.dirname(ckpt.path) if ckpt.load_format
+                                  == "gguf" else ckpt.path) if pooling else None
     with _default_dtype(dtype), torch.device(device):
-        model = build_model(ckpt.config, max_positions, moe, parallel)
+        model = build_model(ckpt.config, max_positions, moe, parallel, pool_cfg)
     if fp8 is not None and fp8.checkpoint_format and ckpt.tensors is not None:
         prepare_fp8_checkpoint(model, fp8)
     if ckpt.tensors is None:
@@ -286,7 +289,7 @@ def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
             # draws and the model is the same at any TP / EP / MoE-TP size.
             one = replace(moe, parallel=MoeParallel()) if moe is not None else None
             with _default_dtype(dtype), torch.device("meta"):
-                full = build_model(ckpt.config, max_positions, one, single_rank())
+                full = build_model(ckpt.config, max_positions, one, single_rank(), pool_cfg)
         init_dummy_weights(model, seed, full_model=full)
     else:
         model.load_weights(split_kv_scales(ckpt.tensors(), kv_scales))  # type: ignore[operator]

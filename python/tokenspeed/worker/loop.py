@@ -128,6 +128,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
 def load_runner(spec: WorkerSpec) -> ModelRunner:
     """The model runner of this rank, built from the worker's flags and what the launcher
     resolved for it."""
+    from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
 
     s = spec.settings
@@ -152,6 +153,8 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         quantization_param_path=s["quantization_param_path"],
         quantization=s["quantization"],
         lm_head_quantization=s["lm_head_quantization"],
+        lora=lora_settings(s),
+        pooling=bool(s["is_embedding"]),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,8 +56,10 @@ from tokenspeed.worker.cuda_graph import (
     graph_memory_estimate,
 )
 from tokenspeed.worker.gpu_idle import IdleClock
+from tokenspeed.worker.lora import LoraPool
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
+from tokenspeed.worker.pooling_step import pool_step
 from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
 from tokenspeed.worker.spec_verify import Drafts
@@ -105,7 +108,8 @@ class ModelRunner:
                  chunked_prefill_size: int | None = None, moe_backend: str | None = None,
                  moe_parallel: MoeParallel | None = None, kv_cache_dtype: str = "auto",
                  quantization_param_path: str | None = None,
-                 quantization: str | None = None, lm_head_quantization: str = "auto") -> None:
+                 quantization: str | None = None, lm_head_quantization: str = "auto",
+                 lora: dict[str, Any] | None = None, pooling: bool = False) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -128,8 +132,17 @@ class ModelRunner:
         moe_parallel = moe_parallel or distributed_moe_parallel()  # from the TP/EP groups
         check_expert_parallel(self.config, moe_parallel.ep_size, moe_parallel.tp_size)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        # --is-embedding: every request pools (prefill-only steps, eager: worker/pooling_step.py).
+        self.pooling = pooling
+        disable_cuda_graph = disable_cuda_graph or pooling
         self._load_weights(ckpt, model_path, seed, moe_parallel, quantization,
                            lm_head_quantization, quantization_param_path)
+        # LoRA (worker/lora.py): its pool in every adapted layer, before memory is profiled
+        # and graphs are captured (they capture the LoRA kernels too).
+        self.lora = None if lora is None else LoraPool(
+            self.model, **lora, max_slots=self.max_slots,
+            max_tokens=max(chunked_prefill_size or DEFAULT_CHUNKED_PREFILL, 2048) + self.max_slots,
+            dtype=self.dtype, device=self.device)
         use_graphs = self._plan_graphs(disable_cuda_graph, cuda_graph_max_bs, extend_graph_sizes)
         self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
                            use_graphs)
@@ -151,7 +164,7 @@ class ModelRunner:
         self.model = load_model(ckpt, dtype=self.dtype, device=self.device,
                                 max_positions=self.max_context_len, seed=seed,
                                 moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel),
-                                kv_scales=ckpt_scales, fp8=self.fp8)
+                                kv_scales=ckpt_scales, fp8=self.fp8, pooling=self.pooling)
         self.kv_scales = self._kv_scales(ckpt_scales, quantization_param_path)
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
@@ -220,6 +233,8 @@ class ModelRunner:
         compile the eager steps."""
         c = self.config
         pool = None  # one memory pool for all graphs (largest, the extend ones, first)
+        if self.lora is not None:  # graphs always run the per-token LoRA kernels
+            self.lora.capture_mode()
         if self.extend_graph_sizes:
             self.extend_graphs = ExtendGraphRunner(
                 self.model, self.kv_cache, self.backend, self.extend_graph_sizes,
@@ -395,6 +410,8 @@ class ModelRunner:
         """Queue a step on the GPU without waiting for it: state changes, forward, sampling and
         the copy of the sampled tokens back to the host. The worker receives the next plan while
         this one runs; `PendingStep.wait()` gives the output."""
+        if self.pooling:
+            return pool_step(self, plan)
         # The graph's logits buffer is read by the sampler before the next replay rewrites it
         # (same stream), so no copy is needed here.
         logits, rows = self._forward(plan, copy_logits=False)
@@ -436,6 +453,9 @@ class ModelRunner:
         sample = plan.sched_sample.astype(bool)
         wanted = self.sampler.prompt_logprobs_pending(plan.sched_slot).tolist()
         drafts = Drafts.of(plan)
+        if self.lora is not None and (self.graphs or self.extend_graphs):
+            # The per-token adapter slots a graph replay reads.
+            self.lora.prepare(plan.sched_slot, plan.sched_tokens_len, per_token=True)
         # Prompt logprobs read every position's hidden state, and so does verifying drafts
         # (logits at every draft position; no graph captures that yet): eager.
         graph_run = None if (wanted or drafts is not None) and not self.lockstep else \
@@ -448,6 +468,8 @@ class ModelRunner:
             return logits[rows], slots_dev[rows]
         batch = self._build_batch(plan, positions, out_loc, query_start)
         self.backend.prepare(batch)
+        if self.lora is not None:  # eager: the adapter segments
+            self.lora.prepare(plan.sched_slot, plan.sched_tokens_len, per_token=False)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if wanted:
             self.prompt_scorer.score(plan, hidden, query_start, wanted, self.model, self.sampler)
@@ -498,6 +520,7 @@ class ModelRunner:
             return PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock, span=span)
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
+        failed = self.lora.failed & set(slots.tolist()) if self.lora is not None else set()
         res = self.sampler.sample(slots.tolist(), logits, slots_dev,
                                   masks if masks is not None else token_masks(plan, slots, completion))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
@@ -507,7 +530,7 @@ class ModelRunner:
         outputs = DeviceToHost([res.tokens, res.logprobs, res.top_ids, res.top_logprobs])
         span = self.idle_clock.end()  # after the step's last kernel and copy
         return PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock,
-                           span, drafts)
+                           span, drafts, failed=failed)
 
     # --- plan → state and batch ------------------------------------------------------------
 
@@ -542,6 +565,11 @@ class ModelRunner:
             if slot >= self.max_slots:
                 raise ValueError(f"new request slot {slot} >= max_slots {self.max_slots}")
         for slot, params, lists in new_request_rows(plan):
+            lora_id, lora_path = params.pop("lora_id"), bytes(lists.pop("lora_path")).decode()
+            if self.lora is not None:
+                self.lora.admit(slot, lora_id, lora_path)
+            elif lora_id:
+                raise ValueError(f"slot {slot}: a LoRA adapter without --enable-lora")
             self.sampler.add(slot, params, **lists)
             self.prompt_scorer.drop(slot)
         self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,

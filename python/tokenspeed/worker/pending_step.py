@@ -10,6 +10,9 @@ from tokenspeed.worker.plan import StepOutput
 from tokenspeed.worker.prompt_logprobs import PromptLogprobs
 from tokenspeed.worker.spec_verify import Drafts
 
+# `RequestEvent::error` of a request the worker could not run (plan.rs event_error::FAILED).
+FAILED = 1
+
 
 class PendingStep:
     """A launched step whose sampled tokens are on their way to the host."""
@@ -18,7 +21,8 @@ class PendingStep:
                  top_k: np.ndarray | None = None,
                  prompt: dict[int, PromptLogprobs] | None = None,
                  idle_clock: IdleClock | None = None,
-                 span: Span | None = None, drafts: Drafts | None = None) -> None:
+                 span: Span | None = None, drafts: Drafts | None = None,
+                 failed: set[int] | None = None) -> None:
         self.slots = slots
         self.top_k = top_k
         self.prompt = prompt or {}
@@ -26,6 +30,7 @@ class PendingStep:
         self._idle_clock = idle_clock
         self._span = span  # the step's marks on the idle clock (its run time)
         self._drafts = drafts  # rows are verified positions: accept on the host (spec_verify)
+        self.failed = failed or set()  # slots whose request failed (a LoRA adapter unreadable)
 
     def ready(self) -> bool:
         """True once `wait()` would not block."""
@@ -48,6 +53,9 @@ class PendingStep:
             out = StepOutput(slots=slots, tokens=tokens, logprobs=logprobs, top_ids=top_ids,
                              top_logprobs=top_logprobs, top_k=top_k, prompt=self.prompt,
                              counts=counts)
+        if self.failed:
+            out.errors = np.asarray([FAILED if s in self.failed else 0
+                                     for s in np.asarray(out.slots).tolist()], np.uint32)
         if self._idle_clock is not None:  # after the wait: this step's marks are passed
             out.gpu_idle_us = self._idle_clock.take_us()
             out.gpu_busy_us = IdleClock.busy_us(self._span) or 0

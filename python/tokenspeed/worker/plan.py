@@ -155,6 +155,8 @@ class StepOutput:
         self.gpu_idle_us: int | None = None
         # `StepTiming::gpu_busy_us`: this step's run time on the GPU (0: not measured).
         self.gpu_busy_us = 0
+        # A pooling step's vectors, [n, dim] float32 (`RequestEvent::pooled`; no tokens then).
+        self.pooled: np.ndarray | None = None
 
     def arrays(self) -> dict[str, bytes]:
         """{result array name: bytes}: one accepted token per event; each event's top-k rows
@@ -177,6 +179,8 @@ class StepOutput:
             "event_top_logprobs_len": (k * self.counts).astype(np.uint32).tobytes(),
             "event_top_logprobs": np.asarray(self.top_logprobs[keep], d["event_top_logprobs"]).tobytes(),
         }
+        if self.pooled is not None:
+            out = self._with_pooled(out)
         out = self._with_prompt(out, k) if self.prompt else out
         if self.errors is not None:  # prompt-only events (appended) have none
             events = len(out["event_slot"]) // RESULT_DTYPES["event_slot"].itemsize
@@ -187,6 +191,18 @@ class StepOutput:
             out["timing_gpu_idle_us"] = np.asarray([self.gpu_idle_us], d["timing_gpu_idle_us"]).tobytes()
             out["timing_gpu_busy_us"] = np.asarray([self.gpu_busy_us], d["timing_gpu_busy_us"]).tobytes()
         return out
+
+    def _with_pooled(self, out: dict[str, bytes]) -> dict[str, bytes]:
+        """A pooling step's events: each request's vector, no tokens."""
+        assert self.pooled is not None
+        n, dim = self.pooled.shape if self.pooled.ndim == 2 else (len(self.slots), 0)
+        none = np.zeros(n, np.uint32).tobytes()
+        return out | {
+            "event_tokens_len": none, "event_tokens": b"",
+            "event_logprobs_len": none, "event_logprobs": b"",
+            "event_pooled_len": np.full(n, dim, np.uint32).tobytes(),
+            "event_pooled": np.ascontiguousarray(self.pooled, RESULT_DTYPES["event_pooled"]).tobytes(),
+        }
 
     def _with_prompt(self, out: dict[str, bytes], k: np.ndarray) -> dict[str, bytes]:
         """Adds the prompt logprobs: on the slot's sampled event, or on a new token-less event

@@ -27,6 +27,9 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// The most `logit_bias` entries one request may carry (bounds the plan's slot size).
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
+/// The longest LoRA adapter path (bytes) a request carries to the worker.
+pub const MAX_LORA_PATH: usize = 1024;
+
 section! {
     /// A slot whose request finished or was aborted/retracted since the last plan: the worker
     /// drops its state before taking new requests.
@@ -61,6 +64,17 @@ section! {
         /// Report the logprob of each prompt token (and `top_logprobs` alternatives) as the
         /// prompt is computed; the prompt is then computed from its first token, uncached.
         pub prompt_logprobs: bool,
+        /// The LoRA adapter the request runs: the server's registry id, never reused for
+        /// another adapter (0: the base model).
+        pub lora_id: u32,
+        /// A pooling request (embedding, score, classification): prefill-only. The whole
+        /// prompt runs in one step from its first token (uncached), nothing is sampled, and
+        /// the step's event carries the model's pooled vector (`RequestEvent::pooled`); the
+        /// request then ends (`FinishReason::Pooled`).
+        pub pooling: bool,
+        /// With `pooling`: the position where the second segment of a text pair starts (token
+        /// type 1 for a BERT cross-encoder); 0: one segment.
+        pub segment_b: u32,
     }
     lists {
         /// The tokens that would end the request (masked while `min_tokens` is not reached).
@@ -69,6 +83,9 @@ section! {
         pub logit_bias_ids: Vec<u32>,
         /// One per id in `logit_bias_ids`.
         pub logit_bias_values: Vec<f32>,
+        /// The adapter's directory (UTF-8; empty for the base model): the worker reads it the
+        /// first time it sees `lora_id`, or again after dropping it from its host cache.
+        pub lora_path: Vec<u8>,
     }
 }
 
@@ -263,6 +280,9 @@ pub struct StepLimits {
     pub mask_words: usize,
     /// Grammars travel to the worker (`GrammarRow`, a worker-side grammar backend).
     pub worker_grammars: bool,
+    /// Floats of one pooled vector (`RequestEvent::pooled`: the model's hidden size or label
+    /// count); 0 when the model does not pool (`--is-embedding` off).
+    pub pooled_dim: usize,
 }
 
 impl Plan {
@@ -278,6 +298,7 @@ impl Plan {
             r * pages, // new requests, their stop ids (bounded by the vocabulary in practice)
             r * MAX_LOGIT_BIAS,
             r * MAX_LOGIT_BIAS, // their logit bias ids and values
+            r * MAX_LORA_PATH,  // their LoRA adapter paths
             2 * r,
             2 * r * pages, // page-table updates: a rewrite of a shared prefix plus new pages
             r * pages,     // copies
@@ -336,7 +357,8 @@ section! {
         /// have a strictly larger logprob), one per prompt logprob: vLLM reports it even for a
         /// token outside the top-k.
         pub prompt_ranks: Vec<u32>,
-        /// A pooled hidden state (embedding requests).
+        /// The pooled vector of a `pooling` request (float32; an embedding, or a classifier's
+        /// scores), on the event of the step that computed its prompt.
         pub pooled: Vec<f32>,
     }
 }
@@ -403,9 +425,9 @@ impl StepResult {
             prompt,
             prompt * k,
             prompt * k,
-            prompt, // prompt ranks
-            0,      // pooled vectors: none until embedding models exist
-            1,      // timing: one row
+            prompt,           // prompt ranks
+            r * l.pooled_dim, // pooled vectors: at most one per slot
+            1,                // timing: one row
         ];
         <StepResult as Message>::max_encoded_len(&counts)
     }

@@ -5,6 +5,10 @@
 //! count on the node and all its ancestors, so an unlocked node has an unlocked subtree and
 //! eviction (LRU over unlocked leaves) never touches a page a running request reads. Time is a
 //! logical tick bumped on every match and insert: nothing here reads a clock.
+//!
+//! Keys live in *namespaces*: KV computed under one LoRA adapter is not KV of another, so
+//! the root's children are keyed by (namespace, first page) and a lookup in namespace `ns`
+//! only ever walks nodes inserted in `ns` (0: the base model; the plain methods use it).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -44,6 +48,8 @@ struct Node {
     /// Requests using this node or a descendant.
     lock: u32,
     last_access: u64,
+    /// The namespace of the subtree (`match_prefix_in`); the root's is 0 and unused.
+    ns: u32,
 }
 
 /// The prefix cache. With `enabled == false` it caches nothing (`--disable-radix-cache`):
@@ -71,6 +77,7 @@ impl RadixCache {
             pages: pool.empty(),
             lock: 0,
             last_access: 0,
+            ns: 0,
         };
         RadixCache {
             pool,
@@ -105,6 +112,11 @@ impl RadixCache {
     /// Finds the longest cached page-aligned prefix of `tokens`, splitting the node it ends in
     /// so the returned node covers exactly the match, and marks the path as recently used.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
+        self.match_prefix_in(0, tokens)
+    }
+
+    /// `match_prefix` in namespace `ns` (a LoRA adapter's id).
+    pub fn match_prefix_in(&mut self, ns: u32, tokens: &[u32]) -> PrefixMatch {
         let mut found = PrefixMatch {
             len: 0,
             pages: Vec::new(),
@@ -117,7 +129,7 @@ impl RadixCache {
         let ps = self.page_size;
         let full = tokens.len() / ps * ps;
         while found.len < full {
-            let Some(child) = self.child(found.node, &tokens[found.len..found.len + ps]) else {
+            let Some(child) = self.child(ns, found.node, &tokens[found.len..found.len + ps]) else {
                 break;
             };
             let common = self.common_pages(child, &tokens[found.len..full]);
@@ -139,6 +151,11 @@ impl RadixCache {
     /// Length of the longest cached page-aligned prefix, without touching the tree (for ranking
     /// waiting requests and for a router asking which replica has a prefix).
     pub fn peek_prefix_len(&self, tokens: &[u32]) -> usize {
+        self.peek_prefix_len_in(0, tokens)
+    }
+
+    /// `peek_prefix_len` in namespace `ns`.
+    pub fn peek_prefix_len_in(&self, ns: u32, tokens: &[u32]) -> usize {
         if !self.enabled {
             return 0;
         }
@@ -146,7 +163,7 @@ impl RadixCache {
         let full = tokens.len() / ps * ps;
         let (mut len, mut node) = (0, NodeId::ROOT);
         while len < full {
-            let Some(child) = self.child(node, &tokens[len..len + ps]) else {
+            let Some(child) = self.child(ns, node, &tokens[len..len + ps]) else {
                 break;
             };
             let common = self.common_pages(child, &tokens[len..full]);
@@ -193,7 +210,12 @@ impl RadixCache {
     /// holds when the caller locked the prefix it started from. Pages whose tokens the tree
     /// already has are dropped (freed) and counted in the return value. If the tree lacks a
     /// page in front of `pages` (a caller bug), nothing is inserted and `pages` are freed.
-    pub fn insert(&mut self, tokens: &[u32], mut pages: Pages) -> usize {
+    pub fn insert(&mut self, tokens: &[u32], pages: Pages) -> usize {
+        self.insert_in(0, tokens, pages)
+    }
+
+    /// `insert` in namespace `ns`.
+    pub fn insert_in(&mut self, ns: u32, tokens: &[u32], mut pages: Pages) -> usize {
         if !self.enabled {
             return 0;
         }
@@ -206,7 +228,7 @@ impl RadixCache {
         let first_own = n - pages.len();
         let (mut pos, mut node) = (0, NodeId::ROOT);
         while pos < n {
-            let Some(child) = self.child(node, &tokens[pos * ps..(pos + 1) * ps]) else {
+            let Some(child) = self.child(ns, node, &tokens[pos * ps..(pos + 1) * ps]) else {
                 break;
             };
             let common = self.common_pages(child, &tokens[pos * ps..n * ps]);
@@ -228,7 +250,7 @@ impl RadixCache {
         drop(pages);
         if !new_pages.is_empty() {
             let key = tokens[pos * ps..n * ps].to_vec();
-            self.add_child(node, key, new_pages);
+            self.add_child(ns, node, key, new_pages);
         }
         duplicates
     }
@@ -255,8 +277,8 @@ impl RadixCache {
             self.vacant.push(id);
             freed += node.pages.len();
             self.cached_pages -= node.pages.len();
-            let first_page = node.key[..self.page_size].to_vec();
             if let Some(parent_id) = node.parent {
+                let first_page = child_key(parent_id, node.ns, &node.key[..self.page_size]);
                 let parent = self.node_mut(parent_id);
                 parent.children.remove(&first_page);
                 if parent_id != NodeId::ROOT && parent.children.is_empty() && parent.lock == 0 {
@@ -285,8 +307,13 @@ impl RadixCache {
             .expect("NodeId refers to a live node")
     }
 
-    fn child(&self, node: NodeId, first_page: &[u32]) -> Option<NodeId> {
-        self.node(node).children.get(first_page).copied()
+    fn child(&self, ns: u32, node: NodeId, first_page: &[u32]) -> Option<NodeId> {
+        let children = &self.node(node).children;
+        if node == NodeId::ROOT {
+            children.get(&child_key(node, ns, first_page)).copied()
+        } else {
+            children.get(first_page).copied()
+        }
     }
 
     /// Whole pages shared by `child`'s key and `tokens`.
@@ -309,9 +336,9 @@ impl RadixCache {
         let tail_key = child.key.split_off(at * ps);
         let front_key = std::mem::replace(&mut child.key, tail_key);
         let parent = child.parent.replace(new_id);
-        let (lock, last_access) = (child.lock, child.last_access);
+        let (lock, last_access, ns) = (child.lock, child.last_access, child.ns);
         let tail_first = child.key[..ps].to_vec();
-        let front_first = front_key[..ps].to_vec();
+        let front_first = parent.map(|p| child_key(p, ns, &front_key[..ps]));
         self.nodes[new_id.0 as usize] = Some(Node {
             parent,
             children: HashMap::from([(tail_first, id)]),
@@ -320,17 +347,18 @@ impl RadixCache {
             // Same lockers as the suffix: they hold the whole path, so `locked_pages` is unchanged.
             lock,
             last_access,
+            ns,
         });
-        if let Some(parent) = parent {
+        if let (Some(parent), Some(front_first)) = (parent, front_first) {
             self.node_mut(parent).children.insert(front_first, new_id);
         }
         new_id
     }
 
-    fn add_child(&mut self, parent: NodeId, key: Vec<u32>, pages: Pages) -> NodeId {
+    fn add_child(&mut self, ns: u32, parent: NodeId, key: Vec<u32>, pages: Pages) -> NodeId {
         let id = self.vacant_id();
         self.cached_pages += pages.len();
-        let first = key[..self.page_size].to_vec();
+        let first = child_key(parent, ns, &key[..self.page_size]);
         self.nodes[id.0 as usize] = Some(Node {
             parent: Some(parent),
             children: HashMap::new(),
@@ -338,6 +366,7 @@ impl RadixCache {
             pages,
             lock: 0,
             last_access: self.tick,
+            ns,
         });
         self.node_mut(parent).children.insert(first, id);
         id
@@ -371,7 +400,8 @@ impl RadixCache {
             }
             for (first, c) in &node.children {
                 let child = self.node(*c);
-                if child.parent != Some(NodeId(i as u32)) || &child.key[..ps] != first.as_slice() {
+                let key = child_key(NodeId(i as u32), child.ns, &child.key[..ps]);
+                if child.parent != Some(NodeId(i as u32)) || &key != first {
                     return Err(format!("node {i}: child {} mis-linked", c.0));
                 }
             }
@@ -390,6 +420,18 @@ impl RadixCache {
             ));
         }
         Ok(())
+    }
+}
+
+/// The key of a child whose edge starts with `first_page` among `parent`'s children: under the
+/// root the namespace leads it, elsewhere the page alone (a subtree has one namespace).
+fn child_key(parent: NodeId, ns: u32, first_page: &[u32]) -> Vec<u32> {
+    if parent == NodeId::ROOT {
+        std::iter::once(ns)
+            .chain(first_page.iter().copied())
+            .collect()
+    } else {
+        first_page.to_vec()
     }
 }
 

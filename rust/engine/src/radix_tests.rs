@@ -25,6 +25,28 @@ fn insert_fresh(pool: &PagePool, cache: &mut RadixCache, tokens: &[u32]) -> usiz
 }
 
 #[test]
+fn namespaces_never_share_a_prefix() {
+    let (pool, mut cache) = cache(16, 2);
+    insert_fresh(&pool, &mut cache, &[1, 2, 3, 4]);
+    // Adapter 7 sees none of the base model's KV; after its own insert, only its own.
+    assert_eq!(cache.match_prefix_in(7, &[1, 2, 3, 4, 5]).len, 0);
+    assert_eq!(cache.peek_prefix_len_in(7, &[1, 2, 3, 4, 5]), 0);
+    let own = pool.alloc(2).expect("pages");
+    assert_eq!(cache.insert_in(7, &[1, 2, 3, 4], own), 0);
+    let base = cache.match_prefix(&[1, 2, 3, 4, 5]);
+    let lora = cache.match_prefix_in(7, &[1, 2, 9, 9]);
+    assert_eq!((base.len, lora.len), (4, 2));
+    assert!(
+        base.pages.iter().all(|p| !lora.pages.contains(p)),
+        "distinct KV pages"
+    );
+    assert_eq!(cache.match_prefix_in(8, &[1, 2, 3, 4, 5]).len, 0);
+    cache.check_invariants().expect("consistent");
+    cache.flush();
+    assert_eq!(pool.free_count(), 16, "every namespace's pages come back");
+}
+
+#[test]
 fn match_returns_the_longest_page_aligned_prefix() {
     let (pool, mut cache) = cache(16, 2);
     insert_fresh(&pool, &mut cache, &[1, 2, 3, 4, 5, 6]);

@@ -89,6 +89,8 @@ struct Active {
     /// Page-table entries 0.. to rewrite in the slot's next plan: set when caching the prompt
     /// found another request's identical pages already in the tree and ours were freed.
     pending_table: Option<Vec<u32>>,
+    /// The radix-cache namespace of its KV: its LoRA adapter (0: the base model).
+    ns: u32,
 }
 
 impl Active {
@@ -121,6 +123,8 @@ struct Sequence {
     /// or state that changes token by token inside one step (penalties, `min_tokens`, a
     /// grammar: `Scheduler::forbid_drafts`).
     drafts_allowed: bool,
+    /// Times it was sent back to the queue (vLLM's per-request preemptions).
+    retractions: u32,
 }
 
 impl Sequence {
@@ -145,12 +149,14 @@ impl Sequence {
                 .map(|i| ev.prompt_top(i))
                 .collect(),
             prompt_ranks: ev.prompt_ranks.clone(),
+            pooled: ev.pooled.clone(),
             tokens,
             finished,
             error: None,
             prompt_tokens: self.req.prompt.len() as u32,
             cached_tokens: self.cached_tokens.unwrap_or(0),
             completion_tokens: self.completion_tokens() as u32,
+            preemptions: self.retractions,
         }
     }
 
@@ -260,6 +266,9 @@ pub struct Scheduler {
     spec: SpecCounts,
     /// Run times of past steps, for `max_mixed_step_ms`.
     step_cost: step_cost::StepCost,
+    /// Most distinct LoRA adapters among running requests (`--max-loras-per-batch`: the
+    /// worker's adapter pool slots; every running request is in every step).
+    max_adapters: usize,
 }
 
 impl Scheduler {
@@ -304,7 +313,14 @@ impl Scheduler {
             retractions: 0,
             spec: SpecCounts::default(),
             step_cost: step_cost::StepCost::default(),
+            max_adapters: usize::MAX,
         })
+    }
+
+    /// At most `n` distinct LoRA adapters (the base model not counted) run at once; a waiting
+    /// request for another one waits until a running adapter has no request left.
+    pub fn limit_adapters(&mut self, n: usize) {
+        self.max_adapters = n;
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -338,6 +354,19 @@ impl Scheduler {
                 max_context_len: self.config.context_length,
             });
         }
+        // Prefill-only: the whole prompt in one step (a bidirectional encoder, and pooling over
+        // every position, need it all at once).
+        let step_tokens = self
+            .config
+            .chunked_prefill_size
+            .min(self.config.max_prefill_tokens);
+        if req.sampling.pooling && req.prompt.len() > step_tokens as usize {
+            return Err(SubmitError::PoolingPromptTooLong {
+                id,
+                prompt_tokens: req.prompt.len(),
+                max_step_tokens: step_tokens,
+            });
+        }
         // The last sampled token is never fed back, so it needs no KV.
         let pages = (total - 1).div_ceil(u64::from(self.config.page_size));
         if pages > u64::from(self.config.num_pages) {
@@ -360,6 +389,7 @@ impl Scheduler {
                 cached_tokens: None,
                 phase: Phase::Waiting,
                 drafts_allowed,
+                retractions: 0,
             },
         );
         self.waiting.push_back(id);
@@ -442,6 +472,7 @@ impl Scheduler {
         }
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
+        seq.retractions += 1;
         self.requests.insert(id, seq);
         self.retractions += 1;
     }
@@ -457,7 +488,7 @@ impl Scheduler {
         let full = active.computed.min(tokens.len()) / ps;
         let mut own = active.own;
         drop(own.split_off(full.saturating_sub(active.prefix_pages.len())));
-        self.cache.insert(&tokens[..full * ps], own);
+        self.cache.insert_in(active.ns, &tokens[..full * ps], own);
         self.cache.unlock(active.prefix_node);
         self.free_slots.insert(active.slot);
         self.released_slots.push(active.slot);

@@ -194,7 +194,7 @@ fn full_ring_blocks_writer_until_all_readers_release() {
 #[test]
 fn too_large_plan_is_a_typed_error() {
     let nm = name("large");
-    let mut server = PlanChannel::create(&nm, 2, 256, 1).unwrap();
+    let mut server = PlanChannel::create(&nm, 2, 512, 1).unwrap();
     let mut w = WorkerChannel::attach(&nm, 0).unwrap();
     let big = Plan {
         scheduled: vec![ScheduledRequest {
@@ -204,7 +204,7 @@ fn too_large_plan_is_a_typed_error() {
         ..Default::default()
     };
     match server.send_plan(&big, SEC) {
-        Err(IpcError::TooLarge { need, cap: 256 }) => assert!(need >= 4000),
+        Err(IpcError::TooLarge { need, cap: 512 }) => assert!(need >= 4000),
         other => panic!("{other:?}"),
     }
     server.send_plan(&plan(5), SEC).unwrap();

@@ -26,6 +26,7 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
         (f(), f(), f()),
         (any::<i64>(), any::<u32>(), any::<u32>(), ids(5)),
         (ids(4), prop::collection::vec(f(), 0..4), any::<bool>()),
+        (any::<bool>(), any::<u32>()),
     )
         .prop_map(
             |(
@@ -33,6 +34,7 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
                 (r, fr, pr),
                 (seed, lp, min_tokens, stop_ids),
                 (bias_ids, bias, prompt_logprobs),
+                (pooling, segment_b),
             )| SamplingParams {
                 slot,
                 temperature: t,
@@ -46,9 +48,13 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
                 top_logprobs: lp,
                 min_tokens,
                 prompt_logprobs,
+                pooling,
+                segment_b,
                 stop_ids,
                 logit_bias_ids: bias_ids,
                 logit_bias_values: bias,
+                lora_id: slot % 3,
+                lora_path: vec![b'a'; (slot % 5) as usize],
             },
         )
 }
@@ -241,6 +247,7 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         max_pages_per_request: 4,
         mask_words: 0,
         worker_grammars: false,
+        pooled_dim: 0,
     };
     let mut r = StepResult {
         step_id: 3,
@@ -345,6 +352,7 @@ fn the_slot_bound_holds_the_largest_step() {
         max_pages_per_request: 8,
         mask_words: 5,
         worker_grammars: true,
+        pooled_dim: 0,
     };
     let full = Plan {
         finished: vec![FinishedSlot::default(); 4],
@@ -353,6 +361,7 @@ fn the_slot_bound_holds_the_largest_step() {
                 stop_ids: vec![1; 8],
                 logit_bias_ids: vec![1; tokenspeed_engine::MAX_LOGIT_BIAS],
                 logit_bias_values: vec![1.0; tokenspeed_engine::MAX_LOGIT_BIAS],
+                lora_path: vec![b'/'; tokenspeed_engine::MAX_LORA_PATH],
                 ..Default::default()
             };
             4

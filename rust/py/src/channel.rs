@@ -208,16 +208,18 @@ fn result_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 
 /// Bytes of a shm slot that holds the largest plan and result of a step within these limits
 /// (`mask_words`: words of a token mask row, 0 without structured output; `worker_grammars`:
-/// grammars travel to the worker, `--grammar-backend xgrammar`).
+/// grammars travel to the worker, `--grammar-backend xgrammar`; `pooled_dim`: floats of one
+/// pooled vector, 0 unless `--is-embedding`).
 #[pyfunction]
 #[pyo3(signature = (max_running, max_step_tokens, max_pages_per_request, mask_words = 0,
-                    worker_grammars = false))]
+                    worker_grammars = false, pooled_dim = 0))]
 fn slot_bytes(
     max_running: usize,
     max_step_tokens: usize,
     max_pages_per_request: usize,
     mask_words: usize,
     worker_grammars: bool,
+    pooled_dim: usize,
 ) -> usize {
     let l = StepLimits {
         max_running,
@@ -225,6 +227,7 @@ fn slot_bytes(
         max_pages_per_request,
         mask_words,
         worker_grammars,
+        pooled_dim,
     };
     Plan::max_encoded_len(&l).max(StepResult::max_encoded_len(&l))
 }

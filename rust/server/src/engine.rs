@@ -69,6 +69,8 @@ pub struct TokenEvent {
     pub prompt_ranks: Vec<u32>,
     pub finish: Option<FinishReason>,
     pub usage: TokenUsage,
+    /// A pooling request's vector (`FinishReason::Pooled`); empty otherwise.
+    pub pooled: Vec<f32>,
 }
 
 #[derive(Debug, Clone)]
@@ -409,6 +411,8 @@ pub struct EngineOptions {
     /// Set the KV pool gauges of `/metrics` after each step. Off under data parallelism, where
     /// they are the sum over replicas (set when `/metrics` is read).
     pub pool_metrics: bool,
+    /// Most distinct LoRA adapters running at once (`--max-loras-per-batch`; usize::MAX: off).
+    pub max_adapters: usize,
 }
 
 /// A request's structured-output constraint, as the engine applies it.
@@ -447,13 +451,14 @@ pub fn spawn_engine(
         .name("tokenspeed-engine".into())
         .spawn(move || {
             let _stopped = StoppedOnDrop(lifeline.clone());
-            let scheduler = match Scheduler::new(config) {
+            let mut scheduler = match Scheduler::new(config) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = started_tx.send(Err(e.to_string()));
                     return;
                 }
             };
+            scheduler.limit_adapters(options.max_adapters);
             let _ = started_tx.send(Ok(()));
             let mut engine = EngineLoop {
                 scheduler,

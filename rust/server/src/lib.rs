@@ -10,7 +10,9 @@ pub mod error;
 pub mod frontend;
 pub mod generate;
 pub mod http;
+pub mod lora;
 pub mod metrics;
+pub mod pooling;
 pub mod replicas;
 pub mod router;
 pub mod validate;
@@ -111,6 +113,11 @@ pub fn build_state_replicas(
         &config.served_model_name,
         config.scheduler.context_length,
     ));
+    metrics.set_cache_config(
+        config.scheduler.page_size,
+        config.scheduler.num_pages,
+        !config.scheduler.disable_radix_cache,
+    );
     // The HTTP layer admits at most max_running + max_queued generating requests (a fast 429
     // before tokenizing), so the waiting queue stays within --max-queued-requests once the
     // running slots are full. The engine's own check is a backstop at that same total: a
@@ -131,6 +138,7 @@ pub fn build_state_replicas(
             .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
         mask_words: grammar.as_ref().map_or(0, |g| g.bitmask_words()),
         pool_metrics: dp == 1,
+        max_adapters: config.lora.max_per_batch_limit(),
     };
     let mut engines = Vec::with_capacity(dp);
     for link in links {
@@ -144,7 +152,9 @@ pub fn build_state_replicas(
         engines.push(engine);
     }
     let engine = Replicas::new(engines, policy);
+    let lora = lora::LoraRegistry::new(config.lora.clone()).map_err(ServeError::Config)?;
     Ok(http::AppState {
+        lora: Arc::new(lora),
         frontend: Arc::new(frontend::Frontend {
             config: Arc::new(config),
             tokenizer: Arc::new(tokenizer),
@@ -173,6 +183,9 @@ fn grammar_compiler(
     // whose xgrammar matcher masks and advances on the sampled tokens it has itself
     // (python/tokenspeed/worker/grammar_backend.py), so no mask completion is needed. The worker
     // checked at start that xgrammar imports and maps the JSON whitespace flags.
+    if config.is_embedding {
+        return Ok(None); // an embedding server generates nothing (and BERT's WordPiece has no bytes)
+    }
     match config.grammar_backend.as_deref() {
         None | Some("none") => Ok(None),
         Some(backend @ ("llguidance" | "xgrammar")) => {

@@ -356,7 +356,11 @@ fn harness_from(o: HarnessOpts) -> Harness {
         reasoning_parser: None,
         enable_auto_tool_choice: false,
         json_whitespace: None,
+        is_embedding: false,
+        pooling_labels: vec![],
+        constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
+        lora: Default::default(),
     };
     let log = Arc::new(WorkerLog::default());
     let mut link = Box::new(ScriptedWorker::start(

@@ -157,7 +157,11 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         reasoning_parser: reasoning.map(str::to_string),
         enable_auto_tool_choice: auto,
         json_whitespace: None,
+        is_embedding: false,
+        pooling_labels: vec![],
+        constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
+        lora: Default::default(),
     }
 }
 
@@ -334,7 +338,11 @@ async fn thinking_disabled_leaves_the_think_block_in_the_content() {
     assert_eq!(status, StatusCode::OK, "{text}");
     let v: Value = serde_json::from_str(&text).expect("json");
     let message = &v["choices"][0]["message"];
-    assert_eq!(message.get("reasoning_content"), None, "{text}");
+    assert_eq!(
+        message.get("reasoning_content"),
+        Some(&Value::Null),
+        "{text}"
+    );
     assert_eq!(message["content"], ANSWER);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     // Thinking on (the default): the reasoning is split off, the rest is content (no tools).

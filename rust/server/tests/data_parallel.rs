@@ -124,6 +124,7 @@ fn group(n: usize, policy: Policy) -> Group {
             watchdog: None,
             mask_words: 0,
             pool_metrics: false,
+            max_adapters: usize::MAX,
         };
         let link = Box::new(EchoWorker::start(d.clone(), s.clone()));
         let (engine, _thread) =

@@ -94,7 +94,11 @@ fn state(watchdog_timeout: f64) -> AppState {
         reasoning_parser: None,
         enable_auto_tool_choice: false,
         json_whitespace: None,
+        is_embedding: false,
+        pooling_labels: vec![],
+        constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
+        lora: Default::default(),
     };
     build_state(config, Box::new(SilentWorker)).expect("state")
 }

@@ -41,11 +41,14 @@ impl TextTokenizer {
                     .into(),
             });
         }
-        let tokenizer =
+        let mut tokenizer =
             Tokenizer::from_file(&tokenizer_path).map_err(|e| TextError::LoadTokenizer {
                 path: tokenizer_path.clone(),
                 message: e.to_string(),
             })?;
+        // A prompt is never padded: a tokenizer.json saved with fixed-length padding (BERT
+        // sentence-transformers checkpoints: 128 [PAD]s) would feed the pads to the model.
+        tokenizer.with_padding(None);
         let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
         let generation_config = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
         let model_config = read_json(&dir.join("config.json"))?.unwrap_or_default();

@@ -12,9 +12,14 @@ use super::{
 /// How many of a request's tokens may come from the prefix cache. Never the whole sequence: the
 /// last token must be computed to get logits. Prompt logprobs need every prompt position
 /// computed, and penalties every token fed to the worker (its history): no cached prefix then.
+/// Nor for pooling: the model pools over every position (and an encoder's attention is
+/// bidirectional, so its KV is no prefix of anything).
 fn matchable_len(seq: &Sequence) -> usize {
     let sampling = &seq.req.sampling;
-    if (sampling.prompt_logprobs && seq.completion_tokens() == 0) || sampling.penalized() {
+    if (sampling.prompt_logprobs && seq.completion_tokens() == 0)
+        || sampling.penalized()
+        || sampling.pooling
+    {
         0
     } else {
         seq.tokens.len() - 1
@@ -57,6 +62,7 @@ impl Scheduler {
     pub(super) fn admit(&mut self, budget: &mut usize, step: &mut StepBuilder) {
         let ps = self.config.page_size as usize;
         let mut reserved = self.reserved_pages();
+        let mut adapters = self.running_adapters();
         for id in self.admission_order() {
             if *budget == 0 || self.free_slots.is_empty() {
                 break;
@@ -64,7 +70,17 @@ impl Scheduler {
             let Some(seq) = self.requests.get(&id) else {
                 continue;
             };
-            let m = self.cache.match_prefix(&seq.tokens[..matchable_len(seq)]);
+            let adapter = seq.req.sampling.lora_id;
+            if adapter != 0 && !adapters.contains(&adapter) {
+                if adapters.len() >= self.max_adapters {
+                    continue; // waits for a pool slot; requests on running adapters go ahead
+                }
+                adapters.insert(adapter);
+            }
+            let ns = seq.req.sampling.lora_id;
+            let m = self
+                .cache
+                .match_prefix_in(ns, &seq.tokens[..matchable_len(seq)]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
             let growth = self.expected_growth(seq);
@@ -74,7 +90,8 @@ impl Scheduler {
                 break;
             }
             let n = (seq.tokens.len() - m.len).min(*budget).min(spare * ps);
-            if n == 0 {
+            // A pooling prompt runs whole or waits (no chunks), in arrival order like any other.
+            if n == 0 || (seq.req.sampling.pooling && n < uncached) {
                 // Head-of-line blocking is deliberate: skipping ahead would starve long prompts.
                 self.cache.unlock(m.node);
                 break;
@@ -103,6 +120,7 @@ impl Scheduler {
                 in_flight: 0,
                 drafting: false,
                 pending_table: None,
+                ns,
             });
             self.next_epoch += 1;
             self.waiting.retain(|&w| w != id);
@@ -111,6 +129,16 @@ impl Scheduler {
             *budget -= n;
             reserved += (uncached - n + growth).div_ceil(ps);
         }
+    }
+
+    /// The LoRA adapters of the running requests (the base model, 0, left out).
+    fn running_adapters(&self) -> std::collections::HashSet<u32> {
+        self.running
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .map(|seq| seq.req.sampling.lora_id)
+            .filter(|&a| a != 0)
+            .collect()
     }
 
     /// Whether a request that needs pages for `tokens` more tokens (its uncached prompt and
@@ -142,7 +170,7 @@ impl Scheduler {
         };
         let cached = self
             .cache
-            .peek_prefix_len(&seq.tokens[..matchable_len(seq)]);
+            .peek_prefix_len_in(seq.req.sampling.lora_id, &seq.tokens[..matchable_len(seq)]);
         let tokens = seq.tokens.len() - cached + self.expected_growth(seq);
         self.fits_beside_running(tokens, self.reserved_pages())
     }
@@ -157,8 +185,10 @@ impl Scheduler {
                     let seq = &self.requests[id];
                     let retracted = matches!(seq.phase, Phase::Retracted);
                     let matched = if lpm {
-                        self.cache
-                            .peek_prefix_len(&seq.tokens[..seq.tokens.len() - 1])
+                        self.cache.peek_prefix_len_in(
+                            seq.req.sampling.lora_id,
+                            &seq.tokens[..seq.tokens.len() - 1],
+                        )
                     } else {
                         0
                     };

@@ -23,7 +23,14 @@ impl Scheduler {
         if let Phase::Prefilling(active) | Phase::Decoding(active) =
             std::mem::replace(&mut seq.phase, Phase::Finished)
         {
-            self.release(&seq.tokens, active);
+            // A pooling request's KV is no prefix to reuse (an encoder's is bidirectional):
+            // its pages are freed, not cached.
+            let cacheable: &[u32] = if seq.req.sampling.pooling {
+                &[]
+            } else {
+                &seq.tokens
+            };
+            self.release(cacheable, active);
         }
         let slot = self.finished_by_reason.entry(reason).or_insert(0);
         *slot += 1;
@@ -31,6 +38,7 @@ impl Scheduler {
             id,
             reason,
             completion_tokens: seq.completion_tokens() as u32,
+            preemptions: seq.retractions,
         })
     }
 

@@ -43,6 +43,7 @@ impl Scheduler {
     /// decode); if that assumption failed, its KV is wrong and the request recomputes.
     fn apply(&mut self, e: &Expected, event: Option<&RequestEvent>) -> Option<RequestOutput> {
         let seq = self.requests.get_mut(&e.id)?;
+        let pooling = seq.req.sampling.pooling;
         // A step planned for an earlier admission (retracted since) is stale.
         let a = seq
             .active_mut()
@@ -62,6 +63,9 @@ impl Scheduler {
                 finished: Some(FinishReason::Error),
                 ..out
             });
+        }
+        if e.sample && pooling {
+            return self.finish_pooled(e.id, event);
         }
         if !e.sample {
             // A prompt chunk: only its prompt logprobs, if the request asked for them.
@@ -113,6 +117,33 @@ impl Scheduler {
         out
     }
 
+    /// A pooling request's prompt ran: it ends with the pooled vector its event carries
+    /// (prefill-only, so this is its only output).
+    fn finish_pooled(
+        &mut self,
+        id: RequestId,
+        event: Option<&RequestEvent>,
+    ) -> Option<RequestOutput> {
+        let seq = self.requests.get(&id)?;
+        let out = match event.filter(|ev| !ev.pooled.is_empty()) {
+            Some(ev) => RequestOutput {
+                finished: Some(FinishReason::Pooled),
+                ..seq.output(Vec::new(), ev, None)
+            },
+            None => RequestOutput {
+                error: Some(
+                    "the model worker returned no pooled vector for this request \
+                             (is the server started with --is-embedding?)"
+                        .to_string(),
+                ),
+                finished: Some(FinishReason::Error),
+                ..seq.output(Vec::new(), &RequestEvent::default(), None)
+            },
+        };
+        self.finish(id, out.finished.unwrap_or(FinishReason::Error));
+        Some(out)
+    }
+
     /// Puts a request's freshly prefilled full pages into the radix tree while it keeps decoding,
     /// so requests arriving meanwhile with the same prefix (a shared system prompt) hit the cache
     /// without waiting for this one to finish. The request then holds them through a lock.
@@ -140,8 +171,8 @@ impl Scheduler {
         let to_tree = std::mem::replace(&mut a.own, rest);
         let ours = to_tree.ids().to_vec();
         let tokens = &seq.tokens[..full * ps];
-        self.cache.insert(tokens, to_tree);
-        let m = self.cache.match_prefix(tokens);
+        self.cache.insert_in(a.ns, tokens, to_tree);
+        let m = self.cache.match_prefix_in(a.ns, tokens);
         debug_assert_eq!(
             m.len,
             full * ps,

@@ -234,13 +234,19 @@ pub enum FinishReason {
     Abort,
     /// The worker (or the request's grammar) failed this request.
     Error,
+    /// A pooling request's prompt ran and its pooled vector came back (prefill-only: nothing
+    /// is generated).
+    Pooled,
 }
 
 impl FinishReason {
     /// The API's name for it: OpenAI's "stop" / "length", vLLM's "abort", or "error".
     pub fn api_name(self) -> &'static str {
         match self {
-            FinishReason::Stop | FinishReason::StopString | FinishReason::Complete => "stop",
+            FinishReason::Stop
+            | FinishReason::StopString
+            | FinishReason::Complete
+            | FinishReason::Pooled => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
             FinishReason::Error => "error",
@@ -255,6 +261,8 @@ pub struct Finished {
     pub reason: FinishReason,
     /// Tokens generated when it ended (those kept: none after a stop).
     pub completion_tokens: u32,
+    /// Times it was sent back to the queue to free KV pages.
+    pub preemptions: u32,
 }
 
 /// What one step produced for one request: its accepted tokens (usually one), or an error.
@@ -273,6 +281,8 @@ pub struct RequestOutput {
     pub prompt_top_logprobs: Vec<Vec<(u32, f32)>>,
     /// 1-based rank of each prompt token in its distribution, one per prompt logprob.
     pub prompt_ranks: Vec<u32>,
+    /// A pooling request's vector (`FinishReason::Pooled`), float32; empty otherwise.
+    pub pooled: Vec<f32>,
     /// Set on the request's last output; the request is gone from the scheduler afterwards.
     pub finished: Option<FinishReason>,
     /// The worker failed this request; it is gone from the scheduler.
@@ -282,6 +292,8 @@ pub struct RequestOutput {
     pub cached_tokens: u32,
     /// Tokens generated so far, this one included.
     pub completion_tokens: u32,
+    /// Times it was sent back to the queue so far (retracted to free KV pages).
+    pub preemptions: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -335,6 +347,15 @@ pub enum SubmitError {
         prompt_tokens: usize,
         max_new_tokens: u32,
         max_context_len: u32,
+    },
+    #[error(
+        "request {id}: a pooling request's prompt ({prompt_tokens} tokens) must run in one \
+         step, but a step holds at most {max_step_tokens} prompt tokens (--chunked-prefill-size)"
+    )]
+    PoolingPromptTooLong {
+        id: RequestId,
+        prompt_tokens: usize,
+        max_step_tokens: u32,
     },
     #[error(
         "request {id}: {tokens} tokens need {pages_needed} KV pages but the pool has only \

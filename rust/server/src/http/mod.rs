@@ -4,10 +4,12 @@
 pub mod chat;
 pub mod error;
 pub mod lifecycle;
+pub mod lora;
 pub mod native;
 pub mod openai;
 pub mod openapi;
 pub mod ops;
+pub mod pooling;
 pub mod protocol;
 pub mod response;
 
@@ -36,6 +38,8 @@ pub struct AppState {
     pub started: Instant,
     /// Draining (shutdown) and the count of generating requests in flight.
     pub lifecycle: Arc<Lifecycle>,
+    /// The LoRA adapters requests may name (`--enable-lora`).
+    pub lora: Arc<crate::lora::LoraRegistry>,
 }
 
 impl std::ops::Deref for AppState {
@@ -46,19 +50,47 @@ impl std::ops::Deref for AppState {
 }
 
 impl AppState {
-    /// 404 unless `model` names what we serve (absent means "the one model").
+    /// 404 unless `model` names what we serve (absent means "the one model") or a loaded
+    /// LoRA adapter.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             None => Ok(()),
             Some(m)
                 if m.is_empty()
                     || m == self.config.served_model_name
-                    || m == self.config.model_path =>
+                    || m == self.config.model_path
+                    || self.lora.get(m).is_some() =>
             {
                 Ok(())
             }
             Some(m) => Err(ApiError::model_not_found(m)),
         }
+    }
+
+    /// The LoRA adapter a generating request runs: SGLang's `lora_path` (an adapter's name;
+    /// 400 when not loaded), else the `model` field when it names one (vLLM), else none;
+    /// `model` must name the base model or an adapter either way (404).
+    pub fn adapter_for(
+        &self,
+        model: Option<&str>,
+        lora_path: Option<&str>,
+    ) -> Result<Option<crate::lora::Adapter>, ApiError> {
+        self.check_model(model)?;
+        if let Some(name) = lora_path {
+            if !self.lora.enabled() {
+                return Err(ApiError::bad_param(
+                    "lora_path",
+                    "LoRA adapters need the server started with --enable-lora",
+                ));
+            }
+            return self.lora.get(name).map(Some).ok_or_else(|| {
+                ApiError::bad_param(
+                    "lora_path",
+                    format!("the LoRA adapter `{name}` is not loaded"),
+                )
+            });
+        }
+        Ok(model.and_then(|m| self.lora.get(m)))
     }
 }
 
@@ -70,7 +102,22 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/generate", post(native::generate))
-        .route_layer(middleware::from_fn_with_state(state.clone(), admit));
+        .route_layer(middleware::from_fn_with_state(state.clone(), admit))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            refuse_on_embedding_server,
+        ));
+    let pooling = Router::new()
+        .route("/v1/embeddings", post(pooling::embeddings))
+        .route("/v1/score", post(pooling::score))
+        .route("/v1/rerank", post(pooling::rerank))
+        .route("/rerank", post(pooling::rerank))
+        .route("/classify", post(pooling::classify))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admit))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            refuse_on_generation_server,
+        ));
     let api = Router::new()
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
@@ -89,11 +136,17 @@ pub fn router(state: AppState) -> Router {
             post(native::flush_cache).get(native::flush_cache),
         )
         .route("/health_generate", get(native::health_generate))
+        .route("/v1/load_lora_adapter", post(lora::load_adapter))
+        .route("/v1/unload_lora_adapter", post(lora::unload_adapter))
+        .route("/load_lora_adapter", post(lora::load_adapter))
+        .route("/unload_lora_adapter", post(lora::unload_adapter))
         .route("/pause_generation", post(ops::pause_generation))
         .route("/continue_generation", post(ops::continue_generation))
         .route("/get_weight_version", get(ops::weight_version))
         .merge(generating)
+        .merge(pooling)
         .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
+        .route_layer(middleware::from_fn(require_json))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -156,6 +209,28 @@ async fn refuse_while_draining(
     next.run(req).await
 }
 
+/// The API routes read JSON: a body declared as anything else (a form or text, which a browser
+/// sends cross-site without a CORS preflight) gets 415. A body without a Content-Type is read
+/// as JSON, as FastAPI-based servers do.
+async fn require_json(req: Request, next: Next) -> Response {
+    if let Some(value) = req.headers().get(header::CONTENT_TYPE) {
+        let mime = value
+            .to_str()
+            .unwrap_or_default()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        let json = mime == "application/json"
+            || (mime.starts_with("application/") && mime.ends_with("+json"));
+        if !json {
+            return ApiError::unsupported_media_type(&mime).into_response();
+        }
+    }
+    next.run(req).await
+}
+
 /// Reads the body up to --max-request-body-bytes: a larger declared length gets 413 before any
 /// byte is read, a longer chunked body 413 as soon as it passes the limit.
 async fn limit_body(State(state): State<AppState>, req: Request, next: Next) -> Response {
@@ -186,6 +261,39 @@ async fn limit_body(State(state): State<AppState>, req: Request, next: Next) -> 
     }
     next.run(Request::from_parts(parts, Body::from(bytes)))
         .await
+}
+
+/// An `--is-embedding` server pools; it has no generating routes (a 400 that says so).
+async fn refuse_on_embedding_server(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if state.config.is_embedding {
+        return ApiError::bad_request(format!(
+            "{} generates text, but this server runs an embedding model (--is-embedding): use \
+             /v1/embeddings, /v1/score, /v1/rerank or /classify",
+            req.uri().path()
+        ))
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// The pooling routes need `--is-embedding` (a 400 that says so on a generation server).
+async fn refuse_on_generation_server(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if !state.config.is_embedding {
+        return ApiError::bad_request(format!(
+            "{} needs an embedding or scoring model: start the server with --is-embedding",
+            req.uri().path()
+        ))
+        .into_response();
+    }
+    next.run(req).await
 }
 
 /// Admission for the generating routes, before the handler tokenizes: 503 when the engine

@@ -136,11 +136,13 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         "NativeSamplingParams",
         &req.sampling_params.extra,
     )?;
+    let adapter = state.adapter_for(None, req.lora_path.as_deref())?;
     let mut checked = validate::routes::generate_request(
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
     )?;
+    crate::lora::run_on(&mut checked.spec.sampling, adapter);
     checked.spec.priority = validate::priority(
         req.priority,
         state.config.scheduler.enable_priority_scheduling,

@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use super::{chat, native, openai, ops};
+use super::{chat, lora, native, openai, ops, pooling};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -28,9 +28,15 @@ use super::{chat, native, openai, ops};
         native::metrics,
         native::version,
         native::abort_request,
+        lora::load_adapter,
+        lora::unload_adapter,
         ops::pause_generation,
         ops::continue_generation,
         ops::weight_version,
+        pooling::embeddings,
+        pooling::score,
+        pooling::rerank,
+        pooling::classify,
     )
 )]
 pub struct ApiDoc;
@@ -42,6 +48,9 @@ const ALIASES: &[(&str, &str)] = &[
     ("/server_info", "/get_server_info"),
     ("/model_info", "/get_model_info"),
     ("/ping", "/health"),
+    ("/load_lora_adapter", "/v1/load_lora_adapter"),
+    ("/unload_lora_adapter", "/v1/unload_lora_adapter"),
+    ("/rerank", "/v1/rerank"),
 ];
 
 /// Routes whose body names a `model`: an unknown one is a 404, as on OpenAI.
@@ -50,9 +59,23 @@ const MODEL_ROUTES: &[&str] = &[
     "/v1/chat/completions",
     "/tokenize",
     "/detokenize",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/rerank",
+    "/classify",
 ];
 /// Routes that queue work for the engine: a full queue is a 429, a dead worker a 503.
-const QUEUED_ROUTES: &[&str] = &["/v1/completions", "/v1/chat/completions", "/generate"];
+const QUEUED_ROUTES: &[&str] = &[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/generate",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/rerank",
+    "/classify",
+];
 /// Routes open without the API key (load balancers and scrapers need them).
 const OPEN_ROUTES: &[&str] = &["/health", "/ping", "/metrics"];
 

@@ -1,0 +1,92 @@
+"""Multi-LoRA shrink/expand kernels (BGMV per token, SGMV per segment) vs the torch reference
+(tokenspeed.layers.lora.lora_reference), on a batch mixing adapters and base-model rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenspeed.layers.lora import lora_reference, token_segments
+from tokenspeed_kernels.lora import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink
+
+# (in features, sub-projection output sizes, rank): a fused qkv with GQA, a gate_up, an o_proj
+# whose sizes are no multiple of any block; a long K that the per-token shrink splits in slices
+# (1500 = 2 slices of 768, the last one short).
+SHAPES = [(40, [24, 8, 8], 4), (36, [20, 20], 8), (50, [37], 3), (1500, [20, 12], 4)]
+SLOTS = 3
+
+
+def _case(k: int, subs: list[int], rank: int, dtype: torch.dtype, device: str,
+          seg_lens: list[int], seg_slots: list[int]):
+    gen = torch.Generator().manual_seed(k * 100 + rank)
+    t = sum(seg_lens)
+    x = torch.randn(t, k, generator=gen).to(dtype=dtype, device=device)
+    a = torch.randn(SLOTS, len(subs) * rank, k, generator=gen).to(dtype=dtype, device=device)
+    b = torch.randn(SLOTS, sum(subs), rank, generator=gen).to(dtype=dtype, device=device)
+    y = torch.randn(t, sum(subs), generator=gen).to(dtype=dtype, device=device)
+    token_slot = np.repeat(np.asarray(seg_slots, np.int32), seg_lens)
+    return x, a, b, y, token_slot
+
+
+# Segments as a mixed step lays them out: prefill chunks (long) and decodes (one token), some on
+# the base model (-1), the same adapter in two requests.
+LAYOUTS = [([5, 1, 1, 19, 1, 2], [0, -1, 2, 1, 0, -1]), ([1, 1, 1, 1], [2, 2, -1, 0])]
+
+
+def _reference(x, a, b, y, token_slot, subs, rank):
+    return lora_reference(x.float().cpu(), a.float().cpu(), b.float().cpu(),
+                          token_segments(token_slot), subs, rank, y.float().cpu().clone())
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bgmv_matches_reference(dtype, shape, layout, device):
+    k, subs, rank = shape
+    x, a, b, y, token_slot = _case(k, subs, rank, dtype, device, *layout)
+    want = _reference(x, a, b, y, token_slot, subs, rank)
+    # A fixed-size slot buffer longer than the step, as CUDA graphs hold it (-1 past the end).
+    slots = torch.full((len(token_slot) + 7,), -1, dtype=torch.int32, device=device)
+    slots[:len(token_slot)] = torch.from_numpy(token_slot).to(device)
+    xa = bgmv_shrink(x, a, slots)
+    offsets = tuple(np.cumsum(subs[:-1]).tolist())
+    got = bgmv_expand(xa, b, slots, y.clone(), offsets, rank)
+    scale = want.abs().max().item()
+    assert (got.float().cpu() - want).abs().max().item() <= _tol(dtype) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sgmv_matches_reference(dtype, shape, layout, device):
+    k, subs, rank = shape
+    x, a, b, y, token_slot = _case(k, subs, rank, dtype, device, *layout)
+    want = _reference(x, a, b, y, token_slot, subs, rank)
+    segs = token_segments(token_slot)
+    start, length, slot = (torch.from_numpy(np.ascontiguousarray(c)).to(device) for c in segs.T)
+    max_len = int(segs[:, 1].max())
+    xa = torch.zeros(x.shape[0], a.shape[1], dtype=dtype, device=device)
+    sgmv_shrink(x, a, start, length, slot, max_len, xa)
+    got = sgmv_expand(xa, b, start, length, slot, max_len, y.clone(), tuple(subs), rank)
+    scale = want.abs().max().item()
+    assert (got.float().cpu() - want).abs().max().item() <= _tol(dtype) * scale
+
+
+def test_base_rows_untouched(device):
+    """Rows on the base model (-1) keep y exactly: no delta, no rounding through the kernel."""
+    x, a, b, y, token_slot = _case(40, [24, 8, 8], 4, torch.float32, device, [2, 3], [-1, 1])
+    slots = torch.from_numpy(token_slot).to(device)
+    xa = bgmv_shrink(x, a, slots)
+    got = bgmv_expand(xa, b, slots, y.clone(), (24, 32), 4)
+    assert torch.equal(got[:2], y[:2])
+    assert not torch.allclose(got[2:], y[2:])
+
+
+def test_token_segments():
+    segs = token_segments(np.asarray([-1, 0, 0, 2, 2, 2, -1, 0], np.int32))
+    assert segs.tolist() == [[1, 2, 0], [3, 3, 2], [7, 1, 0]]

@@ -1,0 +1,156 @@
+"""Pooling models (`--is-embedding`): how a prompt's hidden states become one vector.
+
+A pooling request is prefill-only: its whole prompt runs in one step (rust/engine: the
+scheduler never chunks it), so the step's hidden states of request i are rows
+[query_start[i], query_start[i + 1]) and the model pools them into one float32 vector:
+an embedding (mean / CLS / last token, then optionally L2-normalised, as the checkpoint's
+sentence-transformers `modules.json` says) or a classifier's logits (a cross-encoder).
+
+Decoder embedders (Qwen3-Embedding, gte-Qwen2: `Qwen3ForCausalLM` / `Qwen2Model` checkpoints
+used as embedders) run the generation model's layers unchanged (causal, paged KV) and pool the
+last token by default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenspeed.layers.attention import ForwardBatch
+from tokenspeed.models.config import ModelConfig
+
+POOLING_METHODS = ("mean", "cls", "last")
+# sentence-transformers' Pooling config switches → our method.
+_ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+             "pooling_mode_lasttoken": "last"}
+# Modules of a sentence-transformers pipeline we run (others, e.g. Dense, are refused).
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    method: str
+    normalize: bool
+
+
+def is_classifier(config: ModelConfig) -> bool:
+    return config.architecture.endswith("ForSequenceClassification")
+
+
+def classifier_labels(raw: dict) -> list[str]:
+    """Label names by index (config.json `id2label`, else `num_labels` generic names)."""
+    id2label = raw.get("id2label") or {}
+    n = len(id2label) or int(raw.get("num_labels") or 2)
+    return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+
+
+def model_pooling_facts(model_dir: str) -> tuple[list[str], int]:
+    """(label names, floats per pooled vector) of the model in `model_dir`: a classifier's
+    labels and their count, or no labels and the embedding width (hidden size)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    arch = (raw.get("architectures") or [""])[0]
+    if arch.endswith("ForSequenceClassification"):
+        labels = classifier_labels(raw)
+        return labels, len(labels)
+    return [], int(raw.get("hidden_size") or raw.get("text_config", {}).get("hidden_size") or 0)
+
+
+def read_pooling_config(model_dir: str | None, default_method: str) -> PoolingConfig:
+    """From sentence-transformers' `modules.json` (+ `1_Pooling/config.json`) when present;
+    else `default_method`, normalised (what vLLM does for an embedding model without one)."""
+    path = os.path.join(model_dir, "modules.json") if model_dir else ""
+    if not path or not os.path.exists(path):
+        return PoolingConfig(default_method, True)
+    with open(path) as f:
+        modules = json.load(f)
+    method, normalize = default_method, False
+    for m in modules:
+        kind = m.get("type", "")
+        if kind == _ST_POOLING:
+            method = _pooling_mode(os.path.join(model_dir, m.get("path", ""), "config.json"))
+        elif kind == _ST_NORMALIZE:
+            normalize = True
+        elif kind != _ST_TRANSFORMER:
+            raise NotImplementedError(f"{path}: sentence-transformers module {kind!r} is not "
+                                      "supported (only Transformer, Pooling and Normalize)")
+    return PoolingConfig(method, normalize)
+
+
+def _pooling_mode(path: str) -> str:
+    with open(path) as f:
+        cfg = json.load(f)
+    on = [mode for key, mode in _ST_MODES.items() if cfg.get(key)]
+    other = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v and k not in _ST_MODES]
+    if other or len(on) != 1:
+        raise NotImplementedError(f"{path}: pooling {other or on} is not supported (one of "
+                                  f"{sorted(_ST_MODES)})")
+    return on[0]
+
+
+def pool(hidden: torch.Tensor, query_start: np.ndarray, rows: np.ndarray,
+         cfg: PoolingConfig) -> torch.Tensor:
+    """One float32 vector per request index in `rows` (requests whose whole prompt is in the
+    step), [len(rows), hidden]."""
+    out = []
+    for i in rows.tolist():
+        a, b = int(query_start[i]), int(query_start[i + 1])
+        if cfg.method == "mean":
+            v = hidden[a:b].float().mean(dim=0)
+        elif cfg.method == "cls":
+            v = hidden[a].float()
+        else:
+            v = hidden[b - 1].float()
+        out.append(v)
+    vectors = torch.stack(out) if out else hidden.new_zeros(0, hidden.shape[-1]).float()
+    if cfg.normalize:
+        vectors = torch.nn.functional.normalize(vectors, p=2, dim=-1)
+    return vectors
+
+
+class DecoderEmbedding(nn.Module):
+    """A decoder-only model (Llama / Qwen2 / Qwen3 layers) used as an embedder: its final
+    hidden states (after the last norm) pooled; the LM head is not loaded. Reads checkpoints
+    saved as `*ForCausalLM` (`model.` prefix) or as the bare `*Model` (no prefix)."""
+
+    def __init__(self, inner: nn.Module, pooling: PoolingConfig) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+        self.pooling = pooling
+        del inner.lm_head  # an embedder has no vocabulary logits
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """No vocabulary head: the runner's memory profile and kernel warm-up call this."""
+        return hidden
+
+    def pool(self, hidden: torch.Tensor, batch: ForwardBatch, rows: np.ndarray) -> torch.Tensor:
+        return pool(hidden, batch.query_start, rows, self.pooling)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.inner.named_parameters())
+        modules = dict(self.inner.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("lm_head."):
+                continue
+            if not name.startswith("model."):
+                name = "model." + name
+            target = self.inner.load_tensor(name, tensor, params, modules)
+            if target is not None:
+                loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise KeyError(f"parameters missing from the checkpoint: {sorted(missing)[:8]}")
