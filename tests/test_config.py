@@ -407,7 +407,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
         "--max-loras-per-batch", "--max-loaded-loras",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
-        "--is-embedding",
+        "--is-embedding", "--constrained-json-allow-additional-properties",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

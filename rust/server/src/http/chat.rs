@@ -39,7 +39,12 @@ pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Res
 
 /// With special tokens kept, a choice that ended on a special stop token (eos) has its text at
 /// the end: it is no part of the answer.
-fn strip_special_stop(tokenizer: &TextTokenizer, keep_special: bool, text: &mut String, c: &Chunk) {
+pub(super) fn strip_special_stop(
+    tokenizer: &TextTokenizer,
+    keep_special: bool,
+    text: &mut String,
+    c: &Chunk,
+) {
     let Some(id) = c
         .finish
         .as_ref()

@@ -5,13 +5,16 @@ pub mod chat;
 pub mod error;
 pub mod lifecycle;
 pub mod lora;
+pub mod messages;
 pub mod native;
 pub mod openai;
 pub mod openapi;
 pub mod ops;
 pub mod pooling;
 pub mod protocol;
+pub mod protocol_agents;
 pub mod response;
+pub mod responses;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,6 +41,8 @@ pub struct AppState {
     pub started: Instant,
     /// Draining (shutdown) and the count of generating requests in flight.
     pub lifecycle: Arc<Lifecycle>,
+    /// `/v1/responses` answers kept for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses: Arc<crate::response_store::ResponseStore>,
     /// The LoRA adapters requests may name (`--enable-lora`).
     pub lora: Arc<crate::lora::LoraRegistry>,
 }
@@ -102,6 +107,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/generate", post(native::generate))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/messages", post(messages::messages))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -121,6 +128,10 @@ pub fn router(state: AppState) -> Router {
     let api = Router::new()
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::get).delete(responses::delete),
+        )
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))
         .route("/v1/tokenize", post(native::tokenize))
@@ -166,6 +177,7 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             refuse_while_draining,
         ))
+        .layer(middleware::from_fn(messages::anthropic_errors))
         // `limit_body` enforces --max-request-body-bytes; axum's own 2 MB default must not.
         .layer(DefaultBodyLimit::disable())
         .with_state(state)
@@ -187,7 +199,9 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            // Anthropic's clients send the key as `x-api-key`.
+            .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
         let ok = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
         if !ok {
             return ApiError::unauthorized().into_response();

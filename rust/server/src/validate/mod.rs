@@ -5,7 +5,9 @@
 
 pub mod chat;
 pub mod grammar;
+pub mod messages;
 pub mod pooling;
+pub mod responses;
 pub mod routes;
 
 use serde_json::{Map, Value};
