@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
+from tokenspeed.config.speculative import speculative_note
 from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
@@ -160,6 +161,9 @@ class WorkerGroup:
 def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
     """Resolves the layout, opens the plan channels, spawns this node's workers and waits for
     their KV capacity; a failed start stops what was started."""
+    note = speculative_note(cfg)
+    if note:
+        logger.info(note)
     cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir)

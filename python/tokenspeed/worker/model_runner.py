@@ -60,6 +60,7 @@ from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_reque
 from tokenspeed.worker.pooling_step import pool_step
 from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
+from tokenspeed.worker.spec_verify import Drafts
 
 logger = logging.getLogger(__name__)
 
@@ -366,11 +367,13 @@ class ModelRunner:
         positions, out_loc, query_start = self._token_indices(plan)
         sample = plan.sched_sample.astype(bool)
         wanted = self.sampler.prompt_logprobs_pending(plan.sched_slot).tolist()
+        drafts = Drafts.of(plan)
         if self.lora is not None and (self.graphs or self.extend_graphs):
             # The per-token adapter slots a graph replay reads.
             self.lora.prepare(plan.sched_slot, plan.sched_tokens_len, per_token=True)
-        # Prompt logprobs read every position's hidden state: eager.
-        graph_run = None if wanted and not self.lockstep else \
+        # Prompt logprobs read every position's hidden state, and so does verifying drafts
+        # (logits at every draft position; no graph captures that yet): eager.
+        graph_run = None if (wanted or drafts is not None) and not self.lockstep else \
             self._replay(plan, positions, out_loc, query_start)
         if graph_run is not None:
             logits, slots_dev = graph_run
@@ -386,7 +389,8 @@ class ModelRunner:
         if wanted:
             self.prompt_scorer.score(plan, hidden, query_start, wanted, self.model, self.sampler)
         last = query_start[1:] - 1
-        rows = to_device_int64([last[sample]], self.device)[0]
+        picked = last[sample] if drafts is None else drafts.logit_rows(query_start, sample)
+        rows = to_device_int64([picked], self.device)[0]
         return self.model.compute_logits(hidden[rows]), None  # type: ignore[operator]
 
     def _replay(self, plan: StepPlan, positions: np.ndarray, out_loc: np.ndarray,
@@ -416,6 +420,9 @@ class ModelRunner:
                 masks: TokenMasks | None = None) -> PendingStep:
         sample = plan.sched_sample.astype(bool)
         slots = plan.sched_slot[sample].astype(np.uint32)  # a copy: plan arrays die at next recv
+        drafts = Drafts.of(plan)
+        if drafts is not None:  # one row per verified position (spec_verify.py)
+            slots = np.repeat(slots, drafts.rows)
         if self.sampler.any_penalized(plan.sched_slot):
             starts = np.concatenate([[0], np.cumsum(plan.sched_tokens_len.astype(np.int64))])
             for i, slot in enumerate(plan.sched_slot.tolist()):
@@ -432,11 +439,13 @@ class ModelRunner:
         res = self.sampler.sample(slots.tolist(), logits, slots_dev,
                                   masks if masks is not None else token_masks(plan, slots, completion))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
+        # With drafts a slot has several rows and keeps one of them: no placeholder decode
+        # follows a step with drafts (the scheduler waits for its accepted tokens).
         self.last_tokens[slots_dev] = res.tokens
         outputs = DeviceToHost([res.tokens, res.logprobs, res.top_ids, res.top_logprobs])
         span = self.idle_clock.end()  # after the step's last kernel and copy
         return PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock,
-                           span, failed=failed)
+                           span, drafts, failed=failed)
 
     # --- plan → state and batch ------------------------------------------------------------
 

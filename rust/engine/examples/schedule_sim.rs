@@ -170,6 +170,10 @@ fn main() {
         enable_priority_scheduling: false,
         schedule_low_priority_values_first: false,
         disable_radix_cache: false,
+        speculative_algorithm: None,
+        speculative_num_draft_tokens: None,
+        speculative_ngram_min_match_window_size: 1,
+        speculative_ngram_max_match_window_size: 12,
         context_length: 8192,
     };
     let mut sched = match Scheduler::new(config) {

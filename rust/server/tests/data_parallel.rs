@@ -109,6 +109,10 @@ fn group(n: usize, policy: Policy) -> Group {
             enable_priority_scheduling: false,
             schedule_low_priority_values_first: false,
             disable_radix_cache: false,
+            speculative_algorithm: None,
+            speculative_num_draft_tokens: None,
+            speculative_ngram_min_match_window_size: 1,
+            speculative_ngram_max_match_window_size: 12,
             context_length: 4096,
         };
         let options = EngineOptions {
