@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
-from tokenspeed.config.speculative import speculative_note
 from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
+from tokenspeed.config.speculative import speculative_note
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
