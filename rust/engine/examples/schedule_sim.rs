@@ -171,6 +171,9 @@ fn main() {
         schedule_low_priority_values_first: false,
         disable_radix_cache: false,
         context_length: 8192,
+        radix_eviction_policy: Default::default(),
+        num_host_pages: 0,
+        hicache_write_policy: Default::default(),
     };
     let mut sched = match Scheduler::new(config) {
         Ok(s) => s,

@@ -271,11 +271,16 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         let pool = PagePool::new(config.num_pages);
-        let cache = RadixCache::new(
+        let mut cache = RadixCache::new(
             pool.clone(),
             config.page_size as usize,
             !config.disable_radix_cache,
-        );
+        )
+        .with_policy(config.radix_eviction_policy);
+        if config.num_host_pages > 0 && !config.disable_radix_cache {
+            let host = PagePool::new(config.num_host_pages);
+            cache = cache.with_host(host, config.hicache_write_policy);
+        }
         Ok(Scheduler {
             free_slots: (0..config.max_running_requests).collect(),
             config,
@@ -398,6 +403,7 @@ impl Scheduler {
             running: self.running.len(),
             waiting: self.waiting.len(),
             retractions: self.retractions,
+            host: self.cache.host_stats(),
         }
     }
 

@@ -81,6 +81,9 @@ fn workload() -> impl Strategy<Value = Workload> {
                 schedule_low_priority_values_first: false,
                 disable_radix_cache: !cache,
                 context_length: 1024,
+                radix_eviction_policy: Default::default(),
+                num_host_pages: 0,
+                hicache_write_policy: Default::default(),
             };
             // Prompts drawn from a few stems so that prefixes are shared.
             let one = (

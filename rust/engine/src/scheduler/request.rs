@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::plan::SamplingParams;
+use crate::radix::{EvictionPolicy, HostStats, WritePolicy};
 
 /// Which waiting request is admitted first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -68,6 +69,13 @@ pub struct SchedulerConfig {
     pub disable_radix_cache: bool,
     /// Prompt plus generated tokens of one request.
     pub context_length: u32,
+    /// Which unlocked cached prefix is evicted first.
+    pub radix_eviction_policy: EvictionPolicy,
+    /// Host slots of the radix cache's host tier, as the workers allocated them (0: no host
+    /// tier, `--enable-hierarchical-cache` off).
+    pub num_host_pages: u32,
+    /// When cached KV is copied to the host tier.
+    pub hicache_write_policy: WritePolicy,
 }
 
 impl SchedulerConfig {
@@ -278,6 +286,8 @@ pub struct SchedulerStats {
     /// Running requests sent back to the queue so far (pages ran out, or a step's KV was
     /// wrong): each recomputes its KV when readmitted, and its stream pauses meanwhile.
     pub retractions: u64,
+    /// The radix cache's host tier (zeros without one).
+    pub host: HostStats,
 }
 
 /// Why `submit` refused a request. Each names the request and the numbers involved.
