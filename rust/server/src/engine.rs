@@ -127,6 +127,8 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     /// Requests the scheduler sent back to the queue (`SchedulerStats::retractions`).
     pub retractions: u64,
+    /// The radix cache's host tier (`--enable-hierarchical-cache`; zeros when off).
+    pub host: tokenspeed_engine::HostStats,
 }
 
 impl EngineStats {
@@ -151,6 +153,13 @@ impl EngineStats {
                 prefix_cache_queries: t.prefix_cache_queries + s.prefix_cache_queries,
                 prefix_cache_hits: t.prefix_cache_hits + s.prefix_cache_hits,
                 retractions: t.retractions + s.retractions,
+                host: tokenspeed_engine::HostStats {
+                    total_pages: t.host.total_pages + s.host.total_pages,
+                    used_pages: t.host.used_pages + s.host.used_pages,
+                    hit_tokens: t.host.hit_tokens + s.host.hit_tokens,
+                    load_pages: t.host.load_pages + s.host.load_pages,
+                    writeback_pages: t.host.writeback_pages + s.host.writeback_pages,
+                },
             })
     }
 
@@ -165,6 +174,7 @@ impl EngineStats {
             running: self.running_requests,
             waiting: self.waiting_requests,
             retractions: self.retractions,
+            host: self.host,
         }
     }
 }

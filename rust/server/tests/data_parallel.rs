@@ -110,6 +110,9 @@ fn group(n: usize, policy: Policy) -> Group {
             schedule_low_priority_values_first: false,
             disable_radix_cache: false,
             context_length: 4096,
+            radix_eviction_policy: Default::default(),
+            num_host_pages: 0,
+            hicache_write_policy: Default::default(),
         };
         let options = EngineOptions {
             max_queued_requests: 64,

@@ -556,6 +556,7 @@ impl EngineLoop {
                 prefix_cache_queries: self.prefix_queries,
                 prefix_cache_hits: self.prefix_hits,
                 retractions: s.retractions,
+                host: s.host,
             };
         }
     }

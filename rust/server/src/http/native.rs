@@ -279,6 +279,12 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
             "total": stats.total_pages, "free": stats.free_pages, "used": stats.used_pages,
             "cached": stats.cached_pages, "evictable": stats.evictable_pages,
         },
+        // The hierarchical cache's host tier (`--enable-hierarchical-cache`; zeros when off).
+        "host_kv_pages": {
+            "total": stats.host.total_pages, "used": stats.host.used_pages,
+            "hit_tokens": stats.host.hit_tokens, "load_pages": stats.host.load_pages,
+            "writeback_pages": stats.host.writeback_pages,
+        },
         "engine": stats,
         "dp_size": replicas.len(),
         "replicas": replicas,
