@@ -30,6 +30,7 @@ from tokenspeed.layers.attention import (
 )
 from tokenspeed.layers.attention_backends import backend_memory_bytes, create_backend
 from tokenspeed.layers.host_copy import DeviceToHost, to_device_int64
+from tokenspeed.layers.host_kv_cache import HostKVPool, HostTierSize, host_pages
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.moe import (
     GRAPH_SAFE_MOE_BACKENDS,
@@ -108,7 +109,8 @@ class ModelRunner:
                  moe_parallel: MoeParallel | None = None, kv_cache_dtype: str = "auto",
                  quantization_param_path: str | None = None,
                  quantization: str | None = None, lm_head_quantization: str = "auto",
-                 lora: dict[str, Any] | None = None, pooling: bool = False) -> None:
+                 lora: dict[str, Any] | None = None, pooling: bool = False,
+                 hicache: HostTierSize | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -146,6 +148,11 @@ class ModelRunner:
         self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
                            use_graphs)
         self._allocate_step_state(seed)
+        # --enable-hierarchical-cache: the radix cache's host tier (layers/host_kv_cache.py).
+        self.host_kv = None if hicache is None else HostKVPool(self.kv_cache, host_pages(
+            ratio=hicache.ratio, size_gb=hicache.size_gb, device_pages=self.num_pages,
+            bytes_per_page=self._bytes_per_page()))
+        self.num_host_pages = 0 if self.host_kv is None else self.host_kv.num_pages
         self._capture_graphs()
         self._log_loaded(moe_parallel)
 
@@ -287,14 +294,19 @@ class ModelRunner:
         check_layers(backend, self.model)
         return backend
 
+    def _bytes_per_page(self) -> int:
+        """Bytes of one KV page of this rank, every layer's K and V."""
+        c = self.config
+        return PagedKVCache.bytes_per_page(
+            num_layers=c.num_hidden_layers, page_size=self.page_size,
+            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype)
+
     def _profile_num_pages(self, mem_fraction_static: float | None,
                            chunked_prefill_size: int | None) -> int:
         """KV pages that fit beside the weights, the activations of the largest step the
         scheduler can send (measured by a profile forward), the sampler and the CUDA graphs."""
         c = self.config
-        per_page = PagedKVCache.bytes_per_page(  # fp8: half the bytes of bf16, twice the pages
-            num_layers=c.num_hidden_layers, page_size=self.page_size,
-            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype)
+        per_page = self._bytes_per_page()  # fp8: half the bytes of bf16, twice the pages
         if self.device.type != "cuda":
             return -(-CPU_DEFAULT_KV_TOKENS // self.page_size)
         # A step holds at most max(chunked_prefill_size, running decodes) tokens.
@@ -565,7 +577,13 @@ class ModelRunner:
             self.prompt_scorer.drop(slot)
         self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
                                         plan.pt_pages)
-        if len(plan.copy_src):
+        if not len(plan.copy_src):
+            return
+        if self.host_kv is not None:
+            self.host_kv.run(plan.copy_src, plan.copy_dst, plan.copy_kind)
+        elif np.any(plan.copy_kind != 0):  # copy_kind.DEVICE
+            raise ValueError("host-tier page copies without --enable-hierarchical-cache")
+        else:
             self.kv_cache.copy_pages(plan.copy_src, plan.copy_dst)
 
     def _token_indices(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
