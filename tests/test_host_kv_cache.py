@@ -74,3 +74,9 @@ def test_out_of_range_ids_are_refused_before_any_copy() -> None:
 def test_host_pool_size_from_ratio_or_gigabytes() -> None:
     assert host_pages(ratio=2.0, size_gb=0, device_pages=100, bytes_per_page=10) == 200
     assert host_pages(ratio=2.0, size_gb=1, device_pages=100, bytes_per_page=1000) == 10**6
+
+
+def test_a_host_pool_larger_than_host_memory_is_refused() -> None:
+    cache, _ = _pools()
+    with pytest.raises(ValueError, match="lower --hicache-ratio or set --hicache-size"):
+        HostKVPool(cache, 10**15)

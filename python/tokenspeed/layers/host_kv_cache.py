@@ -14,8 +14,10 @@ waits for: correct first; the copies do not overlap the step that needs them yet
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,6 +48,7 @@ class HostKVPool:
     device pool's per-layer layout, in host memory (pinned when the device is a GPU)."""
 
     def __init__(self, device_cache: PagedKVCache, num_pages: int) -> None:
+        _check_fits(num_pages, device_cache)
         page = device_cache.k[0].shape[1:]
         dev = device_cache.k[0].device
         pin = dev.type == "cuda"
@@ -103,6 +106,29 @@ class HostKVPool:
                     _gpu_writeback(d_pool, h_pool, src, dst)
                 else:
                     _gpu_load(h_pool, d_pool, src, dst)
+
+
+def _check_fits(num_pages: int, device_cache: PagedKVCache) -> None:
+    """Refuses a host tier larger than 90% of the host memory available now (pinned memory cannot be
+    swapped: overcommitting it takes the machine down, not just this server)."""
+    per_page = sum(t[0].numel() * t.element_size() for t in device_cache.k + device_cache.v)
+    want = num_pages * per_page
+    free = _available_host_bytes()
+    if want > 0.9 * free:
+        raise ValueError(f"the hierarchical cache's host pool ({num_pages} pages, {want / 1e9:.1f} GB) "
+                         f"does not fit in the {free / 1e9:.1f} GB of available host memory: lower "
+                         "--hicache-ratio or set --hicache-size (GB)")
+
+
+def _available_host_bytes() -> int:
+    """MemAvailable (free plus reclaimable page cache), else the free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _gpu_writeback(d_pool: torch.Tensor, h_pool: torch.Tensor, src: np.ndarray,
