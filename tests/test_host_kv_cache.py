@@ -12,14 +12,17 @@ import torch
 from tokenspeed.layers.host_kv_cache import DEVICE, LOAD, WRITEBACK, HostKVPool, _groups, host_pages
 from tokenspeed.layers.kv_cache import PagedKVCache
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-def _pools(device_pages: int = 8, host: int = 6) -> tuple[PagedKVCache, HostKVPool]:
+
+def _pools(device_pages: int = 8, host: int = 6,
+           device: str = "cpu") -> tuple[PagedKVCache, HostKVPool]:
     cache = PagedKVCache(num_layers=2, num_pages=device_pages, page_size=2, num_kv_heads=1,
-                         head_dim=3, dtype=torch.float32, device="cpu", max_slots=2,
+                         head_dim=3, dtype=torch.float32, device=device, max_slots=2,
                          max_context_len=16)
     gen = torch.Generator().manual_seed(0)
     for t in cache.k + cache.v:
-        t.copy_(torch.randn(t.shape, generator=gen))
+        t.copy_(torch.randn(t.shape, generator=gen).to(device))
     return cache, HostKVPool(cache, host)
 
 
@@ -35,7 +38,8 @@ def _one_at_a_time(cache: PagedKVCache, pool: HostKVPool, ops: list[tuple[int, i
                     dev[d] = dev[s].clone()
 
 
-def test_copies_run_in_order_like_one_at_a_time() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_copies_run_in_order_like_one_at_a_time(device: str) -> None:
     rng = np.random.default_rng(1)
     for trial in range(30):
         ops = []
@@ -44,15 +48,18 @@ def test_copies_run_in_order_like_one_at_a_time() -> None:
             s = int(rng.integers(0, 6 if k == LOAD else 8))
             d = int(rng.integers(0, 6 if k == WRITEBACK else 8))
             ops.append((s, d, k))
-        a_cache, a_pool = _pools()
-        b_cache, b_pool = _pools()
+        a_cache, a_pool = _pools(device=device)
+        b_cache, b_pool = _pools()  # the reference runs on the CPU
         src, dst, kind = (np.array(x, dtype=np.uint32 if i < 2 else np.uint8)
                           for i, x in enumerate(zip(*ops)))
         a_pool.run(src, dst, kind)
         _one_at_a_time(b_cache, b_pool, ops)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            assert a_pool.k[0].is_pinned()
         for x, y in zip(a_cache.k + a_cache.v + a_pool.k + a_pool.v,
                         b_cache.k + b_cache.v + b_pool.k + b_pool.v):
-            assert torch.equal(x, y), (trial, ops)
+            assert torch.equal(x.cpu(), y), (trial, ops)
 
 
 def test_a_batch_never_writes_a_page_twice_nor_reads_what_it_wrote() -> None:

@@ -16,6 +16,10 @@ use super::{NodeId, RadixCache, WritePolicy};
 use crate::pages::PagePool;
 use crate::plan::{copy_kind, CopyOp};
 
+/// A host-eviction candidate, smallest first: (0 for a device node's copy, 1 for a host-only
+/// leaf; the eviction policy's key; the node).
+type HostRank = Reverse<(u8, (u64, u64), u32)>;
+
 /// The host tier's state.
 pub(super) struct HostTier {
     pub(super) pool: PagePool,
@@ -173,7 +177,7 @@ impl RadixCache {
     /// Frees at least `n` host slots (fewer if not enough are evictable): first the host
     /// copies of device nodes (nothing is lost), then host-only leaves, each in policy order.
     fn evict_host(&mut self, n: usize) {
-        let mut heap: BinaryHeap<Reverse<(u8, (u64, u64), u32)>> = (1..self.nodes.len() as u32)
+        let mut heap: BinaryHeap<HostRank> = (1..self.nodes.len() as u32)
             .map(NodeId)
             .filter_map(|id| self.host_candidate(id))
             .collect();
@@ -204,7 +208,7 @@ impl RadixCache {
     }
 
     /// A node whose host slots `evict_host` may free, with its rank (smallest goes first).
-    fn host_candidate(&self, id: NodeId) -> Option<Reverse<(u8, (u64, u64), u32)>> {
+    fn host_candidate(&self, id: NodeId) -> Option<HostRank> {
         let n = self.nodes.get(id.0 as usize)?.as_ref()?;
         if id == NodeId::ROOT || n.lock > 0 || n.host.is_none() {
             return None;
