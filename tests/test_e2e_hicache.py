@@ -6,13 +6,15 @@ are those of a server without it; off (the default), no host pool and no copies.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from server_harness import Server, start_server, stop_server
+from server_harness import Server, flushed_pages, start_server, stop_server
 
 # 16 pages of 4 tokens; each prompt 29 tokens (7 full pages), 9 distinct ones: ~4x the pool.
 SMALL_POOL = ["--max-total-tokens", "64", "--page-size", "4", "--context-length", "48",
@@ -72,10 +74,10 @@ def test_second_round_hits_the_host_tier_with_the_same_tokens(hicache: Server,
     reference = _round(plain)
     assert first == second == reference
     assert all(t for t in reference)
-    # Flushed, both tiers are empty again.
-    assert httpx.get(f"{hicache.url}/flush_cache", timeout=30).status_code == 200
+    # Idle and flushed, both tiers are empty again: no page leaked in either.
+    kv = flushed_pages(hicache)
+    assert kv["free"] == kv["total"], kv
     assert _host(hicache)["used"] == 0
-    assert hicache.info()["kv_pages"]["free"] == hicache.info()["kv_pages"]["total"]
 
 
 def test_off_by_default_no_host_pool_and_no_copies(plain: Server) -> None:
@@ -84,3 +86,10 @@ def test_off_by_default_no_host_pool_and_no_copies(plain: Server) -> None:
     assert host == {"total": 0, "used": 0, "hit_tokens": 0, "load_pages": 0,
                     "writeback_pages": 0}, host
     assert _metric(plain, "host_kv_pages") == 0
+
+
+def test_hicache_without_the_radix_cache_is_refused_at_start() -> None:
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--device", "cpu",
+                        "--enable-hierarchical-cache", "--disable-radix-cache"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "cannot be combined with --disable-radix-cache" in r.stderr, r.stderr

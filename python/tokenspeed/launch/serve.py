@@ -132,6 +132,9 @@ class Layout:
 
 def launch(cfg: Any) -> int:
     """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
+    if cfg.enable_hierarchical_cache and cfg.disable_radix_cache:
+        raise LaunchError("--enable-hierarchical-cache keeps the radix cache's evicted prefixes "
+                          "in host memory: it cannot be combined with --disable-radix-cache")
     cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir)
