@@ -422,7 +422,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
         "--max-loras-per-batch", "--max-loaded-loras",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
-        "--is-embedding",
+        "--is-embedding", "--constrained-json-allow-additional-properties",
         "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
         "--hicache-write-policy", "--radix-eviction-policy",
     }  # fmt: skip
