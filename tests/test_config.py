@@ -72,6 +72,23 @@ def test_data_parallel_sizes_parse(spelling: str) -> None:
     assert parse_serve_args([]).load_balance_method == "round_robin"  # SGLang's default
 
 
+def test_hicache_flags_parse_and_unbuilt_values_are_refused() -> None:
+    cfg = parse_serve_args(["--enable-hierarchical-cache", "--hicache-ratio", "3",
+                            "--hicache-write-policy", "write_back", "--radix-eviction-policy", "lfu"])
+    assert (cfg.enable_hierarchical_cache, cfg.hicache_ratio) == (True, 3.0)
+    assert (cfg.hicache_write_policy, cfg.radix_eviction_policy) == ("write_back", "lfu")
+    off = parse_serve_args([])
+    assert (off.enable_hierarchical_cache, off.hicache_write_policy) == (False, "write_through")
+    with pytest.raises(NotSupportedError, match="write_through_selective.*use write_through or write_back"):
+        parse_serve_args(["--enable-hierarchical-cache", "--hicache-write-policy", "write_through_selective"])
+    for flag, value in [("--hicache-io-backend", "direct"), ("--hicache-mem-layout", "page_first"),
+                        ("--hicache-storage-backend", "file")]:
+        with pytest.raises(NotSupportedError, match=f"not supported yet: {flag}"):
+            parse_serve_args(["--enable-hierarchical-cache", flag, value])
+    # The neutral values are accepted.
+    parse_serve_args(["--hicache-io-backend", "kernel", "--hicache-mem-layout", "layer_first"])
+
+
 def test_load_balance_methods_not_built_are_refused_by_name() -> None:
     with pytest.raises(NotSupportedError, match="--load-balance-method .*'minimum_tokens'"):
         parse_serve_args(["--dp", "2", "--load-balance-method", "minimum_tokens"])
@@ -408,6 +425,8 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--max-loras-per-batch", "--max-loaded-loras",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
         "--is-embedding", "--constrained-json-allow-additional-properties",
+        "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
+        "--hicache-write-policy", "--radix-eviction-policy",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
@@ -428,7 +447,8 @@ def test_each_component_reads_the_section_its_flags_name() -> None:
                               "speculative_algorithm", "speculative_num_draft_tokens",
                               "speculative_ngram_min_match_window_size",
                               "speculative_ngram_max_match_window_size",
-                              "enable_priority_scheduling", "schedule_low_priority_values_first"}
+                              "enable_priority_scheduling", "schedule_low_priority_values_first",
+                              "radix_eviction_policy", "hicache_write_policy"}
     assert scheduler["max_mixed_step_ms"] == 25.0 and "max_mixed_step_ms" not in server
     for shared in ("page_size", "context_length", "chunked_prefill_size"):
         assert shared in scheduler and shared in worker

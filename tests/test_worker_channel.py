@@ -43,7 +43,7 @@ def random_plan(rng: np.random.Generator, step_id: int) -> StepPlan:
         step_id, finished=ids(int(rng.integers(0, 4))), new=new,
         page_tables=[(int(rng.integers(0, 256)), int(rng.integers(0, 64)), ids(int(rng.integers(0, 6))))
                      for _ in range(int(rng.integers(0, 4)))],
-        copies=[(int(rng.integers(0, 999)), int(rng.integers(0, 999)))
+        copies=[(int(rng.integers(0, 999)), int(rng.integers(0, 999)), int(rng.integers(0, 3)))
                 for _ in range(int(rng.integers(0, 3)))],
         scheduled=[(int(rng.integers(0, 256)), int(rng.integers(0, 4096)),
                     ids(int(rng.integers(1, 9))), bool(rng.integers(0, 2)))

@@ -162,16 +162,23 @@ NGRAM_FLAGS: list[Flag] = [
 ]
 
 HICACHE_FLAGS: list[Flag] = [
-    b("--enable-hierarchical-cache", "Spill prefix-cache KV pages to host memory (and "
-      "optionally storage) instead of dropping them.", G_HICACHE, readers=("server", "worker")),
+    b("--enable-hierarchical-cache", "Spill prefix-cache KV pages to a host-memory tier "
+      "instead of dropping them, and load them back on a prefix hit (HiCache). Needs the "
+      "radix cache.", G_HICACHE, readers=("worker",), implemented=True),
     f("--hicache-ratio", "Host KV pool size as a multiple of the GPU KV pool.", G_HICACHE, 2.0,
-      minimum=0.0, min_exclusive=True, readers=("server", "worker")),
+      minimum=0.0, min_exclusive=True, readers=("worker",), implemented=True),
     i("--hicache-size", "Host KV pool size in GB; overrides --hicache-ratio when non-zero.",
-      G_HICACHE, 0, minimum=0, readers=("server", "worker")),
-    c("--hicache-write-policy", "When GPU KV pages are copied to host memory.", G_HICACHE,
-      ("write_back", "write_through", "write_through_selective"), "write_through"),
-    c("--radix-eviction-policy", "Which cached prefix is evicted first.", G_HICACHE,
-      ("lru", "lfu"), "lru"),
+      G_HICACHE, 0, minimum=0, readers=("worker",), implemented=True),
+    c("--hicache-write-policy", "When GPU KV pages are copied to host memory: write_through "
+      "as soon as they are cached (eviction then costs no copy), write_back only when they "
+      "are evicted.", G_HICACHE, ("write_back", "write_through", "write_through_selective"),
+      "write_through", supported=("write_back", "write_through"),
+      refusals={"write_through_selective": "copying only prefixes hit "
+                "more than once is not built yet; use write_through or write_back"},
+      readers=("scheduler",), implemented=True),
+    c("--radix-eviction-policy", "Which cached prefix is evicted first: lru (least recently "
+      "used) or lfu (least frequently hit, ties by recency).", G_HICACHE, ("lru", "lfu"), "lru",
+      readers=("scheduler",), implemented=True),
     c("--hicache-io-backend", "Copy mechanism between GPU and host KV pools.", G_HICACHE,
       ("direct", "kernel", "kernel_ascend"), "kernel", readers=("worker",)),
     c("--hicache-mem-layout", "Layout of the host KV pool.", G_HICACHE,

@@ -164,6 +164,9 @@ def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
     note = speculative_note(cfg)
     if note:
         logger.info(note)
+    if cfg.enable_hierarchical_cache and cfg.disable_radix_cache:
+        raise LaunchError("--enable-hierarchical-cache keeps the radix cache's evicted prefixes "
+                          "in host memory: it cannot be combined with --disable-radix-cache")
     cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir)
@@ -331,7 +334,8 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
     # --is-embedding: one pooled vector per slot comes back in a result.
     pooled_dim = _pooling_facts(layout.model_dir)[1] if cfg.is_embedding else 0
     slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
-                                  mask_words, worker_grammars, pooled_dim)
+                                  mask_words, worker_grammars, pooled_dim,
+                                  bool(cfg.enable_hierarchical_cache))
     if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         readers = layout.readers + (layout.sizes.nnodes > 1)
         return names, [_core.ServerChannel.create(name, readers, 4, slot_bytes) for name in names]
@@ -432,7 +436,9 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
         "dp_size": layout.engines,
         "scheduler": cfg.section("scheduler") | {
             "context_length": layout.context, "num_pages": pages,
-            "max_running_requests": max_running},
+            "max_running_requests": max_running,
+            # The host tier's slots (0: --enable-hierarchical-cache off): each rank has them.
+            "num_host_pages": min(int(c.get("num_host_pages", 0)) for c in capacities)},
         "vocab_size": vocab_size,
         "pooling_labels": _pooling_facts(model_dir)[0] if cfg.is_embedding else [],
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace

@@ -28,14 +28,20 @@ DEFAULT_CHUNKED_PREFILL = 8192
 PROFILE_SAFETY_BYTES = 512 << 20  # allocator fragmentation, cuBLAS workspaces, NCCL later
 
 
+def page_bytes(runner: Any) -> int:
+    """Bytes of one KV page of this rank, every layer's K and V."""
+    c = runner.config
+    return PagedKVCache.bytes_per_page(
+        num_layers=c.num_hidden_layers, page_size=runner.page_size,
+        num_kv_heads=runner.num_kv_heads, head_dim=c.head_dim, dtype=runner.kv_dtype)
+
+
 def profile_num_pages(runner: Any, mem_fraction_static: float | None,
                   chunked_prefill_size: int | None) -> int:
     """KV pages that fit beside the weights, the activations of the largest step the
     scheduler can send (measured by a profile forward), the sampler and the CUDA graphs."""
     c = runner.config
-    per_page = PagedKVCache.bytes_per_page(  # fp8: half the bytes of bf16, twice the pages
-        num_layers=c.num_hidden_layers, page_size=runner.page_size,
-        num_kv_heads=runner.num_kv_heads, head_dim=c.head_dim, dtype=runner.kv_dtype)
+    per_page = page_bytes(runner)  # fp8: half the bytes of bf16, twice the pages
     if runner.device.type != "cuda":
         return -(-CPU_DEFAULT_KV_TOKENS // runner.page_size)
     # A step holds at most max(chunked_prefill_size, running decodes) tokens.

@@ -111,6 +111,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         channel = WorkerChannel.attach(spec.channel_name, spec.rank % spec.world_size)
         _quiet_garbage_collector()
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device),
+                    "num_host_pages": int(runner.num_host_pages),
                     "max_running_requests": int(runner.max_slots),
                     "cuda_graph_max_bs": int(runner.cuda_graph_max_bs)})
         ready.close()
@@ -128,6 +129,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
 def load_runner(spec: WorkerSpec) -> ModelRunner:
     """The model runner of this rank, built from the worker's flags and what the launcher
     resolved for it."""
+    from tokenspeed.layers.host_kv_cache import HostTierSize
     from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
 
@@ -155,6 +157,8 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         lm_head_quantization=s["lm_head_quantization"],
         lora=lora_settings(s),
         pooling=bool(s["is_embedding"]),
+        hicache=HostTierSize(float(s["hicache_ratio"]), int(s["hicache_size"]))
+        if s["enable_hierarchical_cache"] else None,
     )
 
 

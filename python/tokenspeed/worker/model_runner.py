@@ -29,6 +29,7 @@ from tokenspeed.layers.attention import (
 )
 from tokenspeed.layers.attention_backends import create_backend
 from tokenspeed.layers.host_copy import DeviceToHost, to_device_int64
+from tokenspeed.layers.host_kv_cache import HostKVPool, HostTierSize, host_pages
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.moe import (
     GRAPH_SAFE_MOE_BACKENDS,
@@ -53,7 +54,7 @@ from tokenspeed.worker.cuda_graph import (
     decode_only,
 )
 from tokenspeed.worker.gpu_idle import IdleClock
-from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, profile_num_pages
+from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, page_bytes, profile_num_pages
 from tokenspeed.worker.lora import LoraPool
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
@@ -103,7 +104,8 @@ class ModelRunner:
                  moe_parallel: MoeParallel | None = None, kv_cache_dtype: str = "auto",
                  quantization_param_path: str | None = None,
                  quantization: str | None = None, lm_head_quantization: str = "auto",
-                 lora: dict[str, Any] | None = None, pooling: bool = False) -> None:
+                 lora: dict[str, Any] | None = None, pooling: bool = False,
+                 hicache: HostTierSize | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -141,6 +143,11 @@ class ModelRunner:
         self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
                            use_graphs)
         self._allocate_step_state(seed)
+        # --enable-hierarchical-cache: the radix cache's host tier (layers/host_kv_cache.py).
+        self.host_kv = None if hicache is None else HostKVPool(self.kv_cache, host_pages(
+            ratio=hicache.ratio, size_gb=hicache.size_gb, device_pages=self.num_pages,
+            bytes_per_page=page_bytes(self)))
+        self.num_host_pages = 0 if self.host_kv is None else self.host_kv.num_pages
         self._capture_graphs()
         self._log_loaded(moe_parallel)
 
@@ -489,7 +496,13 @@ class ModelRunner:
             self.prompt_scorer.drop(slot)
         self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
                                         plan.pt_pages)
-        if len(plan.copy_src):
+        if not len(plan.copy_src):
+            return
+        if self.host_kv is not None:
+            self.host_kv.run(plan.copy_src, plan.copy_dst, plan.copy_kind)
+        elif np.any(plan.copy_kind != 0):  # copy_kind.DEVICE
+            raise ValueError("host-tier page copies without --enable-hierarchical-cache")
+        else:
             self.kv_cache.copy_pages(plan.copy_src, plan.copy_dst)
 
     def _token_indices(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -86,11 +86,12 @@ class StepPlan:
     def build(cls, step_id: int = 0, *, finished: Iterable[int] = (),
               new: Iterable[Mapping[str, Any]] = (),
               page_tables: Iterable[tuple[int, int, Iterable[int]]] = (),
-              copies: Iterable[tuple[int, int]] = (),
+              copies: Iterable[tuple[int, ...]] = (),
               scheduled: Iterable[tuple[Any, ...]] = ()) -> StepPlan:
         """A plan from rows, for tests and offline drivers: `new` rows are dicts of sampling
         fields (unset ones are neutral, `slot` required); `page_tables` rows are
-        (slot, first, pages); `scheduled` rows are (slot, start_pos, tokens, sample) or
+        (slot, first, pages); `copies` rows are (src, dst) or (src, dst, kind) (kind 0: device
+        to device); `scheduled` rows are (slot, start_pos, tokens, sample) or
         (slot, start_pos, tokens, sample, num_draft_tokens)."""
         a: dict[str, np.ndarray] = {n: np.zeros(0, dt) for n, dt in PLAN_DTYPES.items()}
         a["finished_slot"] = np.asarray(list(finished), PLAN_DTYPES["finished_slot"])
@@ -109,6 +110,7 @@ class StepPlan:
         cps = list(copies)
         a["copy_src"] = np.asarray([c[0] for c in cps], PLAN_DTYPES["copy_src"])
         a["copy_dst"] = np.asarray([c[1] for c in cps], PLAN_DTYPES["copy_dst"])
+        a["copy_kind"] = np.asarray([c[2] if len(c) > 2 else 0 for c in cps], PLAN_DTYPES["copy_kind"])
         sch = list(scheduled)
         a["sched_slot"] = np.asarray([r[0] for r in sch], PLAN_DTYPES["sched_slot"])
         a["sched_start_pos"] = np.asarray([r[1] for r in sch], PLAN_DTYPES["sched_start_pos"])

@@ -175,6 +175,9 @@ fn main() {
         speculative_ngram_min_match_window_size: 1,
         speculative_ngram_max_match_window_size: 12,
         context_length: 8192,
+        radix_eviction_policy: Default::default(),
+        num_host_pages: 0,
+        hicache_write_policy: Default::default(),
     };
     let mut sched = match Scheduler::new(config) {
         Ok(s) => s,

@@ -130,13 +130,26 @@ section! {
 }
 
 section! {
-    /// A KV page copy, `src` → `dst`, done before this step's forward (none are planned yet:
-    /// the section is where host offload and copy-on-write prefixes will plug in).
+    /// A KV page copy, `src` → `dst`, done before this step's forward, in list order (a page
+    /// or host slot freed by one copy may be the target of a later one). `kind` says between
+    /// which pools (`copy_kind`): the host tier's writebacks and loads (`--enable-hierarchical-cache`).
     pub struct CopyOp("copy") {
         pub src: u32,
         pub dst: u32,
+        /// `copy_kind::*`.
+        pub kind: u8,
     }
     lists {}
+}
+
+/// `CopyOp::kind` values.
+pub mod copy_kind {
+    /// Device page `src` → device page `dst`.
+    pub const DEVICE: u8 = 0;
+    /// Device page `src` → host slot `dst` (a node written to the host tier).
+    pub const WRITEBACK: u8 = 1;
+    /// Host slot `src` → device page `dst` (a host-tier hit loaded back).
+    pub const LOAD: u8 = 2;
 }
 
 section! {
@@ -283,6 +296,9 @@ pub struct StepLimits {
     /// Floats of one pooled vector (`RequestEvent::pooled`: the model's hidden size or label
     /// count); 0 when the model does not pool (`--is-embedding` off).
     pub pooled_dim: usize,
+    /// The radix cache has a host tier (`--enable-hierarchical-cache`): a step carries its
+    /// writebacks and loads, besides the device copies.
+    pub host_copies: bool,
 }
 
 impl Plan {
@@ -301,7 +317,14 @@ impl Plan {
             r * MAX_LORA_PATH,  // their LoRA adapter paths
             2 * r,
             2 * r * pages, // page-table updates: a rewrite of a shared prefix plus new pages
-            r * pages,     // copies
+            // Copies. Host tier: loads (at most every admitted request's prefix), writebacks of
+            // the nodes cached since the last plan (write-through) and of the pages evicted
+            // for this step (what it allocates, plus one node's overshoot).
+            if l.host_copies {
+                4 * r * pages + l.max_step_tokens + 2 * r
+            } else {
+                r * pages
+            },
             r,
             l.max_step_tokens + r, // scheduled, their tokens
             r,

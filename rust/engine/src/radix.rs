@@ -9,11 +9,40 @@
 //! Keys live in *namespaces*: KV computed under one LoRA adapter is not KV of another, so
 //! the root's children are keyed by (namespace, first page) and a lookup in namespace `ns`
 //! only ever walks nodes inserted in `ns` (0: the base model; the plain methods use it).
+//!
+//! With a host tier (`with_host`, `--enable-hierarchical-cache`) eviction *demotes* a node
+//! instead of dropping it: its KV is copied to host slots and its device pages freed; a later
+//! match through it loads it back (`radix_host.rs`). The copies are queued in order
+//! (`take_copies`) and ride in the next plan, which the worker runs before its forward.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
+use serde::{Deserialize, Serialize};
+
 use crate::pages::{PagePool, Pages};
+
+/// Which unlocked cached node goes first when pages are needed (`--radix-eviction-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvictionPolicy {
+    /// Least recently used first.
+    #[default]
+    Lru,
+    /// Least frequently hit first, ties by recency.
+    Lfu,
+}
+
+/// When device KV is copied to the host tier (`--hicache-write-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WritePolicy {
+    /// As soon as a node is cached: eviction then only frees device pages.
+    #[default]
+    WriteThrough,
+    /// Only when a node is evicted from the device.
+    WriteBack,
+}
 
 /// A node of the tree. Valid as long as the node is locked (or until the next mutation if not).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -43,8 +72,13 @@ struct Node {
     children: HashMap<Vec<u32>, NodeId>,
     /// Tokens on the edge from the parent; a multiple of `page_size`.
     key: Vec<u32>,
-    /// One page per `page_size` tokens of `key`.
+    /// One device page per `page_size` tokens of `key`; empty while the node lives on the host
+    /// only (then `host` holds it, and so do all its descendants).
     pages: Pages,
+    /// Its copy in host slots (host tier only): one slot per page of `key`.
+    host: Option<Pages>,
+    /// Matches through this node (`EvictionPolicy::Lfu`).
+    hits: u64,
     /// Requests using this node or a descendant.
     lock: u32,
     last_access: u64,
@@ -65,6 +99,9 @@ pub struct RadixCache {
     cached_pages: usize,
     /// Pages of nodes with `lock > 0`.
     locked_pages: usize,
+    policy: EvictionPolicy,
+    /// The host tier, when on.
+    host: Option<host::HostTier>,
 }
 
 impl RadixCache {
@@ -75,6 +112,8 @@ impl RadixCache {
             children: HashMap::new(),
             key: Vec::new(),
             pages: pool.empty(),
+            host: None,
+            hits: 0,
             lock: 0,
             last_access: 0,
             ns: 0,
@@ -88,6 +127,33 @@ impl RadixCache {
             tick: 0,
             cached_pages: 0,
             locked_pages: 0,
+            policy: EvictionPolicy::Lru,
+            host: None,
+        }
+    }
+
+    /// Orders eviction by `policy` (LRU unless set).
+    pub fn with_policy(mut self, policy: EvictionPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Adds a host tier of `host_pool`'s slots under the device pages.
+    pub fn with_host(mut self, host_pool: PagePool, write: WritePolicy) -> Self {
+        self.host = Some(host::HostTier::new(host_pool, write));
+        self
+    }
+
+    /// Pages of a node's edge (whichever tier holds them).
+    fn edge_pages(&self, id: NodeId) -> usize {
+        self.node(id).key.len() / self.page_size
+    }
+
+    /// The eviction rank of a node under the policy: smallest goes first.
+    fn evict_key(&self, n: &Node) -> (u64, u64) {
+        match self.policy {
+            EvictionPolicy::Lru => (0, n.last_access),
+            EvictionPolicy::Lfu => (n.hits, n.last_access),
         }
     }
 
@@ -128,12 +194,14 @@ impl RadixCache {
         self.tick += 1;
         let ps = self.page_size;
         let full = tokens.len() / ps * ps;
-        while found.len < full {
-            let Some(child) = self.child(ns, found.node, &tokens[found.len..found.len + ps]) else {
+        let (mut len, mut path) = (0, Vec::new());
+        while len < full {
+            let parent = path.last().copied().unwrap_or(NodeId::ROOT);
+            let Some(child) = self.child(ns, parent, &tokens[len..len + ps]) else {
                 break;
             };
-            let common = self.common_pages(child, &tokens[found.len..full]);
-            let child = if common < self.node(child).pages.len() {
+            let common = self.common_pages(child, &tokens[len..full]);
+            let child = if common < self.edge_pages(child) {
                 self.split(child, common)
             } else {
                 child
@@ -141,9 +209,20 @@ impl RadixCache {
             let tick = self.tick;
             let node = self.node_mut(child);
             node.last_access = tick;
+            node.hits += 1;
+            len += common * ps;
+            path.push(child);
+        }
+        // Host-resident nodes end the path (a device node's ancestors are on the device).
+        if let Some(first) = path.iter().position(|&n| self.node(n).pages.is_empty()) {
+            let loaded = self.load_path(&path);
+            path.truncate(first + loaded);
+        }
+        for &id in &path {
+            let node = self.node(id);
             found.pages.extend_from_slice(node.pages.ids());
-            found.len += common * ps;
-            found.node = child;
+            found.len += node.key.len();
+            found.node = id;
         }
         found
     }
@@ -168,7 +247,7 @@ impl RadixCache {
             };
             let common = self.common_pages(child, &tokens[len..full]);
             len += common * ps;
-            if common < self.node(child).pages.len() {
+            if common < self.edge_pages(child) {
                 break;
             }
             node = child;
@@ -226,73 +305,144 @@ impl RadixCache {
             drop(pages.split_off(n));
         }
         let first_own = n - pages.len();
-        let (mut pos, mut node) = (0, NodeId::ROOT);
+        let (mut pos, mut node, mut duplicates) = (0, NodeId::ROOT, 0);
         while pos < n {
             let Some(child) = self.child(ns, node, &tokens[pos * ps..(pos + 1) * ps]) else {
                 break;
             };
             let common = self.common_pages(child, &tokens[pos * ps..n * ps]);
-            let child = if common < self.node(child).pages.len() {
+            let child = if common < self.edge_pages(child) {
                 self.split(child, common)
             } else {
                 child
             };
             let tick = self.tick;
             self.node_mut(child).last_access = tick;
+            // Our pages for positions the tree has: duplicates, unless the node lives on the
+            // host only and its parent on the device: then it adopts them (promoted for free).
+            let ours = (pos + common).saturating_sub(pos.max(first_own));
+            if ours > 0 {
+                let rest = pages.split_off(ours);
+                let mine = std::mem::replace(&mut pages, rest);
+                let adopt = ours == common && self.on_device(node) && !self.on_device(child);
+                if adopt {
+                    self.attach_device(child, mine);
+                } else {
+                    duplicates += ours;
+                }
+            }
             pos += common;
             node = child;
         }
-        if pos < first_own {
+        if pos < first_own || !self.on_device(node) {
             return 0;
         }
-        let duplicates = pos - first_own;
-        let new_pages = pages.split_off(duplicates);
-        drop(pages);
-        if !new_pages.is_empty() {
+        if !pages.is_empty() {
             let key = tokens[pos * ps..n * ps].to_vec();
-            self.add_child(ns, node, key, new_pages);
+            let id = self.add_child(ns, node, key, pages);
+            self.write_through(id);
         }
         duplicates
     }
 
-    /// Frees at least `n` pages by dropping least-recently-used unlocked leaves (fewer if not
-    /// enough are evictable). Returns the pages freed.
+    /// Whether a node's KV is in device pages (the root counts as such).
+    fn on_device(&self, id: NodeId) -> bool {
+        id == NodeId::ROOT || !self.node(id).pages.is_empty()
+    }
+
+    /// Gives a host-only node device pages holding its KV.
+    fn attach_device(&mut self, id: NodeId, pages: Pages) {
+        let n = pages.len();
+        let node = self.node_mut(id);
+        node.pages = pages;
+        let locked = node.lock > 0;
+        self.cached_pages += n;
+        if locked {
+            self.locked_pages += n;
+        }
+    }
+
+    /// Frees at least `n` device pages from unlocked nodes in policy order (fewer if not
+    /// enough are evictable): dropped, or with a host tier demoted to host slots. Returns the
+    /// device pages freed.
     pub fn evict(&mut self, n: usize) -> usize {
-        let mut heap: BinaryHeap<Reverse<(u64, u32)>> = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
-            .filter(|&(i, n)| i != 0 && n.lock == 0 && n.children.is_empty())
-            .map(|(i, n)| Reverse((n.last_access, i as u32)))
+        let mut heap: BinaryHeap<Reverse<((u64, u64), u32)>> = (1..self.nodes.len())
+            .filter(|&i| self.device_evictable(NodeId(i as u32)))
+            .map(|i| Reverse((self.evict_key(self.node(NodeId(i as u32))), i as u32)))
             .collect();
         let mut freed = 0;
         while freed < n {
             let Some(Reverse((_, id))) = heap.pop() else {
                 break;
             };
-            let Some(node) = self.nodes[id as usize].take() else {
-                continue;
-            };
-            self.vacant.push(id);
-            freed += node.pages.len();
-            self.cached_pages -= node.pages.len();
-            if let Some(parent_id) = node.parent {
-                let first_page = child_key(parent_id, node.ns, &node.key[..self.page_size]);
-                let parent = self.node_mut(parent_id);
-                parent.children.remove(&first_page);
-                if parent_id != NodeId::ROOT && parent.children.is_empty() && parent.lock == 0 {
-                    heap.push(Reverse((parent.last_access, parent_id.0)));
-                }
+            let id = NodeId(id);
+            if !self.device_evictable(id) {
+                continue; // changed since it was queued
             }
-            // `node.pages` drops here: the pages go back to the pool.
+            let parent = self.node(id).parent;
+            freed += if self.host.is_some() {
+                self.demote(id)
+            } else {
+                self.remove_subtree(id)
+            };
+            if let Some(p) = parent.filter(|&p| self.device_evictable(p)) {
+                heap.push(Reverse((self.evict_key(self.node(p)), p.0)));
+            }
         }
         freed
     }
 
-    /// Drops every unlocked node. Returns the pages freed.
+    /// An unlocked node holding device pages none of whose children does.
+    fn device_evictable(&self, id: NodeId) -> bool {
+        let Some(n) = self.nodes.get(id.0 as usize).and_then(Option::as_ref) else {
+            return false;
+        };
+        id != NodeId::ROOT
+            && n.lock == 0
+            && !n.pages.is_empty()
+            && n.children.values().all(|&c| self.node(c).pages.is_empty())
+    }
+
+    /// Removes an unlocked node and everything below it, in both tiers. Returns the device
+    /// pages freed.
+    fn remove_subtree(&mut self, id: NodeId) -> usize {
+        let mut freed = 0;
+        let mut stack = vec![id];
+        while let Some(cur) = stack.pop() {
+            let Some(node) = self.nodes[cur.0 as usize].take() else {
+                continue;
+            };
+            self.vacant.push(cur.0);
+            stack.extend(node.children.values().copied());
+            freed += node.pages.len();
+            self.cached_pages -= node.pages.len();
+            if let (Some(h), Some(tier)) = (&node.host, &mut self.host) {
+                tier.cached -= h.len();
+            }
+            if cur == id {
+                if let Some(parent_id) = node.parent {
+                    let first_page = child_key(parent_id, node.ns, &node.key[..self.page_size]);
+                    self.node_mut(parent_id).children.remove(&first_page);
+                }
+            }
+            // `node.pages` and `node.host` drop here: the pages go back to their pools.
+        }
+        freed
+    }
+
+    /// Drops every unlocked node, in both tiers. Returns the device pages freed.
     pub fn flush(&mut self) -> usize {
-        self.evict(usize::MAX)
+        let tops: Vec<NodeId> = (1..self.nodes.len() as u32)
+            .map(NodeId)
+            .filter(|&id| {
+                self.nodes[id.0 as usize].as_ref().is_some_and(|n| {
+                    n.lock == 0
+                        && n.parent
+                            .is_some_and(|p| p == NodeId::ROOT || self.node(p).lock > 0)
+                })
+            })
+            .collect();
+        tops.into_iter().map(|id| self.remove_subtree(id)).sum()
     }
 
     fn node(&self, id: NodeId) -> &Node {
@@ -333,10 +483,12 @@ impl RadixCache {
         let child = self.node_mut(id);
         let tail_pages = child.pages.split_off(at);
         let front_pages = std::mem::replace(&mut child.pages, tail_pages);
+        let tail_host = child.host.as_mut().map(|h| h.split_off(at));
+        let front_host = std::mem::replace(&mut child.host, tail_host);
         let tail_key = child.key.split_off(at * ps);
         let front_key = std::mem::replace(&mut child.key, tail_key);
         let parent = child.parent.replace(new_id);
-        let (lock, last_access, ns) = (child.lock, child.last_access, child.ns);
+        let (lock, last_access, ns, hits) = (child.lock, child.last_access, child.ns, child.hits);
         let tail_first = child.key[..ps].to_vec();
         let front_first = parent.map(|p| child_key(p, ns, &front_key[..ps]));
         self.nodes[new_id.0 as usize] = Some(Node {
@@ -344,6 +496,8 @@ impl RadixCache {
             children: HashMap::from([(tail_first, id)]),
             key: front_key,
             pages: front_pages,
+            host: front_host,
+            hits,
             // Same lockers as the suffix: they hold the whole path, so `locked_pages` is unchanged.
             lock,
             last_access,
@@ -364,6 +518,8 @@ impl RadixCache {
             children: HashMap::new(),
             key,
             pages,
+            host: None,
+            hits: 0,
             lock: 0,
             last_access: self.tick,
             ns,
@@ -385,14 +541,41 @@ impl RadixCache {
     /// Checks the tree's bookkeeping; used by tests. Returns a description of the first fault.
     pub fn check_invariants(&self) -> Result<(), String> {
         let ps = self.page_size;
-        let (mut cached, mut locked) = (0, 0);
+        let (mut cached, mut locked, mut host_cached) = (0, 0, 0);
         for (i, node) in self.nodes.iter().enumerate() {
             let Some(node) = node else { continue };
-            if node.key.len() != node.pages.len() * ps {
+            let host_len = node.host.as_ref().map(Pages::len);
+            let on_device = node.key.len() == node.pages.len() * ps;
+            let on_host = host_len.is_some_and(|h| h * ps == node.key.len());
+            if !(on_device && (host_len.is_none() || on_host))
+                && !(node.pages.is_empty() && on_host)
+            {
                 return Err(format!("node {i}: key/pages length mismatch"));
             }
-            if i != 0 && node.pages.is_empty() {
+            if i != 0 && node.key.is_empty() {
                 return Err(format!("node {i}: empty non-root node"));
+            }
+            if let Some(h) = &node.host {
+                host_cached += h.len();
+                if let Some(tier) = &self.host {
+                    if h.ids().iter().any(|&p| tier.pool.is_free(p)) {
+                        return Err(format!(
+                            "node {i}: holds a host slot the pool thinks is free"
+                        ));
+                    }
+                }
+            }
+            if node.pages.is_empty() && i != 0 {
+                if node.lock > 0 {
+                    return Err(format!("node {i}: locked on the host"));
+                }
+                if node
+                    .children
+                    .values()
+                    .any(|c| !self.node(*c).pages.is_empty())
+                {
+                    return Err(format!("node {i}: on the host above a device child"));
+                }
             }
             let child_locks: u32 = node.children.values().map(|c| self.node(*c).lock).sum();
             if i != 0 && node.lock < child_locks {
@@ -412,6 +595,9 @@ impl RadixCache {
             if node.pages.ids().iter().any(|&p| self.pool.is_free(p)) {
                 return Err(format!("node {i}: holds a page the pool thinks is free"));
             }
+        }
+        if self.host.as_ref().map_or(0, |t| t.cached) != host_cached {
+            return Err(format!("host counter: counted {host_cached}"));
         }
         if cached != self.cached_pages || locked != self.locked_pages {
             return Err(format!(
@@ -434,6 +620,10 @@ fn child_key(parent: NodeId, ns: u32, first_page: &[u32]) -> Vec<u32> {
         first_page.to_vec()
     }
 }
+
+#[path = "radix_host.rs"]
+mod host;
+pub use host::HostStats;
 
 #[cfg(test)]
 #[path = "radix_tests.rs"]

@@ -290,11 +290,16 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         let pool = PagePool::new(config.num_pages);
-        let cache = RadixCache::new(
+        let mut cache = RadixCache::new(
             pool.clone(),
             config.page_size as usize,
             !config.disable_radix_cache,
-        );
+        )
+        .with_policy(config.radix_eviction_policy);
+        if config.num_host_pages > 0 && !config.disable_radix_cache {
+            let host = PagePool::new(config.num_host_pages);
+            cache = cache.with_host(host, config.hicache_write_policy);
+        }
         Ok(Scheduler {
             free_slots: (0..config.max_running_requests).collect(),
             config,
@@ -434,6 +439,7 @@ impl Scheduler {
             spec_draft_tokens: self.spec.drafted,
             spec_accepted_tokens: self.spec.accepted,
             spec_verify_steps: self.spec.steps,
+            host: self.cache.host_stats(),
         }
     }
 

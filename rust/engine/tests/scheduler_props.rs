@@ -7,7 +7,7 @@ mod common;
 use common::{reference, request, Harness};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
+use tokenspeed_engine::{EvictionPolicy, SchedulePolicy, SchedulerConfig, WritePolicy};
 
 #[derive(Debug, Clone)]
 struct Workload {
@@ -62,56 +62,75 @@ fn workload() -> impl Strategy<Value = Workload> {
         2u32..24,
         any::<bool>(),
         any::<bool>(),
+        // The host tier: none, or 1-2x the device pool; write-back or through; LRU or LFU.
+        (0u32..3, any::<bool>(), any::<bool>()),
     )
-        .prop_flat_map(|(page_size, num_pages, max_running, budget, lpm, cache)| {
-            let config = SchedulerConfig {
-                page_size,
-                num_pages,
-                max_running_requests: max_running,
-                chunked_prefill_size: budget,
-                max_prefill_tokens: 1024,
-                max_mixed_prefill_tokens: 0,
-                max_mixed_step_ms: 0.0,
-                schedule_policy: if lpm {
-                    SchedulePolicy::Lpm
-                } else {
-                    SchedulePolicy::Fcfs
-                },
-                enable_priority_scheduling: false,
-                schedule_low_priority_values_first: false,
-                disable_radix_cache: !cache,
-                speculative_algorithm: None,
-                speculative_num_draft_tokens: None,
-                speculative_ngram_min_match_window_size: 1,
-                speculative_ngram_max_match_window_size: 12,
-                context_length: 1024,
-            };
-            // Prompts drawn from a few stems so that prefixes are shared.
-            let one = (
-                0u32..3,
-                0usize..10,
-                prop::collection::vec(0u32..50, 1..8),
-                1u32..12,
-                0usize..20,
-                prop::option::weighted(0.15, 0usize..30),
-                prop::option::weighted(0.3, 0usize..12),
-            )
-                .prop_map(|(stem, stem_len, tail, max_new, at, abort, stop)| {
-                    let head: Vec<u32> = (0..stem_len as u32).map(|i| stem * 100 + i).collect();
-                    Spec {
-                        prompt: [head, tail].concat(),
-                        max_new,
-                        at,
-                        abort: abort.map(|a| at + a),
-                        stop_at: stop.filter(|&k| k < max_new as usize),
-                    }
-                });
-            (
-                Just(config),
-                prop::collection::vec(one, 1..12),
-                prop::option::weighted(0.3, prop::collection::vec(0u64..60, 1..4)),
-            )
-        })
+        .prop_flat_map(
+            |(page_size, num_pages, max_running, budget, lpm, cache, host)| {
+                let (host_scale, write_back, lfu) = host;
+                let config = SchedulerConfig {
+                    page_size,
+                    num_pages,
+                    max_running_requests: max_running,
+                    chunked_prefill_size: budget,
+                    max_prefill_tokens: 1024,
+                    max_mixed_prefill_tokens: 0,
+                    max_mixed_step_ms: 0.0,
+                    schedule_policy: if lpm {
+                        SchedulePolicy::Lpm
+                    } else {
+                        SchedulePolicy::Fcfs
+                    },
+                    enable_priority_scheduling: false,
+                    schedule_low_priority_values_first: false,
+                    disable_radix_cache: !cache,
+                    speculative_algorithm: None,
+                    speculative_num_draft_tokens: None,
+                    speculative_ngram_min_match_window_size: 1,
+                    speculative_ngram_max_match_window_size: 12,
+                    context_length: 1024,
+                    radix_eviction_policy: if lfu {
+                        EvictionPolicy::Lfu
+                    } else {
+                        EvictionPolicy::Lru
+                    },
+                    num_host_pages: host_scale * num_pages,
+                    hicache_write_policy: if write_back {
+                        WritePolicy::WriteBack
+                    } else {
+                        WritePolicy::WriteThrough
+                    },
+                };
+                // Prompts drawn from a few stems so that prefixes are shared.
+                let one = (
+                    0u32..3,
+                    0usize..10,
+                    prop::collection::vec(0u32..50, 1..8),
+                    1u32..12,
+                    0usize..20,
+                    prop::option::weighted(0.15, 0usize..30),
+                    prop::option::weighted(0.3, 0usize..12),
+                )
+                    .prop_map(
+                        |(stem, stem_len, tail, max_new, at, abort, stop)| {
+                            let head: Vec<u32> =
+                                (0..stem_len as u32).map(|i| stem * 100 + i).collect();
+                            Spec {
+                                prompt: [head, tail].concat(),
+                                max_new,
+                                at,
+                                abort: abort.map(|a| at + a),
+                                stop_at: stop.filter(|&k| k < max_new as usize),
+                            }
+                        },
+                    );
+                (
+                    Just(config),
+                    prop::collection::vec(one, 1..12),
+                    prop::option::weighted(0.3, prop::collection::vec(0u64..60, 1..4)),
+                )
+            },
+        )
         .prop_map(|(config, requests, lose)| Workload {
             config,
             requests,

@@ -78,7 +78,7 @@ fn plan() -> impl Strategy<Value = Plan> {
                 tokens,
             },
         );
-    let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp { src, dst });
+    let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp { src, dst, kind: 0 });
     let mask = (any::<u32>(), ids(6)).prop_map(|(slot, allowed)| TokenMask { slot, allowed });
     let grammar = (
         any::<u32>(),
@@ -248,6 +248,7 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         mask_words: 0,
         worker_grammars: false,
         pooled_dim: 0,
+        host_copies: false,
     };
     let mut r = StepResult {
         step_id: 3,
@@ -353,6 +354,7 @@ fn the_slot_bound_holds_the_largest_step() {
         mask_words: 5,
         worker_grammars: true,
         pooled_dim: 0,
+        host_copies: false,
     };
     let full = Plan {
         finished: vec![FinishedSlot::default(); 4],

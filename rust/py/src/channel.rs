@@ -212,7 +212,7 @@ fn result_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 /// pooled vector, 0 unless `--is-embedding`).
 #[pyfunction]
 #[pyo3(signature = (max_running, max_step_tokens, max_pages_per_request, mask_words = 0,
-                    worker_grammars = false, pooled_dim = 0))]
+                    worker_grammars = false, pooled_dim = 0, host_copies = false))]
 fn slot_bytes(
     max_running: usize,
     max_step_tokens: usize,
@@ -220,6 +220,7 @@ fn slot_bytes(
     mask_words: usize,
     worker_grammars: bool,
     pooled_dim: usize,
+    host_copies: bool,
 ) -> usize {
     let l = StepLimits {
         max_running,
@@ -228,6 +229,7 @@ fn slot_bytes(
         mask_words,
         worker_grammars,
         pooled_dim,
+        host_copies,
     };
     Plan::max_encoded_len(&l).max(StepResult::max_encoded_len(&l))
 }

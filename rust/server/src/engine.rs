@@ -132,6 +132,8 @@ pub struct EngineStats {
     pub spec_draft_tokens: u64,
     pub spec_accepted_tokens: u64,
     pub spec_verify_steps: u64,
+    /// The radix cache's host tier (`--enable-hierarchical-cache`; zeros when off).
+    pub host: tokenspeed_engine::HostStats,
 }
 
 impl EngineStats {
@@ -159,6 +161,13 @@ impl EngineStats {
                 spec_draft_tokens: t.spec_draft_tokens + s.spec_draft_tokens,
                 spec_accepted_tokens: t.spec_accepted_tokens + s.spec_accepted_tokens,
                 spec_verify_steps: t.spec_verify_steps + s.spec_verify_steps,
+                host: tokenspeed_engine::HostStats {
+                    total_pages: t.host.total_pages + s.host.total_pages,
+                    used_pages: t.host.used_pages + s.host.used_pages,
+                    hit_tokens: t.host.hit_tokens + s.host.hit_tokens,
+                    load_pages: t.host.load_pages + s.host.load_pages,
+                    writeback_pages: t.host.writeback_pages + s.host.writeback_pages,
+                },
             })
     }
 
@@ -176,6 +185,7 @@ impl EngineStats {
             spec_draft_tokens: self.spec_draft_tokens,
             spec_accepted_tokens: self.spec_accepted_tokens,
             spec_verify_steps: self.spec_verify_steps,
+            host: self.host,
         }
     }
 }

@@ -54,6 +54,13 @@ pub struct Metrics {
     pub spec_decode_num_accepted_tokens: IntCounter,
     pub free_kv_pages: IntGauge,
     pub cached_kv_pages: IntGauge,
+    /// The radix cache's host tier (`--enable-hierarchical-cache`): slots, slots in use, and
+    /// running totals of host-hit tokens and of pages loaded / written back.
+    pub host_kv_pages: IntGauge,
+    pub host_kv_pages_used: IntGauge,
+    pub host_hit_tokens: IntCounter,
+    pub host_load_pages: IntCounter,
+    pub host_writeback_pages: IntCounter,
     pub steps: IntCounter,
     pub step_batch_size: Histogram,
     pub step_tokens: Histogram,
@@ -276,6 +283,23 @@ impl Metrics {
             ),
             free_kv_pages: b.gauge("free_kv_pages", "Free KV pages"),
             cached_kv_pages: b.gauge("cached_kv_pages", "KV pages held by the radix cache"),
+            host_kv_pages: b.gauge("host_kv_pages", "Host KV slots of the hierarchical cache"),
+            host_kv_pages_used: b.gauge(
+                "host_kv_pages_used",
+                "Host KV slots holding cached prefixes",
+            ),
+            host_hit_tokens: b.counter(
+                "host_hit_tokens_total",
+                "Prefix tokens found in host memory and loaded back instead of recomputed",
+            ),
+            host_load_pages: b.counter(
+                "host_load_pages_total",
+                "KV pages copied from host memory to the device",
+            ),
+            host_writeback_pages: b.counter(
+                "host_writeback_pages_total",
+                "KV pages copied from the device to host memory",
+            ),
             steps: b.counter("steps_total", "Engine steps run"),
             step_batch_size: b.histogram(
                 "step_batch_size",
@@ -318,6 +342,16 @@ impl Metrics {
             .inc_by(drafted.saturating_sub(self.spec_decode_num_draft_tokens.get()));
         self.spec_decode_num_accepted_tokens
             .inc_by(accepted.saturating_sub(self.spec_decode_num_accepted_tokens.get()));
+        let h = &s.host;
+        self.host_kv_pages.set(h.total_pages as i64);
+        self.host_kv_pages_used.set(h.used_pages as i64);
+        for (counter, total) in [
+            (&self.host_hit_tokens, h.hit_tokens),
+            (&self.host_load_pages, h.load_pages),
+            (&self.host_writeback_pages, h.writeback_pages),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
         if s.total_pages > 0 {
             let busy = s
                 .total_pages

@@ -114,6 +114,9 @@ fn group(n: usize, policy: Policy) -> Group {
             speculative_ngram_min_match_window_size: 1,
             speculative_ngram_max_match_window_size: 12,
             context_length: 4096,
+            radix_eviction_policy: Default::default(),
+            num_host_pages: 0,
+            hicache_write_policy: Default::default(),
         };
         let options = EngineOptions {
             max_queued_requests: 64,

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::plan::SamplingParams;
+use crate::radix::{EvictionPolicy, HostStats, WritePolicy};
 
 /// Which waiting request is admitted first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -76,6 +77,13 @@ pub struct SchedulerConfig {
     /// Shortest and longest suffix of the request's tokens that NGRAM looks up.
     pub speculative_ngram_min_match_window_size: u32,
     pub speculative_ngram_max_match_window_size: u32,
+    /// Which unlocked cached prefix is evicted first.
+    pub radix_eviction_policy: EvictionPolicy,
+    /// Host slots of the radix cache's host tier, as the workers allocated them (0: no host
+    /// tier, `--enable-hierarchical-cache` off).
+    pub num_host_pages: u32,
+    /// When cached KV is copied to the host tier.
+    pub hicache_write_policy: WritePolicy,
 }
 
 impl SchedulerConfig {
@@ -316,6 +324,8 @@ pub struct SchedulerStats {
     pub spec_draft_tokens: u64,
     pub spec_accepted_tokens: u64,
     pub spec_verify_steps: u64,
+    /// The radix cache's host tier (zeros without one).
+    pub host: HostStats,
 }
 
 impl SchedulerStats {

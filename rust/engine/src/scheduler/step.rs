@@ -107,6 +107,8 @@ impl Scheduler {
             .into_iter()
             .map(|slot| FinishedSlot { slot })
             .collect();
+        // Host-tier copies, in the order the cache decided them: before this step's forward.
+        step.plan.copies = self.cache.take_copies();
         if step.plan.is_empty() {
             return None;
         }

@@ -13,8 +13,8 @@
 use std::collections::{HashMap, VecDeque};
 
 use tokenspeed_engine::{
-    FinishReason, Plan, Request, RequestEvent, RequestId, RequestOutput, SchedulePolicy, Scheduler,
-    SchedulerConfig, SchedulerStats, StepResult, LAST_SAMPLED,
+    copy_kind, FinishReason, Plan, Request, RequestEvent, RequestId, RequestOutput, SchedulePolicy,
+    Scheduler, SchedulerConfig, SchedulerStats, StepResult, LAST_SAMPLED,
 };
 
 /// A small engine's settings; tests override what they exercise.
@@ -36,6 +36,9 @@ pub fn base_config() -> SchedulerConfig {
         speculative_ngram_min_match_window_size: 1,
         speculative_ngram_max_match_window_size: 12,
         context_length: 4096,
+        radix_eviction_policy: Default::default(),
+        num_host_pages: 0,
+        hicache_write_policy: Default::default(),
     }
 }
 
@@ -107,6 +110,8 @@ pub struct FakeWorker {
     slots: HashMap<u32, SlotState>,
     /// The KV cache: which token's KV sits at `page * page_size + offset`.
     kv: Vec<Option<u32>>,
+    /// The host tier's slots, laid out like `kv` (`--enable-hierarchical-cache`).
+    host_kv: Vec<Option<u32>>,
     last_step: Option<u64>,
     /// Tokens a slot's sampling steps return: the true continuation, as a perfect drafter
     /// would (speculative decoding accepting several tokens); 1 when absent.
@@ -124,6 +129,7 @@ impl FakeWorker {
             page_size: config.page_size as usize,
             slots: HashMap::new(),
             kv: vec![None; (config.num_pages * config.page_size) as usize],
+            host_kv: vec![None; (config.num_host_pages * config.page_size) as usize],
             last_step: None,
             accept: HashMap::new(),
             constant_token: None,
@@ -170,6 +176,17 @@ impl FakeWorker {
                 match table.get_mut(first + i) {
                     Some(slot) => *slot = p,
                     None => table.push(p),
+                }
+            }
+        }
+        // Copies run in list order, before the forward.
+        for c in &plan.copies {
+            let (src, dst) = (c.src as usize * ps, c.dst as usize * ps);
+            for i in 0..ps {
+                match c.kind {
+                    copy_kind::WRITEBACK => self.host_kv[dst + i] = self.kv[src + i],
+                    copy_kind::LOAD => self.kv[dst + i] = self.host_kv[src + i],
+                    _ => self.kv[dst + i] = self.kv[src + i],
                 }
             }
         }
@@ -468,5 +485,6 @@ impl Harness {
             "all pages free: {stats:?}"
         );
         assert_eq!((stats.used_pages, stats.cached_pages), (0, 0));
+        assert_eq!(stats.host.used_pages, 0, "all host slots free: {stats:?}");
     }
 }

@@ -562,6 +562,7 @@ impl EngineLoop {
                 spec_draft_tokens: s.spec_draft_tokens,
                 spec_accepted_tokens: s.spec_accepted_tokens,
                 spec_verify_steps: s.spec_verify_steps,
+                host: s.host,
             };
         }
     }

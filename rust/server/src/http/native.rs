@@ -281,6 +281,12 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
         },
         // SGLang's name: tokens per verifying request-step (0 before any, or without spec).
         "avg_spec_accept_length": stats.pool().avg_spec_accept_length(),
+        // The hierarchical cache's host tier (`--enable-hierarchical-cache`; zeros when off).
+        "host_kv_pages": {
+            "total": stats.host.total_pages, "used": stats.host.used_pages,
+            "hit_tokens": stats.host.hit_tokens, "load_pages": stats.host.load_pages,
+            "writeback_pages": stats.host.writeback_pages,
+        },
         "engine": stats,
         "dp_size": replicas.len(),
         "replicas": replicas,

@@ -1,0 +1,95 @@
+"""The hierarchical cache (--enable-hierarchical-cache) end to end: a device KV pool of 64 pages,
+a working set of prompts about 4x larger asked twice. With the host tier the second round finds
+its prefixes in host memory (reported by /get_server_info and /metrics) and the greedy tokens
+are those of a server without it; off (the default), no host pool and no copies."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from server_harness import Server, flushed_pages, start_server, stop_server
+
+# 16 pages of 4 tokens; each prompt 29 tokens (7 full pages), 9 distinct ones: ~4x the pool.
+SMALL_POOL = ["--max-total-tokens", "64", "--page-size", "4", "--context-length", "48",
+              "--enable-metrics"]
+PROMPTS = [f"Story {i}: " + " ".join(f"word{i}x{j}" for j in range(6)) for i in range(9)]
+POOL, RATIO = 16, 8
+
+
+def _server(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Iterator[Server]:
+    server = start_server(str(tmp_path_factory.mktemp("hicache")), *SMALL_POOL, *extra)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def hicache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _server(tmp_path_factory, "--enable-hierarchical-cache", "--hicache-ratio", str(RATIO))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _server(tmp_path_factory)
+
+
+def _round(server: Server) -> list[str]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    return [client.completions.create(model=model, prompt=p, max_tokens=3, temperature=0)
+            .choices[0].text for p in PROMPTS]
+
+
+def _host(server: Server) -> dict:
+    return server.info()["host_kv_pages"]
+
+
+def _metric(server: Server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    m = re.search(rf"^tokenspeed:{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_second_round_hits_the_host_tier_with_the_same_tokens(hicache: Server,
+                                                              plain: Server) -> None:
+    assert _host(hicache)["total"] == RATIO * POOL
+    first = _round(hicache)
+    after_first = _host(hicache)
+    assert after_first["writeback_pages"] > 0 and after_first["used"] > 0, after_first
+    second = _round(hicache)
+    host = _host(hicache)
+    # Most prompts' prefixes were evicted from the device pool by the ones after them.
+    assert host["hit_tokens"] >= 4 * 24, host
+    assert host["load_pages"] * 4 == host["hit_tokens"], host
+    assert _metric(hicache, "host_hit_tokens_total") == host["hit_tokens"]
+    assert _metric(hicache, "host_kv_pages") == RATIO * POOL
+    reference = _round(plain)
+    assert first == second == reference
+    assert all(t for t in reference)
+    # Idle and flushed, both tiers are empty again: no page leaked in either.
+    kv = flushed_pages(hicache)
+    assert kv["free"] == kv["total"], kv
+    assert _host(hicache)["used"] == 0
+
+
+def test_off_by_default_no_host_pool_and_no_copies(plain: Server) -> None:
+    _round(plain)  # the working set again: evictions, and prefix hits on what is left
+    host = _host(plain)
+    assert host == {"total": 0, "used": 0, "hit_tokens": 0, "load_pages": 0,
+                    "writeback_pages": 0}, host
+    assert _metric(plain, "host_kv_pages") == 0
+
+
+def test_hicache_without_the_radix_cache_is_refused_at_start() -> None:
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--device", "cpu",
+                        "--enable-hierarchical-cache", "--disable-radix-cache"],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "cannot be combined with --disable-radix-cache" in r.stderr, r.stderr
