@@ -21,6 +21,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "python"
 
 # Top to bottom; packages on one line are peers and may not import each other.
 LAYERS: list[tuple[str, ...]] = [
+    ("tokenspeed.offline",),  # the in-process API: LLM, AsyncLLM (on launch's start_workers)
     ("tokenspeed.launch",),  # the `tokenspeed` command, `serve`'s launch, supervisor, relay
     ("tokenspeed.bench",),  # `tokenspeed bench`
     ("tokenspeed.worker",),  # the worker process: loop, runner, sampler, graphs, plan codec
@@ -31,6 +32,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenspeed", "tokenspeed._core"),  # the version; the Rust extension
     ("tokenspeed_kernels",),  # Triton kernels
 ]
+
+
+# The root package re-exports the offline API on first use (`from tokenspeed import LLM`, as
+# vLLM's users write it; `tokenspeed.__getattr__`): the one edge that points up, and a lazy one.
+LAZY_REEXPORTS = {("tokenspeed", "tokenspeed.offline")}
+# The Rust extension is a module, though no .py file holds it.
+EXTENSION = "tokenspeed._core"
 
 
 def _module_name(path: Path) -> str:
@@ -69,7 +77,7 @@ def _imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
                 # `from package import module` imports the module; `from module import name`
                 # the module.
                 sub = f"{base}.{alias.name}"
-                yield (sub if sub in MODULES else base), node.lineno
+                yield (sub if sub in MODULES or sub == EXTENSION else base), node.lineno
 
 
 def _graph() -> dict[str, dict[str, int]]:
@@ -78,7 +86,8 @@ def _graph() -> dict[str, dict[str, int]]:
     for name, path in MODULES.items():
         edges = graph.setdefault(name, {})
         for target, line in _imports(name, path):
-            if target.split(".")[0] in OURS and target != name:
+            if target.split(".")[0] in OURS and target != name \
+                    and (name, target) not in LAZY_REEXPORTS:
                 edges.setdefault(target, line)
     return graph
 
