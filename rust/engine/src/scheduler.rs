@@ -23,6 +23,8 @@ use crate::radix::{NodeId, RadixCache};
 
 mod admission;
 mod finish;
+mod ops;
+mod preemption;
 mod reconcile;
 mod request;
 mod step;
@@ -250,6 +252,9 @@ pub struct Scheduler {
     /// Most distinct LoRA adapters among running requests (`--max-loras-per-batch`: the
     /// worker's adapter pool slots; every running request is in every step).
     max_adapters: usize,
+    /// No request is admitted (nor preempts) while set: the engine drains the running ones
+    /// before an operation on the worker group (`ops.rs`).
+    admission_held: bool,
 }
 
 impl Scheduler {
@@ -294,6 +299,7 @@ impl Scheduler {
             retractions: 0,
             step_cost: step_cost::StepCost::default(),
             max_adapters: usize::MAX,
+            admission_held: false,
         })
     }
 
