@@ -232,6 +232,11 @@ pub mod op_kind {
     /// Reload the weights from `args` (`{"model_path": ..., "load_format": ...}`) into the
     /// running model, same architecture (`/update_weights_from_disk`).
     pub const UPDATE_WEIGHTS: u8 = 1;
+    /// Free the weights (a host copy kept), the KV cache and the CUDA graphs
+    /// (`/release_memory_occupation`); the engine admits nothing until `RESUME_MEMORY`.
+    pub const RELEASE_MEMORY: u8 = 2;
+    /// Undo `RELEASE_MEMORY` (`/resume_memory_occupation`).
+    pub const RESUME_MEMORY: u8 = 3;
 }
 
 /// The longest argument text (bytes) of a `WorkerOp`, and of its outcome's message.

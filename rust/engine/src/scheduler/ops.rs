@@ -5,7 +5,7 @@
 //! (`drop_cache`) before they run.
 
 use super::Scheduler;
-use crate::plan::{FinishedSlot, Plan, WorkerOp};
+use crate::plan::{Plan, WorkerOp};
 
 impl Scheduler {
     /// Stops (or resumes) admitting waiting requests; running ones go on.
@@ -18,19 +18,17 @@ impl Scheduler {
         !self.running.is_empty()
     }
 
-    /// The plan carrying `op` alone (and the slots released since the last plan), numbered in
-    /// step order; None while a request holds a slot. Its result comes back through `advance`
+    /// The plan carrying `op` alone, numbered in step order; None while a request holds a
+    /// slot. Its result comes back through `advance`
     /// like any step's.
     pub fn op_plan(&mut self, op: WorkerOp) -> Option<Plan> {
         if !self.running.is_empty() {
             return None;
         }
+        // Slots released meanwhile are reported by the next step's plan: this one is the op's
+        // alone, so the worker need not apply anything else with it.
         let plan = Plan {
             step_id: self.next_step,
-            finished: std::mem::take(&mut self.released_slots)
-                .into_iter()
-                .map(|slot| FinishedSlot { slot })
-                .collect(),
             ops: vec![op],
             ..Default::default()
         };
