@@ -406,7 +406,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--max-loras-per-batch", "--max-loaded-loras",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
         "--priority-scheduling-preemption-threshold",
-        "--is-embedding",
+        "--is-embedding", "--constrained-json-allow-additional-properties",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -62,8 +62,10 @@ def _adapter(root: Path, name: str, seed: int, rank: int, modules: list[str]) ->
 
 def _run(path: str, adapters: list[str], runs: list[int], device: str, teacher=None, **kw):
     lora = {"targets": ALL, "max_rank": 16, "pool_slots": 2, "max_loaded": None}
-    runner = ModelRunner(path, device=device, dtype="float32", page_size=4, max_slots=8,
-                         max_context_len=128, lora=lora, **kw)
+    # A fixed small pool: the profiled default would take most of the GPU, and the test
+    # builds two CUDA runners in one process.
+    runner = ModelRunner(path, device=device, dtype="float32", page_size=4, num_pages=512,
+                         max_slots=8, max_context_len=128, lora=lora, **kw)
     sampling = {"lora_id": [r for r in runs],
                 "lora_path": [list(adapters[r - 1].encode()) if r else [] for r in runs]}
     res = OfflineScheduler(runner).generate(PROMPTS, NEW, chunk_size=8, keep_logits=True,

@@ -279,6 +279,12 @@ RUNTIME_FLAGS: list[Flag] = [
       r"( |\n[ \t]{0,16})", implemented=True, metavar="REGEX", readers=("launch",)),
     b("--constrained-json-disable-any-whitespace", "Force compact JSON in JSON-constrained "
       "output.", G_RUNTIME, implemented=True, readers=("launch",)),
+    # Undeclared properties are refused by default, as in vLLM and SGLang (xgrammar's default):
+    # allowed, a small model keeps inventing properties until max_tokens.
+    b("--constrained-json-allow-additional-properties", "In JSON-constrained output (schemas "
+      "of response_format, tools, guided_json), allow properties a schema does not declare when "
+      "it leaves additionalProperties unspecified. Default: not allowed.", G_RUNTIME,
+      implemented=True, readers=("server",)),
     f("--watchdog-timeout", "Abort the server when one forward step takes longer than this many "
       "seconds.", G_RUNTIME, 300.0, minimum=0.0, min_exclusive=True, readers=("server",),
       implemented=True),

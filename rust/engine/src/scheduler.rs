@@ -120,6 +120,8 @@ struct Sequence {
     /// Prompt tokens served from the cache at first admission (what usage reports).
     cached_tokens: Option<u32>,
     phase: Phase,
+    /// Times it was sent back to the queue (vLLM's per-request preemptions).
+    retractions: u32,
 }
 
 impl Sequence {
@@ -151,6 +153,7 @@ impl Sequence {
             prompt_tokens: self.req.prompt.len() as u32,
             cached_tokens: self.cached_tokens.unwrap_or(0),
             completion_tokens: self.completion_tokens() as u32,
+            preemptions: self.retractions,
         }
     }
 
@@ -371,6 +374,7 @@ impl Scheduler {
                 tokens,
                 cached_tokens: None,
                 phase: Phase::Waiting,
+                retractions: 0,
             },
         );
         self.waiting.push_back(id);
@@ -442,6 +446,7 @@ impl Scheduler {
         }
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
+        seq.retractions += 1;
         self.requests.insert(id, seq);
         self.retractions += 1;
     }

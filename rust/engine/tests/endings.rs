@@ -80,6 +80,7 @@ fn front_end_ending(reason: FinishReason) {
             id: 1.into(),
             reason,
             completion_tokens: generated,
+            preemptions: 0,
         })
     );
     assert_eq!(

@@ -74,6 +74,9 @@ pub struct ServerConfig {
     /// With `--is-embedding`: a classifier's label names by index (config.json `id2label`),
     /// empty for an embedding model (the worker's pooled vector is then an embedding).
     pub pooling_labels: Vec<String>,
+    /// `--constrained-json-allow-additional-properties`: an object schema that leaves
+    /// `additionalProperties` unspecified allows undeclared properties (else it does not).
+    pub constrained_json_allow_additional_properties: bool,
     /// Extra facts reported verbatim by /get_server_info (the resolved flags, device, ...).
     pub server_info: serde_json::Value,
     /// LoRA adapters (`--enable-lora`, `--lora-paths`, ...), as the launcher resolved them.

@@ -63,6 +63,13 @@ pub fn worker_grammar(
     request: &GrammarRequest,
     eos_token_ids: &[u32],
 ) -> Result<WorkerGrammar, RequestError> {
+    if request.field == "allowed_token_ids" {
+        // Written as llguidance's token-id ranges, which xgrammar does not read.
+        return Err(RequestError::bad_param(
+            request.field,
+            "allowed_token_ids needs --grammar-backend llguidance (the default)",
+        ));
+    }
     let (kind, text) = match &request.spec {
         GrammarSpec::JsonObject => (grammar_kind::JSON_SCHEMA, r#"{"type":"object"}"#.into()),
         GrammarSpec::JsonSchema(s) => (grammar_kind::JSON_SCHEMA, s.to_string()),

@@ -64,6 +64,8 @@ pub struct GenerationSpec {
     pub grammar_starts_after: Option<u32>,
     /// Admission priority (`validate::priority`); 0 is neutral.
     pub priority: i64,
+    /// vLLM's `truncate_prompt_tokens`: the prompt's last tokens kept.
+    pub truncate_prompt: Option<crate::validate::Truncation>,
 }
 
 #[derive(Debug, Clone)]
@@ -117,6 +119,8 @@ impl Drop for AbortGuard {
 
 pub struct Generation {
     pub prompt_ids: Vec<u32>,
+    /// The most tokens it may generate (`max_tokens`, or the room left in the context).
+    pub max_new_tokens: u32,
     tokenizer: Arc<TextTokenizer>,
     events: UnboundedReceiver<EngineEvent>,
     detok: IncrementalDetokenizer,
@@ -157,6 +161,7 @@ pub async fn probe(
         grammar: None,
         grammar_starts_after: None,
         priority: 0,
+        truncate_prompt: None,
     };
     if fe.config.is_embedding {
         let run = crate::pooling::probe(fe, spec.prompt, replica);
@@ -200,7 +205,13 @@ async fn start_on(
     spec: GenerationSpec,
     replica: Option<usize>,
 ) -> Result<Generation, RequestError> {
-    let prompt_ids = tokenize_prompt(fe, spec.prompt.clone()).await?;
+    let mut prompt_ids = tokenize_prompt(fe, spec.prompt.clone()).await?;
+    crate::validate::truncate_prompt(
+        &mut prompt_ids,
+        spec.truncate_prompt,
+        fe.config.scheduler.context_length,
+        spec.max_new_tokens,
+    );
     let max_new_tokens = crate::validate::prompt_budget(
         &prompt_ids,
         fe.tokenizer.vocab_size() as u32,
@@ -209,7 +220,13 @@ async fn start_on(
         spec.min_new_tokens,
     )?;
     // Compiled before submitting: an invalid grammar is a 400 before any KV is spent.
-    let constraint = match &spec.grammar {
+    let grammar = spec.grammar.clone().map(|g| {
+        crate::validate::grammar::close_objects(
+            g,
+            fe.config.constrained_json_allow_additional_properties,
+        )
+    });
+    let constraint = match &grammar {
         Some(g) => Some(Constraint {
             grammar: crate::constraint::compile(fe.grammar.as_ref(), g).await?,
             starts_after: spec.grammar_starts_after,
@@ -249,6 +266,7 @@ async fn start_on(
         .spaces_between_special_tokens(spec.spaces_between_special_tokens);
     Ok(Generation {
         prompt_ids,
+        max_new_tokens,
         tokenizer: fe.tokenizer.clone(),
         events,
         detok,
@@ -522,6 +540,9 @@ pub async fn start_choices(
         by_prompt.push(first?);
     }
     let prompts = by_prompt.iter().map(|g| g.prompt_ids.clone()).collect();
+    for first in &by_prompt {
+        fe.metrics.observe_params(n, first.max_new_tokens);
+    }
     let mut gens = Vec::with_capacity(specs.len() * n);
     for (i, (spec, first)) in specs.into_iter().zip(by_prompt).enumerate() {
         gens.push(first);

@@ -14,6 +14,7 @@ pub mod lora;
 pub mod metrics;
 pub mod pooling;
 pub mod replicas;
+pub mod response_store;
 pub mod router;
 pub mod validate;
 pub mod worker_link;
@@ -113,6 +114,11 @@ pub fn build_state_replicas(
         &config.served_model_name,
         config.scheduler.context_length,
     ));
+    metrics.set_cache_config(
+        config.scheduler.page_size,
+        config.scheduler.num_pages,
+        !config.scheduler.disable_radix_cache,
+    );
     // The HTTP layer admits at most max_running + max_queued generating requests (a fast 429
     // before tokenizing), so the waiting queue stays within --max-queued-requests once the
     // running slots are full. The engine's own check is a backstop at that same total: a
@@ -161,6 +167,7 @@ pub fn build_state_replicas(
         }),
         started: Instant::now(),
         lifecycle: Arc::new(http::Lifecycle::new(max_in_flight * dp)),
+        responses: Arc::default(),
     })
 }
 
@@ -222,16 +229,40 @@ pub fn serve(config: ServerConfig, links: Vec<Box<dyn WorkerLink>>) -> Result<()
     result
 }
 
+/// Pending connections the kernel queues before `accept` (capped by `net.core.somaxconn`).
+/// Benchmark clients and routers open thousands of connections at once; tokio's `bind` asks
+/// for 1,024, and a full accept queue drops the handshake's last ACK, so the client writes its
+/// request into a connection the server never sees and reads a reset.
+const LISTEN_BACKLOG: u32 = 8192;
+
+async fn bind(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        let socket = if a.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        // As std's and tokio's `bind` do: a restarted server can reuse a port in TIME_WAIT.
+        socket.set_reuseaddr(true)?;
+        match socket.bind(a).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "no address to bind")
+    }))
+}
+
 async fn run_http(state: http::AppState, addr: String) -> Result<(), ServeError> {
     if !state.config.skip_server_warmup {
         warm_up(&state).await?;
     }
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .map_err(|source| ServeError::Bind {
-            addr: addr.clone(),
-            source,
-        })?;
+    let listener = bind(&addr).await.map_err(|source| ServeError::Bind {
+        addr: addr.clone(),
+        source,
+    })?;
     let local: SocketAddr = listener.local_addr()?;
     tracing::info!("TokenSpeed serving on http://{local}");
     // Streams are many small writes: with Nagle's algorithm a chunk written while the previous

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 use tokenspeed_engine::scheduler::SchedulerStats;
 
@@ -31,6 +31,20 @@ pub struct Metrics {
     pub request_decode_time: Histogram,
     pub request_prompt_tokens: Histogram,
     pub request_generation_tokens: Histogram,
+    /// Prefill plus decode: the time a request held a slot (vLLM's RUNNING phase).
+    pub request_inference_time: Histogram,
+    /// Decode time over the tokens after the first, per request.
+    pub request_time_per_output_token: Histogram,
+    /// Times a request was sent back to the queue before it finished.
+    pub request_num_preemptions: Histogram,
+    /// The sampling parameters of each API request (per prompt): `n` and `max_tokens` (as
+    /// resolved: the room left in the context when the request gave none).
+    pub request_params_n: Histogram,
+    pub request_params_max_tokens: Histogram,
+    /// Tokens per engine step, vLLM's name and buckets (`step_tokens` is TokenSpeed's).
+    pub iteration_tokens: Histogram,
+    /// vLLM's `cache_config_info`: 1, labelled with the KV cache's configuration.
+    pub cache_config_info: IntGaugeVec,
     /// Generating requests refused at admission (429: running + queued at the limit).
     pub requests_rejected: IntCounter,
     /// Running requests sent back to the queue (vLLM's num_preemptions): KV pages ran out.
@@ -52,6 +66,7 @@ pub struct RequestTimes {
     pub prompt_tokens: u32,
     pub generation_tokens: u32,
     pub finished_reason: &'static str,
+    pub preemptions: u32,
 }
 
 const PREFIX: &str = "tokenspeed:";
@@ -71,6 +86,11 @@ const ITL_BUCKETS: &[f64] = &[
 const REQUEST_LATENCY_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// vLLM's buckets of `iteration_tokens_total` (its CUDA-graph sizes and batch-token limits).
+const ITERATION_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
 ];
 
 /// vLLM's `build_1_2_5_buckets(max_model_len)`: 1, 2, 5 times each power of ten, up to and
@@ -194,6 +214,46 @@ impl Metrics {
                 "Generated tokens per finished request",
                 tokens,
             ),
+            request_inference_time: b.histogram(
+                "request_inference_time_seconds",
+                "Time from the first prefill to the last token (prefill + decode)",
+                latency(),
+            ),
+            request_time_per_output_token: b.histogram(
+                "request_time_per_output_token_seconds",
+                "Mean time per output token after the first, per request",
+                ITL_BUCKETS.to_vec(),
+            ),
+            request_num_preemptions: b.histogram(
+                "request_num_preemptions",
+                "Times a finished request was sent back to the queue to free KV pages",
+                vec![0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0],
+            ),
+            request_params_n: b.histogram(
+                "request_params_n",
+                "The n of each request (per prompt)",
+                vec![1.0, 2.0, 5.0, 10.0, 20.0],
+            ),
+            request_params_max_tokens: b.histogram(
+                "request_params_max_tokens",
+                "The max_tokens of each request (per prompt; the room left when not given)",
+                buckets_1_2_5(max_model_len.max(1)),
+            ),
+            iteration_tokens: b.histogram(
+                "iteration_tokens_total",
+                "Tokens per engine step",
+                ITERATION_TOKEN_BUCKETS.to_vec(),
+            ),
+            cache_config_info: b.register(
+                IntGaugeVec::new(
+                    Opts::new(
+                        format!("{PREFIX}cache_config_info"),
+                        "Information of the KV cache's configuration (value 1)",
+                    ),
+                    &["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+                )
+                .expect("valid metric"),
+            ),
             num_preemptions: b.counter(
                 "num_preemptions_total",
                 "Running requests sent back to the queue to free KV pages (retracted; they \
@@ -229,6 +289,7 @@ impl Metrics {
         self.steps.inc();
         self.step_batch_size.observe(batch as f64);
         self.step_tokens.observe(tokens as f64);
+        self.iteration_tokens.observe(tokens as f64);
         self.step_cpu_seconds.observe(cpu.as_secs_f64());
     }
 
@@ -257,10 +318,36 @@ impl Metrics {
         self.request_queue_time.observe(t.queued.as_secs_f64());
         self.request_prefill_time.observe(t.prefill.as_secs_f64());
         self.request_decode_time.observe(t.decode.as_secs_f64());
+        self.request_inference_time
+            .observe((t.prefill + t.decode).as_secs_f64());
+        if t.generation_tokens > 1 {
+            self.request_time_per_output_token
+                .observe(t.decode.as_secs_f64() / f64::from(t.generation_tokens - 1));
+        }
+        self.request_num_preemptions
+            .observe(f64::from(t.preemptions));
         self.request_prompt_tokens
             .observe(f64::from(t.prompt_tokens));
         self.request_generation_tokens
             .observe(f64::from(t.generation_tokens));
+    }
+
+    /// One API request's parameters, per prompt (vLLM counts a request with n samples once).
+    pub fn observe_params(&self, n: usize, max_tokens: u32) {
+        self.request_params_n.observe(n as f64);
+        self.request_params_max_tokens
+            .observe(f64::from(max_tokens));
+    }
+
+    /// The KV cache's configuration, as vLLM's `cache_config_info` labels it.
+    pub fn set_cache_config(&self, page_size: u32, num_pages: u32, prefix_caching: bool) {
+        self.cache_config_info
+            .with_label_values(&[
+                &page_size.to_string(),
+                &num_pages.to_string(),
+                &prefix_caching.to_string(),
+            ])
+            .set(1);
     }
 
     pub fn render(&self) -> String {

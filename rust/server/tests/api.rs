@@ -355,6 +355,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         json_whitespace: None,
         is_embedding: false,
         pooling_labels: vec![],
+        constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
         lora: Default::default(),
     };

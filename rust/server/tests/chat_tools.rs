@@ -156,6 +156,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         json_whitespace: None,
         is_embedding: false,
         pooling_labels: vec![],
+        constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
         lora: Default::default(),
     }
@@ -334,7 +335,11 @@ async fn thinking_disabled_leaves_the_think_block_in_the_content() {
     assert_eq!(status, StatusCode::OK, "{text}");
     let v: Value = serde_json::from_str(&text).expect("json");
     let message = &v["choices"][0]["message"];
-    assert_eq!(message.get("reasoning_content"), None, "{text}");
+    assert_eq!(
+        message.get("reasoning_content"),
+        Some(&Value::Null),
+        "{text}"
+    );
     assert_eq!(message["content"], ANSWER);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     // Thinking on (the default): the reasoning is split off, the rest is content (no tools).
@@ -426,4 +431,280 @@ fn unknown_parsers_fail_at_startup() {
         let err = build_state(cfg, link).err().expect("refused");
         assert!(err.to_string().contains("--"), "{err}");
     }
+}
+
+// --- /v1/responses and /v1/messages: the same output stage, rendered as their items/blocks ----
+
+async fn post_to(
+    state: &AppState,
+    path: &str,
+    body: &Value,
+    key: Option<&str>,
+) -> (StatusCode, String) {
+    let mut req = Request::builder()
+        .method("POST")
+        .uri(path)
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        req = req.header("x-api-key", key);
+    }
+    let req = req.body(Body::from(body.to_string())).expect("request");
+    let resp = router(state.clone()).oneshot(req).await.expect("response");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// Server-sent events as (event name, data); each event's name must match its data's `type`.
+fn named_events(sse: &str) -> Vec<(String, Value)> {
+    sse.split("\n\n")
+        .filter(|block| !block.trim().is_empty())
+        .map(|block| {
+            let line = |prefix: &str| {
+                block
+                    .lines()
+                    .find_map(|l| l.strip_prefix(prefix))
+                    .unwrap_or_default()
+                    .to_string()
+            };
+            let data: Value = serde_json::from_str(&line("data: ")).expect("event json");
+            let name = line("event: ");
+            assert_eq!(data["type"], name.as_str(), "{block}");
+            (name, data)
+        })
+        .collect()
+}
+
+fn agent_tools(schema_key: &str) -> Vec<Value> {
+    tools()
+        .as_array()
+        .expect("tools")
+        .iter()
+        .map(|t| {
+            let f = &t["function"];
+            match schema_key {
+                "input_schema" => json!({"name": f["name"], "input_schema": f["parameters"]}),
+                _ => json!({"type": "function", "name": f["name"], "parameters": f["parameters"]}),
+            }
+        })
+        .collect()
+}
+
+/// Output items without their ids (a stream's and a whole response's ids differ).
+fn items_without_ids(output: &Value) -> Vec<Value> {
+    output
+        .as_array()
+        .expect("output")
+        .iter()
+        .map(|i| match i["type"].as_str() {
+            Some("function_call") => json!({"call": i["name"], "arguments": i["arguments"]}),
+            Some("reasoning") => json!({"reasoning": i["content"][0]["text"]}),
+            _ => json!({"message": i["content"][0]["text"]}),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn responses_render_reasoning_and_calls_streamed_or_not() {
+    let state = state(Some("hermes"), Some("qwen3"), true);
+    let mut body = json!({"input": "Weather and time in Paris?", "tools": agent_tools("parameters"),
+                          "max_output_tokens": 200});
+    let (status, text) = post_to(&state, "/v1/responses", &body, None).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let whole: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(whole["status"], "completed", "{whole}");
+    let items = items_without_ids(&whole["output"]);
+    assert_eq!(
+        items[0],
+        json!({"reasoning": "The user wants the weather in Paris and the time."})
+    );
+    assert_eq!(items[1]["call"], "get_weather");
+    let args: Value =
+        serde_json::from_str(items[1]["arguments"].as_str().expect("text")).expect("args");
+    assert_eq!(args, json!({"city": "Paris", "unit": "celsius"}));
+    assert_eq!(items[2]["call"], "get_time");
+    assert_eq!(items.len(), 3, "{whole}");
+
+    body["stream"] = json!(true);
+    let (status, sse) = post_to(&state, "/v1/responses", &body, None).await;
+    assert_eq!(status, StatusCode::OK, "{sse}");
+    let events = named_events(&sse);
+    for (i, (_, e)) in events.iter().enumerate() {
+        assert_eq!(e["sequence_number"], i as u64, "{e}");
+    }
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds[..3],
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added"
+        ]
+    );
+    assert_eq!(kinds.last(), Some(&"response.completed"));
+    let last = &events.last().expect("events").1["response"];
+    assert_eq!(items_without_ids(&last["output"]), items, "{sse}");
+    // The deltas add up to the items, and each done item is the final one.
+    let joined = |kind: &str, index: u64| -> String {
+        events
+            .iter()
+            .filter(|(k, e)| k == kind && e["output_index"] == index)
+            .map(|(_, e)| e["delta"].as_str().unwrap_or_default())
+            .collect()
+    };
+    assert_eq!(
+        joined("response.reasoning_text.delta", 0),
+        items[0]["reasoning"]
+    );
+    assert_eq!(
+        joined("response.function_call_arguments.delta", 1),
+        items[1]["arguments"]
+    );
+    let done: Vec<&Value> = events
+        .iter()
+        .filter(|(k, _)| k == "response.output_item.done")
+        .map(|(_, e)| &e["item"])
+        .collect();
+    assert_eq!(done.len(), 3);
+    assert_eq!(*done[1], last["output"][1]);
+}
+
+/// A streamed Anthropic message reassembled into content blocks, as Anthropic's client does.
+fn anthropic_blocks(events: &[(String, Value)]) -> (Vec<Value>, Value) {
+    let mut blocks: Vec<Value> = Vec::new();
+    let mut json_text: Vec<String> = Vec::new();
+    let mut stop = Value::Null;
+    for (kind, e) in events {
+        match kind.as_str() {
+            "content_block_start" => {
+                assert_eq!(e["index"], blocks.len() as u64, "{e}");
+                blocks.push(e["content_block"].clone());
+                json_text.push(String::new());
+            }
+            "content_block_delta" => {
+                let i = e["index"].as_u64().expect("index") as usize;
+                let d = &e["delta"];
+                let b = &mut blocks[i];
+                match d["type"].as_str() {
+                    Some("text_delta") => {
+                        b["text"] = json!(format!(
+                            "{}{}",
+                            b["text"].as_str().unwrap_or_default(),
+                            d["text"].as_str().unwrap_or_default()
+                        ))
+                    }
+                    Some("thinking_delta") => {
+                        b["thinking"] = json!(format!(
+                            "{}{}",
+                            b["thinking"].as_str().unwrap_or_default(),
+                            d["thinking"].as_str().unwrap_or_default()
+                        ))
+                    }
+                    Some("input_json_delta") => {
+                        json_text[i].push_str(d["partial_json"].as_str().unwrap_or_default())
+                    }
+                    other => panic!("unknown delta {other:?}"),
+                }
+            }
+            "content_block_stop" => {
+                let i = e["index"].as_u64().expect("index") as usize;
+                if blocks[i]["type"] == "tool_use" {
+                    blocks[i]["input"] = serde_json::from_str(&json_text[i]).expect("input json");
+                }
+            }
+            "message_delta" => stop = e["delta"]["stop_reason"].clone(),
+            _ => {}
+        }
+    }
+    (blocks, stop)
+}
+
+#[tokio::test]
+async fn messages_render_thinking_and_tool_use_streamed_or_not() {
+    let state = state(Some("hermes"), Some("qwen3"), true);
+    let mut body = json!({"max_tokens": 200, "tools": agent_tools("input_schema"),
+        "messages": [{"role": "user", "content": "Weather and time in Paris?"}]});
+    let (status, text) = post_to(&state, "/v1/messages", &body, None).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let whole: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(whole["stop_reason"], "tool_use", "{whole}");
+    let content = whole["content"].as_array().expect("content");
+    let kinds: Vec<&str> = content.iter().filter_map(|b| b["type"].as_str()).collect();
+    assert_eq!(kinds, ["thinking", "tool_use", "tool_use"]);
+    assert_eq!(
+        content[0]["thinking"],
+        "The user wants the weather in Paris and the time."
+    );
+    assert_eq!(
+        content[1]["input"],
+        json!({"city": "Paris", "unit": "celsius"})
+    );
+    assert_eq!(content[2]["name"], "get_time");
+
+    body["stream"] = json!(true);
+    let (status, sse) = post_to(&state, "/v1/messages", &body, None).await;
+    assert_eq!(status, StatusCode::OK, "{sse}");
+    let events = named_events(&sse);
+    assert_eq!(events[0].0, "message_start");
+    assert_eq!(events.last().map(|e| e.0.as_str()), Some("message_stop"));
+    let (blocks, stop) = anthropic_blocks(&events);
+    assert_eq!(stop, "tool_use");
+    let strip = |bs: &[Value]| -> Vec<Value> {
+        bs.iter()
+            .map(|b| {
+                let mut b = b.clone();
+                if let Some(o) = b.as_object_mut() {
+                    o.remove("id");
+                }
+                b
+            })
+            .collect()
+    };
+    assert_eq!(strip(&blocks), strip(content), "{sse}");
+}
+
+#[tokio::test]
+async fn messages_take_the_x_api_key_and_answer_errors_in_anthropics_shape() {
+    let tok = TextTokenizer::from_dir(&smollm2_dir(), None).expect("tokenizer");
+    let mut script = tok.encode("Hello there", false).expect("encode");
+    script.push(tok.eos_token_ids()[0]);
+    let config = ServerConfig {
+        api_key: Some("sk-k".into()),
+        ..config(None, None, false)
+    };
+    let state = build_state(config, Box::new(ScriptedWorker::start(script))).expect("state");
+    let body = json!({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]});
+    for key in [None, Some("wrong")] {
+        let (status, text) = post_to(&state, "/v1/messages", &body, key).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        let err: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(
+            err,
+            json!({"type": "error", "error": {"type": "authentication_error",
+            "message": "invalid or missing API key"}})
+        );
+    }
+    let (status, text) = post_to(&state, "/v1/messages", &body, Some("sk-k")).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let m: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(
+        m["content"],
+        json!([{"type": "text", "text": "Hello there"}])
+    );
+    assert_eq!(m["stop_reason"], "end_turn");
+    let (status, text) = post_to(
+        &state,
+        "/v1/messages",
+        &json!({"messages": []}),
+        Some("sk-k"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let err: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(err["error"]["type"], "invalid_request_error", "{err}");
+    // Other routes keep OpenAI's error shape.
+    let (status, text) = post_to(&state, "/v1/responses", &json!({"input": 3}), Some("sk-k")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let err: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(err["error"]["param"], "input", "{err}");
 }

@@ -93,6 +93,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         json_whitespace: None,
         is_embedding: false,
         pooling_labels: vec![],
+        constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
         lora: Default::default(),
     };

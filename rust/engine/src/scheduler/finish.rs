@@ -38,6 +38,7 @@ impl Scheduler {
             id,
             reason,
             completion_tokens: seq.completion_tokens() as u32,
+            preemptions: seq.retractions,
         })
     }
 

@@ -235,6 +235,8 @@ pub struct Finished {
     pub reason: FinishReason,
     /// Tokens generated when it ended (those kept: none after a stop).
     pub completion_tokens: u32,
+    /// Times it was sent back to the queue to free KV pages.
+    pub preemptions: u32,
 }
 
 /// What one step produced for one request: its accepted tokens (usually one), or an error.
@@ -264,6 +266,8 @@ pub struct RequestOutput {
     pub cached_tokens: u32,
     /// Tokens generated so far, this one included.
     pub completion_tokens: u32,
+    /// Times it was sent back to the queue so far (retracted to free KV pages).
+    pub preemptions: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

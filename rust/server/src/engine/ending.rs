@@ -39,7 +39,13 @@ impl EngineLoop {
     /// it: a stop token, the length, a completed grammar (all three decided by the scheduler or
     /// the grammar on this thread) or a stop string (found by the front end in the detokenized
     /// text, `Command::StopMatched`).
-    pub(super) fn record_finish(&self, live: LiveRequest, reason: FinishReason, generated: u32) {
+    pub(super) fn record_finish(
+        &self,
+        live: LiveRequest,
+        reason: FinishReason,
+        generated: u32,
+        preemptions: u32,
+    ) {
         let now = Instant::now();
         let admitted = live.admitted.unwrap_or(live.submitted);
         let first = live.first_token.unwrap_or(now);
@@ -51,6 +57,7 @@ impl EngineLoop {
             prompt_tokens: live.prompt_tokens,
             generation_tokens: generated,
             finished_reason: reason.api_name(),
+            preemptions,
         });
     }
 
@@ -59,12 +66,11 @@ impl EngineLoop {
     /// the tokens up to the match, which only the front end knows.
     pub(super) fn end_stopped(&mut self, id: RequestId, live: LiveRequest) {
         self.grammars.remove(id);
-        let reason = self
-            .scheduler
-            .finish(id, FinishReason::StopString)
-            .map_or(FinishReason::StopString, |f| f.reason);
+        let finished = self.scheduler.finish(id, FinishReason::StopString);
+        let reason = finished.map_or(FinishReason::StopString, |f| f.reason);
+        let preemptions = finished.map_or(0, |f| f.preemptions);
         let generated = live.stop.get().unwrap_or(0);
-        self.record_finish(live, reason, generated);
+        self.record_finish(live, reason, generated, preemptions);
     }
 
     pub(super) fn count_abort(&self) {

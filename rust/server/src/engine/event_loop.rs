@@ -505,7 +505,8 @@ impl EngineLoop {
             }
             return;
         }
-        let (finish, completion_tokens) = (out.finished, out.completion_tokens);
+        let (finish, completion_tokens, preemptions) =
+            (out.finished, out.completion_tokens, out.preemptions);
         self.metrics
             .generation_tokens
             .inc_by(out.tokens.len() as u64);
@@ -530,7 +531,7 @@ impl EngineLoop {
         }
         if let Some(reason) = finish {
             if let Some(live) = self.requests.remove(&id) {
-                self.record_finish(live, reason, completion_tokens);
+                self.record_finish(live, reason, completion_tokens, preemptions);
             }
         } else if !delivered {
             // A stop string ended it (the front end said so before dropping the channel), or

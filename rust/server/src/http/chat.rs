@@ -13,10 +13,7 @@ use std::sync::Arc;
 use axum::response::sse::Event;
 
 use super::error::ApiError;
-use super::openai::{
-    sse_data, sse_response, stream_options, total_usage, vllm_prompt_logprobs, LogprobStyle,
-    StreamOptions,
-};
+use super::openai::{sse_data, sse_response, total_usage, vllm_prompt_logprobs, LogprobStyle};
 use super::protocol::{check_extra_fields, parse_body, ChatCompletionRequest};
 use super::response::{
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobEntry,
@@ -29,7 +26,7 @@ use super::{ok_json, unix_now, AppState};
 use crate::chat_output::{finish_reason, OutputStream};
 use crate::engine::TokenUsage;
 use crate::generate::{self, Choices, Chunk, TokenLogprob};
-use crate::validate;
+use crate::validate::{self, StreamSettings};
 use tokenspeed_text::TextTokenizer;
 
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest, responses((status = 200, description = "a chat completion, or server-sent ChatCompletionChunks with stream", content((ChatCompletion = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = ErrorResponse), (status = 503, description = "overloaded or no worker", body = ErrorResponse)))]
@@ -42,7 +39,12 @@ pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Res
 
 /// With special tokens kept, a choice that ended on a special stop token (eos) has its text at
 /// the end: it is no part of the answer.
-fn strip_special_stop(tokenizer: &TextTokenizer, keep_special: bool, text: &mut String, c: &Chunk) {
+pub(super) fn strip_special_stop(
+    tokenizer: &TextTokenizer,
+    keep_special: bool,
+    text: &mut String,
+    c: &Chunk,
+) {
     let Some(id) = c
         .finish
         .as_ref()
@@ -106,16 +108,19 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
             choices: Vec::new(),
             usage: None,
             prompt_logprobs: None,
+            prompt_token_ids: None,
         },
         style: LogprobStyle {
             as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
         },
         tokenizer: state.tokenizer.clone(),
         prompt_logprobs: req.sampling.prompt_logprobs.is_some(),
+        token_ids: req.sampling.return_token_ids.unwrap_or(false),
         checked,
     };
     if req.sampling.stream.unwrap_or(false) {
-        return Ok(render.stream(choices, stream_options(&req.sampling)));
+        let opts = render.checked.stream;
+        return Ok(render.stream(choices, opts));
     }
     render.json(choices).await
 }
@@ -130,6 +135,8 @@ struct ChatRender {
     tokenizer: Arc<TextTokenizer>,
     /// vLLM's `prompt_logprobs` was asked for.
     prompt_logprobs: bool,
+    /// vLLM's `return_token_ids` was asked for.
+    token_ids: bool,
 }
 
 impl ChatRender {
@@ -147,7 +154,7 @@ impl ChatRender {
 
     /// The first delta of each choice carries the role (and the echo), and with continuous
     /// usage the prompt's usage (vLLM's role chunk: no completion tokens yet).
-    fn preamble(&self, choices: &Choices, opts: &StreamOptions) -> Vec<Event> {
+    fn preamble(&self, choices: &Choices, opts: &StreamSettings) -> Vec<Event> {
         (0..choices.gens.len())
             .map(|i| {
                 let prompt_tokens = choices.prompts.get(i / choices.n).map_or(0, Vec::len) as u32;
@@ -162,17 +169,22 @@ impl ChatRender {
                         logprobs: None,
                         finish_reason: None,
                         matched_stop: None,
+                        token_ids: None,
                     }],
                     usage: opts
                         .continuous_usage
                         .then(|| Usage::before_output(prompt_tokens)),
+                    prompt_token_ids: self
+                        .token_ids
+                        .then(|| choices.prompts.get(i / choices.n).cloned())
+                        .flatten(),
                     ..self.head.clone()
                 })
             })
             .collect()
     }
 
-    fn stream(self, choices: Choices, opts: StreamOptions) -> Response {
+    fn stream(self, choices: Choices, opts: StreamSettings) -> Response {
         let preamble = self.preamble(&choices, &opts);
         let (n, count) = (choices.n, choices.gens.len());
         let head = self.head.clone();
@@ -194,6 +206,10 @@ impl ChatRender {
 
     async fn json(self, choices: Choices) -> Result<Response, ApiError> {
         let n = choices.n;
+        let prompt_token_ids = self
+            .token_ids
+            .then(|| choices.prompts.first().cloned())
+            .flatten();
         let chunks = choices.collect().await?;
         let usages: Vec<TokenUsage> = chunks.iter().map(|c| c.usage).collect();
         let out: Vec<ChatChoice> = chunks
@@ -217,6 +233,7 @@ impl ChatRender {
             choices: out,
             usage: Usage::of(&total_usage(&usages, n)),
             prompt_logprobs,
+            prompt_token_ids,
         })))
     }
 
@@ -257,6 +274,7 @@ impl ChatRender {
                 .as_ref()
                 .map(|f| finish_reason(f.reason, made_calls)),
             matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
+            token_ids: self.token_ids.then(|| c.token_ids.clone()),
         }
     }
 }
@@ -279,7 +297,14 @@ impl ChatFrames {
         let logprobs = self.render.logprobs(c);
         let prompt_logprobs = (i == 0 && std::mem::take(&mut self.prompt_logprobs_due))
             .then(|| vllm_prompt_logprobs(&self.render.tokenizer, &c.prompt_logprobs));
-        if out.is_empty() && c.finish.is_none() && logprobs.is_none() && prompt_logprobs.is_none() {
+        let token_ids =
+            (self.render.token_ids && !c.token_ids.is_empty()).then(|| c.token_ids.clone());
+        if out.is_empty()
+            && c.finish.is_none()
+            && logprobs.is_none()
+            && prompt_logprobs.is_none()
+            && token_ids.is_none()
+        {
             return None; // held back: the next text decides it
         }
         let tool_calls = out
@@ -317,6 +342,7 @@ impl ChatFrames {
                 logprobs,
                 finish_reason: finish,
                 matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
+                token_ids,
             }],
             usage: self.continuous_usage.then(|| Usage::of(&c.usage)),
             prompt_logprobs,

@@ -64,6 +64,16 @@ impl ApiError {
             param: None,
         }
     }
+    pub fn unsupported_media_type(mime: &str) -> Self {
+        ApiError {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            message: format!(
+                "the request body must be JSON (Content-Type: application/json), got {mime:?}"
+            ),
+            kind: "invalid_request_error",
+            param: None,
+        }
+    }
     pub fn payload_too_large(limit: u64) -> Self {
         ApiError {
             status: StatusCode::PAYLOAD_TOO_LARGE,

@@ -5,13 +5,16 @@ pub mod chat;
 pub mod error;
 pub mod lifecycle;
 pub mod lora;
+pub mod messages;
 pub mod native;
 pub mod openai;
 pub mod openapi;
 pub mod ops;
 pub mod pooling;
 pub mod protocol;
+pub mod protocol_agents;
 pub mod response;
+pub mod responses;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,6 +41,8 @@ pub struct AppState {
     pub started: Instant,
     /// Draining (shutdown) and the count of generating requests in flight.
     pub lifecycle: Arc<Lifecycle>,
+    /// `/v1/responses` answers kept for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses: Arc<crate::response_store::ResponseStore>,
     /// The LoRA adapters requests may name (`--enable-lora`).
     pub lora: Arc<crate::lora::LoraRegistry>,
     /// The label of the weights serving now: `--weight-version`, then what
@@ -112,6 +117,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/generate", post(native::generate))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/messages", post(messages::messages))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -131,6 +138,10 @@ pub fn router(state: AppState) -> Router {
     let api = Router::new()
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::get).delete(responses::delete),
+        )
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))
         .route("/v1/tokenize", post(native::tokenize))
@@ -168,6 +179,7 @@ pub fn router(state: AppState) -> Router {
         .merge(generating)
         .merge(pooling)
         .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
+        .route_layer(middleware::from_fn(require_json))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -187,6 +199,7 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             refuse_while_draining,
         ))
+        .layer(middleware::from_fn(messages::anthropic_errors))
         // `limit_body` enforces --max-request-body-bytes; axum's own 2 MB default must not.
         .layer(DefaultBodyLimit::disable())
         .with_state(state)
@@ -208,7 +221,9 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            // Anthropic's clients send the key as `x-api-key`.
+            .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
         let ok = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes())));
         if !ok {
             return ApiError::unauthorized().into_response();
@@ -226,6 +241,28 @@ async fn refuse_while_draining(
 ) -> Response {
     if state.lifecycle.is_draining() && req.uri().path() != "/metrics" {
         return ApiError::unavailable("the server is shutting down").into_response();
+    }
+    next.run(req).await
+}
+
+/// The API routes read JSON: a body declared as anything else (a form or text, which a browser
+/// sends cross-site without a CORS preflight) gets 415. A body without a Content-Type is read
+/// as JSON, as FastAPI-based servers do.
+async fn require_json(req: Request, next: Next) -> Response {
+    if let Some(value) = req.headers().get(header::CONTENT_TYPE) {
+        let mime = value
+            .to_str()
+            .unwrap_or_default()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        let json = mime == "application/json"
+            || (mime.starts_with("application/") && mime.ends_with("+json"));
+        if !json {
+            return ApiError::unsupported_media_type(&mime).into_response();
+        }
     }
     next.run(req).await
 }

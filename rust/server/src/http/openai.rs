@@ -16,7 +16,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::protocol::{check_extra_fields, parse_body, CompletionRequest, SamplingFields};
+use super::protocol::{check_extra_fields, parse_body, CompletionRequest};
 use super::response::{
     Completion, CompletionChoice, CompletionLogprobs, PromptLogprob, PromptLogprobs, Usage,
 };
@@ -25,7 +25,7 @@ use super::response::{ErrorResponse, ServerSentEvent};
 use super::{ok_json, unix_now, AppState};
 use crate::engine::TokenUsage;
 use crate::generate::{self, Choices, Chunk, Prompt, TokenLogprob};
-use crate::validate;
+use crate::validate::{self, StreamSettings};
 
 fn model_card(state: &AppState) -> Value {
     json!({
@@ -33,7 +33,8 @@ fn model_card(state: &AppState) -> Value {
         "object": "model",
         "created": state.started_unix(),
         "owned_by": "tokenspeed",
-        "root": state.config.model_path,
+        // The served id, as vLLM and SGLang send it (not a path on the server's disk).
+        "root": state.config.served_model_name,
         "max_model_len": state.config.scheduler.context_length,
     })
 }
@@ -102,19 +103,6 @@ pub(super) fn total_usage(usages: &[TokenUsage], n: usize) -> TokenUsage {
         total.completion_tokens += samples.iter().map(|u| u.completion_tokens).sum::<u32>();
     }
     total
-}
-
-pub(super) struct StreamOptions {
-    pub(super) include_usage: bool,
-    pub(super) continuous_usage: bool,
-}
-
-pub(super) fn stream_options(f: &SamplingFields) -> StreamOptions {
-    let o = f.stream_options.clone().unwrap_or_default();
-    StreamOptions {
-        include_usage: o.include_usage.unwrap_or(false),
-        continuous_usage: o.continuous_usage_stats.unwrap_or(false),
-    }
 }
 
 pub(super) fn sse_data(value: &impl Serialize) -> Event {
@@ -194,7 +182,7 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         spec.priority = priority;
         crate::lora::run_on(&mut spec.sampling, adapter.clone());
     }
-    let echo_texts: Vec<String> = if checked.echo {
+    let mut echo_texts: Vec<String> = if checked.echo {
         checked
             .specs
             .iter()
@@ -205,6 +193,14 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
     };
     let rid = generate::new_request_id();
     let choices = generate::start_choices(&state, rid, checked.specs, checked.n).await?;
+    if req.sampling.truncate_prompt_tokens.is_some() && checked.echo {
+        // The echo is the prompt the model continued: what truncation left of it.
+        echo_texts = choices
+            .prompts
+            .iter()
+            .map(|ids| prompt_text(&state, &Prompt::Ids(ids.clone())))
+            .collect();
+    }
     let render = Arc::new(CompletionRender {
         head: Completion {
             id: format!("cmpl-{}", rid.request()),
@@ -225,9 +221,10 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         want_logprobs: checked.want_logprobs,
         echo_logprobs: checked.echo_logprobs,
         prompt_logprobs: req.sampling.prompt_logprobs.is_some(),
+        token_ids: req.sampling.return_token_ids.unwrap_or(false),
     });
     if req.sampling.stream.unwrap_or(false) {
-        return Ok(render.stream(choices, stream_options(&req.sampling)));
+        return Ok(render.stream(choices, checked.stream));
     }
     let chunks = choices.collect().await?;
     let usages: Vec<TokenUsage> = chunks.iter().map(|c| c.usage).collect();
@@ -239,10 +236,14 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
             let mut offset = prefix.chars().count();
             let logprobs = render.logprobs(i, c, true, &mut offset);
             let mut choice = completion_choice(i, prefix + &c.text, logprobs, c);
-            if render.prompt_logprobs {
-                choice.prompt_logprobs =
-                    Some(vllm_prompt_logprobs(&render.tokenizer, &c.prompt_logprobs));
-            }
+            // vLLM's shape: both keys present, null unless asked for.
+            choice.prompt_logprobs = Some(
+                render
+                    .prompt_logprobs
+                    .then(|| vllm_prompt_logprobs(&render.tokenizer, &c.prompt_logprobs)),
+            );
+            choice.prompt_token_ids = Some(render.prompt_ids(i));
+            choice.token_ids = render.token_ids.then(|| c.token_ids.clone());
             choice
         })
         .collect();
@@ -269,9 +270,17 @@ struct CompletionRender {
     echo_logprobs: bool,
     /// vLLM's `prompt_logprobs` was asked for.
     prompt_logprobs: bool,
+    /// vLLM's `return_token_ids` was asked for.
+    token_ids: bool,
 }
 
 impl CompletionRender {
+    /// Choice `i`'s prompt token ids, when `return_token_ids` asked for them.
+    fn prompt_ids(&self, i: usize) -> Option<Vec<u32>> {
+        self.token_ids
+            .then(|| self.prompts.get(i / self.n).cloned().unwrap_or_default())
+    }
+
     fn echo_of(&self, i: usize) -> String {
         self.echo_texts.get(i / self.n).cloned().unwrap_or_default()
     }
@@ -303,7 +312,7 @@ impl CompletionRender {
         Some(out)
     }
 
-    fn stream(self: Arc<Self>, choices: Choices, opts: StreamOptions) -> Response {
+    fn stream(self: Arc<Self>, choices: Choices, opts: StreamSettings) -> Response {
         // Per choice: whether its echo went out, and its text offset so far.
         let mut started = vec![false; choices.gens.len()];
         let mut offsets = vec![0usize; choices.gens.len()];
@@ -313,6 +322,7 @@ impl CompletionRender {
                 && c.finish.is_none()
                 && c.prompt_logprobs.is_empty()
                 && !render.want_logprobs
+                && (!render.token_ids || c.token_ids.is_empty())
             {
                 return None;
             }
@@ -327,8 +337,14 @@ impl CompletionRender {
             let logprobs = render.logprobs(i, c, first, offset);
             let mut choice = completion_choice(i, text, logprobs, c);
             if first && render.prompt_logprobs {
-                choice.prompt_logprobs =
-                    Some(vllm_prompt_logprobs(&render.tokenizer, &c.prompt_logprobs));
+                choice.prompt_logprobs = Some(Some(vllm_prompt_logprobs(
+                    &render.tokenizer,
+                    &c.prompt_logprobs,
+                )));
+            }
+            if render.token_ids {
+                choice.prompt_token_ids = first.then(|| render.prompt_ids(i));
+                choice.token_ids = Some(c.token_ids.clone());
             }
             Some(sse_data(&Completion {
                 choices: vec![choice],
@@ -359,6 +375,8 @@ fn completion_choice(
         finish_reason: c.finish.as_ref().map(|f| f.reason),
         matched_stop: c.finish.as_ref().and_then(|f| f.matched.clone()),
         prompt_logprobs: None,
+        prompt_token_ids: None,
+        token_ids: None,
     }
 }
 

@@ -13,7 +13,7 @@ use super::error::ApiError;
 
 /// `"stop": "x"` or `"stop": ["x", "y"]`.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "stop must be a string or a list of strings")]
 pub enum StopField {
     One(String),
     Many(Vec<String>),
@@ -30,7 +30,11 @@ impl StopField {
 
 /// `/v1/completions` prompt: text, token ids, or a batch of one of them.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "the prompt must be a string, a list of strings, a list of token ids or a list \
+                 of token-id lists"
+)]
 pub enum PromptField {
     Text(String),
     Ids(Vec<u32>),
@@ -60,8 +64,16 @@ pub struct SamplingFields {
     pub include_stop_str_in_output: Option<bool>,
     /// Token id (as a string key, OpenAI's format) → bias added to its logit.
     pub logit_bias: Option<HashMap<String, f32>>,
-    /// vLLM's: logprobs of the prompt tokens, with this many top alternatives each.
-    pub prompt_logprobs: Option<u32>,
+    /// vLLM's: logprobs of the prompt tokens, with this many top alternatives each (-1: all,
+    /// refused past the 20 this server returns).
+    pub prompt_logprobs: Option<i32>,
+    /// vLLM's: only these token ids may be sampled.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's: keep only the last this many prompt tokens (-1: as many as fit beside
+    /// max_tokens).
+    pub truncate_prompt_tokens: Option<i64>,
+    /// vLLM's: the choices carry their generated `token_ids`, the response `prompt_token_ids`.
+    pub return_token_ids: Option<bool>,
     /// vLLM's: logprob tokens rendered as `token_id:<id>`.
     pub return_tokens_as_token_ids: Option<bool>,
     pub n: Option<u32>,
@@ -110,8 +122,8 @@ pub struct CompletionRequest {
     pub lora_path: Option<String>,
     pub prompt: PromptField,
     pub max_tokens: Option<u32>,
-    /// Number of top logprobs per token (legacy completions API).
-    pub logprobs: Option<u32>,
+    /// Number of top logprobs per token (legacy completions API; -1: all, vLLM's).
+    pub logprobs: Option<i32>,
     pub echo: Option<bool>,
     pub best_of: Option<u32>,
     pub suffix: Option<String>,
@@ -133,7 +145,8 @@ pub struct ChatCompletionRequest {
     pub max_tokens: Option<u32>,
     pub max_completion_tokens: Option<u32>,
     pub logprobs: Option<bool>,
-    pub top_logprobs: Option<u32>,
+    /// -1: all (vLLM's), refused past the 20 this server returns.
+    pub top_logprobs: Option<i32>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     /// Several calls in one answer (default true); false keeps (and forces) at most one.
@@ -266,29 +279,6 @@ fn culprit_field<T: serde::de::DeserializeOwned>(value: &Value, message: &str) -
     })
 }
 
-/// Fields other servers define whose feature TokenSpeed does not have yet: refused with a 400
-/// naming them (accepting them would silently change what the client asked for), unless they
-/// hold their neutral value (`is_neutral`).
-const NOT_IMPLEMENTED: &[(&str, &str)] = &[
-    (
-        "guided_decoding_backend",
-        "choosing the grammar backend per request",
-    ),
-    (
-        "guided_whitespace_pattern",
-        "a custom JSON whitespace pattern",
-    ),
-    ("functions", "tool calling"),
-    ("function_call", "tool calling"),
-    ("lora_request", "LoRA adapters"),
-    ("audio", "audio output"),
-    ("prediction", "predicted outputs"),
-    ("logits_processors", "custom logits processors"),
-    ("bad_words", "bad words"),
-    ("truncate_prompt_tokens", "prompt truncation"),
-    ("return_hidden_states", "hidden-state output"),
-];
-
 /// The request fields `/openapi.json` defines for the component `schema`, through its `$ref`s
 /// and `allOf`s: the document is the one list of what each request may carry. (Serde's nested
 /// `#[serde(flatten)]` hands a catch-all map every key, the known ones included, so the
@@ -313,17 +303,6 @@ fn documented_fields(schema: &str) -> HashSet<String> {
     out
 }
 
-/// A value that asks for nothing: what clients that spell out every field send for a feature
-/// they do not use (SGLang's router sends `"return_hidden_states": false` on every request).
-fn is_neutral(v: &Value) -> bool {
-    match v {
-        Value::Null | Value::Bool(false) => true,
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.is_empty(),
-        _ => false,
-    }
-}
-
 /// Refuses a field another server defines that TokenSpeed does not implement; names the fields
 /// the document does not define for `schema` in a warning, once per field name per process.
 pub fn check_extra_fields(
@@ -331,16 +310,7 @@ pub fn check_extra_fields(
     schema: &str,
     extra: &Map<String, Value>,
 ) -> Result<(), ApiError> {
-    for (name, feature) in NOT_IMPLEMENTED {
-        if extra.get(*name).is_some_and(|v| !is_neutral(v)) {
-            return Err(ApiError::bad_param(
-                name,
-                format!(
-                    "'{name}' is not supported yet ({feature} is not implemented in TokenSpeed)"
-                ),
-            ));
-        }
-    }
+    crate::validate::unsupported_fields(extra)?;
     static WARNED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     let warned = WARNED.get_or_init(Default::default);
     static KNOWN: OnceLock<Mutex<HashMap<String, HashSet<String>>>> = OnceLock::new();

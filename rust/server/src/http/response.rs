@@ -67,8 +67,19 @@ pub struct CompletionChoice {
     /// SGLang's: the stop string or stop token id that ended the choice.
     pub matched_stop: Option<Value>,
     /// vLLM's `prompt_logprobs`: per prompt token, null for the first, else token id → entry.
+    /// A whole response always has it (null unless asked for, as vLLM sends it); a stream
+    /// chunk only where it carries them (the outer None omits the key).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_logprobs: Option<PromptLogprobs>,
+    #[schema(value_type = Option<PromptLogprobs>)]
+    pub prompt_logprobs: Option<Option<PromptLogprobs>>,
+    /// vLLM's `return_token_ids`: the prompt's token ids (null unless asked for, in a whole
+    /// response; on the first chunk of a stream).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<u32>>)]
+    pub prompt_token_ids: Option<Option<Vec<u32>>>,
+    /// vLLM's `return_token_ids`: the generated token ids (of this chunk, when streamed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 pub type PromptLogprobs = Vec<Option<BTreeMap<String, PromptLogprob>>>;
@@ -146,8 +157,7 @@ pub struct ChatMessage {
     pub role: &'static str,
     /// Null when a tool call or the reasoning left no answer text.
     pub content: Option<String>,
-    /// The reasoning (`--reasoning-parser`), when there was any.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// The reasoning (`--reasoning-parser`), when there was any (null otherwise, as vLLM).
     pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCallOut>,
@@ -195,6 +205,9 @@ pub struct ChatChoice {
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub matched_stop: Option<Value>,
+    /// vLLM's `return_token_ids`: the generated token ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
@@ -206,9 +219,10 @@ pub struct ChatCompletion {
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
     /// vLLM's `prompt_logprobs`: the chat API has it on the response, not on each choice (the
-    /// choices share the prompt).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// choices share the prompt); null unless asked for, as vLLM sends it.
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// vLLM's `return_token_ids`: the prompt's token ids (null unless asked for).
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, PartialEq, ToSchema)]
@@ -230,6 +244,9 @@ pub struct ChatChunkChoice {
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub matched_stop: Option<Value>,
+    /// vLLM's `return_token_ids`: this chunk's generated token ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, ToSchema)]
@@ -244,4 +261,7 @@ pub struct ChatCompletionChunk {
     /// As on `ChatCompletion`, once per stream: on choice 0's first chunk after the role.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// With `return_token_ids`, once per stream: on the role chunks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }

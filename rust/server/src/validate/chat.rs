@@ -337,6 +337,7 @@ pub struct ValidatedChat {
     pub want_logprobs: bool,
     /// Special tokens kept in the text (a special stop token is then cut from the answer).
     pub keep_special: bool,
+    pub stream: super::StreamSettings,
 }
 
 /// Validates a parsed chat request against the model's defaults, vocabulary and parsers.
@@ -368,7 +369,8 @@ pub fn chat_request(
             "top_logprobs needs logprobs: true",
         ));
     }
-    let top = super::top_logprobs("top_logprobs", req.top_logprobs)?;
+    let top = super::top_logprobs("top_logprobs", req.top_logprobs, vocab_size)?;
+    let stream = super::stream_settings(&req.sampling)?;
     let max_tokens = super::max_tokens(
         "max_completion_tokens",
         req.max_completion_tokens.or(req.max_tokens),
@@ -397,6 +399,7 @@ pub fn chat_request(
         echo,
         stage,
         want_logprobs,
+        stream,
     })
 }
 
@@ -435,6 +438,7 @@ mod tests {
             grammar: None,
             grammar_starts_after: None,
             priority: 0,
+            truncate_prompt: None,
         }
     }
 

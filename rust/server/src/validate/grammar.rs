@@ -79,6 +79,65 @@ pub fn grammar_request(f: &ConstraintFields) -> Result<Option<GrammarRequest>, R
     Ok(found.pop())
 }
 
+/// A JSON schema's objects that declare `properties` and leave `additionalProperties`
+/// unspecified get it explicitly: `allow` (`--constrained-json-allow-additional-properties`),
+/// by default false as in vLLM and SGLang, where undeclared properties are refused (allowed,
+/// a small model keeps inventing them until max_tokens). Every route's schemas pass here
+/// (response_format, json_schema, guided_json, structured_outputs, the forced tool call).
+pub fn close_objects(mut request: GrammarRequest, allow: bool) -> GrammarRequest {
+    if let GrammarSpec::JsonSchema(schema) = &mut request.spec {
+        close_schema(schema, allow, false);
+    }
+    request
+}
+
+/// Walks the schema positions of `schema` (not literal values such as `const`). The members
+/// of an `allOf` are not closed themselves: each names only part of the properties.
+fn close_schema(schema: &mut Value, allow: bool, in_all_of: bool) {
+    let Some(obj) = schema.as_object_mut() else {
+        return;
+    };
+    let open_ended = [
+        "additionalProperties",
+        "unevaluatedProperties",
+        "patternProperties",
+    ];
+    if !in_all_of
+        && obj.get("properties").is_some_and(Value::is_object)
+        && !open_ended.iter().any(|k| obj.contains_key(*k))
+    {
+        obj.insert("additionalProperties".into(), Value::Bool(allow));
+    }
+    for (key, value) in obj.iter_mut() {
+        match key.as_str() {
+            "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                if let Some(map) = value.as_object_mut() {
+                    map.values_mut().for_each(|v| close_schema(v, allow, false));
+                }
+            }
+            "items" | "prefixItems" | "anyOf" | "oneOf" | "additionalItems" => match value {
+                Value::Array(items) => items.iter_mut().for_each(|v| close_schema(v, allow, false)),
+                v => close_schema(v, allow, false),
+            },
+            "allOf" => {
+                if let Some(items) = value.as_array_mut() {
+                    items.iter_mut().for_each(|v| close_schema(v, allow, true));
+                }
+            }
+            "additionalProperties"
+            | "unevaluatedProperties"
+            | "unevaluatedItems"
+            | "contains"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "propertyNames" => close_schema(value, allow, false),
+            _ => {}
+        }
+    }
+}
+
 /// OpenAI's `response_format`; `{"type": "text"}` constrains nothing.
 fn response_format(v: &Value) -> Result<Option<GrammarSpec>, RequestError> {
     const FIELD: &str = "response_format";
@@ -237,6 +296,39 @@ mod tests {
         }
         let none = grammar_request(&fields(json!({"response_format": {"type": "text"}})));
         assert_eq!(none.expect("valid"), None);
+    }
+
+    #[test]
+    fn unspecified_additional_properties_are_closed_unless_allowed() {
+        let schema = json!({"type": "object",
+            "properties": {"city": {"type": "string"},
+                           "stops": {"type": "array", "items": {"$ref": "#/$defs/Stop"}}},
+            "$defs": {"Stop": {"type": "object", "properties": {"name": {"type": "string"}}},
+                      "Open": {"type": "object", "properties": {}, "additionalProperties": true}},
+            "anyOf": [{"properties": {"a": {}}}],
+            "allOf": [{"properties": {"b": {}}}],
+            "const": {"properties": {}}});
+        let req = |s: &Value| GrammarRequest {
+            spec: GrammarSpec::JsonSchema(s.clone()),
+            field: "guided_json",
+        };
+        let GrammarSpec::JsonSchema(closed) = close_objects(req(&schema), false).spec else {
+            panic!("a schema");
+        };
+        assert_eq!(closed["additionalProperties"], false);
+        assert_eq!(closed["$defs"]["Stop"]["additionalProperties"], false);
+        assert_eq!(closed["$defs"]["Open"]["additionalProperties"], true);
+        assert_eq!(closed["anyOf"][0]["additionalProperties"], false);
+        assert!(closed["allOf"][0].get("additionalProperties").is_none());
+        assert!(closed["const"].get("additionalProperties").is_none());
+        assert!(closed["properties"]["city"]
+            .get("additionalProperties")
+            .is_none());
+        let GrammarSpec::JsonSchema(open) = close_objects(req(&schema), true).spec else {
+            panic!("a schema");
+        };
+        assert_eq!(open["additionalProperties"], true);
+        assert_eq!(open["$defs"]["Stop"]["additionalProperties"], true);
     }
 
     #[test]

@@ -5,12 +5,18 @@
 
 pub mod chat;
 pub mod grammar;
+pub mod messages;
 pub mod pooling;
+pub mod responses;
 pub mod routes;
 
+use serde_json::{Map, Value};
 use tokenspeed_engine::{SamplingParams, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, NO_SEED};
 
+use tokenspeed_structured::GrammarSpec;
+
 use crate::config::SamplingDefaults;
+use crate::constraint::GrammarRequest;
 use crate::error::RequestError;
 use crate::generate::{GenerationSpec, Prompt};
 use crate::http::protocol::SamplingFields;
@@ -22,6 +28,54 @@ pub const MAX_STOP_STRINGS: usize = 16;
 pub const MAX_STOP_STRING_BYTES: usize = 256;
 /// Stop token ids per request.
 pub const MAX_STOP_TOKEN_IDS: usize = 256;
+
+/// Fields other servers define whose feature TokenSpeed does not have: refused with a 400
+/// naming them (accepting them would silently change what the client asked for), unless
+/// given at their neutral value (null, false, empty).
+const NOT_IMPLEMENTED: &[(&str, &str)] = &[
+    (
+        "guided_decoding_backend",
+        "choosing the grammar backend per request",
+    ),
+    (
+        "guided_whitespace_pattern",
+        "a custom JSON whitespace pattern",
+    ),
+    ("functions", "tool calling"),
+    ("function_call", "tool calling"),
+    ("lora_request", "LoRA adapters"),
+    ("audio", "audio output"),
+    ("prediction", "predicted outputs"),
+    ("logits_processors", "custom logits processors"),
+    ("bad_words", "bad words"),
+    ("return_hidden_states", "hidden-state output"),
+    ("use_beam_search", "beam search"),
+    ("stop_regex", "stopping on a regex"),
+    ("logprob_token_ids", "logprobs of chosen token ids"),
+    ("kv_transfer_params", "disaggregated prefill (KV transfer)"),
+];
+
+/// Refuses a field of `NOT_IMPLEMENTED` set to anything but its neutral value.
+pub fn unsupported_fields(extra: &Map<String, Value>) -> Result<(), RequestError> {
+    let neutral = |v: &Value| match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::Bool(true) | Value::Number(_) => false,
+    };
+    for (name, feature) in NOT_IMPLEMENTED {
+        if extra.get(*name).is_some_and(|v| !neutral(v)) {
+            return Err(RequestError::bad_param(
+                name,
+                format!(
+                    "'{name}' is not supported yet ({feature} is not implemented in TokenSpeed)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// Everything a generating route needs from the shared fields, checked: the spec of one
 /// prompt's generation (the caller sets the prompt per choice).
@@ -78,9 +132,22 @@ pub fn generation_spec(
         ));
     }
     let prompt_logprobs = match f.prompt_logprobs {
-        Some(k) => Some(self::top_logprobs("prompt_logprobs", Some(k))?),
+        Some(k) => Some(self::top_logprobs("prompt_logprobs", Some(k), vocab_size)?),
         None => None,
     };
+    let mut grammar = grammar::grammar_request(&f.constraint)?;
+    if let Some(allowed) = allowed_token_ids(f.allowed_token_ids.as_deref(), vocab_size)? {
+        if let Some(other) = &grammar {
+            return Err(RequestError::bad_param(
+                "allowed_token_ids",
+                format!(
+                    "allowed_token_ids constrains the output, so it cannot be combined with '{}'",
+                    other.field
+                ),
+            ));
+        }
+        grammar = Some(allowed);
+    }
     let mut sampling = sampling_params(f, top_logprobs.max(prompt_logprobs.unwrap_or(0)))?;
     sampling.prompt_logprobs = prompt_logprobs.is_some();
     (sampling.logit_bias_ids, sampling.logit_bias_values) =
@@ -98,9 +165,108 @@ pub fn generation_spec(
         include_stop_str_in_output: f.include_stop_str_in_output.unwrap_or(false),
         top_logprobs,
         prompt_logprobs,
-        grammar: grammar::grammar_request(&f.constraint)?,
+        grammar,
         grammar_starts_after: None,
         priority: 0,
+        truncate_prompt: truncation(f.truncate_prompt_tokens)?,
+    })
+}
+
+/// vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (k >= 1), or with -1 as
+/// many as fit beside `max_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Truncation {
+    Keep(usize),
+    ToFit,
+}
+
+fn truncation(value: Option<i64>) -> Result<Option<Truncation>, RequestError> {
+    match value {
+        None => Ok(None),
+        Some(-1) => Ok(Some(Truncation::ToFit)),
+        Some(k) if k >= 1 => Ok(Some(Truncation::Keep(k as usize))),
+        Some(k) => Err(RequestError::bad_param(
+            "truncate_prompt_tokens",
+            format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
+        )),
+    }
+}
+
+/// Cuts the tokenized prompt to its last tokens as `truncate_prompt_tokens` asked (the
+/// context-length rule, `prompt_budget`, then checks what is left).
+pub fn truncate_prompt(
+    ids: &mut Vec<u32>,
+    truncation: Option<Truncation>,
+    context_length: u32,
+    max_tokens: Option<u32>,
+) {
+    let keep = match truncation {
+        None => return,
+        Some(Truncation::Keep(k)) => k,
+        Some(Truncation::ToFit) => {
+            (context_length as usize).saturating_sub(max_tokens.unwrap_or(1).max(1) as usize)
+        }
+    };
+    if ids.len() > keep {
+        ids.drain(..ids.len() - keep);
+    }
+}
+
+/// vLLM's `allowed_token_ids`: only these ids may be sampled, as a grammar of any run of them
+/// (llguidance's token-id ranges), so the grammar machinery masks the rest.
+fn allowed_token_ids(
+    ids: Option<&[u32]>,
+    vocab_size: u32,
+) -> Result<Option<GrammarRequest>, RequestError> {
+    let Some(ids) = ids else { return Ok(None) };
+    let bad = |m: String| RequestError::bad_param("allowed_token_ids", m);
+    if ids.is_empty() {
+        return Err(bad("allowed_token_ids must not be empty".into()));
+    }
+    let out_of_range: Vec<String> = ids
+        .iter()
+        .filter(|&&t| t >= vocab_size)
+        .map(u32::to_string)
+        .collect();
+    if !out_of_range.is_empty() {
+        return Err(bad(format!(
+            "token ids {} are out of range (vocabulary size {vocab_size})",
+            out_of_range.join(", ")
+        )));
+    }
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let list: Vec<String> = sorted.iter().map(u32::to_string).collect();
+    Ok(Some(GrammarRequest {
+        spec: GrammarSpec::Grammar(format!("start: <[{}]>*", list.join(","))),
+        field: "allowed_token_ids",
+    }))
+}
+
+/// What a stream sends besides the text: the final usage chunk, and usage in every chunk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamSettings {
+    pub include_usage: bool,
+    pub continuous_usage: bool,
+}
+
+/// `stream_options` needs `stream: true` (OpenAI's rule); vLLM's `continuous_usage_stats`
+/// counts only with `include_usage`.
+pub fn stream_settings(f: &SamplingFields) -> Result<StreamSettings, RequestError> {
+    let Some(o) = &f.stream_options else {
+        return Ok(StreamSettings::default());
+    };
+    if f.stream != Some(true) {
+        return Err(RequestError::bad_param(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
+    }
+    let include_usage = o.include_usage.unwrap_or(false);
+    Ok(StreamSettings {
+        include_usage,
+        continuous_usage: include_usage && o.continuous_usage_stats.unwrap_or(false),
     })
 }
 
@@ -136,26 +302,31 @@ fn logit_bias(
         ));
     }
     let mut entries = Vec::with_capacity(bias.len());
+    let mut problems = Vec::new();
     for (key, &value) in bias {
-        let id: u32 = key.trim().parse().map_err(|_| {
-            RequestError::bad_param(
-                "logit_bias",
-                format!("logit_bias keys must be token ids, got {key:?}"),
-            )
-        })?;
+        let Ok(id) = key.trim().parse::<u32>() else {
+            problems.push(format!("key {key:?} is not a token id"));
+            continue;
+        };
         if id >= vocab_size {
-            return Err(RequestError::bad_param(
-                "logit_bias",
-                format!("token id {id} is out of range (vocabulary size {vocab_size})"),
+            problems.push(format!(
+                "token id {id} is out of range (vocabulary size {vocab_size})"
             ));
-        }
-        if !(-100.0..=100.0).contains(&value) {
-            return Err(RequestError::bad_param(
-                "logit_bias",
-                format!("logit_bias values must be in [-100, 100], got {value} for token {id}"),
+        } else if !(-100.0..=100.0).contains(&value) {
+            problems.push(format!(
+                "the bias {value} of token {id} is not in [-100, 100]"
             ));
+        } else {
+            entries.push((id, value));
         }
-        entries.push((id, value));
+    }
+    if !problems.is_empty() {
+        // Every bad key at once: a client fixing them one 400 at a time is slow.
+        problems.sort();
+        return Err(RequestError::bad_param(
+            "logit_bias",
+            format!("invalid logit_bias: {}", problems.join("; ")),
+        ));
     }
     entries.sort_by_key(|&(id, _)| id);
     Ok(entries.into_iter().unzip())
@@ -264,14 +435,29 @@ pub fn max_tokens(name: &str, value: Option<u32>) -> Result<Option<u32>, Request
     }
 }
 
-/// Top logprobs asked for: at most `MAX_TOP_LOGPROBS` (OpenAI's limit).
-pub fn top_logprobs(name: &str, value: Option<u32>) -> Result<u32, RequestError> {
+/// Top logprobs asked for: at most `MAX_TOP_LOGPROBS` (OpenAI's limit); -1 means the whole
+/// vocabulary (vLLM's), which is refused past that limit as vLLM refuses it past
+/// `--max-logprobs` (20 by default).
+pub fn top_logprobs(name: &str, value: Option<i32>, vocab_size: u32) -> Result<u32, RequestError> {
     match value {
-        Some(v) if v > MAX_TOP_LOGPROBS => Err(RequestError::bad_param(
+        None => Ok(0),
+        Some(-1) if vocab_size <= MAX_TOP_LOGPROBS => Ok(vocab_size),
+        Some(-1) => Err(RequestError::bad_param(
+            name,
+            format!(
+                "{name}: -1 asks for the logprobs of all {vocab_size} tokens of the vocabulary; \
+                 this server returns at most {MAX_TOP_LOGPROBS} per token"
+            ),
+        )),
+        Some(v) if v < 0 => Err(RequestError::bad_param(
+            name,
+            format!("{name} must be -1 (all) or between 0 and {MAX_TOP_LOGPROBS}, got {v}"),
+        )),
+        Some(v) if v as u32 > MAX_TOP_LOGPROBS => Err(RequestError::bad_param(
             name,
             format!("{name} must be at most {MAX_TOP_LOGPROBS}, got {v}"),
         )),
-        v => Ok(v.unwrap_or(0)),
+        Some(v) => Ok(v as u32),
     }
 }
 

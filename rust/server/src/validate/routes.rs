@@ -16,6 +16,7 @@ pub struct ValidatedCompletion {
     pub top: u32,
     /// The echoed prompt comes with its tokens' logprobs.
     pub echo_logprobs: bool,
+    pub stream: super::StreamSettings,
 }
 
 pub fn completion_request(
@@ -39,14 +40,17 @@ pub fn completion_request(
     }
     let echo = req.echo.unwrap_or(false);
     let want_logprobs = req.logprobs.is_some();
-    let top = super::top_logprobs("logprobs", req.logprobs)?;
+    let top = super::top_logprobs("logprobs", req.logprobs, vocab_size)?;
+    let stream = super::stream_settings(&req.sampling)?;
     let max_tokens = super::max_tokens("max_tokens", Some(req.max_tokens.unwrap_or(16)))?;
     let mut base = super::generation_spec(&req.sampling, defaults, max_tokens, top, vocab_size)?;
     let echo_logprobs = echo && want_logprobs;
     if echo_logprobs {
-        // The echoed prompt's tokens come with their logprobs (the first has none).
+        // The echoed prompt's tokens come with their logprobs (the first has none), and their
+        // top alternatives (lm-evaluation-harness reads them).
         base.sampling.prompt_logprobs = true;
         base.sampling.top_logprobs = base.sampling.top_logprobs.max(top);
+        base.prompt_logprobs = Some(base.prompt_logprobs.unwrap_or(0).max(top));
     }
     Ok(ValidatedCompletion {
         specs: with_prompts(&base, prompts),
@@ -55,6 +59,7 @@ pub fn completion_request(
         want_logprobs,
         top,
         echo_logprobs,
+        stream,
     })
 }
 
@@ -112,7 +117,11 @@ pub fn generate_request(
     let sp = &req.sampling_params;
     let want_logprobs = req.return_logprob.unwrap_or(false);
     let top = if want_logprobs {
-        super::top_logprobs("top_logprobs_num", req.top_logprobs_num)?
+        super::top_logprobs(
+            "top_logprobs_num",
+            req.top_logprobs_num.map(|v| v.min(i32::MAX as u32) as i32),
+            vocab_size,
+        )?
     } else {
         0
     };

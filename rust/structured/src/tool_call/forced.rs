@@ -33,8 +33,15 @@ pub fn required_schema(tools: &[Json], parallel_tool_calls: bool) -> Result<Json
     }
     let calls = tools
         .iter()
-        .map(|t| {
-            let (name, params) = function_of(t)?;
+        .enumerate()
+        .map(|(i, t)| {
+            let (name, mut params) = function_of(t)?;
+            // The parameters sit at this place in the combined schema: their own references
+            // (`#/$defs/..`, pydantic's nested models) must point there, not at its root.
+            rebase_refs(
+                &mut params,
+                &format!("#/items/anyOf/{i}/properties/parameters"),
+            );
             Ok(json!({"type": "object",
                       "properties": {"name": {"const": name}, "parameters": params},
                       "required": ["name", "parameters"], "additionalProperties": false}))
@@ -45,6 +52,26 @@ pub fn required_schema(tools: &[Json], parallel_tool_calls: bool) -> Result<Json
         schema["maxItems"] = json!(1);
     }
     Ok(schema)
+}
+
+/// Rewrites the document-local references (`#`, `#/...`) of a schema moved to `base` in a
+/// larger document. Literal values (`const`, `enum`, `default`, `examples`) are left alone.
+fn rebase_refs(schema: &mut Json, base: &str) {
+    match schema {
+        Json::Object(map) => {
+            for (key, value) in map.iter_mut() {
+                match (key.as_str(), value) {
+                    ("$ref", Json::String(r)) if r == "#" || r.starts_with("#/") => {
+                        *r = format!("{base}{}", &r[1..]);
+                    }
+                    ("const" | "enum" | "default" | "examples", _) => {}
+                    (_, v) => rebase_refs(v, base),
+                }
+            }
+        }
+        Json::Array(items) => items.iter_mut().for_each(|v| rebase_refs(v, base)),
+        _ => {}
+    }
 }
 
 /// The JSON schema of the output for a named `tool_choice`: that function's parameters.
@@ -74,4 +101,40 @@ pub(crate) fn snapshot(text: &str, finished: bool) -> Snapshot {
         snap.calls.retain(|c: &CallSnapshot| c.name.is_some());
     }
     snap
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn required_keeps_each_tools_own_references_reachable() {
+        // What pydantic emits for a nested model: `$defs` beside the properties, `$ref`s to it.
+        let params = json!({"$defs": {"City": {"type": "object",
+                                               "properties": {"name": {"type": "string"}}}},
+                            "type": "object",
+                            "properties": {"city": {"$ref": "#/$defs/City"},
+                                           "again": {"$ref": "#"},
+                                           "note": {"const": {"$ref": "#/x"}}}});
+        let tool = |name: &str| {
+            json!({"type": "function",
+                                       "function": {"name": name, "parameters": params}})
+        };
+        let schema = required_schema(&[tool("a"), tool("b")], true).expect("schema");
+        let b = &schema["items"]["anyOf"][1]["properties"]["parameters"];
+        assert_eq!(
+            b["properties"]["city"]["$ref"],
+            "#/items/anyOf/1/properties/parameters/$defs/City"
+        );
+        assert_eq!(
+            b["properties"]["again"]["$ref"],
+            "#/items/anyOf/1/properties/parameters"
+        );
+        assert_eq!(b["properties"]["note"]["const"]["$ref"], "#/x");
+        // Each rebased pointer resolves in the combined document.
+        let target = schema
+            .pointer("/items/anyOf/1/properties/parameters/$defs/City")
+            .expect("resolves");
+        assert_eq!(target["type"], "object");
+    }
 }

@@ -1,0 +1,58 @@
+//! Request bodies of the two agent-facing APIs: OpenAI's Responses API (`/v1/responses`) and
+//! Anthropic's Messages API (`/v1/messages`). Both are validated into a chat request
+//! (`validate::responses`, `validate::messages`); fields these structs do not name land in
+//! `extra`, where validation refuses any that carries a non-neutral value.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+/// `POST /v1/responses`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResponsesRequest {
+    pub model: Option<String>,
+    /// A string (one user message) or a list of input items.
+    pub input: Value,
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    /// `{"format": {"type": "text" | "json_object" | "json_schema", ...}, "verbosity": ...}`.
+    pub text: Option<Value>,
+    /// `{"effort": ..., "summary": ...}`: only null values (the reasoning parser decides).
+    pub reasoning: Option<Value>,
+    pub previous_response_id: Option<String>,
+    /// Default true: kept for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub store: Option<bool>,
+    pub stream: Option<bool>,
+    /// Echoed back; up to 16 string pairs.
+    pub metadata: Option<Map<String, Value>>,
+    pub user: Option<String>,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// `POST /v1/messages`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct MessagesRequest {
+    pub model: Option<String>,
+    pub max_tokens: u32,
+    pub messages: Vec<Value>,
+    /// A string or a list of text blocks.
+    pub system: Option<Value>,
+    pub stop_sequences: Option<Vec<String>>,
+    pub stream: Option<bool>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    /// `{"user_id": ...}`: accepted, no effect on generation.
+    pub metadata: Option<Value>,
+    /// `{"type": "disabled"}` only (the reasoning parser decides what is thinking).
+    pub thinking: Option<Value>,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
