@@ -402,6 +402,8 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--grammar-backend", "--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice",
         "--constrained-json-whitespace-pattern", "--constrained-json-disable-any-whitespace",
         "--dp-size", "--load-balance-method", "--enable-dp-attention",
+        "--speculative-algorithm", "--speculative-config", "--speculative-num-draft-tokens",
+        "--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size",
         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
         "--max-loras-per-batch", "--max-loaded-loras",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
@@ -424,6 +426,9 @@ def test_each_component_reads_the_section_its_flags_name() -> None:
     assert set(scheduler) == {"page_size", "max_running_requests", "chunked_prefill_size",
                               "max_prefill_tokens", "max_mixed_prefill_tokens", "max_mixed_step_ms",
                               "schedule_policy", "disable_radix_cache", "context_length",
+                              "speculative_algorithm", "speculative_num_draft_tokens",
+                              "speculative_ngram_min_match_window_size",
+                              "speculative_ngram_max_match_window_size",
                               "enable_priority_scheduling", "schedule_low_priority_values_first",
                               "priority_scheduling_preemption_threshold"}
     assert scheduler["max_mixed_step_ms"] == 25.0 and "max_mixed_step_ms" not in server

@@ -114,8 +114,15 @@ def test_flags_named_in_the_issue(spelling: str) -> None:
 # ---- every flag in the table is accepted or explicitly "not supported yet" ------------------
 
 
+# Flags whose value only means something beside another one (the pair is what gets tested).
+PARTNERS = {"--speculative-num-draft-tokens": ["--speculative-algorithm", "NGRAM"]}
+JSON_SAMPLES = {"--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+
+
 def sample_argv(flag: Flag, spelling: str) -> list[str]:
     """A valid, non-default value for the flag, as command-line words."""
+    if flag.name in PARTNERS:
+        return [*PARTNERS[flag.name], spelling, str(sample_value(flag))]
     if flag.kind == "bool":
         return [spelling, "true"] if flag.takes_value else [spelling]
     if flag.kind == "list":
@@ -129,7 +136,7 @@ def sample_value(flag: Flag) -> Any:
     if flag.choices:
         return next(c for c in flag.choices if c != flag.default)
     if flag.kind == "json":
-        return '{"k": 1}'
+        return JSON_SAMPLES.get(flag.name, '{"k": 1}')
     if flag.kind == "int":
         lo = int(flag.minimum) if flag.minimum is not None else 0
         v = (flag.default + 1) if isinstance(flag.default, int) and flag.default >= lo else max(lo, 1) + 1

@@ -222,7 +222,7 @@ def test_vllm_metrics_and_the_dashboard(server: Server, client: openai.OpenAI, m
     n2 = re.search(r'tokenspeed:request_params_n_bucket\{[^}]*le="2"[^}]*\} (\d+)', text)
     assert n2 and int(n2.group(1)) >= 1, "an n=2 request was counted"
     # Every series the dashboard queries exists (histograms by their _bucket/_sum/_count).
-    queried = set(re.findall(r"tokenspeed:[a-z_]+", DASHBOARD.read_text()))
+    queried = set(re.findall(r"tokenspeed:[a-z0-9_]+", DASHBOARD.read_text()))
     assert len(queried) > 15
     missing = sorted(q for q in queried if q not in names)
     assert not missing, missing

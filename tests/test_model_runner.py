@@ -253,3 +253,30 @@ def test_packed_step_inputs_start_aligned(lengths: list[int]) -> None:
     for a, v in zip(arrays, views):
         assert (v.data_ptr() - base) % 16 == 0
         np.testing.assert_array_equal(v.numpy(), a)
+
+
+def test_draft_chains_verify_to_the_plain_greedy_tokens(tiny_llama: str) -> None:
+    """Speculative steps (spec_verify.py): the last token plus drafts, some right, some wrong;
+    the accepted tokens are the plain greedy ones, the stale KV of rejected drafts is
+    overwritten by the next step, and each event carries its tokens' logprobs."""
+    want, _ = greedy_from_scratch(tiny_llama, PREFIX, 14)
+    runner = runner_for(tiny_llama)
+    prefill = StepPlan.of(**new_requests([0]), **pages(0, 0, list(range(8))),
+                          **schedule([(0, 0, PREFIX, 1)]))
+    got = [int(runner.step(prefill).tokens[0])]
+    pos = len(PREFIX)
+    step = 0
+    while len(got) < len(want):
+        # Drafts: the true continuation, with every other step's second draft wrong.
+        truth = want[len(got):len(got) + 3]
+        drafts = [t if (i != 1 or step % 2) else (t + 1) % 200 for i, t in enumerate(truth)]
+        plan = StepPlan.build(scheduled=[(0, pos, [got[-1], *drafts], True, len(drafts))])
+        out = runner.step(plan)
+        assert out.counts.tolist() == [len(out.tokens)] and len(out.logprobs) == len(out.tokens)
+        accepted = [int(t) for t in out.tokens]
+        assert 1 <= len(accepted) <= len(drafts) + 1
+        got.extend(accepted)
+        pos += len(accepted)  # the last known token and the accepted drafts have valid KV
+        step += 1
+    assert got[:len(want)] == want
+    assert step < len(want) - 1  # several tokens per step

@@ -1,4 +1,6 @@
-"""`tokenspeed bench offline`: throughput at saturation through a real `tokenspeed serve` process."""
+"""`tokenspeed bench offline`: throughput at saturation, every prompt at once, through the offline
+engine API in this process (`tokenspeed.LLM.generate`, the default) or through a real
+`tokenspeed serve` process (`--via server`, or `--base-url` for one already running)."""
 
 from __future__ import annotations
 
@@ -16,18 +18,22 @@ import httpx
 
 from tokenspeed.bench.serve import add_client_args, add_dataset_args, run_serve_bench
 
-EPILOG = """Everything after `--` is passed to `tokenspeed serve`, e.g.
+EPILOG = """Everything after `--` are `tokenspeed serve` flags (for LLM(...) or the server), e.g.
   tokenspeed bench offline --num-prompts 2000 --random-input-len 1024 --random-output-len 1024 \\
       -- /models/llama-3.1-8b --load-format dummy --dtype bfloat16
-Prompts use fixed lengths unless --random-range-ratio is set; every prompt is sent at once."""
+Prompts use fixed lengths unless --random-range-ratio is set; every prompt is sent at once.
+--via engine (default) runs LLM.generate in this process; --via server the same through HTTP."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenspeed bench offline", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Throughput at saturation: starts `tokenspeed serve` with the "
-                                            "flags after --, waits for /health, sends every prompt at once, "
-                                            "reports output and total tok/s, stops the server.")
+                                            "flags after -- (or LLM(...) in this process), sends every prompt "
+                                            "at once, reports output and total tok/s, stops it.")
+    p.add_argument("--via", choices=("engine", "server"), default="engine",
+                   help="engine: tokenspeed.LLM.generate in this process (default); server: "
+                        "`tokenspeed serve` over HTTP")
     p.add_argument("--base-url", default=None, help="use this running server instead of starting one")
     p.add_argument("--server-timeout", type=float, default=1800, help="seconds to wait for /health (default 1800)")
     p.add_argument("--server-log", default=None, help="file for the server's output (default: a temp file)")
@@ -108,6 +114,10 @@ def main(argv: list[str]) -> int:
         own, serve_flags = argv, []
     args = build_parser().parse_args(own)
     args.request_rate = math.inf
+    if args.via == "engine" and not args.base_url:
+        from tokenspeed.bench.offline_engine import run_engine_bench
+
+        return run_engine_bench(args, serve_flags, ["tokenspeed", "bench", "offline", *argv])
     record_extra: dict = {"serve_flags": serve_flags}
     proc = None
     if args.base_url:

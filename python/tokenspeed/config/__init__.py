@@ -10,7 +10,12 @@ Imports nothing heavy (no torch), so `tokenspeed serve --help` stays fast.
 
 from tokenspeed.config.errors import ConfigError, NotSupportedError
 from tokenspeed.config.flag import GROUPS, Flag
-from tokenspeed.config.parser import build_serve_parser, load_serve_config, parse_serve_args
+from tokenspeed.config.parser import (
+    build_serve_parser,
+    config_from_kwargs,
+    load_serve_config,
+    parse_serve_args,
+)
 from tokenspeed.config.serve_config import ServeConfig
 from tokenspeed.config.table import BY_DEST, BY_SPELLING, FLAGS, counts, lookup
 from tokenspeed.config.table_core import DEFAULT_MODEL
@@ -26,6 +31,7 @@ __all__ = [
     "NotSupportedError",
     "ServeConfig",
     "build_serve_parser",
+    "config_from_kwargs",
     "counts",
     "load_serve_config",
     "lookup",

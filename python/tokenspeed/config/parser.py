@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from tokenspeed.config.errors import ConfigError, NotSupportedError
 from tokenspeed.config.flag import GROUPS, Flag
 from tokenspeed.config.serve_config import ServeConfig
+from tokenspeed.config.speculative import resolve_speculative
 from tokenspeed.config.table import (
     BY_DEST,
     BY_SPELLING,
@@ -316,7 +317,7 @@ def parse_serve_args(argv: list[str]) -> ServeConfig:
     _check_supported(chosen)
     # Flags without a ServeConfig field are unimplemented, so they hold their defaults here.
     values = {dest: g.value for dest, g in chosen.items() if dest in _CONFIG_FIELDS}
-    return ServeConfig(**values)
+    return resolve_speculative(ServeConfig(**values))
 
 
 def load_serve_config(argv: list[str]) -> ServeConfig:
@@ -331,3 +332,36 @@ def load_serve_config(argv: list[str]) -> ServeConfig:
         print(config.to_json())
         raise SystemExit(0)
     return config
+
+
+def config_from_kwargs(values: dict[str, Any], where: str = "keyword argument") -> ServeConfig:
+    """A ServeConfig from Python keyword arguments named by the flags' dests (`model_path`,
+    `max_running_requests`, ...; any spelling `lookup` knows, `max_model_len` too): the same
+    conversion, checks and "not supported yet" refusals as the command line and `--config`."""
+    seen: dict[str, list[_Given]] = {}
+    unknown: list[str] = []
+    for key, raw in values.items():
+        flag = BY_DEST.get(key) or lookup(key)
+        if flag is None or flag.dest == "config_file":
+            unknown.append(key)
+            continue
+        if raw is None:
+            continue  # None leaves the default
+        try:
+            value = flag.convert(raw)
+        except ValueError as e:
+            raise ConfigError(f"{key} ({where}): {e}") from None
+        if flag.kind == "bool" and "--" + key.replace("_", "-") in flag.negated:
+            value = not value
+        seen.setdefault(flag.dest, []).append(_Given(key, value, f" ({where})"))
+    if unknown:
+        lines = []
+        for key in unknown:
+            hint = _suggest("--" + key.replace("_", "-"))
+            lines.append(f"unknown {where} {key!r}"
+                         + (f" (did you mean {hint.lstrip('-').replace('-', '_')!r}?)" if hint else ""))
+        raise ConfigError("\n".join(lines))
+    chosen = _resolve(seen, {})
+    _validate(chosen)
+    _check_supported(chosen)
+    return ServeConfig(**{dest: g.value for dest, g in chosen.items() if dest in _CONFIG_FIELDS})

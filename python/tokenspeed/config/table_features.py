@@ -109,10 +109,15 @@ KERNEL_FLAGS: list[Flag] = [
 ]
 
 SPEC_FLAGS: list[Flag] = [
-    c("--speculative-algorithm", "Speculative decoding method.", G_SPEC,
-      ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"), readers=("server", "worker")),
-    j("--speculative-config", "Speculative decoding settings as one JSON object (vLLM style).",
-      G_SPEC, readers=("server", "worker")),
+    c("--speculative-algorithm", "Speculative decoding method: NGRAM drafts by prompt lookup "
+      "over the request's own tokens (no draft weights; docs/speculative.md). EAGLE, EAGLE3, "
+      "NEXTN and STANDALONE need draft weights and are not built yet.", G_SPEC,
+      ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"), supported=("NGRAM",),
+      readers=("scheduler", "worker"), implemented=True),
+    j("--speculative-config", "Speculative decoding settings as one JSON object (vLLM style): "
+      '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, '
+      '"prompt_lookup_max": b} sets the NGRAM flags.',
+      G_SPEC, readers=("launch",), implemented=True),
     s("--speculative-draft-model-path", "Draft model for speculative decoding: a directory or "
       "repo ID.", G_SPEC, aliases=("--speculative-draft-model",), readers=("worker",),
       metavar="PATH"),
@@ -122,8 +127,9 @@ SPEC_FLAGS: list[Flag] = [
       readers=("server", "worker")),
     i("--speculative-eagle-topk", "Candidates kept per draft step in EAGLE tree drafting.",
       G_SPEC, minimum=1, readers=("server", "worker")),
-    i("--speculative-num-draft-tokens", "Draft tokens verified per step.", G_SPEC, minimum=1,
-      readers=("server", "worker")),
+    i("--speculative-num-draft-tokens", "Draft tokens verified per request per step (needed "
+      "with --speculative-algorithm).", G_SPEC, minimum=1, readers=("scheduler", "worker"),
+      implemented=True),
     f("--speculative-accept-threshold-single", "Probability above which one draft token is "
       "accepted.", G_SPEC, 1.0, minimum=0.0, maximum=1.0, readers=("worker",)),
     f("--speculative-accept-threshold-acc", "Accumulated probability threshold for accepting "
@@ -140,9 +146,9 @@ SPEC_FLAGS: list[Flag] = [
 
 NGRAM_FLAGS: list[Flag] = [
     i("--speculative-ngram-min-match-window-size", "Shortest n-gram suffix matched when "
-      "drafting.", G_NGRAM, 1, minimum=1),
+      "drafting.", G_NGRAM, 1, minimum=1, readers=("scheduler",), implemented=True),
     i("--speculative-ngram-max-match-window-size", "Longest n-gram suffix matched when "
-      "drafting.", G_NGRAM, 12, minimum=1),
+      "drafting.", G_NGRAM, 12, minimum=1, readers=("scheduler",), implemented=True),
     i("--speculative-ngram-min-bfs-breadth", "Smallest breadth of the n-gram draft tree.",
       G_NGRAM, 1, minimum=1),
     i("--speculative-ngram-max-bfs-breadth", "Largest breadth of the n-gram draft tree.",

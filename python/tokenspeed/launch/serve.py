@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tokenspeed.config import BY_DEST
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
 from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
+from tokenspeed.config.speculative import speculative_note
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
@@ -131,36 +132,87 @@ class Layout:
         return self.dp * self.groups
 
 
-def launch(cfg: Any) -> int:
-    """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
+@dataclass
+class WorkerGroup:
+    """This node's started workers and their plan channels, ready: what `serve` and the
+    in-process engine (`tokenspeed.LLM`) both start from. `stop()` shuts them down."""
+
+    layout: Layout
+    vocab_size: int
+    channel_names: list[str]
+    channels: list[Any]
+    workers: list[Any]
+    watched: list[Watched]
+    watch: DeathWatch
+    capacities: list[dict]
+    # The configuration the workers run with (LoRA's rank and modules resolved), and the
+    # start-up adapters.
+    cfg: Any = None
+    lora: LoraSettings | None = None
+    pages: int = 0
+    max_running: int = 0
+
+    def stop(self) -> None:
+        self.watch.stop()  # before the workers are stopped on purpose
+        for c in self.channels:
+            c.close()
+        _stop_workers(self.workers)
+
+
+def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
+    """Resolves the layout, opens the plan channels, spawns this node's workers and waits for
+    their KV capacity; a failed start stops what was started."""
+    note = speculative_note(cfg)
+    if note:
+        logger.info(note)
     cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir)
     xgrammar = worker_xgrammar(cfg, layout, vocab_size)
     channel_names, channels = open_channels(cfg, layout, vocab_size, xgrammar is not None)
     ctx = mp.get_context("spawn")
-    workers, links, watched = spawn_workers(ctx, cfg, layout, channel_names, xgrammar)
-    watch = DeathWatch(watched, layout.node_rank, layout.sizes.nnodes)
+    try:
+        workers, links, watched = spawn_workers(ctx, cfg, layout, channel_names, xgrammar)
+    except BaseException:
+        for c in channels:
+            c.close()
+        raise
+    watch = DeathWatch(watched, layout.node_rank, layout.sizes.nnodes, on_failure=on_failure)
+    group = WorkerGroup(layout, vocab_size, channel_names, channels, workers, watched, watch, [],
+                        cfg, lora)
     try:
         logger.info("node %d: started %d worker rank(s): %s", layout.node_rank,
                     layout.world * layout.dp, _describe_ranks(layout, workers))
-        capacities = _wait_ready(watched, links, where=watch.where)
+        group.capacities = _wait_ready(watched, links, where=watch.where)
         # Every rank's pool holds these pages and its worker this many slots (every replica's
         # too: the engines share one configuration).
-        pages = min(c["num_pages"] for c in capacities)
-        max_running = min(int(c["max_running_requests"]) for c in capacities)
+        group.pages = min(c["num_pages"] for c in group.capacities)
+        group.max_running = min(int(c["max_running_requests"]) for c in group.capacities)
+    except BaseException:
+        group.stop()
+        raise
+    return group
+
+
+def launch(cfg: Any) -> int:
+    """Runs the server until SIGINT/SIGTERM. `cfg` is the resolved ServeConfig."""
+    group = start_workers(cfg)
+    cfg = group.cfg
+    layout, channels, workers, watched, watch = (group.layout, group.channels, group.workers,
+                                                 group.watched, group.watch)
+    try:
+        pages, max_running = group.pages, group.max_running
         if layout.sizes.nnodes > 1:
             timeout = float(cfg.dist_timeout or 300)
             if layout.node_rank > 0:  # no HTTP here: relay node 0's plans until it shuts down
                 return relay.run_sink(channels[0], layout.node_rank, layout.sizes.nnodes,
                                       cfg.dist_init_addr, timeout, (pages, max_running),
                                       watched, watch.where)
-            pages, max_running = start_relay(ctx, cfg, layout, channel_names[0], timeout,
+            ctx = mp.get_context("spawn")
+            pages, max_running = start_relay(ctx, cfg, layout, group.channel_names[0], timeout,
                                              (pages, max_running), workers, watched, watch)
-        config = server_config(cfg, layout, vocab_size, capacities, pages, max_running, workers)
-        config["lora"] = lora.server(cfg.max_loras_per_batch) if lora else {
-            "enabled": False, "adapters": [], "max_rank": 0, "target_modules": [],
-            "max_per_batch": 0}
+        config = server_config(cfg, layout, group.vocab_size, group.capacities, pages,
+                               max_running, workers, group.lora)
         logger.info(
             "workers ready on %s: %d KV pages x %d tokens, %d running requests%s; starting HTTP "
             "on %s:%s", layout.device, pages, int(cfg.page_size), max_running,
@@ -168,10 +220,7 @@ def launch(cfg: Any) -> int:
         )
         return serve_core(cfg, config, channels, watch)
     finally:
-        watch.stop()  # before the workers are stopped on purpose
-        for c in channels:
-            c.close()
-        _stop_workers(workers)
+        group.stop()
 
 
 def lora_settings(cfg: Any) -> tuple[Any, LoraSettings | None]:
@@ -375,7 +424,8 @@ def start_relay(ctx: Any, cfg: Any, layout: Layout, channel_name: str, timeout: 
 
 
 def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[dict], pages: int,
-                  max_running: int, workers: list[Any]) -> dict[str, Any]:
+                  max_running: int, workers: list[Any],
+                  lora: LoraSettings | None = None) -> dict[str, Any]:
     """The Rust core's config: the flags it reads, cut from the declared table by reader
     (ServerConfig's fields and its `scheduler` section are named after the flags), then what
     this launcher resolved or measured in their place."""
@@ -394,6 +444,9 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                             else cfg.constrained_json_whitespace_pattern),
         "worker_pids": [p.pid for p in workers],
+        "lora": lora.server(cfg.max_loras_per_batch) if lora else {
+            "enabled": False, "adapters": [], "max_rank": 0, "target_modules": [],
+            "max_per_batch": 0},
         "server_info": {
             "device": capacities[0]["device"],
             "tp_size": sizes.attn_tp,

@@ -94,9 +94,11 @@ class DeathWatch:
     (a shutdown is not a death). `failure` holds the message once a child died."""
 
     def __init__(self, watched: list[Watched], node_rank: int = 0, nnodes: int = 1,
-                 grace_s: float = GRACE_S) -> None:
+                 grace_s: float = GRACE_S, on_failure: Callable[[str], None] | None = None) -> None:
         self.watched = watched
         self.grace_s = grace_s
+        # In-process engines (tokenspeed.LLM) are told instead of the process being stopped.
+        self.on_failure = on_failure
         # Multi-node: a rank is found by its node and host; one node needs neither.
         self.where = f", node {node_rank} host {socket.gethostname()}" if nnodes > 1 else ""
         self.failure: str | None = None
@@ -152,6 +154,9 @@ class DeathWatch:
                 return
             self._dead()
         self.failure = self.report()
+        if self.on_failure is not None:
+            self.on_failure(self.failure or "a worker process ended")
+            return
         logger.error("%s. Stopping the server in %.0fs (requests fail with 503 meanwhile).",
                      self.failure, self.grace_s)
         if self._stop.wait(self.grace_s):

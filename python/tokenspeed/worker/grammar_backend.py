@@ -249,7 +249,9 @@ class XGrammarSlots:
         if not launched:
             return
         errors = np.zeros(len(out.slots), np.uint32)
-        for i, (slot, token) in enumerate(zip(out.slots.tolist(), out.tokens.tolist())):
+        # An event's first token (constrained requests never carry drafts: one token each).
+        firsts = np.cumsum(out.counts) - out.counts
+        for i, (slot, token) in enumerate(zip(out.slots.tolist(), out.tokens[firsts].tolist())):
             state = launched.get(int(slot))
             if state is None:
                 continue

@@ -15,7 +15,6 @@ from tokenspeed.config.derived import (
 )
 from tokenspeed.distributed.groups import (
     dp_graph_batch,
-    dp_token_counts,
     state,
     sync_sampled_tokens,
     world_min,
@@ -28,7 +27,7 @@ from tokenspeed.layers.attention import (
     check_layers,
     resolve_backend_name,
 )
-from tokenspeed.layers.attention_backends import backend_memory_bytes, create_backend
+from tokenspeed.layers.attention_backends import create_backend
 from tokenspeed.layers.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.moe import (
@@ -51,27 +50,23 @@ from tokenspeed.worker.cuda_graph import (
     EXTEND_GRAPH_MAX_REQUESTS,
     DecodeGraphRunner,
     ExtendGraphRunner,
-    capture_sizes,
     decode_only,
-    graph_memory_estimate,
 )
 from tokenspeed.worker.gpu_idle import IdleClock
+from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, profile_num_pages
 from tokenspeed.worker.lora import LoraPool
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
 from tokenspeed.worker.pooling_step import pool_step
 from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
+from tokenspeed.worker.spec_verify import Drafts
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-CPU_DEFAULT_KV_TOKENS = 16384
-DEFAULT_MEM_FRACTION_STATIC = 0.85
-DEFAULT_CHUNKED_PREFILL = 8192
-PROFILE_SAFETY_BYTES = 512 << 20  # allocator fragmentation, cuBLAS workspaces, NCCL later
 
 
 def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -200,7 +195,7 @@ class ModelRunner:
         """The KV pages (given, or what fits beside the model), and the running requests and
         decode graphs they hold."""
         if num_pages is None:
-            num_pages = self._profile_num_pages(mem_fraction_static, chunked_prefill_size)
+            num_pages = profile_num_pages(self, mem_fraction_static, chunked_prefill_size)
         self.num_pages = num_pages
         if max_slots is None:  # the engine takes the smallest of all ranks' (launch/serve.py)
             self.max_slots = default_max_running_requests(num_pages * self.page_size,
@@ -290,85 +285,6 @@ class ModelRunner:
         check_layers(backend, self.model)
         return backend
 
-    def _profile_num_pages(self, mem_fraction_static: float | None,
-                           chunked_prefill_size: int | None) -> int:
-        """KV pages that fit beside the weights, the activations of the largest step the
-        scheduler can send (measured by a profile forward), the sampler and the CUDA graphs."""
-        c = self.config
-        per_page = PagedKVCache.bytes_per_page(  # fp8: half the bytes of bf16, twice the pages
-            num_layers=c.num_hidden_layers, page_size=self.page_size,
-            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype)
-        if self.device.type != "cuda":
-            return -(-CPU_DEFAULT_KV_TOKENS // self.page_size)
-        # A step holds at most max(chunked_prefill_size, running decodes) tokens.
-        tokens = min(max(chunked_prefill_size or DEFAULT_CHUNKED_PREFILL, self.max_slots),
-                     self.max_context_len)
-        rows = min(self.max_slots, tokens)
-        # Every rank profiles at start-up, together: data-parallel attention's MoE layers gather
-        # all groups' tokens, here the same count from each.
-        with dp_token_counts([tokens] * state().sizes.attn_dp):
-            activations = self._profile_forward(tokens, rows)
-        sampler = 4 * rows * c.vocab_size * 4  # float32 copies of the logits (softmax, sort)
-        graphs = graph_memory_estimate(self.cuda_graph_max_bs, c.vocab_size) \
-            if self.cuda_graph_max_bs else 0
-        num_graphs = len(capture_sizes(self.cuda_graph_max_bs)) if self.cuda_graph_max_bs else 0
-        graphs += backend_memory_bytes(self.attention_backend, num_graphs)
-        if self.extend_graph_sizes:  # their pool: the activations of the largest, and its logits
-            graphs += (activations * self.extend_graph_sizes[-1] // tokens
-                       + 3 * EXTEND_GRAPH_MAX_REQUESTS * c.vocab_size * 4)
-        reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES
-        fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-        free, total = torch.cuda.mem_get_info(self.device)
-        # (1 - fraction) of the GPU stays free for activations, as in SGLang, and never less
-        # than the measured reserve, so that no step the scheduler admits can run out.
-        budget = min(free - total * (1.0 - fraction), free - reserve)
-        pages = int(budget // per_page)
-        logger.info("GPU memory: %.2f GiB free of %.2f after weights; reserve %.2f GiB "
-                    "(activations %.2f for %d tokens, sampler %.2f, graphs %.2f); KV %.2f GiB",
-                    free / 2**30, total / 2**30, reserve / 2**30, activations / 2**30, tokens,
-                    sampler / 2**30, graphs / 2**30, max(pages, 0) * per_page / 2**30)
-        if pages <= 0:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache: free {free / 2**30:.1f} GiB, total "
-                f"{total / 2**30:.1f} GiB, mem_fraction_static {fraction}, reserve for "
-                f"activations/graphs {reserve / 2**30:.2f} GiB; raise the fraction or lower "
-                "--chunked-prefill-size / --cuda-graph-max-bs")
-        return pages
-
-    @torch.inference_mode()
-    def _profile_forward(self, tokens: int, rows: int) -> int:
-        """Peak bytes allocated by a forward of `tokens` prompt tokens plus the LM head on `rows`
-        of them, against a one-page scratch cache (every K/V lands in page 0)."""
-        c = self.config
-        scratch = PagedKVCache(
-            num_layers=c.num_hidden_layers, num_pages=1, page_size=self.page_size,
-            num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
-            device=self.device, max_slots=1, max_context_len=tokens,
-            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
-        backend = self._make_backend(scratch)
-        positions = np.arange(tokens, dtype=np.int64)
-        dev = self.device
-        batch = ForwardBatch(
-            input_ids=torch.zeros(tokens, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            out_cache_loc=torch.from_numpy(positions % self.page_size).to(dev),
-            slots=np.zeros(1, np.int64), num_tokens=np.asarray([tokens], np.int64),
-            start_pos=np.zeros(1, np.int64), query_start=np.asarray([0, tokens], np.int64),
-            kv_cache=scratch, backend=backend)
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        backend.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        logits = self.model.compute_logits(hidden[:rows])  # type: ignore[operator]
-        torch.softmax(logits, dim=-1)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
-        del batch, hidden, logits, scratch, backend
-        torch.cuda.empty_cache()
-        return int(peak)
-
     @torch.inference_mode()
     def idle_forward(self) -> None:
         """Data-parallel attention: a forward pass of one padding token for a step in which this
@@ -454,11 +370,13 @@ class ModelRunner:
         positions, out_loc, query_start = self._token_indices(plan)
         sample = plan.sched_sample.astype(bool)
         wanted = self.sampler.prompt_logprobs_pending(plan.sched_slot).tolist()
+        drafts = Drafts.of(plan)
         if self.lora is not None and (self.graphs or self.extend_graphs):
             # The per-token adapter slots a graph replay reads.
             self.lora.prepare(plan.sched_slot, plan.sched_tokens_len, per_token=True)
-        # Prompt logprobs read every position's hidden state: eager.
-        graph_run = None if wanted and not self.lockstep else \
+        # Prompt logprobs read every position's hidden state, and so does verifying drafts
+        # (logits at every draft position; no graph captures that yet): eager.
+        graph_run = None if (wanted or drafts is not None) and not self.lockstep else \
             self._replay(plan, positions, out_loc, query_start)
         if graph_run is not None:
             logits, slots_dev = graph_run
@@ -474,7 +392,8 @@ class ModelRunner:
         if wanted:
             self.prompt_scorer.score(plan, hidden, query_start, wanted, self.model, self.sampler)
         last = query_start[1:] - 1
-        rows = to_device_int64([last[sample]], self.device)[0]
+        picked = last[sample] if drafts is None else drafts.logit_rows(query_start, sample)
+        rows = to_device_int64([picked], self.device)[0]
         return self.model.compute_logits(hidden[rows]), None  # type: ignore[operator]
 
     def _replay(self, plan: StepPlan, positions: np.ndarray, out_loc: np.ndarray,
@@ -504,6 +423,9 @@ class ModelRunner:
                 masks: TokenMasks | None = None) -> PendingStep:
         sample = plan.sched_sample.astype(bool)
         slots = plan.sched_slot[sample].astype(np.uint32)  # a copy: plan arrays die at next recv
+        drafts = Drafts.of(plan)
+        if drafts is not None:  # one row per verified position (spec_verify.py)
+            slots = np.repeat(slots, drafts.rows)
         if self.sampler.any_penalized(plan.sched_slot):
             starts = np.concatenate([[0], np.cumsum(plan.sched_tokens_len.astype(np.int64))])
             for i, slot in enumerate(plan.sched_slot.tolist()):
@@ -520,11 +442,13 @@ class ModelRunner:
         res = self.sampler.sample(slots.tolist(), logits, slots_dev,
                                   masks if masks is not None else token_masks(plan, slots, completion))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
+        # With drafts a slot has several rows and keeps one of them: no placeholder decode
+        # follows a step with drafts (the scheduler waits for its accepted tokens).
         self.last_tokens[slots_dev] = res.tokens
         outputs = DeviceToHost([res.tokens, res.logprobs, res.top_ids, res.top_logprobs])
         span = self.idle_clock.end()  # after the step's last kernel and copy
         return PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock,
-                           span, failed=failed)
+                           span, drafts, failed=failed)
 
     # --- plan → state and batch ------------------------------------------------------------
 

@@ -87,10 +87,11 @@ class StepPlan:
               new: Iterable[Mapping[str, Any]] = (),
               page_tables: Iterable[tuple[int, int, Iterable[int]]] = (),
               copies: Iterable[tuple[int, int]] = (),
-              scheduled: Iterable[tuple[int, int, Iterable[int], bool]] = ()) -> StepPlan:
+              scheduled: Iterable[tuple[Any, ...]] = ()) -> StepPlan:
         """A plan from rows, for tests and offline drivers: `new` rows are dicts of sampling
         fields (unset ones are neutral, `slot` required); `page_tables` rows are
-        (slot, first, pages); `scheduled` rows are (slot, start_pos, tokens, sample)."""
+        (slot, first, pages); `scheduled` rows are (slot, start_pos, tokens, sample) or
+        (slot, start_pos, tokens, sample, num_draft_tokens)."""
         a: dict[str, np.ndarray] = {n: np.zeros(0, dt) for n, dt in PLAN_DTYPES.items()}
         a["finished_slot"] = np.asarray(list(finished), PLAN_DTYPES["finished_slot"])
         new = [{**NEUTRAL_SAMPLING, **row} for row in new]
@@ -112,7 +113,9 @@ class StepPlan:
         a["sched_slot"] = np.asarray([r[0] for r in sch], PLAN_DTYPES["sched_slot"])
         a["sched_start_pos"] = np.asarray([r[1] for r in sch], PLAN_DTYPES["sched_start_pos"])
         a["sched_sample"] = np.asarray([bool(r[3]) for r in sch], PLAN_DTYPES["sched_sample"])
-        a["sched_num_draft_tokens"] = np.zeros(len(sch), PLAN_DTYPES["sched_num_draft_tokens"])
+        # An optional fifth element: the row's draft tokens (the last ones of its tokens).
+        a["sched_num_draft_tokens"] = np.asarray([r[4] if len(r) > 4 else 0 for r in sch],
+                                                 PLAN_DTYPES["sched_num_draft_tokens"])
         a["sched_tokens_len"], a["sched_tokens"] = _lists(
             (r[2] for r in sch), PLAN_DTYPES["sched_tokens"])
         return cls({"step_id": step_id, **a})
@@ -132,8 +135,12 @@ class StepOutput:
 
     def __init__(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
                  top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None,
-                 top_k: np.ndarray | None = None, prompt: Mapping[int, Any] | None = None) -> None:
+                 top_k: np.ndarray | None = None, prompt: Mapping[int, Any] | None = None,
+                 counts: np.ndarray | None = None) -> None:
         n = len(slots)
+        # Tokens per event (speculative decoding: accepted drafts + 1); None: one each. The
+        # token, logprob and top rows are flat, event after event.
+        self.counts = np.ones(n, np.int64) if counts is None else np.asarray(counts, np.int64)
         self.slots = np.asarray(slots, RESULT_DTYPES["event_slot"])
         self.tokens = np.asarray(tokens, RESULT_DTYPES["event_tokens"])
         self.logprobs = np.asarray(logprobs, RESULT_DTYPES["event_logprobs"])
@@ -156,8 +163,9 @@ class StepOutput:
         cut to the k it asked for."""
         n = len(self.slots)
         k = np.minimum(self.top_k.astype(np.int64), self.top_ids.shape[1] if self.top_ids.ndim == 2 else 0)
-        keep = np.arange(self.top_ids.shape[1] if self.top_ids.ndim == 2 else 0)[None, :] < k[:, None]
-        ones = np.ones(n, np.uint32).tobytes()
+        row_k = np.repeat(k, self.counts)  # per token row
+        keep = np.arange(self.top_ids.shape[1] if self.top_ids.ndim == 2 else 0)[None, :] < row_k[:, None]
+        ones = self.counts.astype(np.uint32).tobytes()
         d = RESULT_DTYPES
         out = {
             "event_slot": self.slots.tobytes(),
@@ -166,9 +174,9 @@ class StepOutput:
             "event_tokens": self.tokens.tobytes(),
             "event_logprobs_len": ones,
             "event_logprobs": self.logprobs.tobytes(),
-            "event_top_ids_len": k.astype(np.uint32).tobytes(),
+            "event_top_ids_len": (k * self.counts).astype(np.uint32).tobytes(),
             "event_top_ids": np.asarray(self.top_ids[keep], d["event_top_ids"]).tobytes(),
-            "event_top_logprobs_len": k.astype(np.uint32).tobytes(),
+            "event_top_logprobs_len": (k * self.counts).astype(np.uint32).tobytes(),
             "event_top_logprobs": np.asarray(self.top_logprobs[keep], d["event_top_logprobs"]).tobytes(),
         }
         if self.pooled is not None:

@@ -171,6 +171,10 @@ fn main() {
         schedule_low_priority_values_first: false,
         priority_scheduling_preemption_threshold: 10,
         disable_radix_cache: false,
+        speculative_algorithm: None,
+        speculative_num_draft_tokens: None,
+        speculative_ngram_min_match_window_size: 1,
+        speculative_ngram_max_match_window_size: 12,
         context_length: 8192,
     };
     let mut sched = match Scheduler::new(config) {

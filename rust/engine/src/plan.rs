@@ -149,8 +149,12 @@ section! {
         /// The step ends at the sequence's last known token, so the worker samples for it
         /// (false for a prefill chunk that is not the prompt's last).
         pub sample: bool,
-        /// Draft tokens the worker may propose and verify after the input (speculative
-        /// decoding; 0 for now). KV pages are reserved for them.
+        /// Speculative decoding: the last `num_draft_tokens` of `tokens` are draft tokens (a
+        /// chain) that follow the sequence's last known token. The worker computes their KV
+        /// like any input, verifies them against the model's own choices and reports the
+        /// accepted ones plus one token of its own (`RequestEvent::tokens`); the KV of
+        /// rejected positions is overwritten by later steps (the scheduler rewinds to the
+        /// accepted length). 0: a plain step.
         pub num_draft_tokens: u32,
     }
     lists {
@@ -457,8 +461,8 @@ impl StepResult {
         use crate::schema::Message;
         let r = l.max_running;
         let k = MAX_TOP_LOGPROBS as usize;
-        // Tokens: one per slot without drafts (spec decoding raises it with its draft bound).
-        let (tokens, prompt) = (r, l.max_step_tokens);
+        // Tokens: one per slot, plus the accepted drafts, which are step input tokens.
+        let (tokens, prompt) = (r + l.max_step_tokens, l.max_step_tokens);
         let counts = [
             r,
             tokens,

@@ -23,6 +23,7 @@ use crate::radix::{NodeId, RadixCache};
 
 mod admission;
 mod finish;
+mod ngram;
 mod ops;
 mod preemption;
 mod reconcile;
@@ -120,6 +121,10 @@ struct Sequence {
     /// Prompt tokens served from the cache at first admission (what usage reports).
     cached_tokens: Option<u32>,
     phase: Phase,
+    /// Whether speculative drafts may be verified for it: not when sampling reads a history
+    /// or state that changes token by token inside one step (penalties, `min_tokens`, a
+    /// grammar: `Scheduler::forbid_drafts`).
+    drafts_allowed: bool,
     /// Times it was sent back to the queue (vLLM's per-request preemptions).
     retractions: u32,
 }
@@ -206,6 +211,8 @@ struct Expected {
     epoch: u64,
     slot: u32,
     sample: bool,
+    /// Draft tokens the step verifies for it (speculative decoding).
+    drafts: u32,
 }
 
 /// The plan being built by one `schedule()` call.
@@ -225,6 +232,13 @@ impl StepBuilder {
             });
         }
     }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct SpecCounts {
+    drafted: u64,
+    accepted: u64,
+    steps: u64,
 }
 
 pub struct Scheduler {
@@ -250,6 +264,8 @@ pub struct Scheduler {
     admitted: Vec<RequestId>,
     /// Requests sent back to the queue so far (`SchedulerStats::retractions`).
     retractions: u64,
+    /// Speculative decoding counts (`SchedulerStats::spec_*`).
+    spec: SpecCounts,
     /// Run times of past steps, for `max_mixed_step_ms`.
     step_cost: step_cost::StepCost,
     /// Most distinct LoRA adapters among running requests (`--max-loras-per-batch`: the
@@ -300,6 +316,7 @@ impl Scheduler {
             in_flight: VecDeque::new(),
             admitted: Vec::new(),
             retractions: 0,
+            spec: SpecCounts::default(),
             step_cost: step_cost::StepCost::default(),
             max_adapters: usize::MAX,
             admission_held: false,
@@ -367,6 +384,9 @@ impl Scheduler {
             });
         }
         let tokens = req.prompt.clone();
+        let drafts_allowed = self.config.speculative_algorithm.is_some()
+            && !req.sampling.penalized()
+            && req.min_new_tokens == 0;
         self.requests.insert(
             id,
             Sequence {
@@ -374,6 +394,7 @@ impl Scheduler {
                 tokens,
                 cached_tokens: None,
                 phase: Phase::Waiting,
+                drafts_allowed,
                 retractions: 0,
             },
         );
@@ -385,6 +406,14 @@ impl Scheduler {
     /// for an unknown (or already finished) id.
     pub fn abort(&mut self, id: RequestId) -> bool {
         self.finish(id, FinishReason::Abort).is_some()
+    }
+
+    /// Verifies no draft tokens for request `id` (its sampling is constrained by a grammar the
+    /// server or the worker advances one token at a time).
+    pub fn forbid_drafts(&mut self, id: RequestId) {
+        if let Some(seq) = self.requests.get_mut(&id) {
+            seq.drafts_allowed = false;
+        }
     }
 
     /// Drops every unlocked cached page. Only when idle (nothing waiting or running), as SGLang.
@@ -408,6 +437,9 @@ impl Scheduler {
             running: self.running.len(),
             waiting: self.waiting.len(),
             retractions: self.retractions,
+            spec_draft_tokens: self.spec.drafted,
+            spec_accepted_tokens: self.spec.accepted,
+            spec_verify_steps: self.spec.steps,
         }
     }
 

@@ -219,6 +219,10 @@ fn a_fully_cached_prompt_still_computes_its_last_token() {
 fn disabled_radix_cache_never_reports_hits() {
     let mut h = Harness::new(tokenspeed_engine::SchedulerConfig {
         disable_radix_cache: true,
+        speculative_algorithm: None,
+        speculative_num_draft_tokens: None,
+        speculative_ngram_min_match_window_size: 1,
+        speculative_ngram_max_match_window_size: 12,
         ..config(64, 4)
     });
     h.submit(request(1, prompt(3, 16), 2));

@@ -81,6 +81,10 @@ fn workload() -> impl Strategy<Value = Workload> {
                 schedule_low_priority_values_first: false,
                 priority_scheduling_preemption_threshold: 10,
                 disable_radix_cache: !cache,
+                speculative_algorithm: None,
+                speculative_num_draft_tokens: None,
+                speculative_ngram_min_match_window_size: 1,
+                speculative_ngram_max_match_window_size: 12,
                 context_length: 1024,
             };
             // Prompts drawn from a few stems so that prefixes are shared.

@@ -6,7 +6,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use tokenspeed_ipc::PlanChannel;
 use tokenspeed_server::worker_link::ShmWorkerLink;
-use tokenspeed_server::ServerConfig;
+use tokenspeed_server::{ServerConfig, WorkerLink};
 
 /// The server's end of the shared-memory channel. Created by the launcher so that workers can
 /// attach while they load the model; `serve` takes it over.
@@ -52,6 +52,18 @@ fn serve(
     channels: &Bound<'_, PyAny>,
     log_level: &str,
 ) -> PyResult<()> {
+    let (config, links) = take_links(config_json, channels)?;
+    tokenspeed_server::init_logging(log_level);
+    py.allow_threads(|| tokenspeed_server::serve(config, links))
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+/// The core's config and one worker link per replica, each taking over its ServerChannel:
+/// what both `serve` and the in-process `Engine` start from.
+pub(crate) fn take_links(
+    config_json: &str,
+    channels: &Bound<'_, PyAny>,
+) -> PyResult<(ServerConfig, Vec<Box<dyn WorkerLink>>)> {
     let config: ServerConfig = serde_json::from_str(config_json)
         .map_err(|e| PyValueError::new_err(format!("server config: {e}")))?;
     let channels: Vec<PyRef<'_, ServerChannel>> = match channels.extract() {
@@ -66,7 +78,7 @@ fn serve(
         )));
     }
     let per_replica = config.worker_pids.len() / dp;
-    let mut links: Vec<Box<dyn tokenspeed_server::WorkerLink>> = Vec::with_capacity(dp);
+    let mut links: Vec<Box<dyn WorkerLink>> = Vec::with_capacity(dp);
     for (r, channel) in channels.iter().enumerate() {
         let plan_channel = channel
             .inner
@@ -77,10 +89,7 @@ fn serve(
         let pids = config.worker_pids[r * per_replica..(r + 1) * per_replica].to_vec();
         links.push(Box::new(ShmWorkerLink::new(plan_channel, pids)));
     }
-    drop(channels);
-    tokenspeed_server::init_logging(log_level);
-    py.allow_threads(|| tokenspeed_server::serve(config, links))
-        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    Ok((config, links))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -128,6 +128,11 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     /// Requests the scheduler sent back to the queue (`SchedulerStats::retractions`).
     pub retractions: u64,
+    /// Speculative decoding (`SchedulerStats::spec_*`): drafts verified, drafts accepted,
+    /// request-steps that verified drafts.
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub spec_verify_steps: u64,
 }
 
 impl EngineStats {
@@ -152,6 +157,9 @@ impl EngineStats {
                 prefix_cache_queries: t.prefix_cache_queries + s.prefix_cache_queries,
                 prefix_cache_hits: t.prefix_cache_hits + s.prefix_cache_hits,
                 retractions: t.retractions + s.retractions,
+                spec_draft_tokens: t.spec_draft_tokens + s.spec_draft_tokens,
+                spec_accepted_tokens: t.spec_accepted_tokens + s.spec_accepted_tokens,
+                spec_verify_steps: t.spec_verify_steps + s.spec_verify_steps,
             })
     }
 
@@ -166,6 +174,9 @@ impl EngineStats {
             running: self.running_requests,
             waiting: self.waiting_requests,
             retractions: self.retractions,
+            spec_draft_tokens: self.spec_draft_tokens,
+            spec_accepted_tokens: self.spec_accepted_tokens,
+            spec_verify_steps: self.spec_verify_steps,
         }
     }
 }

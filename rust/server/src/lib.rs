@@ -229,6 +229,25 @@ pub fn serve(config: ServerConfig, links: Vec<Box<dyn WorkerLink>>) -> Result<()
     result
 }
 
+/// The engine without HTTP, for the in-process API (`tokenspeed._core.Engine`): the same state
+/// `serve` builds (engine threads, tokenizer, grammar compiler, parsers), warmed up as `serve`
+/// warms it before opening its port. On a failed warm-up the engine threads are stopped.
+pub fn start_in_process(
+    config: ServerConfig,
+    links: Vec<Box<dyn WorkerLink>>,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<http::AppState, ServeError> {
+    let state = build_state_replicas(config, links)?;
+    if !state.config.skip_server_warmup {
+        if let Err(e) = runtime.block_on(warm_up(&state)) {
+            state.engine.shutdown();
+            state.engine.wait_stopped(Duration::from_secs(10));
+            return Err(e);
+        }
+    }
+    Ok(state)
+}
+
 /// Pending connections the kernel queues before `accept` (capped by `net.core.somaxconn`).
 /// Benchmark clients and routers open thousands of connections at once; tokio's `bind` asks
 /// for 1,024, and a full accept queue drops the handshake's last ACK, so the client writes its

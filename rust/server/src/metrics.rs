@@ -49,6 +49,9 @@ pub struct Metrics {
     pub requests_rejected: IntCounter,
     /// Running requests sent back to the queue (vLLM's num_preemptions): KV pages ran out.
     pub num_preemptions: IntCounter,
+    /// Speculative decoding, as vLLM names them: draft tokens verified and accepted.
+    pub spec_decode_num_draft_tokens: IntCounter,
+    pub spec_decode_num_accepted_tokens: IntCounter,
     pub free_kv_pages: IntGauge,
     pub cached_kv_pages: IntGauge,
     pub steps: IntCounter,
@@ -214,6 +217,14 @@ impl Metrics {
                 "Generated tokens per finished request",
                 tokens,
             ),
+            spec_decode_num_draft_tokens: b.counter(
+                "spec_decode_num_draft_tokens_total",
+                "Speculative draft tokens sent to the model for verification",
+            ),
+            spec_decode_num_accepted_tokens: b.counter(
+                "spec_decode_num_accepted_tokens_total",
+                "Speculative draft tokens the model accepted",
+            ),
             request_inference_time: b.histogram(
                 "request_inference_time_seconds",
                 "Time from the first prefill to the last token (prefill + decode)",
@@ -301,6 +312,12 @@ impl Metrics {
         // A running total: the counter catches up with it.
         let new = s.retractions.saturating_sub(self.num_preemptions.get());
         self.num_preemptions.inc_by(new);
+        let drafted = s.spec_draft_tokens;
+        let accepted = s.spec_accepted_tokens;
+        self.spec_decode_num_draft_tokens
+            .inc_by(drafted.saturating_sub(self.spec_decode_num_draft_tokens.get()));
+        self.spec_decode_num_accepted_tokens
+            .inc_by(accepted.saturating_sub(self.spec_decode_num_accepted_tokens.get()));
         if s.total_pages > 0 {
             let busy = s
                 .total_pages

@@ -110,6 +110,10 @@ fn group(n: usize, policy: Policy) -> Group {
             schedule_low_priority_values_first: false,
             priority_scheduling_preemption_threshold: 10,
             disable_radix_cache: false,
+            speculative_algorithm: None,
+            speculative_num_draft_tokens: None,
+            speculative_ngram_min_match_window_size: 1,
+            speculative_ngram_max_match_window_size: 12,
             context_length: 4096,
         };
         let options = EngineOptions {

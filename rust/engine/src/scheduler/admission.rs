@@ -128,7 +128,7 @@ impl Scheduler {
             self.next_epoch += 1;
             self.waiting.retain(|&w| w != id);
             self.running.push(id);
-            self.schedule_chunk(id, n, step);
+            self.schedule_chunk(id, n, &[], step);
             *budget -= n;
             reserved += (uncached - n + growth).div_ceil(ps);
         }

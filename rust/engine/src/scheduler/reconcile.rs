@@ -74,6 +74,12 @@ impl Scheduler {
                 .map(|ev| seq.output(Vec::new(), ev, None));
         }
         let accepted: &[u32] = event.map_or(&[], |ev| &ev.tokens);
+        if e.drafts > 0 && event.is_some() {
+            // Counted as the worker verified them, before an ending trims the run.
+            self.spec.steps += 1;
+            self.spec.drafted += u64::from(e.drafts);
+            self.spec.accepted += accepted.len().saturating_sub(1).min(e.drafts as usize) as u64;
+        }
         // A later step in flight (a placeholder decode) fed "the one token this step samples".
         let later_planned_wrong = a.in_flight > 0 && accepted.len() != 1;
         let (keep, finished) = finish::accept(&seq.req, seq.completion_tokens(), accepted);

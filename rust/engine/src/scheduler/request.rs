@@ -71,6 +71,14 @@ pub struct SchedulerConfig {
     pub disable_radix_cache: bool,
     /// Prompt plus generated tokens of one request.
     pub context_length: u32,
+    /// `NGRAM` drafts tokens by prompt lookup (`ngram.rs`); None: no speculative decoding.
+    /// The launcher refuses every other algorithm before it gets here.
+    pub speculative_algorithm: Option<String>,
+    /// Most draft tokens verified per request per step (the launcher fills it in).
+    pub speculative_num_draft_tokens: Option<u32>,
+    /// Shortest and longest suffix of the request's tokens that NGRAM looks up.
+    pub speculative_ngram_min_match_window_size: u32,
+    pub speculative_ngram_max_match_window_size: u32,
 }
 
 impl SchedulerConfig {
@@ -86,6 +94,25 @@ impl SchedulerConfig {
         if let Some((field, _)) = positive.into_iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero { field });
         }
+        if let Some(alg) = self
+            .speculative_algorithm
+            .as_deref()
+            .filter(|a| *a != "NGRAM")
+        {
+            return Err(ConfigError::Unsupported {
+                field: "speculative_algorithm",
+                value: alg.to_string(),
+            });
+        }
+        if self.speculative_ngram_min_match_window_size == 0
+            || self.speculative_ngram_min_match_window_size
+                > self.speculative_ngram_max_match_window_size
+        {
+            return Err(ConfigError::Invalid {
+                field: "speculative_ngram_min_match_window_size",
+                rule: "at least 1 and at most speculative_ngram_max_match_window_size",
+            });
+        }
         if !(self.max_mixed_step_ms.is_finite() && self.max_mixed_step_ms >= 0.0) {
             return Err(ConfigError::Invalid {
                 field: "max_mixed_step_ms",
@@ -100,6 +127,8 @@ impl SchedulerConfig {
 pub enum ConfigError {
     #[error("scheduler config: {field} must be positive")]
     Zero { field: &'static str },
+    #[error("scheduler config: {field} = {value:?} is not supported")]
+    Unsupported { field: &'static str, value: String },
     #[error("scheduler config: {field} must be {rule}")]
     Invalid {
         field: &'static str,
@@ -285,6 +314,22 @@ pub struct SchedulerStats {
     /// Running requests sent back to the queue so far (pages ran out, or a step's KV was
     /// wrong): each recomputes its KV when readmitted, and its stream pauses meanwhile.
     pub retractions: u64,
+    /// Speculative decoding: draft tokens sent for verification, how many of them the worker
+    /// accepted, and the request-steps that verified at least one draft.
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub spec_verify_steps: u64,
+}
+
+impl SchedulerStats {
+    /// Tokens a verifying request-step produced on average (accepted drafts plus the one the
+    /// target model always adds), SGLang's `avg_spec_accept_length`; 0 before any.
+    pub fn avg_spec_accept_length(&self) -> f64 {
+        if self.spec_verify_steps == 0 {
+            return 0.0;
+        }
+        (self.spec_accepted_tokens + self.spec_verify_steps) as f64 / self.spec_verify_steps as f64
+    }
 }
 
 /// Why `submit` refused a request. Each names the request and the numbers involved.

@@ -50,8 +50,12 @@ impl Scheduler {
         while i < self.running.len() {
             let id = self.running[i];
             let decode = self.decode_work(&id);
+            let drafts = match decode {
+                Some(1) => self.drafts_for(&id, budget),
+                _ => Vec::new(),
+            };
             let want = match (decode, self.requests.get(&id).map(Sequence::work)) {
-                (Some(n), _) => n,
+                (Some(n), _) => n + drafts.len(),
                 (None, Some(Work::Known(n))) => n.min(budget),
                 _ => 0,
             };
@@ -76,13 +80,21 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            // Drafts are verified only as far as pages reach (the first token always runs).
+            let drafts = &drafts[..drafts.len().min(fit.saturating_sub(1))];
             if decode.is_none() {
                 budget -= fit;
             } else {
+                budget = budget.saturating_sub(drafts.len());
                 scheduled.decodes += 1;
                 scheduled.decode_context += self.context_after_decode(&id);
             }
-            self.schedule_chunk(id, fit, &mut step);
+            let fit = if decode.is_some() {
+                fit - drafts.len()
+            } else {
+                fit
+            };
+            self.schedule_chunk(id, fit, drafts, &mut step);
             i += 1;
         }
 
@@ -176,13 +188,45 @@ impl Scheduler {
         self.pool.alloc(n)
     }
 
-    /// Allocates pages for `n` more tokens of running request `id`, emits its share of the step.
-    pub(super) fn schedule_chunk(&mut self, id: RequestId, n: usize, step: &mut StepBuilder) {
+    /// Draft tokens to verify after `id`'s next decode token: NGRAM's proposal, cut to what
+    /// the request may still generate (drafts past `max_new_tokens` or the context could never
+    /// be kept) and to the step's token budget. Empty without speculative decoding.
+    fn drafts_for(&self, id: &RequestId, budget: usize) -> Vec<u32> {
+        let c = &self.config;
+        let (Some(k), Some(seq)) = (c.speculative_num_draft_tokens, self.requests.get(id)) else {
+            return Vec::new();
+        };
+        if !seq.drafts_allowed || !matches!(seq.work(), super::Work::Known(1)) {
+            return Vec::new();
+        }
+        // The decode yields one token whatever happens; each accepted draft one more.
+        let room = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens() + 1);
+        let context_room = (c.context_length as usize).saturating_sub(seq.tokens.len() + 1);
+        let k = (k as usize).min(room).min(context_room).min(budget);
+        super::ngram::propose(
+            &seq.tokens,
+            c.speculative_ngram_min_match_window_size as usize,
+            c.speculative_ngram_max_match_window_size as usize,
+            k,
+        )
+    }
+
+    /// Allocates pages for `n` more tokens of running request `id` (plus its `drafts`, which
+    /// follow the last known token), emits its share of the step.
+    pub(super) fn schedule_chunk(
+        &mut self,
+        id: RequestId,
+        n: usize,
+        drafts: &[u32],
+        step: &mut StepBuilder,
+    ) {
         let ps = self.config.page_size as usize;
         let Some(a) = self.requests[&id].active() else {
             return;
         };
-        let need = (a.computed + n).div_ceil(ps).saturating_sub(a.num_pages());
+        let need = (a.computed + n + drafts.len())
+            .div_ceil(ps)
+            .saturating_sub(a.num_pages());
         let Some(new_pages) = self.take_pages(need) else {
             // `fit_tokens` counted these pages as free or evictable; nothing to do but skip.
             return;
@@ -203,16 +247,23 @@ impl Scheduler {
         step.add_pages(a.slot, a.num_pages(), new_pages.ids());
         a.own.append(new_pages);
         // Past the known tokens only by one placeholder decode (`Work::Placeholder`).
-        let (input, sample) = match tokens.get(a.computed..a.computed + n) {
+        let (mut input, sample) = match tokens.get(a.computed..a.computed + n) {
             Some(known) => (known.to_vec(), a.computed + n == tokens.len()),
             None => (vec![LAST_SAMPLED], true),
         };
+        // Drafts only ever follow the last known token (`drafts_for`).
+        let drafts = if sample && input.last() != Some(&LAST_SAMPLED) {
+            drafts
+        } else {
+            &[]
+        };
+        input.extend_from_slice(drafts);
         let n = input.len();
         step.plan.scheduled.push(ScheduledRequest {
             slot: a.slot,
             start_pos: a.computed as u32,
             sample,
-            num_draft_tokens: 0,
+            num_draft_tokens: drafts.len() as u32,
             tokens: input,
         });
         step.expected.push(Expected {
@@ -220,10 +271,11 @@ impl Scheduler {
             epoch: a.epoch,
             slot: a.slot,
             sample,
+            drafts: drafts.len() as u32,
         });
         a.computed += n;
         a.in_flight += 1;
-        a.drafting = false;
+        a.drafting = !drafts.is_empty();
     }
 
     /// The youngest running request after position `i`. One with steps in flight qualifies

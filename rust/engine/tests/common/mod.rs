@@ -32,6 +32,10 @@ pub fn base_config() -> SchedulerConfig {
         schedule_low_priority_values_first: false,
         priority_scheduling_preemption_threshold: 10,
         disable_radix_cache: false,
+        speculative_algorithm: None,
+        speculative_num_draft_tokens: None,
+        speculative_ngram_min_match_window_size: 1,
+        speculative_ngram_max_match_window_size: 12,
         context_length: 4096,
     }
 }
@@ -44,6 +48,10 @@ pub fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
         chunked_prefill_size: 64,
         max_prefill_tokens: 1024,
         disable_radix_cache: false,
+        speculative_algorithm: None,
+        speculative_num_draft_tokens: None,
+        speculative_ngram_min_match_window_size: 1,
+        speculative_ngram_max_match_window_size: 12,
         context_length: 1024,
         ..base_config()
     }
@@ -107,6 +115,8 @@ pub struct FakeWorker {
     /// Sample this token instead of the fake model's: for waves of thousands of long requests,
     /// where reading each sequence back to hash it would take minutes (the plan checks stay).
     pub constant_token: Option<u32>,
+    /// The fake model's next token after a sequence (`next_token` unless a test sets one).
+    pub model: fn(&[u32]) -> u32,
 }
 
 impl FakeWorker {
@@ -118,6 +128,7 @@ impl FakeWorker {
             last_step: None,
             accept: HashMap::new(),
             constant_token: None,
+            model: next_token,
         }
     }
 
@@ -230,6 +241,40 @@ impl FakeWorker {
                     prompt_logprobs,
                     ..RequestEvent::default()
                 });
+            } else if r.sample && r.num_draft_tokens > 0 {
+                // Verify the chain: keep drafts while each is the model's next token, then add
+                // the model's own; the KV past that is the rejected drafts' (stale).
+                let d = r.num_draft_tokens as usize;
+                assert!(r.tokens.len() > d, "drafts follow at least one input token");
+                let fed = end - d;
+                let mut seq: Vec<u32> = (0..fed)
+                    .map(|pos| {
+                        self.kv[slot.table[pos / ps] as usize * ps + pos % ps].expect("KV present")
+                    })
+                    .collect();
+                let drafts = &r.tokens[r.tokens.len() - d..];
+                let mut tokens = Vec::new();
+                loop {
+                    let t = (self.model)(&seq);
+                    seq.push(t);
+                    tokens.push(t);
+                    if drafts.get(tokens.len() - 1) != Some(&t) {
+                        break;
+                    }
+                }
+                let valid = fed + tokens.len() - 1;
+                for pos in valid..end {
+                    self.kv[slot.table[pos / ps] as usize * ps + pos % ps] = None;
+                }
+                slot.computed = valid;
+                slot.last_sampled = tokens.last().copied();
+                events.push(RequestEvent {
+                    slot: r.slot,
+                    logprobs: vec![-0.5; tokens.len()],
+                    tokens,
+                    prompt_logprobs,
+                    ..RequestEvent::default()
+                });
             } else if r.sample {
                 let mut seq: Vec<u32> = (0..end)
                     .map(|pos| {
@@ -239,7 +284,7 @@ impl FakeWorker {
                 let n = self.accept.get(&r.slot).copied().unwrap_or(1);
                 let mut tokens = Vec::new();
                 for _ in 0..n {
-                    let t = next_token(&seq);
+                    let t = (self.model)(&seq);
                     seq.push(t);
                     tokens.push(t);
                 }

@@ -210,6 +210,8 @@ impl EngineLoop {
             } => {
                 if self.submit(id, *request, events, stop) {
                     if let Some(c) = constraint {
+                        // A grammar's mask changes token by token: no drafts to verify.
+                        self.scheduler.forbid_drafts(id);
                         self.grammars.insert(id, c);
                     }
                 }
@@ -571,6 +573,9 @@ impl EngineLoop {
                 prefix_cache_queries: self.prefix_queries,
                 prefix_cache_hits: self.prefix_hits,
                 retractions: s.retractions,
+                spec_draft_tokens: s.spec_draft_tokens,
+                spec_accepted_tokens: s.spec_accepted_tokens,
+                spec_verify_steps: s.spec_verify_steps,
             };
         }
     }

@@ -279,6 +279,8 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
             "total": stats.total_pages, "free": stats.free_pages, "used": stats.used_pages,
             "cached": stats.cached_pages, "evictable": stats.evictable_pages,
         },
+        // SGLang's name: tokens per verifying request-step (0 before any, or without spec).
+        "avg_spec_accept_length": stats.pool().avg_spec_accept_length(),
         "engine": stats,
         "dp_size": replicas.len(),
         "replicas": replicas,

@@ -1,0 +1,89 @@
+"""Speculative decoding settings: vLLM's `--speculative-config` JSON mapped onto the flags,
+and the rules that tie the flags together. Run once, when `tokenspeed serve` resolves its
+arguments, so every reader (scheduler, worker) sees one consistent set."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tokenspeed.config.errors import ConfigError, NotSupportedError
+
+# vLLM's `--speculative-config` keys → the flag dest each one sets.
+_VLLM_KEYS = {
+    "num_speculative_tokens": "speculative_num_draft_tokens",
+    "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+    "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+}
+# vLLM's `method` values → `--speculative-algorithm`; None: named, but not built yet.
+_METHODS: dict[str, str | None] = {
+    "ngram": "NGRAM", "eagle": None, "eagle3": None, "mtp": None, "draft_model": None,
+    "medusa": None, "mlp_speculator": None,
+}
+
+
+def resolve_speculative(cfg: Any) -> Any:
+    """`cfg` with `--speculative-config` applied and checked; raises ConfigError."""
+    if cfg.speculative_config:
+        cfg = _apply_vllm_config(cfg, cfg.speculative_config)
+    if cfg.speculative_algorithm is None:
+        if cfg.speculative_num_draft_tokens is not None:
+            raise ConfigError("--speculative-num-draft-tokens needs --speculative-algorithm "
+                              "(NGRAM)")
+        return cfg
+    if cfg.speculative_num_draft_tokens is None:
+        raise ConfigError(f"--speculative-algorithm {cfg.speculative_algorithm} needs "
+                          "--speculative-num-draft-tokens (the draft tokens verified per step)")
+    lo, hi = (cfg.speculative_ngram_min_match_window_size,
+              cfg.speculative_ngram_max_match_window_size)
+    if lo > hi:
+        raise ConfigError(f"--speculative-ngram-min-match-window-size ({lo}) is larger than "
+                          f"--speculative-ngram-max-match-window-size ({hi})")
+    if not cfg.disable_overlap_schedule:
+        # Drafts are built from the request's known tokens, which a one-step-ahead plan does
+        # not have yet (its last token is still being sampled). `launch` logs it.
+        cfg = dataclasses.replace(cfg, disable_overlap_schedule=True)
+    return cfg
+
+
+def speculative_note(cfg: Any) -> str | None:
+    """The start-up log line saying speculation is on and what it turned off."""
+    if cfg.speculative_algorithm is None:
+        return None
+    return (f"speculative decoding: {cfg.speculative_algorithm}, up to "
+            f"{cfg.speculative_num_draft_tokens} draft tokens per step; the overlap scheduler is "
+            "turned off (the two do not combine yet); verify steps run without CUDA graphs")
+
+
+def _apply_vllm_config(cfg: Any, spec: Any) -> Any:
+    if not isinstance(spec, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(spec) - {"method", *_VLLM_KEYS})
+    if unknown:
+        raise ConfigError(f"--speculative-config: {unknown[0]!r} is not supported yet "
+                          f"(supported keys: method, {', '.join(_VLLM_KEYS)})")
+    method = spec.get("method")
+    if method not in _METHODS:
+        raise ConfigError(f"--speculative-config: unknown method {method!r} "
+                          f"(known: {', '.join(_METHODS)})")
+    algorithm = _METHODS[method]
+    if algorithm is None:
+        raise NotSupportedError([(f"not supported yet: --speculative-config (method {method!r}: "
+                                 "draft models and heads are not built yet; available now: "
+                                 "ngram)")])
+    changes: dict[str, Any] = {"speculative_algorithm": algorithm}
+    for key, dest in _VLLM_KEYS.items():
+        if key in spec:
+            value = spec[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--speculative-config: {key} must be a positive integer, "
+                                  f"got {value!r}")
+            changes[dest] = value
+    for dest, value in changes.items():
+        given = getattr(cfg, dest)
+        flag_default = None if dest in ("speculative_algorithm", "speculative_num_draft_tokens") \
+            else given
+        if given is not None and given != value and given != flag_default:
+            raise ConfigError(f"--speculative-config sets {dest} = {value!r}, but the flag says "
+                              f"{given!r}")
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,173 @@
+//! Speculative decoding in the scheduler: NGRAM drafts ride in the plan after the last known
+//! token, the (fake) worker verifies them, and the output is exactly what plain decoding
+//! produces: same tokens, same endings (stop ids, `max_tokens` inside an accepted run), the
+//! KV of rejected drafts rewritten before it is read, no page leaked. The fake model here
+//! copies text (what n-gram drafts are for), with deviations so that some drafts fail.
+
+mod common;
+
+use common::{config, request, Harness};
+use tokenspeed_engine::{FinishReason, Request, SamplingParams, SchedulerConfig};
+
+/// Copies the token 5 back, except at every 7th position (a deviation drafts cannot predict).
+fn copy_model(seq: &[u32]) -> u32 {
+    let n = seq.len();
+    if n.is_multiple_of(7) {
+        50_000 + n as u32
+    } else {
+        seq[n - 5]
+    }
+}
+
+fn reference(prompt: &[u32], max_new: u32, stop: Option<u32>) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..max_new {
+        let t = copy_model(&seq);
+        seq.push(t);
+        if Some(t) == stop {
+            break;
+        }
+    }
+    seq.split_off(prompt.len())
+}
+
+fn spec_config(k: u32, page_size: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        speculative_algorithm: Some("NGRAM".into()),
+        speculative_num_draft_tokens: Some(k),
+        speculative_ngram_min_match_window_size: 1,
+        speculative_ngram_max_match_window_size: 4,
+        ..config(256, page_size)
+    }
+}
+
+fn harness(cfg: SchedulerConfig, overlap: bool) -> Harness {
+    let mut h = Harness::with_overlap(cfg, overlap);
+    h.worker.model = copy_model;
+    h
+}
+
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..12).map(|i| seed * 100 + i % 5).collect()
+}
+
+#[test]
+fn same_tokens_as_plain_decoding_and_drafts_accepted() {
+    for (k, page_size, overlap) in [(4, 1, false), (3, 4, false), (6, 16, false), (4, 4, true)] {
+        let mut h = harness(spec_config(k, page_size), overlap);
+        for id in 1..=3u64 {
+            h.submit(request(id, prompt(id as u32), 40 + id as u32));
+        }
+        h.run(400);
+        for id in 1..=3u64 {
+            let want = reference(&prompt(id as u32), 40 + id as u32, None);
+            assert_eq!(
+                h.tokens(id),
+                want,
+                "k={k} page_size={page_size} overlap={overlap}"
+            );
+            assert_eq!(h.finish_reason(id), Some(FinishReason::Length));
+        }
+        let s = h.sched.stats();
+        if overlap {
+            // One step ahead a request's last token is always in flight (a placeholder), so
+            // there is nothing known to draft from: exact, but no drafts. Hence the launcher
+            // turns overlap off with speculative decoding.
+            assert_eq!(s.spec_draft_tokens, 0, "{s:?}");
+            h.assert_no_leak();
+            continue;
+        }
+        assert!(
+            s.spec_draft_tokens > 0 && s.spec_accepted_tokens > 0,
+            "{s:?}"
+        );
+        assert!(
+            s.spec_accepted_tokens < s.spec_draft_tokens,
+            "some drafts rejected: {s:?}"
+        );
+        assert!(s.avg_spec_accept_length() > 1.5, "{s:?}");
+        // Plain decoding takes 43 steps for the longest request alone.
+        assert!(h.plans.len() < 40, "{} plans", h.plans.len());
+        h.assert_no_leak();
+    }
+}
+
+#[test]
+fn max_tokens_and_stop_ids_cut_inside_an_accepted_run() {
+    for max_new in [1, 2, 3, 5, 8, 13] {
+        let mut h = harness(spec_config(6, 1), false);
+        h.submit(request(1, prompt(1), max_new));
+        h.run(100);
+        assert_eq!(
+            h.tokens(1),
+            reference(&prompt(1), max_new, None),
+            "max_new={max_new}"
+        );
+        assert_eq!(h.finish_reason(1), Some(FinishReason::Length));
+        h.assert_no_leak();
+    }
+    // A stop id in the middle of a copied run (token 102 is copied over and over).
+    let stop = 102;
+    let mut h = harness(spec_config(6, 1), false);
+    h.submit(Request {
+        stop_token_ids: vec![stop],
+        ..request(1, prompt(1), 40)
+    });
+    h.run(100);
+    let want = reference(&prompt(1), 40, Some(stop));
+    assert_eq!(h.tokens(1), want);
+    assert_eq!(want.last(), Some(&stop));
+    assert_eq!(h.finish_reason(1), Some(FinishReason::Stop));
+    h.assert_no_leak();
+}
+
+#[test]
+fn no_drafts_for_penalties_min_tokens_or_forbidden_requests() {
+    let mut h = harness(spec_config(4, 1), false);
+    let penalized = SamplingParams {
+        presence_penalty: 0.5,
+        ..SamplingParams::greedy()
+    };
+    h.submit(Request {
+        sampling: penalized,
+        ..request(1, prompt(1), 20)
+    });
+    h.submit(Request {
+        min_new_tokens: 3,
+        ..request(2, prompt(2), 20)
+    });
+    h.submit(request(3, prompt(3), 20));
+    h.sched.forbid_drafts(3u64.into());
+    h.run(200);
+    for id in 1..=3u64 {
+        assert_eq!(h.tokens(id), reference(&prompt(id as u32), 20, None));
+    }
+    assert!(h
+        .plans
+        .iter()
+        .all(|p| p.scheduled.iter().all(|r| r.num_draft_tokens == 0)));
+    assert_eq!(h.sched.stats().spec_draft_tokens, 0);
+}
+
+#[test]
+fn drafts_only_where_pages_allow_and_the_radix_cache_holds_verified_tokens() {
+    // A tight pool: drafts shrink to the pages left; a second request with the same prompt
+    // then reads the first one's cached pages (a garbage draft there would change its output).
+    let cfg = SchedulerConfig {
+        num_pages: 20,
+        ..spec_config(8, 4)
+    };
+    let mut h = harness(cfg, false);
+    h.submit(request(1, prompt(1), 50));
+    h.run(200);
+    h.submit(request(2, [prompt(1), h.tokens(1)].concat(), 10));
+    h.run(200);
+    let full = [prompt(1), h.tokens(1)].concat();
+    assert_eq!(h.tokens(1), reference(&prompt(1), 50, None));
+    assert_eq!(h.tokens(2), reference(&full, 10, None));
+    assert!(
+        h.last_output(2).cached_tokens > 0,
+        "the prefix came from the cache"
+    );
+    h.assert_no_leak();
+}

@@ -1,0 +1,63 @@
+"""Speculative decoding settings: NGRAM is on, vLLM's --speculative-config maps onto the same
+flags, the other algorithms refuse clearly, and speculation turns the overlap scheduler off."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenspeed.config import ConfigError, NotSupportedError, parse_serve_args
+
+
+def test_ngram_flags_reach_the_scheduler_and_turn_overlap_off() -> None:
+    cfg = parse_serve_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                            "5", "--speculative-ngram-max-match-window-size", "6"])
+    sched = cfg.section("scheduler")
+    assert sched["speculative_algorithm"] == "NGRAM"
+    assert sched["speculative_num_draft_tokens"] == 5
+    assert sched["speculative_ngram_min_match_window_size"] == 1
+    assert sched["speculative_ngram_max_match_window_size"] == 6
+    assert cfg.worker_dict()["speculative_num_draft_tokens"] == 5
+    assert cfg.disable_overlap_schedule is True
+    plain = parse_serve_args([])
+    assert plain.speculative_algorithm is None and plain.disable_overlap_schedule is False
+
+
+def test_vllm_speculative_config_maps_onto_the_flags() -> None:
+    cfg = parse_serve_args(["--speculative-config", ('{"method": "ngram", "num_speculative_tokens"'
+                            ': 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}')])
+    assert (cfg.speculative_algorithm, cfg.speculative_num_draft_tokens) == ("NGRAM", 3)
+    assert cfg.speculative_ngram_min_match_window_size == 2
+    assert cfg.speculative_ngram_max_match_window_size == 5
+    assert cfg.disable_overlap_schedule is True
+    assert "speculative_config" not in cfg.server_dict()  # read by the launcher alone
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
+def test_algorithms_with_draft_weights_refuse(algorithm: str) -> None:
+    with pytest.raises(NotSupportedError, match="available now: NGRAM"):
+        parse_serve_args(["--speculative-algorithm", algorithm,
+                          "--speculative-num-draft-tokens", "4"])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--speculative-algorithm", "NGRAM"], "needs --speculative-num-draft-tokens"),
+    (["--speculative-num-draft-tokens", "4"], "needs --speculative-algorithm"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+      "--speculative-ngram-min-match-window-size", "5",
+      "--speculative-ngram-max-match-window-size", "3"], "is larger than"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+     "positive integer"),
+    (["--speculative-config", '{"method": "ngram", "model": "x"}'], "'model' is not supported"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+      "--speculative-num-draft-tokens", "4"], "but the flag says 4"),
+    (["--speculative-config", "[1]"], "must be a JSON object"),
+])
+def test_inconsistent_settings_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_serve_args(argv)
+
+
+def test_eagle_in_vllm_config_refuses() -> None:
+    with pytest.raises(NotSupportedError, match="^not supported yet: --speculative-config"):
+        parse_serve_args(["--speculative-config", ('{"method": "eagle3", '
+                          '"num_speculative_tokens": 3}')])
