@@ -424,6 +424,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
         "--max-loras-per-batch", "--max-loaded-loras",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
+        "--priority-scheduling-preemption-threshold",
         "--is-embedding", "--constrained-json-allow-additional-properties",
         "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
         "--hicache-write-policy", "--radix-eviction-policy",
@@ -448,7 +449,8 @@ def test_each_component_reads_the_section_its_flags_name() -> None:
                               "speculative_ngram_min_match_window_size",
                               "speculative_ngram_max_match_window_size",
                               "enable_priority_scheduling", "schedule_low_priority_values_first",
-                              "radix_eviction_policy", "hicache_write_policy"}
+                              "radix_eviction_policy", "hicache_write_policy",
+                              "priority_scheduling_preemption_threshold"}
     assert scheduler["max_mixed_step_ms"] == 25.0 and "max_mixed_step_ms" not in server
     for shared in ("page_size", "context_length", "chunked_prefill_size"):
         assert shared in scheduler and shared in worker
@@ -508,10 +510,15 @@ def test_priority_order_flag_needs_priority_scheduling() -> None:
 
     from tokenspeed.launch.serve import LaunchError, check_priority_flags
 
+    def flags(low_first: bool, enabled: bool, threshold: int = 10) -> SimpleNamespace:
+        return SimpleNamespace(schedule_low_priority_values_first=low_first,
+                               enable_priority_scheduling=enabled,
+                               priority_scheduling_preemption_threshold=threshold)
+
     with pytest.raises(LaunchError, match="needs --enable-priority-scheduling"):
-        check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=True,
-                                             enable_priority_scheduling=False))
-    check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=True,
-                                         enable_priority_scheduling=True))
-    check_priority_flags(SimpleNamespace(schedule_low_priority_values_first=False,
-                                         enable_priority_scheduling=False))
+        check_priority_flags(flags(True, False))
+    with pytest.raises(LaunchError, match="threshold compares request priorities"):
+        check_priority_flags(flags(False, False, threshold=3))
+    check_priority_flags(flags(True, True))
+    check_priority_flags(flags(False, True, threshold=0))
+    check_priority_flags(flags(False, False))

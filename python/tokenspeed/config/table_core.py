@@ -238,8 +238,12 @@ MEMORY_FLAGS: list[Flag] = [
     b("--schedule-low-priority-values-first", "With priority scheduling, treat smaller priority "
       "numbers as more urgent (vLLM's convention); by default larger ones are (SGLang's).",
       G_MEMORY, implemented=True, readers=("scheduler",)),
-    i("--priority-scheduling-preemption-threshold", "Priority gap needed before a new request "
-      "may preempt a running one.", G_MEMORY, 10, minimum=0),
+    i("--priority-scheduling-preemption-threshold", "With priority scheduling, a waiting "
+      "request that finds no slot or KV room retracts running requests whose priority it beats "
+      "by more than this (least urgent first, latest admitted first within a priority); their "
+      "KV stays in the prefix cache and they resume with the tokens they generated (SGLang's "
+      "rule). Needs --enable-priority-scheduling when changed.", G_MEMORY, 10, minimum=0,
+      implemented=True, readers=("scheduler",)),
     f("--schedule-conservativeness", "How cautiously the scheduler admits requests; larger means "
       "fewer retractions.", G_MEMORY, 1.0, minimum=0.0),
     i("--page-size", "Tokens per KV cache page (block). Default 16; note SGLang defaults to 1.",

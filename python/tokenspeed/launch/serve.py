@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenspeed.config import BY_DEST
 from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
 from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
 from tokenspeed.config.speculative import speculative_note
@@ -244,6 +245,11 @@ def check_priority_flags(cfg: Any) -> None:
     if cfg.schedule_low_priority_values_first and not cfg.enable_priority_scheduling:
         raise LaunchError("--schedule-low-priority-values-first orders requests by their priority: "
                           "it needs --enable-priority-scheduling")
+    if (cfg.priority_scheduling_preemption_threshold
+            != BY_DEST["priority_scheduling_preemption_threshold"].default
+            and not cfg.enable_priority_scheduling):
+        raise LaunchError("--priority-scheduling-preemption-threshold compares request "
+                          "priorities: it needs --enable-priority-scheduling")
 
 
 def resolve_layout(cfg: Any) -> Layout:

@@ -304,6 +304,7 @@ def _run_plan(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec, par
               grammars: XGrammarSlots | None) -> Pending | object:
     """Launch one plan (its forward pass queued) and send the step in flight's result once it
     is ready; returns the new step in flight, or _CLOSED."""
+    from tokenspeed.worker.ops import has_op, outcome_arrays, run_op
     from tokenspeed.worker.sampler import has_pending_masks
 
     if trace:
@@ -311,6 +312,13 @@ def _run_plan(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec, par
     if pending is not None and pending[1].ready():  # always so on the CPU: send it first
         _send(channel, spec, *pending, trace, grammars)
         pending = None
+    if has_op(plan):  # an operation alone in its plan, sent while no request runs
+        if pending is not None:
+            _send(channel, spec, *pending, trace, grammars)
+        ok, message = run_op(runner, plan, runner.lockstep)
+        if _leads(spec):
+            channel.send_result(plan.step_id, outcome_arrays(ok, message))
+        return None
     if grammars is not None and grammars.apply_plan(plan):
         # Worker-side grammar masks: queue the forward pass, then take the step in flight's
         # tokens (its matchers advance as it is sent), then mask and sample. The GPU runs

@@ -118,6 +118,9 @@ class ModelRunner:
         self.max_context_len = max_context_len
         ckpt = open_checkpoint(model_path, load_format)
         self.config = ckpt.config
+        # Where the serving weights came from: /update_weights_from_disk (worker/ops.py) changes
+        # it, and reloads it if a new checkpoint fails half-way.
+        self.weights_source = (model_path, load_format)
         # This rank's heads (tensor parallelism: the KV cache holds only these).
         self.num_heads, self.num_kv_heads = local_heads(self.config, state().attn_tp.size)
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)

@@ -169,6 +169,7 @@ fn main() {
         schedule_policy: SchedulePolicy::Fcfs,
         enable_priority_scheduling: false,
         schedule_low_priority_values_first: false,
+        priority_scheduling_preemption_threshold: 10,
         disable_radix_cache: false,
         speculative_algorithm: None,
         speculative_num_draft_tokens: None,

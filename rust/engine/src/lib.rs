@@ -10,10 +10,10 @@ pub mod schema;
 
 pub use pages::{PagePool, Pages};
 pub use plan::{
-    copy_kind, grammar_kind, CopyOp, FinishedSlot, GrammarRow, PageTableUpdate, Plan, RequestEvent,
-    SamplingParams, ScheduledRequest, StepLimits, StepResult, StepTiming, TokenMask, LAST_SAMPLED,
-    MAX_GRAMMAR_REPLAY, MAX_GRAMMAR_STOP_IDS, MAX_GRAMMAR_TEXT, MAX_LOGIT_BIAS, MAX_LORA_PATH,
-    MAX_TOP_LOGPROBS, NO_SEED,
+    copy_kind, grammar_kind, op_kind, CopyOp, FinishedSlot, GrammarRow, OpOutcome, PageTableUpdate,
+    Plan, RequestEvent, SamplingParams, ScheduledRequest, StepLimits, StepResult, StepTiming,
+    TokenMask, WorkerOp, LAST_SAMPLED, MAX_GRAMMAR_REPLAY, MAX_GRAMMAR_STOP_IDS, MAX_GRAMMAR_TEXT,
+    MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_OP_TEXT, MAX_TOP_LOGPROBS, NO_SEED,
 };
 pub use radix::{EvictionPolicy, HostStats, NodeId, PrefixMatch, RadixCache, WritePolicy};
 pub use scheduler::{

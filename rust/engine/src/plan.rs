@@ -244,6 +244,35 @@ section! {
     }
 }
 
+/// `WorkerOp::kind` values: what an operation on the worker group does.
+pub mod op_kind {
+    /// Reload the weights from `args` (`{"model_path": ..., "load_format": ...}`) into the
+    /// running model, same architecture (`/update_weights_from_disk`).
+    pub const UPDATE_WEIGHTS: u8 = 1;
+    /// Free the weights (a host copy kept), the KV cache and the CUDA graphs
+    /// (`/release_memory_occupation`); the engine admits nothing until `RESUME_MEMORY`.
+    pub const RELEASE_MEMORY: u8 = 2;
+    /// Undo `RELEASE_MEMORY` (`/resume_memory_occupation`).
+    pub const RESUME_MEMORY: u8 = 3;
+}
+
+/// The longest argument text (bytes) of a `WorkerOp`, and of its outcome's message.
+pub const MAX_OP_TEXT: usize = 8 * 1024;
+
+section! {
+    /// An operation on the worker group rather than a step: sent alone in a plan while no
+    /// request holds a slot (the engine waits for that), applied by every rank; the lead rank's
+    /// result carries its outcome (`OpOutcome`).
+    pub struct WorkerOp("op") {
+        /// `op_kind::*`.
+        pub kind: u8,
+    }
+    lists {
+        /// The operation's arguments, JSON text (UTF-8).
+        pub args: Vec<u8>,
+    }
+}
+
 message! {
     /// One step of work for the worker group.
     pub struct Plan(magic = 0x4e4c_5054) {
@@ -254,6 +283,7 @@ message! {
         pub scheduled: Vec<ScheduledRequest>,
         pub masks: Vec<TokenMask>,
         pub grammars: Vec<GrammarRow>,
+        pub ops: Vec<WorkerOp>,
     }
 }
 
@@ -267,7 +297,10 @@ impl Plan {
         self.scheduled.iter().all(|r| r.tokens.len() == 1)
     }
     pub fn is_empty(&self) -> bool {
-        self.scheduled.is_empty() && self.finished.is_empty() && self.copies.is_empty()
+        self.scheduled.is_empty()
+            && self.finished.is_empty()
+            && self.copies.is_empty()
+            && self.ops.is_empty()
     }
     /// The mask completion of plan `step_id`: only the rows it left pending (`TokenMask`).
     pub fn mask_completion(step_id: u64, masks: Vec<TokenMask>) -> Plan {
@@ -337,6 +370,8 @@ impl Plan {
             } else {
                 0
             }, // grammar rows: one per new request, each bounded
+            1,
+            MAX_OP_TEXT, // worker ops: one at most, alone in its plan
         ];
         <Plan as Message>::max_encoded_len(&counts)
     }
@@ -423,11 +458,23 @@ section! {
     lists {}
 }
 
+section! {
+    /// How a `WorkerOp` went, in the result of its plan (one row).
+    pub struct OpOutcome("op_result") {
+        pub ok: bool,
+    }
+    lists {
+        /// What happened, or why it failed (UTF-8, at most `MAX_OP_TEXT` bytes).
+        pub message: Vec<u8>,
+    }
+}
+
 message! {
     /// What the worker sends back after a step.
     pub struct StepResult(magic = 0x5345_5254) {
         pub events: Vec<RequestEvent>,
         pub timing: Vec<StepTiming>,
+        pub op_results: Vec<OpOutcome>,
     }
 }
 
@@ -451,6 +498,8 @@ impl StepResult {
             prompt,           // prompt ranks
             r * l.pooled_dim, // pooled vectors: at most one per slot
             1,                // timing: one row
+            1,
+            MAX_OP_TEXT, // an op's outcome: one row
         ];
         <StepResult as Message>::max_encoded_len(&counts)
     }

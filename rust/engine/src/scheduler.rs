@@ -24,6 +24,8 @@ use crate::radix::{NodeId, RadixCache};
 mod admission;
 mod finish;
 mod ngram;
+mod ops;
+mod preemption;
 mod reconcile;
 mod request;
 mod step;
@@ -269,6 +271,9 @@ pub struct Scheduler {
     /// Most distinct LoRA adapters among running requests (`--max-loras-per-batch`: the
     /// worker's adapter pool slots; every running request is in every step).
     max_adapters: usize,
+    /// No request is admitted (nor preempts) while set: the engine drains the running ones
+    /// before an operation on the worker group (`ops.rs`).
+    admission_held: bool,
 }
 
 impl Scheduler {
@@ -319,6 +324,7 @@ impl Scheduler {
             spec: SpecCounts::default(),
             step_cost: step_cost::StepCost::default(),
             max_adapters: usize::MAX,
+            admission_held: false,
         })
     }
 

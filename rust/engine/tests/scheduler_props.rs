@@ -83,6 +83,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     },
                     enable_priority_scheduling: false,
                     schedule_low_priority_values_first: false,
+                    priority_scheduling_preemption_threshold: 10,
                     disable_radix_cache: !cache,
                     speculative_algorithm: None,
                     speculative_num_draft_tokens: None,

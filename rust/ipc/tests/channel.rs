@@ -68,6 +68,7 @@ fn result_for(p: &Plan) -> StepResult {
             gpu_idle_us: p.step_id as u32 * 7,
             gpu_busy_us: p.step_id as u32 * 11,
         }],
+        ..Default::default()
     }
 }
 

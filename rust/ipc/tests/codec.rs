@@ -7,7 +7,8 @@ use tokenspeed_engine::plan::{
 };
 use tokenspeed_engine::schema::Message;
 use tokenspeed_engine::{
-    GrammarRow, Plan, SamplingParams, StepLimits, StepResult, StepTiming, TokenMask,
+    GrammarRow, OpOutcome, Plan, SamplingParams, StepLimits, StepResult, StepTiming, TokenMask,
+    WorkerOp,
 };
 use tokenspeed_ipc::codec::{decode, encode, encode_arrays, layout_of, DType};
 use tokenspeed_ipc::IpcError;
@@ -80,6 +81,8 @@ fn plan() -> impl Strategy<Value = Plan> {
         );
     let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp { src, dst, kind: 0 });
     let mask = (any::<u32>(), ids(6)).prop_map(|(slot, allowed)| TokenMask { slot, allowed });
+    let op = (any::<u8>(), prop::collection::vec(any::<u8>(), 0..40))
+        .prop_map(|(kind, args)| WorkerOp { kind, args });
     let grammar = (
         any::<u32>(),
         any::<u8>(),
@@ -107,19 +110,29 @@ fn plan() -> impl Strategy<Value = Plan> {
         prop::collection::vec(sched, 0..9),
         prop::collection::vec(mask, 0..3),
         prop::collection::vec(grammar, 0..3),
+        prop::collection::vec(op, 0..2),
     )
         .prop_map(
-            |(step_id, finished, new_requests, page_tables, copies, scheduled, masks, grammars)| {
-                Plan {
-                    step_id,
-                    finished,
-                    new_requests,
-                    page_tables,
-                    copies,
-                    scheduled,
-                    masks,
-                    grammars,
-                }
+            |(
+                step_id,
+                finished,
+                new_requests,
+                page_tables,
+                copies,
+                scheduled,
+                masks,
+                grammars,
+                ops,
+            )| Plan {
+                step_id,
+                finished,
+                new_requests,
+                page_tables,
+                copies,
+                scheduled,
+                masks,
+                grammars,
+                ops,
             },
         )
 }
@@ -158,8 +171,9 @@ fn result() -> impl Strategy<Value = StepResult> {
         any::<u64>(),
         prop::collection::vec(event(), 0..12),
         prop::option::of((any::<u32>(), any::<u32>())),
+        prop::option::of((any::<bool>(), prop::collection::vec(any::<u8>(), 0..40))),
     )
-        .prop_map(|(step_id, events, timing)| StepResult {
+        .prop_map(|(step_id, events, timing, op)| StepResult {
             step_id,
             events,
             timing: timing
@@ -167,6 +181,10 @@ fn result() -> impl Strategy<Value = StepResult> {
                     gpu_idle_us,
                     gpu_busy_us,
                 })
+                .into_iter()
+                .collect(),
+            op_results: op
+                .map(|(ok, message)| OpOutcome { ok, message })
                 .into_iter()
                 .collect(),
         })
@@ -406,6 +424,11 @@ fn the_slot_bound_holds_the_largest_step() {
                 ..Default::default()
             })
             .collect(),
+        // An op travels alone, but the bound adds every section's.
+        ops: vec![WorkerOp {
+            args: vec![b'x'; tokenspeed_engine::MAX_OP_TEXT],
+            ..Default::default()
+        }],
         ..Default::default()
     };
     assert!(full.encoded_len() <= Plan::max_encoded_len(&l));

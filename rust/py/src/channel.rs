@@ -268,7 +268,7 @@ fn neutral_sampling(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 
 /// Adds the channel class, the schema functions, `ChannelShutdown` and the plan constants
 /// (`LAST_SAMPLED`: "this slot's last sampled token"; `NO_SEED`; `GRAMMAR_KINDS`: the
-/// `GrammarRow::kind` values by name) to `m`.
+/// `GrammarRow::kind` values by name; `OP_KINDS`: the `WorkerOp::kind` values) to `m`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LAST_SAMPLED", tokenspeed_engine::LAST_SAMPLED)?;
     m.add("NO_SEED", tokenspeed_engine::NO_SEED)?;
@@ -284,6 +284,16 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         kinds.set_item(name, kind)?;
     }
     m.add("GRAMMAR_KINDS", kinds)?;
+    let ops = PyDict::new(m.py());
+    use tokenspeed_engine::op_kind as o;
+    for (name, kind) in [
+        ("update_weights", o::UPDATE_WEIGHTS),
+        ("release_memory", o::RELEASE_MEMORY),
+        ("resume_memory", o::RESUME_MEMORY),
+    ] {
+        ops.set_item(name, kind)?;
+    }
+    m.add("OP_KINDS", ops)?;
     m.add_class::<WorkerChannel>()?;
     m.add_function(wrap_pyfunction!(plan_schema, m)?)?;
     m.add_function(wrap_pyfunction!(result_schema, m)?)?;

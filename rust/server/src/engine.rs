@@ -24,6 +24,7 @@ mod ending;
 mod event_loop;
 mod grammar;
 mod plan_clock;
+mod worker_ops;
 use event_loop::{panic_message, EngineLoop};
 
 /// Why the worker group cannot serve any more.
@@ -225,7 +226,22 @@ enum Command {
         paused: bool,
         reply: oneshot::Sender<()>,
     },
+    /// Runs an operation on the worker group once no request holds a slot (admission is held
+    /// meanwhile; queued requests wait), replying with its outcome (`engine/worker_ops.rs`).
+    WorkerOp {
+        op: tokenspeed_engine::WorkerOp,
+        reply: oneshot::Sender<OpReply>,
+    },
     Shutdown,
+}
+
+/// How an operation on the worker group went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpReply {
+    pub ok: bool,
+    pub message: String,
+    /// Requests that were queued, held while it ran.
+    pub queued: usize,
 }
 
 /// How the front end tells the engine that a stop string ended a request, and after how many
@@ -355,6 +371,20 @@ impl EngineHandle {
 
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
+    }
+
+    /// Runs `op` on the worker group (`Command::WorkerOp`) and waits for its outcome.
+    pub async fn worker_op(&self, op: tokenspeed_engine::WorkerOp) -> OpReply {
+        let (reply, rx) = oneshot::channel();
+        let gone = OpReply {
+            ok: false,
+            message: "the engine has stopped".into(),
+            queued: 0,
+        };
+        if self.commands.send(Command::WorkerOp { op, reply }).is_err() {
+            return gone;
+        }
+        rx.await.unwrap_or(gone)
     }
 
     /// Stops or resumes planning steps (`Command::SetPaused`); resolves once the engine has
@@ -494,6 +524,8 @@ pub fn spawn_engine(
                 prefix_queries: 0,
                 prefix_hits: 0,
                 paused: false,
+                pending_op: None,
+                memory_released: false,
             };
             engine.publish_stats(0, 0);
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run()));

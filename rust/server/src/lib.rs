@@ -156,6 +156,7 @@ pub fn build_state_replicas(
     let lora = lora::LoraRegistry::new(config.lora.clone()).map_err(ServeError::Config)?;
     Ok(http::AppState {
         lora: Arc::new(lora),
+        weight_version: Arc::new(std::sync::RwLock::new(config.weight_version.clone())),
         frontend: Arc::new(frontend::Frontend {
             config: Arc::new(config),
             tokenizer: Arc::new(tokenizer),

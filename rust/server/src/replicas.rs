@@ -248,6 +248,24 @@ impl Replicas {
         }
     }
 
+    /// Runs `op` on every replica's worker group (`EngineHandle::worker_op`): ok when all
+    /// succeeded; the message of the first that failed, else of the first.
+    pub async fn worker_op(&self, op: tokenspeed_engine::WorkerOp) -> crate::engine::OpReply {
+        let replies = join_all(self.inner.engines.iter().map(|e| e.worker_op(op.clone()))).await;
+        let queued = replies.iter().map(|r| r.queued).sum();
+        let first = replies
+            .iter()
+            .find(|r| !r.ok)
+            .or(replies.first())
+            .cloned()
+            .unwrap_or(crate::engine::OpReply {
+                ok: false,
+                message: "no engine".into(),
+                queued: 0,
+            });
+        crate::engine::OpReply { queued, ..first }
+    }
+
     /// Pauses or resumes every replica (`EngineHandle::set_paused`).
     pub async fn set_paused(&self, paused: bool) {
         join_all(self.inner.engines.iter().map(|e| e.set_paused(paused))).await;

@@ -166,6 +166,18 @@ impl ScriptedWorker {
                             gpu_idle_us: GPU_IDLE_US_PER_STEP,
                             gpu_busy_us: 0,
                         }],
+                        // A worker op succeeds unless its arguments name "/bad".
+                        op_results: plan
+                            .ops
+                            .iter()
+                            .map(|op| {
+                                let bad = String::from_utf8_lossy(&op.args).contains("/bad");
+                                tokenspeed_engine::OpOutcome {
+                                    ok: !bad,
+                                    message: if bad { b"refused".to_vec() } else { Vec::new() },
+                                }
+                            })
+                            .collect(),
                     })
                     .is_err()
                 {
@@ -329,6 +341,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
             schedule_policy: SchedulePolicy::Fcfs,
             enable_priority_scheduling: false,
             schedule_low_priority_values_first: false,
+            priority_scheduling_preemption_threshold: 10,
             disable_radix_cache: false,
             speculative_algorithm: None,
             speculative_num_draft_tokens: None,
@@ -1326,4 +1339,95 @@ async fn weight_version_is_reported_by_model_info_and_every_generate_answer() {
     let (s, b) = call(&h.state, "POST", "/generate", Some(body), None).await;
     assert_eq!(s, StatusCode::OK, "{b}");
     assert_eq!(json_of(&b)["meta_info"]["weight_version"], "default");
+}
+
+#[tokio::test]
+async fn weight_updates_and_memory_release_wait_for_running_requests_and_report() {
+    let h = harness(None);
+    let state = h.state.clone();
+    let running = tokio::spawn(async move {
+        let body = r#"{"prompt": "The capital of France is", "max_tokens": 16}"#;
+        call(&state, "POST", "/v1/completions", Some(body), None).await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let body = r#"{"model_path": "/new", "weight_version": "v2"}"#;
+    let (s, b) = call(
+        &h.state,
+        "POST",
+        "/update_weights_from_disk",
+        Some(body),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert_eq!(json_of(&b)["success"], true);
+    let (s, b) = running.await.expect("task");
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert!(
+        json_of(&b)["choices"][0]["finish_reason"].is_string(),
+        "it ran to its end: {b}"
+    );
+    let (_, b) = call(&h.state, "GET", "/get_weight_version", None, None).await;
+    assert_eq!(json_of(&b)["weight_version"], "v2");
+    let body = r#"{"model_path": "/bad", "weight_version": "v3"}"#;
+    let (s, b) = call(
+        &h.state,
+        "POST",
+        "/update_weights_from_disk",
+        Some(body),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+    assert_eq!(json_of(&b)["success"], false);
+    let (_, b) = call(&h.state, "GET", "/get_weight_version", None, None).await;
+    assert_eq!(
+        json_of(&b)["weight_version"],
+        "v2",
+        "a failed update keeps the label"
+    );
+    let bad = r#"{"model_path": "/new", "flush_cache": false}"#;
+    let (s, _) = call(
+        &h.state,
+        "POST",
+        "/update_weights_from_disk",
+        Some(bad),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+
+    let (s, b) = call(&h.state, "POST", "/release_memory_occupation", None, None).await;
+    assert_eq!(
+        (s, json_of(&b)["success"].clone()),
+        (StatusCode::OK, json!(true))
+    );
+    let state = h.state.clone();
+    let held = tokio::spawn(async move {
+        let body = r#"{"prompt": "x", "max_tokens": 2}"#;
+        call(&state, "POST", "/v1/completions", Some(body), None).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !held.is_finished(),
+        "nothing runs while the memory is released"
+    );
+    let (s, _) = call(
+        &h.state,
+        "POST",
+        "/update_weights_from_disk",
+        Some(r#"{"model_path": "/x"}"#),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "no update while released");
+    let (s, _) = call(&h.state, "POST", "/resume_memory_occupation", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, b) = tokio::time::timeout(Duration::from_secs(20), held)
+        .await
+        .expect("runs after the resume")
+        .expect("task");
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let (s, _) = call(&h.state, "POST", "/resume_memory_occupation", None, None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "not released");
 }

@@ -130,6 +130,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
             schedule_policy: SchedulePolicy::Fcfs,
             enable_priority_scheduling: false,
             schedule_low_priority_values_first: false,
+            priority_scheduling_preemption_threshold: 10,
             disable_radix_cache: false,
             speculative_algorithm: None,
             speculative_num_draft_tokens: None,

@@ -14,7 +14,7 @@ use super::{
 /// computed, and penalties every token fed to the worker (its history): no cached prefix then.
 /// Nor for pooling: the model pools over every position (and an encoder's attention is
 /// bidirectional, so its KV is no prefix of anything).
-fn matchable_len(seq: &Sequence) -> usize {
+pub(super) fn matchable_len(seq: &Sequence) -> usize {
     let sampling = &seq.req.sampling;
     if (sampling.prompt_logprobs && seq.completion_tokens() == 0)
         || sampling.penalized()
@@ -42,10 +42,13 @@ impl Scheduler {
     /// Pages kept back for the running requests: the rest of their prompts and their
     /// expected growth.
     fn reserved_pages(&self) -> usize {
+        self.reserved_pages_of(self.running.iter())
+    }
+
+    /// Pages kept back for running requests `ids` (`reserved_pages` of a subset).
+    pub(super) fn reserved_pages_of<'a>(&self, ids: impl Iterator<Item = &'a RequestId>) -> usize {
         let ps = self.config.page_size as usize;
-        let tokens: usize = self
-            .running
-            .iter()
+        let tokens: usize = ids
             .filter_map(|id| self.requests.get(id))
             .map(|seq| {
                 // A placeholder in flight puts `computed` one past the known tokens.
@@ -175,7 +178,7 @@ impl Scheduler {
         self.fits_beside_running(tokens, self.reserved_pages())
     }
 
-    fn admission_order(&self) -> Vec<RequestId> {
+    pub(super) fn admission_order(&self) -> Vec<RequestId> {
         let mut order: Vec<RequestId> = self.waiting.iter().copied().collect();
         let lpm = self.lpm_reorders();
         if lpm || self.config.enable_priority_scheduling {

@@ -66,6 +66,9 @@ pub struct SchedulerConfig {
     /// With priority scheduling: smaller values are more urgent (vLLM's convention); otherwise
     /// larger ones are (SGLang's default).
     pub schedule_low_priority_values_first: bool,
+    /// With priority scheduling: a waiting request that cannot be admitted retracts running
+    /// requests it outranks by more than this many priority levels (`preemption.rs`).
+    pub priority_scheduling_preemption_threshold: i64,
     pub disable_radix_cache: bool,
     /// Prompt plus generated tokens of one request.
     pub context_length: u32,

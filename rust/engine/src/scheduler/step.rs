@@ -23,6 +23,8 @@ impl Scheduler {
     /// May be called again before the last plan's result is `advance`d (one step ahead): see
     /// the module doc. The worker must run plans in order, on one GPU stream.
     pub fn schedule(&mut self) -> Option<Plan> {
+        // Before anything is put in the step: a victim must not be both planned and retracted.
+        self.preempt_for_waiting();
         let mut step = StepBuilder::default();
         let (mut decodes, mut decode_context) = (0, 0);
         for id in &self.running {
@@ -99,7 +101,7 @@ impl Scheduler {
         // Readmitting what was just retracted would only thrash; wait for a step with room.
         if retracted {
             self.reserve_ratio = (self.reserve_ratio + RESERVE_RATIO_BUMP).min(1.0);
-        } else {
+        } else if !self.admission_held {
             self.admit(&mut budget, &mut step);
         }
 

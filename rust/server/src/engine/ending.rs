@@ -107,7 +107,8 @@ impl EngineLoop {
                 | Command::StopMatched { .. }
                 | Command::AbortAll { .. }
                 | Command::PrefixLen { .. }
-                | Command::SetPaused { .. } => {}
+                | Command::SetPaused { .. }
+                | Command::WorkerOp { .. } => {}
                 Command::Shutdown => return,
             }
         }
@@ -137,6 +138,8 @@ impl EngineLoop {
             });
         }
         self.in_flight.clear();
+        // Dropping its reply channel answers a pending worker operation: the engine stopped.
+        self.pending_op = None;
         self.plan_clock.clear();
         self.prefill_sent.clear();
         self.publish_stats(0, 0);

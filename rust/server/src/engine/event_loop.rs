@@ -68,6 +68,10 @@ pub(super) struct EngineLoop {
     pub(super) prefix_hits: u64,
     /// `/pause_generation`: no step is planned until `/continue_generation`.
     pub(super) paused: bool,
+    /// An operation on the worker group waiting to run or for its result (`worker_ops.rs`).
+    pub(super) pending_op: Option<super::worker_ops::PendingOp>,
+    /// The workers' memory is released (`/release_memory_occupation`): nothing is admitted.
+    pub(super) memory_released: bool,
 }
 
 impl EngineLoop {
@@ -87,8 +91,8 @@ impl EngineLoop {
     pub(super) fn run(&mut self) {
         let depth = if self.options.overlap { 2 } else { 1 };
         loop {
-            // Block only when there is nothing to schedule nor to receive.
-            if self.requests.is_empty() && self.in_flight.is_empty() {
+            // Block only when there is nothing to schedule nor to receive (nor an op to send).
+            if self.requests.is_empty() && self.in_flight.is_empty() && self.pending_op.is_none() {
                 let cmd = self.commands.recv_timeout(self.options.liveness_interval);
                 self.mark();
                 match cmd {
@@ -127,7 +131,13 @@ impl EngineLoop {
                     && at > Instant::now()
                     && !self.scheduler.has_prompt_work()
             });
-            let mut plan = if !self.paused && self.in_flight.len() < depth && hold.is_none() {
+            let mut plan = if let Some(op) = self.op_plan() {
+                Some(op)
+            } else if !self.paused
+                && !self.op_in_flight()
+                && self.in_flight.len() < depth
+                && hold.is_none()
+            {
                 self.scheduler.schedule().filter(|p| !p.is_empty())
             } else {
                 None
@@ -245,6 +255,7 @@ impl EngineLoop {
                 self.paused = paused;
                 let _ = reply.send(());
             }
+            Command::WorkerOp { op, reply } => self.accept_op(op, reply),
             Command::Shutdown => return false,
         }
         true
@@ -402,6 +413,9 @@ impl EngineLoop {
             self.scheduler.observe_run_time(plan.step_id, run);
         }
         let mut outputs = self.scheduler.advance(&result);
+        if !plan.ops.is_empty() {
+            self.finish_op(plan, &result);
+        }
         if !self.grammars.is_empty() {
             outputs = outputs
                 .into_iter()

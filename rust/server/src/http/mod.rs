@@ -45,6 +45,9 @@ pub struct AppState {
     pub responses: Arc<crate::response_store::ResponseStore>,
     /// The LoRA adapters requests may name (`--enable-lora`).
     pub lora: Arc<crate::lora::LoraRegistry>,
+    /// The label of the weights serving now: `--weight-version`, then what
+    /// `/update_weights_from_disk` set.
+    pub weight_version: Arc<std::sync::RwLock<String>>,
 }
 
 impl std::ops::Deref for AppState {
@@ -55,6 +58,13 @@ impl std::ops::Deref for AppState {
 }
 
 impl AppState {
+    /// The label of the weights serving now (`weight_version`).
+    pub fn weight_version(&self) -> String {
+        self.weight_version
+            .read()
+            .map_or_else(|e| e.into_inner().clone(), |v| v.clone())
+    }
+
     /// 404 unless `model` names what we serve (absent means "the one model") or a loaded
     /// LoRA adapter.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
@@ -154,6 +164,18 @@ pub fn router(state: AppState) -> Router {
         .route("/pause_generation", post(ops::pause_generation))
         .route("/continue_generation", post(ops::continue_generation))
         .route("/get_weight_version", get(ops::weight_version))
+        .route(
+            "/update_weights_from_disk",
+            post(ops::update_weights_from_disk),
+        )
+        .route(
+            "/release_memory_occupation",
+            post(ops::release_memory).get(ops::release_memory),
+        )
+        .route(
+            "/resume_memory_occupation",
+            post(ops::resume_memory).get(ops::resume_memory),
+        )
         .merge(generating)
         .merge(pooling)
         .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))

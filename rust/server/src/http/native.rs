@@ -156,7 +156,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
     };
     let render = NativeRender {
         id: gen.id().to_string(),
-        weight_version: state.config.weight_version.clone(),
+        weight_version: state.weight_version(),
         started,
         report: checked.want_logprobs.then_some(report),
         tokenizer: state.tokenizer.clone(),
@@ -258,7 +258,7 @@ pub async fn model_info(State(state): State<AppState>) -> Response {
         "model_path": state.config.model_path,
         "tokenizer_path": state.config.tokenizer_path,
         "served_model_name": state.config.served_model_name,
-        "weight_version": state.config.weight_version,
+        "weight_version": state.weight_version(),
         "is_generation": true,
         "context_length": state.config.scheduler.context_length,
         "vocab_size": state.tokenizer.vocab_size(),
