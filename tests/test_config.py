@@ -497,7 +497,7 @@ def test_config_package_does_not_import_torch() -> None:
 def test_sampling_defaults_come_from_generation_config_unless_openai(tmp_path) -> None:
     import json
 
-    from tokenspeed.launch.serve import sampling_defaults
+    from tokenspeed.launch.model_facts import sampling_defaults
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True, "eos_token_id": 2}))
     assert sampling_defaults(tmp_path, "model") == {"temperature": 0.6, "top_p": 0.9, "top_k": 20.0}

@@ -19,6 +19,12 @@ from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
 from tokenspeed.config.speculative import speculative_note
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
+from tokenspeed.launch.model_facts import (
+    model_context_length,
+    model_vocab_size,
+    pooling_facts,
+    sampling_defaults,
+)
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.worker.loop import WorkerSpec, run_worker
 
@@ -45,25 +51,6 @@ def resolve_model(model_path: str | None) -> Path:
             "(there is no model hub access); pass a directory with config.json and weights."
         )
     return path
-
-
-def model_context_length(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
-
-
-def model_vocab_size(model_dir: Path) -> int:
-    """The model's vocabulary (its logits' width; may exceed the tokenizer's)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
-
-
-def _pooling_facts(model_dir: Path) -> tuple[list[str], int]:
-    """`--is-embedding`: the classifier's labels (none for an embedding model) and the floats
-    of one pooled vector (models/pooling.py; imported here only when pooling)."""
-    from tokenspeed.models.pooling import model_pooling_facts
-
-    return model_pooling_facts(str(model_dir))
 
 
 def check_quantization(method: str | None, model_dir: Path, lm_head: str = "auto") -> None:
@@ -338,7 +325,7 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
     mask_words = -(-vocab_size // 32) \
         if cfg.grammar_backend == "llguidance" and not cfg.is_embedding else 0
     # --is-embedding: one pooled vector per slot comes back in a result.
-    pooled_dim = _pooling_facts(layout.model_dir)[1] if cfg.is_embedding else 0
+    pooled_dim = pooling_facts(layout.model_dir)[1] if cfg.is_embedding else 0
     slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
                                   mask_words, worker_grammars, pooled_dim,
                                   bool(cfg.enable_hierarchical_cache))
@@ -446,7 +433,7 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
             # The host tier's slots (0: --enable-hierarchical-cache off): each rank has them.
             "num_host_pages": min(int(c.get("num_host_pages", 0)) for c in capacities)},
         "vocab_size": vocab_size,
-        "pooling_labels": _pooling_facts(model_dir)[0] if cfg.is_embedding else [],
+        "pooling_labels": pooling_facts(model_dir)[0] if cfg.is_embedding else [],
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                             else cfg.constrained_json_whitespace_pattern),
         "worker_pids": [p.pid for p in workers],
@@ -581,22 +568,3 @@ def _wait_ready(watched: list[Watched], links: list[Any], timeout_s: float = 900
 
 
 # The generation_config.json fields vLLM takes as request defaults (its `--generation-config auto`).
-GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def sampling_defaults(model_dir: Path, source: str) -> dict[str, float]:
-    """Sampling values a request gets for the fields it omits: with `--sampling-defaults model`
-    the model's generation_config.json values (as vLLM applies them), with `openai` none."""
-    path = Path(model_dir) / "generation_config.json"
-    if source != "model" or not path.is_file():
-        return {}
-    try:
-        gen = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from e
-    out = {k: float(gen[k]) for k in GENERATION_DEFAULT_FIELDS if isinstance(gen.get(k), (int, float))}
-    if out:
-        logger.info("default sampling parameters from %s: %s (--sampling-defaults openai to ignore)",
-                    path, out)
-    return out
-

@@ -1,0 +1,49 @@
+"""What the launcher reads from a model directory besides its weights: the context length, the
+vocabulary, the pooling facts of an embedding model and the generation defaults."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def model_context_length(model_dir: Path) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    """The model's vocabulary (its logits' width; may exceed the tokenizer's)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+
+
+def pooling_facts(model_dir: Path) -> tuple[list[str], int]:
+    """`--is-embedding`: the classifier's labels (none for an embedding model) and the floats
+    of one pooled vector (models/pooling.py; imported here only when pooling)."""
+    from tokenspeed.models.pooling import model_pooling_facts
+
+    return model_pooling_facts(str(model_dir))
+
+
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_dir: Path, source: str) -> dict[str, float]:
+    """Sampling values a request gets for the fields it omits: with `--sampling-defaults model`
+    the model's generation_config.json values (as vLLM applies them), with `openai` none."""
+    path = Path(model_dir) / "generation_config.json"
+    if source != "model" or not path.is_file():
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+    out = {k: float(gen[k]) for k in GENERATION_DEFAULT_FIELDS if isinstance(gen.get(k), (int, float))}
+    if out:
+        logger.info("default sampling parameters from %s: %s (--sampling-defaults openai to ignore)",
+                    path, out)
+    return out
