@@ -63,9 +63,10 @@ def local_heads(config: ModelConfig, tp_size: int) -> tuple[int, int]:
             max(1, config.num_key_value_heads // tp_size))
 
 
-# (The bare `*Model` names: decoder checkpoints saved as embedders, models/pooling.py.)
-_QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM", "Qwen2Model"}
-_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model"}
+# (The bare `*Model` names: decoder checkpoints saved as embedders; `*ForSequenceClassification`:
+# decoder cross-encoders; models/pooling.py.)
+_QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM", "Qwen2Model", "Qwen2ForSequenceClassification"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model", "Qwen3ForSequenceClassification"}
 
 
 def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:

@@ -8,7 +8,9 @@ sentence-transformers `modules.json` says) or a classifier's logits (a cross-enc
 
 Decoder embedders (Qwen3-Embedding, gte-Qwen2: `Qwen3ForCausalLM` / `Qwen2Model` checkpoints
 used as embedders) run the generation model's layers unchanged (causal, paged KV) and pool the
-last token by default.
+last token by default. Decoder classifiers (`Qwen3ForSequenceClassification` and kin, e.g.
+Qwen3-Reranker converted to sequence classification, as vLLM and sentence-transformers load it)
+put the last token's state through their `score` head.
 """
 
 from __future__ import annotations
@@ -154,3 +156,41 @@ class DecoderEmbedding(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise KeyError(f"parameters missing from the checkpoint: {sorted(missing)[:8]}")
+
+
+class DecoderClassifier(DecoderEmbedding):
+    """A decoder with a classification head (HF's `*ForSequenceClassification` for Llama / Qwen2
+    / Qwen3): the last token's final hidden state through `score` (a linear map, no bias); the
+    pooled vector is the logits, one per label (the server applies sigmoid / softmax, as for a
+    BERT cross-encoder). A prompt is whole in its step, so its last row is its last token (HF
+    pools the last non-padding token: the same one)."""
+
+    def __init__(self, inner: nn.Module, num_labels: int) -> None:
+        super().__init__(inner, PoolingConfig("last", normalize=False))
+        self.score = nn.Linear(inner.config.hidden_size, num_labels, bias=False)
+
+    def pool(self, hidden: torch.Tensor, batch: ForwardBatch, rows: np.ndarray) -> torch.Tensor:
+        last = torch.as_tensor(batch.query_start[rows + 1] - 1, device=hidden.device)
+        return self.score(hidden[last]).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        found = False
+
+        def body() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal found
+            for name, tensor in weights:
+                if name == "score.weight":
+                    if tuple(tensor.shape) != tuple(self.score.weight.shape):
+                        raise ValueError(f"score.weight: checkpoint shape {tuple(tensor.shape)} "
+                                         f"!= {tuple(self.score.weight.shape)} (labels x hidden)")
+                    with torch.no_grad():
+                        self.score.weight.copy_(tensor.to(self.score.weight.dtype))
+                    found = True
+                else:
+                    yield name, tensor
+
+        super().load_weights(body())
+        if not found:
+            raise KeyError("parameters missing from the checkpoint: ['score.weight'] (the "
+                           "classification head of a *ForSequenceClassification model)")
+
