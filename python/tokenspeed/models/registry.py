@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from tokenspeed.distributed.groups import ParallelState
@@ -19,6 +21,7 @@ from tokenspeed.models.pooling import (
     DecoderEmbedding,
     PoolingConfig,
     classifier_labels,
+    head_tokens,
     read_pooling_config,
 )
 from tokenspeed.models.qwen2 import Qwen2ForCausalLM
@@ -74,7 +77,8 @@ def pooling_config_for(config: ModelConfig, model_dir: str | None) -> PoolingCon
     """The checkpoint's sentence-transformers pooling, else the family's default: CLS for an
     encoder, the last token for a decoder (which attends only backwards)."""
     default = "cls" if config.architecture in ENCODER_REGISTRY else "last"
-    return read_pooling_config(model_dir, default)
+    ids, two_way = head_tokens(config.raw, model_dir)
+    return replace(read_pooling_config(model_dir, default), head_token_ids=ids, two_way=two_way)
 
 
 def build_pooling_model(config: ModelConfig, pooling: PoolingConfig,
@@ -86,7 +90,7 @@ def build_pooling_model(config: ModelConfig, pooling: PoolingConfig,
     if arch in DECODER_CLASSIFIERS:
         decoder = MODEL_REGISTRY[DECODER_CLASSIFIERS[arch]]
         inner = decoder(config, max_positions, moe, parallel)
-        return DecoderClassifier(inner, len(classifier_labels(config.raw)))
+        return DecoderClassifier(inner, len(classifier_labels(config.raw)), pooling)
     name = DECODER_EMBEDDER_NAMES.get(arch, arch)
     if name not in DECODER_EMBEDDERS:
         raise NotImplementedError(
