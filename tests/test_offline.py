@@ -104,6 +104,8 @@ def test_the_servers_validation_errors(llm: LLM) -> None:
         llm.generate("x", SamplingParams(guided_decoding={"regex": "("}), use_tqdm=False)
     with pytest.raises(ValueError, match="not supported yet"):
         SamplingParams(bad_words=["x"])
+    with pytest.raises(ValueError, match="is-embedding"):  # a generating engine pools nothing
+        llm.embed("x")
     # The engine still serves after refused requests.
     assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import threading
 from typing import Any
 
@@ -27,12 +28,12 @@ class RequestFailed(RuntimeError):
     """The engine could not finish a request (overloaded, internal error)."""
 
 
-def make_config(model: str | None, kwargs: dict[str, Any]) -> ServeConfig:
+def make_config(model: str | os.PathLike[str] | None, kwargs: dict[str, Any]) -> ServeConfig:
     """The same keyword names as `tokenspeed serve`'s flags (their dests: `max_model_len`,
     `tp_size`, `max_running_requests`, ...), checked as the command line is."""
     values = dict(kwargs)
     if model is not None:
-        values["model_path"] = model
+        values["model_path"] = os.fspath(model)
     return config_from_kwargs(values)
 
 

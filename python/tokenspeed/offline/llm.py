@@ -9,12 +9,21 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenspeed.config import ServeConfig
 from tokenspeed.offline.engine import EngineCore, make_config
 from tokenspeed.offline.outputs import Assembler, RequestOutput
+from tokenspeed.offline.pooling import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    ScoringRequestOutput,
+    classification_outputs,
+    embedding_outputs,
+    scoring_outputs,
+)
 from tokenspeed.offline.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -29,7 +38,7 @@ class LLM:
     arguments are `tokenspeed serve`'s flags by their dests (`max_model_len`, `tp_size`,
     `dtype`, ...). One engine per process: `shutdown()` it (or use `with`) before another."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         self._start(make_config(model, kwargs))
 
     @classmethod
@@ -91,6 +100,53 @@ class LLM:
             out.prompt = self.engine.decode(out.prompt_token_ids or [])
         return outs
 
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]],
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids), as `/v1/embeddings` computes it
+        (`dimensions`: Matryoshka truncation); needs `is_embedding=True`."""
+        items = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        if not items:
+            return []
+        if all(isinstance(p, str) for p in items) or all(_is_ids(p) for p in items):
+            body: dict[str, Any] = {"input": items}
+            if dimensions is not None:
+                body["dimensions"] = dimensions
+            return self._pool("embeddings", body, embedding_outputs)
+        return [out for p in items for out in self.embed([p], dimensions)]  # mixed kinds
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str]
+              ) -> list[ScoringRequestOutput]:
+        """`/v1/score`: `data_1` against each of `data_2` (or pairwise for two lists of one
+        length): a cross-encoder's relevance, or an embedding model's cosine."""
+        return self._pool("score", {"text_1": data_1, "text_2": data_2}, scoring_outputs)
+
+    def classify(self, prompts: str | Sequence[str]) -> list[ClassificationRequestOutput]:
+        """`/classify`: a classifier's label probabilities per text."""
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        return self._pool("classify", {"input": texts}, classification_outputs)
+
+    def _pool(self, kind: str, body: dict[str, Any], shape: Any) -> list[Any]:
+        """One pooling route's answer (its inputs batched by the scheduler), in vLLM's shape."""
+        rid = str(next(self._ids))
+        self.engine.submit(rid, kind, body)
+        response = None
+        try:
+            while True:
+                events = self.engine.recv(0.5)
+                if not events:
+                    self.engine.check_alive()
+                for event in events:
+                    if event["request_id"] != rid:
+                        continue
+                    if "error" in event:
+                        raise self.engine.error(event)
+                    if event.get("done"):
+                        return shape(rid, response)
+                    response = event["response"]
+        except BaseException:
+            self.engine.abort(rid)
+            raise
+
     def _run(self, kind: str, bodies: list[tuple[str | None, dict[str, Any]]],
              params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         """Submits every request, then gathers their events until each is done."""
@@ -135,6 +191,10 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
 
 
 def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -17,10 +17,15 @@ use serde_json::{json, Map, Value};
 use tokenspeed_server::error::RequestError;
 use tokenspeed_server::frontend::Frontend;
 use tokenspeed_server::generate::{self, Chunk, GenerationSpec, TokenLogprob};
+use tokenspeed_server::http::error::ApiError;
+use tokenspeed_server::http::pooling::{
+    self as http_pooling, ClassifyRequest, EmbeddingRequest, ScoreRequest,
+};
 use tokenspeed_server::http::protocol::{
     check_extra_fields, ChatCompletionRequest, CompletionRequest,
 };
 use tokenspeed_server::validate;
+use tokenspeed_server::validate::pooling::check_server_kind;
 
 /// One engine per process: its workers, KV pool and logging are the process's.
 static ENGINE_RUNNING: AtomicBool = AtomicBool::new(false);
@@ -88,6 +93,17 @@ impl Engine {
             return Err(PyRuntimeError::new_err(
                 "the engine cannot serve: its worker group is down",
             ));
+        }
+        let pooling = PoolingBody::parse(kind, body).map_err(value_error)?;
+        let is_embedding = self.frontend.config.is_embedding;
+        check_server_kind(
+            is_embedding,
+            pooling.is_some(),
+            &format!("a {kind:?} request"),
+        )
+        .map_err(value_error)?;
+        if let Some(pooling) = pooling {
+            return self.submit_pooling(request_id, pooling);
         }
         let checked = self.check(kind, body).map_err(value_error)?;
         let mut tasks = lock(&self.tasks)?;
@@ -242,6 +258,42 @@ impl Engine {
         })
     }
 
+    /// Starts a pooling request: its one event carries the route's whole answer (`response`).
+    fn submit_pooling(&self, request_id: String, body: PoolingBody) -> PyResult<()> {
+        let mut tasks = lock(&self.tasks)?;
+        if tasks.contains_key(&request_id) {
+            return Err(PyValueError::new_err(format!(
+                "request id {request_id:?} is already in flight"
+            )));
+        }
+        let runtime = lock(&self.runtime)?;
+        let runtime = runtime
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the engine was shut down"))?;
+        let (fe, events, all) = (
+            self.frontend.clone(),
+            self.events.clone(),
+            self.tasks.clone(),
+        );
+        let rid = request_id.clone();
+        let handle = runtime.spawn(async move {
+            let event = match body.answer(&fe).await {
+                Ok(response) => json!({"request_id": rid, "response": response}),
+                Err(e) => api_error_event(&rid, &e),
+            };
+            let _ = events.send(event);
+            if all
+                .lock()
+                .map(|mut t| t.remove(&rid).is_some())
+                .unwrap_or(false)
+            {
+                let _ = events.send(done_event(&rid, false));
+            }
+        });
+        tasks.insert(request_id, handle.abort_handle());
+        Ok(())
+    }
+
     /// The server's own parse and validation of a completions or chat body.
     fn check(&self, kind: &str, body: &str) -> Result<Checked, RequestError> {
         let fe = &self.frontend;
@@ -269,7 +321,7 @@ impl Engine {
                 })
             }
             other => Err(RequestError::bad_request(format!(
-                "unknown request kind {other:?} (completion, chat)"
+                "unknown request kind {other:?} (completion, chat, embeddings, score, classify)"
             ))),
         }
     }
@@ -281,6 +333,46 @@ impl Drop for Engine {
             Python::with_gil(|py| {
                 let _ = self.shutdown(py);
             });
+        }
+    }
+}
+
+/// A body of a pooling route (`kind` "embeddings", "score" or "classify"), parsed and checked
+/// as the route does.
+enum PoolingBody {
+    Embeddings(EmbeddingRequest),
+    Score(ScoreRequest),
+    Classify(ClassifyRequest),
+}
+
+impl PoolingBody {
+    /// None: `kind` is not a pooling one.
+    fn parse(kind: &str, body: &str) -> Result<Option<PoolingBody>, RequestError> {
+        Ok(Some(match kind {
+            "embeddings" => {
+                let req: EmbeddingRequest = parse(body)?;
+                known_fields("EmbeddingRequest", &req.extra)?;
+                PoolingBody::Embeddings(req)
+            }
+            "score" => {
+                let req: ScoreRequest = parse(body)?;
+                known_fields("ScoreRequest", &req.extra)?;
+                PoolingBody::Score(req)
+            }
+            "classify" => {
+                let req: ClassifyRequest = parse(body)?;
+                known_fields("ClassifyRequest", &req.extra)?;
+                PoolingBody::Classify(req)
+            }
+            _ => return Ok(None),
+        }))
+    }
+
+    async fn answer(&self, fe: &Frontend) -> Result<Value, ApiError> {
+        match self {
+            PoolingBody::Embeddings(r) => http_pooling::embeddings_response(fe, r).await,
+            PoolingBody::Score(r) => http_pooling::score_response(fe, r).await,
+            PoolingBody::Classify(r) => http_pooling::classify_response(fe, r).await,
         }
     }
 }
@@ -393,6 +485,18 @@ fn error_event(request_id: &str, e: &RequestError) -> Value {
     };
     json!({"request_id": request_id, "error": {"kind": kind, "message": e.to_string(),
                                                 "param": e.param()}})
+}
+
+/// An error of a pooling route, as `error_event` words a request's.
+fn api_error_event(request_id: &str, e: &ApiError) -> Value {
+    let kind = match e.status.as_u16() {
+        400..=499 if e.status.as_u16() != 429 => "invalid",
+        429 => "overloaded",
+        503 => "unavailable",
+        _ => "internal",
+    };
+    json!({"request_id": request_id, "error": {"kind": kind, "message": e.message,
+                                                "param": e.param}})
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &str) -> Result<T, RequestError> {

@@ -28,6 +28,7 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use crate::frontend::Frontend;
+use crate::validate::pooling::check_server_kind;
 use error::ApiError;
 use futures_util::StreamExt;
 pub use lifecycle::Lifecycle;
@@ -305,15 +306,10 @@ async fn refuse_on_embedding_server(
     req: Request,
     next: Next,
 ) -> Response {
-    if state.config.is_embedding {
-        return ApiError::bad_request(format!(
-            "{} generates text, but this server runs an embedding model (--is-embedding): use \
-             /v1/embeddings, /v1/score, /v1/rerank or /classify",
-            req.uri().path()
-        ))
-        .into_response();
+    match check_server_kind(state.config.is_embedding, false, req.uri().path()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => ApiError::from(e).into_response(),
     }
-    next.run(req).await
 }
 
 /// The pooling routes need `--is-embedding` (a 400 that says so on a generation server).
@@ -322,14 +318,10 @@ async fn refuse_on_generation_server(
     req: Request,
     next: Next,
 ) -> Response {
-    if !state.config.is_embedding {
-        return ApiError::bad_request(format!(
-            "{} needs an embedding or scoring model: start the server with --is-embedding",
-            req.uri().path()
-        ))
-        .into_response();
+    match check_server_kind(state.config.is_embedding, true, req.uri().path()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => ApiError::from(e).into_response(),
     }
-    next.run(req).await
 }
 
 /// Admission for the generating routes, before the handler tokenizes: 503 when the engine

@@ -1,7 +1,8 @@
 //! The pooling routes of an `--is-embedding` server: OpenAI `/v1/embeddings`, vLLM's
 //! `/v1/score`, the Cohere/Jina-shaped `/v1/rerank` (and `/rerank`), and `/classify`. Thin
 //! adapters: the body types here, the rules in `validate/pooling.rs`, the engine requests in
-//! `pooling.rs`.
+//! `pooling.rs`. The `*_response` functions answer a parsed body on a `Frontend`, so the
+//! offline engine (`tokenspeed.LLM.embed`, `rust/py`) gives the routes' answers too.
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -15,6 +16,7 @@ use super::protocol::{check_extra_fields, parse_body};
 #[allow(unused_imports)] // named by the #[utoipa::path] attributes
 use super::response::ErrorResponse;
 use super::{ok_json, unix_now, AppState};
+use crate::frontend::Frontend;
 use crate::generate::{new_request_id, Prompt};
 use crate::pooling::{self, PoolInput, Pooled};
 use crate::validate::pooling::{self as rules, PoolingModel};
@@ -103,8 +105,8 @@ pub struct ClassifyRequest {
     pub extra: Map<String, Value>,
 }
 
-fn model_kind(state: &AppState) -> PoolingModel {
-    PoolingModel::of(&state.config.pooling_labels)
+fn model_kind(fe: &Frontend) -> PoolingModel {
+    PoolingModel::of(&fe.config.pooling_labels)
 }
 
 fn usage(pooled: &[Pooled]) -> Value {
@@ -130,12 +132,17 @@ async fn embeddings_inner(state: AppState, body: &[u8]) -> Result<Value, ApiErro
     let req: EmbeddingRequest = parse_body(body)?;
     check_extra_fields("/v1/embeddings", "EmbeddingRequest", &req.extra)?;
     state.check_model(req.model.as_deref())?;
-    let checked = rules::embedding_request(&req, model_kind(&state))?;
+    embeddings_response(&state, &req).await
+}
+
+/// `/v1/embeddings`' answer to a parsed, model-checked body.
+pub async fn embeddings_response(fe: &Frontend, req: &EmbeddingRequest) -> Result<Value, ApiError> {
+    let checked = rules::embedding_request(req, model_kind(fe))?;
     let mut inputs = Vec::with_capacity(checked.prompts.len());
     for prompt in checked.prompts {
-        inputs.push(pooling::tokenize(&state, prompt).await?);
+        inputs.push(pooling::tokenize(fe, prompt).await?);
     }
-    let pooled = pooling::run(&state, inputs, None).await?;
+    let pooled = pooling::run(fe, inputs, None).await?;
     let mut data = Vec::with_capacity(pooled.len());
     for (i, p) in pooled.iter().enumerate() {
         rules::check_dimensions(checked.dimensions, p.vector.len())?;
@@ -156,7 +163,7 @@ async fn embeddings_inner(state: AppState, body: &[u8]) -> Result<Value, ApiErro
         "id": format!("embd-{}", new_request_id().request()),
         "object": "list",
         "created": unix_now(),
-        "model": state.config.served_model_name,
+        "model": fe.config.served_model_name,
         "data": data,
         "usage": usage(&pooled),
     }))
@@ -167,17 +174,17 @@ async fn embeddings_inner(state: AppState, body: &[u8]) -> Result<Value, ApiErro
 /// One relevance score per (a, b) pair: a cross-encoder's sigmoid of its one logit, or an
 /// embedding model's cosine of the two texts' embeddings. Also the usage of the inputs.
 async fn pair_scores(
-    state: &AppState,
+    fe: &Frontend,
     pairs: Vec<(String, String)>,
 ) -> Result<(Vec<f32>, Value), ApiError> {
-    if model_kind(state) == PoolingModel::Embedding {
+    if model_kind(fe) == PoolingModel::Embedding {
         let n = pairs.len();
         let mut inputs: Vec<PoolInput> = Vec::with_capacity(2 * n);
         for (a, b) in pairs.iter().cloned() {
-            inputs.push(pooling::tokenize(state, Prompt::Text(a)).await?);
-            inputs.push(pooling::tokenize(state, Prompt::Text(b)).await?);
+            inputs.push(pooling::tokenize(fe, Prompt::Text(a)).await?);
+            inputs.push(pooling::tokenize(fe, Prompt::Text(b)).await?);
         }
-        let pooled = pooling::run(state, inputs, None).await?;
+        let pooled = pooling::run(fe, inputs, None).await?;
         let scores = pooled
             .chunks(2)
             .map(|ab| pooling::cosine(&ab[0].vector, &ab[1].vector))
@@ -186,9 +193,9 @@ async fn pair_scores(
     }
     let mut inputs = Vec::with_capacity(pairs.len());
     for (a, b) in pairs {
-        inputs.push(pooling::tokenize_pair(state, a, b).await?);
+        inputs.push(pooling::tokenize_pair(fe, a, b).await?);
     }
-    let pooled = pooling::run(state, inputs, None).await?;
+    let pooled = pooling::run(fe, inputs, None).await?;
     let scores = pooled
         .iter()
         .map(|p| p.vector.first().copied().map_or(0.0, pooling::sigmoid))
@@ -205,8 +212,13 @@ async fn score_inner(state: AppState, body: &[u8]) -> Result<Value, ApiError> {
     let req: ScoreRequest = parse_body(body)?;
     check_extra_fields("/v1/score", "ScoreRequest", &req.extra)?;
     state.check_model(req.model.as_deref())?;
-    let pairs = rules::score_request(&req, model_kind(&state))?;
-    let (scores, usage) = pair_scores(&state, pairs).await?;
+    score_response(&state, &req).await
+}
+
+/// `/v1/score`'s answer to a parsed, model-checked body.
+pub async fn score_response(fe: &Frontend, req: &ScoreRequest) -> Result<Value, ApiError> {
+    let pairs = rules::score_request(req, model_kind(fe))?;
+    let (scores, usage) = pair_scores(fe, pairs).await?;
     let data: Vec<Value> = scores
         .iter()
         .enumerate()
@@ -216,7 +228,7 @@ async fn score_inner(state: AppState, body: &[u8]) -> Result<Value, ApiError> {
         "id": format!("score-{}", new_request_id().request()),
         "object": "list",
         "created": unix_now(),
-        "model": state.config.served_model_name,
+        "model": fe.config.served_model_name,
         "data": data,
         "usage": usage,
     }))
@@ -270,13 +282,18 @@ async fn classify_inner(state: AppState, body: &[u8]) -> Result<Value, ApiError>
     let req: ClassifyRequest = parse_body(body)?;
     check_extra_fields("/classify", "ClassifyRequest", &req.extra)?;
     state.check_model(req.model.as_deref())?;
-    let texts = rules::classify_request(&req, model_kind(&state))?;
+    classify_response(&state, &req).await
+}
+
+/// `/classify`'s answer to a parsed, model-checked body.
+pub async fn classify_response(fe: &Frontend, req: &ClassifyRequest) -> Result<Value, ApiError> {
+    let texts = rules::classify_request(req, model_kind(fe))?;
     let mut inputs = Vec::with_capacity(texts.len());
     for t in texts {
-        inputs.push(pooling::tokenize(&state, Prompt::Text(t)).await?);
+        inputs.push(pooling::tokenize(fe, Prompt::Text(t)).await?);
     }
-    let pooled = pooling::run(&state, inputs, None).await?;
-    let labels = &state.config.pooling_labels;
+    let pooled = pooling::run(fe, inputs, None).await?;
+    let labels = &fe.config.pooling_labels;
     let data: Vec<Value> = pooled
         .iter()
         .enumerate()
@@ -293,7 +310,7 @@ async fn classify_inner(state: AppState, body: &[u8]) -> Result<Value, ApiError>
         "id": format!("classify-{}", new_request_id().request()),
         "object": "list",
         "created": unix_now(),
-        "model": state.config.served_model_name,
+        "model": fe.config.served_model_name,
         "data": data,
         "usage": usage(&pooled),
     }))

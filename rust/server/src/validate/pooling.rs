@@ -29,6 +29,21 @@ impl PoolingModel {
     }
 }
 
+/// Whether a server of this kind (`--is-embedding` or not) runs `what` (a route, or an offline
+/// request kind): a generating one pools nothing, a pooling one generates nothing.
+pub fn check_server_kind(is_embedding: bool, pools: bool, what: &str) -> Result<(), RequestError> {
+    match (is_embedding, pools) {
+        (true, false) => Err(RequestError::bad_request(format!(
+            "{what} generates text, but this server runs an embedding model (--is-embedding): \
+             use /v1/embeddings, /v1/score, /v1/rerank or /classify"
+        ))),
+        (false, true) => Err(RequestError::bad_request(format!(
+            "{what} needs an embedding or scoring model: start the server with --is-embedding"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// A `/v1/embeddings` request, checked.
 #[derive(Debug)]
 pub struct ValidatedEmbedding {
