@@ -129,6 +129,7 @@ fn group(n: usize, policy: Policy) -> Group {
             mask_words: 0,
             pool_metrics: false,
             max_adapters: usize::MAX,
+            kv_events: None,
         };
         let link = Box::new(EchoWorker::start(d.clone(), s.clone()));
         let (engine, _thread) =
