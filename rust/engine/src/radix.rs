@@ -580,8 +580,8 @@ pub use events::{block_hash, KvEvent};
 pub use host::HostStats;
 
 #[cfg(test)]
-#[path = "radix_tests.rs"]
-mod tests;
-#[cfg(test)]
 #[path = "radix_events_tests.rs"]
 mod events_tests;
+#[cfg(test)]
+#[path = "radix_tests.rs"]
+mod tests;

@@ -57,7 +57,11 @@ fn device_hashes(cache: &RadixCache) -> HashSet<u64> {
         while let Some(p) = cache.node(*path.last().unwrap()).parent {
             path.push(p);
         }
-        let tokens: Vec<u32> = path.iter().rev().flat_map(|&n| cache.node(n).key.clone()).collect();
+        let tokens: Vec<u32> = path
+            .iter()
+            .rev()
+            .flat_map(|&n| cache.node(n).key.clone())
+            .collect();
         let mut parent = None;
         let chain: Vec<u64> = tokens
             .chunks(ps)
@@ -66,8 +70,16 @@ fn device_hashes(cache: &RadixCache) -> HashSet<u64> {
                 parent.unwrap()
             })
             .collect();
-        assert_eq!(node.hashes, chain[chain.len() - node.hashes.len()..], "node {i}");
-        assert_eq!(node.hashes.len() * ps, node.key.len(), "node {i}: one hash per page");
+        assert_eq!(
+            node.hashes,
+            chain[chain.len() - node.hashes.len()..],
+            "node {i}"
+        );
+        assert_eq!(
+            node.hashes.len() * ps,
+            node.key.len(),
+            "node {i}: one hash per page"
+        );
         if !node.pages.is_empty() {
             all.extend(&node.hashes);
         }
@@ -113,8 +125,15 @@ fn a_lora_namespace_hashes_apart_and_names_its_adapter() {
     insert(&pool, &mut cache, 0, &[1, 2]);
     insert(&pool, &mut cache, 7, &[1, 2]);
     let events = cache.take_events();
-    let [KvEvent::Stored { block_hashes: base, lora_id: None, .. }, KvEvent::Stored { block_hashes: lora, lora_id: Some(7), .. }] =
-        events.as_slice()
+    let [KvEvent::Stored {
+        block_hashes: base,
+        lora_id: None,
+        ..
+    }, KvEvent::Stored {
+        block_hashes: lora,
+        lora_id: Some(7),
+        ..
+    }] = events.as_slice()
     else {
         panic!("two stored events, base then adapter 7: {events:?}");
     };
@@ -150,7 +169,10 @@ fn flush_of_the_whole_tree_is_all_cleared_else_removals() {
     cache.lock(held.node);
     cache.flush();
     let events = cache.take_events();
-    assert!(events.iter().all(|e| matches!(e, KvEvent::Removed { .. })), "{events:?}");
+    assert!(
+        events.iter().all(|e| matches!(e, KvEvent::Removed { .. })),
+        "{events:?}"
+    );
     apply(&mut view, &events);
     assert_eq!(view, device_hashes(&cache));
     assert_eq!(view.len(), 1);
@@ -183,7 +205,8 @@ fn host_demotion_is_a_removal_and_loading_back_a_store() {
     assert_eq!(m.len, 4);
     let back = cache.take_events();
     assert!(
-        back.iter().any(|e| matches!(e, KvEvent::Stored { block_hashes, .. } if *block_hashes == stored)),
+        back.iter()
+            .any(|e| matches!(e, KvEvent::Stored { block_hashes, .. } if *block_hashes == stored)),
         "{back:?}"
     );
     let mut view = HashSet::new();

@@ -61,7 +61,9 @@ pub fn endpoint_for_rank(endpoint: &str, rank: u32) -> Result<String, String> {
     let (base, port) = endpoint
         .rsplit_once(':')
         .filter(|_| endpoint.starts_with("tcp://"))
-        .ok_or_else(|| format!("--kv-events-config: endpoint {endpoint:?} is not tcp://host:port"))?;
+        .ok_or_else(|| {
+            format!("--kv-events-config: endpoint {endpoint:?} is not tcp://host:port")
+        })?;
     let port: u32 = port
         .parse()
         .map_err(|_| format!("--kv-events-config: endpoint {endpoint:?} has no port number"))?;
@@ -139,7 +141,10 @@ impl Publisher {
             }
             tokio::spawn(serve_replay(router, self.buffer.clone()));
         }
-        tracing::info!("publishing KV events on {endpoint} (data parallel rank {})", self.rank);
+        tracing::info!(
+            "publishing KV events on {endpoint} (data parallel rank {})",
+            self.rank
+        );
         let _ = ready.send(Ok(()));
         let mut seq: u64 = 0;
         while let Some(events) = rx.recv().await {
@@ -184,7 +189,10 @@ async fn serve_replay(mut router: zeromq::RouterSocket, buffer: ReplayBuffer) {
     while let Ok(request) = router.recv().await {
         let frames: Vec<Vec<u8>> = request.into_vec().into_iter().map(|b| b.to_vec()).collect();
         let [identity, _, start] = frames.as_slice() else {
-            tracing::warn!("KV events: a replay request of {} frames ignored", frames.len());
+            tracing::warn!(
+                "KV events: a replay request of {} frames ignored",
+                frames.len()
+            );
             continue;
         };
         let start = <[u8; 8]>::try_from(start.as_slice()).map_or(u64::MAX, u64::from_be_bytes);
@@ -290,8 +298,14 @@ mod tests {
 
     #[test]
     fn ranks_offset_the_port() {
-        assert_eq!(endpoint_for_rank("tcp://*:5557", 0).unwrap(), "tcp://*:5557");
-        assert_eq!(endpoint_for_rank("tcp://*:5557", 2).unwrap(), "tcp://*:5559");
+        assert_eq!(
+            endpoint_for_rank("tcp://*:5557", 0).unwrap(),
+            "tcp://*:5557"
+        );
+        assert_eq!(
+            endpoint_for_rank("tcp://*:5557", 2).unwrap(),
+            "tcp://*:5559"
+        );
         assert!(endpoint_for_rank("ipc:///tmp/kv", 1).is_err());
         assert!(endpoint_for_rank("tcp://*:65535", 1).is_err());
     }
