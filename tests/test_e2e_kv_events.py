@@ -5,6 +5,7 @@ cached page count /get_server_info reports."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -137,7 +138,7 @@ def test_stored_removed_and_cleared_match_the_server(served: tuple[Server, Subsc
     # The pages chain in prompt order: the tokens of the stored blocks are the prompt's.
     tokens = [t for e in stored for t in e.token_ids]
     assert tokens == prompt[:len(tokens)]
-    assert all(b.parent_block_hash == a.block_hashes[-1] for a, b in zip(stored, stored[1:]))
+    assert all(b.parent_block_hash == a.block_hashes[-1] for a, b in itertools.pairwise(stored))
     # The same prompt again hashes the same way: nothing new is stored.
     seen = len(sub.events)
     _complete(server, prompt)

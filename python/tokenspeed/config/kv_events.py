@@ -60,8 +60,8 @@ def _check_values(full: dict[str, Any]) -> None:
     for key in ("endpoint", "replay_endpoint"):
         value = full[key]
         if value is not None and (not isinstance(value, str) or not value.startswith("tcp://")):
-            raise NotSupportedError([f"not supported yet: --kv-events-config ({key} {value!r}: "
-                                     "only tcp://host:port endpoints)"])
+            raise NotSupportedError([(f"not supported yet: --kv-events-config ({key} {value!r}: "
+                                      "only tcp://host:port endpoints)")])
     if full["hwm"] != FIXED_HWM:
-        raise NotSupportedError([f"not supported yet: --kv-events-config (hwm {full['hwm']}: "
-                                 f"the publisher's queue is fixed at {FIXED_HWM} messages)"])
+        raise NotSupportedError([(f"not supported yet: --kv-events-config (hwm {full['hwm']}: "
+                                  f"the publisher's queue is fixed at {FIXED_HWM} messages)")])

@@ -22,8 +22,8 @@ from typing import Any, NoReturn
 
 from tokenspeed.config.errors import ConfigError, NotSupportedError
 from tokenspeed.config.flag import GROUPS, Flag
-from tokenspeed.config.serve_config import ServeConfig
 from tokenspeed.config.kv_events import resolve_kv_events
+from tokenspeed.config.serve_config import ServeConfig
 from tokenspeed.config.speculative import resolve_speculative
 from tokenspeed.config.table import (
     BY_DEST,
