@@ -116,7 +116,8 @@ def test_flags_named_in_the_issue(spelling: str) -> None:
 
 # Flags whose value only means something beside another one (the pair is what gets tested).
 PARTNERS = {"--speculative-num-draft-tokens": ["--speculative-algorithm", "NGRAM"]}
-JSON_SAMPLES = {"--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+JSON_SAMPLES = {"--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}',
+                "--kv-events-config": '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'}
 
 
 def sample_argv(flag: Flag, spelling: str) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 from tokenspeed.config.errors import ConfigError, NotSupportedError
 from tokenspeed.config.flag import GROUPS, Flag
+from tokenspeed.config.kv_events import resolve_kv_events
 from tokenspeed.config.serve_config import ServeConfig
 from tokenspeed.config.speculative import resolve_speculative
 from tokenspeed.config.table import (
@@ -317,7 +318,7 @@ def parse_serve_args(argv: list[str]) -> ServeConfig:
     _check_supported(chosen)
     # Flags without a ServeConfig field are unimplemented, so they hold their defaults here.
     values = {dest: g.value for dest, g in chosen.items() if dest in _CONFIG_FIELDS}
-    return resolve_speculative(ServeConfig(**values))
+    return resolve_kv_events(resolve_speculative(ServeConfig(**values)))
 
 
 def load_serve_config(argv: list[str]) -> ServeConfig:

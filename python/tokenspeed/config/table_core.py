@@ -338,8 +338,12 @@ LOGGING_FLAGS: list[Flag] = [
     i("--decode-log-interval", "Write a decode progress line every this many steps.", G_LOGGING,
       40, minimum=1, readers=("server",), implemented=True),
     b("--enable-request-time-stats-logging", "Log per-request timing breakdowns.", G_LOGGING),
-    j("--kv-events-config", "JSON settings for publishing KV cache events (NVIDIA Dynamo).",
-      G_LOGGING),
+    j("--kv-events-config", "Publish the prefix cache's KV events (block stored / removed / "
+      "all cleared) over ZMQ for cache-aware routers (llm-d, NVIDIA Dynamo, SGLang's router), "
+      'in vLLM\'s and SGLang\'s format: {"publisher": "zmq", "endpoint": "tcp://*:5557", '
+      '"topic": "", "replay_endpoint": null, "buffer_steps": 10000, "max_queue_size": 100000}. '
+      "With --dp N, replica r publishes on the endpoint's port + r (docs/kv_events.md).",
+      G_LOGGING, readers=("server",), implemented=True),
     b("--enable-trace", "Export OpenTelemetry traces.", G_LOGGING),
     s("--oltp-traces-endpoint", "OpenTelemetry collector address (host:port) for --enable-trace.",
       G_LOGGING, "localhost:4317"),

@@ -15,7 +15,9 @@ pub use plan::{
     TokenMask, WorkerOp, LAST_SAMPLED, MAX_GRAMMAR_REPLAY, MAX_GRAMMAR_STOP_IDS, MAX_GRAMMAR_TEXT,
     MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_OP_TEXT, MAX_TOP_LOGPROBS, NO_SEED,
 };
-pub use radix::{EvictionPolicy, HostStats, NodeId, PrefixMatch, RadixCache, WritePolicy};
+pub use radix::{
+    block_hash, EvictionPolicy, HostStats, KvEvent, NodeId, PrefixMatch, RadixCache, WritePolicy,
+};
 pub use scheduler::{
     ConfigError, FinishReason, Finished, Request, RequestId, RequestOutput, SchedulePolicy,
     Scheduler, SchedulerConfig, SchedulerStats, SubmitError,

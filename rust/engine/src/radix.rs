@@ -84,6 +84,9 @@ struct Node {
     last_access: u64,
     /// The namespace of the subtree (`match_prefix_in`); the root's is 0 and unused.
     ns: u32,
+    /// One block hash per page of `key` while KV events are on (`radix_events.rs`); empty
+    /// otherwise.
+    hashes: Vec<u64>,
 }
 
 /// The prefix cache. With `enabled == false` it caches nothing (`--disable-radix-cache`):
@@ -102,6 +105,8 @@ pub struct RadixCache {
     policy: EvictionPolicy,
     /// The host tier, when on.
     host: Option<host::HostTier>,
+    /// KV events recorded since the last `take_events`; None: events off.
+    events: Option<Vec<events::KvEvent>>,
 }
 
 impl RadixCache {
@@ -117,6 +122,7 @@ impl RadixCache {
             lock: 0,
             last_access: 0,
             ns: 0,
+            hashes: Vec::new(),
         };
         RadixCache {
             pool,
@@ -129,6 +135,7 @@ impl RadixCache {
             locked_pages: 0,
             policy: EvictionPolicy::Lru,
             host: None,
+            events: None,
         }
     }
 
@@ -340,6 +347,7 @@ impl RadixCache {
         if !pages.is_empty() {
             let key = tokens[pos * ps..n * ps].to_vec();
             let id = self.add_child(ns, node, key, pages);
+            self.on_added(id);
             self.write_through(id);
         }
         duplicates
@@ -360,6 +368,7 @@ impl RadixCache {
         if locked {
             self.locked_pages += n;
         }
+        self.on_stored(id);
     }
 
     /// Frees at least `n` device pages from unlocked nodes in policy order (fewer if not
@@ -416,6 +425,9 @@ impl RadixCache {
             stack.extend(node.children.values().copied());
             freed += node.pages.len();
             self.cached_pages -= node.pages.len();
+            if !node.pages.is_empty() {
+                self.on_removed(&node.hashes);
+            }
             if let (Some(h), Some(tier)) = (&node.host, &mut self.host) {
                 tier.cached -= h.len();
             }
@@ -442,7 +454,10 @@ impl RadixCache {
                 })
             })
             .collect();
-        tops.into_iter().map(|id| self.remove_subtree(id)).sum()
+        let from = self.events_len();
+        let freed = tops.into_iter().map(|id| self.remove_subtree(id)).sum();
+        self.on_flushed(from);
+        freed
     }
 
     fn node(&self, id: NodeId) -> &Node {
@@ -487,6 +502,8 @@ impl RadixCache {
         let front_host = std::mem::replace(&mut child.host, tail_host);
         let tail_key = child.key.split_off(at * ps);
         let front_key = std::mem::replace(&mut child.key, tail_key);
+        let tail_hashes = child.hashes.split_off(at.min(child.hashes.len()));
+        let front_hashes = std::mem::replace(&mut child.hashes, tail_hashes);
         let parent = child.parent.replace(new_id);
         let (lock, last_access, ns, hits) = (child.lock, child.last_access, child.ns, child.hits);
         let tail_first = child.key[..ps].to_vec();
@@ -502,6 +519,7 @@ impl RadixCache {
             lock,
             last_access,
             ns,
+            hashes: front_hashes,
         });
         if let (Some(parent), Some(front_first)) = (parent, front_first) {
             self.node_mut(parent).children.insert(front_first, new_id);
@@ -523,6 +541,7 @@ impl RadixCache {
             lock: 0,
             last_access: self.tick,
             ns,
+            hashes: Vec::new(),
         });
         self.node_mut(parent).children.insert(first, id);
         id
@@ -551,12 +570,18 @@ fn child_key(parent: NodeId, ns: u32, first_page: &[u32]) -> Vec<u32> {
     }
 }
 
+#[path = "radix_events.rs"]
+mod events;
 #[path = "radix_host.rs"]
 mod host;
 #[path = "radix_invariants.rs"]
 mod invariants;
+pub use events::{block_hash, KvEvent};
 pub use host::HostStats;
 
+#[cfg(test)]
+#[path = "radix_events_tests.rs"]
+mod events_tests;
 #[cfg(test)]
 #[path = "radix_tests.rs"]
 mod tests;

@@ -130,6 +130,10 @@ impl RadixCache {
         let empty = self.pool.empty();
         let dev = std::mem::replace(&mut self.node_mut(id).pages, empty);
         self.cached_pages -= dev.len();
+        if self.events.is_some() {
+            let hashes = self.node(id).hashes.clone();
+            self.on_removed(&hashes);
+        }
         dev.len()
     }
 

@@ -421,6 +421,17 @@ impl Scheduler {
         }
     }
 
+    /// Records the radix cache's KV events (`--kv-events-config`) from now on; call before
+    /// the first request.
+    pub fn enable_kv_events(&mut self) {
+        self.cache.enable_events();
+    }
+
+    /// The KV events since the last call (empty when off): the engine loop publishes them.
+    pub fn take_kv_events(&mut self) -> Vec<crate::radix::KvEvent> {
+        self.cache.take_events()
+    }
+
     /// Drops every unlocked cached page. Only when idle (nothing waiting or running), as SGLang.
     pub fn flush_cache(&mut self) -> bool {
         if !self.running.is_empty() || !self.waiting.is_empty() {

@@ -81,6 +81,8 @@ pub struct ServerConfig {
     pub server_info: serde_json::Value,
     /// LoRA adapters (`--enable-lora`, `--lora-paths`, ...), as the launcher resolved them.
     pub lora: crate::lora::LoraConfig,
+    /// `--kv-events-config`: publish the radix cache's KV events to routers (None: off).
+    pub kv_events_config: Option<crate::kv_events::KvEventsConfig>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

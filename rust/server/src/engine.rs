@@ -453,6 +453,9 @@ pub struct EngineOptions {
     pub pool_metrics: bool,
     /// Most distinct LoRA adapters running at once (`--max-loras-per-batch`; usize::MAX: off).
     pub max_adapters: usize,
+    /// Where the radix cache's KV events go after each step (`--kv-events-config`; None: off,
+    /// and the cache records none).
+    pub kv_events: Option<crate::kv_events::KvEventSink>,
 }
 
 /// A request's structured-output constraint, as the engine applies it.
@@ -499,6 +502,9 @@ pub fn spawn_engine(
                 }
             };
             scheduler.limit_adapters(options.max_adapters);
+            if options.kv_events.is_some() {
+                scheduler.enable_kv_events();
+            }
             let _ = started_tx.send(Ok(()));
             let mut engine = EngineLoop {
                 scheduler,

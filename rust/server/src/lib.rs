@@ -10,6 +10,7 @@ pub mod error;
 pub mod frontend;
 pub mod generate;
 pub mod http;
+pub mod kv_events;
 pub mod lora;
 pub mod metrics;
 pub mod pooling;
@@ -140,13 +141,22 @@ pub fn build_state_replicas(
         mask_words: grammar.as_ref().map_or(0, |g| g.bitmask_words()),
         pool_metrics: dp == 1,
         max_adapters: config.lora.max_per_batch_limit(),
+        kv_events: None,
     };
     let mut engines = Vec::with_capacity(dp);
-    for link in links {
+    for (rank, link) in links.into_iter().enumerate() {
+        // Each replica publishes its own cache's events, on the endpoint's port + its rank.
+        let kv_events = match &config.kv_events_config {
+            Some(kv) => Some(kv_events::start(kv, rank as u32).map_err(ServeError::Config)?),
+            None => None,
+        };
         let (engine, _thread) = engine::spawn_engine(
             config.scheduler.clone(),
             link,
-            options.clone(),
+            EngineOptions {
+                kv_events,
+                ..options.clone()
+            },
             metrics.clone(),
         )
         .map_err(ServeError::Config)?;

@@ -377,6 +377,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
         lora: Default::default(),
+        kv_events_config: None,
     };
     let log = Arc::new(WorkerLog::default());
     let mut link = Box::new(ScriptedWorker::start(

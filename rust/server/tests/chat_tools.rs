@@ -166,6 +166,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
         lora: Default::default(),
+        kv_events_config: None,
     }
 }
 

@@ -13,6 +13,7 @@ use tokenspeed_engine::{
 };
 use tokenspeed_server::engine::{spawn_engine, EngineEvent, EngineOptions, LinkError, WorkerLink};
 use tokenspeed_server::generate::new_request_id;
+use tokenspeed_server::kv_events::{self, KvEventsConfig};
 use tokenspeed_server::metrics::Metrics;
 use tokenspeed_server::router::Policy;
 use tokenspeed_server::Replicas;
@@ -92,9 +93,14 @@ struct Group {
 }
 
 fn group(n: usize, policy: Policy) -> Group {
+    group_with(n, policy, None)
+}
+
+/// `group`, each replica publishing KV events with `kv` (on the endpoint's port + its rank).
+fn group_with(n: usize, policy: Policy, kv: Option<&KvEventsConfig>) -> Group {
     let metrics = Arc::new(Metrics::new("test-model", 4096));
     let (mut engines, mut dead, mut scheduled) = (vec![], vec![], vec![]);
-    for _ in 0..n {
+    for rank in 0..n {
         let d = Arc::new(AtomicBool::new(false));
         let s = Arc::new(AtomicUsize::new(0));
         let config = SchedulerConfig {
@@ -129,6 +135,7 @@ fn group(n: usize, policy: Policy) -> Group {
             mask_words: 0,
             pool_metrics: false,
             max_adapters: usize::MAX,
+            kv_events: kv.map(|kv| kv_events::start(kv, rank as u32).expect("KV events bind")),
         };
         let link = Box::new(EchoWorker::start(d.clone(), s.clone()));
         let (engine, _thread) =
@@ -297,4 +304,53 @@ async fn one_dead_worker_fails_health_naming_its_replica() {
     assert!(info[0].healthy && !info[1].healthy);
     g.replicas.shutdown();
     assert!(g.replicas.wait_stopped(Duration::from_secs(5)));
+}
+
+#[tokio::test]
+async fn each_replica_publishes_its_kv_events_on_its_own_port_with_its_rank() {
+    use zeromq::{Socket, SocketRecv};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let kv = KvEventsConfig {
+        publisher: "zmq".into(),
+        endpoint: format!("tcp://*:{port}"),
+        replay_endpoint: None,
+        buffer_steps: 0,
+        hwm: 100_000,
+        max_queue_size: 16,
+        topic: "kv".into(),
+    };
+    let g = group_with(2, Policy::RoundRobin, Some(&kv));
+    let mut subs = vec![];
+    for rank in 0..2u16 {
+        let mut sub = zeromq::SubSocket::new();
+        sub.connect(&format!("tcp://127.0.0.1:{}", port + rank))
+            .await
+            .expect("connect");
+        sub.subscribe("kv").await.expect("subscribe");
+        subs.push(sub);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await; // the subscriptions land
+    for replica in [1, 0] {
+        let mut d = g
+            .replicas
+            .dispatch(request((1..=9).collect(), 2), None, Some(replica))
+            .await;
+        assert_eq!(drain(&mut d.events).await, 2);
+        let got = tokio::time::timeout(Duration::from_secs(10), subs[replica].recv())
+            .await
+            .expect("an event batch within 10 s")
+            .expect("a message");
+        let frames = got.into_vec();
+        assert_eq!(frames[0].as_ref(), b"kv");
+        assert_eq!(frames[1].as_ref(), 0u64.to_be_bytes());
+        // [ts, events, data_parallel_rank]: the rank is the payload's last byte (a fixint).
+        let payload = frames[2].as_ref();
+        assert_eq!(
+            (payload[0], payload[payload.len() - 1]),
+            (0x93, replica as u8)
+        );
+    }
 }

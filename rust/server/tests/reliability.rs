@@ -103,6 +103,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         constrained_json_allow_additional_properties: false,
         server_info: Value::Null,
         lora: Default::default(),
+        kv_events_config: None,
     };
     build_state(config, Box::new(SilentWorker)).expect("state")
 }

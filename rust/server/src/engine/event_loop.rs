@@ -91,6 +91,8 @@ impl EngineLoop {
     pub(super) fn run(&mut self) {
         let depth = if self.options.overlap { 2 } else { 1 };
         loop {
+            // Before any wait: what the last step, result or command did to the cache.
+            self.publish_kv_events();
             // Block only when there is nothing to schedule nor to receive (nor an op to send).
             if self.requests.is_empty() && self.in_flight.is_empty() && self.pending_op.is_none() {
                 let cmd = self.commands.recv_timeout(self.options.liveness_interval);
@@ -175,6 +177,7 @@ impl EngineLoop {
                     continue;
                 }
             }
+            self.publish_kv_events();
             if self.in_flight.len() >= depth || (!sent && !self.in_flight.is_empty()) {
                 match self.recv_oldest(hold) {
                     Ok(Some((plan, result))) => self.deliver(&plan, result),
@@ -194,6 +197,17 @@ impl EngineLoop {
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => return,
                 }
+            }
+        }
+    }
+
+    /// Hands the radix cache's KV events since the last call to the publisher
+    /// (`--kv-events-config`); off, the cache records none and this returns at once.
+    fn publish_kv_events(&mut self) {
+        if let Some(sink) = &self.options.kv_events {
+            let events = self.scheduler.take_kv_events();
+            if !events.is_empty() {
+                sink.publish(events);
             }
         }
     }
