@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
+use super::agents::{self as agent, Agent, Output};
 use super::chat::strip_special_stop;
 use super::error::ApiError;
 use super::protocol::parse_body;
@@ -44,56 +45,54 @@ pub async fn messages(State(state): State<AppState>, body: Bytes) -> Response {
 
 async fn messages_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(body)?;
-    state.check_model(req.model.as_deref())?;
-    let checked = validate::messages::messages_request(
-        &req,
-        &state.config.sampling_defaults,
-        state.tokenizer.vocab_size() as u32,
-        &state.chat_parsers,
-    )?;
-    let rid = generate::new_request_id();
-    let choices = generate::start_choices(&state, rid, vec![checked.spec.clone()], 1).await?;
+    let agent = Agent::resolve(&state, req.model.as_deref())?;
+    let checked = validate::messages::messages_request(&req, &agent::chat_context(&state))?;
+    let stream = req.stream.unwrap_or(false);
+    let started = agent.run(&state, checked.spec.clone(), stream).await?;
     let render = Render {
-        id: format!("msg_{}", rid.request()),
+        id: format!("msg_{}", started.rid.request()),
+        // The name the client sent (an adapter's, or an alias of the model), else ours.
         model: req
             .model
             .clone()
-            .unwrap_or_else(|| state.config.served_model_name.clone()),
+            .filter(|m| !m.is_empty())
+            .unwrap_or(started.model),
         stage: checked.stage.clone(),
         keep_special: checked.keep_special,
         tokenizer: state.tokenizer.clone(),
     };
-    if req.stream.unwrap_or(false) {
-        return Ok(render.stream(choices));
+    match started.output {
+        Output::Stream(choices) => Ok(render.stream(choices)),
+        Output::Whole(chunk) => Ok(ok_json(render.whole(&chunk))),
     }
-    let chunk = choices
-        .collect()
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| ApiError::internal("the request ended without output"))?;
-    let parsed = render.stage.parse(&render.text(&chunk));
-    let mut content = Vec::new();
-    if !parsed.reasoning_content.is_empty() {
-        content.push(
-            json!({"type": "thinking", "thinking": parsed.reasoning_content, "signature": ""}),
-        );
+}
+
+impl Render {
+    /// The whole message: thinking, text and tool_use blocks.
+    fn whole(&self, chunk: &Chunk) -> Value {
+        let parsed = self.stage.parse(&self.text(chunk));
+        let mut content = Vec::new();
+        if !parsed.reasoning_content.is_empty() {
+            content.push(
+                json!({"type": "thinking", "thinking": parsed.reasoning_content, "signature": ""}),
+            );
+        }
+        if !parsed.content.is_empty() {
+            content.push(json!({"type": "text", "text": parsed.content}));
+        }
+        for call in &parsed.tool_calls {
+            content.push(
+                json!({"type": "tool_use", "id": new_id("toolu"), "name": call.name,
+                                "input": tool_input(&call.arguments)}),
+            );
+        }
+        let (stop_reason, stop_sequence) =
+            stop_reason(chunk.finish.as_ref(), !parsed.tool_calls.is_empty());
+        let mut message = self.message(content, &chunk.usage);
+        message["stop_reason"] = json!(stop_reason);
+        message["stop_sequence"] = stop_sequence;
+        message
     }
-    if !parsed.content.is_empty() {
-        content.push(json!({"type": "text", "text": parsed.content}));
-    }
-    for call in &parsed.tool_calls {
-        content.push(
-            json!({"type": "tool_use", "id": new_id("toolu"), "name": call.name,
-                            "input": tool_input(&call.arguments)}),
-        );
-    }
-    let (stop_reason, stop_sequence) =
-        stop_reason(chunk.finish.as_ref(), !parsed.tool_calls.is_empty());
-    let mut message = render.message(content, &chunk.usage);
-    message["stop_reason"] = json!(stop_reason);
-    message["stop_sequence"] = stop_sequence;
-    Ok(ok_json(message))
 }
 
 /// A call's arguments as the `input` object (text that is not a JSON object is kept whole

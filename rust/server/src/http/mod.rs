@@ -1,6 +1,7 @@
 //! The HTTP front end: routes, shared state, and the layers every request passes before its
 //! handler: drain refusal, auth, body limit, admission. Handlers live in `openai` and `native`.
 
+pub mod agents;
 pub mod chat;
 pub mod error;
 pub mod lifecycle;

@@ -30,6 +30,10 @@ pub struct ResponsesRequest {
     /// Echoed back; up to 16 string pairs.
     pub metadata: Option<Map<String, Value>>,
     pub user: Option<String>,
+    /// `["message.output_text.logprobs"]` adds the output text's logprobs.
+    pub include: Option<Vec<String>>,
+    /// With that `include`: the most likely alternatives per token (0 to 20).
+    pub top_logprobs: Option<i32>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }

@@ -3,6 +3,7 @@
 //! as a 400). Sampling fields here, chat messages and tools in `chat`, structured output forms
 //! in `grammar`; the context-length rule is `prompt_budget`, written once.
 
+pub mod agents;
 pub mod chat;
 pub mod grammar;
 pub mod messages;
