@@ -23,6 +23,11 @@ use super::error::ApiError;
 use super::protocol::parse_body;
 use super::protocol_agents::MessagesRequest;
 use super::{ok_json, AppState};
+#[allow(unused_imports)] // named by the #[utoipa::path] attributes
+use super::{
+    protocol_agents::{AnthropicError, AnthropicMessage},
+    response::ServerSentEvent,
+};
 use crate::chat_output::{MessageDelta, OutputStage};
 use crate::engine::TokenUsage;
 use crate::generate::{self, Chunk, Finish};
@@ -36,6 +41,7 @@ fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }
 
+#[utoipa::path(post, path = "/v1/messages", request_body = MessagesRequest, responses((status = 200, description = "a message, or Anthropic's server-sent events with stream", content((AnthropicMessage = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = AnthropicError)))]
 pub async fn messages(State(state): State<AppState>, body: Bytes) -> Response {
     match messages_inner(state, &body).await {
         Ok(r) => r,

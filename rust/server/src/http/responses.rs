@@ -21,6 +21,11 @@ use super::openai::LogprobStyle;
 use super::protocol::parse_body;
 use super::protocol_agents::ResponsesRequest;
 use super::{ok_json, unix_now, AppState};
+#[allow(unused_imports)] // named by the #[utoipa::path] attributes
+use super::{
+    protocol_agents::{ResponseDeleted, ResponseObject},
+    response::{ErrorResponse, ServerSentEvent},
+};
 use crate::chat_output::{MessageDelta, OutputStage};
 use crate::engine::TokenUsage;
 use crate::generate::{self, Chunk, TokenLogprob};
@@ -32,6 +37,7 @@ fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }
 
+#[utoipa::path(post, path = "/v1/responses", request_body = ResponsesRequest, responses((status = 200, description = "a response, or its server-sent events with stream", content((ResponseObject = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = ErrorResponse)))]
 pub async fn create(State(state): State<AppState>, body: Bytes) -> Response {
     match create_inner(state, &body).await {
         Ok(r) => r,
@@ -39,6 +45,7 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/v1/responses/{id}", params(("id" = String, Path, description = "response id")), responses((status = 200, description = "the stored response", body = ResponseObject), (status = 404, description = "not stored (or deleted)", body = ErrorResponse)))]
 pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> Response {
     match state.responses.get(&id) {
         Some(stored) => ok_json(stored.response),
@@ -46,6 +53,7 @@ pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> Respo
     }
 }
 
+#[utoipa::path(delete, path = "/v1/responses/{id}", params(("id" = String, Path, description = "response id")), responses((status = 200, description = "deleted", body = ResponseDeleted), (status = 404, description = "not stored (or deleted)", body = ErrorResponse)))]
 pub async fn delete(State(state): State<AppState>, Path(id): Path<String>) -> Response {
     if state.responses.delete(&id) {
         ok_json(json!({"id": id, "object": "response.deleted", "deleted": true}))
