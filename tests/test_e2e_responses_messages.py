@@ -249,6 +249,18 @@ def test_messages_stream(claude: anthropic.Anthropic, model: str) -> None:
     assert "input_json" in kinds and "content_block_stop" in kinds, kinds
 
 
+def test_messages_count_tokens_is_the_prompt_messages_renders(claude: anthropic.Anthropic, model: str) -> None:
+    body = {"system": "Answer briefly.", "tools": [ANTHROPIC_TOOL],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": [{"role": "user", "content": QUESTION}]}
+    counted = claude.messages.count_tokens(model=model, **body)
+    assert counted.input_tokens == ask(claude, model, max_tokens=1, **body).usage.input_tokens
+    longer = claude.messages.count_tokens(model=model, **{**body, "system": "Answer briefly and politely."})
+    assert longer.input_tokens > counted.input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="no-such-model", **body)
+
+
 def test_messages_errors_take_anthropics_shape(server: Server, claude: anthropic.Anthropic,
                                                model: str) -> None:
     r = httpx.post(f"{server.url}/v1/messages", json={"model": model, "messages": [

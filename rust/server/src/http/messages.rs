@@ -25,7 +25,7 @@ use super::protocol_agents::MessagesRequest;
 use super::{ok_json, AppState};
 #[allow(unused_imports)] // named by the #[utoipa::path] attributes
 use super::{
-    protocol_agents::{AnthropicError, AnthropicMessage},
+    protocol_agents::{AnthropicError, AnthropicMessage, AnthropicTokenCount},
     response::ServerSentEvent,
 };
 use crate::chat_output::{MessageDelta, OutputStage};
@@ -99,6 +99,21 @@ impl Render {
         message["stop_sequence"] = stop_sequence;
         message
     }
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens, as `/v1/messages` renders the same
+/// body (tools included).
+#[utoipa::path(post, path = "/v1/messages/count_tokens", request_body = MessagesRequest, responses((status = 200, description = "`{input_tokens}`", body = AnthropicTokenCount), (status = 400, description = "invalid request", body = AnthropicError)))]
+pub async fn count_tokens(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = async {
+        let mut req: MessagesRequest = parse_body(&body)?;
+        state.check_model(req.model.as_deref())?;
+        req.max_tokens.get_or_insert(1);
+        let checked = validate::messages::messages_request(&req, &agent::chat_context(&state))?;
+        let ids = generate::tokenize_prompt(&state, checked.spec.prompt).await?;
+        Ok::<_, ApiError>(ok_json(json!({"input_tokens": ids.len()})))
+    };
+    run.await.unwrap_or_else(|e| e.into_response())
 }
 
 /// A call's arguments as the `input` object (text that is not a JSON object is kept whole

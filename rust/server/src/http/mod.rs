@@ -143,6 +143,7 @@ pub fn router(state: AppState) -> Router {
             "/v1/responses/{id}",
             get(responses::get).delete(responses::delete),
         )
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))
         .route("/v1/tokenize", post(native::tokenize))

@@ -21,6 +21,7 @@ use super::{chat, lora, messages, native, openai, ops, pooling, responses};
         responses::get,
         responses::delete,
         messages::messages,
+        messages::count_tokens,
         native::generate,
         native::tokenize,
         native::detokenize,
@@ -67,6 +68,7 @@ const MODEL_ROUTES: &[&str] = &[
     "/v1/chat/completions",
     "/v1/responses",
     "/v1/messages",
+    "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
     "/v1/embeddings",
@@ -190,6 +192,7 @@ mod tests {
             "/v1/responses",
             "/v1/responses/{id}",
             "/v1/messages",
+            "/v1/messages/count_tokens",
             "/openapi.json",
         ] {
             assert!(doc["paths"].get(path).is_some(), "{path} missing");

@@ -44,7 +44,8 @@ pub struct ResponsesRequest {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct MessagesRequest {
     pub model: Option<String>,
-    pub max_tokens: u32,
+    /// Required (`/v1/messages/count_tokens` takes the body without it).
+    pub max_tokens: Option<u32>,
     pub messages: Vec<Value>,
     /// A string or a list of text blocks.
     pub system: Option<Value>,
@@ -105,6 +106,13 @@ pub struct AnthropicMessage {
     pub stop_reason: Option<String>,
     pub stop_sequence: Option<String>,
     pub usage: Value,
+}
+
+/// `POST /v1/messages/count_tokens`.
+#[derive(Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct AnthropicTokenCount {
+    pub input_tokens: u32,
 }
 
 /// Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`.

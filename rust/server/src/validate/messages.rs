@@ -205,9 +205,11 @@ pub fn messages_request(
         return Err(bad("thinking", format!(
             "thinking {t} is not supported: the server's --reasoning-parser decides what is thinking")));
     }
-    if req.max_tokens == 0 {
-        return Err(bad("max_tokens", "max_tokens must be at least 1"));
-    }
+    let max_tokens = match req.max_tokens {
+        None => return Err(bad("max_tokens", "max_tokens is required")),
+        Some(0) => return Err(bad("max_tokens", "max_tokens must be at least 1")),
+        Some(n) => n,
+    };
     let mut messages = Vec::new();
     if let Some(system) = req.system.as_ref().filter(|s| !s.is_null()) {
         let text = block_text(system, "system", "system")?;
@@ -231,7 +233,7 @@ pub fn messages_request(
     };
     let parts = AgentChat {
         messages,
-        max_completion_tokens: Some(req.max_tokens),
+        max_completion_tokens: Some(max_tokens),
         tools: chat_tools(req.tools.as_deref().unwrap_or_default())?,
         tool_choice,
         parallel_tool_calls,
