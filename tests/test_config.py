@@ -192,6 +192,7 @@ BAD = [
     (["--attention-backend", "magic"], "--attention-backend", "invalid choice"),
     (["--load-format", "zip"], "--load-format", "invalid choice"),
     (["--hf-overrides", "{oops"], "--hf-overrides", "invalid JSON"),
+    (["--hf-overrides", "[1]"], "--hf-overrides", "expected a JSON object"),
     (["--cuda-graph-bs", "1", "x"], "--cuda-graph-bs", "integer"),
     (["--speculative-num-steps", "0"], "--speculative-num-steps", "at least 1"),
     (["--port"], "--port", "expected one argument"),
@@ -427,7 +428,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--priority-scheduling-preemption-threshold",
         "--is-embedding", "--constrained-json-allow-additional-properties",
         "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
-        "--hicache-write-policy", "--radix-eviction-policy",
+        "--hicache-write-policy", "--radix-eviction-policy", "--json-model-override-args",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -132,6 +132,87 @@ def test_cross_encoder_rerank_score_classify_match_hf(tmp_path: Path) -> None:
         stop_server(server)
 
 
+def test_decoder_cross_encoder_reranks_as_hf(tmp_path: Path) -> None:
+    """A Qwen3-Reranker-style cross-encoder (`Qwen3ForSequenceClassification`, one label, as the
+    converted Qwen3-Reranker checkpoints ship) behind /v1/rerank: each score is the sigmoid of
+    HF's logit for the (query, document) pair as the tokenizer encodes it."""
+    import os
+
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+
+    src = Path(os.environ.get("TOKENSPEED_TEST_ASSETS", "/root/.cache/tokenspeed/test-assets")) / "smollm2"
+    tok = AutoTokenizer.from_pretrained(str(src))
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_labels=1,
+                      max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen3ForSequenceClassification(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    server = start_server(str(tmp_path), "--model-path", str(tmp_path), "--is-embedding")
+    try:
+        query, docs = "capital of France", TEXTS
+        r = httpx.post(f"{server.url}/v1/rerank", json={"query": query, "documents": docs, "top_n": 2})
+        assert r.status_code == 200, r.text
+        with torch.no_grad():
+            ref = [torch.sigmoid(model(**tok(query, d, return_tensors="pt")).logits[0, 0]).item()
+                   for d in docs]
+        results = r.json()["results"]
+        assert len(results) == 2
+        best = sorted(range(len(docs)), key=lambda i: -ref[i])[:2]
+        assert [x["index"] for x in results] == best
+        np.testing.assert_allclose([x["relevance_score"] for x in results], [ref[i] for i in best],
+                                   atol=1e-4)
+    finally:
+        stop_server(server)
+
+
+def test_original_qwen3_reranker_through_hf_overrides(tmp_path: Path) -> None:
+    """An original Qwen3-Reranker (a `Qwen3ForCausalLM` scored by its "yes"/"no" logits) served
+    as vLLM serves it, with --hf-overrides naming the classifier tokens: each score is HF's
+    softmax over the two logits at the last token, p(yes); /classify names the label "yes"."""
+    import json
+    import os
+
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    src = Path(os.environ.get("TOKENSPEED_TEST_ASSETS", "/root/.cache/tokenspeed/test-assets")) / "smollm2"
+    tok = AutoTokenizer.from_pretrained(str(src))
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+    server = start_server(str(tmp_path), "--model-path", str(tmp_path), "--is-embedding",
+                          "--hf-overrides", json.dumps(overrides))
+    try:
+        query, docs = "capital of France", TEXTS
+        r = httpx.post(f"{server.url}/v1/rerank", json={"query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        ref = []
+        with torch.no_grad():
+            for d in docs:
+                logits = model(**tok(query, d, return_tensors="pt")).logits[0, -1]
+                ref.append(torch.softmax(logits[[no, yes]], dim=0)[1].item())
+        got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        np.testing.assert_allclose([got[i] for i in range(len(docs))], ref, atol=1e-4)
+        c = httpx.post(f"{server.url}/classify", json={"input": docs[:1]}).json()
+        assert c["data"][0]["label"] == "yes" and c["data"][0]["num_classes"] == 1
+    finally:
+        stop_server(server)
+
+
 def test_generation_server_refuses_pooling_routes(server: Server) -> None:
     """The shared SmolLM2 server (conftest) generates: the pooling routes say what they need."""
     for path, body in [("/v1/embeddings", {"input": "hi"}), ("/v1/rerank", {"query": "q",

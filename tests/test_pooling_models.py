@@ -129,3 +129,29 @@ def test_qwen3_embedder_matches_hf_last_token(tmp_path: Path, saved_as: str) -> 
         with torch.no_grad():
             h = hf(torch.tensor([p])).last_hidden_state[0, -1]
         np.testing.assert_allclose(v, torch.nn.functional.normalize(h, dim=0).numpy(), atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_decoder_cross_encoder_matches_hf_sequence_classification(tmp_path: Path, family: str) -> None:
+    """`*ForSequenceClassification` decoders (Qwen3-Reranker converted to sequence
+    classification, as vLLM and sentence-transformers' CrossEncoder load it): the last token's
+    state through `score`, one logit per label, as HF computes them."""
+    import transformers
+
+    small = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    cfg_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+    }[family]
+    extra = {"head_dim": 8} if family == "qwen3" else {}
+    hf = model_cls(cfg_cls(**small, **extra, num_labels=3, pad_token_id=0)).eval()
+    randomize(hf, seed=5)
+    hf.save_pretrained(tmp_path)
+    ours = pool_once(tmp_path, PROMPTS)
+    assert ours.shape == (len(PROMPTS), 3)
+    for p, v in zip(PROMPTS, ours):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0]
+        np.testing.assert_allclose(v, ref.numpy(), atol=ATOL)

@@ -72,7 +72,10 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--model-path", str(model),
-           "--load-format", "dummy", "--is-embedding", "--port", str(port), *args.serve_arg]
+           "--load-format", "dummy", "--is-embedding", "--port", str(port),
+           # every text is sent at once: room for all of them in the queue (the default bound,
+           # 4096, answers the rest 429, as a server should; this measures throughput)
+           "--max-queued-requests", str(args.num_prompts + 1024), *args.serve_arg]
     with open(out / "embed_server.log", "w") as log:  # the child keeps its own descriptor
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -115,6 +115,7 @@ class Flag:
     refusals: dict[Any, str] = field(default_factory=dict)
     takes_value: bool = False
     readers: tuple[Reader, ...] = ("server",)
+    json_type: type | None = None  # a JSON flag's document must be this (dict: an object)
     implemented: bool = False
     dest: str = ""
     metavar: str | None = None
@@ -173,6 +174,9 @@ class Flag:
         """Range and choice checks on a converted value; raises ValueError."""
         if value is None or value in self.allowed_special:
             return
+        if self.json_type is not None and not isinstance(value, self.json_type):
+            shape = {dict: "object", list: "array"}.get(self.json_type, self.json_type.__name__)
+            raise BadValue(f"expected a JSON {shape}, got {_show(value)}")
         values = value if self.kind == "list" else [value]
         for v in values:
             if self.choices is not None and v not in self.choices:

@@ -67,7 +67,8 @@ MODEL_FLAGS: list[Flag] = [
       readers=("scheduler", "worker"), implemented=True),
     b("--is-embedding", "Serve an embedding or scoring model: /v1/embeddings, /v1/score, "
       "/v1/rerank and /classify instead of the generating routes (docs/embeddings.md). BERT "
-      "encoders and cross-encoders, and Llama/Qwen2/Qwen3 decoders used as embedders.",
+      "encoders and cross-encoders, Llama/Qwen2/Qwen3 decoders used as embedders, and their "
+      "*ForSequenceClassification cross-encoders (a converted Qwen3-Reranker).",
       G_MODEL, readers=("server", "worker"), implemented=True),
     b("--enable-multimodal", "Turn on image/video/audio inputs for multimodal models.", G_MODEL,
       readers=("server", "worker")),

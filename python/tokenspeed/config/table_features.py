@@ -39,9 +39,13 @@ LORA_MODULES = (
 )
 
 OVERRIDE_FLAGS: list[Flag] = [
-    j("--json-model-override-args", "JSON object merged over the model's config.json. vLLM's "
-      "--hf-overrides is the same setting.", G_OVERRIDE, aliases=("--hf-overrides",),
-      readers=("worker",)),
+    j("--json-model-override-args", "JSON object merged over the model's config.json (nested "
+      "objects key by key), for the launcher and every worker: e.g. a longer rope_scaling, or "
+      "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+      "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' to serve an original "
+      "Qwen3-Reranker as a cross-encoder (docs/embeddings.md). vLLM's --hf-overrides is the "
+      "same setting.", G_OVERRIDE, aliases=("--hf-overrides",), json_type=dict,
+      readers=("launch", "worker"), implemented=True),
     j("--preferred-sampling-params", "JSON default sampling parameters for requests that set "
       "none.", G_OVERRIDE),
 ]

@@ -6,27 +6,31 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
+
+from tokenspeed.models.config import read_config_json
 
 logger = logging.getLogger(__name__)
 
 
-def model_context_length(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
+def model_context_length(model_dir: Path, overrides: dict[str, Any] | None = None) -> int:
+    cfg = read_config_json(model_dir, overrides)
     return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
 
 
-def model_vocab_size(model_dir: Path) -> int:
+def model_vocab_size(model_dir: Path, overrides: dict[str, Any] | None = None) -> int:
     """The model's vocabulary (its logits' width; may exceed the tokenizer's)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = read_config_json(model_dir, overrides)
     return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
 
 
-def pooling_facts(model_dir: Path) -> tuple[list[str], int]:
+def pooling_facts(model_dir: Path, overrides: dict[str, Any] | None = None
+                  ) -> tuple[list[str], int]:
     """`--is-embedding`: the classifier's labels (none for an embedding model) and the floats
     of one pooled vector (models/pooling.py; imported here only when pooling)."""
     from tokenspeed.models.pooling import model_pooling_facts
 
-    return model_pooling_facts(str(model_dir))
+    return model_pooling_facts(read_config_json(model_dir, overrides))
 
 
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

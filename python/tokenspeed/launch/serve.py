@@ -26,6 +26,7 @@ from tokenspeed.launch.model_facts import (
     sampling_defaults,
 )
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
+from tokenspeed.models.config import read_config_json
 from tokenspeed.worker.loop import WorkerSpec, run_worker
 
 if TYPE_CHECKING:
@@ -53,15 +54,16 @@ def resolve_model(model_path: str | None) -> Path:
     return path
 
 
-def check_quantization(method: str | None, model_dir: Path, lm_head: str = "auto") -> None:
+def check_quantization(method: str | None, model_dir: Path, lm_head: str = "auto",
+                       overrides: dict[str, Any] | None = None) -> None:
     """An unsupported --quantization or checkpoint quantization_config (or --lm-head-quantization
     fp8 without FP8 weights): one line, before any worker starts (the worker would refuse it too,
     after a spawn)."""
     from tokenspeed.layers.quantization.methods import QuantizationError, resolve_quantization
 
     try:
-        resolve_quantization(method, json.loads((model_dir / "config.json").read_text()),
-                             str(model_dir), lm_head)
+        resolve_quantization(method, read_config_json(model_dir, overrides), str(model_dir),
+                             lm_head)
     except QuantizationError as e:
         raise LaunchError(str(e)) from None
 
@@ -73,7 +75,7 @@ def check_moe_settings(cfg: Any, model_dir: Path, device: str, sizes: Any) -> No
     from tokenspeed.models.config import check_expert_parallel, load_hf_config
 
     try:
-        config = load_hf_config(str(model_dir))
+        config = load_hf_config(str(model_dir), cfg.json_model_override_args)
         check_expert_parallel(config, sizes.ep, sizes.moe_tp if config.num_experts else 1)
         if cfg.moe_backend and config.num_experts:
             import torch
@@ -157,7 +159,7 @@ def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
                           "in host memory: it cannot be combined with --disable-radix-cache")
     cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
-    vocab_size = model_vocab_size(layout.model_dir)
+    vocab_size = model_vocab_size(layout.model_dir, cfg.json_model_override_args)
     xgrammar = worker_xgrammar(cfg, layout, vocab_size)
     channel_names, channels = open_channels(cfg, layout, vocab_size, xgrammar is not None)
     ctx = mp.get_context("spawn")
@@ -243,12 +245,12 @@ def resolve_layout(cfg: Any) -> Layout:
     """The model, the device and the parallel layout, every flag checked against them."""
     model_dir = resolve_model(cfg.model_path)
     tokenizer_dir = Path(cfg.tokenizer_path).expanduser() if cfg.tokenizer_path else model_dir
-    context = cfg.context_length or model_context_length(model_dir)
+    context = cfg.context_length or model_context_length(model_dir, cfg.json_model_override_args)
     device = resolve_device(cfg.device)
     check_attention_backend(cfg.attention_backend, device)
     sizes = parallel_sizes(cfg, model_dir)
     check_moe_settings(cfg, model_dir, device, sizes)
-    check_quantization(cfg.quantization, model_dir, cfg.lm_head_quantization)
+    check_quantization(cfg.quantization, model_dir, cfg.lm_head_quantization, cfg.json_model_override_args)
     check_priority_flags(cfg)
     world = sizes.nprocs_per_node
     node_rank = int(cfg.node_rank or 0)
@@ -325,7 +327,7 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
     mask_words = -(-vocab_size // 32) \
         if cfg.grammar_backend == "llguidance" and not cfg.is_embedding else 0
     # --is-embedding: one pooled vector per slot comes back in a result.
-    pooled_dim = pooling_facts(layout.model_dir)[1] if cfg.is_embedding else 0
+    pooled_dim = pooling_facts(layout.model_dir, cfg.json_model_override_args)[1] if cfg.is_embedding else 0
     slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
                                   mask_words, worker_grammars, pooled_dim,
                                   bool(cfg.enable_hierarchical_cache))
@@ -433,7 +435,7 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
             # The host tier's slots (0: --enable-hierarchical-cache off): each rank has them.
             "num_host_pages": min(int(c.get("num_host_pages", 0)) for c in capacities)},
         "vocab_size": vocab_size,
-        "pooling_labels": pooling_facts(model_dir)[0] if cfg.is_embedding else [],
+        "pooling_labels": pooling_facts(model_dir, cfg.json_model_override_args)[0] if cfg.is_embedding else [],
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace
                             else cfg.constrained_json_whitespace_pattern),
         "worker_pids": [p.pid for p in workers],
@@ -530,7 +532,7 @@ def parallel_sizes(cfg: Any, model_dir: Path) -> Any:
         if sizes.world_size > 1:
             from tokenspeed.models.weights import open_checkpoint
 
-            c = open_checkpoint(str(model_dir), cfg.load_format or "auto").config
+            c = open_checkpoint(str(model_dir), cfg.load_format or "auto", cfg.json_model_override_args).config
             sizes.check_model(c.num_attention_heads, c.num_key_value_heads, c.intermediate_size)
     except ParallelConfigError as e:
         raise LaunchError(str(e)) from None

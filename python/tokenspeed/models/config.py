@@ -63,9 +63,10 @@ def local_heads(config: ModelConfig, tp_size: int) -> tuple[int, int]:
             max(1, config.num_key_value_heads // tp_size))
 
 
-# (The bare `*Model` names: decoder checkpoints saved as embedders, models/pooling.py.)
-_QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM", "Qwen2Model"}
-_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model"}
+# (The bare `*Model` names: decoder checkpoints saved as embedders; `*ForSequenceClassification`:
+# decoder cross-encoders; models/pooling.py.)
+_QKV_BIAS_BY_DEFAULT = {"Qwen2ForCausalLM", "Qwen2Model", "Qwen2ForSequenceClassification"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3Model", "Qwen3ForSequenceClassification"}
 
 
 def _moe(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
@@ -211,12 +212,33 @@ def check_expert_parallel(config: ModelConfig, ep_size: int, moe_tp_size: int = 
                          f"size {config.moe_intermediate_size} ({config.architecture})")
 
 
-def load_hf_config(model_dir: str) -> ModelConfig:
+def merge_config(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` merged over it: nested objects key by key (so
+    `{"rope_scaling": {"factor": 4}}` keeps the other rope fields, as vLLM's --hf-overrides
+    does), any other value replaced."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_config(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_config_json(model_dir: str | os.PathLike[str],
+                     overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The model's config.json with `--json-model-override-args` merged over it: what every
+    reader of the model's config (launcher and workers) sees."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
+        raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
     with open(path) as f:
-        return config_from_hf_dict(json.load(f))
+        raw = json.load(f)
+    return raw if overrides is None else merge_config(raw, overrides)
+
+
+def load_hf_config(model_dir: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    return config_from_hf_dict(read_config_json(model_dir, overrides))
 
 
 # GGUF `general.architecture` → HF architecture name.

@@ -8,7 +8,9 @@ sentence-transformers `modules.json` says) or a classifier's logits (a cross-enc
 
 Decoder embedders (Qwen3-Embedding, gte-Qwen2: `Qwen3ForCausalLM` / `Qwen2Model` checkpoints
 used as embedders) run the generation model's layers unchanged (causal, paged KV) and pool the
-last token by default.
+last token by default. Decoder classifiers (`Qwen3ForSequenceClassification` and kin, e.g.
+Qwen3-Reranker converted to sequence classification, as vLLM and sentence-transformers load it)
+put the last token's state through their `score` head.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 class PoolingConfig:
     method: str
     normalize: bool
+    # A decoder classifier whose head is made of its LM head's rows (vLLM's config fields
+    # `classifier_from_token` and `is_original_qwen3_reranker`): those tokens' ids, and whether
+    # the head is the one row "second minus first" (an original Qwen3-Reranker: "no", "yes").
+    head_token_ids: tuple[int, ...] = ()
+    two_way: bool = False
 
 
 def is_classifier(config: ModelConfig) -> bool:
@@ -46,22 +53,51 @@ def is_classifier(config: ModelConfig) -> bool:
 
 
 def classifier_labels(raw: dict) -> list[str]:
-    """Label names by index (config.json `id2label`, else `num_labels` generic names)."""
+    """Label names by index: a head made of token rows is named by its tokens (one label, the
+    positive token, when two-way); else config.json `id2label`, else `num_labels` generic
+    names."""
+    tokens = raw.get("classifier_from_token")
+    if tokens:
+        return [str(tokens[-1])] if raw.get("is_original_qwen3_reranker") else list(map(str, tokens))
     id2label = raw.get("id2label") or {}
     n = len(id2label) or int(raw.get("num_labels") or 2)
     return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
 
 
-def model_pooling_facts(model_dir: str) -> tuple[list[str], int]:
-    """(label names, floats per pooled vector) of the model in `model_dir`: a classifier's
-    labels and their count, or no labels and the embedding width (hidden size)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        raw = json.load(f)
+def model_pooling_facts(raw: dict) -> tuple[list[str], int]:
+    """(label names, floats per pooled vector) of the model whose config.json is `raw`: a
+    classifier's labels and their count, or no labels and the embedding width (hidden size)."""
     arch = (raw.get("architectures") or [""])[0]
     if arch.endswith("ForSequenceClassification"):
         labels = classifier_labels(raw)
         return labels, len(labels)
     return [], int(raw.get("hidden_size") or raw.get("text_config", {}).get("hidden_size") or 0)
+
+
+def head_tokens(raw: dict, model_dir: str | None) -> tuple[tuple[int, ...], bool]:
+    """(token ids, two-way) of a classifier head made from the LM head (see PoolingConfig),
+    the tokens looked up in the model directory's tokenizer.json; ((), False) for none."""
+    tokens = raw.get("classifier_from_token")
+    if not tokens:
+        return (), False
+    two_way = bool(raw.get("is_original_qwen3_reranker"))
+    if two_way and len(tokens) != 2:
+        raise ValueError("is_original_qwen3_reranker needs classifier_from_token to name two "
+                         f"tokens (the negative, then the positive), got {tokens!r}")
+    from tokenizers import Tokenizer
+
+    path = os.path.join(model_dir or "", "tokenizer.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"classifier_from_token: no tokenizer.json in {model_dir!r} to "
+                                "look the tokens up in")
+    tokenizer = Tokenizer.from_file(path)
+    ids = []
+    for t in tokens:
+        i = tokenizer.token_to_id(str(t))
+        if i is None:
+            raise ValueError(f"classifier_from_token: {t!r} is not a token of {path}")
+        ids.append(i)
+    return tuple(ids), two_way
 
 
 def read_pooling_config(model_dir: str | None, default_method: str) -> PoolingConfig:
@@ -154,3 +190,56 @@ class DecoderEmbedding(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise KeyError(f"parameters missing from the checkpoint: {sorted(missing)[:8]}")
+
+
+class DecoderClassifier(DecoderEmbedding):
+    """A decoder with a classification head (HF's `*ForSequenceClassification` for Llama / Qwen2
+    / Qwen3): the last token's final hidden state through `score` (a linear map, no bias); the
+    pooled vector is the logits, one per label (the server applies sigmoid / softmax, as for a
+    BERT cross-encoder). A prompt is whole in its step, so its last row is its last token (HF
+    pools the last non-padding token: the same one). With `pooling.head_token_ids` the head is
+    built from the checkpoint's LM head instead (an original Qwen3-Reranker: p(yes) =
+    sigmoid(logit_yes - logit_no), its softmax over the two)."""
+
+    def __init__(self, inner: nn.Module, num_labels: int, pooling: PoolingConfig) -> None:
+        super().__init__(inner, PoolingConfig("last", normalize=False))
+        self.head_token_ids, self.two_way = pooling.head_token_ids, pooling.two_way
+        self.score = nn.Linear(inner.config.hidden_size, num_labels, bias=False)
+
+    def pool(self, hidden: torch.Tensor, batch: ForwardBatch, rows: np.ndarray) -> torch.Tensor:
+        last = torch.as_tensor(batch.query_start[rows + 1] - 1, device=hidden.device)
+        return self.score(hidden[last]).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from_tokens = bool(self.head_token_ids)
+        head_source = ("model.embed_tokens.weight", "embed_tokens.weight") \
+            if self.config.tie_word_embeddings else ("lm_head.weight",)
+        wanted = head_source if from_tokens else ("score.weight",)
+        found = False
+
+        def body() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal found
+            for name, tensor in weights:
+                if name in wanted:
+                    self._fill_head(tensor)
+                    found = True
+                if name != "score.weight":
+                    yield name, tensor
+
+        super().load_weights(body())
+        if not found:
+            raise KeyError(f"parameters missing from the checkpoint: {list(wanted)[:1]} (the "
+                           "classification head of a *ForSequenceClassification model"
+                           + (", made from the LM head's rows" if from_tokens else "") + ")")
+
+    def _fill_head(self, tensor: torch.Tensor) -> None:
+        """`score.weight` from the checkpoint, or from the vocabulary rows of the head tokens."""
+        if self.head_token_ids:
+            rows = torch.cat([tensor.narrow(0, i, 1) for i in self.head_token_ids]).float()
+            tensor = rows[1:] - rows[:1] if self.two_way else rows
+        if tuple(tensor.shape) != tuple(self.score.weight.shape):
+            raise ValueError(f"score.weight: checkpoint shape {tuple(tensor.shape)} != "
+                             f"{tuple(self.score.weight.shape)} (labels x hidden)")
+        with torch.no_grad():
+            self.score.weight.copy_(tensor.to(self.score.weight.dtype))
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from tokenspeed.distributed.groups import ParallelState
@@ -14,7 +16,14 @@ from tokenspeed.models.gpt_oss import GptOssForCausalLM
 from tokenspeed.models.llama import LlamaForCausalLM
 from tokenspeed.models.mixtral import MixtralForCausalLM
 from tokenspeed.models.phi3 import Phi3ForCausalLM
-from tokenspeed.models.pooling import DecoderEmbedding, PoolingConfig, read_pooling_config
+from tokenspeed.models.pooling import (
+    DecoderClassifier,
+    DecoderEmbedding,
+    PoolingConfig,
+    classifier_labels,
+    head_tokens,
+    read_pooling_config,
+)
 from tokenspeed.models.qwen2 import Qwen2ForCausalLM
 from tokenspeed.models.qwen3 import Qwen3ForCausalLM
 from tokenspeed.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -43,6 +52,10 @@ ENCODER_REGISTRY: dict[str, type[BertModel | BertForSequenceClassification]] = {
 DECODER_EMBEDDER_NAMES = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
                           "Qwen3Model": "Qwen3ForCausalLM"}
 DECODER_EMBEDDERS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+# ... and decoders with a classification head (cross-encoders: rerank, score, classify).
+DECODER_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                       "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                       "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 
 
 def build_model(config: ModelConfig, max_positions: int | None = None,
@@ -64,7 +77,8 @@ def pooling_config_for(config: ModelConfig, model_dir: str | None) -> PoolingCon
     """The checkpoint's sentence-transformers pooling, else the family's default: CLS for an
     encoder, the last token for a decoder (which attends only backwards)."""
     default = "cls" if config.architecture in ENCODER_REGISTRY else "last"
-    return read_pooling_config(model_dir, default)
+    ids, two_way = head_tokens(config.raw, model_dir)
+    return replace(read_pooling_config(model_dir, default), head_token_ids=ids, two_way=two_way)
 
 
 def build_pooling_model(config: ModelConfig, pooling: PoolingConfig,
@@ -73,10 +87,15 @@ def build_pooling_model(config: ModelConfig, pooling: PoolingConfig,
     arch = config.architecture
     if arch in ENCODER_REGISTRY:
         return ENCODER_REGISTRY[arch](config, pooling)
+    if arch in DECODER_CLASSIFIERS:
+        decoder = MODEL_REGISTRY[DECODER_CLASSIFIERS[arch]]
+        inner = decoder(config, max_positions, moe, parallel)
+        return DecoderClassifier(inner, len(classifier_labels(config.raw)), pooling)
     name = DECODER_EMBEDDER_NAMES.get(arch, arch)
     if name not in DECODER_EMBEDDERS:
         raise NotImplementedError(
             f"architecture {arch!r} cannot serve as an embedding model (--is-embedding "
-            f"supports {sorted(ENCODER_REGISTRY)} and the decoders {sorted(DECODER_EMBEDDERS)})")
+            f"supports {sorted(ENCODER_REGISTRY)}, the decoders {sorted(DECODER_EMBEDDERS)} and "
+            f"the decoder classifiers {sorted(DECODER_CLASSIFIERS)})")
     decoder = MODEL_REGISTRY[name]
     return DecoderEmbedding(decoder(config, max_positions, moe, parallel), pooling)

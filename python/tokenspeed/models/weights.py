@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -250,16 +251,21 @@ class Checkpoint:
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None
 
 
-def open_checkpoint(model_path: str, load_format: str = "auto") -> Checkpoint:
-    """Read the config (config.json or GGUF metadata) without loading any tensor yet."""
+def open_checkpoint(model_path: str, load_format: str = "auto",
+                    overrides: dict[str, Any] | None = None) -> Checkpoint:
+    """Read the config (config.json with `overrides` merged over it, or GGUF metadata) without
+    loading any tensor yet."""
     fmt = resolve_load_format(model_path, load_format)
+    if fmt == "gguf" and overrides:
+        raise NotImplementedError("--json-model-override-args overrides config.json fields; a "
+                                  "GGUF model's config comes from its metadata")
     if fmt == "gguf":
         path = find_gguf_file(model_path)
         if path is None:
             raise FileNotFoundError(f"no .gguf file at {model_path!r}")
         config, tensors = read_gguf(path)
         return Checkpoint(path, fmt, config, tensors)
-    config = load_hf_config(model_path)
+    config = load_hf_config(model_path, overrides)
     if fmt == "dummy":
         return Checkpoint(model_path, fmt, config, None)
     return Checkpoint(model_path, fmt, config, lambda: iter_safetensors(model_path, lazy=True))

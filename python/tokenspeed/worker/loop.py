@@ -159,6 +159,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         pooling=bool(s["is_embedding"]),
         hicache=HostTierSize(float(s["hicache_ratio"]), int(s["hicache_size"]))
         if s["enable_hierarchical_cache"] else None,
+        config_overrides=s["json_model_override_args"],
     )
 
 

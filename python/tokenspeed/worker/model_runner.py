@@ -105,7 +105,8 @@ class ModelRunner:
                  quantization_param_path: str | None = None,
                  quantization: str | None = None, lm_head_quantization: str = "auto",
                  lora: dict[str, Any] | None = None, pooling: bool = False,
-                 hicache: HostTierSize | None = None) -> None:
+                 hicache: HostTierSize | None = None,
+                 config_overrides: dict[str, Any] | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -116,7 +117,9 @@ class ModelRunner:
         # which the memory profile reserves for.
         self.max_slots = max_slots or MAX_DEFAULT_RUNNING_REQUESTS
         self.max_context_len = max_context_len
-        ckpt = open_checkpoint(model_path, load_format)
+        # --json-model-override-args: merged over config.json here and on every reload.
+        self.config_overrides = config_overrides
+        ckpt = open_checkpoint(model_path, load_format, config_overrides)
         self.config = ckpt.config
         # Where the serving weights came from: /update_weights_from_disk (worker/ops.py) changes
         # it, and reloads it if a new checkpoint fails half-way.

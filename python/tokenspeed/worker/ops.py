@@ -60,7 +60,7 @@ def run_op(runner: Any, plan: StepPlan, lockstep: bool) -> tuple[bool, str]:
         ok, message = False, f"{type(e).__name__}: {e}"
     if world_min(int(ok)) == 0 and ok:
         # Another rank failed: every rank must serve the same weights.
-        _load(runner, open_checkpoint(*serving).tensors)
+        _load(runner, open_checkpoint(*serving, runner.config_overrides).tensors)
         runner.weights_source = serving
         ok, message = False, "another rank failed to load the new weights"
     return ok, message
@@ -94,14 +94,15 @@ def update_weights(runner: Any, model_path: str, load_format: str | None) -> Non
     if runner.lora is not None:
         raise OpError("weight updates are not supported yet with LoRA adapters")
     fmt = load_format or runner.weights_source[1]
-    ckpt = open_checkpoint(model_path, fmt)
+    ckpt = open_checkpoint(model_path, fmt, runner.config_overrides)
     if ckpt.tensors is None:
         raise OpError(f"load_format {fmt!r} has no weights to load")
     check_same_architecture(runner.config, ckpt.config)
     try:
         _load(runner, ckpt.tensors)
     except Exception:
-        _load(runner, open_checkpoint(*runner.weights_source).tensors)  # the old ones back
+        old = open_checkpoint(*runner.weights_source, runner.config_overrides)
+        _load(runner, old.tensors)  # the old ones back
         raise
     runner.weights_source = (model_path, fmt)
     logger.info("weights updated from %s", model_path)
