@@ -2,11 +2,46 @@
 //! request names (the base model or a LoRA adapter, resolved as on the chat route), the
 //! checks' context, and the one choice started, then streamed or collected whole.
 
+use std::sync::Arc;
+
+use super::chat::strip_special_stop;
 use super::error::ApiError;
 use super::AppState;
+use crate::chat_output::OutputStage;
 use crate::generate::{self, Choices, Chunk, GenerationSpec};
 use crate::validate::agents::ChatContext;
+use crate::validate::chat::ValidatedChat;
 use tokenspeed_engine::scheduler::RequestId;
+use tokenspeed_text::TextTokenizer;
+
+/// A unique id of an output item or block, `<prefix>_<uuid>`.
+pub(super) fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// How a chunk's text becomes the answer: a special stop token's text cut, then the output
+/// stage's split (reasoning, text, tool calls).
+pub(super) struct Answer {
+    pub stage: OutputStage,
+    keep_special: bool,
+    pub tokenizer: Arc<TextTokenizer>,
+}
+
+impl Answer {
+    pub fn new(state: &AppState, checked: &ValidatedChat) -> Self {
+        Self {
+            stage: checked.stage.clone(),
+            keep_special: checked.keep_special,
+            tokenizer: state.tokenizer.clone(),
+        }
+    }
+
+    pub fn text(&self, c: &Chunk) -> String {
+        let mut text = c.text.clone();
+        strip_special_stop(&self.tokenizer, self.keep_special, &mut text, c);
+        text
+    }
+}
 
 /// The model's facts the chat rules check a request against.
 pub(super) fn chat_context(state: &AppState) -> ChatContext<'_> {

@@ -6,7 +6,6 @@
 //! `anthropic_errors`.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -17,8 +16,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
-use super::agents::{self as agent, Agent, Output};
-use super::chat::strip_special_stop;
+use super::agents::{self as agent, new_id, Agent, Answer, Output};
 use super::error::ApiError;
 use super::protocol::parse_body;
 use super::protocol_agents::MessagesRequest;
@@ -28,18 +26,13 @@ use super::{
     protocol_agents::{AnthropicError, AnthropicMessage, AnthropicTokenCount},
     response::ServerSentEvent,
 };
-use crate::chat_output::{MessageDelta, OutputStage};
+use crate::chat_output::MessageDelta;
 use crate::engine::TokenUsage;
 use crate::generate::{self, Chunk, Finish};
 use crate::validate;
-use tokenspeed_text::TextTokenizer;
 
 /// The path prefix whose errors take Anthropic's shape.
 pub const PATH: &str = "/v1/messages";
-
-fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
-}
 
 #[utoipa::path(post, path = "/v1/messages", request_body = MessagesRequest, responses((status = 200, description = "a message, or Anthropic's server-sent events with stream", content((AnthropicMessage = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = AnthropicError)))]
 pub async fn messages(State(state): State<AppState>, body: Bytes) -> Response {
@@ -63,9 +56,7 @@ async fn messages_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
             .clone()
             .filter(|m| !m.is_empty())
             .unwrap_or(started.model),
-        stage: checked.stage.clone(),
-        keep_special: checked.keep_special,
-        tokenizer: state.tokenizer.clone(),
+        answer: Answer::new(&state, &checked),
     };
     match started.output {
         Output::Stream(choices) => Ok(render.stream(choices)),
@@ -76,7 +67,7 @@ async fn messages_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
 impl Render {
     /// The whole message: thinking, text and tool_use blocks.
     fn whole(&self, chunk: &Chunk) -> Value {
-        let parsed = self.stage.parse(&self.text(chunk));
+        let parsed = self.answer.stage.parse(&self.answer.text(chunk));
         let mut content = Vec::new();
         if !parsed.reasoning_content.is_empty() {
             content.push(
@@ -141,18 +132,10 @@ fn stop_reason(finish: Option<&Finish>, made_calls: bool) -> (&'static str, Valu
 struct Render {
     id: String,
     model: String,
-    stage: OutputStage,
-    keep_special: bool,
-    tokenizer: Arc<TextTokenizer>,
+    answer: Answer,
 }
 
 impl Render {
-    fn text(&self, c: &Chunk) -> String {
-        let mut text = c.text.clone();
-        strip_special_stop(&self.tokenizer, self.keep_special, &mut text, c);
-        text
-    }
-
     fn message(&self, content: Vec<Value>, usage: &TokenUsage) -> Value {
         json!({
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -164,7 +147,7 @@ impl Render {
 
     fn stream(self, choices: generate::Choices) -> Response {
         let mut chunks = choices.stream();
-        let mut output = self.stage.stream();
+        let mut output = self.answer.stage.stream();
         let mut blocks = Blocks {
             open: None,
             index: 0,
@@ -188,7 +171,7 @@ impl Render {
                     let message = self.message(Vec::new(), &usage);
                     yield Ok(event("message_start", json!({"type": "message_start", "message": message})));
                 }
-                let delta = output.push(&self.text(&chunk), chunk.finish.is_some());
+                let delta = output.push(&self.answer.text(&chunk), chunk.finish.is_some());
                 for e in blocks.push(delta) {
                     yield Ok(e);
                 }

@@ -14,8 +14,8 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 
-use super::agents::{self as agent, Agent, Output};
-use super::chat::{chat_logprobs, strip_special_stop};
+use super::agents::{self as agent, new_id, Agent, Answer, Output};
+use super::chat::chat_logprobs;
 use super::error::ApiError;
 use super::openai::LogprobStyle;
 use super::protocol::parse_body;
@@ -26,16 +26,11 @@ use super::{
     protocol_agents::{ResponseDeleted, ResponseObject},
     response::{ErrorResponse, ServerSentEvent},
 };
-use crate::chat_output::{MessageDelta, OutputStage};
+use crate::chat_output::MessageDelta;
 use crate::engine::TokenUsage;
 use crate::generate::{self, Chunk, TokenLogprob};
 use crate::response_store::{ResponseStore, StoredResponse};
 use crate::validate;
-use tokenspeed_text::TextTokenizer;
-
-fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
-}
 
 #[utoipa::path(post, path = "/v1/responses", request_body = ResponsesRequest, responses((status = 200, description = "a response, or its server-sent events with stream", content((ResponseObject = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = ErrorResponse)))]
 pub async fn create(State(state): State<AppState>, body: Bytes) -> Response {
@@ -90,10 +85,8 @@ async fn create_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError
     head.insert("model".into(), json!(started.model));
     let render = Render {
         head,
-        stage: checked.chat.stage.clone(),
-        keep_special: checked.chat.keep_special,
+        answer: Answer::new(&state, &checked.chat),
         logprobs: checked.chat.want_logprobs,
-        tokenizer: state.tokenizer.clone(),
         store: checked
             .store
             .then(|| (state.responses.clone(), checked.conversation)),
@@ -197,11 +190,9 @@ fn assistant_message(output: &[Value]) -> Map<String, Value> {
 /// How one response is rendered and kept.
 struct Render {
     head: Map<String, Value>,
-    stage: OutputStage,
-    keep_special: bool,
+    answer: Answer,
     /// `include: ["message.output_text.logprobs"]` was asked for.
     logprobs: bool,
-    tokenizer: Arc<TextTokenizer>,
     /// With `store`: where the response goes, and the conversation it answered.
     store: Option<Keep>,
 }
@@ -210,25 +201,19 @@ struct Render {
 type Keep = (Arc<ResponseStore>, Vec<Map<String, Value>>);
 
 impl Render {
-    fn text(&self, c: &Chunk) -> String {
-        let mut text = c.text.clone();
-        strip_special_stop(&self.tokenizer, self.keep_special, &mut text, c);
-        text
-    }
-
     /// The tokens' logprobs as the output text's (the chat route's entries), or [].
     fn logprobs(&self, lps: &[TokenLogprob]) -> Value {
         if !self.logprobs {
             return json!([]);
         }
         let style = LogprobStyle { as_ids: false };
-        json!(chat_logprobs(&self.tokenizer, style, lps).content)
+        json!(chat_logprobs(&self.answer.tokenizer, style, lps).content)
     }
 
     /// The whole response: reasoning, the message (with the logprobs of every output token,
     /// as vLLM's) and the calls.
     fn whole(&self, chunk: &Chunk) -> Value {
-        let parsed = self.stage.parse(&self.text(chunk));
+        let parsed = self.answer.stage.parse(&self.answer.text(chunk));
         let mut output = Vec::new();
         if !parsed.reasoning_content.is_empty() {
             let text = &parsed.reasoning_content;
@@ -294,7 +279,7 @@ impl Render {
             pending: Vec::new(),
         };
         let mut chunks = choices.stream();
-        let mut output = events.render.stage.stream();
+        let mut output = events.render.answer.stage.stream();
         let stream = async_stream::stream! {
             let created = events.render.object("in_progress", Vec::new(), None);
             yield Ok::<_, Infallible>(events.event("response.created", json!({"response": created})));
@@ -303,7 +288,7 @@ impl Render {
             while let Some((_, item)) = chunks.next().await {
                 match item {
                     Ok(chunk) => {
-                        let text = events.render.text(&chunk);
+                        let text = events.render.answer.text(&chunk);
                         if events.render.logprobs {
                             events.pending.extend_from_slice(&chunk.logprobs);
                         }
