@@ -145,7 +145,6 @@ def test_logprobs_minus_one_is_refused_with_the_vocabulary_size(server: Server) 
 
 @pytest.mark.parametrize(("field", "value", "neutral"), [
     ("use_beam_search", True, False),
-    ("stop_regex", "a+", None),
     ("logprob_token_ids", [1, 2], []),
     ("kv_transfer_params", {"do_remote_decode": True}, None),
 ])
@@ -155,6 +154,31 @@ def test_unimplemented_vllm_fields_are_refused_by_name(server: Server, field: st
     assert error_of(server, "/v1/completions", {**body, field: value})["param"] == field
     ok = httpx.post(f"{server.url}/v1/completions", json={**body, field: neutral}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_stop_regex_cuts_the_output_before_its_match(server: Server, client: openai.OpenAI,
+                                                     model: str) -> None:
+    """SGLang's stop_regex: the output ends right before the first match (found on the
+    detokenized text, held back while a match could still start), streamed or not; the
+    pattern is reported as matched_stop, as a stop string is."""
+    args = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    free = client.completions.create(**args).choices[0].text
+    word = free.split()[2]  # a word some tokens in: the match spans tokens and ends mid-output
+    pattern = r"\s" + re.escape(word[:2]) + "[a-z]*"
+    want = free[:re.search(pattern, free).start()]
+    r = client.completions.create(**args, extra_body={"stop_regex": pattern})
+    choice = r.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["matched_stop"]) == (want, "stop", pattern)
+    assert r.usage.completion_tokens < 24
+    streamed = client.completions.create(**args, stream=True, extra_body={"stop_regex": [pattern]})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+    kept = client.completions.create(**args, extra_body={"stop_regex": pattern,
+                                                         "include_stop_str_in_output": True})
+    assert kept.choices[0].text.startswith(want) and re.fullmatch(pattern, kept.choices[0].text[len(want):])
+    body = {"prompt": "x", "max_tokens": 1}
+    for bad in ("(", "a*"):  # does not compile; matches the empty string
+        assert error_of(server, "/v1/completions", {**body, "stop_regex": bad})["param"] == "stop_regex"
+    assert httpx.post(f"{server.url}/v1/completions", json={**body, "stop_regex": []}, timeout=60).status_code == 200
 
 
 # --- 5. JSON bodies only; stream_options needs a stream --------------------------------------

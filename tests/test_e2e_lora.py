@@ -222,3 +222,37 @@ def test_n_streaming_and_structured_output_on_an_adapter(client: openai.OpenAI, 
 
 def _ids_of(tokens: list[str]) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_agent_routes_on_an_adapter(lora_server: Server, client: openai.OpenAI) -> None:
+    """`model` names an adapter on /v1/responses and /v1/messages as on the chat route: the
+    same greedy text as chat on that adapter, not the base model's; an unknown name is the
+    chat route's 404."""
+    import anthropic
+
+    question = "Name a colour."
+    messages = [{"role": "user", "content": question}]
+    base = client.models.list().data[0].id
+
+    def respond(model: str) -> openai.types.responses.Response:
+        return client.responses.create(model=model, input=question, max_output_tokens=MAX_TOKENS,
+                                       temperature=0)
+
+    chat = client.chat.completions.create(model="all", messages=messages, max_tokens=MAX_TOKENS,
+                                          temperature=0)
+    on_adapter, on_base = respond("all"), respond(base)
+    assert on_adapter.model == "all"
+    assert on_adapter.output_text == chat.choices[0].message.content != on_base.output_text
+    claude = anthropic.Anthropic(base_url=lora_server.url, api_key="unused", max_retries=0,
+                                 timeout=120)
+    m = claude.messages.create(model="all", max_tokens=MAX_TOKENS, messages=messages,
+                               extra_body={"temperature": 0})
+    assert m.model == "all" and m.content[0].text == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError) as chat_error:
+        client.chat.completions.create(model="nope", messages=messages, max_tokens=1)
+    with pytest.raises(openai.NotFoundError) as e:
+        respond("nope")
+    assert e.value.body == chat_error.value.body
+    with pytest.raises(anthropic.NotFoundError) as a:
+        claude.messages.create(model="nope", max_tokens=1, messages=messages)
+    assert a.value.body["error"]["message"] == chat_error.value.body["message"]

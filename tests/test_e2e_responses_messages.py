@@ -156,6 +156,42 @@ def test_unbuilt_fields_are_refused_by_name(client: openai.OpenAI, model: str) -
 
 
 
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def _entries(logprobs: list) -> list[tuple]:
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in logprobs]
+
+
+def _same(got: list[tuple], want: list[tuple]) -> None:
+    """Equal tokens; logprobs within 1e-4 (a cached and an uncached prefill may round apart)."""
+    assert [(t, [a for a, _ in top]) for t, _, top in got] == [(t, [a for a, _ in top]) for t, _, top in want]
+    flat = [(lp, *[b for _, b in top]) for _, lp, top in got]
+    ref = [(lp, *[b for _, b in top]) for _, lp, top in want]
+    assert all(x == pytest.approx(y, abs=1e-4) for a, b in zip(flat, ref) for x, y in zip(a, b)), (got, want)
+
+
+def test_output_text_logprobs_are_the_chat_routes(client: openai.OpenAI, model: str) -> None:
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    want = _entries(chat.choices[0].logprobs.content)
+    assert len(want) == chat.usage.completion_tokens and all(len(top) == 3 for *_, top in want)
+    r = respond(client, model, input="Say hello", max_output_tokens=6, include=LOGPROBS, top_logprobs=3)
+    assert r.output_text == chat.choices[0].message.content and r.top_logprobs == 3
+    _same(_entries(r.output[0].content[0].logprobs), want)
+    events = list(respond(client, model, input="Say hello", max_output_tokens=6, include=LOGPROBS,
+                          top_logprobs=3, stream=True))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    _same(_entries(deltas), want)
+    _same(_entries(events[-1].response.output[0].content[0].logprobs), want)
+    assert respond(client, model, input="Say hello", max_output_tokens=2).output[0].content[0].logprobs == []
+    for extra, param in [({"top_logprobs": 2}, "top_logprobs"), ({"include": ["reasoning.encrypted_content"]},
+                                                                 "include")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            respond(client, model, **extra)
+        assert e.value.body["param"] == param, e.value.body
+
+
 # --- /v1/messages -------------------------------------------------------------------------------------
 
 
@@ -211,6 +247,18 @@ def test_messages_stream(claude: anthropic.Anthropic, model: str) -> None:
     jsonschema.validate(final.content[0].input, WEATHER)
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
     assert "input_json" in kinds and "content_block_stop" in kinds, kinds
+
+
+def test_messages_count_tokens_is_the_prompt_messages_renders(claude: anthropic.Anthropic, model: str) -> None:
+    body = {"system": "Answer briefly.", "tools": [ANTHROPIC_TOOL],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": [{"role": "user", "content": QUESTION}]}
+    counted = claude.messages.count_tokens(model=model, **body)
+    assert counted.input_tokens == ask(claude, model, max_tokens=1, **body).usage.input_tokens
+    longer = claude.messages.count_tokens(model=model, **{**body, "system": "Answer briefly and politely."})
+    assert longer.input_tokens > counted.input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="no-such-model", **body)
 
 
 def test_messages_errors_take_anthropics_shape(server: Server, claude: anthropic.Anthropic,

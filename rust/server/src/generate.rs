@@ -45,6 +45,7 @@ pub struct GenerationSpec {
     /// No stop ends the request before this many tokens.
     pub min_new_tokens: u32,
     pub stop: Vec<String>,
+    pub stop_regex: Vec<tokenspeed_text::StopRegex>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
@@ -151,6 +152,7 @@ pub async fn probe(
         max_new_tokens: Some(1),
         min_new_tokens: 0,
         stop: vec![],
+        stop_regex: vec![],
         stop_token_ids: vec![],
         ignore_eos: true,
         skip_special_tokens: true,
@@ -270,7 +272,7 @@ async fn start_on(
         tokenizer: fe.tokenizer.clone(),
         events,
         detok,
-        stops: StopMatcher::new(spec.stop),
+        stops: StopMatcher::new(spec.stop).with_regexes(spec.stop_regex),
         guard: AbortGuard {
             engine: dispatched.owner,
             id,
@@ -450,13 +452,11 @@ impl Generation {
         }
     }
 
-    /// Ends `chunk` at the stop string `step` matched (kept in the text with
+    /// Ends `chunk` at the stop string (or regex) `step` matched (its text kept with
     /// `include_stop_str_in_output`).
     fn stop_at(&self, chunk: &mut Chunk, step: StopStep) {
         if self.include_stop_str {
-            chunk
-                .text
-                .push_str(step.matched.as_deref().unwrap_or_default());
+            chunk.text.push_str(&step.matched_text);
         }
         chunk.finish = Some(Finish {
             reason: "stop",

@@ -9,9 +9,11 @@ mod detokenizer;
 mod error;
 mod jinja_compat;
 mod stop;
+mod stop_regex;
 mod tokenizer;
 
 pub use detokenizer::IncrementalDetokenizer;
 pub use error::TextError;
 pub use stop::{StopMatcher, StopStep};
+pub use stop_regex::StopRegex;
 pub use tokenizer::TextTokenizer;

@@ -1,4 +1,7 @@
-//! Stop-string matching over streamed text: holds back ("jails") any tail that could begin a stop string.
+//! Stop-string (and stop-regex) matching over streamed text: holds back ("jails") any tail that
+//! could begin a stop string or a regex match.
+
+use crate::stop_regex::StopRegex;
 
 /// The result of feeding one chunk of text to a [`StopMatcher`].
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -7,8 +10,11 @@ pub struct StopStep {
     pub emit: String,
     /// True once a stop string has completed; `emit` then ends right before it.
     pub stopped: bool,
-    /// The stop string that matched (reported to clients as `matched_stop`).
+    /// The stop string (or the stop regex's pattern) that matched (reported to clients as
+    /// `matched_stop`).
     pub matched: Option<String>,
+    /// The text the match covered (the stop string itself, or what the regex matched).
+    pub matched_text: String,
 }
 
 /// Per-request stop-string matcher.
@@ -19,6 +25,7 @@ pub struct StopStep {
 #[derive(Debug, Clone)]
 pub struct StopMatcher {
     stops: Vec<String>,
+    regexes: Vec<StopRegex>,
     max_stop_len: usize,
     held: String,
     stopped: bool,
@@ -31,10 +38,17 @@ impl StopMatcher {
         let max_stop_len = stops.iter().map(String::len).max().unwrap_or(0);
         Self {
             stops,
+            regexes: Vec::new(),
             max_stop_len,
             held: String::new(),
             stopped: false,
         }
+    }
+
+    /// Also stops at the first match of any of `regexes`.
+    pub fn with_regexes(mut self, regexes: Vec<StopRegex>) -> Self {
+        self.regexes = regexes;
+        self
     }
 
     /// Whether a stop string has already been matched.
@@ -46,16 +60,14 @@ impl StopMatcher {
     pub fn push(&mut self, text: &str) -> StopStep {
         if self.stopped {
             return StopStep {
-                emit: String::new(),
                 stopped: true,
-                matched: None,
+                ..StopStep::default()
             };
         }
-        if self.stops.is_empty() {
+        if self.stops.is_empty() && self.regexes.is_empty() {
             return StopStep {
                 emit: text.to_owned(),
-                stopped: false,
-                matched: None,
+                ..StopStep::default()
             };
         }
         let mut buf = std::mem::take(&mut self.held);
@@ -65,28 +77,41 @@ impl StopMatcher {
         // first wins (ties: the one that starts first), as if the text arrived byte by byte: the
         // result then does not depend on how the text was split into tokens, and generation never
         // has to run past a completed stop string to learn whether an earlier one completes too.
-        let earliest = self
-            .stops
+        // A regex match counts from where it ends too.
+        let strings = self.stops.iter().filter_map(|s| {
+            buf.find(s.as_str())
+                .map(|pos| (pos, pos + s.len(), s.as_str()))
+        });
+        let regexes = self
+            .regexes
             .iter()
-            .filter_map(|s| buf.find(s.as_str()).map(|pos| (pos, s)))
-            .min_by_key(|&(pos, s)| (pos + s.len(), pos));
-        if let Some((pos, stop)) = earliest {
-            let matched = Some(stop.clone());
-            buf.truncate(pos);
+            .filter_map(|r| r.find(&buf).map(|(start, end)| (start, end, r.pattern())));
+        let earliest = strings
+            .chain(regexes)
+            .min_by_key(|&(start, end, _)| (end, start));
+        if let Some((start, end, stop)) = earliest {
+            let matched = Some(stop.to_owned());
+            let matched_text = buf[start..end].to_owned();
+            buf.truncate(start);
             self.stopped = true;
             return StopStep {
                 emit: buf,
                 stopped: true,
                 matched,
+                matched_text,
             };
         }
 
-        let hold_from = self.longest_partial_suffix(&buf);
+        let partial = self.longest_partial_suffix(&buf);
+        let hold_from = self
+            .regexes
+            .iter_mut()
+            .map(|r| r.hold_from(&buf))
+            .fold(partial, usize::min);
         self.held = buf.split_off(hold_from);
         StopStep {
             emit: buf,
-            stopped: false,
-            matched: None,
+            ..StopStep::default()
         }
     }
 
@@ -98,6 +123,9 @@ impl StopMatcher {
     /// Byte index where the longest suffix of `buf` that is a proper prefix of a stop string
     /// begins, or `buf.len()` when there is none.
     fn longest_partial_suffix(&self, buf: &str) -> usize {
+        if self.stops.is_empty() {
+            return buf.len();
+        }
         // A partial match is shorter than the longest stop string, so only the tail is scanned.
         let window_start = buf
             .len()
@@ -212,13 +240,41 @@ mod tests {
         assert_eq!(
             m.push("more"),
             StopStep {
-                emit: String::new(),
                 stopped: true,
-                matched: None,
+                ..StopStep::default()
             }
         );
         assert!(m.is_stopped());
         assert_eq!(m.finish(), "");
+    }
+
+    #[test]
+    fn a_stop_regex_cuts_before_its_match_however_the_text_is_split() {
+        let regex = || vec![StopRegex::new(r"\d+\.").expect("valid")];
+        for chunks in [
+            &["It is 42. Done"][..],
+            &["It is 4", "2", ". Done"],
+            &["It is ", "42", "."],
+        ] {
+            let mut m = StopMatcher::new(Vec::new()).with_regexes(regex());
+            let mut out = String::new();
+            let mut last = StopStep::default();
+            for c in chunks {
+                last = m.push(c);
+                out.push_str(&last.emit);
+                if last.stopped {
+                    break;
+                }
+            }
+            assert_eq!(out, "It is ", "{chunks:?}");
+            assert!(last.stopped);
+            assert_eq!(last.matched.as_deref(), Some(r"\d+\."));
+            assert_eq!(last.matched_text, "42.");
+        }
+        // A digit run not followed by "." is released.
+        let mut m = StopMatcher::new(Vec::new()).with_regexes(regex());
+        assert_eq!(m.push("4").emit, "");
+        assert_eq!(m.push("2 x").emit, "42 x");
     }
 
     #[test]

@@ -351,7 +351,7 @@ impl ChatFrames {
     }
 }
 
-fn chat_logprobs(
+pub(super) fn chat_logprobs(
     tokenizer: &tokenspeed_text::TextTokenizer,
     style: LogprobStyle,
     lps: &[TokenLogprob],

@@ -6,7 +6,6 @@
 //! `anthropic_errors`.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -17,24 +16,25 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
-use super::chat::strip_special_stop;
+use super::agents::{self as agent, new_id, Agent, Answer, Output};
 use super::error::ApiError;
 use super::protocol::parse_body;
 use super::protocol_agents::MessagesRequest;
 use super::{ok_json, AppState};
-use crate::chat_output::{MessageDelta, OutputStage};
+#[allow(unused_imports)] // named by the #[utoipa::path] attributes
+use super::{
+    protocol_agents::{AnthropicError, AnthropicMessage, AnthropicTokenCount},
+    response::ServerSentEvent,
+};
+use crate::chat_output::MessageDelta;
 use crate::engine::TokenUsage;
 use crate::generate::{self, Chunk, Finish};
 use crate::validate;
-use tokenspeed_text::TextTokenizer;
 
 /// The path prefix whose errors take Anthropic's shape.
 pub const PATH: &str = "/v1/messages";
 
-fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
-}
-
+#[utoipa::path(post, path = "/v1/messages", request_body = MessagesRequest, responses((status = 200, description = "a message, or Anthropic's server-sent events with stream", content((AnthropicMessage = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = AnthropicError)))]
 pub async fn messages(State(state): State<AppState>, body: Bytes) -> Response {
     match messages_inner(state, &body).await {
         Ok(r) => r,
@@ -44,56 +44,67 @@ pub async fn messages(State(state): State<AppState>, body: Bytes) -> Response {
 
 async fn messages_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(body)?;
-    state.check_model(req.model.as_deref())?;
-    let checked = validate::messages::messages_request(
-        &req,
-        &state.config.sampling_defaults,
-        state.tokenizer.vocab_size() as u32,
-        &state.chat_parsers,
-    )?;
-    let rid = generate::new_request_id();
-    let choices = generate::start_choices(&state, rid, vec![checked.spec.clone()], 1).await?;
+    let agent = Agent::resolve(&state, req.model.as_deref())?;
+    let checked = validate::messages::messages_request(&req, &agent::chat_context(&state))?;
+    let stream = req.stream.unwrap_or(false);
+    let started = agent.run(&state, checked.spec.clone(), stream).await?;
     let render = Render {
-        id: format!("msg_{}", rid.request()),
+        id: format!("msg_{}", started.rid.request()),
+        // The name the client sent (an adapter's, or an alias of the model), else ours.
         model: req
             .model
             .clone()
-            .unwrap_or_else(|| state.config.served_model_name.clone()),
-        stage: checked.stage.clone(),
-        keep_special: checked.keep_special,
-        tokenizer: state.tokenizer.clone(),
+            .filter(|m| !m.is_empty())
+            .unwrap_or(started.model),
+        answer: Answer::new(&state, &checked),
     };
-    if req.stream.unwrap_or(false) {
-        return Ok(render.stream(choices));
+    match started.output {
+        Output::Stream(choices) => Ok(render.stream(choices)),
+        Output::Whole(chunk) => Ok(ok_json(render.whole(&chunk))),
     }
-    let chunk = choices
-        .collect()
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| ApiError::internal("the request ended without output"))?;
-    let parsed = render.stage.parse(&render.text(&chunk));
-    let mut content = Vec::new();
-    if !parsed.reasoning_content.is_empty() {
-        content.push(
-            json!({"type": "thinking", "thinking": parsed.reasoning_content, "signature": ""}),
-        );
+}
+
+impl Render {
+    /// The whole message: thinking, text and tool_use blocks.
+    fn whole(&self, chunk: &Chunk) -> Value {
+        let parsed = self.answer.stage.parse(&self.answer.text(chunk));
+        let mut content = Vec::new();
+        if !parsed.reasoning_content.is_empty() {
+            content.push(
+                json!({"type": "thinking", "thinking": parsed.reasoning_content, "signature": ""}),
+            );
+        }
+        if !parsed.content.is_empty() {
+            content.push(json!({"type": "text", "text": parsed.content}));
+        }
+        for call in &parsed.tool_calls {
+            content.push(
+                json!({"type": "tool_use", "id": new_id("toolu"), "name": call.name,
+                                "input": tool_input(&call.arguments)}),
+            );
+        }
+        let (stop_reason, stop_sequence) =
+            stop_reason(chunk.finish.as_ref(), !parsed.tool_calls.is_empty());
+        let mut message = self.message(content, &chunk.usage);
+        message["stop_reason"] = json!(stop_reason);
+        message["stop_sequence"] = stop_sequence;
+        message
     }
-    if !parsed.content.is_empty() {
-        content.push(json!({"type": "text", "text": parsed.content}));
-    }
-    for call in &parsed.tool_calls {
-        content.push(
-            json!({"type": "tool_use", "id": new_id("toolu"), "name": call.name,
-                            "input": tool_input(&call.arguments)}),
-        );
-    }
-    let (stop_reason, stop_sequence) =
-        stop_reason(chunk.finish.as_ref(), !parsed.tool_calls.is_empty());
-    let mut message = render.message(content, &chunk.usage);
-    message["stop_reason"] = json!(stop_reason);
-    message["stop_sequence"] = stop_sequence;
-    Ok(ok_json(message))
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens, as `/v1/messages` renders the same
+/// body (tools included).
+#[utoipa::path(post, path = "/v1/messages/count_tokens", request_body = MessagesRequest, responses((status = 200, description = "`{input_tokens}`", body = AnthropicTokenCount), (status = 400, description = "invalid request", body = AnthropicError)))]
+pub async fn count_tokens(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = async {
+        let mut req: MessagesRequest = parse_body(&body)?;
+        state.check_model(req.model.as_deref())?;
+        req.max_tokens.get_or_insert(1);
+        let checked = validate::messages::messages_request(&req, &agent::chat_context(&state))?;
+        let ids = generate::tokenize_prompt(&state, checked.spec.prompt).await?;
+        Ok::<_, ApiError>(ok_json(json!({"input_tokens": ids.len()})))
+    };
+    run.await.unwrap_or_else(|e| e.into_response())
 }
 
 /// A call's arguments as the `input` object (text that is not a JSON object is kept whole
@@ -121,18 +132,10 @@ fn stop_reason(finish: Option<&Finish>, made_calls: bool) -> (&'static str, Valu
 struct Render {
     id: String,
     model: String,
-    stage: OutputStage,
-    keep_special: bool,
-    tokenizer: Arc<TextTokenizer>,
+    answer: Answer,
 }
 
 impl Render {
-    fn text(&self, c: &Chunk) -> String {
-        let mut text = c.text.clone();
-        strip_special_stop(&self.tokenizer, self.keep_special, &mut text, c);
-        text
-    }
-
     fn message(&self, content: Vec<Value>, usage: &TokenUsage) -> Value {
         json!({
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -144,7 +147,7 @@ impl Render {
 
     fn stream(self, choices: generate::Choices) -> Response {
         let mut chunks = choices.stream();
-        let mut output = self.stage.stream();
+        let mut output = self.answer.stage.stream();
         let mut blocks = Blocks {
             open: None,
             index: 0,
@@ -168,7 +171,7 @@ impl Render {
                     let message = self.message(Vec::new(), &usage);
                     yield Ok(event("message_start", json!({"type": "message_start", "message": message})));
                 }
-                let delta = output.push(&self.text(&chunk), chunk.finish.is_some());
+                let delta = output.push(&self.answer.text(&chunk), chunk.finish.is_some());
                 for e in blocks.push(delta) {
                     yield Ok(e);
                 }

@@ -1,6 +1,7 @@
 //! The HTTP front end: routes, shared state, and the layers every request passes before its
 //! handler: drain refusal, auth, body limit, admission. Handlers live in `openai` and `native`.
 
+pub mod agents;
 pub mod chat;
 pub mod error;
 pub mod lifecycle;
@@ -143,6 +144,7 @@ pub fn router(state: AppState) -> Router {
             "/v1/responses/{id}",
             get(responses::get).delete(responses::delete),
         )
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/tokenize", post(native::tokenize))
         .route("/detokenize", post(native::detokenize))
         .route("/v1/tokenize", post(native::tokenize))

@@ -309,7 +309,7 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
     ok_json(info)
 }
 
-#[utoipa::path(post, path = "/flush_cache", responses((status = 200, description = "flushed"), (status = 400, description = "requests are running")))]
+#[utoipa::path(method(get, post), path = "/flush_cache", responses((status = 200, description = "flushed"), (status = 400, description = "requests are running")))]
 pub async fn flush_cache(State(state): State<AppState>) -> Response {
     if state.engine.flush_cache().await {
         (StatusCode::OK, "Cache flushed.\n").into_response()

@@ -4,7 +4,7 @@
 use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
-use super::{chat, lora, native, openai, ops, pooling};
+use super::{chat, lora, messages, native, openai, ops, pooling, responses};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -17,6 +17,11 @@ use super::{chat, lora, native, openai, ops, pooling};
         openai::model,
         openai::completions,
         chat::chat_completions,
+        responses::create,
+        responses::get,
+        responses::delete,
+        messages::messages,
+        messages::count_tokens,
         native::generate,
         native::tokenize,
         native::detokenize,
@@ -40,6 +45,7 @@ use super::{chat, lora, native, openai, ops, pooling};
         pooling::score,
         pooling::rerank,
         pooling::classify,
+        openapi_json,
     )
 )]
 pub struct ApiDoc;
@@ -60,6 +66,9 @@ const ALIASES: &[(&str, &str)] = &[
 const MODEL_ROUTES: &[&str] = &[
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
     "/v1/embeddings",
@@ -72,6 +81,8 @@ const MODEL_ROUTES: &[&str] = &[
 const QUEUED_ROUTES: &[&str] = &[
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
     "/generate",
     "/v1/embeddings",
     "/v1/score",
@@ -80,25 +91,34 @@ const QUEUED_ROUTES: &[&str] = &[
     "/classify",
 ];
 /// Routes open without the API key (load balancers and scrapers need them).
-const OPEN_ROUTES: &[&str] = &["/health", "/ping", "/metrics"];
+const OPEN_ROUTES: &[&str] = &["/health", "/ping", "/metrics", "/openapi.json"];
 
 /// The errors any route of a kind can answer, written once here rather than on each handler
 /// (all in the OpenAI error format): the fuzz test holds every response to the document.
 fn add_common_errors(path: &str, item: &mut utoipa::openapi::PathItem) {
     use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+    // `/v1/messages` answers errors in Anthropic's shape (`messages::anthropic_errors`).
+    let schema = if path.starts_with(super::messages::PATH) {
+        "AnthropicError"
+    } else {
+        "ErrorResponse"
+    };
     let error = |description: &str| {
         ResponseBuilder::new()
             .description(description)
             .content(
                 "application/json",
                 ContentBuilder::new()
-                    .schema(Some(Ref::from_schema_name("ErrorResponse")))
+                    .schema(Some(Ref::from_schema_name(schema)))
                     .build(),
             )
             .build()
     };
     let post = item.post.is_some();
-    for op in [&mut item.get, &mut item.post].into_iter().flatten() {
+    for op in [&mut item.get, &mut item.post, &mut item.delete]
+        .into_iter()
+        .flatten()
+    {
         let mut add = |status: &str, description: &str| {
             op.responses
                 .responses
@@ -130,6 +150,12 @@ pub fn document() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
     for (path, item) in doc.paths.paths.iter_mut() {
         add_common_errors(path, item);
+        // A handler served on GET and POST has one operation id: the GET's gets a suffix.
+        if let (Some(get), Some(post)) = (&mut item.get, &item.post) {
+            if get.operation_id == post.operation_id {
+                get.operation_id = get.operation_id.take().map(|id| format!("{id}_get"));
+            }
+        }
     }
     for (alias, path) in ALIASES {
         if let Some(mut item) = doc.paths.paths.get(*path).cloned() {
@@ -144,6 +170,7 @@ pub fn document() -> utoipa::openapi::OpenApi {
     doc
 }
 
+#[utoipa::path(get, path = "/openapi.json", responses((status = 200, description = "this document")))]
 pub async fn openapi_json() -> Response {
     axum::Json(document()).into_response()
 }
@@ -162,6 +189,11 @@ mod tests {
             "/v1/models/{id}",
             "/v1/tokenize",
             "/ping",
+            "/v1/responses",
+            "/v1/responses/{id}",
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/openapi.json",
         ] {
             assert!(doc["paths"].get(path).is_some(), "{path} missing");
         }

@@ -167,14 +167,14 @@ pub struct MemoryRequest {
 /// Frees the workers' weights (a host copy kept), KV cache and CUDA graphs once the running
 /// requests finish (SGLang's sleep, for an RL trainer that needs the GPU); requests sent
 /// meanwhile wait in the queue until `/resume_memory_occupation`.
-#[utoipa::path(post, path = "/release_memory_occupation", request_body = MemoryRequest, responses((status = 200, description = "released: `{success, message}`"), (status = 400, description = "not released: an error for a bad body or tags, `{success: false, message}` when the workers refuse (already released)")))]
+#[utoipa::path(method(get, post), path = "/release_memory_occupation", request_body = MemoryRequest, responses((status = 200, description = "released: `{success, message}`"), (status = 400, description = "not released: an error for a bad body or tags, `{success: false, message}` when the workers refuse (already released)")))]
 pub async fn release_memory(State(state): State<AppState>, body: Bytes) -> Response {
     memory_op(state, body, tokenspeed_engine::op_kind::RELEASE_MEMORY).await
 }
 
 /// Restores what `/release_memory_occupation` freed; queued requests then run, on the same
 /// weights as before.
-#[utoipa::path(post, path = "/resume_memory_occupation", request_body = MemoryRequest, responses((status = 200, description = "resumed: `{success, message}`"), (status = 400, description = "not resumed: an error for a bad body or tags, `{success: false, message}` when the workers refuse (not released)")))]
+#[utoipa::path(method(get, post), path = "/resume_memory_occupation", request_body = MemoryRequest, responses((status = 200, description = "resumed: `{success, message}`"), (status = 400, description = "not resumed: an error for a bad body or tags, `{success: false, message}` when the workers refuse (not released)")))]
 pub async fn resume_memory(State(state): State<AppState>, body: Bytes) -> Response {
     memory_op(state, body, tokenspeed_engine::op_kind::RESUME_MEMORY).await
 }

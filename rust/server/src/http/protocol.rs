@@ -57,6 +57,8 @@ pub struct SamplingFields {
     /// vLLM's: no stop ends generation before this many tokens.
     pub min_tokens: Option<u32>,
     pub stop: Option<StopField>,
+    /// SGLang's: stop when the output matches one of these regexes (cut like a stop string).
+    pub stop_regex: Option<StopField>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,
     pub skip_special_tokens: Option<bool>,

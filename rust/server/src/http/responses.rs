@@ -14,22 +14,25 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 
-use super::chat::strip_special_stop;
+use super::agents::{self as agent, new_id, Agent, Answer, Output};
+use super::chat::chat_logprobs;
 use super::error::ApiError;
+use super::openai::LogprobStyle;
 use super::protocol::parse_body;
 use super::protocol_agents::ResponsesRequest;
 use super::{ok_json, unix_now, AppState};
-use crate::chat_output::{MessageDelta, OutputStage};
+#[allow(unused_imports)] // named by the #[utoipa::path] attributes
+use super::{
+    protocol_agents::{ResponseDeleted, ResponseObject},
+    response::{ErrorResponse, ServerSentEvent},
+};
+use crate::chat_output::MessageDelta;
 use crate::engine::TokenUsage;
-use crate::generate::{self, Chunk};
+use crate::generate::{self, Chunk, TokenLogprob};
 use crate::response_store::{ResponseStore, StoredResponse};
 use crate::validate;
-use tokenspeed_text::TextTokenizer;
 
-fn new_id(prefix: &str) -> String {
-    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
-}
-
+#[utoipa::path(post, path = "/v1/responses", request_body = ResponsesRequest, responses((status = 200, description = "a response, or its server-sent events with stream", content((ResponseObject = "application/json"), (ServerSentEvent = "text/event-stream"))), (status = 400, description = "invalid request", body = ErrorResponse)))]
 pub async fn create(State(state): State<AppState>, body: Bytes) -> Response {
     match create_inner(state, &body).await {
         Ok(r) => r,
@@ -37,6 +40,7 @@ pub async fn create(State(state): State<AppState>, body: Bytes) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/v1/responses/{id}", params(("id" = String, Path, description = "response id")), responses((status = 200, description = "the stored response", body = ResponseObject), (status = 404, description = "not stored (or deleted)", body = ErrorResponse)))]
 pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> Response {
     match state.responses.get(&id) {
         Some(stored) => ok_json(stored.response),
@@ -44,6 +48,7 @@ pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> Respo
     }
 }
 
+#[utoipa::path(delete, path = "/v1/responses/{id}", params(("id" = String, Path, description = "response id")), responses((status = 200, description = "deleted", body = ResponseDeleted), (status = 404, description = "not stored (or deleted)", body = ErrorResponse)))]
 pub async fn delete(State(state): State<AppState>, Path(id): Path<String>) -> Response {
     if state.responses.delete(&id) {
         ok_json(json!({"id": id, "object": "response.deleted", "deleted": true}))
@@ -58,7 +63,7 @@ fn not_found(id: &str) -> ApiError {
 
 async fn create_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: ResponsesRequest = parse_body(body)?;
-    state.check_model(req.model.as_deref())?;
+    let agent = Agent::resolve(&state, req.model.as_deref())?;
     let history = match req.previous_response_id.as_deref() {
         None => Vec::new(),
         Some(prev) => state
@@ -72,55 +77,28 @@ async fn create_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError
                 )
             })?,
     };
-    let checked = validate::responses::responses_request(
-        &req,
-        history,
-        &state.config.sampling_defaults,
-        state.tokenizer.vocab_size() as u32,
-        &state.chat_parsers,
-    )?;
-    let rid = generate::new_request_id();
-    let choices = generate::start_choices(&state, rid, vec![checked.chat.spec.clone()], 1).await?;
+    let checked =
+        validate::responses::responses_request(&req, history, &agent::chat_context(&state))?;
+    let stream = req.stream.unwrap_or(false);
+    let started = agent.run(&state, checked.chat.spec.clone(), stream).await?;
+    let mut head = head(&req, format!("resp_{}", started.rid.request()));
+    head.insert("model".into(), json!(started.model));
     let render = Render {
-        head: head(&req, &state, format!("resp_{}", rid.request())),
-        stage: checked.chat.stage.clone(),
-        keep_special: checked.chat.keep_special,
-        tokenizer: state.tokenizer.clone(),
+        head,
+        answer: Answer::new(&state, &checked.chat),
+        logprobs: checked.chat.want_logprobs,
         store: checked
             .store
             .then(|| (state.responses.clone(), checked.conversation)),
     };
-    if req.stream.unwrap_or(false) {
-        return Ok(render.stream(choices));
+    match started.output {
+        Output::Stream(choices) => Ok(render.stream(choices)),
+        Output::Whole(chunk) => Ok(ok_json(render.whole(&chunk))),
     }
-    let chunk = choices
-        .collect()
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| ApiError::internal("the request ended without output"))?;
-    let text = render.text(&chunk);
-    let parsed = render.stage.parse(&text);
-    let mut output = Vec::new();
-    if !parsed.reasoning_content.is_empty() {
-        output.push(reasoning_item(
-            new_id("rs"),
-            &parsed.reasoning_content,
-            "completed",
-        ));
-    }
-    if !parsed.content.is_empty() || parsed.tool_calls.is_empty() {
-        output.push(message_item(new_id("msg"), &parsed.content, "completed"));
-    }
-    for call in &parsed.tool_calls {
-        let item = call_item(new_id("fc"), new_id("call"), &call.name, &call.arguments);
-        output.push(item);
-    }
-    Ok(ok_json(render.finish(output, &chunk)))
 }
 
 /// The request fields every rendering of the response repeats (OpenAI echoes them).
-fn head(req: &ResponsesRequest, state: &AppState, id: String) -> Map<String, Value> {
+fn head(req: &ResponsesRequest, id: String) -> Map<String, Value> {
     let or =
         |v: Option<&Value>, default: Value| v.filter(|v| !v.is_null()).cloned().unwrap_or(default);
     let object = json!({
@@ -132,7 +110,7 @@ fn head(req: &ResponsesRequest, state: &AppState, id: String) -> Map<String, Val
         "incomplete_details": null,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
-        "model": state.config.served_model_name,
+        "model": null,
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls.unwrap_or(true),
         "previous_response_id": req.previous_response_id,
@@ -143,6 +121,7 @@ fn head(req: &ResponsesRequest, state: &AppState, id: String) -> Map<String, Val
         "tool_choice": or(req.tool_choice.as_ref(), json!("auto")),
         "tools": req.tools.clone().unwrap_or_default(),
         "top_p": req.top_p,
+        "top_logprobs": req.top_logprobs,
         "truncation": "disabled",
         "usage": null,
         "user": req.user,
@@ -154,13 +133,13 @@ fn head(req: &ResponsesRequest, state: &AppState, id: String) -> Map<String, Val
     }
 }
 
-fn message_item(id: String, text: &str, status: &str) -> Value {
+fn message_item(id: String, text: &str, logprobs: Value, status: &str) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant",
-           "content": [output_text(text)]})
+           "content": [output_text(text, logprobs)]})
 }
 
-fn output_text(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+fn output_text(text: &str, logprobs: Value) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
 }
 
 fn reasoning_item(id: String, text: &str, status: &str) -> Value {
@@ -211,9 +190,9 @@ fn assistant_message(output: &[Value]) -> Map<String, Value> {
 /// How one response is rendered and kept.
 struct Render {
     head: Map<String, Value>,
-    stage: OutputStage,
-    keep_special: bool,
-    tokenizer: Arc<TextTokenizer>,
+    answer: Answer,
+    /// `include: ["message.output_text.logprobs"]` was asked for.
+    logprobs: bool,
     /// With `store`: where the response goes, and the conversation it answered.
     store: Option<Keep>,
 }
@@ -222,10 +201,38 @@ struct Render {
 type Keep = (Arc<ResponseStore>, Vec<Map<String, Value>>);
 
 impl Render {
-    fn text(&self, c: &Chunk) -> String {
-        let mut text = c.text.clone();
-        strip_special_stop(&self.tokenizer, self.keep_special, &mut text, c);
-        text
+    /// The tokens' logprobs as the output text's (the chat route's entries), or [].
+    fn logprobs(&self, lps: &[TokenLogprob]) -> Value {
+        if !self.logprobs {
+            return json!([]);
+        }
+        let style = LogprobStyle { as_ids: false };
+        json!(chat_logprobs(&self.answer.tokenizer, style, lps).content)
+    }
+
+    /// The whole response: reasoning, the message (with the logprobs of every output token,
+    /// as vLLM's) and the calls.
+    fn whole(&self, chunk: &Chunk) -> Value {
+        let parsed = self.answer.stage.parse(&self.answer.text(chunk));
+        let mut output = Vec::new();
+        if !parsed.reasoning_content.is_empty() {
+            let text = &parsed.reasoning_content;
+            output.push(reasoning_item(new_id("rs"), text, "completed"));
+        }
+        if !parsed.content.is_empty() || parsed.tool_calls.is_empty() {
+            let logprobs = self.logprobs(&chunk.logprobs);
+            output.push(message_item(
+                new_id("msg"),
+                &parsed.content,
+                logprobs,
+                "completed",
+            ));
+        }
+        for call in &parsed.tool_calls {
+            let item = call_item(new_id("fc"), new_id("call"), &call.name, &call.arguments);
+            output.push(item);
+        }
+        self.finish(output, chunk)
     }
 
     fn object(&self, status: &str, output: Vec<Value>, usage: Option<Value>) -> Value {
@@ -269,9 +276,10 @@ impl Render {
             seq: 0,
             output: Vec::new(),
             open: None,
+            pending: Vec::new(),
         };
         let mut chunks = choices.stream();
-        let mut output = events.render.stage.stream();
+        let mut output = events.render.answer.stage.stream();
         let stream = async_stream::stream! {
             let created = events.render.object("in_progress", Vec::new(), None);
             yield Ok::<_, Infallible>(events.event("response.created", json!({"response": created})));
@@ -280,7 +288,10 @@ impl Render {
             while let Some((_, item)) = chunks.next().await {
                 match item {
                     Ok(chunk) => {
-                        let text = events.render.text(&chunk);
+                        let text = events.render.answer.text(&chunk);
+                        if events.render.logprobs {
+                            events.pending.extend_from_slice(&chunk.logprobs);
+                        }
                         let delta = output.push(&text, chunk.finish.is_some());
                         for e in events.push(delta) {
                             yield Ok(e);
@@ -318,6 +329,8 @@ struct OpenItem {
     item: Value,
     /// Its text so far (the reasoning, the message text or the call's arguments).
     text: String,
+    /// A message's logprobs so far.
+    logprobs: Vec<TokenLogprob>,
 }
 
 /// A streamed response's events: the output items opened and closed as the output stage's
@@ -327,6 +340,9 @@ struct ResponseEvents {
     seq: u64,
     output: Vec<Value>,
     open: Option<OpenItem>,
+    /// Logprobs of tokens whose text has not gone out in an output_text delta yet (held back,
+    /// or reasoning before the text): the next one carries them.
+    pending: Vec<TokenLogprob>,
 }
 
 impl ResponseEvents {
@@ -380,13 +396,14 @@ impl ResponseEvents {
         ));
         let part = match kind {
             Kind::Reasoning => Some(json!({"type": "reasoning_text", "text": ""})),
-            Kind::Message => Some(output_text("")),
+            Kind::Message => Some(output_text("", json!([]))),
             Kind::Call => None,
         };
         self.open = Some(OpenItem {
             kind,
             item,
             text: String::new(),
+            logprobs: Vec::new(),
         });
         if let Some(part) = part {
             let mut body = self.item_ref();
@@ -425,16 +442,21 @@ impl ResponseEvents {
     }
 
     fn text_delta(&mut self, kind: &str, delta: &str) -> Event {
-        if let Some(open) = self.open.as_mut() {
-            open.text.push_str(delta);
-        }
+        let logprobs = match kind {
+            "response.output_text.delta" => std::mem::take(&mut self.pending),
+            _ => Vec::new(),
+        };
         let mut body = self.item_ref();
         if kind != "response.function_call_arguments.delta" {
             body["content_index"] = json!(0);
         }
         body["delta"] = json!(delta);
         if kind == "response.output_text.delta" {
-            body["logprobs"] = json!([]);
+            body["logprobs"] = self.render.logprobs(&logprobs);
+        }
+        if let Some(open) = self.open.as_mut() {
+            open.text.push_str(delta);
+            open.logprobs.extend(logprobs);
         }
         self.event(kind, body)
     }
@@ -461,12 +483,16 @@ impl ResponseEvents {
             Kind::Message => {
                 let mut body = at.clone();
                 body["content_index"] = json!(0);
+                let logprobs = self.render.logprobs(&open.logprobs);
                 body["text"] = json!(open.text);
-                body["logprobs"] = json!([]);
+                body["logprobs"] = logprobs.clone();
                 out.push(self.event("response.output_text.done", body.clone()));
-                body["part"] = output_text(&open.text);
+                if let Some(b) = body.as_object_mut() {
+                    b.remove("logprobs");
+                }
+                body["part"] = output_text(&open.text, logprobs.clone());
                 out.push(self.event("response.content_part.done", body));
-                message_item(id, &open.text, "completed")
+                message_item(id, &open.text, logprobs, "completed")
             }
             Kind::Call => {
                 let mut body = at.clone();
@@ -495,6 +521,10 @@ impl ResponseEvents {
         let mut out = Vec::new();
         if self.output.is_empty() && self.open.is_none() {
             self.ensure(Kind::Message, &mut out);
+        }
+        // The last tokens' logprobs (an end token's, with no text) go out with an empty delta.
+        if !self.pending.is_empty() && self.open.as_ref().is_some_and(|o| o.kind == Kind::Message) {
+            out.push(self.text_delta("response.output_text.delta", ""));
         }
         out.extend(self.close());
         let response = self.render.finish(std::mem::take(&mut self.output), last);

@@ -428,6 +428,7 @@ mod tests {
             max_new_tokens: None,
             min_new_tokens: 0,
             stop: vec![],
+            stop_regex: vec![],
             stop_token_ids: vec![],
             ignore_eos: false,
             skip_special_tokens: true,

@@ -5,12 +5,10 @@
 
 use serde_json::{json, Map, Value};
 
-use super::chat::{chat_request, ValidatedChat};
-use super::responses::{is_neutral, refuse_unbuilt};
-use crate::chat_output::ChatParsers;
-use crate::config::SamplingDefaults;
+use super::agents::{agent_chat, is_neutral, refuse_unbuilt, AgentChat, ChatContext};
+use super::chat::ValidatedChat;
 use crate::error::RequestError;
-use crate::http::protocol::{ChatCompletionRequest, SamplingFields, StopField};
+use crate::http::protocol::{SamplingFields, StopField};
 use crate::http::protocol_agents::MessagesRequest;
 
 fn bad(param: &str, message: impl Into<String>) -> RequestError {
@@ -187,32 +185,16 @@ fn chat_tool_choice(choice: &Value) -> Result<(Value, Option<bool>), RequestErro
     Ok((chat, parallel))
 }
 
-fn messages_param(e: RequestError) -> RequestError {
-    match e {
-        RequestError::Invalid {
-            param: Some(p),
-            message,
-        } => {
-            let name = match p.as_str() {
-                "max_completion_tokens" => "max_tokens",
-                "stop" => "stop_sequences",
-                other => other,
-            };
-            RequestError::Invalid {
-                param: Some(name.into()),
-                message,
-            }
-        }
-        other => other,
-    }
-}
+/// The chat parameters whose Messages name differs, for errors.
+const MESSAGES_NAMES: &[(&str, &str)] = &[
+    ("max_completion_tokens", "max_tokens"),
+    ("stop", "stop_sequences"),
+];
 
 /// Checks a Messages request into a chat one.
 pub fn messages_request(
     req: &MessagesRequest,
-    defaults: &SamplingDefaults,
-    vocab_size: u32,
-    parsers: &ChatParsers,
+    ctx: &ChatContext,
 ) -> Result<ValidatedChat, RequestError> {
     refuse_unbuilt("Messages API", &req.extra, &[])?;
     if let Some(t) = req
@@ -223,9 +205,11 @@ pub fn messages_request(
         return Err(bad("thinking", format!(
             "thinking {t} is not supported: the server's --reasoning-parser decides what is thinking")));
     }
-    if req.max_tokens == 0 {
-        return Err(bad("max_tokens", "max_tokens must be at least 1"));
-    }
+    let max_tokens = match req.max_tokens {
+        None => return Err(bad("max_tokens", "max_tokens is required")),
+        Some(0) => return Err(bad("max_tokens", "max_tokens must be at least 1")),
+        Some(n) => n,
+    };
     let mut messages = Vec::new();
     if let Some(system) = req.system.as_ref().filter(|s| !s.is_null()) {
         let text = block_text(system, "system", "system")?;
@@ -239,31 +223,21 @@ pub fn messages_request(
     for (i, m) in req.messages.iter().enumerate() {
         convert_message(i, m, &mut messages)?;
     }
-    let tools = chat_tools(req.tools.as_deref().unwrap_or_default())?;
-    let (tool_choice, parallel) = match req.tool_choice.as_ref().filter(|c| !c.is_null()) {
+    let (tool_choice, parallel_tool_calls) = match req.tool_choice.as_ref().filter(|c| !c.is_null())
+    {
         Some(c) => {
             let (c, p) = chat_tool_choice(c)?;
             (Some(c), p)
         }
         None => (None, None),
     };
-    let chat = ChatCompletionRequest {
-        model: None,
-        lora_path: None,
+    let parts = AgentChat {
         messages,
-        max_tokens: None,
-        max_completion_tokens: Some(req.max_tokens),
-        logprobs: None,
-        top_logprobs: None,
-        tools: (!tools.is_empty()).then_some(tools),
+        max_completion_tokens: Some(max_tokens),
+        tools: chat_tools(req.tools.as_deref().unwrap_or_default())?,
         tool_choice,
-        parallel_tool_calls: parallel,
-        add_generation_prompt: None,
-        continue_final_message: None,
-        chat_template_kwargs: None,
-        echo: None,
-        // Admission priority: the default (a non-zero `priority` is refused as unbuilt here).
-        priority: None,
+        parallel_tool_calls,
+        logprobs: None,
         sampling: SamplingFields {
             temperature: req.temperature,
             top_p: req.top_p,
@@ -271,9 +245,8 @@ pub fn messages_request(
             stop: req.stop_sequences.clone().map(StopField::Many),
             ..Default::default()
         },
-        extra: Map::new(),
     };
-    chat_request(&chat, defaults, vocab_size, parsers).map_err(messages_param)
+    agent_chat(parts, ctx, MESSAGES_NAMES)
 }
 
 #[cfg(test)]

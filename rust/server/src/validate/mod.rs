@@ -3,6 +3,7 @@
 //! as a 400). Sampling fields here, chat messages and tools in `chat`, structured output forms
 //! in `grammar`; the context-length rule is `prompt_budget`, written once.
 
+pub mod agents;
 pub mod chat;
 pub mod grammar;
 pub mod messages;
@@ -19,7 +20,8 @@ use crate::config::SamplingDefaults;
 use crate::constraint::GrammarRequest;
 use crate::error::RequestError;
 use crate::generate::{GenerationSpec, Prompt};
-use crate::http::protocol::SamplingFields;
+use crate::http::protocol::{SamplingFields, StopField};
+use tokenspeed_text::StopRegex;
 
 /// Choices one request may ask for (prompts × n).
 pub const MAX_CHOICES: usize = 128;
@@ -50,10 +52,30 @@ const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     ("bad_words", "bad words"),
     ("return_hidden_states", "hidden-state output"),
     ("use_beam_search", "beam search"),
-    ("stop_regex", "stopping on a regex"),
     ("logprob_token_ids", "logprobs of chosen token ids"),
     ("kv_transfer_params", "disaggregated prefill (KV transfer)"),
 ];
+
+/// SGLang's `stop_regex`, compiled (as many, and as long, as stop strings may be).
+fn stop_regexes(field: Option<&StopField>) -> Result<Vec<StopRegex>, RequestError> {
+    let patterns = field.cloned().map(StopField::into_vec).unwrap_or_default();
+    let bad = |m: String| RequestError::bad_param("stop_regex", m);
+    if patterns.len() > MAX_STOP_STRINGS {
+        return Err(bad(format!(
+            "at most {MAX_STOP_STRINGS} stop regexes, got {}",
+            patterns.len()
+        )));
+    }
+    patterns
+        .iter()
+        .map(|p| match p.len() {
+            n if n > MAX_STOP_STRING_BYTES => Err(bad(format!(
+                "a stop regex may have at most {MAX_STOP_STRING_BYTES} bytes, got {n}"
+            ))),
+            _ => StopRegex::new(p).map_err(|e| bad(format!("stop_regex {p:?}: {e}"))),
+        })
+        .collect()
+}
 
 /// Refuses a field of `NOT_IMPLEMENTED` set to anything but its neutral value.
 pub fn unsupported_fields(extra: &Map<String, Value>) -> Result<(), RequestError> {
@@ -115,6 +137,7 @@ pub fn generation_spec(
             ),
         ));
     }
+    let stop_regex = stop_regexes(f.stop_regex.as_ref())?;
     let stop_token_ids = f.stop_token_ids.clone().unwrap_or_default();
     if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
         return Err(RequestError::bad_param(
@@ -158,6 +181,7 @@ pub fn generation_spec(
         max_new_tokens,
         min_new_tokens: f.min_tokens.unwrap_or(0),
         stop,
+        stop_regex,
         stop_token_ids,
         ignore_eos: f.ignore_eos.unwrap_or(false),
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),

@@ -5,11 +5,10 @@
 
 use serde_json::{json, Map, Value};
 
-use super::chat::{chat_request, ValidatedChat};
-use crate::chat_output::ChatParsers;
-use crate::config::SamplingDefaults;
+use super::agents::{agent_chat, is_neutral, refuse_unbuilt, AgentChat, ChatContext};
+use super::chat::ValidatedChat;
 use crate::error::RequestError;
-use crate::http::protocol::{ChatCompletionRequest, SamplingFields};
+use crate::http::protocol::{ConstraintFields, SamplingFields};
 use crate::http::protocol_agents::ResponsesRequest;
 
 /// A Responses request, checked.
@@ -19,41 +18,6 @@ pub struct ValidatedResponse {
     /// instructions: what this response's output is appended to when it is stored.
     pub conversation: Vec<Map<String, Value>>,
     pub store: bool,
-}
-
-/// A value that asks for nothing: absent, null, false, 0, "", [], {} or an object of such.
-pub fn is_neutral(v: &Value) -> bool {
-    match v {
-        Value::Null | Value::Bool(false) => true,
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::String(s) => s.is_empty(),
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.values().all(is_neutral),
-        Value::Bool(true) => false,
-    }
-}
-
-/// Refuses the first field in `extra` that asks for something TokenSpeed does not build
-/// (`neutral` lists per-field values that mean the default, beyond `is_neutral`).
-pub fn refuse_unbuilt(
-    api: &str,
-    extra: &Map<String, Value>,
-    neutral: &[(&str, &str)],
-) -> Result<(), RequestError> {
-    for (name, value) in extra {
-        let default = neutral
-            .iter()
-            .any(|(n, v)| n == name && value.as_str() == Some(v));
-        if !default && !is_neutral(value) {
-            return Err(RequestError::bad_param(
-                name,
-                format!(
-                    "'{name}' is not supported by TokenSpeed's {api} (send it null or omit it)"
-                ),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Neutral values of the Responses fields TokenSpeed does not build.
@@ -284,25 +248,34 @@ fn response_format(text: Option<&Value>) -> Result<Option<Value>, RequestError> 
     }
 }
 
-/// The chat field a Responses field became, named back in errors.
-fn responses_param(e: RequestError) -> RequestError {
-    match e {
-        RequestError::Invalid {
-            param: Some(p),
-            message,
-        } => {
-            let name = match p.as_str() {
-                "max_completion_tokens" | "max_tokens" => "max_output_tokens",
-                "response_format" => "text",
-                "messages" => "input",
-                other => other,
-            };
-            RequestError::Invalid {
-                param: Some(name.into()),
-                message,
-            }
+/// The chat parameters whose Responses name differs, for errors.
+const RESPONSES_NAMES: &[(&str, &str)] = &[
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("response_format", "text"),
+    ("messages", "input"),
+];
+
+/// What `include` may ask for: the output text's logprobs.
+const LOGPROBS: &str = "message.output_text.logprobs";
+
+/// The logprobs asked for (`include` and `top_logprobs`), as the chat route's `top_logprobs`.
+fn logprobs(req: &ResponsesRequest) -> Result<Option<i32>, RequestError> {
+    for item in req.include.iter().flatten() {
+        if item != LOGPROBS {
+            return Err(bad(
+                "include",
+                format!("include {item:?} is not supported (only {LOGPROBS:?})"),
+            ));
         }
-        other => other,
+    }
+    let wanted = req.include.iter().flatten().any(|i| i == LOGPROBS);
+    match req.top_logprobs {
+        Some(n) if n != 0 && !wanted => Err(bad(
+            "top_logprobs",
+            format!("top_logprobs needs include [{LOGPROBS:?}]"),
+        )),
+        top => Ok(wanted.then_some(top.unwrap_or(0))),
     }
 }
 
@@ -310,9 +283,7 @@ fn responses_param(e: RequestError) -> RequestError {
 pub fn responses_request(
     req: &ResponsesRequest,
     history: Vec<Map<String, Value>>,
-    defaults: &SamplingDefaults,
-    vocab_size: u32,
-    parsers: &ChatParsers,
+    ctx: &ChatContext,
 ) -> Result<ValidatedResponse, RequestError> {
     refuse_unbuilt("Responses API", &req.extra, RESPONSES_NEUTRAL)?;
     if let Some(r) = req.reasoning.as_ref().filter(|r| !is_neutral(r)) {
@@ -331,37 +302,25 @@ pub fn responses_request(
         messages.push(message("system", instructions.clone()));
     }
     messages.extend(conversation.iter().cloned());
-    let tools = chat_tools(req.tools.as_deref().unwrap_or_default())?;
-    let chat = ChatCompletionRequest {
-        model: None,
-        lora_path: None,
+    let parts = AgentChat {
         messages,
-        max_tokens: None,
         max_completion_tokens: req.max_output_tokens,
-        logprobs: None,
-        top_logprobs: None,
-        tools: (!tools.is_empty()).then_some(tools),
+        tools: chat_tools(req.tools.as_deref().unwrap_or_default())?,
         tool_choice: req.tool_choice.as_ref().map(chat_tool_choice).transpose()?,
         parallel_tool_calls: req.parallel_tool_calls,
-        add_generation_prompt: None,
-        continue_final_message: None,
-        chat_template_kwargs: None,
-        echo: None,
-        // Admission priority: the default (a non-zero `priority` is refused as unbuilt here).
-        priority: None,
+        logprobs: logprobs(req)?,
         sampling: SamplingFields {
             temperature: req.temperature,
             top_p: req.top_p,
             user: req.user.clone(),
-            constraint: crate::http::protocol::ConstraintFields {
+            constraint: ConstraintFields {
                 response_format: response_format(req.text.as_ref())?,
                 ..Default::default()
             },
             ..Default::default()
         },
-        extra: Map::new(),
     };
-    let chat = chat_request(&chat, defaults, vocab_size, parsers).map_err(responses_param)?;
+    let chat = agent_chat(parts, ctx, RESPONSES_NAMES)?;
     Ok(ValidatedResponse {
         chat,
         conversation,
