@@ -7,6 +7,9 @@ Run on the GPU machine from the repo root, with `tokenspeed._core` importable:
 
     python benches/scenarios/embed_bench.py --tokenizer .carry/llama3/tokenizer.json --out "$OUT"
 
+(CPU smoke: `--quick --num-prompts 20 --input-len 16 --serve-arg=--device=cpu
+--serve-arg=--dtype=float32 --serve-arg=--max-total-tokens=4096`.)
+
 (`--num-prompts 500 --quick` for a smoke run.) Prints requests/s, tokens/s and the share of
 the bf16 GEMM roofline (the weights' 2 x params FLOPs per token at --peak-tflops, attention
 left out: at 256 tokens it is ~5% of the FLOPs).
@@ -18,15 +21,14 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_bench  # the scenario runner's server helpers, beside this file
 
 # Qwen/Qwen3-Embedding-0.6B config.json (public facts).
 QWEN3_EMBEDDING_06B = {
@@ -46,12 +48,6 @@ def linear_params(c: dict) -> int:
     return c["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * i)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", default=".carry/llama3/tokenizer.json")
@@ -69,27 +65,15 @@ def main() -> int:
     (model / "config.json").write_text(json.dumps(cfg))
     tok = Path(args.tokenizer)
     shutil.copy(tok / "tokenizer.json" if tok.is_dir() else tok, model / "tokenizer.json")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--model-path", str(model),
-           "--load-format", "dummy", "--is-embedding", "--port", str(port),
-           # every text is sent at once: room for all of them in the queue (the default bound,
-           # 4096, answers the rest 429, as a server should; this measures throughput)
-           "--max-queued-requests", str(args.num_prompts + 1024), *args.serve_arg]
-    with open(out / "embed_server.log", "w") as log:  # the child keeps its own descriptor
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # every text is sent at once: room for all of them in the queue (the default bound, 4096,
+    # answers the rest 429, as a server should; this measures throughput)
+    extra = ["--is-embedding", "--max-queued-requests", str(args.num_prompts + 1024), *args.serve_arg]
+    started = gpu_bench.start_server(gpu_bench.Ctx(out, time.monotonic() + 900), model, "embed",
+                                     extra, 600)
+    if started is None:
+        return 1
+    server, url = started
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                print((out / "embed_server.log").read_text()[-3000:])
-                return 1
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
         records = out / "embed_bench.jsonl"
         rc = subprocess.call([sys.executable, "-m", "tokenspeed.launch.cli", "bench", "serve",
                               "--base-url", url, "--backend", "openai-embeddings",
@@ -105,8 +89,7 @@ def main() -> int:
               f"at {args.peak_tflops:.0f} TFLOP/s): {100 * m['input_throughput'] / roofline:.1f}%")
         return rc
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        gpu_bench.stop_server(server)
 
 
 if __name__ == "__main__":
