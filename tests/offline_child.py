@@ -26,6 +26,9 @@ def main(mode: str) -> int:
         print(json.dumps({"text": out[0].outputs[0].text}), flush=True)
         return 0
     if mode == "sigint":
+        import faulthandler
+
+        faulthandler.dump_traceback_later(60, exit=False)  # stacks in the log if it hangs
         print(json.dumps({"generating": True}), flush=True)
         llm.generate(["Count to one thousand:"] * 4, SamplingParams(max_tokens=4000, ignore_eos=True),
                      use_tqdm=False)

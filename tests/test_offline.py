@@ -179,7 +179,13 @@ def test_ctrl_c_while_generating_cleans_up(tmp_path: Path) -> None:
     assert _report(proc)["generating"]
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
+    sent = time.monotonic()
+    try:
+        proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # say where it stuck: its log and its threads' stacks
+        proc.kill()
+        pytest.fail(f"no exit {time.monotonic() - sent:.0f} s after SIGINT; child log:\n"
+                    + (tmp_path / "sigint.log").read_text()[-6000:])
     assert "KeyboardInterrupt" in (tmp_path / "sigint.log").read_text()
     _assert_clean(info)
 
