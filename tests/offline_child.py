@@ -17,6 +17,9 @@ from tokenspeed import LLM, SamplingParams
 
 
 def main(mode: str) -> int:
+    # Ctrl-C as at a terminal: a test run started in the background (`cmd &`, nohup) hands its
+    # children SIGINT ignored, and Python then keeps it ignored, so the SIGINT never arrives.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(device="cpu", max_total_tokens=4096, max_running_requests=8)
     group = llm.engine.group
     print(json.dumps({"pid": os.getpid(), "workers": [p.pid for p in group.workers],
