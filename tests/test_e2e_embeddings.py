@@ -132,26 +132,35 @@ def test_cross_encoder_rerank_score_classify_match_hf(tmp_path: Path) -> None:
         stop_server(server)
 
 
-def test_decoder_cross_encoder_reranks_as_hf(tmp_path: Path) -> None:
-    """A Qwen3-Reranker-style cross-encoder (`Qwen3ForSequenceClassification`, one label, as the
-    converted Qwen3-Reranker checkpoints ship) behind /v1/rerank: each score is the sigmoid of
-    HF's logit for the (query, document) pair as the tokenizer encodes it."""
+def tiny_qwen3(path: Path, model_cls: type, seed: int, **config: object) -> tuple[object, object]:
+    """A tiny random Qwen3 model of class `model_cls` (weights nudged off HF's init) with the
+    default model's tokenizer, saved to `path`: (model, tokenizer)."""
     import os
 
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+    from transformers import AutoTokenizer, Qwen3Config
 
     src = Path(os.environ.get("TOKENSPEED_TEST_ASSETS", "/root/.cache/tokenspeed/test-assets")) / "smollm2"
     tok = AutoTokenizer.from_pretrained(str(src))
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_labels=1,
-                      max_position_embeddings=256, pad_token_id=0)
-    torch.manual_seed(0)
-    model = Qwen3ForSequenceClassification(cfg).eval()
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=256, **config)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+def test_decoder_cross_encoder_reranks_as_hf(tmp_path: Path) -> None:
+    """A Qwen3-Reranker-style cross-encoder (`Qwen3ForSequenceClassification`, one label, as the
+    converted Qwen3-Reranker checkpoints ship) behind /v1/rerank: each score is the sigmoid of
+    HF's logit for the (query, document) pair as the tokenizer encodes it."""
+    from transformers import Qwen3ForSequenceClassification
+
+    model, tok = tiny_qwen3(tmp_path, Qwen3ForSequenceClassification, 0, num_labels=1, pad_token_id=0)
     server = start_server(str(tmp_path), "--model-path", str(tmp_path), "--is-embedding")
     try:
         query, docs = "capital of France", TEXTS
@@ -175,22 +184,10 @@ def test_original_qwen3_reranker_through_hf_overrides(tmp_path: Path) -> None:
     as vLLM serves it, with --hf-overrides naming the classifier tokens: each score is HF's
     softmax over the two logits at the last token, p(yes); /classify names the label "yes"."""
     import json
-    import os
 
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    src = Path(os.environ.get("TOKENSPEED_TEST_ASSETS", "/root/.cache/tokenspeed/test-assets")) / "smollm2"
-    tok = AutoTokenizer.from_pretrained(str(src))
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    model, tok = tiny_qwen3(tmp_path, Qwen3ForCausalLM, 1, tie_word_embeddings=False)
     no, yes = tok.convert_tokens_to_ids(["no", "yes"])
     overrides = {"architectures": ["Qwen3ForSequenceClassification"],
                  "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}

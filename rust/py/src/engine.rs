@@ -106,16 +106,6 @@ impl Engine {
             return self.submit_pooling(request_id, pooling);
         }
         let checked = self.check(kind, body).map_err(value_error)?;
-        let mut tasks = lock(&self.tasks)?;
-        if tasks.contains_key(&request_id) {
-            return Err(PyValueError::new_err(format!(
-                "request id {request_id:?} is already in flight"
-            )));
-        }
-        let runtime = lock(&self.runtime)?;
-        let runtime = runtime
-            .as_ref()
-            .ok_or_else(|| PyRuntimeError::new_err("the engine was shut down"))?;
         let run = Run {
             frontend: self.frontend.clone(),
             request_id: request_id.clone(),
@@ -124,10 +114,7 @@ impl Engine {
             stream,
             logprobs: checked.logprobs,
         };
-        // The map's lock is held until the handle is in: the task removes itself at its end.
-        let handle = runtime.spawn(run.run(checked.specs, checked.n));
-        tasks.insert(request_id, handle.abort_handle());
-        Ok(())
+        self.spawn_request(request_id, run.run(checked.specs, checked.n))
     }
 
     /// Up to `max_events` events, as a JSON array; waits up to `timeout` seconds (None:
@@ -260,23 +247,13 @@ impl Engine {
 
     /// Starts a pooling request: its one event carries the route's whole answer (`response`).
     fn submit_pooling(&self, request_id: String, body: PoolingBody) -> PyResult<()> {
-        let mut tasks = lock(&self.tasks)?;
-        if tasks.contains_key(&request_id) {
-            return Err(PyValueError::new_err(format!(
-                "request id {request_id:?} is already in flight"
-            )));
-        }
-        let runtime = lock(&self.runtime)?;
-        let runtime = runtime
-            .as_ref()
-            .ok_or_else(|| PyRuntimeError::new_err("the engine was shut down"))?;
         let (fe, events, all) = (
             self.frontend.clone(),
             self.events.clone(),
             self.tasks.clone(),
         );
         let rid = request_id.clone();
-        let handle = runtime.spawn(async move {
+        self.spawn_request(request_id, async move {
             let event = match body.answer(&fe).await {
                 Ok(response) => json!({"request_id": rid, "response": response}),
                 Err(e) => api_error_event(&rid, &e),
@@ -289,7 +266,28 @@ impl Engine {
             {
                 let _ = events.send(done_event(&rid, false));
             }
-        });
+        })
+    }
+
+    /// Runs a request's task under its id (a duplicate id in flight is refused); `abort` and
+    /// `shutdown` end it through the handle kept here, and the task removes itself at its end.
+    fn spawn_request(
+        &self,
+        request_id: String,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> PyResult<()> {
+        let mut tasks = lock(&self.tasks)?;
+        if tasks.contains_key(&request_id) {
+            return Err(PyValueError::new_err(format!(
+                "request id {request_id:?} is already in flight"
+            )));
+        }
+        let runtime = lock(&self.runtime)?;
+        let runtime = runtime
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the engine was shut down"))?;
+        // The map's lock is held until the handle is in, so the task cannot remove itself first.
+        let handle = runtime.spawn(task);
         tasks.insert(request_id, handle.abort_handle());
         Ok(())
     }
