@@ -16,7 +16,8 @@ pub use plan::{
     MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_OP_TEXT, MAX_TOP_LOGPROBS, NO_SEED,
 };
 pub use radix::{
-    block_hash, EvictionPolicy, HostStats, KvEvent, NodeId, PrefixMatch, RadixCache, WritePolicy,
+    block_hash, EvictionPolicy, HostStats, KvEvent, NodeId, PrefixMatch, RadixCache, StorageStats,
+    WritePolicy,
 };
 pub use scheduler::{
     ConfigError, FinishReason, Finished, Request, RequestId, RequestOutput, SchedulePolicy,

@@ -79,7 +79,12 @@ fn plan() -> impl Strategy<Value = Plan> {
                 tokens,
             },
         );
-    let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp { src, dst, kind: 0 });
+    let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp {
+        src,
+        dst,
+        kind: 0,
+        key: 0,
+    });
     let mask = (any::<u32>(), ids(6)).prop_map(|(slot, allowed)| TokenMask { slot, allowed });
     let op = (any::<u8>(), prop::collection::vec(any::<u8>(), 0..40))
         .prop_map(|(kind, args)| WorkerOp { kind, args });
@@ -267,6 +272,7 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         worker_grammars: false,
         pooled_dim: 0,
         host_copies: false,
+        storage_copies: false,
     };
     let mut r = StepResult {
         step_id: 3,
@@ -373,6 +379,7 @@ fn the_slot_bound_holds_the_largest_step() {
         worker_grammars: true,
         pooled_dim: 0,
         host_copies: false,
+        storage_copies: false,
     };
     let full = Plan {
         finished: vec![FinishedSlot::default(); 4],

@@ -350,6 +350,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
             context_length: 256,
             radix_eviction_policy: Default::default(),
             num_host_pages: 0,
+            num_storage_pages: 0,
             hicache_write_policy: Default::default(),
         },
         disable_overlap_schedule,

@@ -139,6 +139,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
             context_length: 1024,
             radix_eviction_policy: Default::default(),
             num_host_pages: 0,
+            num_storage_pages: 0,
             hicache_write_policy: Default::default(),
         },
         disable_overlap_schedule: false,

@@ -123,6 +123,7 @@ fn group_with(n: usize, policy: Policy, kv: Option<&KvEventsConfig>) -> Group {
             context_length: 4096,
             radix_eviction_policy: Default::default(),
             num_host_pages: 0,
+            num_storage_pages: 0,
             hicache_write_policy: Default::default(),
         };
         let options = EngineOptions {

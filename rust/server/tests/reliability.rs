@@ -76,6 +76,7 @@ fn state(watchdog_timeout: f64) -> AppState {
             context_length: 256,
             radix_eviction_policy: Default::default(),
             num_host_pages: 0,
+            num_storage_pages: 0,
             hicache_write_policy: Default::default(),
         },
         disable_overlap_schedule: false,

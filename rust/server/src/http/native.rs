@@ -287,6 +287,8 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
             "hit_tokens": stats.host.hit_tokens, "load_pages": stats.host.load_pages,
             "writeback_pages": stats.host.writeback_pages,
         },
+        // Its storage tier (`--hicache-storage-backend`; zeros when off).
+        "storage_kv_pages": stats.storage,
         "engine": stats,
         "dp_size": replicas.len(),
         "replicas": replicas,
