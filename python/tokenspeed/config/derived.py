@@ -32,11 +32,10 @@ def default_max_running_requests(pool_tokens: int, context_len: int) -> int:
     return max(MIN_DEFAULT_RUNNING_REQUESTS, min(MAX_DEFAULT_RUNNING_REQUESTS, running))
 
 # --cuda-graph-max-bs when not given: the max running requests, at most this. It covers the
-# defaults above on an H100 with the 8B model (bf16 256, fp8 KV 512, fp8 weights and KV 576,
-# batches admission fills when requests ignore EOS: scheduler/reserve.rs); a decode step of
-# more requests is long enough (tens of ms) that an eager launch mostly hides behind the GPU,
-# so larger graphs would buy capture time and memory for little. vLLM's limit is 512.
-MAX_DEFAULT_CUDA_GRAPH_BS = 640
+# fp8 default above on an H100 (512); a decode step of more requests is long enough (tens of ms
+# on an 8B model) that an eager launch hides behind the GPU, so larger graphs would buy
+# capture time and memory for little. vLLM's default capture limit is also 512.
+MAX_DEFAULT_CUDA_GRAPH_BS = 512
 
 
 def default_cuda_graph_max_bs(max_running: int) -> int:

@@ -1,9 +1,10 @@
 //! The radix prefix cache: a tree over token ids, one edge page-aligned, whose nodes own KV pages.
 //!
-//! Only full pages are cached: a node's key is a multiple of `page_size` tokens, a page each. A
-//! request that reuses a prefix *locks* the node it matched; locks count on the node and all its
-//! ancestors, so eviction (LRU over unlocked leaves) never touches a page a running request
-//! reads. Time is a logical tick bumped on every match and insert: no clock is read here.
+//! Only full pages are cached: a node's key is a multiple of `page_size` tokens and it holds one
+//! page per `page_size` tokens. A request that reuses a prefix *locks* the node it matched; locks
+//! count on the node and all its ancestors, so an unlocked node has an unlocked subtree and
+//! eviction (LRU over unlocked leaves) never touches a page a running request reads. Time is a
+//! logical tick bumped on every match and insert: nothing here reads a clock.
 //!
 //! Keys live in *namespaces*: KV computed under one LoRA adapter is not KV of another, so
 //! the root's children are keyed by (namespace, first page) and a lookup in namespace `ns`
@@ -267,20 +268,6 @@ impl RadixCache {
             }
             cur = parent;
         }
-    }
-
-    /// Pages that `unlock(node)` would make evictable: the path up from `node` while that is
-    /// its only lock (an ancestor holds its children's locks, so none above is free either).
-    pub fn sole_locked_pages(&self, node: NodeId) -> usize {
-        let (mut pages, mut cur) = (0, Some(node));
-        while let Some(n) = cur.filter(|&id| id != NodeId::ROOT).map(|id| self.node(id)) {
-            if n.lock != 1 {
-                break;
-            }
-            pages += n.pages.len();
-            cur = n.parent;
-        }
-        pages
     }
 
     /// Undoes one `lock(node)`.

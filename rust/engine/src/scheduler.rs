@@ -28,7 +28,6 @@ mod ops;
 mod preemption;
 mod reconcile;
 mod request;
-mod reserve;
 mod step;
 mod step_cost;
 
@@ -41,9 +40,8 @@ pub use request::{
 /// per waiting request per step (SGLang makes the same trade).
 const LPM_MAX_WAITING: usize = 128;
 
-/// Admission keeps pages back for the tokens running requests are still expected to generate
-/// (`reserve.rs`): `min(remaining, RESERVE_CLIP) * ratio` each (1 for a request that ignores
-/// EOS), where the ratio tracks (moving average) what
+/// Admission keeps pages back for the tokens running requests are still expected to generate:
+/// `min(remaining, RESERVE_CLIP) * ratio` each, where the ratio tracks (moving average) what
 /// share of `max_new_tokens` finished requests actually used, and rises on a retraction.
 /// Without it, admitting on free pages alone filled the pool with prompts and then thrashed
 /// (retract, recompute) once they all decoded.

@@ -1,12 +1,12 @@
 //! Admission: which waiting requests get a slot and their first prefill chunk in this step.
 //!
 //! A request is admitted only if the pages left over after what running requests are still
-//! expected to need (`reserve.rs`) hold its uncached prompt and expected growth too; an idle
-//! engine always admits.
+//! expected to need (their unprefilled prompt and expected growth, see `RESERVE_*`) hold its
+//! uncached prompt and expected growth too; an idle engine always admits.
 
-use super::reserve::Reservation;
 use super::{
     Active, Phase, RequestId, SchedulePolicy, Scheduler, Sequence, StepBuilder, LPM_MAX_WAITING,
+    RESERVE_CLIP,
 };
 
 /// How many of a request's tokens may come from the prefix cache. Never the whole sequence: the
@@ -27,10 +27,44 @@ pub(super) fn matchable_len(seq: &Sequence) -> usize {
 }
 
 impl Scheduler {
+    /// Tokens a request is still expected to generate, as admission budgets them.
+    pub(super) fn expected_growth(&self, seq: &Sequence) -> usize {
+        let remaining = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens());
+        // A request that ignores EOS runs to max_new_tokens (barring an abort): no guessing.
+        let ratio = if seq.req.ignore_eos {
+            1.0
+        } else {
+            self.reserve_ratio
+        };
+        (remaining.min(RESERVE_CLIP) as f64 * ratio).ceil() as usize
+    }
+
+    /// Pages kept back for the running requests: the rest of their prompts and their
+    /// expected growth.
+    fn reserved_pages(&self) -> usize {
+        self.reserved_pages_of(self.running.iter())
+    }
+
+    /// Pages kept back for running requests `ids` (`reserved_pages` of a subset).
+    pub(super) fn reserved_pages_of<'a>(&self, ids: impl Iterator<Item = &'a RequestId>) -> usize {
+        let ps = self.config.page_size as usize;
+        let tokens: usize = ids
+            .filter_map(|id| self.requests.get(id))
+            .map(|seq| {
+                // A placeholder in flight puts `computed` one past the known tokens.
+                let unprefilled = seq
+                    .active()
+                    .map_or(0, |a| seq.tokens.len().saturating_sub(a.computed));
+                unprefilled + self.expected_growth(seq)
+            })
+            .sum();
+        tokens.div_ceil(ps)
+    }
+
     /// Admits waiting requests in policy order while slots, budget and pages last.
     pub(super) fn admit(&mut self, budget: &mut usize, step: &mut StepBuilder) {
         let ps = self.config.page_size as usize;
-        let mut reservation = self.reservation();
+        let mut reserved = self.reserved_pages();
         let mut adapters = self.running_adapters();
         for id in self.admission_order() {
             if *budget == 0 || self.free_slots.is_empty() {
@@ -54,7 +88,7 @@ impl Scheduler {
             let spare = self.pool.free_count() + self.cache.evictable_pages();
             let growth = self.expected_growth(seq);
             let uncached = seq.tokens.len() - m.len;
-            if !self.fits_beside_running(&reservation, uncached, growth) {
+            if !self.fits_beside_running(uncached + growth, reserved) {
                 self.cache.unlock(m.node);
                 break;
             }
@@ -96,7 +130,7 @@ impl Scheduler {
             self.running.push(id);
             self.schedule_chunk(id, n, &[], step);
             *budget -= n;
-            reservation.add(uncached - n, growth);
+            reserved += (uncached - n + growth).div_ceil(ps);
         }
     }
 
@@ -110,12 +144,14 @@ impl Scheduler {
             .collect()
     }
 
-    /// Whether a request with `prompt` uncached tokens and `growth` expected ones fits beside
-    /// what running requests still need (`reservation`): the test admission applies. An idle
-    /// engine always admits (the request fits the pool: `submit` checked).
-    fn fits_beside_running(&self, reservation: &Reservation, prompt: usize, growth: usize) -> bool {
+    /// Whether a request that needs pages for `tokens` more tokens (its uncached prompt and
+    /// expected growth) fits beside what running requests still need (`reserved` pages): the
+    /// test admission applies. An idle engine always admits (the request fits the pool:
+    /// `submit` checked).
+    fn fits_beside_running(&self, tokens: usize, reserved: usize) -> bool {
         let spare = self.pool.free_count() + self.cache.evictable_pages();
-        self.running.is_empty() || spare >= reservation.pages_with(prompt, growth)
+        self.running.is_empty()
+            || spare >= reserved + tokens.div_ceil(self.config.page_size as usize)
     }
 
     /// Whether the next request in admission order would be admitted if the step had the
@@ -138,8 +174,8 @@ impl Scheduler {
         let cached = self
             .cache
             .peek_prefix_len_in(seq.req.sampling.lora_id, &seq.tokens[..matchable_len(seq)]);
-        let growth = self.expected_growth(seq);
-        self.fits_beside_running(&self.reservation(), seq.tokens.len() - cached, growth)
+        let tokens = seq.tokens.len() - cached + self.expected_growth(seq);
+        self.fits_beside_running(tokens, self.reserved_pages())
     }
 
     pub(super) fn admission_order(&self) -> Vec<RequestId> {

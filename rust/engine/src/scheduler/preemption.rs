@@ -53,24 +53,25 @@ impl Scheduler {
 
     /// Tokens waiting request `id` needs pages for on admission: its uncached tokens and
     /// expected growth (what `admit` tests).
-    fn admission_need(&self, id: RequestId) -> Option<(usize, usize)> {
+    fn admission_need(&self, id: RequestId) -> Option<usize> {
         let seq = self.requests.get(&id)?;
         let cached = self.cache.peek_prefix_len_in(
             seq.req.sampling.lora_id,
             &seq.tokens[..super::admission::matchable_len(seq)],
         );
-        Some((seq.tokens.len() - cached, self.expected_growth(seq)))
+        Some(seq.tokens.len() - cached + self.expected_growth(seq))
     }
 
-    /// Whether `need` (prompt, growth) would fit beside the running requests once `gone` are retracted
+    /// Whether `need` tokens would fit beside the running requests once `gone` are retracted
     /// and `freed` of their pages are back (evictable in the cache or free): admission's test
     /// (`fits_beside_running`), the slot aside.
-    fn fits_without(&self, need: (usize, usize), gone: &HashSet<RequestId>, freed: usize) -> bool {
+    fn fits_without(&self, need: usize, gone: &HashSet<RequestId>, freed: usize) -> bool {
+        let ps = self.config.page_size as usize;
         let spare = self.pool.free_count() + self.cache.evictable_pages() + freed;
         let staying = self.running.iter().filter(|id| !gone.contains(id));
-        let reserved = self.reservation_of(staying).pages_with(need.0, need.1);
+        let reserved = self.reserved_pages_of(staying);
         let nobody_left = self.running.iter().all(|id| gone.contains(id));
-        nobody_left || spare >= reserved
+        nobody_left || spare >= reserved + need.div_ceil(ps)
     }
 
     /// Running requests `head` may preempt, in the order they give way, each with the pages it
