@@ -429,7 +429,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--is-embedding", "--constrained-json-allow-additional-properties",
         "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
         "--hicache-write-policy", "--radix-eviction-policy", "--json-model-override-args",
-        "--kv-events-config",
+        "--kv-events-config", "--max-logprobs",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
