@@ -104,4 +104,4 @@ def test_a_cap_the_rings_cannot_hold_fails_at_start(tmp_path: object) -> None:
     with pytest.raises(RuntimeError) as e:
         start_server(str(tmp_path), "--max-logprobs", "-1", timeout_s=120)
     log = str(e.value)
-    assert "--max-logprobs -1" in log and "--chunked-prefill-size 8192" in log, log
+    assert "--max-logprobs -1" in log and "--chunked-prefill-size" in log and "Traceback" not in log, log
