@@ -434,7 +434,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
         "--hicache-write-policy", "--radix-eviction-policy", "--hicache-storage-backend",
         "--hicache-storage-backend-extra-config", "--json-model-override-args",
-        "--kv-events-config",
+        "--kv-events-config", "--max-logprobs",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -25,6 +25,7 @@ from tokenspeed.launch.model_facts import (
     pooling_facts,
     sampling_defaults,
 )
+from tokenspeed.launch.ring_size import RING_SLOTS, RingSizeError, check_rings, logprobs_width, shm_room
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.models.config import read_config_json
 from tokenspeed.worker.loop import WorkerSpec, run_worker
@@ -338,14 +339,19 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
         if cfg.grammar_backend == "llguidance" and not cfg.is_embedding else 0
     # --is-embedding: one pooled vector per slot comes back in a result.
     pooled_dim = pooling_facts(layout.model_dir, cfg.json_model_override_args)[1] if cfg.is_embedding else 0
-    slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
-                                  mask_words, worker_grammars, pooled_dim,
-                                  kv_tiers(cfg))
+    try:  # each token's top logprobs: --max-logprobs columns at most
+        width = logprobs_width(int(cfg.max_logprobs), vocab_size)
+        limits = (slots, chunk + slots, -(-layout.context // int(cfg.page_size)), mask_words,
+                  worker_grammars, pooled_dim, kv_tiers(cfg))
+        slot_bytes = _core.slot_bytes(*limits, width)
+        check_rings(cfg, slot_bytes, _core.slot_bytes(*limits, 0), len(names), slots, width, shm_room())
+    except RingSizeError as e:
+        raise LaunchError(str(e)) from None
     if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         readers = layout.readers + (layout.sizes.nnodes > 1)
-        return names, [_core.ServerChannel.create(name, readers, 4, slot_bytes) for name in names]
+        return names, [_core.ServerChannel.create(name, readers, RING_SLOTS, slot_bytes) for name in names]
     # Written by this node's relay (relay.py).
-    return names, [_core.PlanWriter.create(names[0], layout.world, 4, slot_bytes)]
+    return names, [_core.PlanWriter.create(names[0], layout.world, RING_SLOTS, slot_bytes)]
 
 
 def spawn_workers(ctx: Any, cfg: Any, layout: Layout, channel_names: list[str],

@@ -21,9 +21,6 @@ pub const LAST_SAMPLED: u32 = u32::MAX;
 /// `SamplingParams::seed` when the request has none (the worker's shared generator draws).
 pub const NO_SEED: i64 = -1;
 
-/// The most top logprobs a request may ask for per token (OpenAI's limit).
-pub const MAX_TOP_LOGPROBS: u32 = 20;
-
 /// The most `logit_bias` entries one request may carry (bounds the plan's slot size).
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
@@ -346,6 +343,9 @@ pub struct StepLimits {
     /// carries a fetch per page it loads from there and a store and a drop per page the host
     /// tier lets go.
     pub storage_copies: bool,
+    /// Columns of a token's top logprobs (`RequestEvent::top_k`) at most: `--max-logprobs`
+    /// within the vocabulary. A request asking for more is refused before it is queued.
+    pub top_logprobs: usize,
 }
 
 impl Plan {
@@ -499,7 +499,7 @@ impl StepResult {
     pub fn max_encoded_len(l: &StepLimits) -> usize {
         use crate::schema::Message;
         let r = l.max_running;
-        let k = MAX_TOP_LOGPROBS as usize;
+        let k = l.top_logprobs;
         // Tokens: one per slot, plus the accepted drafts, which are step input tokens.
         let (tokens, prompt) = (r + l.max_step_tokens, l.max_step_tokens);
         let counts = [

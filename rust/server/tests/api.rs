@@ -368,6 +368,7 @@ fn harness_from(o: HarnessOpts) -> Harness {
         enable_metrics,
         sampling_defaults: Default::default(),
         vocab_size: 0,
+        max_logprobs: 20,
         grammar_backend: grammar_backend.map(str::to_string),
         tool_call_parser: None,
         reasoning_parser: None,

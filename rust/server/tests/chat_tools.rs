@@ -157,6 +157,7 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
         enable_metrics: false,
         sampling_defaults: Default::default(),
         vocab_size: 0,
+        max_logprobs: 20,
         grammar_backend: None,
         tool_call_parser: tool_parser.map(str::to_string),
         reasoning_parser: reasoning.map(str::to_string),

@@ -94,6 +94,7 @@ fn state(watchdog_timeout: f64) -> AppState {
         enable_metrics: true,
         sampling_defaults: Default::default(),
         vocab_size: 0,
+        max_logprobs: 20,
         grammar_backend: None,
         tool_call_parser: None,
         reasoning_parser: None,

@@ -141,6 +141,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
+        state.config.max_logprobs,
     )?;
     crate::lora::run_on(&mut checked.spec.sampling, adapter);
     checked.spec.priority = validate::priority(
