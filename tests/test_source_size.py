@@ -39,7 +39,6 @@ ALLOWED_LONG_FUNCTIONS: set[str] = {
     "rust/server/src/http/mod.rs::router",
     "rust/server/src/http/openai.rs::completions_inner",
     "rust/server/src/lib.rs::build_state_replicas",
-    "rust/server/src/metrics.rs::new",
     "rust/server/src/validate/messages.rs::convert_message",
     "rust/server/src/validate/mod.rs::generation_spec",
     "rust/structured/src/lark.rs::lex",

@@ -253,7 +253,10 @@ async fn start_on(
         ignore_eos: spec.ignore_eos,
         priority: spec.priority,
     };
-    fe.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
+    fe.metrics
+        .counters
+        .prompt_tokens
+        .inc_by(prompt_ids.len() as u64);
     let dispatched = fe.engine.dispatch(request, constraint, replica).await;
     let events = dispatched.events;
     if fe.config.log_requests {

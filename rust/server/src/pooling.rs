@@ -88,7 +88,10 @@ pub async fn run(
             0,
         )?;
         let prompt_tokens = input.ids.len() as u32;
-        fe.metrics.prompt_tokens.inc_by(u64::from(prompt_tokens));
+        fe.metrics
+            .counters
+            .prompt_tokens
+            .inc_by(u64::from(prompt_tokens));
         let request = Request {
             id: rid.choice(i as u32),
             prompt: input.ids,

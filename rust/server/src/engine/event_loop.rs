@@ -255,10 +255,7 @@ impl EngineLoop {
                 self.grammars.clear();
                 for (id, live) in self.requests.drain() {
                     self.scheduler.finish(id, FinishReason::Abort);
-                    self.metrics
-                        .request_success
-                        .with_label_values(&["abort"])
-                        .inc();
+                    self.metrics.count_finished("abort");
                     let _ = live.events.send(EngineEvent::Error {
                         message: message.clone(),
                         kind: EngineErrorKind::Unavailable,
@@ -496,17 +493,15 @@ impl EngineLoop {
         if !out.tokens.is_empty() {
             if live.first_token.is_none() {
                 live.first_token = Some(now);
-                let m = &self.metrics;
-                m.time_to_first_token
-                    .observe((now - live.submitted).as_secs_f64());
-                m.prefix_cache_queries.inc_by(u64::from(out.prompt_tokens));
-                m.prefix_cache_hits.inc_by(u64::from(out.cached_tokens));
+                self.metrics.observe_first_token(
+                    now - live.submitted,
+                    out.prompt_tokens,
+                    out.cached_tokens,
+                );
                 self.prefix_queries += u64::from(out.prompt_tokens);
                 self.prefix_hits += u64::from(out.cached_tokens);
             } else if let Some(last) = live.last_token {
-                self.metrics
-                    .inter_token_latency
-                    .observe((now - last).as_secs_f64());
+                self.metrics.observe_token_gap(now - last);
             }
             live.last_token = Some(now);
         }
@@ -524,6 +519,7 @@ impl EngineLoop {
         let (finish, completion_tokens, preemptions) =
             (out.finished, out.completion_tokens, out.preemptions);
         self.metrics
+            .counters
             .generation_tokens
             .inc_by(out.tokens.len() as u64);
         let event = EngineEvent::Token(TokenEvent {

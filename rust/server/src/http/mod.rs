@@ -335,7 +335,7 @@ async fn admit(State(state): State<AppState>, req: Request, next: Next) -> Respo
         return ApiError::unavailable("the model worker is not running").into_response();
     }
     let Some(slot) = state.lifecycle.try_admit() else {
-        state.metrics.requests_rejected.inc();
+        state.metrics.counters.requests_rejected.inc();
         return ApiError::overloaded(format!(
             "server overloaded: {} requests in flight; retry later",
             state.lifecycle.max_in_flight()
