@@ -36,7 +36,6 @@ ALLOWED_LONG_FUNCTIONS: set[str] = {
     # Being split now (issue 30), one commit each.
     "rust/server/src/generate.rs::start_on",
     "rust/server/src/http/mod.rs::router",
-    "rust/server/src/http/openai.rs::completions_inner",
     "rust/server/src/lib.rs::build_state_replicas",
     "rust/server/src/validate/messages.rs::convert_message",
     "rust/server/src/validate/mod.rs::generation_spec",
