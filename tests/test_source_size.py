@@ -35,7 +35,6 @@ ALLOWED_LONG_FUNCTIONS: set[str] = {
     "python/tokenspeed_kernels/rotary_kv.py::_rotary_kv_kernel",
     # Being split now (issue 30), one commit each.
     "rust/server/src/generate.rs::start_on",
-    "rust/server/src/lib.rs::build_state_replicas",
     "rust/server/src/validate/messages.rs::convert_message",
     "rust/server/src/validate/mod.rs::generation_spec",
     "rust/structured/src/lark.rs::lex",
