@@ -14,6 +14,7 @@ pub mod kv_events;
 pub mod lora;
 pub mod metrics;
 pub mod pooling;
+pub mod prompt;
 pub mod replicas;
 pub mod response_store;
 pub mod router;

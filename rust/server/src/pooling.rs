@@ -10,7 +10,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle};
 use crate::error::RequestError;
 use crate::frontend::Frontend;
-use crate::generate::{new_request_id, tokenize_prompt, Prompt};
+use crate::generate::new_request_id;
+use crate::prompt::{tokenize_prompt, Prompt};
 
 /// One model input: its token ids, and where a pair's second segment starts (0: none).
 #[derive(Debug, Clone, PartialEq)]
