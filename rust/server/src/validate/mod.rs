@@ -8,6 +8,7 @@ pub mod chat;
 pub mod grammar;
 pub mod messages;
 pub mod pooling;
+mod refusals;
 pub mod responses;
 pub mod routes;
 mod stop;
