@@ -36,7 +36,6 @@ ALLOWED_LONG_FUNCTIONS: set[str] = {
     # Being split now (issue 30), one commit each.
     "rust/structured/src/lark.rs::lex",
     "rust/structured/src/tool_call/pythonic.rs::literal",
-    "rust/text/src/tokenizer.rs::from_dir",
 }
 
 
