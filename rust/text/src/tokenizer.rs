@@ -173,11 +173,7 @@ struct SpecialTokens {
 }
 
 impl SpecialTokens {
-    fn read(
-        dir: &Path,
-        tokenizer: &Tokenizer,
-        tokenizer_config: &Json,
-    ) -> Result<Self, TextError> {
+    fn read(dir: &Path, tokenizer: &Tokenizer, tokenizer_config: &Json) -> Result<Self, TextError> {
         let generation_config = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
         let model_config = read_json(&dir.join("config.json"))?.unwrap_or_default();
 
