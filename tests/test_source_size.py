@@ -34,7 +34,6 @@ ALLOWED_LONG_FUNCTIONS: set[str] = {
     "python/tokenspeed_kernels/gemv.py::_gemv_kernel",
     "python/tokenspeed_kernels/rotary_kv.py::_rotary_kv_kernel",
     # Being split now (issue 30), one commit each.
-    "rust/structured/src/tool_call/pythonic.rs::literal",
 }
 
 
