@@ -81,10 +81,14 @@ def test_hicache_flags_parse_and_unbuilt_values_are_refused() -> None:
     assert (off.enable_hierarchical_cache, off.hicache_write_policy) == (False, "write_through")
     with pytest.raises(NotSupportedError, match="write_through_selective.*use write_through or write_back"):
         parse_serve_args(["--enable-hierarchical-cache", "--hicache-write-policy", "write_through_selective"])
-    for flag, value in [("--hicache-io-backend", "direct"), ("--hicache-mem-layout", "page_first"),
-                        ("--hicache-storage-backend", "file")]:
+    for flag, value in [("--hicache-io-backend", "direct"), ("--hicache-mem-layout", "page_first")]:
         with pytest.raises(NotSupportedError, match=f"not supported yet: {flag}"):
             parse_serve_args(["--enable-hierarchical-cache", flag, value])
+    # The storage tier: the local-file backend is built, the others are refused by name.
+    cfg = parse_serve_args(["--enable-hierarchical-cache", "--hicache-storage-backend", "file"])
+    assert cfg.hicache_storage_backend == "file"
+    with pytest.raises(NotSupportedError, match="mooncake.*only the local-file storage backend"):
+        parse_serve_args(["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"])
     # The neutral values are accepted.
     parse_serve_args(["--hicache-io-backend", "kernel", "--hicache-mem-layout", "layer_first"])
 
@@ -428,8 +432,9 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--priority-scheduling-preemption-threshold",
         "--is-embedding", "--constrained-json-allow-additional-properties",
         "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
-        "--hicache-write-policy", "--radix-eviction-policy", "--json-model-override-args",
-        "--kv-events-config",
+        "--hicache-write-policy", "--radix-eviction-policy", "--hicache-storage-backend",
+        "--hicache-storage-backend-extra-config", "--json-model-override-args",
+        "--kv-events-config", "--max-logprobs",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -138,11 +138,6 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server: Server, client: op
         == "truncate_prompt_tokens"
 
 
-def test_logprobs_minus_one_is_refused_with_the_vocabulary_size(server: Server) -> None:
-    e = error_of(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "logprobs": -1})
-    assert e["param"] == "logprobs" and "all" in e["message"] and "20" in e["message"], e
-
-
 @pytest.mark.parametrize(("field", "value", "neutral"), [
     ("use_beam_search", True, False),
     ("logprob_token_ids", [1, 2], []),

@@ -1,10 +1,13 @@
 """The hierarchical cache (--enable-hierarchical-cache) end to end: a device KV pool of 64 pages,
 a working set of prompts about 4x larger asked twice. With the host tier the second round finds
 its prefixes in host memory (reported by /get_server_info and /metrics) and the greedy tokens
-are those of a server without it; off (the default), no host pool and no copies."""
+are those of a server without it; off (the default), no host pool and no copies. With a host
+tier as small as the device pool and a local-file storage tier below it, the second round finds
+them in storage, with the same tokens."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -32,6 +35,19 @@ def _server(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Iterator[S
 @pytest.fixture(scope="module")
 def hicache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from _server(tmp_path_factory, "--enable-hierarchical-cache", "--hicache-ratio", str(RATIO))
+
+
+@pytest.fixture(scope="module")
+def storage_dir(tmp_path_factory: pytest.TempPathFactory):
+    return tmp_path_factory.mktemp("kv-storage")
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory: pytest.TempPathFactory, storage_dir) -> Iterator[Server]:
+    extra = json.dumps({"path": str(storage_dir), "capacity_gb": 0.5})
+    yield from _server(tmp_path_factory, "--enable-hierarchical-cache", "--hicache-ratio", "1",
+                       "--hicache-storage-backend", "file",
+                       "--hicache-storage-backend-extra-config", extra)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +109,28 @@ def test_hicache_without_the_radix_cache_is_refused_at_start() -> None:
                         "--enable-hierarchical-cache", "--disable-radix-cache"],
                        check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "cannot be combined with --disable-radix-cache" in r.stderr, r.stderr
+
+
+def test_what_the_host_tier_drops_comes_back_from_local_files(storage: Server, plain: Server,
+                                                              storage_dir) -> None:
+    first = _round(storage)
+    stored = storage.info()["storage_kv_pages"]
+    # Device and host hold 32 pages of the 63 the prompts need: the rest went to storage.
+    assert stored["store_pages"] > 0 and stored["used_pages"] > 0, stored
+    files = list(storage_dir.rglob("*.kv"))
+    assert len(files) == stored["used_pages"], (len(files), stored)
+    second = _round(storage)
+    stored = storage.info()["storage_kv_pages"]
+    assert stored["hit_tokens"] >= 4 * 24 and stored["fetch_pages"] * 4 == stored["hit_tokens"], stored
+    assert first == second == _round(plain)
+    kv = flushed_pages(storage)
+    assert kv["free"] == kv["total"], kv
+
+
+def test_storage_is_refused_without_the_host_tier_and_for_backends_not_built() -> None:
+    for args, says in ((["--hicache-storage-backend", "file"], "needs --enable-hierarchical-cache"),
+                       (["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"],
+                        "only the local-file storage backend is built")):
+        r = subprocess.run([sys.executable, "-m", "tokenspeed.launch.cli", "serve", "--device", "cpu",
+                            *args], check=False, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and says in r.stderr, r.stderr

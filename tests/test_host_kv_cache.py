@@ -66,7 +66,7 @@ def test_a_batch_never_writes_a_page_twice_nor_reads_what_it_wrote() -> None:
     src = np.array([0, 1, 2, 3])
     dst = np.array([5, 5, 0, 4])
     kinds = np.array([WRITEBACK, WRITEBACK, DEVICE, DEVICE])
-    groups = [(k, s.tolist(), d.tolist()) for k, s, d in _groups(src, dst, kinds)]
+    groups = [(k, src[a:b].tolist(), dst[a:b].tolist()) for k, a, b in _groups(src, dst, kinds)]
     assert groups == [(WRITEBACK, [0], [5]), (WRITEBACK, [1], [5]), (DEVICE, [2, 3], [0, 4])]
 
 
@@ -87,3 +87,52 @@ def test_a_host_pool_larger_than_host_memory_is_refused() -> None:
     cache, _ = _pools()
     with pytest.raises(ValueError, match="lower --hicache-ratio or set --hicache-size"):
         HostKVPool(cache, 10**15)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pages_stored_and_fetched_back_through_local_files_keep_their_kv(tmp_path, device: str) -> None:
+    # Device pages 0-1 written back to host slots 0-1, stored under two keys, the slots then
+    # overwritten; fetched into slots 4-5 and loaded to device pages 6-7: the same KV.
+    from tokenspeed.layers.host_kv_cache import DROP, FETCH, STORE
+    from tokenspeed.layers.kv_storage import LocalFileStorage
+
+    cache, _ = _pools(device=device)
+    page_bytes = sum(t[0].numel() * t.element_size() for t in cache.k + cache.v)
+    store = LocalFileStorage(tmp_path / "pages", page_bytes)
+    pool = HostKVPool(cache, 6, storage=store)
+    keys = [2**63 + 5, 7]  # keys are hash bits: the top one set reads negative as an i64
+    wire = [k - 2**64 if k >= 2**63 else k for k in keys]
+    before = [(cache.k[layer][:2].clone(), cache.v[layer][:2].clone()) for layer in range(2)]
+    ops = [(0, 0, WRITEBACK), (1, 1, WRITEBACK), (0, 0, STORE), (1, 0, STORE), (2, 0, WRITEBACK),
+           (3, 1, WRITEBACK), (0, 4, FETCH), (0, 5, FETCH), (4, 6, LOAD), (5, 7, LOAD)]
+    key = [0, 0, wire[0], wire[1], 0, 0, wire[0], wire[1], 0, 0]
+    src, dst, kinds = (np.asarray([op[i] for op in ops]) for i in range(3))
+    pool.run(src, dst, kinds, np.asarray(key))
+    for layer, (k, v) in enumerate(before):
+        assert torch.equal(cache.k[layer][6:8], k) and torch.equal(cache.v[layer][6:8], v)
+    assert sorted(p.name for p in (tmp_path / "pages").iterdir()) == [
+        f"{keys[1]:016x}.kv", f"{keys[0]:016x}.kv"]
+    pool.run(np.asarray([0]), np.asarray([0]), np.asarray([DROP]), np.asarray([wire[1]]))
+    assert [p.name for p in (tmp_path / "pages").iterdir()] == [f"{keys[0]:016x}.kv"]
+    with pytest.raises(RuntimeError, match="missing"):
+        pool.run(np.asarray([0]), np.asarray([3]), np.asarray([FETCH]), np.asarray([wire[1]]))
+
+
+def test_storage_copies_without_a_storage_tier_are_refused() -> None:
+    from tokenspeed.layers.host_kv_cache import STORE
+
+    _, pool = _pools()
+    with pytest.raises(ValueError, match="storage"):
+        pool.run(np.asarray([0]), np.asarray([0]), np.asarray([STORE]), np.asarray([1]))
+
+
+def test_the_storage_settings_are_checked() -> None:
+    from tokenspeed.layers.kv_storage import StorageSettings
+
+    s = StorageSettings.parse("file", '{"path": "/x", "capacity_gb": 2}')
+    assert (s.path, s.capacity_gb, s.pages(1000)) == ("/x", 2.0, 2_000_000)
+    assert StorageSettings.parse("file", None).capacity_gb == 16.0
+    for bad, what in (("[1]", "object"), ('{"size": 1}', "unknown keys"),
+                      ('{"capacity_gb": 0}', "positive"), ("{", "not JSON")):
+        with pytest.raises(ValueError, match=what):
+            StorageSettings.parse("file", bad)

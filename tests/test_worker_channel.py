@@ -128,6 +128,26 @@ def test_neutral_sampling_and_constants_come_from_the_rust_core():
     assert _core.slot_bytes(256, 8448, 512) > _core.slot_bytes(16, 128, 32) > 0
 
 
+def test_rings_are_sized_by_max_logprobs_and_refused_when_they_cannot_fit():
+    from types import SimpleNamespace
+
+    from tokenspeed.launch.ring_size import RingSizeError, check_rings, logprobs_width
+
+    assert [logprobs_width(m, 49152) for m in (20, 0, 100_000, -1)] == [20, 0, 49152, 49152]
+    limits = (2, 34, 512)
+    plain, top20, full = (_core.slot_bytes(*limits, top_logprobs=k) for k in (0, 20, 49152))
+    # Each of the 36 sampled and 34 prompt tokens of a step: k (id, logprob) pairs of 8 bytes
+    # (a slot holds the larger of a plan and a result: at 20 the plan may still be larger).
+    assert full >= (36 + 34) * 49152 * 8 and full > top20 >= plain
+    cfg = SimpleNamespace(max_logprobs=-1, chunked_prefill_size=32)
+    check_rings(cfg, full, plain, 1, 2, 49152, room=None)
+    check_rings(cfg, full, plain, 1, 2, 49152, room=4 * (full - plain))
+    with pytest.raises(RingSizeError, match=r"--max-logprobs -1.*--chunked-prefill-size 32.*MiB free"):
+        check_rings(cfg, full, plain, 1, 2, 49152, room=4 * (full - plain) - 1)
+    with pytest.raises(RingSizeError, match="at most 4095 MiB"):
+        check_rings(cfg, 1 << 32, plain, 1, 2, 49152, room=None)
+
+
 def test_timeout_and_shutdown(name):
     w = PlanWriter.create(name, 1)
     ch = _core.WorkerChannel.attach(name, 0)

@@ -12,13 +12,16 @@ Workload: `--conversations` chats (64), each opening with its own random history
 history plus the previous answer, and asks for `--output` tokens (64, ignore_eos). Turns go
 round-robin over the conversations, `--concurrency` (8) requests in flight, so by the time a
 chat comes back its prefix has been pushed out of a device pool of `--max-total-tokens`
-(65,536: about a third of the working set). Both servers get the same pool; the HiCache one
-adds `--enable-hierarchical-cache --hicache-ratio 4`.
+(65,536: about a third of the working set). Every server gets the same pool; the HiCache one
+adds `--enable-hierarchical-cache --hicache-ratio 4`, the storage one a host tier as large as
+the device pool (`--hicache-ratio 1`) and a local-file storage tier below it
+(`--hicache-storage-backend file`, in a temporary directory), so its hits come from files.
 
 Metrics per side: the prefix-cache hit rate of turns after the first (hits / prompt tokens,
 from /metrics), host-tier hit tokens and load / writeback pages (/get_server_info), and the
-TTFT (mean, p50, p99) of turns after the first. Writes summary.md and hicache_bench.jsonl
-under --out. --quick: 2 layers, 8 chats, shorter histories.
+TTFT (mean, p50, p99) of turns after the first; the storage side's storage-tier counters.
+Writes summary.md and hicache_bench.jsonl under --out. --sides picks the servers (default
+off,hicache,storage). --quick: 2 layers, 8 chats, shorter histories.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def run_side(ctx: gpu_bench.Ctx, model_dir: Path, tag: str, extra: list[str],
         "ttft_p99_ms": 1e3 * (pct(ttfts, 0.99) or 0),
         "wall_s": wall,
         "host": info.get("host_kv_pages"),
+        "storage": info.get("storage_kv_pages"),
     }
 
 
@@ -121,6 +125,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--hicache-ratio", type=float, default=4.0)
+    p.add_argument("--sides", default="off,hicache,storage",
+                   help="servers to run, in order: off, hicache, storage")
     args = p.parse_args()
     if args.quick:
         args.conversations, args.history, args.max_total_tokens = 8, 512, 2048
@@ -129,19 +135,27 @@ def main() -> int:
     layers = 2 if args.quick else gpu_bench.LLAMA31_8B["num_hidden_layers"]
     model_dir = gpu_bench.write_model_dir(Path(tempfile.mkdtemp(prefix="hicache-bench-")),
                                           args.tokenizer, layers, {})
-    results = {
-        "off": run_side(ctx, model_dir, "hicache-off", [], args),
-        "hicache": run_side(ctx, model_dir, "hicache-on",
-                            ["--enable-hierarchical-cache", "--hicache-ratio",
-                             str(args.hicache_ratio)], args),
+    store_dir = tempfile.mkdtemp(prefix="hicache-storage-")
+    flags = {
+        "off": [],
+        "hicache": ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio)],
+        "storage": ["--enable-hierarchical-cache", "--hicache-ratio", "1",
+                    "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+                    json.dumps({"path": store_dir, "capacity_gb": 100})],
     }
-    lines = ["| metric (turns after the first) | off | HiCache |", "|---|---|---|"]
+    sides = [x for x in args.sides.split(",") if x]
+    results = {side: run_side(ctx, model_dir, f"hicache-{side}", flags[side], args)
+               for side in sides}
+    lines = [f"| metric (turns after the first) | {' | '.join(sides)} |",
+             "|---|" + "---|" * len(sides)]
     for key in ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "wall_s"):
-        off, on = results["off"].get(key), results["hicache"].get(key)
-        lines.append(f"| {key} | {off if off is None else round(off, 3)} | "
-                     f"{on if on is None else round(on, 3)} |")
-        ctx.row("HiCache", key, {"off": off, "hicache": on}, "hit rate up, TTFT down")
-    lines.append(f"\nhost tier (HiCache side): {results['hicache'].get('host')}")
+        values = {side: results[side].get(key) for side in sides}
+        lines.append(f"| {key} | " + " | ".join(
+            str(v if v is None else round(v, 3)) for v in values.values()) + " |")
+        ctx.row("HiCache", key, values, "hit rate up, TTFT down")
+    for side in sides:
+        lines.append(f"\n{side}: host tier {results[side].get('host')}; "
+                     f"storage tier {results[side].get('storage')}")
     summary = "\n".join(lines)
     (args.out / "summary.md").write_text(summary + "\n")
     (args.out / "hicache_bench.jsonl").write_text(json.dumps(results) + "\n")

@@ -130,6 +130,13 @@ API_FLAGS: list[Flag] = [
     c("--sampling-defaults", "Where default sampling parameters come from: the model's "
       "generation config or OpenAI's defaults.", G_API, ("openai", "model"), "model",
       implemented=True),
+    i("--max-logprobs", "Most logprobs a request may ask for per token (logprobs, "
+      "top_logprobs, prompt_logprobs, top_logprobs_num); more is a 400 naming the cap, as in "
+      "vLLM. -1: no cap, the whole vocabulary; a request's -1 (all) needs a cap that covers the "
+      "vocabulary. Each step's result slot in shared memory holds this many per token for every "
+      "token of the step, so a vocabulary-sized cap needs a small --chunked-prefill-size and "
+      "--max-running-requests (checked at start).", G_API, 20, minimum=0, allowed_special=(-1,),
+      readers=("server", "launch"), implemented=True, metavar="N"),
     s("--tool-server", "Tool server(s) to attach for built-in tool use.", G_API),
     b("--return-token-ids", "Include token IDs in every response.", G_API),
     s("--file-storage-pth", "Directory for files uploaded through the API.", G_API),

@@ -188,12 +188,20 @@ HICACHE_FLAGS: list[Flag] = [
     c("--hicache-mem-layout", "Layout of the host KV pool.", G_HICACHE,
       ("layer_first", "page_first", "page_first_direct", "page_first_kv_split"), "layer_first",
       readers=("worker",)),
-    c("--hicache-storage-backend", "Third tier for KV pages below host memory.", G_HICACHE,
-      ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic", "eic")),
+    c("--hicache-storage-backend", "Third tier for KV pages below host memory: what the host "
+      "tier drops is stored there under the pages' block hashes and fetched back on a prefix "
+      "hit. file: one file per page in a local directory (--hicache-storage-backend-extra-config "
+      "sets `path` and `capacity_gb`). Needs --enable-hierarchical-cache.", G_HICACHE,
+      ("file", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic", "eic"), supported=("file",),
+      refusals={name: "only the local-file storage backend is built; use file" for name in
+                ("mooncake", "hf3fs", "nixl", "aibrix", "dynamic", "eic")},
+      readers=("worker",), implemented=True),
     c("--hicache-storage-prefetch-policy", "When a prefetch from the storage tier may stop.",
       G_HICACHE, ("best_effort", "wait_complete", "timeout"), "best_effort"),
-    s("--hicache-storage-backend-extra-config", "Extra JSON settings for the storage tier.",
-      G_HICACHE),
+    s("--hicache-storage-backend-extra-config", "JSON settings of the storage tier. file: "
+      '{"path": directory (default /tmp/tokenspeed-hicache), "capacity_gb": the most it holds '
+      "(default 16)}; each model, KV layout and rank gets its own subdirectory.",
+      G_HICACHE, readers=("worker",), implemented=True),
     b("--enable-lmcache", "Use LMCache as the hierarchical KV cache.", G_HICACHE,
       readers=("server", "worker")),
     s("--kvstore-backend", "External KV store that shares prefix KV pages between TokenSpeed "

@@ -25,6 +25,7 @@ from tokenspeed.launch.model_facts import (
     pooling_facts,
     sampling_defaults,
 )
+from tokenspeed.launch.ring_size import RING_SLOTS, RingSizeError, check_rings, logprobs_width, shm_room
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.models.config import read_config_json
 from tokenspeed.worker.loop import WorkerSpec, run_worker
@@ -157,6 +158,9 @@ def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
     if cfg.enable_hierarchical_cache and cfg.disable_radix_cache:
         raise LaunchError("--enable-hierarchical-cache keeps the radix cache's evicted prefixes "
                           "in host memory: it cannot be combined with --disable-radix-cache")
+    if cfg.hicache_storage_backend and not cfg.enable_hierarchical_cache:
+        raise LaunchError("--hicache-storage-backend keeps what the host tier drops: it needs "
+                          "--enable-hierarchical-cache")
     cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
     vocab_size = model_vocab_size(layout.model_dir, cfg.json_model_override_args)
@@ -310,6 +314,13 @@ def worker_xgrammar(cfg: Any, layout: Layout, vocab_size: int) -> XGrammarConfig
         raise LaunchError(str(e)) from None
 
 
+def kv_tiers(cfg: Any) -> int:
+    """Where KV pages may live: 1 the device, 2 a host tier too, 3 a storage tier below it."""
+    if not cfg.enable_hierarchical_cache:
+        return 1
+    return 3 if cfg.hicache_storage_backend else 2
+
+
 def open_channels(cfg: Any, layout: Layout, vocab_size: int,
                   worker_grammars: bool) -> tuple[list[str], list[Any]]:
     """One plan channel per engine (data-parallel replica, or attention group of one), read by
@@ -328,14 +339,19 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
         if cfg.grammar_backend == "llguidance" and not cfg.is_embedding else 0
     # --is-embedding: one pooled vector per slot comes back in a result.
     pooled_dim = pooling_facts(layout.model_dir, cfg.json_model_override_args)[1] if cfg.is_embedding else 0
-    slot_bytes = _core.slot_bytes(slots, chunk + slots, -(-layout.context // int(cfg.page_size)),
-                                  mask_words, worker_grammars, pooled_dim,
-                                  bool(cfg.enable_hierarchical_cache))
+    try:  # each token's top logprobs: --max-logprobs columns at most
+        width = logprobs_width(int(cfg.max_logprobs), vocab_size)
+        limits = (slots, chunk + slots, -(-layout.context // int(cfg.page_size)), mask_words,
+                  worker_grammars, pooled_dim, kv_tiers(cfg))
+        slot_bytes = _core.slot_bytes(*limits, width)
+        check_rings(cfg, slot_bytes, _core.slot_bytes(*limits, 0), len(names), slots, width, shm_room())
+    except RingSizeError as e:
+        raise LaunchError(str(e)) from None
     if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes
         readers = layout.readers + (layout.sizes.nnodes > 1)
-        return names, [_core.ServerChannel.create(name, readers, 4, slot_bytes) for name in names]
+        return names, [_core.ServerChannel.create(name, readers, RING_SLOTS, slot_bytes) for name in names]
     # Written by this node's relay (relay.py).
-    return names, [_core.PlanWriter.create(names[0], layout.world, 4, slot_bytes)]
+    return names, [_core.PlanWriter.create(names[0], layout.world, RING_SLOTS, slot_bytes)]
 
 
 def spawn_workers(ctx: Any, cfg: Any, layout: Layout, channel_names: list[str],
@@ -432,8 +448,10 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
         "scheduler": cfg.section("scheduler") | {
             "context_length": layout.context, "num_pages": pages,
             "max_running_requests": max_running,
-            # The host tier's slots (0: --enable-hierarchical-cache off): each rank has them.
-            "num_host_pages": min(int(c.get("num_host_pages", 0)) for c in capacities)},
+            # The host tier's slots (0: --enable-hierarchical-cache off) and its storage tier's
+            # pages (0: no --hicache-storage-backend): each rank has them.
+            "num_host_pages": min(int(c.get("num_host_pages", 0)) for c in capacities),
+            "num_storage_pages": min(int(c.get("num_storage_pages", 0)) for c in capacities)},
         "vocab_size": vocab_size,
         "pooling_labels": pooling_facts(model_dir, cfg.json_model_override_args)[0] if cfg.is_embedding else [],
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace

@@ -10,6 +10,11 @@ by a later writeback.
 On CUDA the host pool is pinned and the copies run on a side stream that first waits for the
 work already queued (earlier steps write the KV being written back) and that the forward then
 waits for: correct first; the copies do not overlap the step that needs them yet.
+
+With a storage tier (--hicache-storage-backend, kv_storage.py) the list also holds its stores
+(host slot -> storage, by key), fetches (storage -> host slot) and drops. They are host I/O,
+run in order after the side stream has finished what came before (a stored slot must hold its
+writeback; a fetched slot must no longer be read by an earlier load).
 """
 
 from __future__ import annotations
@@ -23,17 +28,21 @@ import numpy as np
 import torch
 
 from tokenspeed.layers.kv_cache import PagedKVCache
+from tokenspeed.layers.kv_storage import KVStorage, StorageSettings
 
 # CopyOp::kind (rust/engine/src/plan.rs, `copy_kind`).
-DEVICE, WRITEBACK, LOAD = 0, 1, 2
+DEVICE, WRITEBACK, LOAD, STORE, FETCH, DROP = 0, 1, 2, 3, 4, 5
+STORAGE_KINDS = (STORE, FETCH, DROP)
 
 
 @dataclass(frozen=True)
 class HostTierSize:
-    """--hicache-ratio and --hicache-size: how large the host tier is."""
+    """--hicache-ratio and --hicache-size: how large the host tier is; and the storage tier
+    below it, if any."""
 
     ratio: float
     size_gb: int
+    storage: StorageSettings | None = None
 
 
 def host_pages(*, ratio: float, size_gb: int, device_pages: int, bytes_per_page: int) -> int:
@@ -47,7 +56,8 @@ class HostKVPool:
     """K/V of layer l in `k[l]`, `v[l]`: [num_pages, page_size, num_kv_heads, head_dim], the
     device pool's per-layer layout, in host memory (pinned when the device is a GPU)."""
 
-    def __init__(self, device_cache: PagedKVCache, num_pages: int) -> None:
+    def __init__(self, device_cache: PagedKVCache, num_pages: int,
+                 storage: KVStorage | None = None) -> None:
         _check_fits(num_pages, device_cache)
         page = device_cache.k[0].shape[1:]
         dev = device_cache.k[0].device
@@ -60,30 +70,72 @@ class HostKVPool:
         self.num_pages = num_pages
         self.device_cache = device_cache
         self.stream = torch.cuda.Stream(dev) if pin else None
+        self.storage = storage
 
-    def run(self, src: np.ndarray, dst: np.ndarray, kind: np.ndarray) -> None:
+    def run(self, src: np.ndarray, dst: np.ndarray, kind: np.ndarray,
+            key: np.ndarray | None = None) -> None:
         """Runs a plan's copies in order (validated first: nothing runs on a bad id)."""
         src, dst, kind = (np.asarray(a, np.int64) for a in (src, dst, kind))
+        key = np.zeros_like(src) if key is None else np.asarray(key, np.int64)
         self._check(src, dst, kind)
         if self.stream is None:
-            for k, s, d in _groups(src, dst, kind):
-                self._copy(k, s, d)
+            for k, a, b in _groups(src, dst, kind):
+                self._run_group(k, src[a:b], dst[a:b], key[a:b])
             return
         main = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(main)  # the KV written back is written by queued steps
         with torch.cuda.stream(self.stream):
-            for k, s, d in _groups(src, dst, kind):
-                self._copy(k, s, d)
+            for k, a, b in _groups(src, dst, kind):
+                if k in STORAGE_KINDS:
+                    self.stream.synchronize()  # host I/O: what the side stream queued is done
+                self._run_group(k, src[a:b], dst[a:b], key[a:b])
         main.wait_stream(self.stream)  # the forward reads what the loads bring
+
+    def _run_group(self, kind: int, src: np.ndarray, dst: np.ndarray, key: np.ndarray) -> None:
+        if kind not in STORAGE_KINDS:
+            self._copy(kind, src, dst)
+            return
+        assert self.storage is not None  # _check refused storage copies without a tier
+        for s, d, k in zip(src.tolist(), dst.tolist(), key.tolist()):
+            if kind == STORE:
+                self.storage.put(k, self._page_bytes(s))
+            elif kind == FETCH:
+                self._fetch(k, d)
+            else:
+                self.storage.delete(k)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for pair in zip(self.k, self.v) for t in pair]
+
+    def _page_bytes(self, slot: int) -> np.ndarray:
+        """Every layer's K and V of host slot `slot`, as one byte string."""
+        return np.concatenate([t[slot].contiguous().view(torch.uint8).numpy().reshape(-1)
+                               for t in self._tensors()])
+
+    def _fetch(self, key: int, slot: int) -> None:
+        tensors = self._tensors()
+        buf = np.empty(sum(t[0].numel() * t.element_size() for t in tensors), np.uint8)
+        assert self.storage is not None
+        if not self.storage.get(key, buf):
+            raise RuntimeError(f"storage page {key & (2**64 - 1):#018x} is missing: the storage "
+                               "tier's files were removed while the server ran")
+        at = 0
+        for t in tensors:
+            page = t[slot].view(torch.uint8)
+            page.copy_(torch.from_numpy(buf[at:at + page.numel()]).reshape(page.shape))
+            at += page.numel()
 
     def _check(self, src: np.ndarray, dst: np.ndarray, kind: np.ndarray) -> None:
         if not len(src) == len(dst) == len(kind):
             raise ValueError(f"page copies: {len(src)} sources, {len(dst)} destinations, "
                              f"{len(kind)} kinds")
         n_dev, n_host = self.device_cache.num_pages, self.num_pages
-        src_max = np.where(kind == LOAD, n_host, n_dev)
-        dst_max = np.where(kind == WRITEBACK, n_host, n_dev)
-        bad = (src < 0) | (src >= src_max) | (dst < 0) | (dst >= dst_max) | (kind > LOAD)
+        if self.storage is None and np.isin(kind, STORAGE_KINDS).any():
+            raise ValueError("storage-tier copies without --hicache-storage-backend")
+        # A store reads a host slot, a fetch writes one; a drop touches neither (ids 0).
+        src_max = np.where(np.isin(kind, (LOAD, STORE)), n_host, n_dev)
+        dst_max = np.where(np.isin(kind, (WRITEBACK, FETCH)), n_host, n_dev)
+        bad = (src < 0) | (src >= src_max) | (dst < 0) | (dst >= dst_max) | (kind > DROP)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"page copy {i}: kind {kind[i]} {src[i]} -> {dst[i]} out of range "
@@ -165,21 +217,23 @@ def _runs(ids: np.ndarray) -> Iterator[tuple[int, int, int]]:
 
 
 def _groups(src: np.ndarray, dst: np.ndarray,
-            kind: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Splits the ordered copies into batches that may run as one indexed copy each: same
-    kind, and no page or slot written twice or read after being written within a batch (a
-    batch runs all its reads and writes at once)."""
+            kind: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """Splits the ordered copies into batches (kind, start, end) that may run as one indexed
+    copy each: same kind, and no page or slot written twice or read after being written within
+    a batch (a batch runs all its reads and writes at once). Storage ops run one by one, in
+    order: only a change of kind splits them."""
     start, written, read = 0, set(), set()
     for i in range(len(src)):
         s, d, k = int(src[i]), int(dst[i]), int(kind[i])
         # Device pages and host slots share numbers: key them by pool.
         s_key = (k == LOAD, s)
         d_key = (k == WRITEBACK, d)
-        if i > start and (k != kind[start] or d_key in written or s_key in written
-                          or d_key in read):
-            yield int(kind[start]), src[start:i], dst[start:i]
+        conflict = k not in STORAGE_KINDS and (d_key in written or s_key in written
+                                               or d_key in read)
+        if i > start and (k != kind[start] or conflict):
+            yield int(kind[start]), start, i
             start, written, read = i, set(), set()
         written.add(d_key)
         read.add(s_key)
     if len(src) > start:
-        yield int(kind[start]), src[start:], dst[start:]
+        yield int(kind[start]), start, len(src)

@@ -112,6 +112,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         _quiet_garbage_collector()
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device),
                     "num_host_pages": int(runner.num_host_pages),
+                    "num_storage_pages": int(runner.num_storage_pages),
                     "max_running_requests": int(runner.max_slots),
                     "cuda_graph_max_bs": int(runner.cuda_graph_max_bs)})
         ready.close()
@@ -130,6 +131,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
     """The model runner of this rank, built from the worker's flags and what the launcher
     resolved for it."""
     from tokenspeed.layers.host_kv_cache import HostTierSize
+    from tokenspeed.layers.kv_storage import StorageSettings
     from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
 
@@ -157,7 +159,9 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         lm_head_quantization=s["lm_head_quantization"],
         lora=lora_settings(s),
         pooling=bool(s["is_embedding"]),
-        hicache=HostTierSize(float(s["hicache_ratio"]), int(s["hicache_size"]))
+        hicache=HostTierSize(float(s["hicache_ratio"]), int(s["hicache_size"]), StorageSettings.parse(
+            s["hicache_storage_backend"], s["hicache_storage_backend_extra_config"])
+            if s["hicache_storage_backend"] else None)
         if s["enable_hierarchical_cache"] else None,
         config_overrides=s["json_model_override_args"],
     )

@@ -31,6 +31,7 @@ from tokenspeed.layers.attention_backends import create_backend
 from tokenspeed.layers.host_copy import DeviceToHost, to_device_int64
 from tokenspeed.layers.host_kv_cache import HostKVPool, HostTierSize, host_pages
 from tokenspeed.layers.kv_cache import PagedKVCache
+from tokenspeed.layers.kv_storage import KVStorage, open_storage
 from tokenspeed.layers.moe import (
     GRAPH_SAFE_MOE_BACKENDS,
     MoeOptions,
@@ -152,8 +153,10 @@ class ModelRunner:
         # --enable-hierarchical-cache: the radix cache's host tier (layers/host_kv_cache.py).
         self.host_kv = None if hicache is None else HostKVPool(self.kv_cache, host_pages(
             ratio=hicache.ratio, size_gb=hicache.size_gb, device_pages=self.num_pages,
-            bytes_per_page=page_bytes(self)))
+            bytes_per_page=page_bytes(self)), self._open_storage(hicache))
         self.num_host_pages = 0 if self.host_kv is None else self.host_kv.num_pages
+        self.num_storage_pages = 0 if hicache is None or hicache.storage is None \
+            else hicache.storage.pages(page_bytes(self))
         self._capture_graphs()
         self._log_loaded(moe_parallel)
 
@@ -258,6 +261,17 @@ class ModelRunner:
                             "padded size per step on every rank", state().sizes.attn_dp)
         if self.device.type == "cuda" and not self.lockstep:
             self._compile_eager_steps()
+
+    def _open_storage(self, hicache: HostTierSize) -> KVStorage | None:
+        """--hicache-storage-backend: the storage tier's backend for this rank's KV."""
+        if hicache.storage is None:
+            return None
+        c = self.config
+        identity = {"model": str(self.weights_source[0]), "kv_dtype": str(self.kv_dtype),
+                    "page_size": self.page_size, "layers": c.num_hidden_layers,
+                    "kv_heads": self.num_kv_heads, "head_dim": c.head_dim,
+                    "attn_tp": [state().attn_tp.rank, state().attn_tp.size]}
+        return open_storage(hicache.storage, identity, page_bytes(self))
 
     def _log_loaded(self, moe_parallel: MoeParallel) -> None:
         c = self.config
@@ -505,7 +519,7 @@ class ModelRunner:
         if not len(plan.copy_src):
             return
         if self.host_kv is not None:
-            self.host_kv.run(plan.copy_src, plan.copy_dst, plan.copy_kind)
+            self.host_kv.run(plan.copy_src, plan.copy_dst, plan.copy_kind, plan.copy_key)
         elif np.any(plan.copy_kind != 0):  # copy_kind.DEVICE
             raise ValueError("host-tier page copies without --enable-hierarchical-cache")
         else:

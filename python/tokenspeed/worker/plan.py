@@ -111,6 +111,7 @@ class StepPlan:
         a["copy_src"] = np.asarray([c[0] for c in cps], PLAN_DTYPES["copy_src"])
         a["copy_dst"] = np.asarray([c[1] for c in cps], PLAN_DTYPES["copy_dst"])
         a["copy_kind"] = np.asarray([c[2] if len(c) > 2 else 0 for c in cps], PLAN_DTYPES["copy_kind"])
+        a["copy_key"] = np.asarray([c[3] if len(c) > 3 else 0 for c in cps], PLAN_DTYPES["copy_key"])
         sch = list(scheduled)
         a["sched_slot"] = np.asarray([r[0] for r in sch], PLAN_DTYPES["sched_slot"])
         a["sched_start_pos"] = np.asarray([r[1] for r in sch], PLAN_DTYPES["sched_start_pos"])

@@ -70,7 +70,7 @@ class PromptScorer:
                 # vLLM's rank, also for a token outside the top-k: 1 + how many score higher.
                 ranks.append((scorers > own).sum(dim=1) + 1)
                 if k:
-                    v, t = scorers.topk(k, dim=-1)
+                    v, t = scorers.topk(min(k, scorers.shape[-1]), dim=-1)
                     top_lps.append(v)
                     tops.append(t)
                 prev = rows[-1:]

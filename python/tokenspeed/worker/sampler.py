@@ -251,7 +251,9 @@ class Sampler:
         # log_softmax at the chosen token without materializing the whole [B, vocab] result.
         lse = torch.logsumexp(raw, dim=-1)
         chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse
-        k = int(self._top_logprobs[idx].max()) if len(idx) else 0
+        # At most the logits' width: a request's -1 ("all") is the tokenizer's vocabulary, which
+        # may exceed the model's (each event then reports the columns there are).
+        k = min(int(self._top_logprobs[idx].max()), raw.shape[-1]) if len(idx) else 0
         if k:
             top_vals, top_ids = raw.topk(k, dim=-1)
             top_lp = top_vals - lse[:, None]

@@ -178,6 +178,7 @@ fn main() {
         context_length: 8192,
         radix_eviction_policy: Default::default(),
         num_host_pages: 0,
+        num_storage_pages: 0,
         hicache_write_policy: Default::default(),
     };
     let mut sched = match Scheduler::new(config) {

@@ -13,10 +13,11 @@ pub use plan::{
     copy_kind, grammar_kind, op_kind, CopyOp, FinishedSlot, GrammarRow, OpOutcome, PageTableUpdate,
     Plan, RequestEvent, SamplingParams, ScheduledRequest, StepLimits, StepResult, StepTiming,
     TokenMask, WorkerOp, LAST_SAMPLED, MAX_GRAMMAR_REPLAY, MAX_GRAMMAR_STOP_IDS, MAX_GRAMMAR_TEXT,
-    MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_OP_TEXT, MAX_TOP_LOGPROBS, NO_SEED,
+    MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_OP_TEXT, NO_SEED,
 };
 pub use radix::{
-    block_hash, EvictionPolicy, HostStats, KvEvent, NodeId, PrefixMatch, RadixCache, WritePolicy,
+    block_hash, EvictionPolicy, HostStats, KvEvent, NodeId, PrefixMatch, RadixCache, StorageStats,
+    WritePolicy,
 };
 pub use scheduler::{
     ConfigError, FinishReason, Finished, Request, RequestId, RequestOutput, SchedulePolicy,

@@ -21,9 +21,6 @@ pub const LAST_SAMPLED: u32 = u32::MAX;
 /// `SamplingParams::seed` when the request has none (the worker's shared generator draws).
 pub const NO_SEED: i64 = -1;
 
-/// The most top logprobs a request may ask for per token (OpenAI's limit).
-pub const MAX_TOP_LOGPROBS: u32 = 20;
-
 /// The most `logit_bias` entries one request may carry (bounds the plan's slot size).
 pub const MAX_LOGIT_BIAS: usize = 1024;
 
@@ -132,12 +129,16 @@ section! {
 section! {
     /// A KV page copy, `src` → `dst`, done before this step's forward, in list order (a page
     /// or host slot freed by one copy may be the target of a later one). `kind` says between
-    /// which pools (`copy_kind`): the host tier's writebacks and loads (`--enable-hierarchical-cache`).
+    /// which pools (`copy_kind`): the host tier's writebacks and loads (`--enable-hierarchical-cache`),
+    /// the storage tier's stores, fetches and drops (`--hicache-storage-backend`).
     pub struct CopyOp("copy") {
         pub src: u32,
         pub dst: u32,
         /// `copy_kind::*`.
         pub kind: u8,
+        /// The page's key in the storage tier (its block hash) for STORE, FETCH and DROP;
+        /// 0 otherwise.
+        pub key: i64,
     }
     lists {}
 }
@@ -150,6 +151,12 @@ pub mod copy_kind {
     pub const WRITEBACK: u8 = 1;
     /// Host slot `src` → device page `dst` (a host-tier hit loaded back).
     pub const LOAD: u8 = 2;
+    /// Host slot `src` → the storage tier's page `key` (a page dropped from the host tier).
+    pub const STORE: u8 = 3;
+    /// The storage tier's page `key` → host slot `dst` (a storage hit, loaded on from there).
+    pub const FETCH: u8 = 4;
+    /// The storage tier forgets page `key` (its room is needed).
+    pub const DROP: u8 = 5;
 }
 
 section! {
@@ -332,6 +339,13 @@ pub struct StepLimits {
     /// The radix cache has a host tier (`--enable-hierarchical-cache`): a step carries its
     /// writebacks and loads, besides the device copies.
     pub host_copies: bool,
+    /// The host tier has a storage tier below it (`--hicache-storage-backend`): a step also
+    /// carries a fetch per page it loads from there and a store and a drop per page the host
+    /// tier lets go.
+    pub storage_copies: bool,
+    /// Columns of a token's top logprobs (`RequestEvent::top_k`) at most: `--max-logprobs`
+    /// within the vocabulary. A request asking for more is refused before it is queued.
+    pub top_logprobs: usize,
 }
 
 impl Plan {
@@ -353,8 +367,10 @@ impl Plan {
             // Copies. Host tier: loads (at most every admitted request's prefix), writebacks of
             // the nodes cached since the last plan (write-through) and of the pages evicted
             // for this step (what it allocates, plus one node's overshoot).
+            // Storage tier: a fetch per loaded page, and host evictions (as many as the host
+            // slots this step takes: writebacks and fetches) each a store and a drop.
             if l.host_copies {
-                4 * r * pages + l.max_step_tokens + 2 * r
+                (4 * r * pages + l.max_step_tokens + 2 * r) * if l.storage_copies { 3 } else { 1 }
             } else {
                 r * pages
             },
@@ -483,7 +499,7 @@ impl StepResult {
     pub fn max_encoded_len(l: &StepLimits) -> usize {
         use crate::schema::Message;
         let r = l.max_running;
-        let k = MAX_TOP_LOGPROBS as usize;
+        let k = l.top_logprobs;
         // Tokens: one per slot, plus the accepted drafts, which are step input tokens.
         let (tokens, prompt) = (r + l.max_step_tokens, l.max_step_tokens);
         let counts = [

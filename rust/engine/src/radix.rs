@@ -13,7 +13,8 @@
 //! With a host tier (`with_host`, `--enable-hierarchical-cache`) eviction *demotes* a node
 //! instead of dropping it: its KV is copied to host slots and its device pages freed; a later
 //! match through it loads it back (`radix_host.rs`). The copies are queued in order
-//! (`take_copies`) and ride in the next plan, which the worker runs before its forward.
+//! (`take_copies`) and ride in the next plan, which the worker runs before its forward. Below
+//! the host tier a storage tier may keep what the host drops (`radix_storage.rs`).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -31,17 +32,6 @@ pub enum EvictionPolicy {
     Lru,
     /// Least frequently hit first, ties by recency.
     Lfu,
-}
-
-/// When device KV is copied to the host tier (`--hicache-write-policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WritePolicy {
-    /// As soon as a node is cached: eviction then only frees device pages.
-    #[default]
-    WriteThrough,
-    /// Only when a node is evicted from the device.
-    WriteBack,
 }
 
 /// A node of the tree. Valid as long as the node is locked (or until the next mutation if not).
@@ -107,6 +97,8 @@ pub struct RadixCache {
     host: Option<host::HostTier>,
     /// KV events recorded since the last `take_events`; None: events off.
     events: Option<Vec<events::KvEvent>>,
+    /// The storage tier, when on.
+    storage: Option<storage::StorageTier>,
 }
 
 impl RadixCache {
@@ -136,6 +128,7 @@ impl RadixCache {
             policy: EvictionPolicy::Lru,
             host: None,
             events: None,
+            storage: None,
         }
     }
 
@@ -220,6 +213,7 @@ impl RadixCache {
             len += common * ps;
             path.push(child);
         }
+        self.match_storage(ns, tokens, len, &mut path);
         // Host-resident nodes end the path (a device node's ancestors are on the device).
         if let Some(first) = path.iter().position(|&n| self.node(n).pages.is_empty()) {
             let loaded = self.load_path(&path);
@@ -576,8 +570,11 @@ mod events;
 mod host;
 #[path = "radix_invariants.rs"]
 mod invariants;
+#[path = "radix_storage.rs"]
+mod storage;
 pub use events::{block_hash, KvEvent};
-pub use host::HostStats;
+pub use host::{HostStats, WritePolicy};
+pub use storage::StorageStats;
 
 #[cfg(test)]
 #[path = "radix_events_tests.rs"]

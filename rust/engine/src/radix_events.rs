@@ -71,7 +71,7 @@ impl RadixCache {
     }
 
     /// The last block hash on the path to `id` (None for the root).
-    fn tail_hash(&self, id: NodeId) -> Option<u64> {
+    pub(super) fn tail_hash(&self, id: NodeId) -> Option<u64> {
         (id != NodeId::ROOT)
             .then(|| self.node(id).hashes.last().copied())
             .flatten()
@@ -79,7 +79,7 @@ impl RadixCache {
 
     /// A node just added with device pages: computes its block hashes and records them.
     pub(super) fn on_added(&mut self, id: NodeId) {
-        if self.events.is_none() {
+        if !self.hashes_needed() {
             return;
         }
         let node = self.node(id);

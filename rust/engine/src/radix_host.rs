@@ -12,9 +12,20 @@ use std::collections::BinaryHeap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{NodeId, RadixCache, WritePolicy};
+use super::{NodeId, RadixCache};
 use crate::pages::PagePool;
 use crate::plan::{copy_kind, CopyOp};
+
+/// When device KV is copied to the host tier (`--hicache-write-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WritePolicy {
+    /// As soon as a node is cached: eviction then only frees device pages.
+    #[default]
+    WriteThrough,
+    /// Only when a node is evicted from the device.
+    WriteBack,
+}
 
 /// A host-eviction candidate, smallest first: (0 for a device node's copy, 1 for a host-only
 /// leaf; the eviction policy's key; the node).
@@ -27,7 +38,7 @@ pub(super) struct HostTier {
     /// Host slots owned by nodes.
     pub(super) cached: usize,
     /// Copies decided since the last `take_copies`, in order.
-    copies: Vec<CopyOp>,
+    pub(super) copies: Vec<CopyOp>,
     stats: HostStats,
 }
 
@@ -109,6 +120,7 @@ impl RadixCache {
                     src,
                     dst,
                     kind: copy_kind::LOAD,
+                    key: 0,
                 });
             }
             tier.stats.load_pages += n as u64;
@@ -170,6 +182,7 @@ impl RadixCache {
                 src,
                 dst,
                 kind: copy_kind::WRITEBACK,
+                key: 0,
             });
         }
         tier.stats.writeback_pages += n as u64;
@@ -180,7 +193,7 @@ impl RadixCache {
 
     /// Frees at least `n` host slots (fewer if not enough are evictable): first the host
     /// copies of device nodes (nothing is lost), then host-only leaves, each in policy order.
-    fn evict_host(&mut self, n: usize) {
+    pub(super) fn evict_host(&mut self, n: usize) {
         let mut heap: BinaryHeap<HostRank> = (1..self.nodes.len() as u32)
             .map(NodeId)
             .filter_map(|id| self.host_candidate(id))
@@ -198,6 +211,7 @@ impl RadixCache {
             let (parent, len) = (node.parent, node.host.as_ref().map_or(0, |h| h.len()));
             freed += len;
             if node.pages.is_empty() {
+                self.store_node(id);
                 self.remove_subtree(id);
                 if let Some(c) = parent.and_then(|p| self.host_candidate(p)) {
                     heap.push(c);

@@ -303,7 +303,9 @@ impl Scheduler {
         .with_policy(config.radix_eviction_policy);
         if config.num_host_pages > 0 && !config.disable_radix_cache {
             let host = PagePool::new(config.num_host_pages);
-            cache = cache.with_host(host, config.hicache_write_policy);
+            cache = cache
+                .with_host(host, config.hicache_write_policy)
+                .with_storage(config.num_storage_pages as usize);
         }
         Ok(Scheduler {
             free_slots: (0..config.max_running_requests).collect(),
@@ -457,6 +459,7 @@ impl Scheduler {
             spec_accepted_tokens: self.spec.accepted,
             spec_verify_steps: self.spec.steps,
             host: self.cache.host_stats(),
+            storage: self.cache.storage_stats(),
         }
     }
 

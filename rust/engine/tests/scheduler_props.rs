@@ -62,12 +62,13 @@ fn workload() -> impl Strategy<Value = Workload> {
         2u32..24,
         any::<bool>(),
         any::<bool>(),
-        // The host tier: none, or 1-2x the device pool; write-back or through; LRU or LFU.
-        (0u32..3, any::<bool>(), any::<bool>()),
+        // The host tier: none, or 1-2x the device pool; write-back or through; LRU or LFU;
+        // a storage tier below it of none, or 1-2x the device pool.
+        (0u32..3, any::<bool>(), any::<bool>(), 0u32..3),
     )
         .prop_flat_map(
             |(page_size, num_pages, max_running, budget, lpm, cache, host)| {
-                let (host_scale, write_back, lfu) = host;
+                let (host_scale, write_back, lfu, storage_scale) = host;
                 let config = SchedulerConfig {
                     page_size,
                     num_pages,
@@ -101,6 +102,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     } else {
                         WritePolicy::WriteThrough
                     },
+                    num_storage_pages: storage_scale * num_pages,
                 };
                 // Prompts drawn from a few stems so that prefixes are shared.
                 let one = (

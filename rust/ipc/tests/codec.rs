@@ -79,7 +79,12 @@ fn plan() -> impl Strategy<Value = Plan> {
                 tokens,
             },
         );
-    let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp { src, dst, kind: 0 });
+    let copy = (any::<u32>(), any::<u32>()).prop_map(|(src, dst)| CopyOp {
+        src,
+        dst,
+        kind: 0,
+        key: 0,
+    });
     let mask = (any::<u32>(), ids(6)).prop_map(|(slot, allowed)| TokenMask { slot, allowed });
     let op = (any::<u8>(), prop::collection::vec(any::<u8>(), 0..40))
         .prop_map(|(kind, args)| WorkerOp { kind, args });
@@ -267,6 +272,8 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         worker_grammars: false,
         pooled_dim: 0,
         host_copies: false,
+        storage_copies: false,
+        top_logprobs: 20,
     };
     let mut r = StepResult {
         step_id: 3,
@@ -373,6 +380,8 @@ fn the_slot_bound_holds_the_largest_step() {
         worker_grammars: true,
         pooled_dim: 0,
         host_copies: false,
+        storage_copies: false,
+        top_logprobs: 20,
     };
     let full = Plan {
         finished: vec![FinishedSlot::default(); 4],
@@ -443,6 +452,60 @@ fn the_slot_bound_holds_the_largest_step() {
         ..full
     };
     assert!(one_more.encoded_len() > Plan::max_encoded_len(&l));
+}
+
+#[test]
+fn the_result_bound_follows_the_top_logprobs_width() {
+    // `--max-logprobs` sets the width: every token of a full step with that many top
+    // logprobs fits, one column more does not, and the default width costs what it did.
+    let limits = |k: usize| StepLimits {
+        max_running: 2,
+        max_step_tokens: 6,
+        max_pages_per_request: 4,
+        mask_words: 0,
+        worker_grammars: false,
+        pooled_dim: 0,
+        host_copies: false,
+        storage_copies: false,
+        top_logprobs: k,
+    };
+    let full = |k: usize| StepResult {
+        events: (0..2)
+            .map(|slot| RequestEvent {
+                slot,
+                top_k: k as u32,
+                // Per slot: its decode token and drafts (4 of the 6 step tokens), and the
+                // prompt tokens it scored (the whole step's, 6, on one slot's event).
+                tokens: vec![1; 4],
+                logprobs: vec![-1.0; 4],
+                top_ids: vec![1; 4 * k],
+                top_logprobs: vec![-1.0; 4 * k],
+                prompt_logprobs: vec![-1.0; 3],
+                prompt_top_ids: vec![1; 3 * k],
+                prompt_top_logprobs: vec![-1.0; 3 * k],
+                prompt_ranks: vec![1; 3],
+                ..Default::default()
+            })
+            .collect(),
+        timing: vec![StepTiming::default()],
+        op_results: vec![OpOutcome {
+            message: vec![b'x'; tokenspeed_engine::MAX_OP_TEXT],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    for k in [0, 20, 49152] {
+        assert!(
+            full(k).encoded_len() <= StepResult::max_encoded_len(&limits(k)),
+            "{k}"
+        );
+        assert!(
+            full(k + 1).encoded_len() > StepResult::max_encoded_len(&limits(k)),
+            "{k}"
+        );
+    }
+    let wide = StepResult::max_encoded_len(&limits(49152));
+    assert!(wide > 100 * StepResult::max_encoded_len(&limits(20)));
 }
 
 #[test]

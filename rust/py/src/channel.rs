@@ -209,10 +209,13 @@ fn result_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 /// Bytes of a shm slot that holds the largest plan and result of a step within these limits
 /// (`mask_words`: words of a token mask row, 0 without structured output; `worker_grammars`:
 /// grammars travel to the worker, `--grammar-backend xgrammar`; `pooled_dim`: floats of one
-/// pooled vector, 0 unless `--is-embedding`).
+/// pooled vector, 0 unless `--is-embedding`; `kv_tiers`: 1 the device, 2 with a host tier,
+/// 3 with a storage tier below it; `top_logprobs`: top logprobs per token at most,
+/// `--max-logprobs` within the vocabulary, 0: none).
 #[pyfunction]
 #[pyo3(signature = (max_running, max_step_tokens, max_pages_per_request, mask_words = 0,
-                    worker_grammars = false, pooled_dim = 0, host_copies = false))]
+                    worker_grammars = false, pooled_dim = 0, kv_tiers = 1, top_logprobs = 0))]
+#[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per limit
 fn slot_bytes(
     max_running: usize,
     max_step_tokens: usize,
@@ -220,7 +223,8 @@ fn slot_bytes(
     mask_words: usize,
     worker_grammars: bool,
     pooled_dim: usize,
-    host_copies: bool,
+    kv_tiers: u8,
+    top_logprobs: usize,
 ) -> usize {
     let l = StepLimits {
         max_running,
@@ -229,7 +233,9 @@ fn slot_bytes(
         mask_words,
         worker_grammars,
         pooled_dim,
-        host_copies,
+        host_copies: kv_tiers >= 2,
+        storage_copies: kv_tiers >= 3,
+        top_logprobs,
     };
     Plan::max_encoded_len(&l).max(StepResult::max_encoded_len(&l))
 }

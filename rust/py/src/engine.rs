@@ -297,11 +297,12 @@ impl Engine {
         let fe = &self.frontend;
         let vocab = fe.tokenizer.vocab_size() as u32;
         let defaults = &fe.config.sampling_defaults;
+        let cap = fe.config.max_logprobs;
         match kind {
             "completion" => {
                 let req: CompletionRequest = parse(body)?;
                 known_fields("CompletionRequest", &req.extra)?;
-                let v = validate::routes::completion_request(&req, defaults, vocab)?;
+                let v = validate::routes::completion_request(&req, defaults, vocab, cap)?;
                 Ok(Checked {
                     specs: v.specs,
                     n: v.n,
@@ -311,7 +312,7 @@ impl Engine {
             "chat" => {
                 let req: ChatCompletionRequest = parse(body)?;
                 known_fields("ChatCompletionRequest", &req.extra)?;
-                let v = validate::chat::chat_request(&req, defaults, vocab, &fe.chat_parsers)?;
+                let v = validate::chat::chat_request(&req, defaults, vocab, cap, &fe.chat_parsers)?;
                 Ok(Checked {
                     specs: vec![v.spec],
                     n: v.n,

@@ -55,6 +55,9 @@ pub struct ServerConfig {
     /// The model's vocabulary size (config.json; may exceed the tokenizer's, padded ids are
     /// never sampled under a grammar); 0: the tokenizer's.
     pub vocab_size: u32,
+    /// `--max-logprobs`: the most logprobs a request may ask for per token (-1: the whole
+    /// vocabulary); the result ring's slots are sized for it.
+    pub max_logprobs: i64,
     /// `--grammar-backend`: "llguidance", "xgrammar" (masks on the worker), or absent / "none"
     /// (structured output refused).
     pub grammar_backend: Option<String>,

@@ -136,6 +136,8 @@ pub struct EngineStats {
     pub spec_verify_steps: u64,
     /// The radix cache's host tier (`--enable-hierarchical-cache`; zeros when off).
     pub host: tokenspeed_engine::HostStats,
+    /// Its storage tier (`--hicache-storage-backend`; zeros when off).
+    pub storage: tokenspeed_engine::StorageStats,
 }
 
 impl EngineStats {
@@ -170,6 +172,7 @@ impl EngineStats {
                     load_pages: t.host.load_pages + s.host.load_pages,
                     writeback_pages: t.host.writeback_pages + s.host.writeback_pages,
                 },
+                storage: t.storage.plus(&s.storage),
             })
     }
 
@@ -188,6 +191,7 @@ impl EngineStats {
             spec_accepted_tokens: self.spec_accepted_tokens,
             spec_verify_steps: self.spec_verify_steps,
             host: self.host,
+            storage: self.storage,
         }
     }
 }

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::plan::SamplingParams;
-use crate::radix::{EvictionPolicy, HostStats, WritePolicy};
+use crate::radix::{EvictionPolicy, HostStats, StorageStats, WritePolicy};
 
 /// Which waiting request is admitted first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -87,6 +87,9 @@ pub struct SchedulerConfig {
     pub num_host_pages: u32,
     /// When cached KV is copied to the host tier.
     pub hicache_write_policy: WritePolicy,
+    /// Pages the storage tier below the host tier may hold, as the workers sized it (0: none,
+    /// `--hicache-storage-backend` unset).
+    pub num_storage_pages: u32,
 }
 
 impl SchedulerConfig {
@@ -329,6 +332,8 @@ pub struct SchedulerStats {
     pub spec_verify_steps: u64,
     /// The radix cache's host tier (zeros without one).
     pub host: HostStats,
+    /// Its storage tier (zeros without one).
+    pub storage: StorageStats,
 }
 
 impl SchedulerStats {

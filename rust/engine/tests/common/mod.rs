@@ -39,6 +39,7 @@ pub fn base_config() -> SchedulerConfig {
         context_length: 4096,
         radix_eviction_policy: Default::default(),
         num_host_pages: 0,
+        num_storage_pages: 0,
         hicache_write_policy: Default::default(),
     }
 }
@@ -113,6 +114,8 @@ pub struct FakeWorker {
     kv: Vec<Option<u32>>,
     /// The host tier's slots, laid out like `kv` (`--enable-hierarchical-cache`).
     host_kv: Vec<Option<u32>>,
+    /// The storage tier's pages by key (`--hicache-storage-backend`).
+    store: HashMap<i64, Vec<Option<u32>>>,
     last_step: Option<u64>,
     /// Tokens a slot's sampling steps return: the true continuation, as a perfect drafter
     /// would (speculative decoding accepting several tokens); 1 when absent.
@@ -131,6 +134,7 @@ impl FakeWorker {
             slots: HashMap::new(),
             kv: vec![None; (config.num_pages * config.page_size) as usize],
             host_kv: vec![None; (config.num_host_pages * config.page_size) as usize],
+            store: HashMap::new(),
             last_step: None,
             accept: HashMap::new(),
             constant_token: None,
@@ -183,6 +187,26 @@ impl FakeWorker {
         // Copies run in list order, before the forward.
         for c in &plan.copies {
             let (src, dst) = (c.src as usize * ps, c.dst as usize * ps);
+            match c.kind {
+                copy_kind::STORE => {
+                    let page = self.host_kv[src..src + ps].to_vec();
+                    self.store.insert(c.key, page);
+                    continue;
+                }
+                copy_kind::FETCH => {
+                    let page = self.store.get(&c.key).expect("a fetched page was stored");
+                    self.host_kv[dst..dst + ps].copy_from_slice(page);
+                    continue;
+                }
+                copy_kind::DROP => {
+                    assert!(
+                        self.store.remove(&c.key).is_some(),
+                        "a dropped page was stored"
+                    );
+                    continue;
+                }
+                _ => {}
+            }
             for i in 0..ps {
                 match c.kind {
                     copy_kind::WRITEBACK => self.host_kv[dst + i] = self.kv[src + i],

@@ -46,6 +46,7 @@ impl EngineLoop {
                 spec_accepted_tokens: s.spec_accepted_tokens,
                 spec_verify_steps: s.spec_verify_steps,
                 host: s.host,
+                storage: s.storage,
             };
         }
     }

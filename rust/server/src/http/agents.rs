@@ -48,6 +48,7 @@ pub(super) fn chat_context(state: &AppState) -> ChatContext<'_> {
     ChatContext {
         defaults: &state.config.sampling_defaults,
         vocab_size: state.tokenizer.vocab_size() as u32,
+        max_logprobs: state.config.max_logprobs,
         parsers: &state.chat_parsers,
     }
 }

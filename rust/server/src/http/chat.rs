@@ -84,6 +84,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
+        state.config.max_logprobs,
         &state.chat_parsers,
     )?;
     // Responses name the adapter a request ran on, as vLLM's do.

@@ -141,6 +141,7 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
+        state.config.max_logprobs,
     )?;
     crate::lora::run_on(&mut checked.spec.sampling, adapter);
     checked.spec.priority = validate::priority(
@@ -287,6 +288,8 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
             "hit_tokens": stats.host.hit_tokens, "load_pages": stats.host.load_pages,
             "writeback_pages": stats.host.writeback_pages,
         },
+        // Its storage tier (`--hicache-storage-backend`; zeros when off).
+        "storage_kv_pages": stats.storage,
         "engine": stats,
         "dp_size": replicas.len(),
         "replicas": replicas,

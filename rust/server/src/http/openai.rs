@@ -168,6 +168,7 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         &req,
         &state.config.sampling_defaults,
         state.tokenizer.vocab_size() as u32,
+        state.config.max_logprobs,
     )?;
     // Responses name the adapter a request ran on, as vLLM's do.
     let model = adapter.as_ref().map_or_else(

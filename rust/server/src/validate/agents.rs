@@ -29,6 +29,8 @@ pub struct AgentChat {
 pub struct ChatContext<'a> {
     pub defaults: &'a SamplingDefaults,
     pub vocab_size: u32,
+    /// `--max-logprobs` (-1: the whole vocabulary).
+    pub max_logprobs: i64,
     pub parsers: &'a ChatParsers,
 }
 
@@ -59,7 +61,14 @@ pub fn agent_chat(
         sampling: parts.sampling,
         extra: Map::new(),
     };
-    chat_request(&chat, ctx.defaults, ctx.vocab_size, ctx.parsers).map_err(|e| rename(e, names))
+    chat_request(
+        &chat,
+        ctx.defaults,
+        ctx.vocab_size,
+        ctx.max_logprobs,
+        ctx.parsers,
+    )
+    .map_err(|e| rename(e, names))
 }
 
 fn rename(e: RequestError, names: &[(&str, &str)]) -> RequestError {

@@ -345,6 +345,7 @@ pub fn chat_request(
     req: &ChatCompletionRequest,
     defaults: &SamplingDefaults,
     vocab_size: u32,
+    max_logprobs: i64,
     parsers: &ChatParsers,
 ) -> Result<ValidatedChat, RequestError> {
     let last_role = check_messages(&req.messages)?;
@@ -369,14 +370,21 @@ pub fn chat_request(
             "top_logprobs needs logprobs: true",
         ));
     }
-    let top = super::top_logprobs("top_logprobs", req.top_logprobs, vocab_size)?;
+    let top = super::top_logprobs("top_logprobs", req.top_logprobs, vocab_size, max_logprobs)?;
     let stream = super::stream_settings(&req.sampling)?;
     let max_tokens = super::max_tokens(
         "max_completion_tokens",
         req.max_completion_tokens.or(req.max_tokens),
     )?;
     let n = super::choices(req.sampling.n, 1)?;
-    let mut spec = super::generation_spec(&req.sampling, defaults, max_tokens, top, vocab_size)?;
+    let mut spec = super::generation_spec(
+        &req.sampling,
+        defaults,
+        max_tokens,
+        top,
+        vocab_size,
+        max_logprobs,
+    )?;
     let echo = match req.messages.last() {
         Some(m) if req.echo == Some(true) && last_role == "assistant" => message_text(m),
         _ => String::new(),

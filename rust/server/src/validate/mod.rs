@@ -6,6 +6,7 @@
 pub mod agents;
 pub mod chat;
 pub mod grammar;
+pub mod logprobs;
 pub mod messages;
 pub mod pooling;
 mod refusals;
@@ -14,12 +15,14 @@ pub mod routes;
 mod stop;
 
 use serde_json::{Map, Value};
-use tokenspeed_engine::{SamplingParams, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, NO_SEED};
+use tokenspeed_engine::{SamplingParams, MAX_LOGIT_BIAS, NO_SEED};
 
 use crate::config::SamplingDefaults;
 use crate::error::RequestError;
 use crate::generate::{GenerationSpec, Prompt};
 use crate::http::protocol::SamplingFields;
+
+pub use logprobs::top_logprobs;
 
 /// Choices one request may ask for (prompts × n).
 pub const MAX_CHOICES: usize = 128;
@@ -80,6 +83,7 @@ pub fn generation_spec(
     max_new_tokens: Option<u32>,
     top_logprobs: u32,
     vocab_size: u32,
+    max_logprobs: i64,
 ) -> Result<GenerationSpec, RequestError> {
     // The model's defaults (vLLM's behaviour) stand in for what the request omits, and are
     // checked like the request's own values.
@@ -95,7 +99,12 @@ pub fn generation_spec(
     let stop_regex = stop::stop_regexes(f.stop_regex.as_ref())?;
     let stop_token_ids = stop::stop_token_ids(f.stop_token_ids.as_deref(), vocab_size)?;
     let prompt_logprobs = match f.prompt_logprobs {
-        Some(k) => Some(self::top_logprobs("prompt_logprobs", Some(k), vocab_size)?),
+        Some(k) => Some(self::top_logprobs(
+            "prompt_logprobs",
+            Some(k),
+            vocab_size,
+            max_logprobs,
+        )?),
         None => None,
     };
     let grammar = grammar::output_constraint(f, vocab_size)?;
@@ -355,32 +364,6 @@ pub fn max_tokens(name: &str, value: Option<u32>) -> Result<Option<u32>, Request
     }
 }
 
-/// Top logprobs asked for: at most `MAX_TOP_LOGPROBS` (OpenAI's limit); -1 means the whole
-/// vocabulary (vLLM's), which is refused past that limit as vLLM refuses it past
-/// `--max-logprobs` (20 by default).
-pub fn top_logprobs(name: &str, value: Option<i32>, vocab_size: u32) -> Result<u32, RequestError> {
-    match value {
-        None => Ok(0),
-        Some(-1) if vocab_size <= MAX_TOP_LOGPROBS => Ok(vocab_size),
-        Some(-1) => Err(RequestError::bad_param(
-            name,
-            format!(
-                "{name}: -1 asks for the logprobs of all {vocab_size} tokens of the vocabulary; \
-                 this server returns at most {MAX_TOP_LOGPROBS} per token"
-            ),
-        )),
-        Some(v) if v < 0 => Err(RequestError::bad_param(
-            name,
-            format!("{name} must be -1 (all) or between 0 and {MAX_TOP_LOGPROBS}, got {v}"),
-        )),
-        Some(v) if v as u32 > MAX_TOP_LOGPROBS => Err(RequestError::bad_param(
-            name,
-            format!("{name} must be at most {MAX_TOP_LOGPROBS}, got {v}"),
-        )),
-        Some(v) => Ok(v as u32),
-    }
-}
-
 /// The context-length rule, written once: the prompt must be non-empty, use known token ids
 /// and leave room for at least one generated token; `max_tokens` (None: up to the context
 /// length) must fit beside it, and `min_tokens` within that. Returns the request's
@@ -441,7 +424,7 @@ mod tests {
     use super::*;
 
     fn spec(f: SamplingFields, d: &SamplingDefaults) -> Result<GenerationSpec, RequestError> {
-        generation_spec(&f, d, Some(4), 0, 1000)
+        generation_spec(&f, d, Some(4), 0, 1000, 20)
     }
 
     #[test]

@@ -23,6 +23,7 @@ pub fn completion_request(
     req: &CompletionRequest,
     defaults: &SamplingDefaults,
     vocab_size: u32,
+    max_logprobs: i64,
 ) -> Result<ValidatedCompletion, RequestError> {
     if req.suffix.is_some() {
         return Err(RequestError::bad_param(
@@ -40,10 +41,17 @@ pub fn completion_request(
     }
     let echo = req.echo.unwrap_or(false);
     let want_logprobs = req.logprobs.is_some();
-    let top = super::top_logprobs("logprobs", req.logprobs, vocab_size)?;
+    let top = super::top_logprobs("logprobs", req.logprobs, vocab_size, max_logprobs)?;
     let stream = super::stream_settings(&req.sampling)?;
     let max_tokens = super::max_tokens("max_tokens", Some(req.max_tokens.unwrap_or(16)))?;
-    let mut base = super::generation_spec(&req.sampling, defaults, max_tokens, top, vocab_size)?;
+    let mut base = super::generation_spec(
+        &req.sampling,
+        defaults,
+        max_tokens,
+        top,
+        vocab_size,
+        max_logprobs,
+    )?;
     let echo_logprobs = echo && want_logprobs;
     if echo_logprobs {
         // The echoed prompt's tokens come with their logprobs (the first has none), and their
@@ -104,6 +112,7 @@ pub fn generate_request(
     req: &GenerateRequest,
     defaults: &SamplingDefaults,
     vocab_size: u32,
+    max_logprobs: i64,
 ) -> Result<ValidatedGenerate, RequestError> {
     let prompt = match (req.text.clone(), req.input_ids.clone()) {
         (Some(t), None) => Prompt::Text(t),
@@ -121,6 +130,7 @@ pub fn generate_request(
             "top_logprobs_num",
             req.top_logprobs_num.map(|v| v.min(i32::MAX as u32) as i32),
             vocab_size,
+            max_logprobs,
         )?
     } else {
         0
@@ -133,7 +143,14 @@ pub fn generate_request(
     }
     let max_new_tokens =
         super::max_tokens("max_new_tokens", Some(sp.max_new_tokens.unwrap_or(128)))?;
-    let mut spec = super::generation_spec(&sp.sampling, defaults, max_new_tokens, top, vocab_size)?;
+    let mut spec = super::generation_spec(
+        &sp.sampling,
+        defaults,
+        max_new_tokens,
+        top,
+        vocab_size,
+        max_logprobs,
+    )?;
     spec.prompt = prompt;
     spec.min_new_tokens = sp.min_new_tokens.unwrap_or(spec.min_new_tokens);
     let start_len = match req.logprob_start_len.filter(|_| want_logprobs) {

@@ -49,6 +49,7 @@ pub fn scheduler_config() -> SchedulerConfig {
         context_length: 1024,
         radix_eviction_policy: Default::default(),
         num_host_pages: 0,
+        num_storage_pages: 0,
         hicache_write_policy: Default::default(),
     }
 }
@@ -81,6 +82,7 @@ pub fn server_config() -> ServerConfig {
         enable_metrics: false,
         sampling_defaults: Default::default(),
         vocab_size: 0,
+        max_logprobs: 20,
         grammar_backend: None,
         tool_call_parser: None,
         reasoning_parser: None,
