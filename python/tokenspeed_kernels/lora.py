@@ -81,17 +81,26 @@ def _bgmv_expand_kernel(xa_ptr, b_ptr, y_ptr, slot_ptr, R, OUT, off1, off2, SLIC
 
 
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, a_ptr, out_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, K, N,
-                        stride_xt, stride_as, stride_an, stride_ot, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _segment_tile(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M: tl.constexpr):
+    """The SGMV program's tile (program 0: the segment, 1: its block of rows): the segment's
+    adapter slot, the tile's token rows and which of them lie in the segment, and whether the
+    tile is idle (a segment without an adapter, or rows past its end)."""
     g = tl.program_id(0)
     s = tl.load(seg_slot_ptr + g).to(tl.int64)
     seg_len = tl.load(seg_len_ptr + g)
     m0 = tl.program_id(1) * BLOCK_M
-    if (s < 0) | (m0 >= seg_len):
-        return
     rows = tl.load(seg_start_ptr + g).to(tl.int64) + m0 + tl.arange(0, BLOCK_M)
     m_ok = m0 + tl.arange(0, BLOCK_M) < seg_len
+    return s, rows, m_ok, (s < 0) | (m0 >= seg_len)
+
+
+@triton.jit
+def _sgmv_shrink_kernel(x_ptr, a_ptr, out_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, K, N,
+                        stride_xt, stride_as, stride_an, stride_ot, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    s, rows, m_ok, idle = _segment_tile(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M)
+    if idle:
+        return
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -110,14 +119,9 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, out_ptr, seg_start_ptr, seg_len_ptr, seg_s
 def _sgmv_expand_kernel(xa_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, R, size,
                         col_off, r_off, stride_xat, stride_bs, stride_bn, stride_yt,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    g = tl.program_id(0)
-    s = tl.load(seg_slot_ptr + g).to(tl.int64)
-    seg_len = tl.load(seg_len_ptr + g)
-    m0 = tl.program_id(1) * BLOCK_M
-    if (s < 0) | (m0 >= seg_len):
+    s, rows, m_ok, idle = _segment_tile(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M)
+    if idle:
         return
-    rows = tl.load(seg_start_ptr + g).to(tl.int64) + m0 + tl.arange(0, BLOCK_M)
-    m_ok = m0 + tl.arange(0, BLOCK_M) < seg_len
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < size
     offs_r = tl.arange(0, BLOCK_R)

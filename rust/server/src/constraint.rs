@@ -17,6 +17,23 @@ pub struct GrammarRequest {
     pub field: &'static str,
 }
 
+/// Why a request's grammar cannot be used, in the compiler's terms (`validate::refusals`
+/// decides what the client is told). `field` is the request field the grammar came from.
+#[derive(Debug)]
+pub enum GrammarError {
+    /// No grammar backend (`--grammar-backend none`).
+    Disabled { field: &'static str },
+    /// The compiler refused the grammar.
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
+    /// `allowed_token_ids` under `--grammar-backend xgrammar`.
+    TokenIdsNeedLlguidance,
+    /// Over `MAX_GRAMMAR_TEXT` bytes, for a worker-side backend.
+    TooLongForWorker { field: &'static str, bytes: usize },
+}
+
 /// Compiles (or finds cached) the request's grammar, off the async threads: a large schema
 /// takes tens of milliseconds the first time.
 pub async fn compile(
@@ -24,14 +41,10 @@ pub async fn compile(
     request: &GrammarRequest,
 ) -> Result<Arc<CompiledGrammar>, RequestError> {
     let Some(compiler) = compiler.cloned() else {
-        return Err(RequestError::bad_param(
-            request.field,
-            format!(
-                "'{}' needs structured output, which this server has disabled \
-                 (--grammar-backend none)",
-                request.field
-            ),
-        ));
+        return Err(GrammarError::Disabled {
+            field: request.field,
+        }
+        .into());
     };
     let spec = request.spec.clone();
     let compiled = tokio::task::spawn_blocking(move || compiler.compile(&spec))
@@ -39,7 +52,11 @@ pub async fn compile(
         .map_err(|e| RequestError::internal(format!("grammar compilation panicked: {e}")))?;
     compiled.map_err(|e| {
         if e.is_client_error() {
-            RequestError::bad_param(request.field, e.to_string())
+            GrammarError::Invalid {
+                field: request.field,
+                message: e.to_string(),
+            }
+            .into()
         } else {
             RequestError::internal(e.to_string())
         }
@@ -65,10 +82,7 @@ pub fn worker_grammar(
 ) -> Result<WorkerGrammar, RequestError> {
     if request.field == "allowed_token_ids" {
         // Written as llguidance's token-id ranges, which xgrammar does not read.
-        return Err(RequestError::bad_param(
-            request.field,
-            "allowed_token_ids needs --grammar-backend llguidance (the default)",
-        ));
+        return Err(GrammarError::TokenIdsNeedLlguidance.into());
     }
     let (kind, text) = match &request.spec {
         GrammarSpec::JsonObject => (grammar_kind::JSON_SCHEMA, r#"{"type":"object"}"#.into()),
@@ -79,16 +93,11 @@ pub fn worker_grammar(
         GrammarSpec::StructuralTag(t) => (grammar_kind::STRUCTURAL_TAG, t.to_string()),
     };
     if text.len() > MAX_GRAMMAR_TEXT {
-        return Err(RequestError::bad_param(
-            request.field,
-            format!(
-                "'{}' is {} bytes; --grammar-backend xgrammar takes grammars of at most {} \
-                 bytes (llguidance has no such limit)",
-                request.field,
-                text.len(),
-                MAX_GRAMMAR_TEXT
-            ),
-        ));
+        return Err(GrammarError::TooLongForWorker {
+            field: request.field,
+            bytes: text.len(),
+        }
+        .into());
     }
     Ok(WorkerGrammar {
         kind,

@@ -24,6 +24,7 @@ mod ending;
 mod event_loop;
 mod grammar;
 mod plan_clock;
+mod publish;
 mod worker_ops;
 use event_loop::{panic_message, EngineLoop};
 

@@ -1,10 +1,10 @@
 //! A request's journey, shared by every generating endpoint:
-//! prepare (tokenize, validate) → submit to the engine → stream back text chunks
+//! prepare (tokenize: `prompt.rs`; validate) → submit to the engine → stream back text chunks
 //! (incremental detokenization, stop strings held back until they can't match).
 
 use std::sync::Arc;
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 use tokenspeed_engine::scheduler::{FinishReason, Request, RequestId};
 use tokenspeed_engine::SamplingParams;
 use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, StopStep, TextTokenizer};
@@ -16,25 +16,8 @@ use crate::engine::{
 };
 use crate::error::RequestError;
 use crate::frontend::Frontend;
-
-/// What the model is asked to continue.
-#[derive(Debug, Clone)]
-pub enum Prompt {
-    /// Raw text; the tokenizer adds its special tokens (e.g. BOS).
-    Text(String),
-    /// Raw text encoded without the tokenizer's special tokens (`/tokenize`'s
-    /// `add_special_tokens: false`).
-    PlainText(String),
-    Ids(Vec<u32>),
-    /// Chat messages rendered by the chat template, which writes any BOS itself.
-    Chat {
-        messages: Vec<Map<String, Value>>,
-        template_vars: Option<Value>,
-        add_generation_prompt: bool,
-        /// The last (assistant) message is continued: the text ends with its content.
-        continue_final_message: bool,
-    },
-}
+use crate::prompt::tokenize_prompt;
+pub use crate::prompt::Prompt;
 
 #[derive(Debug, Clone)]
 pub struct GenerationSpec {
@@ -207,41 +190,9 @@ async fn start_on(
     spec: GenerationSpec,
     replica: Option<usize>,
 ) -> Result<Generation, RequestError> {
-    let mut prompt_ids = tokenize_prompt(fe, spec.prompt.clone()).await?;
-    crate::validate::truncate_prompt(
-        &mut prompt_ids,
-        spec.truncate_prompt,
-        fe.config.scheduler.context_length,
-        spec.max_new_tokens,
-    );
-    let max_new_tokens = crate::validate::prompt_budget(
-        &prompt_ids,
-        fe.tokenizer.vocab_size() as u32,
-        fe.config.scheduler.context_length,
-        spec.max_new_tokens,
-        spec.min_new_tokens,
-    )?;
+    let (prompt_ids, max_new_tokens) = budgeted_prompt(fe, &spec).await?;
     // Compiled before submitting: an invalid grammar is a 400 before any KV is spent.
-    let grammar = spec.grammar.clone().map(|g| {
-        crate::validate::grammar::close_objects(
-            g,
-            fe.config.constrained_json_allow_additional_properties,
-        )
-    });
-    let constraint = match &grammar {
-        Some(g) => Some(Constraint {
-            grammar: crate::constraint::compile(fe.grammar.as_ref(), g).await?,
-            starts_after: spec.grammar_starts_after,
-            worker: match fe.config.grammar_backend.as_deref() {
-                Some("xgrammar") => Some(crate::constraint::worker_grammar(
-                    g,
-                    fe.grammar.as_ref().map_or(&[], |c| c.eos_token_ids()),
-                )?),
-                _ => None,
-            },
-        }),
-        None => None,
-    };
+    let constraint = compile_constraint(fe, &spec).await?;
     let request = Request {
         id,
         prompt: prompt_ids.clone(),
@@ -253,7 +204,10 @@ async fn start_on(
         ignore_eos: spec.ignore_eos,
         priority: spec.priority,
     };
-    fe.metrics.prompt_tokens.inc_by(prompt_ids.len() as u64);
+    fe.metrics
+        .counters
+        .prompt_tokens
+        .inc_by(prompt_ids.len() as u64);
     let dispatched = fe.engine.dispatch(request, constraint, replica).await;
     let events = dispatched.events;
     if fe.config.log_requests {
@@ -289,59 +243,55 @@ async fn start_on(
     })
 }
 
-pub async fn tokenize_prompt(fe: &Frontend, prompt: Prompt) -> Result<Vec<u32>, RequestError> {
-    let tokenizer = fe.tokenizer.clone();
-    let ids = tokio::task::spawn_blocking(move || match prompt {
-        Prompt::Ids(ids) => Ok(ids),
-        Prompt::Text(text) => tokenizer
-            .encode(&text, true)
-            .map_err(|e| RequestError::bad_param("prompt", e.to_string())),
-        Prompt::PlainText(text) => tokenizer
-            .encode(&text, false)
-            .map_err(|e| RequestError::bad_param("prompt", e.to_string())),
-        Prompt::Chat {
-            messages,
-            template_vars,
-            add_generation_prompt,
-            continue_final_message,
-        } => {
-            let final_text = messages
-                .last()
-                .and_then(|m| m.get("content"))
-                .and_then(Value::as_str)
-                .map(str::to_owned);
-            let messages = Value::Array(messages.into_iter().map(Value::Object).collect());
-            let mut text = tokenizer
-                .apply_chat_template(&messages, add_generation_prompt, template_vars.as_ref())
-                .map_err(|e| RequestError::bad_param("messages", e.to_string()))?;
-            if continue_final_message {
-                // The template closes every message: cut after the final one's content.
-                let content = final_text.unwrap_or_default();
-                match text.rfind(&content) {
-                    Some(at) if !content.is_empty() => text.truncate(at + content.len()),
-                    _ => {
-                        return Err(RequestError::bad_param(
-                            "continue_final_message",
-                            "the final message's content (a non-empty string) is not in the rendered prompt",
-                        ))
-                    }
-                }
-            }
-            tokenizer
-                .encode(&text, false)
-                .map_err(|e| RequestError::bad_param("messages", e.to_string()))
-        }
-    })
-    .await
-    .map_err(|e| RequestError::internal(format!("tokenizer task failed: {e}")))??;
-    Ok(ids)
+/// The prompt's tokens (truncated as the request asked) and the tokens it may generate, checked
+/// against the context length.
+async fn budgeted_prompt(
+    fe: &Frontend,
+    spec: &GenerationSpec,
+) -> Result<(Vec<u32>, u32), RequestError> {
+    let mut prompt_ids = tokenize_prompt(fe, spec.prompt.clone()).await?;
+    crate::validate::truncate_prompt(
+        &mut prompt_ids,
+        spec.truncate_prompt,
+        fe.config.scheduler.context_length,
+        spec.max_new_tokens,
+    );
+    let max_new_tokens = crate::validate::prompt_budget(
+        &prompt_ids,
+        fe.tokenizer.vocab_size() as u32,
+        fe.config.scheduler.context_length,
+        spec.max_new_tokens,
+        spec.min_new_tokens,
+    )?;
+    Ok((prompt_ids, max_new_tokens))
 }
 
-/// The text of client-sent token ids (`/detokenize`); they were checked against the vocabulary.
-pub fn detokenize(fe: &Frontend, ids: &[u32], skip_special: bool) -> Result<String, RequestError> {
-    fe.tokenizer
-        .decode(ids, skip_special)
-        .map_err(|e| RequestError::bad_param("tokens", e.to_string()))
+/// The request's grammar, compiled (and, with `--grammar-backend xgrammar`, what the worker
+/// compiles itself).
+async fn compile_constraint(
+    fe: &Frontend,
+    spec: &GenerationSpec,
+) -> Result<Option<Constraint>, RequestError> {
+    let grammar = spec.grammar.clone().map(|g| {
+        crate::validate::grammar::close_objects(
+            g,
+            fe.config.constrained_json_allow_additional_properties,
+        )
+    });
+    Ok(match &grammar {
+        Some(g) => Some(Constraint {
+            grammar: crate::constraint::compile(fe.grammar.as_ref(), g).await?,
+            starts_after: spec.grammar_starts_after,
+            worker: match fe.config.grammar_backend.as_deref() {
+                Some("xgrammar") => Some(crate::constraint::worker_grammar(
+                    g,
+                    fe.grammar.as_ref().map_or(&[], |c| c.eos_token_ids()),
+                )?),
+                _ => None,
+            },
+        }),
+        None => None,
+    })
 }
 
 impl Generation {

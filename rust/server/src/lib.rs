@@ -14,6 +14,7 @@ pub mod kv_events;
 pub mod lora;
 pub mod metrics;
 pub mod pooling;
+pub mod prompt;
 pub mod replicas;
 pub mod response_store;
 pub mod router;
@@ -85,21 +86,7 @@ pub fn build_state_replicas(
     links: Vec<Box<dyn WorkerLink>>,
 ) -> Result<http::AppState, ServeError> {
     let dp = config.dp_size.unwrap_or(1) as usize;
-    if links.len() != dp || dp == 0 {
-        return Err(ServeError::Config(format!(
-            "--dp-size {dp} needs {dp} worker groups, got {}",
-            links.len()
-        )));
-    }
-    let policy = match (dp, config.load_balance_method.as_deref()) {
-        (_, Some(m)) => m.parse().map_err(ServeError::Config)?,
-        (1, None) => router::Policy::RoundRobin, // one replica: nothing to choose
-        (_, None) => {
-            return Err(ServeError::Config(format!(
-                "--dp-size {dp} needs a --load-balance-method"
-            )))
-        }
-    };
+    let policy = balance_policy(&config, dp, links.len())?;
     let tokenizer = TextTokenizer::from_dir(
         Path::new(&config.tokenizer_path),
         config.chat_template.as_deref(),
@@ -120,48 +107,9 @@ pub fn build_state_replicas(
         config.scheduler.num_pages,
         !config.scheduler.disable_radix_cache,
     );
-    // The HTTP layer admits at most max_running + max_queued generating requests (a fast 429
-    // before tokenizing), so the waiting queue stays within --max-queued-requests once the
-    // running slots are full. The engine's own check is a backstop at that same total: a
-    // request waiting only because the scheduler has not run since a slot freed up is not
-    // over the limit, and refusing it there would come late (after tokenizing, between steps).
-    // Under data parallelism both limits are per replica, so the HTTP layer admits N times as
-    // many (the router spreads them).
-    let max_in_flight =
-        config.scheduler.max_running_requests as usize + config.max_queued_requests as usize;
-    let options = EngineOptions {
-        max_queued_requests: max_in_flight,
-        step_log_interval: config.decode_log_interval,
-        overlap: !config.disable_overlap_schedule,
-        plan_lead: (config.schedule_lead_ms > 0.0)
-            .then(|| Duration::from_secs_f64(config.schedule_lead_ms / 1e3)),
-        liveness_interval: std::time::Duration::from_millis(200),
-        watchdog: (config.watchdog_timeout > 0.0)
-            .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
-        mask_words: grammar.as_ref().map_or(0, |g| g.bitmask_words()),
-        pool_metrics: dp == 1,
-        max_adapters: config.lora.max_per_batch_limit(),
-        kv_events: None,
-    };
-    let mut engines = Vec::with_capacity(dp);
-    for (rank, link) in links.into_iter().enumerate() {
-        // Each replica publishes its own cache's events, on the endpoint's port + its rank.
-        let kv_events = match &config.kv_events_config {
-            Some(kv) => Some(kv_events::start(kv, rank as u32).map_err(ServeError::Config)?),
-            None => None,
-        };
-        let (engine, _thread) = engine::spawn_engine(
-            config.scheduler.clone(),
-            link,
-            EngineOptions {
-                kv_events,
-                ..options.clone()
-            },
-            metrics.clone(),
-        )
-        .map_err(ServeError::Config)?;
-        engines.push(engine);
-    }
+    let options = engine_options(&config, grammar.as_deref(), dp);
+    let max_in_flight = options.max_queued_requests;
+    let engines = spawn_replicas(&config, links, options, &metrics)?;
     let engine = Replicas::new(engines, policy);
     let lora = lora::LoraRegistry::new(config.lora.clone()).map_err(ServeError::Config)?;
     Ok(http::AppState {
@@ -181,8 +129,86 @@ pub fn build_state_replicas(
     })
 }
 
-/// Serves HTTP until SIGINT or SIGTERM (Ok, after the drain) or until the engine can no longer
-/// serve (Err). Either way the engine thread ends, which closes and unlinks the worker channel.
+/// How requests are spread over `dp` replicas, once each has its worker group.
+fn balance_policy(
+    config: &ServerConfig,
+    dp: usize,
+    links: usize,
+) -> Result<router::Policy, ServeError> {
+    if links != dp || dp == 0 {
+        return Err(ServeError::Config(format!(
+            "--dp-size {dp} needs {dp} worker groups, got {links}"
+        )));
+    }
+    match (dp, config.load_balance_method.as_deref()) {
+        (_, Some(m)) => m.parse().map_err(ServeError::Config),
+        (1, None) => Ok(router::Policy::RoundRobin), // one replica: nothing to choose
+        (_, None) => Err(ServeError::Config(format!(
+            "--dp-size {dp} needs a --load-balance-method"
+        ))),
+    }
+}
+
+/// Each replica's engine thread options (without its KV-event publisher).
+fn engine_options(
+    config: &ServerConfig,
+    grammar: Option<&tokenspeed_structured::GrammarCompiler>,
+    dp: usize,
+) -> EngineOptions {
+    // The HTTP layer admits at most max_running + max_queued generating requests (a fast 429
+    // before tokenizing), so the waiting queue stays within --max-queued-requests once the
+    // running slots are full. The engine's own check is a backstop at that same total: a
+    // request waiting only because the scheduler has not run since a slot freed up is not
+    // over the limit, and refusing it there would come late (after tokenizing, between steps).
+    // Under data parallelism both limits are per replica, so the HTTP layer admits N times as
+    // many (the router spreads them).
+    let max_in_flight =
+        config.scheduler.max_running_requests as usize + config.max_queued_requests as usize;
+    EngineOptions {
+        max_queued_requests: max_in_flight,
+        step_log_interval: config.decode_log_interval,
+        overlap: !config.disable_overlap_schedule,
+        plan_lead: (config.schedule_lead_ms > 0.0)
+            .then(|| Duration::from_secs_f64(config.schedule_lead_ms / 1e3)),
+        liveness_interval: std::time::Duration::from_millis(200),
+        watchdog: (config.watchdog_timeout > 0.0)
+            .then(|| Duration::from_secs_f64(config.watchdog_timeout)),
+        mask_words: grammar.map_or(0, |g| g.bitmask_words()),
+        pool_metrics: dp == 1,
+        max_adapters: config.lora.max_per_batch_limit(),
+        kv_events: None,
+    }
+}
+
+/// One engine thread per worker group; each publishes its own cache's KV events, on the
+/// endpoint's port + its rank.
+fn spawn_replicas(
+    config: &ServerConfig,
+    links: Vec<Box<dyn WorkerLink>>,
+    options: EngineOptions,
+    metrics: &Arc<metrics::Metrics>,
+) -> Result<Vec<EngineHandle>, ServeError> {
+    let mut engines = Vec::with_capacity(links.len());
+    for (rank, link) in links.into_iter().enumerate() {
+        let kv_events = match &config.kv_events_config {
+            Some(kv) => Some(kv_events::start(kv, rank as u32).map_err(ServeError::Config)?),
+            None => None,
+        };
+        let (engine, _thread) = engine::spawn_engine(
+            config.scheduler.clone(),
+            link,
+            EngineOptions {
+                kv_events,
+                ..options.clone()
+            },
+            metrics.clone(),
+        )
+        .map_err(ServeError::Config)?;
+        engines.push(engine);
+    }
+    Ok(engines)
+}
+
 /// The grammar compiler `--grammar-backend` asks for, over the model's vocabulary.
 fn grammar_compiler(
     config: &ServerConfig,
@@ -221,6 +247,8 @@ fn grammar_compiler(
     }
 }
 
+/// Serves HTTP until SIGINT or SIGTERM (Ok, after the drain) or until the engine can no longer
+/// serve (Err). Either way the engine thread ends, which closes and unlinks the worker channel.
 pub fn serve(config: ServerConfig, links: Vec<Box<dyn WorkerLink>>) -> Result<(), ServeError> {
     let addr = format!("{}:{}", config.host, config.port);
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -13,9 +13,17 @@ use tokenspeed_engine::scheduler::SchedulerStats;
 
 pub struct Metrics {
     registry: Registry,
-    pub num_requests_running: IntGauge,
-    pub num_requests_waiting: IntGauge,
-    pub kv_cache_usage_perc: Gauge,
+    /// Counted as requests arrive, produce tokens and finish.
+    pub counters: RequestCounters,
+    /// One observation per request: latencies, token counts, parameters.
+    histograms: RequestHistograms,
+    /// The engine's state and running totals, refreshed from the scheduler's stats.
+    engine: EngineSeries,
+    /// One observation per engine step.
+    steps: StepSeries,
+}
+
+pub struct RequestCounters {
     /// Prompt tokens looked up in the prefix cache, and those found there.
     pub prefix_cache_queries: IntCounter,
     pub prefix_cache_hits: IntCounter,
@@ -23,48 +31,60 @@ pub struct Metrics {
     pub generation_tokens: IntCounter,
     /// By `finished_reason`: stop, length, abort.
     pub request_success: IntCounterVec,
-    pub time_to_first_token: Histogram,
-    pub inter_token_latency: Histogram,
-    pub e2e_request_latency: Histogram,
-    pub request_queue_time: Histogram,
-    pub request_prefill_time: Histogram,
-    pub request_decode_time: Histogram,
-    pub request_prompt_tokens: Histogram,
-    pub request_generation_tokens: Histogram,
-    /// Prefill plus decode: the time a request held a slot (vLLM's RUNNING phase).
-    pub request_inference_time: Histogram,
-    /// Decode time over the tokens after the first, per request.
-    pub request_time_per_output_token: Histogram,
-    /// Times a request was sent back to the queue before it finished.
-    pub request_num_preemptions: Histogram,
-    /// The sampling parameters of each API request (per prompt): `n` and `max_tokens` (as
-    /// resolved: the room left in the context when the request gave none).
-    pub request_params_n: Histogram,
-    pub request_params_max_tokens: Histogram,
-    /// Tokens per engine step, vLLM's name and buckets (`step_tokens` is TokenSpeed's).
-    pub iteration_tokens: Histogram,
-    /// vLLM's `cache_config_info`: 1, labelled with the KV cache's configuration.
-    pub cache_config_info: IntGaugeVec,
     /// Generating requests refused at admission (429: running + queued at the limit).
     pub requests_rejected: IntCounter,
+}
+
+struct RequestHistograms {
+    time_to_first_token: Histogram,
+    inter_token_latency: Histogram,
+    e2e_request_latency: Histogram,
+    request_queue_time: Histogram,
+    request_prefill_time: Histogram,
+    request_decode_time: Histogram,
+    request_prompt_tokens: Histogram,
+    request_generation_tokens: Histogram,
+    /// Prefill plus decode: the time a request held a slot (vLLM's RUNNING phase).
+    request_inference_time: Histogram,
+    /// Decode time over the tokens after the first, per request.
+    request_time_per_output_token: Histogram,
+    /// Times a request was sent back to the queue before it finished.
+    request_num_preemptions: Histogram,
+    /// The sampling parameters of each API request (per prompt): `n` and `max_tokens` (as
+    /// resolved: the room left in the context when the request gave none).
+    request_params_n: Histogram,
+    request_params_max_tokens: Histogram,
+}
+
+struct EngineSeries {
+    num_requests_running: IntGauge,
+    num_requests_waiting: IntGauge,
+    kv_cache_usage_perc: Gauge,
+    /// vLLM's `cache_config_info`: 1, labelled with the KV cache's configuration.
+    cache_config_info: IntGaugeVec,
     /// Running requests sent back to the queue (vLLM's num_preemptions): KV pages ran out.
-    pub num_preemptions: IntCounter,
+    num_preemptions: IntCounter,
     /// Speculative decoding, as vLLM names them: draft tokens verified and accepted.
-    pub spec_decode_num_draft_tokens: IntCounter,
-    pub spec_decode_num_accepted_tokens: IntCounter,
-    pub free_kv_pages: IntGauge,
-    pub cached_kv_pages: IntGauge,
+    spec_decode_num_draft_tokens: IntCounter,
+    spec_decode_num_accepted_tokens: IntCounter,
+    free_kv_pages: IntGauge,
+    cached_kv_pages: IntGauge,
     /// The radix cache's host tier (`--enable-hierarchical-cache`): slots, slots in use, and
     /// running totals of host-hit tokens and of pages loaded / written back.
-    pub host_kv_pages: IntGauge,
-    pub host_kv_pages_used: IntGauge,
-    pub host_hit_tokens: IntCounter,
-    pub host_load_pages: IntCounter,
-    pub host_writeback_pages: IntCounter,
-    pub steps: IntCounter,
-    pub step_batch_size: Histogram,
-    pub step_tokens: Histogram,
-    pub step_cpu_seconds: Histogram,
+    host_kv_pages: IntGauge,
+    host_kv_pages_used: IntGauge,
+    host_hit_tokens: IntCounter,
+    host_load_pages: IntCounter,
+    host_writeback_pages: IntCounter,
+}
+
+struct StepSeries {
+    steps: IntCounter,
+    step_batch_size: Histogram,
+    step_tokens: Histogram,
+    step_cpu_seconds: Histogram,
+    /// Tokens per engine step, vLLM's name and buckets (`step_tokens` is TokenSpeed's).
+    iteration_tokens: Histogram,
 }
 
 /// The timestamps of one finished request, for the per-request histograms.
@@ -145,6 +165,20 @@ impl Builder {
     }
 }
 
+impl Builder {
+    fn gauge_f64(&self, name: &str, help: &str) -> Gauge {
+        self.register(Gauge::new(format!("{PREFIX}{name}"), help).expect("valid metric"))
+    }
+    fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        let opts = Opts::new(format!("{PREFIX}{name}"), help);
+        self.register(IntCounterVec::new(opts, labels).expect("valid metric"))
+    }
+    fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        let opts = Opts::new(format!("{PREFIX}{name}"), help);
+        self.register(IntGaugeVec::new(opts, labels).expect("valid metric"))
+    }
+}
+
 impl Metrics {
     pub fn new(model_name: &str, max_model_len: u32) -> Self {
         let labels = HashMap::from([("model_name".to_string(), model_name.to_string())]);
@@ -152,18 +186,149 @@ impl Metrics {
         let b = Builder {
             registry: registry.clone(),
         };
-        let latency = || REQUEST_LATENCY_BUCKETS.to_vec();
-        let tokens = buckets_1_2_5(max_model_len.max(1));
         Metrics {
-            num_requests_running: b.gauge("num_requests_running", "Requests holding a slot"),
-            num_requests_waiting: b.gauge("num_requests_waiting", "Requests waiting for a slot"),
-            kv_cache_usage_perc: b.register(
-                Gauge::new(
-                    format!("{PREFIX}kv_cache_usage_perc"),
-                    "KV cache usage: 1 is full (evictable cached pages count as free)",
-                )
-                .expect("valid metric"),
-            ),
+            counters: RequestCounters::new(&b),
+            histograms: RequestHistograms::new(&b, max_model_len.max(1)),
+            engine: EngineSeries::new(&b),
+            steps: StepSeries::new(&b),
+            registry,
+        }
+    }
+
+    pub fn observe_step(&self, batch: usize, tokens: usize, cpu: Duration) {
+        self.steps.steps.inc();
+        self.steps.step_batch_size.observe(batch as f64);
+        self.steps.step_tokens.observe(tokens as f64);
+        self.steps.iteration_tokens.observe(tokens as f64);
+        self.steps.step_cpu_seconds.observe(cpu.as_secs_f64());
+    }
+
+    pub fn observe_pool(&self, s: &SchedulerStats) {
+        self.engine.num_requests_running.set(s.running as i64);
+        self.engine.num_requests_waiting.set(s.waiting as i64);
+        self.engine.free_kv_pages.set(s.free_pages as i64);
+        self.engine.cached_kv_pages.set(s.cached_pages as i64);
+        // A running total: the counter catches up with it.
+        let new = s
+            .retractions
+            .saturating_sub(self.engine.num_preemptions.get());
+        self.engine.num_preemptions.inc_by(new);
+        let drafted = s.spec_draft_tokens;
+        let accepted = s.spec_accepted_tokens;
+        self.engine
+            .spec_decode_num_draft_tokens
+            .inc_by(drafted.saturating_sub(self.engine.spec_decode_num_draft_tokens.get()));
+        self.engine
+            .spec_decode_num_accepted_tokens
+            .inc_by(accepted.saturating_sub(self.engine.spec_decode_num_accepted_tokens.get()));
+        let h = &s.host;
+        self.engine.host_kv_pages.set(h.total_pages as i64);
+        self.engine.host_kv_pages_used.set(h.used_pages as i64);
+        for (counter, total) in [
+            (&self.engine.host_hit_tokens, h.hit_tokens),
+            (&self.engine.host_load_pages, h.load_pages),
+            (&self.engine.host_writeback_pages, h.writeback_pages),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
+        if s.total_pages > 0 {
+            let busy = s
+                .total_pages
+                .saturating_sub(s.free_pages + s.evictable_pages);
+            self.engine
+                .kv_cache_usage_perc
+                .set(busy as f64 / s.total_pages as f64);
+        }
+    }
+
+    /// A request's first token: its latency, and how much of its prompt the prefix cache held.
+    pub fn observe_first_token(&self, latency: Duration, prompt_tokens: u32, cached_tokens: u32) {
+        self.histograms
+            .time_to_first_token
+            .observe(latency.as_secs_f64());
+        let c = &self.counters;
+        c.prefix_cache_queries.inc_by(u64::from(prompt_tokens));
+        c.prefix_cache_hits.inc_by(u64::from(cached_tokens));
+    }
+
+    /// The time between two outputs of one request.
+    pub fn observe_token_gap(&self, gap: Duration) {
+        self.histograms
+            .inter_token_latency
+            .observe(gap.as_secs_f64());
+    }
+
+    /// A request ended, by its `finished_reason` (stop, length, abort, error).
+    pub fn count_finished(&self, reason: &str) {
+        self.counters
+            .request_success
+            .with_label_values(&[reason])
+            .inc();
+    }
+
+    pub fn observe_finished(&self, t: &RequestTimes) {
+        self.count_finished(t.finished_reason);
+        self.histograms
+            .e2e_request_latency
+            .observe(t.e2e.as_secs_f64());
+        self.histograms
+            .request_queue_time
+            .observe(t.queued.as_secs_f64());
+        self.histograms
+            .request_prefill_time
+            .observe(t.prefill.as_secs_f64());
+        self.histograms
+            .request_decode_time
+            .observe(t.decode.as_secs_f64());
+        self.histograms
+            .request_inference_time
+            .observe((t.prefill + t.decode).as_secs_f64());
+        if t.generation_tokens > 1 {
+            self.histograms
+                .request_time_per_output_token
+                .observe(t.decode.as_secs_f64() / f64::from(t.generation_tokens - 1));
+        }
+        self.histograms
+            .request_num_preemptions
+            .observe(f64::from(t.preemptions));
+        self.histograms
+            .request_prompt_tokens
+            .observe(f64::from(t.prompt_tokens));
+        self.histograms
+            .request_generation_tokens
+            .observe(f64::from(t.generation_tokens));
+    }
+
+    /// One API request's parameters, per prompt (vLLM counts a request with n samples once).
+    pub fn observe_params(&self, n: usize, max_tokens: u32) {
+        self.histograms.request_params_n.observe(n as f64);
+        self.histograms
+            .request_params_max_tokens
+            .observe(f64::from(max_tokens));
+    }
+
+    /// The KV cache's configuration, as vLLM's `cache_config_info` labels it.
+    pub fn set_cache_config(&self, page_size: u32, num_pages: u32, prefix_caching: bool) {
+        self.engine
+            .cache_config_info
+            .with_label_values(&[
+                &page_size.to_string(),
+                &num_pages.to_string(),
+                &prefix_caching.to_string(),
+            ])
+            .set(1);
+    }
+
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl RequestCounters {
+    fn new(b: &Builder) -> Self {
+        RequestCounters {
             prefix_cache_queries: b.counter(
                 "prefix_cache_queries_total",
                 "Prompt tokens looked up in the prefix cache",
@@ -174,16 +339,25 @@ impl Metrics {
             ),
             prompt_tokens: b.counter("prompt_tokens_total", "Prompt tokens of accepted requests"),
             generation_tokens: b.counter("generation_tokens_total", "Generated tokens"),
-            request_success: b.register(
-                IntCounterVec::new(
-                    Opts::new(
-                        format!("{PREFIX}request_success_total"),
-                        "Finished requests by finish reason",
-                    ),
-                    &["finished_reason"],
-                )
-                .expect("valid metric"),
+            request_success: b.counter_vec(
+                "request_success_total",
+                "Finished requests by finish reason",
+                &["finished_reason"],
             ),
+            requests_rejected: b.counter(
+                "requests_rejected_total",
+                "Generating requests refused with 429 (the admission limit was reached)",
+            ),
+        }
+    }
+}
+
+impl RequestHistograms {
+    /// Latencies in vLLM's buckets; token counts in 1-2-5 buckets up to the context length.
+    fn new(b: &Builder, max_model_len: u32) -> Self {
+        let latency = || REQUEST_LATENCY_BUCKETS.to_vec();
+        let tokens = || buckets_1_2_5(max_model_len);
+        RequestHistograms {
             time_to_first_token: b.histogram(
                 "time_to_first_token_seconds",
                 "Time to first token",
@@ -217,20 +391,12 @@ impl Metrics {
             request_prompt_tokens: b.histogram(
                 "request_prompt_tokens",
                 "Prompt tokens per finished request",
-                tokens.clone(),
+                tokens(),
             ),
             request_generation_tokens: b.histogram(
                 "request_generation_tokens",
                 "Generated tokens per finished request",
-                tokens,
-            ),
-            spec_decode_num_draft_tokens: b.counter(
-                "spec_decode_num_draft_tokens_total",
-                "Speculative draft tokens sent to the model for verification",
-            ),
-            spec_decode_num_accepted_tokens: b.counter(
-                "spec_decode_num_accepted_tokens_total",
-                "Speculative draft tokens the model accepted",
+                tokens(),
             ),
             request_inference_time: b.histogram(
                 "request_inference_time_seconds",
@@ -255,31 +421,38 @@ impl Metrics {
             request_params_max_tokens: b.histogram(
                 "request_params_max_tokens",
                 "The max_tokens of each request (per prompt; the room left when not given)",
-                buckets_1_2_5(max_model_len.max(1)),
+                tokens(),
             ),
-            iteration_tokens: b.histogram(
-                "iteration_tokens_total",
-                "Tokens per engine step",
-                ITERATION_TOKEN_BUCKETS.to_vec(),
+        }
+    }
+}
+
+impl EngineSeries {
+    fn new(b: &Builder) -> Self {
+        EngineSeries {
+            num_requests_running: b.gauge("num_requests_running", "Requests holding a slot"),
+            num_requests_waiting: b.gauge("num_requests_waiting", "Requests waiting for a slot"),
+            kv_cache_usage_perc: b.gauge_f64(
+                "kv_cache_usage_perc",
+                "KV cache usage: 1 is full (evictable cached pages count as free)",
             ),
-            cache_config_info: b.register(
-                IntGaugeVec::new(
-                    Opts::new(
-                        format!("{PREFIX}cache_config_info"),
-                        "Information of the KV cache's configuration (value 1)",
-                    ),
-                    &["block_size", "num_gpu_blocks", "enable_prefix_caching"],
-                )
-                .expect("valid metric"),
+            cache_config_info: b.gauge_vec(
+                "cache_config_info",
+                "Information of the KV cache's configuration (value 1)",
+                &["block_size", "num_gpu_blocks", "enable_prefix_caching"],
             ),
             num_preemptions: b.counter(
                 "num_preemptions_total",
                 "Running requests sent back to the queue to free KV pages (retracted; they \
                  recompute their KV when readmitted)",
             ),
-            requests_rejected: b.counter(
-                "requests_rejected_total",
-                "Generating requests refused with 429 (the admission limit was reached)",
+            spec_decode_num_draft_tokens: b.counter(
+                "spec_decode_num_draft_tokens_total",
+                "Speculative draft tokens sent to the model for verification",
+            ),
+            spec_decode_num_accepted_tokens: b.counter(
+                "spec_decode_num_accepted_tokens_total",
+                "Speculative draft tokens the model accepted",
             ),
             free_kv_pages: b.gauge("free_kv_pages", "Free KV pages"),
             cached_kv_pages: b.gauge("cached_kv_pages", "KV pages held by the radix cache"),
@@ -300,6 +473,13 @@ impl Metrics {
                 "host_writeback_pages_total",
                 "KV pages copied from the device to host memory",
             ),
+        }
+    }
+}
+
+impl StepSeries {
+    fn new(b: &Builder) -> Self {
+        StepSeries {
             steps: b.counter("steps_total", "Engine steps run"),
             step_batch_size: b.histogram(
                 "step_batch_size",
@@ -316,95 +496,12 @@ impl Metrics {
                 "Engine CPU time to apply one step's result",
                 vec![1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2],
             ),
-            registry,
+            iteration_tokens: b.histogram(
+                "iteration_tokens_total",
+                "Tokens per engine step",
+                ITERATION_TOKEN_BUCKETS.to_vec(),
+            ),
         }
-    }
-
-    pub fn observe_step(&self, batch: usize, tokens: usize, cpu: Duration) {
-        self.steps.inc();
-        self.step_batch_size.observe(batch as f64);
-        self.step_tokens.observe(tokens as f64);
-        self.iteration_tokens.observe(tokens as f64);
-        self.step_cpu_seconds.observe(cpu.as_secs_f64());
-    }
-
-    pub fn observe_pool(&self, s: &SchedulerStats) {
-        self.num_requests_running.set(s.running as i64);
-        self.num_requests_waiting.set(s.waiting as i64);
-        self.free_kv_pages.set(s.free_pages as i64);
-        self.cached_kv_pages.set(s.cached_pages as i64);
-        // A running total: the counter catches up with it.
-        let new = s.retractions.saturating_sub(self.num_preemptions.get());
-        self.num_preemptions.inc_by(new);
-        let drafted = s.spec_draft_tokens;
-        let accepted = s.spec_accepted_tokens;
-        self.spec_decode_num_draft_tokens
-            .inc_by(drafted.saturating_sub(self.spec_decode_num_draft_tokens.get()));
-        self.spec_decode_num_accepted_tokens
-            .inc_by(accepted.saturating_sub(self.spec_decode_num_accepted_tokens.get()));
-        let h = &s.host;
-        self.host_kv_pages.set(h.total_pages as i64);
-        self.host_kv_pages_used.set(h.used_pages as i64);
-        for (counter, total) in [
-            (&self.host_hit_tokens, h.hit_tokens),
-            (&self.host_load_pages, h.load_pages),
-            (&self.host_writeback_pages, h.writeback_pages),
-        ] {
-            counter.inc_by(total.saturating_sub(counter.get()));
-        }
-        if s.total_pages > 0 {
-            let busy = s
-                .total_pages
-                .saturating_sub(s.free_pages + s.evictable_pages);
-            self.kv_cache_usage_perc
-                .set(busy as f64 / s.total_pages as f64);
-        }
-    }
-
-    pub fn observe_finished(&self, t: &RequestTimes) {
-        self.request_success
-            .with_label_values(&[t.finished_reason])
-            .inc();
-        self.e2e_request_latency.observe(t.e2e.as_secs_f64());
-        self.request_queue_time.observe(t.queued.as_secs_f64());
-        self.request_prefill_time.observe(t.prefill.as_secs_f64());
-        self.request_decode_time.observe(t.decode.as_secs_f64());
-        self.request_inference_time
-            .observe((t.prefill + t.decode).as_secs_f64());
-        if t.generation_tokens > 1 {
-            self.request_time_per_output_token
-                .observe(t.decode.as_secs_f64() / f64::from(t.generation_tokens - 1));
-        }
-        self.request_num_preemptions
-            .observe(f64::from(t.preemptions));
-        self.request_prompt_tokens
-            .observe(f64::from(t.prompt_tokens));
-        self.request_generation_tokens
-            .observe(f64::from(t.generation_tokens));
-    }
-
-    /// One API request's parameters, per prompt (vLLM counts a request with n samples once).
-    pub fn observe_params(&self, n: usize, max_tokens: u32) {
-        self.request_params_n.observe(n as f64);
-        self.request_params_max_tokens
-            .observe(f64::from(max_tokens));
-    }
-
-    /// The KV cache's configuration, as vLLM's `cache_config_info` labels it.
-    pub fn set_cache_config(&self, page_size: u32, num_pages: u32, prefix_caching: bool) {
-        self.cache_config_info
-            .with_label_values(&[
-                &page_size.to_string(),
-                &num_pages.to_string(),
-                &prefix_caching.to_string(),
-            ])
-            .set(1);
-    }
-
-    pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
-        String::from_utf8(buf).unwrap_or_default()
     }
 }
 
@@ -429,7 +526,7 @@ mod tests {
     #[test]
     fn every_series_carries_the_model_name() {
         let m = Metrics::new("m1", 64);
-        m.request_success.with_label_values(&["stop"]).inc();
+        m.count_finished("stop");
         let text = m.render();
         assert!(
             text.contains(

@@ -10,7 +10,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle};
 use crate::error::RequestError;
 use crate::frontend::Frontend;
-use crate::generate::{new_request_id, tokenize_prompt, Prompt};
+use crate::generate::new_request_id;
+use crate::prompt::{tokenize_prompt, Prompt};
 
 /// One model input: its token ids, and where a pair's second segment starts (0: none).
 #[derive(Debug, Clone, PartialEq)]
@@ -88,7 +89,10 @@ pub async fn run(
             0,
         )?;
         let prompt_tokens = input.ids.len() as u32;
-        fe.metrics.prompt_tokens.inc_by(u64::from(prompt_tokens));
+        fe.metrics
+            .counters
+            .prompt_tokens
+            .inc_by(u64::from(prompt_tokens));
         let request = Request {
             id: rid.choice(i as u32),
             prompt: input.ids,

@@ -2,7 +2,6 @@
 //! every sampled token comes from a fixed script, so responses are exactly predictable.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -13,31 +12,19 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokenspeed_engine::plan::RequestEvent;
+use tokenspeed_engine::SchedulerConfig;
 use tokenspeed_engine::{GrammarRow, Plan, StepResult, StepTiming, LAST_SAMPLED};
-use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
 use tokenspeed_text::TextTokenizer;
 use tower::ServiceExt;
 
+mod common;
+use common::smollm2_dir;
+
 /// What the scripted worker reports as its GPU idle time before each step.
 const GPU_IDLE_US_PER_STEP: u32 = 250;
-
-fn smollm2_dir() -> PathBuf {
-    let root = std::env::var("TOKENSPEED_TEST_ASSETS").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/tokenspeed/test-assets",
-            std::env::var("HOME").unwrap_or_default()
-        )
-    });
-    let dir = PathBuf::from(root).join("smollm2");
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "test assets missing at {dir:?}: run `python -m tokenspeed.launch.assets test-assets`"
-    );
-    dir
-}
 
 /// What the scripted worker saw, for tests to check.
 #[derive(Default)]
@@ -318,17 +305,8 @@ fn harness_from(o: HarnessOpts) -> Harness {
     script.push(tok.eos_token_ids()[0]);
     let dead = Arc::new(AtomicBool::new(false));
     let config = ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        model_path: "test-model".into(),
-        tokenizer_path: dir.to_string_lossy().into_owned(),
-        served_model_name: "test-model".into(),
-        weight_version: "default".into(),
         api_key: api_key.map(str::to_string),
-        chat_template: None,
         scheduler: SchedulerConfig {
-            page_size: 4,
-            num_pages: 512,
             max_running_requests: if max_running_requests == 0 {
                 16
             } else {
@@ -336,50 +314,14 @@ fn harness_from(o: HarnessOpts) -> Harness {
             },
             chunked_prefill_size: 64,
             max_prefill_tokens: 64,
-            max_mixed_prefill_tokens: 0,
-            max_mixed_step_ms: 0.0,
-            schedule_policy: SchedulePolicy::Fcfs,
-            enable_priority_scheduling: false,
-            schedule_low_priority_values_first: false,
-            priority_scheduling_preemption_threshold: 10,
-            disable_radix_cache: false,
-            speculative_algorithm: None,
-            speculative_num_draft_tokens: None,
-            speculative_ngram_min_match_window_size: 1,
-            speculative_ngram_max_match_window_size: 12,
             context_length: 256,
-            radix_eviction_policy: Default::default(),
-            num_host_pages: 0,
-            num_storage_pages: 0,
-            hicache_write_policy: Default::default(),
+            ..common::scheduler_config()
         },
         disable_overlap_schedule,
         schedule_lead_ms,
-        log_requests: false,
-        skip_server_warmup: true,
-        max_queued_requests: 100,
-        max_request_body_bytes: 1 << 20,
-        shutdown_timeout: 5.0,
-        watchdog_timeout: 300.0,
-        worker_pids: vec![],
-        dp_size: None,
-        load_balance_method: None,
-        decode_log_interval: 0,
         enable_metrics,
-        sampling_defaults: Default::default(),
-        vocab_size: 0,
-        max_logprobs: 20,
         grammar_backend: grammar_backend.map(str::to_string),
-        tool_call_parser: None,
-        reasoning_parser: None,
-        enable_auto_tool_choice: false,
-        json_whitespace: None,
-        is_embedding: false,
-        pooling_labels: vec![],
-        constrained_json_allow_additional_properties: false,
-        server_info: Value::Null,
-        lora: Default::default(),
-        kv_events_config: None,
+        ..common::server_config()
     };
     let log = Arc::new(WorkerLog::default());
     let mut link = Box::new(ScriptedWorker::start(

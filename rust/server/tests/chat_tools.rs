@@ -4,7 +4,6 @@
 //! --tool-call-parser hermes --enable-auto-tool-choice` must split it, streamed and not, the same.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -13,33 +12,21 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokenspeed_engine::plan::RequestEvent;
+use tokenspeed_engine::SchedulerConfig;
 use tokenspeed_engine::{Plan, StepResult};
-use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
 use tokenspeed_text::TextTokenizer;
 use tower::ServiceExt;
 
+mod common;
+use common::smollm2_dir;
+
 const ANSWER: &str = "<think>The user wants the weather in Paris and the time.</think>\n\n\
     <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \
     \"celsius\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n\
     </tool_call>";
-
-fn smollm2_dir() -> PathBuf {
-    let root = std::env::var("TOKENSPEED_TEST_ASSETS").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/tokenspeed/test-assets",
-            std::env::var("HOME").unwrap_or_default()
-        )
-    });
-    let dir = PathBuf::from(root).join("smollm2");
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "test assets missing at {dir:?}: run `python -m tokenspeed.launch.assets test-assets`"
-    );
-    dir
-}
 
 /// Answers each plan in order: a request's n-th sampled token is script[n].
 struct ScriptedWorker {
@@ -109,66 +96,15 @@ impl WorkerLink for ScriptedWorker {
 }
 
 fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> ServerConfig {
-    let dir = smollm2_dir();
     ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        model_path: "test-model".into(),
-        tokenizer_path: dir.to_string_lossy().into_owned(),
-        served_model_name: "test-model".into(),
-        weight_version: "default".into(),
-        api_key: None,
-        chat_template: None,
         scheduler: SchedulerConfig {
-            page_size: 4,
             num_pages: 1024,
-            max_running_requests: 8,
-            chunked_prefill_size: 256,
-            max_prefill_tokens: 256,
-            max_mixed_prefill_tokens: 0,
-            max_mixed_step_ms: 0.0,
-            schedule_policy: SchedulePolicy::Fcfs,
-            enable_priority_scheduling: false,
-            schedule_low_priority_values_first: false,
-            priority_scheduling_preemption_threshold: 10,
-            disable_radix_cache: false,
-            speculative_algorithm: None,
-            speculative_num_draft_tokens: None,
-            speculative_ngram_min_match_window_size: 1,
-            speculative_ngram_max_match_window_size: 12,
-            context_length: 1024,
-            radix_eviction_policy: Default::default(),
-            num_host_pages: 0,
-            num_storage_pages: 0,
-            hicache_write_policy: Default::default(),
+            ..common::scheduler_config()
         },
-        disable_overlap_schedule: false,
-        schedule_lead_ms: 0.0,
-        log_requests: false,
-        skip_server_warmup: true,
-        max_queued_requests: 100,
-        max_request_body_bytes: 1 << 20,
-        shutdown_timeout: 5.0,
-        watchdog_timeout: 300.0,
-        worker_pids: vec![],
-        dp_size: None,
-        load_balance_method: None,
-        decode_log_interval: 0,
-        enable_metrics: false,
-        sampling_defaults: Default::default(),
-        vocab_size: 0,
-        max_logprobs: 20,
-        grammar_backend: None,
         tool_call_parser: tool_parser.map(str::to_string),
         reasoning_parser: reasoning.map(str::to_string),
         enable_auto_tool_choice: auto,
-        json_whitespace: None,
-        is_embedding: false,
-        pooling_labels: vec![],
-        constrained_json_allow_additional_properties: false,
-        server_info: Value::Null,
-        lora: Default::default(),
-        kv_events_config: None,
+        ..common::server_config()
     }
 }
 

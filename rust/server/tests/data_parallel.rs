@@ -8,15 +8,15 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use tokenspeed_engine::plan::RequestEvent;
-use tokenspeed_engine::{
-    Plan, Request, SamplingParams, SchedulePolicy, SchedulerConfig, StepResult,
-};
+use tokenspeed_engine::{Plan, Request, SamplingParams, SchedulerConfig, StepResult};
 use tokenspeed_server::engine::{spawn_engine, EngineEvent, EngineOptions, LinkError, WorkerLink};
 use tokenspeed_server::generate::new_request_id;
 use tokenspeed_server::kv_events::{self, KvEventsConfig};
 use tokenspeed_server::metrics::Metrics;
 use tokenspeed_server::router::Policy;
 use tokenspeed_server::Replicas;
+
+mod common;
 
 /// Samples token 7 for every request that samples, a few milliseconds per step; counts the
 /// requests it ever scheduled.
@@ -104,27 +104,8 @@ fn group_with(n: usize, policy: Policy, kv: Option<&KvEventsConfig>) -> Group {
         let d = Arc::new(AtomicBool::new(false));
         let s = Arc::new(AtomicUsize::new(0));
         let config = SchedulerConfig {
-            page_size: 4,
-            num_pages: 512,
-            max_running_requests: 8,
-            chunked_prefill_size: 256,
-            max_prefill_tokens: 256,
-            max_mixed_prefill_tokens: 0,
-            max_mixed_step_ms: 0.0,
-            schedule_policy: SchedulePolicy::Fcfs,
-            enable_priority_scheduling: false,
-            schedule_low_priority_values_first: false,
-            priority_scheduling_preemption_threshold: 10,
-            disable_radix_cache: false,
-            speculative_algorithm: None,
-            speculative_num_draft_tokens: None,
-            speculative_ngram_min_match_window_size: 1,
-            speculative_ngram_max_match_window_size: 12,
             context_length: 4096,
-            radix_eviction_policy: Default::default(),
-            num_host_pages: 0,
-            num_storage_pages: 0,
-            hicache_write_policy: Default::default(),
+            ..common::scheduler_config()
         };
         let options = EngineOptions {
             max_queued_requests: 64,

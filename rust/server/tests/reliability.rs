@@ -4,29 +4,20 @@
 //! the API key on every route but /health and /ping, 503 while draining, and the
 //! watchdog failing the engine (and waking `EngineHandle::failed`).
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::Value;
+use tokenspeed_engine::SchedulerConfig;
 use tokenspeed_engine::{Plan, StepResult};
-use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
 use tokenspeed_server::engine::{LinkError, WorkerLink};
 use tokenspeed_server::http::{router, AppState};
 use tokenspeed_server::{build_state, ServerConfig};
 use tower::ServiceExt;
 
-fn smollm2_dir() -> PathBuf {
-    let root = std::env::var("TOKENSPEED_TEST_ASSETS").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/tokenspeed/test-assets",
-            std::env::var("HOME").unwrap_or_default()
-        )
-    });
-    PathBuf::from(root).join("smollm2")
-}
+mod common;
 
 /// Takes every plan, never answers: a hung worker.
 struct SilentWorker;
@@ -48,64 +39,21 @@ const KEY: &str = "sk-test-key";
 
 fn state(watchdog_timeout: f64) -> AppState {
     let config = ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        model_path: "test-model".into(),
-        tokenizer_path: smollm2_dir().to_string_lossy().into_owned(),
-        served_model_name: "test-model".into(),
-        weight_version: "default".into(),
         api_key: Some(KEY.into()),
-        chat_template: None,
         scheduler: SchedulerConfig {
-            page_size: 4,
             num_pages: 256,
             max_running_requests: 2,
             chunked_prefill_size: 64,
             max_prefill_tokens: 64,
-            max_mixed_prefill_tokens: 0,
-            max_mixed_step_ms: 0.0,
-            schedule_policy: SchedulePolicy::Fcfs,
-            enable_priority_scheduling: false,
-            schedule_low_priority_values_first: false,
-            priority_scheduling_preemption_threshold: 10,
-            disable_radix_cache: false,
-            speculative_algorithm: None,
-            speculative_num_draft_tokens: None,
-            speculative_ngram_min_match_window_size: 1,
-            speculative_ngram_max_match_window_size: 12,
             context_length: 256,
-            radix_eviction_policy: Default::default(),
-            num_host_pages: 0,
-            num_storage_pages: 0,
-            hicache_write_policy: Default::default(),
+            ..common::scheduler_config()
         },
-        disable_overlap_schedule: false,
-        schedule_lead_ms: 0.0,
-        log_requests: false,
-        skip_server_warmup: true,
         max_queued_requests: 1,
         max_request_body_bytes: 1024,
         shutdown_timeout: 1.0,
         watchdog_timeout,
-        worker_pids: vec![],
-        dp_size: None,
-        load_balance_method: None,
-        decode_log_interval: 0,
         enable_metrics: true,
-        sampling_defaults: Default::default(),
-        vocab_size: 0,
-        max_logprobs: 20,
-        grammar_backend: None,
-        tool_call_parser: None,
-        reasoning_parser: None,
-        enable_auto_tool_choice: false,
-        json_whitespace: None,
-        is_embedding: false,
-        pooling_labels: vec![],
-        constrained_json_allow_additional_properties: false,
-        server_info: Value::Null,
-        lora: Default::default(),
-        kv_events_config: None,
+        ..common::server_config()
     };
     build_state(config, Box::new(SilentWorker)).expect("state")
 }

@@ -156,6 +156,56 @@ fn class_char(c: char) -> String {
     }
 }
 
+type Chars<'a> = std::iter::Peekable<std::str::Chars<'a>>;
+
+/// A string literal's text, after its opening `quote`.
+fn lex_string(chars: &mut Chars<'_>, quote: char) -> Result<String, String> {
+    let mut s = String::new();
+    loop {
+        match chars.next().ok_or("unterminated string literal")? {
+            '\\' => s.push(escape(chars)?),
+            q if q == quote => return Ok(s),
+            other => s.push(other),
+        }
+    }
+}
+
+/// A character class, after its `[`, as a regex class.
+fn lex_class(chars: &mut Chars<'_>) -> Result<String, String> {
+    let mut class = String::from("[");
+    if chars.peek() == Some(&'^') {
+        chars.next();
+        class.push('^');
+    }
+    loop {
+        match chars.next().ok_or("unterminated character class")? {
+            ']' => break,
+            '-' => class.push('-'),
+            '\\' => class.push_str(&class_char(escape(chars)?)),
+            other => class.push_str(&class_char(other)),
+        }
+    }
+    class.push(']');
+    Ok(class)
+}
+
+/// A `{m,n}` repetition, after its `{`, without spaces.
+fn lex_repetition(chars: &mut Chars<'_>) -> Result<String, String> {
+    let mut rep = String::from("{");
+    loop {
+        let c = chars.next().ok_or("unterminated {m,n}")?;
+        if !(c.is_ascii_digit() || c == ',' || c == ' ' || c == '}') {
+            return Err(format!("unexpected {c:?} in a {{m,n}} repetition"));
+        }
+        if c != ' ' {
+            rep.push(c);
+        }
+        if c == '}' {
+            return Ok(rep);
+        }
+    }
+}
+
 impl Gbnf {
     fn lex(text: &str) -> Result<Vec<Tok>, String> {
         let mut toks = Vec::new();
@@ -176,55 +226,14 @@ impl Gbnf {
                     }
                     toks.push(Tok::Define);
                 }
-                '"' | '\'' => {
-                    let mut s = String::new();
-                    loop {
-                        match chars.next().ok_or("unterminated string literal")? {
-                            '\\' => s.push(escape(&mut chars)?),
-                            q if q == c => break,
-                            other => s.push(other),
-                        }
-                    }
-                    toks.push(Tok::Str(s));
-                }
-                '[' => {
-                    let mut class = String::from("[");
-                    if chars.peek() == Some(&'^') {
-                        chars.next();
-                        class.push('^');
-                    }
-                    loop {
-                        match chars.next().ok_or("unterminated character class")? {
-                            ']' => break,
-                            '-' => class.push('-'),
-                            '\\' => class.push_str(&class_char(escape(&mut chars)?)),
-                            other => class.push_str(&class_char(other)),
-                        }
-                    }
-                    class.push(']');
-                    toks.push(Tok::Class(class));
-                }
+                '"' | '\'' => toks.push(Tok::Str(lex_string(&mut chars, c)?)),
+                '[' => toks.push(Tok::Class(lex_class(&mut chars)?)),
                 '.' => toks.push(Tok::Class("(?s:.)".into())),
                 '(' => toks.push(Tok::Open),
                 ')' => toks.push(Tok::Close),
                 '|' => toks.push(Tok::Bar),
                 '*' | '+' | '?' => toks.push(Tok::Repeat(c.to_string())),
-                '{' => {
-                    let mut rep = String::from("{");
-                    loop {
-                        let c = chars.next().ok_or("unterminated {m,n}")?;
-                        if !(c.is_ascii_digit() || c == ',' || c == ' ' || c == '}') {
-                            return Err(format!("unexpected {c:?} in a {{m,n}} repetition"));
-                        }
-                        if c != ' ' {
-                            rep.push(c);
-                        }
-                        if c == '}' {
-                            break;
-                        }
-                    }
-                    toks.push(Tok::Repeat(rep));
-                }
+                '{' => toks.push(Tok::Repeat(lex_repetition(&mut chars)?)),
                 c if c.is_alphanumeric() || c == '_' || c == '-' => {
                     let mut name = c.to_string();
                     while let Some(&n) = chars.peek() {

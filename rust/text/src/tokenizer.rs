@@ -33,72 +33,9 @@ impl TextTokenizer {
     /// `chat_template_override` is a path to a Jinja file or an inline template; it replaces the
     /// model's own template.
     pub fn from_dir(dir: &Path, chat_template_override: Option<&str>) -> Result<Self, TextError> {
-        let tokenizer_path = dir.join("tokenizer.json");
-        if !tokenizer_path.is_file() {
-            return Err(TextError::LoadTokenizer {
-                path: tokenizer_path,
-                message: "file not found (only HF fast tokenizers, tokenizer.json, are supported)"
-                    .into(),
-            });
-        }
-        let mut tokenizer =
-            Tokenizer::from_file(&tokenizer_path).map_err(|e| TextError::LoadTokenizer {
-                path: tokenizer_path.clone(),
-                message: e.to_string(),
-            })?;
-        // A prompt is never padded: a tokenizer.json saved with fixed-length padding (BERT
-        // sentence-transformers checkpoints: 128 [PAD]s) would feed the pads to the model.
-        tokenizer.with_padding(None);
+        let tokenizer = load_tokenizer_json(dir)?;
         let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
-        let generation_config = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
-        let model_config = read_json(&dir.join("config.json"))?.unwrap_or_default();
-
-        // generation_config.json is what `generate()` stops on; config.json is the older home.
-        let config_value = |key: &str| {
-            generation_config
-                .get(key)
-                .filter(|v| !v.is_null())
-                .or_else(|| model_config.get(key).filter(|v| !v.is_null()))
-        };
-        let mut special_tokens = Map::new();
-        for key in TEMPLATE_SPECIAL_TOKENS {
-            if let Some(text) = special_token_text(tokenizer_config.get(key)) {
-                special_tokens.insert(key.into(), Json::String(text));
-            }
-        }
-        let token_id = |key: &str| {
-            special_tokens
-                .get(key)
-                .and_then(Json::as_str)
-                .and_then(|t| tokenizer.token_to_id(t))
-        };
-
-        let mut eos_token_ids = config_value("eos_token_id")
-            .map(token_ids)
-            .unwrap_or_default();
-        if let Some(id) = token_id("eos_token") {
-            if !eos_token_ids.contains(&id) {
-                eos_token_ids.push(id);
-            }
-        }
-        let bos_token_id = token_id("bos_token").or_else(|| {
-            config_value("bos_token_id")
-                .map(token_ids)
-                .and_then(|ids| ids.first().copied())
-        });
-        // Templates reference `bos_token`/`eos_token` even when only the config names the ids.
-        for (key, id) in [
-            ("bos_token", bos_token_id),
-            ("eos_token", eos_token_ids.first().copied()),
-        ] {
-            if let (false, Some(text)) = (
-                special_tokens.contains_key(key),
-                id.and_then(|id| tokenizer.id_to_token(id)),
-            ) {
-                special_tokens.insert(key.into(), Json::String(text));
-            }
-        }
-
+        let special = SpecialTokens::read(dir, &tokenizer, &tokenizer_config)?;
         let templates = match chat_template_override {
             Some(spec) => vec![(String::from("default"), read_template_override(spec)?)],
             None => model_templates(dir, &tokenizer_config)?,
@@ -106,7 +43,7 @@ impl TextTokenizer {
         let chat_template = if templates.is_empty() {
             None
         } else {
-            Some(ChatTemplate::new(templates, special_tokens)?)
+            Some(ChatTemplate::new(templates, special.texts)?)
         };
 
         let added_tokens = tokenizer
@@ -118,8 +55,8 @@ impl TextTokenizer {
             vocab_size: tokenizer.get_vocab_size(true),
             added_tokens,
             tokenizer,
-            eos_token_ids,
-            bos_token_id,
+            eos_token_ids: special.eos_token_ids,
+            bos_token_id: special.bos_token_id,
             chat_template,
         })
     }
@@ -206,6 +143,93 @@ impl TextTokenizer {
 }
 
 /// Parses a JSON file; `Ok(None)` when it does not exist.
+/// `tokenizer.json` of an HF model directory (only fast tokenizers are supported), unpadded.
+fn load_tokenizer_json(dir: &Path) -> Result<Tokenizer, TextError> {
+    let tokenizer_path = dir.join("tokenizer.json");
+    if !tokenizer_path.is_file() {
+        return Err(TextError::LoadTokenizer {
+            path: tokenizer_path,
+            message: "file not found (only HF fast tokenizers, tokenizer.json, are supported)"
+                .into(),
+        });
+    }
+    let mut tokenizer =
+        Tokenizer::from_file(&tokenizer_path).map_err(|e| TextError::LoadTokenizer {
+            path: tokenizer_path.clone(),
+            message: e.to_string(),
+        })?;
+    // A prompt is never padded: a tokenizer.json saved with fixed-length padding (BERT
+    // sentence-transformers checkpoints: 128 [PAD]s) would feed the pads to the model.
+    tokenizer.with_padding(None);
+    Ok(tokenizer)
+}
+
+/// The special tokens a chat template may reference (`bos_token`, `eos_token`, ...) and the
+/// ids generation stops on or starts with.
+struct SpecialTokens {
+    texts: Map<String, Json>,
+    eos_token_ids: Vec<u32>,
+    bos_token_id: Option<u32>,
+}
+
+impl SpecialTokens {
+    fn read(dir: &Path, tokenizer: &Tokenizer, tokenizer_config: &Json) -> Result<Self, TextError> {
+        let generation_config = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
+        let model_config = read_json(&dir.join("config.json"))?.unwrap_or_default();
+
+        // generation_config.json is what `generate()` stops on; config.json is the older home.
+        let config_value = |key: &str| {
+            generation_config
+                .get(key)
+                .filter(|v| !v.is_null())
+                .or_else(|| model_config.get(key).filter(|v| !v.is_null()))
+        };
+        let mut special_tokens = Map::new();
+        for key in TEMPLATE_SPECIAL_TOKENS {
+            if let Some(text) = special_token_text(tokenizer_config.get(key)) {
+                special_tokens.insert(key.into(), Json::String(text));
+            }
+        }
+        let token_id = |key: &str| {
+            special_tokens
+                .get(key)
+                .and_then(Json::as_str)
+                .and_then(|t| tokenizer.token_to_id(t))
+        };
+
+        let mut eos_token_ids = config_value("eos_token_id")
+            .map(token_ids)
+            .unwrap_or_default();
+        if let Some(id) = token_id("eos_token") {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        let bos_token_id = token_id("bos_token").or_else(|| {
+            config_value("bos_token_id")
+                .map(token_ids)
+                .and_then(|ids| ids.first().copied())
+        });
+        // Templates reference `bos_token`/`eos_token` even when only the config names the ids.
+        for (key, id) in [
+            ("bos_token", bos_token_id),
+            ("eos_token", eos_token_ids.first().copied()),
+        ] {
+            if let (false, Some(text)) = (
+                special_tokens.contains_key(key),
+                id.and_then(|id| tokenizer.id_to_token(id)),
+            ) {
+                special_tokens.insert(key.into(), Json::String(text));
+            }
+        }
+        Ok(SpecialTokens {
+            texts: special_tokens,
+            eos_token_ids,
+            bos_token_id,
+        })
+    }
+}
+
 fn read_json(path: &Path) -> Result<Option<Json>, TextError> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,

@@ -24,10 +24,7 @@ impl EngineLoop {
         self.scheduler.finish(id, FinishReason::Error);
         if let Some(live) = self.requests.remove(&id) {
             tracing::warn!(id = %id, %message, "request failed");
-            self.metrics
-                .request_success
-                .with_label_values(&["error"])
-                .inc();
+            self.metrics.count_finished("error");
             let _ = live.events.send(EngineEvent::Error {
                 message,
                 kind: EngineErrorKind::BadRequest,
@@ -74,10 +71,7 @@ impl EngineLoop {
     }
 
     pub(super) fn count_abort(&self) {
-        self.metrics
-            .request_success
-            .with_label_values(&["abort"])
-            .inc();
+        self.metrics.count_finished("abort");
     }
 
     /// The engine thread panicked (a bug): /health fails, every request in flight ends with an

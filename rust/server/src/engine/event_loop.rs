@@ -7,7 +7,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokenspeed_engine::scheduler::{FinishReason, RequestOutput, Scheduler, SchedulerStats};
+use tokenspeed_engine::scheduler::{FinishReason, RequestOutput, Scheduler};
 use tokenspeed_engine::{Plan, StepResult};
 use tokio::sync::mpsc as tokio_mpsc;
 
@@ -21,6 +21,14 @@ pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// What waiting for a command came to.
+enum Waited {
+    Handled,
+    TimedOut,
+    /// A command asked the loop to stop, or every sender is gone.
+    Stop,
 }
 
 pub(super) struct LiveRequest {
@@ -95,84 +103,29 @@ impl EngineLoop {
             self.publish_kv_events();
             // Block only when there is nothing to schedule nor to receive (nor an op to send).
             if self.requests.is_empty() && self.in_flight.is_empty() && self.pending_op.is_none() {
-                let cmd = self.commands.recv_timeout(self.options.liveness_interval);
-                self.mark();
-                match cmd {
-                    Ok(cmd) => {
-                        if !self.handle(cmd) {
-                            return;
-                        }
-                    }
-                    Err(RecvTimeoutError::Timeout) => {
+                match self.wait_for_command() {
+                    Waited::Handled => {}
+                    Waited::TimedOut => {
                         if let Err(e) = self.link.check_alive() {
                             self.fail_all(&e);
                         }
                         continue;
                     }
-                    Err(RecvTimeoutError::Disconnected) => return,
+                    Waited::Stop => return,
                 }
             }
-            while let Ok(cmd) = self.commands.try_recv() {
-                self.mark();
-                if !self.handle(cmd) {
-                    return;
-                }
+            if !self.handle_queued_commands() {
+                return;
             }
             if !self.healthy.load(Ordering::Acquire) {
                 continue;
             }
-            // With one plan in flight the scheduler plans the next on top of it (the worker
-            // runs plans in order, and resolves `LAST_SAMPLED` inputs on the GPU), at once or,
-            // with a lead, shortly before the running decode step ends. The lead waits for
-            // prompts that may arrive; with prompt work already queued the next step carries
-            // some anyway, and holding it would only shorten the time the worker has to launch
-            // it behind the running step: an eager launch (~20 ms for a 200-request mixed step)
-            // then delays the running step's result, a longer gap for every stream.
-            let hold = self.plan_clock.plan_at().filter(|&at| {
-                self.in_flight.len() < depth
-                    && at > Instant::now()
-                    && !self.scheduler.has_prompt_work()
-            });
-            let mut plan = if let Some(op) = self.op_plan() {
-                Some(op)
-            } else if !self.paused
-                && !self.op_in_flight()
-                && self.in_flight.len() < depth
-                && hold.is_none()
-            {
-                self.scheduler.schedule().filter(|p| !p.is_empty())
-            } else {
-                None
-            };
-            if let Some(plan) = plan.as_mut().filter(|_| !self.grammars.is_empty()) {
-                let planned: Vec<_> = self.scheduler.last_planned().collect();
-                for (id, message) in self.grammars.attach_masks(plan, planned.into_iter()) {
-                    self.fail_request(id, format!("structured output failed: {message}"));
-                }
-            }
+            let hold = self.hold_until(depth);
+            let plan = self.next_plan(depth, hold);
             let sent = plan.is_some();
-            let now = Instant::now();
-            for id in self.scheduler.take_admitted() {
-                if let Some(live) = self.requests.get_mut(&id) {
-                    live.admitted.get_or_insert(now);
-                }
-            }
+            self.note_admitted();
             if let Some(plan) = plan {
-                // In flight from now on, even if sending fails (`fail_all` closes it).
-                self.mark();
-                if !plan.new_requests.is_empty() {
-                    let waited = self.last_submit.map(|t| t.elapsed()).unwrap_or_default();
-                    self.prefill_sent
-                        .insert(plan.step_id, (Instant::now(), waited));
-                }
-                self.plan_clock.on_sent(
-                    plan.step_id,
-                    Instant::now(),
-                    plan.is_pure_decode() && !plan.scheduled.is_empty(),
-                );
-                self.in_flight.push_back(plan);
-                let sending = self.in_flight.back().map(|p| self.link.send_plan(p));
-                if let Some(Err(e)) = sending {
+                if let Err(e) = self.send(plan) {
                     self.fail_all(&e);
                     continue;
                 }
@@ -184,31 +137,103 @@ impl EngineLoop {
                     Ok(None) => {}
                     Err(e) => self.fail_all(&e),
                 }
-            } else if !sent {
-                // Nothing runnable and nothing in flight: wait for a command rather than spin.
-                let cmd = self.commands.recv_timeout(self.options.liveness_interval);
-                self.mark();
-                match cmd {
-                    Ok(cmd) => {
-                        if !self.handle(cmd) {
-                            return;
-                        }
-                    }
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
+            } else if !sent && matches!(self.wait_for_command(), Waited::Stop) {
+                // Nothing runnable and nothing in flight: waited for a command rather than spin.
+                return;
             }
         }
     }
 
-    /// Hands the radix cache's KV events since the last call to the publisher
-    /// (`--kv-events-config`); off, the cache records none and this returns at once.
-    fn publish_kv_events(&mut self) {
-        if let Some(sink) = &self.options.kv_events {
-            let events = self.scheduler.take_kv_events();
-            if !events.is_empty() {
-                sink.publish(events);
+    /// Waits up to the liveness interval for one command and handles it.
+    fn wait_for_command(&mut self) -> Waited {
+        let cmd = self.commands.recv_timeout(self.options.liveness_interval);
+        self.mark();
+        match cmd {
+            Ok(cmd) => {
+                if self.handle(cmd) {
+                    Waited::Handled
+                } else {
+                    Waited::Stop
+                }
             }
+            Err(RecvTimeoutError::Timeout) => Waited::TimedOut,
+            Err(RecvTimeoutError::Disconnected) => Waited::Stop,
+        }
+    }
+
+    /// Handles every command already queued; false when one stops the loop.
+    fn handle_queued_commands(&mut self) -> bool {
+        while let Ok(cmd) = self.commands.try_recv() {
+            self.mark();
+            if !self.handle(cmd) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// When the next plan is held for (`--schedule-lead-ms`), if it is held at all.
+    ///
+    /// With one plan in flight the scheduler plans the next on top of it (the worker runs plans
+    /// in order, and resolves `LAST_SAMPLED` inputs on the GPU), at once or, with a lead,
+    /// shortly before the running decode step ends. The lead waits for prompts that may arrive;
+    /// with prompt work already queued the next step carries some anyway, and holding it would
+    /// only shorten the time the worker has to launch it behind the running step: an eager
+    /// launch (~20 ms for a 200-request mixed step) then delays the running step's result, a
+    /// longer gap for every stream.
+    fn hold_until(&self, depth: usize) -> Option<Instant> {
+        self.plan_clock.plan_at().filter(|&at| {
+            self.in_flight.len() < depth && at > Instant::now() && !self.scheduler.has_prompt_work()
+        })
+    }
+
+    /// The plan to send now: a worker operation's, or the scheduler's next step (with its
+    /// grammar masks) when there is room in flight and nothing holds it.
+    fn next_plan(&mut self, depth: usize, hold: Option<Instant>) -> Option<Plan> {
+        if let Some(op) = self.op_plan() {
+            return Some(op);
+        }
+        if self.paused || self.op_in_flight() || self.in_flight.len() >= depth || hold.is_some() {
+            return None;
+        }
+        let mut plan = self.scheduler.schedule().filter(|p| !p.is_empty())?;
+        if !self.grammars.is_empty() {
+            let planned: Vec<_> = self.scheduler.last_planned().collect();
+            for (id, message) in self.grammars.attach_masks(&mut plan, planned.into_iter()) {
+                self.fail_request(id, format!("structured output failed: {message}"));
+            }
+        }
+        Some(plan)
+    }
+
+    /// Stamps the requests the scheduler just admitted (their queue time ends here).
+    fn note_admitted(&mut self) {
+        let now = Instant::now();
+        for id in self.scheduler.take_admitted() {
+            if let Some(live) = self.requests.get_mut(&id) {
+                live.admitted.get_or_insert(now);
+            }
+        }
+    }
+
+    /// Sends a plan to the worker group; it is in flight from now on, even if sending fails
+    /// (the caller's `fail_all` closes it).
+    fn send(&mut self, plan: Plan) -> Result<(), LinkError> {
+        self.mark();
+        if !plan.new_requests.is_empty() {
+            let waited = self.last_submit.map(|t| t.elapsed()).unwrap_or_default();
+            self.prefill_sent
+                .insert(plan.step_id, (Instant::now(), waited));
+        }
+        self.plan_clock.on_sent(
+            plan.step_id,
+            Instant::now(),
+            plan.is_pure_decode() && !plan.scheduled.is_empty(),
+        );
+        self.in_flight.push_back(plan);
+        match self.in_flight.back() {
+            Some(plan) => self.link.send_plan(plan),
+            None => Ok(()),
         }
     }
 
@@ -255,10 +280,7 @@ impl EngineLoop {
                 self.grammars.clear();
                 for (id, live) in self.requests.drain() {
                     self.scheduler.finish(id, FinishReason::Abort);
-                    self.metrics
-                        .request_success
-                        .with_label_values(&["abort"])
-                        .inc();
+                    self.metrics.count_finished("abort");
                     let _ = live.events.send(EngineEvent::Error {
                         message: message.clone(),
                         kind: EngineErrorKind::Unavailable,
@@ -496,17 +518,15 @@ impl EngineLoop {
         if !out.tokens.is_empty() {
             if live.first_token.is_none() {
                 live.first_token = Some(now);
-                let m = &self.metrics;
-                m.time_to_first_token
-                    .observe((now - live.submitted).as_secs_f64());
-                m.prefix_cache_queries.inc_by(u64::from(out.prompt_tokens));
-                m.prefix_cache_hits.inc_by(u64::from(out.cached_tokens));
+                self.metrics.observe_first_token(
+                    now - live.submitted,
+                    out.prompt_tokens,
+                    out.cached_tokens,
+                );
                 self.prefix_queries += u64::from(out.prompt_tokens);
                 self.prefix_hits += u64::from(out.cached_tokens);
             } else if let Some(last) = live.last_token {
-                self.metrics
-                    .inter_token_latency
-                    .observe((now - last).as_secs_f64());
+                self.metrics.observe_token_gap(now - last);
             }
             live.last_token = Some(now);
         }
@@ -524,6 +544,7 @@ impl EngineLoop {
         let (finish, completion_tokens, preemptions) =
             (out.finished, out.completion_tokens, out.preemptions);
         self.metrics
+            .counters
             .generation_tokens
             .inc_by(out.tokens.len() as u64);
         let event = EngineEvent::Token(TokenEvent {
@@ -560,39 +581,6 @@ impl EngineLoop {
                     self.count_abort();
                 }
             }
-        }
-    }
-
-    pub(super) fn publish_stats(&mut self, batch: usize, tokens: usize) {
-        let s: SchedulerStats = self.scheduler.stats();
-        if self.options.pool_metrics {
-            self.metrics.observe_pool(&s);
-        }
-        if let Ok(mut stats) = self.stats.lock() {
-            *stats = EngineStats {
-                total_pages: s.total_pages,
-                free_pages: s.free_pages,
-                used_pages: s.used_pages,
-                cached_pages: s.cached_pages,
-                evictable_pages: s.evictable_pages,
-                running_requests: s.running,
-                waiting_requests: s.waiting,
-                steps: self.steps,
-                max_batch_size: self.max_batch,
-                last_batch_size: batch,
-                last_step_tokens: tokens,
-                busy_s: self.busy.as_secs_f64(),
-                stalled_s: self.stalled.as_secs_f64(),
-                gpu_idle_s: self.gpu_idle.as_secs_f64(),
-                prefix_cache_queries: self.prefix_queries,
-                prefix_cache_hits: self.prefix_hits,
-                retractions: s.retractions,
-                spec_draft_tokens: s.spec_draft_tokens,
-                spec_accepted_tokens: s.spec_accepted_tokens,
-                spec_verify_steps: s.spec_verify_steps,
-                host: s.host,
-                storage: s.storage,
-            };
         }
     }
 }

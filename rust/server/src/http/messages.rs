@@ -101,7 +101,7 @@ pub async fn count_tokens(State(state): State<AppState>, body: Bytes) -> Respons
         state.check_model(req.model.as_deref())?;
         req.max_tokens.get_or_insert(1);
         let checked = validate::messages::messages_request(&req, &agent::chat_context(&state))?;
-        let ids = generate::tokenize_prompt(&state, checked.spec.prompt).await?;
+        let ids = crate::prompt::tokenize_prompt(&state, checked.spec.prompt).await?;
         Ok::<_, ApiError>(ok_json(json!({"input_tokens": ids.len()})))
     };
     run.await.unwrap_or_else(|e| e.into_response())

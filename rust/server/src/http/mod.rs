@@ -115,7 +115,39 @@ impl AppState {
 /// auth (before any body byte is read), the body limit, and on the generating routes admission
 /// (before tokenizing).
 pub fn router(state: AppState) -> Router {
-    let generating = Router::new()
+    let api = control_routes()
+        .merge(generating_routes(&state))
+        .merge(pooling_routes(&state))
+        .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
+        .route_layer(middleware::from_fn(require_json))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    let open = Router::new()
+        .route("/health", get(native::health))
+        .route("/ping", get(native::health).post(native::health))
+        .route("/openapi.json", get(openapi::openapi_json));
+    let open = if state.config.enable_metrics {
+        open.route("/metrics", get(native::metrics))
+    } else {
+        open
+    };
+    open.merge(api)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            refuse_while_draining,
+        ))
+        .layer(middleware::from_fn(messages::anthropic_errors))
+        // `limit_body` enforces --max-request-body-bytes; axum's own 2 MB default must not.
+        .layer(DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+/// The routes that generate, behind admission (429 past the in-flight limit).
+fn generating_routes(state: &AppState) -> Router<AppState> {
+    Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/generate", post(native::generate))
@@ -125,8 +157,12 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             refuse_on_embedding_server,
-        ));
-    let pooling = Router::new()
+        ))
+}
+
+/// The pooling routes (embeddings, scores, classes), behind admission.
+fn pooling_routes(state: &AppState) -> Router<AppState> {
+    Router::new()
         .route("/v1/embeddings", post(pooling::embeddings))
         .route("/v1/score", post(pooling::score))
         .route("/v1/rerank", post(pooling::rerank))
@@ -136,8 +172,12 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             refuse_on_generation_server,
-        ));
-    let api = Router::new()
+        ))
+}
+
+/// The API routes that neither generate nor pool: models, tokenizer, engine control, LoRA.
+fn control_routes() -> Router<AppState> {
+    Router::new()
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
         .route(
@@ -179,33 +219,6 @@ pub fn router(state: AppState) -> Router {
             "/resume_memory_occupation",
             post(ops::resume_memory).get(ops::resume_memory),
         )
-        .merge(generating)
-        .merge(pooling)
-        .route_layer(middleware::from_fn_with_state(state.clone(), limit_body))
-        .route_layer(middleware::from_fn(require_json))
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            require_api_key,
-        ));
-    let open = Router::new()
-        .route("/health", get(native::health))
-        .route("/ping", get(native::health).post(native::health))
-        .route("/openapi.json", get(openapi::openapi_json));
-    let open = if state.config.enable_metrics {
-        open.route("/metrics", get(native::metrics))
-    } else {
-        open
-    };
-    open.merge(api)
-        .fallback(not_found)
-        .layer(middleware::from_fn_with_state(
-            state.clone(),
-            refuse_while_draining,
-        ))
-        .layer(middleware::from_fn(messages::anthropic_errors))
-        // `limit_body` enforces --max-request-body-bytes; axum's own 2 MB default must not.
-        .layer(DefaultBodyLimit::disable())
-        .with_state(state)
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -335,7 +348,7 @@ async fn admit(State(state): State<AppState>, req: Request, next: Next) -> Respo
         return ApiError::unavailable("the model worker is not running").into_response();
     }
     let Some(slot) = state.lifecycle.try_admit() else {
-        state.metrics.requests_rejected.inc();
+        state.metrics.counters.requests_rejected.inc();
         return ApiError::overloaded(format!(
             "server overloaded: {} requests in flight; retry later",
             state.lifecycle.max_in_flight()

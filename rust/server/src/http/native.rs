@@ -229,7 +229,7 @@ pub async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
         let req: TokenizeRequest = parse_body(&body)?;
         state.check_model(req.model.as_deref())?;
         let prompt = validate::routes::tokenize_request(req)?;
-        let ids = generate::tokenize_prompt(&state, prompt).await?;
+        let ids = crate::prompt::tokenize_prompt(&state, prompt).await?;
         Ok::<_, ApiError>(ok_json(json!({
             "tokens": ids, "count": ids.len(), "max_model_len": state.config.scheduler.context_length,
         })))
@@ -243,7 +243,7 @@ pub async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response 
         let req: DetokenizeRequest = parse_body(&body)?;
         state.check_model(req.model.as_deref())?;
         validate::routes::token_ids(&req.tokens, state.tokenizer.vocab_size() as u32)?;
-        let text = generate::detokenize(
+        let text = crate::prompt::detokenize(
             &state,
             &req.tokens,
             req.skip_special_tokens.unwrap_or(false),

@@ -193,7 +193,8 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         Vec::new()
     };
     let rid = generate::new_request_id();
-    let choices = generate::start_choices(&state, rid, checked.specs, checked.n).await?;
+    let specs = std::mem::take(&mut checked.specs);
+    let choices = generate::start_choices(&state, rid, specs, checked.n).await?;
     if req.sampling.truncate_prompt_tokens.is_some() && checked.echo {
         // The echo is the prompt the model continued: what truncation left of it.
         echo_texts = choices
@@ -202,57 +203,21 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
             .map(|ids| prompt_text(&state, &Prompt::Ids(ids.clone())))
             .collect();
     }
-    let render = Arc::new(CompletionRender {
-        head: Completion {
-            id: format!("cmpl-{}", rid.request()),
-            object: "text_completion",
-            created: unix_now(),
-            model,
-            choices: Vec::new(),
-            usage: None,
-        },
-        style: LogprobStyle {
-            as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
-        },
-        tokenizer: state.tokenizer.clone(),
-        prompts: choices.prompts.clone(),
-        echo_texts,
-        n: checked.n,
-        top: checked.top,
-        want_logprobs: checked.want_logprobs,
-        echo_logprobs: checked.echo_logprobs,
-        prompt_logprobs: req.sampling.prompt_logprobs.is_some(),
-        token_ids: req.sampling.return_token_ids.unwrap_or(false),
-    });
+    let head = Completion {
+        id: format!("cmpl-{}", rid.request()),
+        object: "text_completion",
+        created: unix_now(),
+        model,
+        choices: Vec::new(),
+        usage: None,
+    };
+    let prompts = choices.prompts.clone();
+    let render = CompletionRender::new(&state, &req, &checked, head, prompts, echo_texts);
     if req.sampling.stream.unwrap_or(false) {
-        return Ok(render.stream(choices, checked.stream));
+        return Ok(Arc::new(render).stream(choices, checked.stream));
     }
     let chunks = choices.collect().await?;
-    let usages: Vec<TokenUsage> = chunks.iter().map(|c| c.usage).collect();
-    let out = chunks
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let prefix = render.echo_of(i);
-            let mut offset = prefix.chars().count();
-            let logprobs = render.logprobs(i, c, true, &mut offset);
-            let mut choice = completion_choice(i, prefix + &c.text, logprobs, c);
-            // vLLM's shape: both keys present, null unless asked for.
-            choice.prompt_logprobs = Some(
-                render
-                    .prompt_logprobs
-                    .then(|| vllm_prompt_logprobs(&render.tokenizer, &c.prompt_logprobs)),
-            );
-            choice.prompt_token_ids = Some(render.prompt_ids(i));
-            choice.token_ids = render.token_ids.then(|| c.token_ids.clone());
-            choice
-        })
-        .collect();
-    Ok(ok_json(json!(Completion {
-        choices: out,
-        usage: Some(Usage::of(&total_usage(&usages, render.n))),
-        ..render.head.clone()
-    })))
+    Ok(ok_json(json!(render.completion(&chunks))))
 }
 
 /// How a completion request's answer is rendered: what the checked request asked for, and
@@ -276,6 +241,59 @@ struct CompletionRender {
 }
 
 impl CompletionRender {
+    fn new(
+        state: &AppState,
+        req: &CompletionRequest,
+        checked: &validate::routes::ValidatedCompletion,
+        head: Completion,
+        prompts: Vec<Vec<u32>>,
+        echo_texts: Vec<String>,
+    ) -> Self {
+        CompletionRender {
+            head,
+            style: LogprobStyle {
+                as_ids: req.sampling.return_tokens_as_token_ids.unwrap_or(false),
+            },
+            tokenizer: state.tokenizer.clone(),
+            prompts,
+            echo_texts,
+            n: checked.n,
+            top: checked.top,
+            want_logprobs: checked.want_logprobs,
+            echo_logprobs: checked.echo_logprobs,
+            prompt_logprobs: req.sampling.prompt_logprobs.is_some(),
+            token_ids: req.sampling.return_token_ids.unwrap_or(false),
+        }
+    }
+
+    /// The whole answer, once every choice has finished (without `stream`).
+    fn completion(&self, chunks: &[Chunk]) -> Completion {
+        let usages: Vec<TokenUsage> = chunks.iter().map(|c| c.usage).collect();
+        let choices = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let prefix = self.echo_of(i);
+                let mut offset = prefix.chars().count();
+                let logprobs = self.logprobs(i, c, true, &mut offset);
+                let mut choice = completion_choice(i, prefix + &c.text, logprobs, c);
+                // vLLM's shape: both keys present, null unless asked for.
+                choice.prompt_logprobs = Some(
+                    self.prompt_logprobs
+                        .then(|| vllm_prompt_logprobs(&self.tokenizer, &c.prompt_logprobs)),
+                );
+                choice.prompt_token_ids = Some(self.prompt_ids(i));
+                choice.token_ids = self.token_ids.then(|| c.token_ids.clone());
+                choice
+            })
+            .collect();
+        Completion {
+            choices,
+            usage: Some(Usage::of(&total_usage(&usages, self.n))),
+            ..self.head.clone()
+        }
+    }
+
     /// Choice `i`'s prompt token ids, when `return_token_ids` asked for them.
     fn prompt_ids(&self, i: usize) -> Option<Vec<u32>> {
         self.token_ids

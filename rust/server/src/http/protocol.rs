@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
 use super::error::ApiError;
+use crate::error::RequestError;
 
 /// `"stop": "x"` or `"stop": ["x", "y"]`.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -227,42 +228,51 @@ pub struct DetokenizeRequest {
     pub skip_special_tokens: Option<bool>,
 }
 
+/// Why a body is not the request its route takes (`validate::refusals` decides what the
+/// client is told).
+#[derive(Debug)]
+pub enum BodyError {
+    Empty,
+    /// Not JSON at all.
+    Json(String),
+    NotAnObject,
+    /// JSON, but not of the route's shape: `field` names the top-level field to blame, when
+    /// one is.
+    Shape {
+        field: Option<String>,
+        message: String,
+    },
+}
+
 /// Parses a JSON body into `T`, turning syntax and type errors into a 400 that names the
 /// offending parameter.
 pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    parse::<T>(body).map_err(|e| RequestError::from(e).into())
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, BodyError> {
     if body.is_empty() {
-        return Err(ApiError::bad_request(
-            "request body is empty; expected a JSON object",
-        ));
+        return Err(BodyError::Empty);
     }
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(body).map_err(|e| BodyError::Json(e.to_string()))?;
     if !value.is_object() {
-        return Err(ApiError::bad_request(
-            "the request body must be a JSON object",
-        ));
+        return Err(BodyError::NotAnObject);
     }
-    match serde_path_to_error::deserialize::<_, T>(&value) {
-        Ok(parsed) => Ok(parsed),
-        Err(e) => {
-            let message = e.inner().to_string();
-            let path = e.path().to_string();
-            let field = if path.is_empty() || path == "." || path == "?" {
-                culprit_field::<T>(&value, &message)
-            } else {
-                Some(
-                    path.split(['.', '['])
-                        .next()
-                        .unwrap_or_default()
-                        .to_string(),
-                )
-            };
-            Err(match field {
-                Some(field) => ApiError::bad_param(&field, format!("invalid '{field}': {message}")),
-                None => ApiError::bad_request(format!("invalid request: {message}")),
-            })
-        }
-    }
+    serde_path_to_error::deserialize::<_, T>(&value).map_err(|e| {
+        let message = e.inner().to_string();
+        let path = e.path().to_string();
+        let field = if path.is_empty() || path == "." || path == "?" {
+            culprit_field::<T>(&value, &message)
+        } else {
+            Some(
+                path.split(['.', '['])
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        };
+        BodyError::Shape { field, message }
+    })
 }
 
 /// Fields inside flattened structs lose their path, so find the culprit by removing one

@@ -6,7 +6,61 @@ use tokenspeed_structured::GrammarSpec;
 
 use crate::constraint::GrammarRequest;
 use crate::error::RequestError;
-use crate::http::protocol::ConstraintFields;
+use crate::http::protocol::{ConstraintFields, SamplingFields};
+
+/// What constrains the output: a structured output form, or `allowed_token_ids`; the two
+/// together are refused.
+pub(super) fn output_constraint(
+    f: &SamplingFields,
+    vocab_size: u32,
+) -> Result<Option<GrammarRequest>, RequestError> {
+    let grammar = grammar_request(&f.constraint)?;
+    let Some(allowed) = allowed_token_ids(f.allowed_token_ids.as_deref(), vocab_size)? else {
+        return Ok(grammar);
+    };
+    if let Some(other) = &grammar {
+        return Err(RequestError::bad_param(
+            "allowed_token_ids",
+            format!(
+                "allowed_token_ids constrains the output, so it cannot be combined with '{}'",
+                other.field
+            ),
+        ));
+    }
+    Ok(Some(allowed))
+}
+
+/// vLLM's `allowed_token_ids`: only these ids may be sampled, as a grammar of any run of them
+/// (llguidance's token-id ranges), so the grammar machinery masks the rest.
+fn allowed_token_ids(
+    ids: Option<&[u32]>,
+    vocab_size: u32,
+) -> Result<Option<GrammarRequest>, RequestError> {
+    let Some(ids) = ids else { return Ok(None) };
+    let bad = |m: String| RequestError::bad_param("allowed_token_ids", m);
+    if ids.is_empty() {
+        return Err(bad("allowed_token_ids must not be empty".into()));
+    }
+    let out_of_range: Vec<String> = ids
+        .iter()
+        .filter(|&&t| t >= vocab_size)
+        .map(u32::to_string)
+        .collect();
+    if !out_of_range.is_empty() {
+        return Err(bad(format!(
+            "token ids {} are out of range (vocabulary size {vocab_size})",
+            out_of_range.join(", ")
+        )));
+    }
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let list: Vec<String> = sorted.iter().map(u32::to_string).collect();
+    Ok(Some(GrammarRequest {
+        spec: GrammarSpec::Grammar(format!("start: <[{}]>*", list.join(","))),
+        field: "allowed_token_ids",
+    }))
+}
 
 /// The grammar a request's fields ask for, if any; two forms at once are refused.
 pub fn grammar_request(f: &ConstraintFields) -> Result<Option<GrammarRequest>, RequestError> {

@@ -86,34 +86,9 @@ fn convert_message(
                     .as_str()
                     .ok_or_else(|| bad("messages", format!("{at} needs a string 'text'")))?,
             ),
-            "tool_use" if role == "assistant" => {
-                let (Some(id), Some(name)) = (b["id"].as_str(), b["name"].as_str()) else {
-                    return Err(bad(
-                        "messages",
-                        format!("{at} (tool_use) needs string 'id' and 'name'"),
-                    ));
-                };
-                let input = if b["input"].is_null() {
-                    json!({})
-                } else {
-                    b["input"].clone()
-                };
-                calls.push(json!({"id": id, "type": "function",
-                    "function": {"name": name, "arguments": input.to_string()}}));
-            }
+            "tool_use" if role == "assistant" => calls.push(tool_call(b, &at)?),
             "tool_result" if role == "user" => {
-                let id = b["tool_use_id"].as_str().ok_or_else(|| {
-                    bad(
-                        "messages",
-                        format!("{at} (tool_result) needs a string 'tool_use_id'"),
-                    )
-                })?;
-                let mut result = chat_message(
-                    "tool",
-                    block_text(&b["content"], "messages", &format!("{at}.content"))?,
-                );
-                result.insert("tool_call_id".into(), json!(id));
-                out.push(result);
+                out.push(tool_result(b, &at)?);
                 results += 1;
             }
             // Earlier thinking is not shown to the model again (chat templates drop it too).
@@ -137,6 +112,39 @@ fn convert_message(
         out.push(msg);
     }
     Ok(())
+}
+
+/// An assistant's `tool_use` block as a chat tool call.
+fn tool_call(b: &Value, at: &str) -> Result<Value, RequestError> {
+    let (Some(id), Some(name)) = (b["id"].as_str(), b["name"].as_str()) else {
+        return Err(bad(
+            "messages",
+            format!("{at} (tool_use) needs string 'id' and 'name'"),
+        ));
+    };
+    let input = if b["input"].is_null() {
+        json!({})
+    } else {
+        b["input"].clone()
+    };
+    Ok(json!({"id": id, "type": "function",
+        "function": {"name": name, "arguments": input.to_string()}}))
+}
+
+/// A user's `tool_result` block as a tool message.
+fn tool_result(b: &Value, at: &str) -> Result<Map<String, Value>, RequestError> {
+    let id = b["tool_use_id"].as_str().ok_or_else(|| {
+        bad(
+            "messages",
+            format!("{at} (tool_result) needs a string 'tool_use_id'"),
+        )
+    })?;
+    let mut result = chat_message(
+        "tool",
+        block_text(&b["content"], "messages", &format!("{at}.content"))?,
+    );
+    result.insert("tool_call_id".into(), json!(id));
+    Ok(result)
 }
 
 fn chat_tools(tools: &[Value]) -> Result<Vec<Value>, RequestError> {

@@ -9,30 +9,24 @@ pub mod grammar;
 pub mod logprobs;
 pub mod messages;
 pub mod pooling;
+mod refusals;
 pub mod responses;
 pub mod routes;
+mod stop;
 
 use serde_json::{Map, Value};
 use tokenspeed_engine::{SamplingParams, MAX_LOGIT_BIAS, NO_SEED};
 
-use tokenspeed_structured::GrammarSpec;
-
 use crate::config::SamplingDefaults;
-use crate::constraint::GrammarRequest;
 use crate::error::RequestError;
 use crate::generate::{GenerationSpec, Prompt};
-use crate::http::protocol::{SamplingFields, StopField};
-use tokenspeed_text::StopRegex;
+use crate::http::protocol::SamplingFields;
 
 pub use logprobs::top_logprobs;
 
 /// Choices one request may ask for (prompts × n).
 pub const MAX_CHOICES: usize = 128;
-/// Stop strings per request, and bytes per stop string.
-pub const MAX_STOP_STRINGS: usize = 16;
-pub const MAX_STOP_STRING_BYTES: usize = 256;
-/// Stop token ids per request.
-pub const MAX_STOP_TOKEN_IDS: usize = 256;
+pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 
 /// Fields other servers define whose feature TokenSpeed does not have: refused with a 400
 /// naming them (accepting them would silently change what the client asked for), unless
@@ -58,27 +52,6 @@ const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     ("logprob_token_ids", "logprobs of chosen token ids"),
     ("kv_transfer_params", "disaggregated prefill (KV transfer)"),
 ];
-
-/// SGLang's `stop_regex`, compiled (as many, and as long, as stop strings may be).
-fn stop_regexes(field: Option<&StopField>) -> Result<Vec<StopRegex>, RequestError> {
-    let patterns = field.cloned().map(StopField::into_vec).unwrap_or_default();
-    let bad = |m: String| RequestError::bad_param("stop_regex", m);
-    if patterns.len() > MAX_STOP_STRINGS {
-        return Err(bad(format!(
-            "at most {MAX_STOP_STRINGS} stop regexes, got {}",
-            patterns.len()
-        )));
-    }
-    patterns
-        .iter()
-        .map(|p| match p.len() {
-            n if n > MAX_STOP_STRING_BYTES => Err(bad(format!(
-                "a stop regex may have at most {MAX_STOP_STRING_BYTES} bytes, got {n}"
-            ))),
-            _ => StopRegex::new(p).map_err(|e| bad(format!("stop_regex {p:?}: {e}"))),
-        })
-        .collect()
-}
 
 /// Refuses a field of `NOT_IMPLEMENTED` set to anything but its neutral value.
 pub fn unsupported_fields(extra: &Map<String, Value>) -> Result<(), RequestError> {
@@ -122,42 +95,9 @@ pub fn generation_spec(
         repetition_penalty: f.repetition_penalty.or(defaults.repetition_penalty),
         ..f.clone()
     };
-    let stop = f.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
-    if stop.len() > MAX_STOP_STRINGS {
-        return Err(RequestError::bad_param(
-            "stop",
-            format!(
-                "at most {MAX_STOP_STRINGS} stop strings, got {}",
-                stop.len()
-            ),
-        ));
-    }
-    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
-        return Err(RequestError::bad_param(
-            "stop",
-            format!(
-                "a stop string may have at most {MAX_STOP_STRING_BYTES} bytes, got {}",
-                long.len()
-            ),
-        ));
-    }
-    let stop_regex = stop_regexes(f.stop_regex.as_ref())?;
-    let stop_token_ids = f.stop_token_ids.clone().unwrap_or_default();
-    if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
-        return Err(RequestError::bad_param(
-            "stop_token_ids",
-            format!(
-                "at most {MAX_STOP_TOKEN_IDS} stop token ids, got {}",
-                stop_token_ids.len()
-            ),
-        ));
-    }
-    if let Some(bad) = stop_token_ids.iter().find(|&&t| t >= vocab_size) {
-        return Err(RequestError::bad_param(
-            "stop_token_ids",
-            format!("token id {bad} is out of range (vocabulary size {vocab_size})"),
-        ));
-    }
+    let stop = stop::stop_strings(f.stop.as_ref())?;
+    let stop_regex = stop::stop_regexes(f.stop_regex.as_ref())?;
+    let stop_token_ids = stop::stop_token_ids(f.stop_token_ids.as_deref(), vocab_size)?;
     let prompt_logprobs = match f.prompt_logprobs {
         Some(k) => Some(self::top_logprobs(
             "prompt_logprobs",
@@ -167,19 +107,7 @@ pub fn generation_spec(
         )?),
         None => None,
     };
-    let mut grammar = grammar::grammar_request(&f.constraint)?;
-    if let Some(allowed) = allowed_token_ids(f.allowed_token_ids.as_deref(), vocab_size)? {
-        if let Some(other) = &grammar {
-            return Err(RequestError::bad_param(
-                "allowed_token_ids",
-                format!(
-                    "allowed_token_ids constrains the output, so it cannot be combined with '{}'",
-                    other.field
-                ),
-            ));
-        }
-        grammar = Some(allowed);
-    }
+    let grammar = grammar::output_constraint(f, vocab_size)?;
     let mut sampling = sampling_params(f, top_logprobs.max(prompt_logprobs.unwrap_or(0)))?;
     sampling.prompt_logprobs = prompt_logprobs.is_some();
     (sampling.logit_bias_ids, sampling.logit_bias_values) =
@@ -243,38 +171,6 @@ pub fn truncate_prompt(
     if ids.len() > keep {
         ids.drain(..ids.len() - keep);
     }
-}
-
-/// vLLM's `allowed_token_ids`: only these ids may be sampled, as a grammar of any run of them
-/// (llguidance's token-id ranges), so the grammar machinery masks the rest.
-fn allowed_token_ids(
-    ids: Option<&[u32]>,
-    vocab_size: u32,
-) -> Result<Option<GrammarRequest>, RequestError> {
-    let Some(ids) = ids else { return Ok(None) };
-    let bad = |m: String| RequestError::bad_param("allowed_token_ids", m);
-    if ids.is_empty() {
-        return Err(bad("allowed_token_ids must not be empty".into()));
-    }
-    let out_of_range: Vec<String> = ids
-        .iter()
-        .filter(|&&t| t >= vocab_size)
-        .map(u32::to_string)
-        .collect();
-    if !out_of_range.is_empty() {
-        return Err(bad(format!(
-            "token ids {} are out of range (vocabulary size {vocab_size})",
-            out_of_range.join(", ")
-        )));
-    }
-    let mut sorted = ids.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let list: Vec<String> = sorted.iter().map(u32::to_string).collect();
-    Ok(Some(GrammarRequest {
-        spec: GrammarSpec::Grammar(format!("start: <[{}]>*", list.join(","))),
-        field: "allowed_token_ids",
-    }))
 }
 
 /// What a stream sends besides the text: the final usage chunk, and usage in every chunk.

@@ -141,115 +141,131 @@ fn keyword_args(text: &str, mut i: usize, args: &mut String) -> (Option<usize>, 
 
 /// A Python literal at `i`: str, int, float, True/False/None, list, tuple, dict.
 fn literal(text: &str, i: usize) -> Lit {
-    let bytes = text.as_bytes();
-    let Some(&c) = bytes.get(i) else {
+    let Some(&c) = text.as_bytes().get(i) else {
         return Lit::More;
     };
     match c {
         b'"' | b'\'' => string(text, i),
-        b'[' | b'(' => {
-            let close = if c == b'[' { b']' } else { b')' };
-            let mut items = Vec::new();
-            let mut j = skip_ws(bytes, i + 1);
-            loop {
-                match bytes.get(j) {
-                    None => return Lit::More,
-                    Some(&b) if b == close => return Lit::Done(Json::Array(items), j + 1),
-                    _ => {}
-                }
-                let Lit::Done(v, end) = literal(text, j) else {
-                    return literal(text, j);
-                };
-                items.push(v);
-                j = skip_ws(bytes, end);
-                match bytes.get(j) {
-                    None => return Lit::More,
-                    Some(b',') => j = skip_ws(bytes, j + 1),
-                    Some(&b) if b == close => {}
-                    Some(_) => return Lit::Bad,
-                }
-            }
+        b'[' | b'(' => sequence(text, i),
+        b'{' => dict(text, i),
+        b'-' | b'+' | b'.' | b'0'..=b'9' => number(text, i),
+        _ => word(text, i),
+    }
+}
+
+/// A list `[...]` or a tuple `(...)` at `i`, as a JSON array.
+fn sequence(text: &str, i: usize) -> Lit {
+    let bytes = text.as_bytes();
+    let c = bytes[i];
+    let close = if c == b'[' { b']' } else { b')' };
+    let mut items = Vec::new();
+    let mut j = skip_ws(bytes, i + 1);
+    loop {
+        match bytes.get(j) {
+            None => return Lit::More,
+            Some(&b) if b == close => return Lit::Done(Json::Array(items), j + 1),
+            _ => {}
         }
-        b'{' => {
-            let mut map = Map::new();
-            let mut j = skip_ws(bytes, i + 1);
-            loop {
-                match bytes.get(j) {
-                    None => return Lit::More,
-                    Some(b'}') => return Lit::Done(Json::Object(map), j + 1),
-                    _ => {}
-                }
-                let (key, end) = match literal(text, j) {
-                    Lit::Done(Json::String(k), end) => (k, end),
-                    Lit::Done(other, end) => (other.to_string(), end),
-                    other => return other,
-                };
-                j = skip_ws(bytes, end);
-                match bytes.get(j) {
-                    None => return Lit::More,
-                    Some(b':') => j = skip_ws(bytes, j + 1),
-                    Some(_) => return Lit::Bad,
-                }
-                let Lit::Done(v, end) = literal(text, j) else {
-                    return literal(text, j);
-                };
-                map.insert(key, v);
-                j = skip_ws(bytes, end);
-                match bytes.get(j) {
-                    None => return Lit::More,
-                    Some(b',') => j = skip_ws(bytes, j + 1),
-                    Some(b'}') => {}
-                    Some(_) => return Lit::Bad,
-                }
-            }
-        }
-        b'-' | b'+' | b'.' | b'0'..=b'9' => {
-            let mut j = i + 1;
-            while j < bytes.len() && matches!(bytes[j], b'0'..=b'9' | b'.' | b'e' | b'E' | b'_')
-                || (j < bytes.len()
-                    && matches!(bytes[j], b'-' | b'+')
-                    && matches!(bytes[j - 1], b'e' | b'E'))
-            {
-                j += 1;
-            }
-            if j == bytes.len() {
-                return Lit::More;
-            }
-            let digits = text[i..j].replace('_', "");
-            if let Ok(n) = digits.parse::<i64>() {
-                Lit::Done(Json::from(n), j)
-            } else if let Some(n) = digits
-                .parse::<f64>()
-                .ok()
-                .and_then(serde_json::Number::from_f64)
-            {
-                Lit::Done(Json::Number(n), j)
-            } else {
-                Lit::Bad
-            }
-        }
-        _ => {
-            let end = ident_end(bytes, i);
-            let word = &text[i..end];
-            let value = match word {
-                "True" | "true" => Json::Bool(true),
-                "False" | "false" => Json::Bool(false),
-                "None" | "null" => Json::Null,
-                _ if end == text.len()
-                    && ["True", "False", "None", "true", "false", "null"]
-                        .iter()
-                        .any(|w| w.starts_with(word)) =>
-                {
-                    return Lit::More
-                }
-                _ => return Lit::Bad,
-            };
-            if end == text.len() {
-                return Lit::More;
-            }
-            Lit::Done(value, end)
+        let Lit::Done(v, end) = literal(text, j) else {
+            return literal(text, j);
+        };
+        items.push(v);
+        j = skip_ws(bytes, end);
+        match bytes.get(j) {
+            None => return Lit::More,
+            Some(b',') => j = skip_ws(bytes, j + 1),
+            Some(&b) if b == close => {}
+            Some(_) => return Lit::Bad,
         }
     }
+}
+
+/// A dict `{...}` at `i`; keys that are not strings are written as JSON text.
+fn dict(text: &str, i: usize) -> Lit {
+    let bytes = text.as_bytes();
+    let mut map = Map::new();
+    let mut j = skip_ws(bytes, i + 1);
+    loop {
+        match bytes.get(j) {
+            None => return Lit::More,
+            Some(b'}') => return Lit::Done(Json::Object(map), j + 1),
+            _ => {}
+        }
+        let (key, end) = match literal(text, j) {
+            Lit::Done(Json::String(k), end) => (k, end),
+            Lit::Done(other, end) => (other.to_string(), end),
+            other => return other,
+        };
+        j = skip_ws(bytes, end);
+        match bytes.get(j) {
+            None => return Lit::More,
+            Some(b':') => j = skip_ws(bytes, j + 1),
+            Some(_) => return Lit::Bad,
+        }
+        let Lit::Done(v, end) = literal(text, j) else {
+            return literal(text, j);
+        };
+        map.insert(key, v);
+        j = skip_ws(bytes, end);
+        match bytes.get(j) {
+            None => return Lit::More,
+            Some(b',') => j = skip_ws(bytes, j + 1),
+            Some(b'}') => {}
+            Some(_) => return Lit::Bad,
+        }
+    }
+}
+
+/// An int or a float at `i` (underscores allowed), complete once something follows it.
+fn number(text: &str, i: usize) -> Lit {
+    let bytes = text.as_bytes();
+    let mut j = i + 1;
+    while j < bytes.len() && matches!(bytes[j], b'0'..=b'9' | b'.' | b'e' | b'E' | b'_')
+        || (j < bytes.len()
+            && matches!(bytes[j], b'-' | b'+')
+            && matches!(bytes[j - 1], b'e' | b'E'))
+    {
+        j += 1;
+    }
+    if j == bytes.len() {
+        return Lit::More;
+    }
+    let digits = text[i..j].replace('_', "");
+    if let Ok(n) = digits.parse::<i64>() {
+        Lit::Done(Json::from(n), j)
+    } else if let Some(n) = digits
+        .parse::<f64>()
+        .ok()
+        .and_then(serde_json::Number::from_f64)
+    {
+        Lit::Done(Json::Number(n), j)
+    } else {
+        Lit::Bad
+    }
+}
+
+/// True/False/None (or JSON's spellings) at `i`; a prefix of one at the end may still become it.
+fn word(text: &str, i: usize) -> Lit {
+    let bytes = text.as_bytes();
+    let end = ident_end(bytes, i);
+    let word = &text[i..end];
+    let value = match word {
+        "True" | "true" => Json::Bool(true),
+        "False" | "false" => Json::Bool(false),
+        "None" | "null" => Json::Null,
+        _ if end == text.len()
+            && ["True", "False", "None", "true", "false", "null"]
+                .iter()
+                .any(|w| w.starts_with(word)) =>
+        {
+            return Lit::More
+        }
+        _ => return Lit::Bad,
+    };
+    if end == text.len() {
+        return Lit::More;
+    }
+    Lit::Done(value, end)
 }
 
 /// A quoted Python string with the common escapes.
