@@ -122,6 +122,8 @@ def test_what_the_host_tier_drops_comes_back_from_local_files(storage: Server, p
     second = _round(storage)
     stored = storage.info()["storage_kv_pages"]
     assert stored["hit_tokens"] >= 4 * 24 and stored["fetch_pages"] * 4 == stored["hit_tokens"], stored
+    assert _metric(storage, "storage_hit_tokens_total") == stored["hit_tokens"]
+    assert _metric(storage, "storage_kv_pages_used") == stored["used_pages"]
     assert first == second == _round(plain)
     kv = flushed_pages(storage)
     assert kv["free"] == kv["total"], kv

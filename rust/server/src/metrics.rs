@@ -21,6 +21,8 @@ pub struct Metrics {
     engine: EngineSeries,
     /// One observation per engine step.
     steps: StepSeries,
+    /// The hierarchical cache's tiers below the device.
+    tiers: TierSeries,
 }
 
 pub struct RequestCounters {
@@ -69,13 +71,22 @@ struct EngineSeries {
     spec_decode_num_accepted_tokens: IntCounter,
     free_kv_pages: IntGauge,
     cached_kv_pages: IntGauge,
-    /// The radix cache's host tier (`--enable-hierarchical-cache`): slots, slots in use, and
-    /// running totals of host-hit tokens and of pages loaded / written back.
+}
+
+/// The radix cache's host tier (`--enable-hierarchical-cache`): slots, slots in use, and
+/// running totals of host-hit tokens and of pages loaded / written back; and its storage tier
+/// (`--hicache-storage-backend`): pages, pages in use, hit tokens, pages stored / fetched.
+struct TierSeries {
     host_kv_pages: IntGauge,
     host_kv_pages_used: IntGauge,
     host_hit_tokens: IntCounter,
     host_load_pages: IntCounter,
     host_writeback_pages: IntCounter,
+    storage_kv_pages: IntGauge,
+    storage_kv_pages_used: IntGauge,
+    storage_hit_tokens: IntCounter,
+    storage_store_pages: IntCounter,
+    storage_fetch_pages: IntCounter,
 }
 
 struct StepSeries {
@@ -191,6 +202,7 @@ impl Metrics {
             histograms: RequestHistograms::new(&b, max_model_len.max(1)),
             engine: EngineSeries::new(&b),
             steps: StepSeries::new(&b),
+            tiers: TierSeries::new(&b),
             registry,
         }
     }
@@ -221,16 +233,7 @@ impl Metrics {
         self.engine
             .spec_decode_num_accepted_tokens
             .inc_by(accepted.saturating_sub(self.engine.spec_decode_num_accepted_tokens.get()));
-        let h = &s.host;
-        self.engine.host_kv_pages.set(h.total_pages as i64);
-        self.engine.host_kv_pages_used.set(h.used_pages as i64);
-        for (counter, total) in [
-            (&self.engine.host_hit_tokens, h.hit_tokens),
-            (&self.engine.host_load_pages, h.load_pages),
-            (&self.engine.host_writeback_pages, h.writeback_pages),
-        ] {
-            counter.inc_by(total.saturating_sub(counter.get()));
-        }
+        self.tiers.observe(s);
         if s.total_pages > 0 {
             let busy = s
                 .total_pages
@@ -456,6 +459,13 @@ impl EngineSeries {
             ),
             free_kv_pages: b.gauge("free_kv_pages", "Free KV pages"),
             cached_kv_pages: b.gauge("cached_kv_pages", "KV pages held by the radix cache"),
+        }
+    }
+}
+
+impl TierSeries {
+    fn new(b: &Builder) -> Self {
+        TierSeries {
             host_kv_pages: b.gauge("host_kv_pages", "Host KV slots of the hierarchical cache"),
             host_kv_pages_used: b.gauge(
                 "host_kv_pages_used",
@@ -473,6 +483,43 @@ impl EngineSeries {
                 "host_writeback_pages_total",
                 "KV pages copied from the device to host memory",
             ),
+            storage_kv_pages: b.gauge(
+                "storage_kv_pages",
+                "KV pages the hierarchical cache's storage tier may hold",
+            ),
+            storage_kv_pages_used: b
+                .gauge("storage_kv_pages_used", "KV pages held in the storage tier"),
+            storage_hit_tokens: b.counter(
+                "storage_hit_tokens_total",
+                "Prefix tokens found in the storage tier and fetched instead of recomputed",
+            ),
+            storage_store_pages: b.counter(
+                "storage_store_pages_total",
+                "KV pages written from host memory to the storage tier",
+            ),
+            storage_fetch_pages: b.counter(
+                "storage_fetch_pages_total",
+                "KV pages read from the storage tier into host memory",
+            ),
+        }
+    }
+
+    /// Sets the gauges and brings the counters up to the scheduler's running totals.
+    fn observe(&self, s: &SchedulerStats) {
+        let (h, st) = (&s.host, &s.storage);
+        self.host_kv_pages.set(h.total_pages as i64);
+        self.host_kv_pages_used.set(h.used_pages as i64);
+        self.storage_kv_pages.set(st.total_pages as i64);
+        self.storage_kv_pages_used.set(st.used_pages as i64);
+        for (counter, total) in [
+            (&self.host_hit_tokens, h.hit_tokens),
+            (&self.host_load_pages, h.load_pages),
+            (&self.host_writeback_pages, h.writeback_pages),
+            (&self.storage_hit_tokens, st.hit_tokens),
+            (&self.storage_store_pages, st.store_pages),
+            (&self.storage_fetch_pages, st.fetch_pages),
+        ] {
+            counter.inc_by(total.saturating_sub(counter.get()));
         }
     }
 }
