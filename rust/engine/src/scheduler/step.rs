@@ -26,6 +26,24 @@ impl Scheduler {
         // Before anything is put in the step: a victim must not be both planned and retracted.
         self.preempt_for_waiting();
         let mut step = StepBuilder::default();
+        let full_budget = self.prompt_budget();
+        let mut budget = full_budget;
+        let mut scheduled = StepShape::default();
+        let retracted = self.schedule_running(&mut budget, &mut step, &mut scheduled);
+        // Readmitting what was just retracted would only thrash; wait for a step with room.
+        if retracted {
+            self.reserve_ratio = (self.reserve_ratio + RESERVE_RATIO_BUMP).min(1.0);
+        } else if !self.admission_held {
+            self.admit(&mut budget, &mut step);
+        }
+        scheduled.prompt_tokens = full_budget - budget;
+        self.seal(step, scheduled)
+    }
+
+    /// Prompt tokens this step may carry. Decodes always run (one token is the least progress
+    /// a request can make); prefill chunks get what is left of the chunk budget, and while any
+    /// request decodes, at most the mixed-step cap: running streams wait for the whole step.
+    fn prompt_budget(&self) -> usize {
         let (mut decodes, mut decode_context) = (0, 0);
         for id in &self.running {
             if self.decode_work(id).is_some() {
@@ -33,30 +51,38 @@ impl Scheduler {
                 decode_context += self.context_after_decode(id);
             }
         }
-        // Decodes always run (one token is the least progress a request can make); prefill
-        // chunks get what is left of the budget.
-        let mut budget = (self.config.chunked_prefill_size as usize)
+        let budget = (self.config.chunked_prefill_size as usize)
             .saturating_sub(decodes)
             .min(self.config.max_prefill_tokens as usize);
-        // Running streams wait for the whole step: while any decodes, cap its prefill share.
         if decodes > 0 {
-            budget = budget.min(self.mixed_prompt_cap(decode_context));
+            budget.min(self.mixed_prompt_cap(decode_context))
+        } else {
+            budget
         }
-        let full_budget = budget;
-        let mut scheduled = StepShape::default();
-        let mut retracted = false;
+    }
 
+    /// Puts every running request's work in the step: its decode (with drafts, as far as
+    /// pages reach) or its next prompt chunk (within `budget`). When pages run out even after
+    /// eviction, the youngest other request is retracted (or a decode that is itself the
+    /// youngest gives way). Returns whether any request was retracted.
+    fn schedule_running(
+        &mut self,
+        budget: &mut usize,
+        step: &mut StepBuilder,
+        scheduled: &mut StepShape,
+    ) -> bool {
+        let mut retracted = false;
         let mut i = 0;
         while i < self.running.len() {
             let id = self.running[i];
             let decode = self.decode_work(&id);
             let drafts = match decode {
-                Some(1) => self.drafts_for(&id, budget),
+                Some(1) => self.drafts_for(&id, *budget),
                 _ => Vec::new(),
             };
             let want = match (decode, self.requests.get(&id).map(Sequence::work)) {
                 (Some(n), _) => n + drafts.len(),
-                (None, Some(Work::Known(n))) => n.min(budget),
+                (None, Some(Work::Known(n))) => n.min(*budget),
                 _ => 0,
             };
             if want == 0 {
@@ -83,9 +109,9 @@ impl Scheduler {
             // Drafts are verified only as far as pages reach (the first token always runs).
             let drafts = &drafts[..drafts.len().min(fit.saturating_sub(1))];
             if decode.is_none() {
-                budget -= fit;
+                *budget -= fit;
             } else {
-                budget = budget.saturating_sub(drafts.len());
+                *budget = budget.saturating_sub(drafts.len());
                 scheduled.decodes += 1;
                 scheduled.decode_context += self.context_after_decode(&id);
             }
@@ -94,17 +120,16 @@ impl Scheduler {
             } else {
                 fit
             };
-            self.schedule_chunk(id, fit, drafts, &mut step);
+            self.schedule_chunk(id, fit, drafts, step);
             i += 1;
         }
 
-        // Readmitting what was just retracted would only thrash; wait for a step with room.
-        if retracted {
-            self.reserve_ratio = (self.reserve_ratio + RESERVE_RATIO_BUMP).min(1.0);
-        } else if !self.admission_held {
-            self.admit(&mut budget, &mut step);
-        }
+        retracted
+    }
 
+    /// Completes the step: the slots released since the last plan, the cache's copies, its id;
+    /// records its shape for the step-time model. `None` when it holds nothing.
+    fn seal(&mut self, mut step: StepBuilder, scheduled: StepShape) -> Option<Plan> {
         step.plan.finished = std::mem::take(&mut self.released_slots)
             .into_iter()
             .map(|slot| FinishedSlot { slot })
@@ -116,7 +141,6 @@ impl Scheduler {
         }
         step.plan.step_id = self.next_step;
         self.next_step += 1;
-        scheduled.prompt_tokens = full_budget - budget;
         self.step_cost.planned(step.plan.step_id, scheduled);
         self.in_flight.push_back((step.plan.step_id, step.expected));
         Some(step.plan)
