@@ -22,7 +22,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use tokenspeed_engine::{
-    Plan, Request, RequestEvent, RequestId, SchedulePolicy, Scheduler, SchedulerConfig, StepResult,
+    Plan, Request, RequestEvent, RequestId, Scheduler, SchedulerConfig, StepResult,
 };
 
 /// The GPU time of one step, in ms (see the module doc).
@@ -159,27 +159,11 @@ fn main() {
     };
     let page = 16;
     let config = SchedulerConfig {
-        page_size: page,
-        num_pages: a.pool_tokens / page,
-        max_running_requests: a.max_running,
         chunked_prefill_size: a.chunk,
         max_prefill_tokens: 16384,
         max_mixed_prefill_tokens: a.cap,
         max_mixed_step_ms: a.step_ms,
-        schedule_policy: SchedulePolicy::Fcfs,
-        enable_priority_scheduling: false,
-        schedule_low_priority_values_first: false,
-        priority_scheduling_preemption_threshold: 10,
-        disable_radix_cache: false,
-        speculative_algorithm: None,
-        speculative_num_draft_tokens: None,
-        speculative_ngram_min_match_window_size: 1,
-        speculative_ngram_max_match_window_size: 12,
-        context_length: 8192,
-        radix_eviction_policy: Default::default(),
-        num_host_pages: 0,
-        num_storage_pages: 0,
-        hicache_write_policy: Default::default(),
+        ..SchedulerConfig::small(page, a.pool_tokens / page, a.max_running, 8192)
     };
     let mut sched = match Scheduler::new(config) {
         Ok(s) => s,

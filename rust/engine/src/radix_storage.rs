@@ -151,6 +151,9 @@ impl RadixCache {
         len: usize,
         path: &mut Vec<NodeId>,
     ) {
+        if self.storage.is_none() {
+            return; // every match comes here: nothing to do without a tier
+        }
         let ps = self.page_size;
         let end = path.last().copied().unwrap_or(NodeId::ROOT);
         let mut parent = self.tail_hash(end);

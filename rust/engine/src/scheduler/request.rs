@@ -93,6 +93,36 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// A small engine for tests, simulations and tools: `num_pages` pages of `page_size`
+    /// tokens, `max_running` slots, steps of up to `context_length` prompt tokens; FCFS, no
+    /// mixed-step caps, no priorities, no speculation, no host or storage tier. Not what a
+    /// server runs with: the launcher fills every field from the flag table.
+    pub fn small(page_size: u32, num_pages: u32, max_running: u32, context_length: u32) -> Self {
+        SchedulerConfig {
+            page_size,
+            num_pages,
+            max_running_requests: max_running,
+            chunked_prefill_size: context_length,
+            max_prefill_tokens: context_length,
+            max_mixed_prefill_tokens: 0,
+            max_mixed_step_ms: 0.0,
+            schedule_policy: SchedulePolicy::Fcfs,
+            enable_priority_scheduling: false,
+            schedule_low_priority_values_first: false,
+            priority_scheduling_preemption_threshold: 10,
+            disable_radix_cache: false,
+            speculative_algorithm: None,
+            speculative_num_draft_tokens: None,
+            speculative_ngram_min_match_window_size: 1,
+            speculative_ngram_max_match_window_size: 12,
+            context_length,
+            radix_eviction_policy: EvictionPolicy::default(),
+            num_host_pages: 0,
+            hicache_write_policy: WritePolicy::default(),
+            num_storage_pages: 0,
+        }
+    }
+
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         let positive = [
             ("page_size", self.page_size),

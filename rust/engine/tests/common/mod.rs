@@ -13,51 +13,23 @@
 use std::collections::{HashMap, VecDeque};
 
 use tokenspeed_engine::{
-    copy_kind, FinishReason, Plan, Request, RequestEvent, RequestId, RequestOutput, SchedulePolicy,
-    Scheduler, SchedulerConfig, SchedulerStats, StepResult, LAST_SAMPLED,
+    copy_kind, FinishReason, Plan, Request, RequestEvent, RequestId, RequestOutput, Scheduler,
+    SchedulerConfig, SchedulerStats, StepResult, LAST_SAMPLED,
 };
 
 /// A small engine's settings; tests override what they exercise.
 pub fn base_config() -> SchedulerConfig {
     SchedulerConfig {
-        page_size: 1,
-        num_pages: 4096,
-        max_running_requests: 256,
         chunked_prefill_size: 8192,
         max_prefill_tokens: 16384,
-        max_mixed_prefill_tokens: 0,
-        max_mixed_step_ms: 0.0,
-        schedule_policy: SchedulePolicy::Fcfs,
-        enable_priority_scheduling: false,
-        schedule_low_priority_values_first: false,
-        priority_scheduling_preemption_threshold: 10,
-        disable_radix_cache: false,
-        speculative_algorithm: None,
-        speculative_num_draft_tokens: None,
-        speculative_ngram_min_match_window_size: 1,
-        speculative_ngram_max_match_window_size: 12,
-        context_length: 4096,
-        radix_eviction_policy: Default::default(),
-        num_host_pages: 0,
-        num_storage_pages: 0,
-        hicache_write_policy: Default::default(),
+        ..SchedulerConfig::small(1, 4096, 256, 4096)
     }
 }
 
 pub fn config(num_pages: u32, page_size: u32) -> SchedulerConfig {
     SchedulerConfig {
-        page_size,
-        num_pages,
-        max_running_requests: 16,
         chunked_prefill_size: 64,
-        max_prefill_tokens: 1024,
-        disable_radix_cache: false,
-        speculative_algorithm: None,
-        speculative_num_draft_tokens: None,
-        speculative_ngram_min_match_window_size: 1,
-        speculative_ngram_max_match_window_size: 12,
-        context_length: 1024,
-        ..base_config()
+        ..SchedulerConfig::small(page_size, num_pages, 16, 1024)
     }
 }
 

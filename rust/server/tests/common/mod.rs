@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use serde_json::Value;
-use tokenspeed_engine::{SchedulePolicy, SchedulerConfig};
+use tokenspeed_engine::SchedulerConfig;
 use tokenspeed_server::ServerConfig;
 
 /// SmolLM2's tokenizer and chat template, from the test assets.
@@ -30,27 +30,9 @@ pub fn smollm2_dir() -> PathBuf {
 /// A small scheduler: 4-token pages, FCFS, no mixed-step caps, no speculation, no host tier.
 pub fn scheduler_config() -> SchedulerConfig {
     SchedulerConfig {
-        page_size: 4,
-        num_pages: 512,
-        max_running_requests: 8,
         chunked_prefill_size: 256,
         max_prefill_tokens: 256,
-        max_mixed_prefill_tokens: 0,
-        max_mixed_step_ms: 0.0,
-        schedule_policy: SchedulePolicy::Fcfs,
-        enable_priority_scheduling: false,
-        schedule_low_priority_values_first: false,
-        priority_scheduling_preemption_threshold: 10,
-        disable_radix_cache: false,
-        speculative_algorithm: None,
-        speculative_num_draft_tokens: None,
-        speculative_ngram_min_match_window_size: 1,
-        speculative_ngram_max_match_window_size: 12,
-        context_length: 1024,
-        radix_eviction_policy: Default::default(),
-        num_host_pages: 0,
-        num_storage_pages: 0,
-        hicache_write_policy: Default::default(),
+        ..SchedulerConfig::small(4, 512, 8, 1024)
     }
 }
 
