@@ -9,6 +9,7 @@ inside CUDA graphs with bench_kernels.graph_ms, as bench_gemv.py does):
               tiles: the comparison in one run)
   scaled_mm   per_token_quant_fp8 + torch._scaled_mm row-wise (runtime, M > 8)
   mm_only     torch._scaled_mm alone (activations already fp8): the cuBLAS kernel's own time
+  mm_fast     the same with use_fast_accum=True (Hopper's fp8 fast accumulation)
   triton_mm   per_token_quant_fp8 + tokenspeed_kernels.fp8_matmul (TOKENSPEED_FP8_GEMM=triton)
 "whole step" = 32 x (qkv + o_proj + gate_up + down) + lm_head, each column with its own kernel
 (the lm_head too: --quantization fp8 quantises it by default, --lm-head-quantization). Each fp8 result is checked against the fp32 matmul of
@@ -50,7 +51,7 @@ COLD_BYTES = 256 << 20
 DEVICE = "cuda"  # the sweep's CPU smoke test (interpreter) sets "cpu"
 FP8 = torch.float8_e4m3fn
 GEMV_MAX_M = 8
-TOL = {"bf16_gemv": 2e-2, "fp8_gemv": 2e-2, "fp8_gemv_bf16cfg": 2e-2, "scaled_mm": 5e-2, "mm_only": 5e-2, "triton_mm": 5e-2}
+TOL = {"bf16_gemv": 2e-2, "fp8_gemv": 2e-2, "fp8_gemv_bf16cfg": 2e-2, "scaled_mm": 5e-2, "mm_only": 5e-2, "mm_fast": 5e-2, "triton_mm": 5e-2}
 
 
 def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +59,10 @@ def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / s[:, None]).clamp(-448, 448).to(FP8), s
 
 
-def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    return torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
+def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+              fast_accum: bool = False) -> torch.Tensor:
+    return torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
 
 
 def impls_for(m: int, n: int, k: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]]:
@@ -72,6 +75,7 @@ def impls_for(m: int, n: int, k: int) -> dict[str, Callable[[torch.Tensor, torch
         out["fp8_gemv_bf16cfg"] = lambda x, w, q: skinny_linear(x, q[0], weight_scale=q[1], config=cfg)
     out["scaled_mm"] = lambda x, w, q: scaled_mm(*per_token_quant_fp8(x), q[0], q[1])
     out["mm_only"] = lambda x, w, q: scaled_mm(q[2], q[3], q[0], q[1])
+    out["mm_fast"] = lambda x, w, q: scaled_mm(q[2], q[3], q[0], q[1], fast_accum=True)
     out["triton_mm"] = lambda x, w, q: fp8_matmul(*per_token_quant_fp8(x), q[0], q[1], torch.bfloat16)
     return out
 
