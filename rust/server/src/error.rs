@@ -3,6 +3,8 @@
 //! adds the rest. `http::error::ApiError` maps each kind to an OpenAI-format error response, so
 //! nothing outside `http/` knows about status codes.
 
+use crate::engine::EngineErrorKind;
+
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RequestError {
     /// The request itself is wrong: `param` names the field when one is to blame.
@@ -43,6 +45,15 @@ impl RequestError {
     }
     pub fn internal(message: impl Into<String>) -> Self {
         RequestError::Internal(message.into())
+    }
+    /// An engine event's error, in request terms (the one mapping of `EngineErrorKind`).
+    pub fn from_engine(kind: EngineErrorKind, message: String) -> Self {
+        match kind {
+            EngineErrorKind::BadRequest => RequestError::bad_request(message),
+            EngineErrorKind::Overloaded => RequestError::overloaded(message),
+            EngineErrorKind::Unavailable => RequestError::unavailable(message),
+            EngineErrorKind::Internal => RequestError::internal(message),
+        }
     }
     /// The parameter an invalid request is refused for, if one is named.
     pub fn param(&self) -> Option<&str> {

@@ -11,9 +11,7 @@ use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, StopStep, TextTokeniz
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::constraint::GrammarRequest;
-use crate::engine::{
-    Constraint, EngineErrorKind, EngineEvent, EngineHandle, StopSignal, TokenEvent, TokenUsage,
-};
+use crate::engine::{Constraint, EngineEvent, EngineHandle, StopSignal, TokenEvent, TokenUsage};
 use crate::error::RequestError;
 use crate::frontend::Frontend;
 use crate::prompt::tokenize_prompt;
@@ -391,12 +389,7 @@ impl Generation {
                 EngineEvent::Error { message, kind } => {
                     self.finished = true;
                     self.guard.done = true;
-                    return Err(match kind {
-                        EngineErrorKind::BadRequest => RequestError::bad_request(message),
-                        EngineErrorKind::Overloaded => RequestError::overloaded(message),
-                        EngineErrorKind::Unavailable => RequestError::unavailable(message),
-                        EngineErrorKind::Internal => RequestError::internal(message),
-                    });
+                    return Err(RequestError::from_engine(kind, message));
                 }
             }
         }

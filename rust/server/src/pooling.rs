@@ -7,7 +7,7 @@ use tokenspeed_engine::scheduler::{FinishReason, Request, RequestId};
 use tokenspeed_engine::SamplingParams;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{EngineErrorKind, EngineEvent, EngineHandle};
+use crate::engine::{EngineEvent, EngineHandle};
 use crate::error::RequestError;
 use crate::frontend::Frontend;
 use crate::generate::new_request_id;
@@ -147,12 +147,7 @@ async fn wait(p: &mut Pending) -> Result<Vec<f32>, RequestError> {
             },
             EngineEvent::Error { message, kind } => {
                 p.done = true;
-                return Err(match kind {
-                    EngineErrorKind::BadRequest => RequestError::bad_request(message),
-                    EngineErrorKind::Overloaded => RequestError::overloaded(message),
-                    EngineErrorKind::Unavailable => RequestError::unavailable(message),
-                    EngineErrorKind::Internal => RequestError::internal(message),
-                });
+                return Err(RequestError::from_engine(kind, message));
             }
         }
     }
