@@ -18,6 +18,7 @@ from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
 from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
 from tokenspeed.config.speculative import speculative_note
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
+from tokenspeed.distributed.kv_transfer import check_disaggregation
 from tokenspeed.launch import relay
 from tokenspeed.launch.model_facts import (
     model_context_length,
@@ -163,6 +164,9 @@ def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
                           "--enable-hierarchical-cache")
     cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
+    pd_refusal = check_disaggregation(cfg, layout.device, layout.dp, layout.groups)
+    if pd_refusal:
+        raise LaunchError(pd_refusal)
     vocab_size = model_vocab_size(layout.model_dir, cfg.json_model_override_args)
     xgrammar = worker_xgrammar(cfg, layout, vocab_size)
     channel_names, channels = open_channels(cfg, layout, vocab_size, xgrammar is not None)

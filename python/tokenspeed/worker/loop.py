@@ -130,6 +130,7 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
 def load_runner(spec: WorkerSpec) -> ModelRunner:
     """The model runner of this rank, built from the worker's flags and what the launcher
     resolved for it."""
+    from tokenspeed.distributed.kv_transfer import PdSettings
     from tokenspeed.layers.host_kv_cache import HostTierSize
     from tokenspeed.layers.kv_storage import StorageSettings
     from tokenspeed.worker.lora import lora_settings
@@ -163,6 +164,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
             s["hicache_storage_backend"], s["hicache_storage_backend_extra_config"])
             if s["hicache_storage_backend"] else None)
         if s["enable_hierarchical_cache"] else None,
+        pd=PdSettings.of(s),
         config_overrides=s["json_model_override_args"],
     )
 

@@ -93,6 +93,11 @@ fn a_pd_pair_gives_the_tokens_of_one_server() {
                 .all(|(step, c)| *step == first.step_id && c.key == ROOM as i64));
             assert_eq!(first.scheduled[0].start_pos as usize, pages * ps);
             assert_eq!(decode.last_output(2u64).prompt_tokens as usize, len);
+            assert_eq!(
+                decode.last_output(2u64).cached_tokens as usize,
+                pages * ps,
+                "received"
+            );
         }
     }
 }

@@ -159,7 +159,8 @@ impl Scheduler {
                 continue;
             };
             if seq.cached_tokens.is_none() {
-                seq.cached_tokens = Some(m.len.min(seq.req.prompt.len()) as u32);
+                // Received KV (PD) counts as cached: this server computed none of it.
+                seq.cached_tokens = Some((m.len + received).min(seq.req.prompt.len()) as u32);
                 self.admitted.push(id);
             }
             step.plan.new_requests.push(seq.worker_params(slot));
