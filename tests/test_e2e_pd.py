@@ -83,7 +83,7 @@ def fresh_pair(tmp_path: object) -> Iterator[Pair]:
 
 
 def _chat(client: openai.OpenAI, stream: bool, max_tokens: int = 16) -> tuple[str, object]:
-    kw = dict(model="default", messages=MESSAGES, max_tokens=max_tokens, temperature=0)
+    kw = {"model": "default", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0}
     if not stream:
         out = client.chat.completions.create(**kw)
         return out.choices[0].message.content or "", out.usage
@@ -152,3 +152,22 @@ def test_killing_the_prefill_server_mid_request_ends_the_request(fresh_pair: Pai
     assert "prefill" in str(e.value)
     pages = flushed_pages(fresh_pair.decode)
     assert pages["free"] == pages["total"], pages
+
+
+def test_what_a_pair_refuses() -> None:
+    from tokenspeed.config import NotSupportedError, parse_serve_args
+    from tokenspeed.distributed.kv_transfer import check_disaggregation
+
+    for backend in ("mooncake", "nixl"):
+        with pytest.raises(NotSupportedError, match="not supported yet"):
+            parse_serve_args(["--disaggregation-mode", "prefill",
+                              "--disaggregation-transfer-backend", backend])
+    with pytest.raises(NotSupportedError, match="not supported yet"):
+        parse_serve_args(["--disaggregation-mode", "decode", "--disaggregation-decode-tp", "2"])
+    cfg = parse_serve_args(["--disaggregation-mode", "decode"])
+    assert cfg.disaggregation_transfer_backend == "nccl"
+    assert "use gloo" in (check_disaggregation(cfg, "cpu", 1, 1) or "")
+    gloo = parse_serve_args(["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "gloo"])
+    assert check_disaggregation(gloo, "cpu", 1, 1) is None
+    assert "--dp" in (check_disaggregation(gloo, "cpu", 2, 1) or "")
+    assert check_disaggregation(parse_serve_args([]), "cuda", 4, 1) is None  # off: nothing checked

@@ -41,6 +41,7 @@ KV_SEND, KV_RECV = 6, 7  # rust/engine/src/plan.rs copy_kind
 WAIT_S = 30.0  # how long a decode step waits for a transfer it was told to receive
 EXPIRE_S = 300.0  # a received transfer no request took is dropped after this
 PG_TIMEOUT_S = 120.0  # a transfer whose header arrived but whose pages do not
+STATS_EVERY_S = 10.0  # the sender logs its totals this often while it sends
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,10 @@ class KVTransfer:
         self.device = kv_cache.k[0].device
         self.failed: str | None = None  # why the pair is down, once it is
         self._sends: list[tuple[int, np.ndarray]] = []  # this step's, run after the forward
-        self._queue: queue.Queue[tuple[int, torch.Tensor, Any]] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, torch.Tensor, Any, float]] = queue.Queue()
         self._arrived: dict[int, tuple[torch.Tensor, float]] = {}
         self._cond = threading.Condition()
-        self.sent_bytes = 0
+        self.stats = SendStats()
         target = self._send_loop if settings.mode == "prefill" else self._recv_loop
         threading.Thread(target=self._run, args=(target,), name=f"kv-{settings.mode}-{rank}",
                          daemon=True).start()
@@ -123,7 +124,7 @@ class KVTransfer:
             if buf.is_cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-            self._queue.put((room, buf, ready))
+            self._queue.put((room, buf, ready, time.monotonic()))
         self._sends.clear()
 
     def _gather(self, pages: np.ndarray) -> torch.Tensor:
@@ -209,19 +210,20 @@ class KVTransfer:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         seq = 0
         while True:
-            room, buf, ready = self._queue.get()
+            room, buf, ready, queued = self._queue.get()
             if ready is not None:
                 ready.synchronize()
             store.set(f"hdr/{seq}", f"{room} {buf.shape[0]}")
             seq += 1
             wire = buf.view(torch.uint8)
+            start = time.monotonic()
             if stream is None:
                 pg.send([wire], 1, 0).wait()
             else:
                 with torch.cuda.stream(stream):
                     pg.send([wire], 1, 0).wait()
                 stream.synchronize()
-            self.sent_bytes += wire.numel()
+            self.stats.add(wire.numel(), start, queued, idle=self._queue.empty())
 
     def _recv_loop(self, store: dist.Store, pg: Any) -> None:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -242,6 +244,34 @@ class KVTransfer:
                     del self._arrived[old]
                 self._arrived[room] = (buf, now)
                 self._cond.notify_all()
+
+
+class SendStats:
+    """The prefill side's transfer totals, logged every `STATS_EVERY_S` while it sends and
+    at most every second when its queue runs dry (benches/scenarios/pd_bench.py reads the
+    last line)."""
+
+    def __init__(self) -> None:
+        self.count, self.bytes, self.wire_s, self.total_s = 0, 0, 0.0, 0.0
+        self._logged = time.monotonic()
+
+    def add(self, nbytes: int, start: float, queued: float, idle: bool) -> None:
+        now = time.monotonic()
+        self.count += 1
+        self.bytes += nbytes
+        self.wire_s += now - start
+        self.total_s += now - queued
+        # Also when the queue runs dry, so a burst's totals are in the log once it is over.
+        if now - self._logged >= (1.0 if idle else STATS_EVERY_S):
+            self._logged = now
+            logger.info("%s", self.line())
+
+    def line(self) -> str:
+        n = max(self.count, 1)
+        return (f"KV transfer sent: {self.count} transfers, {self.bytes / 1e6:.1f} MB, "
+                f"{self.bytes / n / 1e6:.2f} MB and {1e3 * self.total_s / n:.2f} ms per transfer "
+                f"(forward done to sent), {self.bytes / max(self.wire_s, 1e-9) / 1e9:.2f} GB/s "
+                "on the wire")
 
 
 def _by_room(key: np.ndarray, mine: np.ndarray) -> list[tuple[int, np.ndarray]]:

@@ -19,6 +19,7 @@ from tokenspeed.distributed.groups import (
     sync_sampled_tokens,
     world_min,
 )
+from tokenspeed.distributed.kv_transfer import KVTransfer, PdSettings
 from tokenspeed.layers.attention import (
     GRAPH_BACKENDS,
     AttentionBackend,
@@ -29,7 +30,6 @@ from tokenspeed.layers.attention import (
 )
 from tokenspeed.layers.attention_backends import create_backend
 from tokenspeed.layers.host_copy import DeviceToHost, to_device_int64
-from tokenspeed.distributed.kv_transfer import KVTransfer, PdSettings
 from tokenspeed.layers.host_kv_cache import HostKVPool, HostTierSize, host_pages
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.kv_storage import KVStorage, open_storage

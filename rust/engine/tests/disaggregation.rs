@@ -184,3 +184,26 @@ fn receivers_in_a_small_pool_take_turns() {
     );
     decode.assert_no_leak();
 }
+
+#[test]
+fn a_penalized_request_is_computed_on_both_sides() {
+    // The worker builds a penalty's history from the tokens it is fed: no KV crosses.
+    let p = prompt(9, 21);
+    let mut sampling = tokenspeed_engine::SamplingParams::greedy();
+    sampling.frequency_penalty = 0.5;
+    let mut prefill = Harness::new(config(64, 4));
+    prefill.submit(Request {
+        sampling: sampling.clone(),
+        ..transfer(1, p.clone(), 1, KvTransfer::Send { room: ROOM })
+    });
+    prefill.run(50);
+    assert!(kv_ops(&prefill, copy_kind::KV_SEND).is_empty());
+    let mut decode = Harness::new(config(64, 4));
+    decode.submit(Request {
+        sampling,
+        ..transfer(2, p.clone(), 4, KvTransfer::Recv { room: ROOM })
+    });
+    decode.run(50);
+    assert!(kv_ops(&decode, copy_kind::KV_RECV).is_empty());
+    assert_eq!(decode.tokens(2u64), reference(&p, 4));
+}

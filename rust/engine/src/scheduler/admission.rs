@@ -32,7 +32,11 @@ pub(super) fn matchable_len(seq: &Sequence) -> usize {
 /// at its first admission only: readmitted after a retraction, it computes its prompt.
 fn received_room(seq: &Sequence) -> Option<u64> {
     match seq.req.kv_transfer {
-        KvTransfer::Recv { room } if seq.cached_tokens.is_none() => Some(room),
+        KvTransfer::Recv { room }
+            if seq.cached_tokens.is_none() && seq.req.kv_transfer.crosses(&seq.req.sampling) =>
+        {
+            Some(room)
+        }
         _ => None,
     }
 }

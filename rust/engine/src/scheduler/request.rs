@@ -285,6 +285,16 @@ pub fn kv_transfer_len(prompt_len: usize, page_size: usize) -> usize {
     prompt_len.saturating_sub(1) / page_size * page_size
 }
 
+impl KvTransfer {
+    /// Whether the KV crosses at all for a request sampling with `s`: not when the decode side
+    /// must compute every prompt position itself (prompt logprobs, or a penalty whose history
+    /// the worker builds from the tokens it is fed). Both sides decide alike from the same
+    /// request, so neither sends nor waits for a transfer that will not happen.
+    pub fn crosses(&self, s: &SamplingParams) -> bool {
+        *self != KvTransfer::None && !(s.penalized() || s.prompt_logprobs || s.pooling)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {

@@ -288,7 +288,9 @@ impl Scheduler {
         };
         input.extend_from_slice(drafts);
         let n = input.len();
-        let prompt_done = sample && tokens.len() == seq.req.prompt.len();
+        let prompt_done = sample
+            && tokens.len() == seq.req.prompt.len()
+            && seq.req.kv_transfer.crosses(&seq.req.sampling);
         if let (KvTransfer::Send { room }, true) = (seq.req.kv_transfer, prompt_done) {
             // The prompt's last chunk (the request samples once, `max_new_tokens` 1): its KV
             // goes to the decode server after this step's forward.

@@ -100,7 +100,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
     checked.spec.kv_transfer = validate::bootstrap_room(
         req.bootstrap_room,
         &state.config.disaggregation_mode,
-        checked.n as usize,
+        checked.n,
     )?;
     let rid = generate::new_request_id();
     let choices =

@@ -182,7 +182,7 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
     let kv_transfer = validate::bootstrap_room(
         req.bootstrap_room,
         &state.config.disaggregation_mode,
-        checked.specs.len() * checked.n as usize,
+        checked.specs.len() * checked.n,
     )?;
     for spec in &mut checked.specs {
         spec.priority = priority;
