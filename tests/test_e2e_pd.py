@@ -156,7 +156,7 @@ def test_killing_the_prefill_server_mid_request_ends_the_request(fresh_pair: Pai
 
 def test_what_a_pair_refuses() -> None:
     from tokenspeed.config import NotSupportedError, parse_serve_args
-    from tokenspeed.distributed.kv_transfer import check_disaggregation
+    from tokenspeed.worker.kv_transfer import check_disaggregation
 
     for backend in ("mooncake", "nixl"):
         with pytest.raises(NotSupportedError, match="not supported yet"):

@@ -18,7 +18,6 @@ from tokenspeed.config.derived import MAX_DEFAULT_RUNNING_REQUESTS
 from tokenspeed.config.lora import AdapterError, LoraSettings, resolve_lora
 from tokenspeed.config.speculative import speculative_note
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
-from tokenspeed.distributed.kv_transfer import check_disaggregation
 from tokenspeed.launch import relay
 from tokenspeed.launch.model_facts import (
     model_context_length,
@@ -29,6 +28,7 @@ from tokenspeed.launch.model_facts import (
 from tokenspeed.launch.ring_size import RING_SLOTS, RingSizeError, check_rings, logprobs_width, shm_room
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.models.config import read_config_json
+from tokenspeed.worker.kv_transfer import check_disaggregation
 from tokenspeed.worker.loop import WorkerSpec, run_worker
 
 if TYPE_CHECKING:

@@ -130,9 +130,9 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
 def load_runner(spec: WorkerSpec) -> ModelRunner:
     """The model runner of this rank, built from the worker's flags and what the launcher
     resolved for it."""
-    from tokenspeed.distributed.kv_transfer import PdSettings
     from tokenspeed.layers.host_kv_cache import HostTierSize
     from tokenspeed.layers.kv_storage import StorageSettings
+    from tokenspeed.worker.kv_transfer import PdSettings
     from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
 

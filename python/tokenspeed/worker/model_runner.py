@@ -19,7 +19,6 @@ from tokenspeed.distributed.groups import (
     sync_sampled_tokens,
     world_min,
 )
-from tokenspeed.distributed.kv_transfer import KVTransfer, PdSettings
 from tokenspeed.layers.attention import (
     GRAPH_BACKENDS,
     AttentionBackend,
@@ -57,6 +56,7 @@ from tokenspeed.worker.cuda_graph import (
 )
 from tokenspeed.worker.gpu_idle import IdleClock
 from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, page_bytes, profile_num_pages
+from tokenspeed.worker.kv_transfer import KVTransfer, PdSettings
 from tokenspeed.worker.lora import LoraPool
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
@@ -158,7 +158,7 @@ class ModelRunner:
         self.num_host_pages = 0 if self.host_kv is None else self.host_kv.num_pages
         self.num_storage_pages = 0 if hicache is None or hicache.storage is None \
             else hicache.storage.pages(page_bytes(self))
-        # --disaggregation-mode: this rank's end of the KV transfer pair (distributed/kv_transfer.py).
+        # --disaggregation-mode: this rank's end of the KV transfer pair (worker/kv_transfer.py).
         self.kv_transfer = None if pd is None else KVTransfer(pd, self.kv_cache, state().attn_tp.rank,
                                                              state().attn_tp.size)
         self._kv_failed: set[int] = set()  # slots whose KV never arrived: their requests fail

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tokenspeed.layers.host_copy import to_device_int64
 from tokenspeed.layers.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class KVTransfer:
         self._sends.clear()
 
     def _gather(self, pages: np.ndarray) -> torch.Tensor:
-        idx = torch.from_numpy(pages).to(self.device, non_blocking=True)
+        idx = to_device_int64([pages], self.device)[0]  # pinned: no wait for the step in flight
         return torch.stack([t[idx] for t in self._tensors()], dim=1)  # [pages, 2 * layers, ...]
 
     def _receive(self, room: int, pages: np.ndarray) -> bool:
@@ -139,7 +140,7 @@ class KVTransfer:
                 f"{buf.shape[0]} pages arrived for {len(pages)}: do both servers run the same "
                 "prompt (tokenizer, chat template) and --page-size?"))
             return False
-        idx = torch.from_numpy(pages).to(self.device, non_blocking=True)
+        idx = to_device_int64([pages], self.device)[0]  # pinned: no wait for the step in flight
         for j, t in enumerate(self._tensors()):
             t[idx] = buf[:, j]
         return True
