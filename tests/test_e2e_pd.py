@@ -122,6 +122,22 @@ def test_bootstrap_room_is_refused_by_a_combined_server_and_with_n(pair: Pair) -
     assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_room", r.text
 
 
+def test_a_refused_request_and_a_client_that_goes_away(pair: Pair) -> None:
+    # The prefill server's 400 (a bad parameter) comes back through the router as it is.
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        pair.client().chat.completions.create(model="default", messages=MESSAGES, temperature=-1)
+    # A stream dropped mid-way: the decode server aborts the request and frees its pages.
+    with httpx.stream("POST", f"{pair.url}/v1/chat/completions", timeout=60,
+                      json={"messages": MESSAGES, "max_tokens": 1500, "stream": True,
+                            "ignore_eos": True}) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i == 4:
+                break
+    for server in (pair.prefill, pair.decode):  # idle long before 1,500 tokens could run
+        pages = flushed_pages(server, timeout_s=10)
+        assert pages["free"] == pages["total"], pages
+
+
 def _kill(server: Server) -> None:
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(timeout=30)
