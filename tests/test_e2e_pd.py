@@ -44,12 +44,16 @@ class Pair:
             stop_server(s)
 
 
-def start_pair(tmp: str, *extra: str) -> Pair:
+def start_pair(tmp: str, *extra: str, gpus: tuple[str, str] | None = None) -> Pair:
+    """A prefill and a decode server and the router; on CPU (gloo), or with `gpus` on those two
+    CUDA devices (NCCL, tests/test_gpu_pd.py)."""
     port = str(free_port())
-    common = ("--disaggregation-transfer-backend", "gloo", "--disaggregation-bootstrap-port", port,
-              "--page-size", str(PAGE), "--served-model-name", "default", *extra)
-    prefill = start_server(tmp, "--disaggregation-mode", "prefill", *common)
-    decode = start_server(tmp, "--disaggregation-mode", "decode", *common)
+    backend = ("--disaggregation-transfer-backend", "gloo" if gpus is None else "nccl")
+    device = () if gpus is None else ("--device", "cuda")
+    common = (*backend, "--disaggregation-bootstrap-port", port, "--page-size", str(PAGE),
+              "--served-model-name", "default", *device, *extra)
+    prefill = _on(gpus and gpus[0], tmp, "--disaggregation-mode", "prefill", *common)
+    decode = _on(gpus and gpus[1], tmp, "--disaggregation-mode", "decode", *common)
     rport = free_port()
     log = open(os.path.join(tmp, f"router-{rport}.log"), "w")  # noqa: SIM115 (the child's)
     router = subprocess.Popen([sys.executable, "-m", "tokenspeed.launch.cli", "router", "--pd",
@@ -66,6 +70,21 @@ def start_pair(tmp: str, *extra: str) -> Pair:
         time.sleep(0.3)
     pair.stop()
     raise RuntimeError("the router never became healthy")
+
+
+def _on(gpu: str | None, tmp: str, *args: str) -> Server:
+    """A server on CUDA device `gpu` (None: the CPU)."""
+    if gpu is None:
+        return start_server(tmp, *args)
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # the server inherits it
+    try:
+        return start_server(tmp, *args)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 @pytest.fixture(scope="module")
