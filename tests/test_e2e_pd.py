@@ -172,8 +172,16 @@ def test_killing_the_decode_server_mid_stream_ends_the_request(fresh_pair: Pair)
             if i == 2:
                 _kill(fresh_pair.decode)
     assert time.monotonic() - start < 30, "ended by the error, not a timeout"
+    # Later requests fail fast too: the prefill server finds its pair down (the first send to
+    # the dead peer fails) and fails the requests that would send, rather than answer them.
+    for _ in range(2):
+        start = time.monotonic()
+        with pytest.raises(openai.APIError):
+            _chat(fresh_pair.client(), stream=False, max_tokens=2)
+        assert time.monotonic() - start < 30
     pages = flushed_pages(fresh_pair.prefill)
     assert pages["free"] == pages["total"], pages
+    assert "KV transfer pair (rank 0, prefill) is down" in fresh_pair.prefill.log()
 
 
 def test_killing_the_prefill_server_mid_request_ends_the_request(fresh_pair: Pair) -> None:

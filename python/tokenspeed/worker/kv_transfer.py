@@ -103,13 +103,17 @@ class KVTransfer:
     def before_forward(self, src: np.ndarray, dst: np.ndarray, kind: np.ndarray, key: np.ndarray,
                        failed_slots: set[int]) -> tuple[np.ndarray, ...]:
         """Runs the plan's receives (into their pages, before the forward reads them) and keeps
-        its sends for `after_forward`; returns the plan's other copies. A receive that fails
-        adds its slot to `failed_slots` (its request ends with an error)."""
+        its sends for `after_forward`; returns the plan's other copies. A receive that fails,
+        or a send while the pair is down, adds its slot to `failed_slots` (its request ends
+        with an error instead of leaving the decode server waiting)."""
         mine = (kind == KV_SEND) | (kind == KV_RECV)
         if not mine.any():
             return src, dst, kind, key
         for room, rows in _by_room(key, mine):
-            if kind[rows[0]] == KV_SEND:
+            if kind[rows[0]] == KV_SEND and self.failed is not None:
+                logger.error("KV transfer %#x not sent: %s", room, self.failed)
+                failed_slots.add(int(dst[rows[0]]))
+            elif kind[rows[0]] == KV_SEND:
                 self._sends.append((room, src[rows].astype(np.int64)))
             elif not self._receive(room, dst[rows].astype(np.int64)):
                 failed_slots.add(int(src[rows[0]]))
