@@ -514,6 +514,8 @@ class ModelRunner:
             self.model.compute_logits(hidden[-1:])  # type: ignore[operator]
 
     def _apply_state(self, plan: StepPlan) -> None:
+        if self._kv_failed:  # a slot let go or taken by a new request fails no more
+            self._kv_failed -= set(plan.finished_slot.tolist()) | set(plan.new_slot.tolist())
         for slot in plan.finished_slot.tolist():
             self.sampler.drop(slot)
             self.prompt_scorer.drop(slot)
@@ -534,7 +536,6 @@ class ModelRunner:
             return
         src, dst, kind, key = plan.copy_src, plan.copy_dst, plan.copy_kind, plan.copy_key
         if self.kv_transfer is not None:  # PD: receives now, sends after the forward
-            self._kv_failed -= set(plan.finished_slot.tolist())
             src, dst, kind, key = self.kv_transfer.before_forward(src, dst, kind, key,
                                                                   self._kv_failed)
             if not len(src):
