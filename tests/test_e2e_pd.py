@@ -130,6 +130,10 @@ def test_a_pd_pair_gives_the_tokens_of_one_server(pair: Pair) -> None:
     direct = pair.client(pair.prefill.url).completions.create(
         model="default", prompt="The rainbow has", max_tokens=8, temperature=0)
     assert completion.choices[0].text == direct.choices[0].text
+    native = {"text": "The rainbow has", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    got, want = (httpx.post(f"{url}/generate", json=native, timeout=60).json()["text"]
+                 for url in (pair.url, pair.prefill.url))
+    assert got == want and got
     for server in (pair.prefill, pair.decode):
         pages = flushed_pages(server)
         assert pages["free"] == pages["total"], pages
