@@ -435,6 +435,8 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--hicache-write-policy", "--radix-eviction-policy", "--hicache-storage-backend",
         "--hicache-storage-backend-extra-config", "--json-model-override-args",
         "--kv-events-config", "--max-logprobs",
+        "--disaggregation-mode", "--disaggregation-transfer-backend",
+        "--disaggregation-bootstrap-port", "--disaggregation-bootstrap-host",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

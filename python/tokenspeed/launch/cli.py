@@ -1,4 +1,4 @@
-"""The `tokenspeed` command: serve, bench, env, version."""
+"""The `tokenspeed` command: serve, bench, router, env, version."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ USAGE = """usage: tokenspeed <command> [args]
 commands:
   serve [MODEL] [flags]   serve a model over an OpenAI-compatible HTTP API (--help for flags)
   bench ...               benchmarks (serve | one-batch | offline)
+  router --pd ...         route requests to a prefill/decode server pair (--help)
   env                     print versions of TokenSpeed, torch, triton, CUDA
   version                 print the TokenSpeed version
 """
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenspeed.bench import main as bench_main
 
         return bench_main(rest)
+    if cmd == "router":
+        from tokenspeed.launch.pd_router import main as router_main
+
+        return router_main(rest)
     if cmd == "env":
         return _env()
     if cmd == "version":

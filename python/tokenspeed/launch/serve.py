@@ -28,6 +28,7 @@ from tokenspeed.launch.model_facts import (
 from tokenspeed.launch.ring_size import RING_SLOTS, RingSizeError, check_rings, logprobs_width, shm_room
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
 from tokenspeed.models.config import read_config_json
+from tokenspeed.worker.kv_transfer import check_disaggregation
 from tokenspeed.worker.loop import WorkerSpec, run_worker
 
 if TYPE_CHECKING:
@@ -163,6 +164,9 @@ def start_workers(cfg: Any, on_failure: Any = None) -> WorkerGroup:
                           "--enable-hierarchical-cache")
     cfg, lora = lora_settings(cfg)
     layout = resolve_layout(cfg)
+    pd_refusal = check_disaggregation(cfg, layout.device, layout.dp, layout.groups)
+    if pd_refusal:
+        raise LaunchError(pd_refusal)
     vocab_size = model_vocab_size(layout.model_dir, cfg.json_model_override_args)
     xgrammar = worker_xgrammar(cfg, layout, vocab_size)
     channel_names, channels = open_channels(cfg, layout, vocab_size, xgrammar is not None)
@@ -343,8 +347,9 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
         width = logprobs_width(int(cfg.max_logprobs), vocab_size)
         limits = (slots, chunk + slots, -(-layout.context // int(cfg.page_size)), mask_words,
                   worker_grammars, pooled_dim, kv_tiers(cfg))
-        slot_bytes = _core.slot_bytes(*limits, width)
-        check_rings(cfg, slot_bytes, _core.slot_bytes(*limits, 0), len(names), slots, width, shm_room())
+        pd = cfg.disaggregation_mode != "null"  # page transfers ride in the plan
+        slot_bytes = _core.slot_bytes(*limits, width, kv_transfer=pd)
+        check_rings(cfg, slot_bytes, _core.slot_bytes(*limits, 0, kv_transfer=pd), len(names), slots, width, shm_room())
     except RingSizeError as e:
         raise LaunchError(str(e)) from None
     if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes

@@ -132,6 +132,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
     resolved for it."""
     from tokenspeed.layers.host_kv_cache import HostTierSize
     from tokenspeed.layers.kv_storage import StorageSettings
+    from tokenspeed.worker.kv_transfer import PdSettings
     from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
 
@@ -163,6 +164,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
             s["hicache_storage_backend"], s["hicache_storage_backend_extra_config"])
             if s["hicache_storage_backend"] else None)
         if s["enable_hierarchical_cache"] else None,
+        pd=PdSettings.of(s),
         config_overrides=s["json_model_override_args"],
     )
 

@@ -55,6 +55,7 @@ from tokenspeed.worker.cuda_graph import (
 )
 from tokenspeed.worker.gpu_idle import IdleClock
 from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, page_bytes, profile_num_pages
+from tokenspeed.worker.kv_transfer import KVTransfer, PdSettings
 from tokenspeed.worker.lora import LoraPool
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan, new_request_rows
@@ -105,7 +106,7 @@ class ModelRunner:
                  quantization_param_path: str | None = None,
                  quantization: str | None = None, lm_head_quantization: str = "auto",
                  lora: dict[str, Any] | None = None, pooling: bool = False,
-                 hicache: HostTierSize | None = None,
+                 hicache: HostTierSize | None = None, pd: PdSettings | None = None,
                  config_overrides: dict[str, Any] | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -156,6 +157,10 @@ class ModelRunner:
         self.num_host_pages = 0 if self.host_kv is None else self.host_kv.num_pages
         self.num_storage_pages = 0 if hicache is None or hicache.storage is None \
             else hicache.storage.pages(page_bytes(self))
+        # --disaggregation-mode: this rank's end of the KV transfer pair (worker/kv_transfer.py).
+        self.kv_transfer = None if pd is None else KVTransfer(pd, self.kv_cache, state().attn_tp.rank,
+                                                             state().attn_tp.size)
+        self._kv_failed: set[int] = set()  # slots whose KV never arrived: their requests fail
         self._capture_graphs()
         self._log_loaded(moe_parallel)
 
@@ -386,6 +391,13 @@ class ModelRunner:
                  copy_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the sampled rows, and their slots on the device when already there.
         `copy_logits`: copy them out of the CUDA graph's buffer (which the next replay reuses)."""
+        out = self._forward_pass(plan, copy_logits)
+        if self.kv_transfer is not None:  # PD prefill: the KV this forward computed leaves
+            self.kv_transfer.after_forward()
+        return out
+
+    def _forward_pass(self, plan: StepPlan,
+                      copy_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.idle_clock.begin()  # before the step's first kernel (its state changes)
         self._apply_state(plan)
         if len(plan.sched_slot) == 0:
@@ -462,6 +474,9 @@ class ModelRunner:
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
         failed = self.lora.failed & set(slots.tolist()) if self.lora is not None else set()
+        if self._kv_failed:
+            failed = failed | (self._kv_failed & set(slots.tolist()))
+            self._kv_failed -= failed
         res = self.sampler.sample(slots.tolist(), logits, slots_dev,
                                   masks if masks is not None else token_masks(plan, slots, completion))
         sync_sampled_tokens(res.tokens)  # tensor parallelism: every rank keeps rank 0's ids
@@ -499,6 +514,8 @@ class ModelRunner:
             self.model.compute_logits(hidden[-1:])  # type: ignore[operator]
 
     def _apply_state(self, plan: StepPlan) -> None:
+        if self._kv_failed:  # a slot let go or taken by a new request fails no more
+            self._kv_failed -= set(plan.finished_slot.tolist()) | set(plan.new_slot.tolist())
         for slot in plan.finished_slot.tolist():
             self.sampler.drop(slot)
             self.prompt_scorer.drop(slot)
@@ -517,12 +534,18 @@ class ModelRunner:
                                         plan.pt_pages)
         if not len(plan.copy_src):
             return
+        src, dst, kind, key = plan.copy_src, plan.copy_dst, plan.copy_kind, plan.copy_key
+        if self.kv_transfer is not None:  # PD: receives now, sends after the forward
+            src, dst, kind, key = self.kv_transfer.before_forward(src, dst, kind, key,
+                                                                  self._kv_failed)
+            if not len(src):
+                return
         if self.host_kv is not None:
-            self.host_kv.run(plan.copy_src, plan.copy_dst, plan.copy_kind, plan.copy_key)
-        elif np.any(plan.copy_kind != 0):  # copy_kind.DEVICE
+            self.host_kv.run(src, dst, kind, key)
+        elif np.any(kind != 0):  # copy_kind.DEVICE
             raise ValueError("host-tier page copies without --enable-hierarchical-cache")
         else:
-            self.kv_cache.copy_pages(plan.copy_src, plan.copy_dst)
+            self.kv_cache.copy_pages(src, dst)
 
     def _token_indices(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per token: position and flat KV-cache index; per request: cumulative token offsets."""

@@ -157,6 +157,13 @@ pub mod copy_kind {
     pub const FETCH: u8 = 4;
     /// The storage tier forgets page `key` (its room is needed).
     pub const DROP: u8 = 5;
+    /// Prefill/decode disaggregation, prefill server: device page `src` (of slot `dst`) goes to
+    /// the decode server as the next page of transfer `key` (the request's bootstrap room).
+    /// Unlike every other kind it runs *after* the step's forward, which computes that KV.
+    pub const KV_SEND: u8 = 6;
+    /// Decode server: the next page of transfer `key`, from the prefill server, → device page
+    /// `dst`, for slot `src` (the worker fails that slot's request if the transfer fails).
+    pub const KV_RECV: u8 = 7;
 }
 
 section! {
@@ -343,6 +350,9 @@ pub struct StepLimits {
     /// carries a fetch per page it loads from there and a store and a drop per page the host
     /// tier lets go.
     pub storage_copies: bool,
+    /// Prefill/decode disaggregation (`--disaggregation-mode`): a step carries the page
+    /// transfers of the requests it starts (decode) or whose prompt it completes (prefill).
+    pub kv_transfer: bool,
     /// Columns of a token's top logprobs (`RequestEvent::top_k`) at most: `--max-logprobs`
     /// within the vocabulary. A request asking for more is refused before it is queued.
     pub top_logprobs: usize,
@@ -373,7 +383,7 @@ impl Plan {
                 (4 * r * pages + l.max_step_tokens + 2 * r) * if l.storage_copies { 3 } else { 1 }
             } else {
                 r * pages
-            },
+            } + if l.kv_transfer { r * pages } else { 0 }, // PD: a transfer per slot at most
             r,
             l.max_step_tokens + r, // scheduled, their tokens
             r,

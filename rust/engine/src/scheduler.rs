@@ -32,8 +32,8 @@ mod step;
 mod step_cost;
 
 pub use request::{
-    ConfigError, FinishReason, Finished, Request, RequestId, RequestOutput, SchedulePolicy,
-    SchedulerConfig, SchedulerStats, SubmitError,
+    kv_transfer_len, ConfigError, FinishReason, Finished, KvTransfer, Request, RequestId,
+    RequestOutput, SchedulePolicy, SchedulerConfig, SchedulerStats, SubmitError,
 };
 
 /// Above this many waiting requests `lpm` falls back to arrival order: ranking costs a tree walk
@@ -220,6 +220,8 @@ struct Expected {
 struct StepBuilder {
     plan: Plan,
     expected: Vec<Expected>,
+    /// Prefill/decode disaggregation's page transfers (`KvTransfer`), after the cache's copies.
+    kv_copies: Vec<crate::plan::CopyOp>,
 }
 
 impl StepBuilder {

@@ -273,6 +273,7 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         pooled_dim: 0,
         host_copies: false,
         storage_copies: false,
+        kv_transfer: false,
         top_logprobs: 20,
     };
     let mut r = StepResult {
@@ -381,6 +382,7 @@ fn the_slot_bound_holds_the_largest_step() {
         pooled_dim: 0,
         host_copies: false,
         storage_copies: false,
+        kv_transfer: false,
         top_logprobs: 20,
     };
     let full = Plan {
@@ -467,6 +469,7 @@ fn the_result_bound_follows_the_top_logprobs_width() {
         pooled_dim: 0,
         host_copies: false,
         storage_copies: false,
+        kv_transfer: false,
         top_logprobs: k,
     };
     let full = |k: usize| StepResult {

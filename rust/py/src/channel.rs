@@ -211,10 +211,12 @@ fn result_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 /// grammars travel to the worker, `--grammar-backend xgrammar`; `pooled_dim`: floats of one
 /// pooled vector, 0 unless `--is-embedding`; `kv_tiers`: 1 the device, 2 with a host tier,
 /// 3 with a storage tier below it; `top_logprobs`: top logprobs per token at most,
-/// `--max-logprobs` within the vocabulary, 0: none).
+/// `--max-logprobs` within the vocabulary, 0: none; `kv_transfer`: prefill/decode
+/// disaggregation's page transfers, `--disaggregation-mode`).
 #[pyfunction]
 #[pyo3(signature = (max_running, max_step_tokens, max_pages_per_request, mask_words = 0,
-                    worker_grammars = false, pooled_dim = 0, kv_tiers = 1, top_logprobs = 0))]
+                    worker_grammars = false, pooled_dim = 0, kv_tiers = 1, top_logprobs = 0,
+                    kv_transfer = false))]
 #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per limit
 fn slot_bytes(
     max_running: usize,
@@ -225,6 +227,7 @@ fn slot_bytes(
     pooled_dim: usize,
     kv_tiers: u8,
     top_logprobs: usize,
+    kv_transfer: bool,
 ) -> usize {
     let l = StepLimits {
         max_running,
@@ -235,6 +238,7 @@ fn slot_bytes(
         pooled_dim,
         host_copies: kv_tiers >= 2,
         storage_copies: kv_tiers >= 3,
+        kv_transfer,
         top_logprobs,
     };
     Plan::max_encoded_len(&l).max(StepResult::max_encoded_len(&l))

@@ -49,6 +49,9 @@ pub struct ServerConfig {
     pub decode_log_interval: u64,
     /// Serve Prometheus metrics at /metrics (`--enable-metrics`); without it the route is absent.
     pub enable_metrics: bool,
+    /// Prefill/decode disaggregation role (`--disaggregation-mode`): "null", "prefill" or
+    /// "decode"; requests carry the router's `bootstrap_room` only in the latter two.
+    pub disaggregation_mode: String,
     /// Sampling values for the fields a request omits (`--sampling-defaults model`: the model's
     /// generation_config.json; empty with `openai`).
     pub sampling_defaults: SamplingDefaults,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use tokenspeed_engine::scheduler::{FinishReason, Request, RequestId};
-use tokenspeed_engine::SamplingParams;
+use tokenspeed_engine::{KvTransfer, SamplingParams};
 use tokenspeed_text::{IncrementalDetokenizer, StopMatcher, StopStep, TextTokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -48,6 +48,8 @@ pub struct GenerationSpec {
     pub priority: i64,
     /// vLLM's `truncate_prompt_tokens`: the prompt's last tokens kept.
     pub truncate_prompt: Option<crate::validate::Truncation>,
+    /// Prefill/decode disaggregation: the KV transfer the router named (`bootstrap_room`).
+    pub kv_transfer: KvTransfer,
 }
 
 #[derive(Debug, Clone)]
@@ -145,6 +147,7 @@ pub async fn probe(
         grammar_starts_after: None,
         priority: 0,
         truncate_prompt: None,
+        kv_transfer: KvTransfer::None,
     };
     if fe.config.is_embedding {
         let run = crate::pooling::probe(fe, spec.prompt, replica);
@@ -188,7 +191,12 @@ async fn start_on(
     spec: GenerationSpec,
     replica: Option<usize>,
 ) -> Result<Generation, RequestError> {
-    let (prompt_ids, max_new_tokens) = budgeted_prompt(fe, &spec).await?;
+    let (prompt_ids, mut max_new_tokens) = budgeted_prompt(fe, &spec).await?;
+    let mut min_new_tokens = spec.min_new_tokens;
+    if let KvTransfer::Send { .. } = spec.kv_transfer {
+        // A prefill server computes the prompt and its first token; the decode server the rest.
+        (max_new_tokens, min_new_tokens) = (1, 0);
+    }
     // Compiled before submitting: an invalid grammar is a 400 before any KV is spent.
     let constraint = compile_constraint(fe, &spec).await?;
     let request = Request {
@@ -196,11 +204,12 @@ async fn start_on(
         prompt: prompt_ids.clone(),
         sampling: spec.sampling,
         max_new_tokens,
-        min_new_tokens: spec.min_new_tokens,
+        min_new_tokens,
         stop_token_ids: spec.stop_token_ids,
         eos_token_ids: fe.tokenizer.eos_token_ids().to_vec(),
         ignore_eos: spec.ignore_eos,
         priority: spec.priority,
+        kv_transfer: spec.kv_transfer,
     };
     fe.metrics
         .counters

@@ -5,9 +5,10 @@
 //! uncached prompt and expected growth too; an idle engine always admits.
 
 use super::{
-    Active, Phase, RequestId, SchedulePolicy, Scheduler, Sequence, StepBuilder, LPM_MAX_WAITING,
-    RESERVE_CLIP,
+    kv_transfer_len, Active, KvTransfer, Phase, RequestId, SchedulePolicy, Scheduler, Sequence,
+    StepBuilder, LPM_MAX_WAITING, RESERVE_CLIP,
 };
+use crate::plan::{copy_kind, CopyOp};
 
 /// How many of a request's tokens may come from the prefix cache. Never the whole sequence: the
 /// last token must be computed to get logits. Prompt logprobs need every prompt position
@@ -19,6 +20,7 @@ pub(super) fn matchable_len(seq: &Sequence) -> usize {
     if (sampling.prompt_logprobs && seq.completion_tokens() == 0)
         || sampling.penalized()
         || sampling.pooling
+        || received_room(seq).is_some()
     {
         0
     } else {
@@ -26,7 +28,56 @@ pub(super) fn matchable_len(seq: &Sequence) -> usize {
     }
 }
 
+/// The transfer a decode server's request receives its prompt KV from (`KvTransfer::Recv`),
+/// at its first admission only: readmitted after a retraction, it computes its prompt.
+fn received_room(seq: &Sequence) -> Option<u64> {
+    match seq.req.kv_transfer {
+        KvTransfer::Recv { room }
+            if seq.cached_tokens.is_none() && seq.req.kv_transfer.crosses(&seq.req.sampling) =>
+        {
+            Some(room)
+        }
+        _ => None,
+    }
+}
+
 impl Scheduler {
+    /// Prompt tokens whose KV `seq` receives at this admission instead of computing them.
+    fn received_len(&self, seq: &Sequence) -> usize {
+        received_room(seq).map_or(0, |_| {
+            kv_transfer_len(seq.req.prompt.len(), self.config.page_size as usize)
+        })
+    }
+
+    /// Gives admitted request `id` fresh pages for its first `tokens` tokens and plans their
+    /// transfer from the prefill server into them (before the step's forward): their KV then
+    /// counts as computed.
+    fn receive_kv(&mut self, id: RequestId, tokens: usize, step: &mut StepBuilder) {
+        let ps = self.config.page_size as usize;
+        let Some(pages) = self.take_pages(tokens / ps) else {
+            return; // admission counted them as free or evictable; the prompt is computed
+        };
+        let Some(seq) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let KvTransfer::Recv { room } = seq.req.kv_transfer else {
+            return;
+        };
+        let Phase::Prefilling(a) = &mut seq.phase else {
+            return;
+        };
+        step.add_pages(a.slot, a.num_pages(), pages.ids());
+        step.kv_copies
+            .extend(pages.ids().iter().map(|&page| CopyOp {
+                src: a.slot,
+                dst: page,
+                kind: copy_kind::KV_RECV,
+                key: room as i64,
+            }));
+        a.own.append(pages);
+        a.computed = tokens;
+    }
+
     /// Tokens a request is still expected to generate, as admission budgets them.
     pub(super) fn expected_growth(&self, seq: &Sequence) -> usize {
         let remaining = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens());
@@ -92,7 +143,11 @@ impl Scheduler {
                 self.cache.unlock(m.node);
                 break;
             }
-            let n = (seq.tokens.len() - m.len).min(*budget).min(spare * ps);
+            // Received pages need room but no compute (PD decode server; 0 otherwise).
+            let received = self.received_len(seq);
+            let n = (uncached - received)
+                .min(*budget)
+                .min((spare * ps).saturating_sub(received));
             // A pooling prompt runs whole or waits (no chunks), in arrival order like any other.
             if n == 0 || (seq.req.sampling.pooling && n < uncached) {
                 // Head-of-line blocking is deliberate: skipping ahead would starve long prompts.
@@ -108,7 +163,8 @@ impl Scheduler {
                 continue;
             };
             if seq.cached_tokens.is_none() {
-                seq.cached_tokens = Some(m.len.min(seq.req.prompt.len()) as u32);
+                // Received KV (PD) counts as cached: this server computed none of it.
+                seq.cached_tokens = Some((m.len + received).min(seq.req.prompt.len()) as u32);
                 self.admitted.push(id);
             }
             step.plan.new_requests.push(seq.worker_params(slot));
@@ -128,9 +184,12 @@ impl Scheduler {
             self.next_epoch += 1;
             self.waiting.retain(|&w| w != id);
             self.running.push(id);
+            if received > 0 {
+                self.receive_kv(id, received, step);
+            }
             self.schedule_chunk(id, n, &[], step);
             *budget -= n;
-            reserved += (uncached - n + growth).div_ceil(ps);
+            reserved += (uncached - received - n + growth).div_ceil(ps);
         }
     }
 

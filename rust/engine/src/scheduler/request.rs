@@ -259,6 +259,40 @@ pub struct Request {
     /// Admission order with `enable_priority_scheduling` (which end is urgent:
     /// `schedule_low_priority_values_first`); 0 is neutral.
     pub priority: i64,
+    /// Prefill/decode disaggregation: whether the prompt's KV crosses to or from a peer server.
+    pub kv_transfer: KvTransfer,
+}
+
+/// Prefill/decode disaggregation (`--disaggregation-mode`): a request's KV crossing between a
+/// prefill server and a decode server, named by the router's `bootstrap_room`. What crosses is
+/// the KV of the prompt's full pages before its last token (`kv_transfer_len`): the decode
+/// server computes the rest (less than a page, at least the last token) and samples from there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvTransfer {
+    #[default]
+    None,
+    /// Prefill server: the step that computes the prompt's last chunk sends those pages to the
+    /// decode server after its forward (`copy_kind::KV_SEND`).
+    Send { room: u64 },
+    /// Decode server: at its first admission the request receives those pages instead of
+    /// computing them (`copy_kind::KV_RECV`, before the step's forward).
+    Recv { room: u64 },
+}
+
+/// Tokens whose KV crosses for a prompt of `prompt_len` tokens: its full pages before the last
+/// token (the receiving side must compute at least that one to sample).
+pub fn kv_transfer_len(prompt_len: usize, page_size: usize) -> usize {
+    prompt_len.saturating_sub(1) / page_size * page_size
+}
+
+impl KvTransfer {
+    /// Whether the KV crosses at all for a request sampling with `s`: not when the decode side
+    /// must compute every prompt position itself (prompt logprobs, or a penalty whose history
+    /// the worker builds from the tokens it is fed). Both sides decide alike from the same
+    /// request, so neither sends nor waits for a transfer that will not happen.
+    pub fn crosses(&self, s: &SamplingParams) -> bool {
+        *self != KvTransfer::None && !(s.penalized() || s.prompt_logprobs || s.pooling)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -3,10 +3,11 @@
 
 use super::step_cost::StepShape;
 use super::{
-    Expected, Phase, RequestId, Scheduler, Sequence, StepBuilder, Work, RESERVE_RATIO_BUMP,
+    kv_transfer_len, Expected, KvTransfer, Phase, RequestId, Scheduler, Sequence, StepBuilder,
+    Work, RESERVE_RATIO_BUMP,
 };
 use crate::pages::Pages;
-use crate::plan::{FinishedSlot, Plan, ScheduledRequest, LAST_SAMPLED};
+use crate::plan::{copy_kind, CopyOp, FinishedSlot, Plan, ScheduledRequest, LAST_SAMPLED};
 
 /// The fewest prompt tokens the time cap leaves a step with decodes: a quarter of the default
 /// mixed-step token cap, so that when decodes alone take the whole target a wave of prompts
@@ -136,6 +137,8 @@ impl Scheduler {
             .collect();
         // Host-tier copies, in the order the cache decided them: before this step's forward.
         step.plan.copies = self.cache.take_copies();
+        // PD transfers after them: a received page may be one the cache just wrote back.
+        step.plan.copies.append(&mut step.kv_copies);
         if step.plan.is_empty() {
             return None;
         }
@@ -206,7 +209,7 @@ impl Scheduler {
     }
 
     /// Makes `n` pages free, evicting cached ones if needed, and takes them.
-    fn take_pages(&mut self, n: usize) -> Option<Pages> {
+    pub(super) fn take_pages(&mut self, n: usize) -> Option<Pages> {
         let free = self.pool.free_count();
         if free < n {
             self.cache.evict(n - free);
@@ -285,6 +288,21 @@ impl Scheduler {
         };
         input.extend_from_slice(drafts);
         let n = input.len();
+        let prompt_done = sample
+            && tokens.len() == seq.req.prompt.len()
+            && seq.req.kv_transfer.crosses(&seq.req.sampling);
+        if let (KvTransfer::Send { room }, true) = (seq.req.kv_transfer, prompt_done) {
+            // The prompt's last chunk (the request samples once, `max_new_tokens` 1): its KV
+            // goes to the decode server after this step's forward.
+            let count = kv_transfer_len(seq.req.prompt.len(), ps) / ps;
+            let table = a.prefix_pages.iter().chain(a.own.ids()).take(count);
+            step.kv_copies.extend(table.map(|&page| CopyOp {
+                src: page,
+                dst: a.slot,
+                kind: copy_kind::KV_SEND,
+                key: room as i64,
+            }));
+        }
         step.plan.scheduled.push(ScheduledRequest {
             slot: a.slot,
             start_pos: a.computed as u32,

@@ -97,6 +97,10 @@ pub struct FakeWorker {
     pub constant_token: Option<u32>,
     /// The fake model's next token after a sequence (`next_token` unless a test sets one).
     pub model: fn(&[u32]) -> u32,
+    /// Prefill/decode disaggregation: the pages each transfer (by room) sent, in order
+    /// (`KV_SEND`), and those waiting to be received (`KV_RECV` takes them from the front).
+    pub kv_sent: HashMap<i64, Vec<Vec<Option<u32>>>>,
+    pub kv_inbox: HashMap<i64, VecDeque<Vec<Option<u32>>>>,
 }
 
 impl FakeWorker {
@@ -111,6 +115,8 @@ impl FakeWorker {
             accept: HashMap::new(),
             constant_token: None,
             model: next_token,
+            kv_sent: HashMap::new(),
+            kv_inbox: HashMap::new(),
         }
     }
 
@@ -175,6 +181,16 @@ impl FakeWorker {
                         self.store.remove(&c.key).is_some(),
                         "a dropped page was stored"
                     );
+                    continue;
+                }
+                copy_kind::KV_SEND => continue, // after the forward
+                copy_kind::KV_RECV => {
+                    let page = self
+                        .kv_inbox
+                        .get_mut(&c.key)
+                        .and_then(VecDeque::pop_front)
+                        .expect("a received page was sent");
+                    self.kv[dst..dst + ps].copy_from_slice(&page);
                     continue;
                 }
                 _ => {}
@@ -310,6 +326,12 @@ impl FakeWorker {
                     ..RequestEvent::default()
                 });
             }
+        }
+        // Sends read the KV this step's forward wrote.
+        for c in plan.copies.iter().filter(|c| c.kind == copy_kind::KV_SEND) {
+            let src = c.src as usize * ps;
+            let page = self.kv[src..src + ps].to_vec();
+            self.kv_sent.entry(c.key).or_default().push(page);
         }
         StepResult {
             step_id: plan.step_id,

@@ -179,8 +179,14 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         req.priority,
         state.config.scheduler.enable_priority_scheduling,
     )?;
+    let kv_transfer = validate::bootstrap_room(
+        req.bootstrap_room,
+        &state.config.disaggregation_mode,
+        checked.specs.len() * checked.n,
+    )?;
     for spec in &mut checked.specs {
         spec.priority = priority;
+        spec.kv_transfer = kv_transfer;
         crate::lora::run_on(&mut spec.sampling, adapter.clone());
     }
     let mut echo_texts: Vec<String> = if checked.echo {

@@ -132,6 +132,8 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
     /// vLLM's and SGLang's admission priority (`validate::priority`).
     pub priority: Option<i64>,
+    /// SGLang's PD router's KV transfer id (`validate::bootstrap_room`).
+    pub bootstrap_room: Option<u64>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -162,6 +164,8 @@ pub struct ChatCompletionRequest {
     pub echo: Option<bool>,
     /// vLLM's and SGLang's admission priority (`validate::priority`).
     pub priority: Option<i64>,
+    /// SGLang's PD router's KV transfer id (`validate::bootstrap_room`).
+    pub bootstrap_room: Option<u64>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -188,6 +192,8 @@ pub struct GenerateRequest {
     pub return_text_in_logprobs: Option<bool>,
     /// vLLM's and SGLang's admission priority (`validate::priority`).
     pub priority: Option<i64>,
+    /// SGLang's PD router's KV transfer id (`validate::bootstrap_room`).
+    pub bootstrap_room: Option<u64>,
     #[serde(flatten)]
     #[schema(ignore)]
     pub extra: Map<String, Value>,

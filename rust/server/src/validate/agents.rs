@@ -58,6 +58,7 @@ pub fn agent_chat(
         echo: None,
         // Admission priority: the default (a non-zero `priority` is refused as unbuilt).
         priority: None,
+        bootstrap_room: None,
         sampling: parts.sampling,
         extra: Map::new(),
     };

@@ -448,6 +448,7 @@ mod tests {
             grammar_starts_after: None,
             priority: 0,
             truncate_prompt: None,
+            kv_transfer: tokenspeed_engine::KvTransfer::None,
         }
     }
 

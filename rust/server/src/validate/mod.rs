@@ -130,6 +130,7 @@ pub fn generation_spec(
         grammar_starts_after: None,
         priority: 0,
         truncate_prompt: truncation(f.truncate_prompt_tokens)?,
+        kv_transfer: tokenspeed_engine::KvTransfer::None,
     })
 }
 
@@ -213,6 +214,33 @@ pub fn priority(given: Option<i64>, enabled: bool) -> Result<i64, RequestError> 
                  --enable-priority-scheduling (only the neutral 0 is accepted without it)"
             ),
         )),
+    }
+}
+
+/// SGLang's `bootstrap_room` (its router's PD mode; `bootstrap_host` and `bootstrap_port` are
+/// ignored: a decode server's prefill peer is fixed at start): the KV transfer a request joins
+/// on a prefill or decode server (`--disaggregation-mode`), one generation per request.
+/// Refused on a combined server, where no transfer could happen.
+pub fn bootstrap_room(
+    given: Option<u64>,
+    mode: &str,
+    choices: usize,
+) -> Result<tokenspeed_engine::KvTransfer, RequestError> {
+    use tokenspeed_engine::KvTransfer;
+    let Some(room) = given else {
+        return Ok(KvTransfer::None);
+    };
+    let refuse = |why: &str| Err(RequestError::bad_param("bootstrap_room", why.to_string()));
+    if choices != 1 {
+        return refuse("a request with 'bootstrap_room' generates one choice (n = 1)");
+    }
+    match mode {
+        "prefill" => Ok(KvTransfer::Send { room }),
+        "decode" => Ok(KvTransfer::Recv { room }),
+        _ => refuse(
+            "'bootstrap_room' names a prefill/decode KV transfer: this server runs neither \
+             (start it with --disaggregation-mode prefill or decode)",
+        ),
     }
 }
 

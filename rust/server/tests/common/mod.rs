@@ -62,6 +62,7 @@ pub fn server_config() -> ServerConfig {
         load_balance_method: None,
         decode_log_interval: 0,
         enable_metrics: false,
+        disaggregation_mode: "null".into(),
         sampling_defaults: Default::default(),
         vocab_size: 0,
         max_logprobs: 20,

@@ -1,0 +1,209 @@
+//! Prefill/decode disaggregation: a prefill scheduler sends the KV of a prompt's full pages
+//! (bar the last token) after the step that computes it, a decode scheduler receives them into
+//! fresh pages at admission and computes only the rest. The fake workers carry the pages from
+//! one to the other, and their model reads every token back through the KV, so a missing,
+//! misplaced or misordered page changes the tokens.
+
+mod common;
+
+use common::*;
+use tokenspeed_engine::{copy_kind, kv_transfer_len, KvTransfer, Request};
+
+const ROOM: u64 = 0xfeed_beef;
+
+fn transfer(id: u64, prompt: Vec<u32>, max_new_tokens: u32, kv: KvTransfer) -> Request {
+    Request {
+        kv_transfer: kv,
+        ..request(id, prompt, max_new_tokens)
+    }
+}
+
+fn kv_ops(h: &Harness, kind: u8) -> Vec<(u64, tokenspeed_engine::CopyOp)> {
+    h.plans
+        .iter()
+        .flat_map(|p| p.copies.iter().map(|c| (p.step_id, c.clone())))
+        .filter(|(_, c)| c.kind == kind)
+        .collect()
+}
+
+/// Prefill of `p` on one scheduler, decode on another: the decode server's tokens are those
+/// of one server, and the prefill server's one token is the first of them.
+fn pair(page_size: u32, p: &[u32], overlap: bool) -> (Harness, Harness) {
+    let mut prefill = Harness::with_overlap(config(64, page_size), overlap);
+    prefill.submit(transfer(1, p.to_vec(), 1, KvTransfer::Send { room: ROOM }));
+    prefill.run(100);
+    assert_eq!(
+        prefill.tokens(1u64),
+        reference(p, 1),
+        "the prefill's first token"
+    );
+    let sent = prefill
+        .worker
+        .kv_sent
+        .remove(&(ROOM as i64))
+        .unwrap_or_default();
+    let ps = page_size as usize;
+    assert_eq!(
+        sent.len() * ps,
+        kv_transfer_len(p.len(), ps),
+        "full pages before the last token"
+    );
+
+    let mut decode = Harness::with_overlap(config(64, page_size), overlap);
+    decode
+        .worker
+        .kv_inbox
+        .insert(ROOM as i64, sent.into_iter().collect());
+    decode.submit(transfer(2, p.to_vec(), 6, KvTransfer::Recv { room: ROOM }));
+    decode.run(100);
+    assert_eq!(
+        decode.tokens(2u64),
+        reference(p, 6),
+        "decoded from the received KV"
+    );
+    prefill.assert_no_leak();
+    decode.assert_no_leak();
+    (prefill, decode)
+}
+
+#[test]
+fn a_pd_pair_gives_the_tokens_of_one_server() {
+    for overlap in [false, true] {
+        for (ps, len) in [(4, 10), (4, 13), (1, 7), (16, 40)] {
+            let p = prompt(3, len);
+            let (prefill, decode) = pair(ps, &p, overlap);
+            let ps = ps as usize;
+            let pages = kv_transfer_len(len, ps) / ps;
+            // The sends ride in the plan whose forward computes the prompt's last chunk.
+            let sends = kv_ops(&prefill, copy_kind::KV_SEND);
+            assert_eq!(sends.len(), pages);
+            let last_chunk = prefill
+                .plans
+                .iter()
+                .find(|pl| pl.scheduled.iter().any(|r| r.sample));
+            assert!(sends
+                .iter()
+                .all(|(step, _)| Some(*step) == last_chunk.map(|pl| pl.step_id)));
+            // The receives ride in the admitting plan, whose chunk starts after them.
+            let recvs = kv_ops(&decode, copy_kind::KV_RECV);
+            assert_eq!(recvs.len(), pages);
+            let first = &decode.plans[0];
+            assert!(recvs
+                .iter()
+                .all(|(step, c)| *step == first.step_id && c.key == ROOM as i64));
+            assert_eq!(first.scheduled[0].start_pos as usize, pages * ps);
+            assert_eq!(decode.last_output(2u64).prompt_tokens as usize, len);
+            assert_eq!(
+                decode.last_output(2u64).cached_tokens as usize,
+                pages * ps,
+                "received"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_prompt_within_one_page_crosses_nothing() {
+    let p = prompt(5, 4);
+    let (prefill, decode) = pair(4, &p, false);
+    assert!(kv_ops(&prefill, copy_kind::KV_SEND).is_empty());
+    assert!(kv_ops(&decode, copy_kind::KV_RECV).is_empty());
+    assert_eq!(
+        decode.plans[0].scheduled[0].start_pos, 0,
+        "the decode server computes it all"
+    );
+}
+
+#[test]
+fn without_a_transfer_no_plan_carries_one() {
+    let mut h = Harness::new(config(64, 4));
+    h.submit(request(1, prompt(1, 20), 4));
+    h.run(100);
+    assert!(kv_ops(&h, copy_kind::KV_SEND).is_empty());
+    assert!(kv_ops(&h, copy_kind::KV_RECV).is_empty());
+}
+
+#[test]
+fn an_aborted_receive_frees_its_pages() {
+    let p = prompt(7, 21);
+    let mut decode = Harness::new(config(64, 4));
+    let pages: Vec<Vec<Option<u32>>> = (0..5).map(|i| vec![Some(p[i]); 4]).collect();
+    decode
+        .worker
+        .kv_inbox
+        .insert(ROOM as i64, pages.into_iter().collect());
+    decode.submit(transfer(1, p, 50, KvTransfer::Recv { room: ROOM }));
+    decode.step();
+    assert!(decode.sched.abort(1u64.into()));
+    decode.run(20);
+    decode.assert_no_leak();
+}
+
+#[test]
+fn receivers_in_a_small_pool_take_turns() {
+    // 8 pages of 4 tokens: two 13-token prompts growing to 28 tokens do not fit together; the
+    // second receives its pages when it is admitted, whenever that is.
+    let mut prefill = Harness::new(config(64, 4));
+    let prompts: Vec<Vec<u32>> = (1..=2).map(|s| prompt(s, 13)).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        let room = ROOM + i as u64;
+        prefill.submit(transfer(
+            i as u64 + 1,
+            p.clone(),
+            1,
+            KvTransfer::Send { room },
+        ));
+    }
+    prefill.run(100);
+    let mut decode = Harness::new(config(8, 4));
+    for (i, p) in prompts.iter().enumerate() {
+        let room = ROOM + i as u64;
+        let sent = prefill.worker.kv_sent.remove(&(room as i64)).expect("sent");
+        decode
+            .worker
+            .kv_inbox
+            .insert(room as i64, sent.into_iter().collect());
+        decode.submit(Request {
+            ignore_eos: true,
+            ..transfer(i as u64 + 1, p.clone(), 15, KvTransfer::Recv { room })
+        });
+    }
+    decode.run(200);
+    for (i, p) in prompts.iter().enumerate() {
+        assert_eq!(
+            decode.tokens(i as u64 + 1),
+            reference(p, 15),
+            "request {}",
+            i + 1
+        );
+    }
+    assert_eq!(
+        kv_ops(&decode, copy_kind::KV_RECV).len(),
+        6,
+        "each received once"
+    );
+    decode.assert_no_leak();
+}
+
+#[test]
+fn a_penalized_request_is_computed_on_both_sides() {
+    // The worker builds a penalty's history from the tokens it is fed: no KV crosses.
+    let p = prompt(9, 21);
+    let mut sampling = tokenspeed_engine::SamplingParams::greedy();
+    sampling.frequency_penalty = 0.5;
+    let mut prefill = Harness::new(config(64, 4));
+    prefill.submit(Request {
+        sampling: sampling.clone(),
+        ..transfer(1, p.clone(), 1, KvTransfer::Send { room: ROOM })
+    });
+    prefill.run(50);
+    assert!(kv_ops(&prefill, copy_kind::KV_SEND).is_empty());
+    let mut decode = Harness::new(config(64, 4));
+    decode.submit(Request {
+        sampling,
+        ..transfer(2, p.clone(), 4, KvTransfer::Recv { room: ROOM })
+    });
+    decode.run(50);
+    assert!(kv_ops(&decode, copy_kind::KV_RECV).is_empty());
+    assert_eq!(decode.tokens(2u64), reference(&p, 4));
+}
