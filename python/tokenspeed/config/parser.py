@@ -318,6 +318,8 @@ def parse_serve_args(argv: list[str]) -> ServeConfig:
     _check_supported(chosen)
     # Flags without a ServeConfig field are unimplemented, so they hold their defaults here.
     values = {dest: g.value for dest, g in chosen.items() if dest in _CONFIG_FIELDS}
+    if "otlp_traces_endpoint" in values:  # vLLM has no --enable-trace: the endpoint turns it on
+        values.setdefault("enable_trace", True)
     return resolve_kv_events(resolve_speculative(ServeConfig(**values)))
 
 
