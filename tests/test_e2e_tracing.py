@@ -91,10 +91,10 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30)
 
 
-def chat(server: Server, headers: dict[str, str] | None = None):
+def chat(server: Server, headers: dict[str, str] | None = None, prompt: str = LONG_PROMPT):
     api = client(server)
     return api.chat.completions.with_raw_response.create(
-        model=api.models.list().data[0].id, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=6,
+        model=api.models.list().data[0].id, messages=[{"role": "user", "content": prompt}], max_tokens=6,
         temperature=0, extra_headers=headers or {})
 
 
@@ -141,16 +141,24 @@ def test_a_chat_completion_exports_its_spans_under_the_callers_traceparent(
     assert detokenize["tokenspeed.tokens"] == usage.completion_tokens
 
 
-def test_a_request_without_traceparent_starts_its_own_trace(traced: Server, receiver: Receiver) -> None:
-    raw = chat(traced)
+def test_a_streamed_request_without_traceparent_starts_its_own_trace(
+        traced: Server, receiver: Receiver) -> None:
+    api = client(traced)
+    raw = api.chat.completions.with_raw_response.create(
+        model=api.models.list().data[0].id, messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4, stream=True)
+    assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in raw.parse())
     _, trace_id, span_id, _ = raw.headers["traceresponse"].split("-")
-    spans = receiver.wait_for(set())
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not any(s.span_id.hex() == span_id for s in spans):
+    while time.monotonic() < deadline and not {"decode", "detokenize"} <= {
+            s.name for s in receiver.spans if s.trace_id.hex() == trace_id}:
         time.sleep(0.1)
-        spans = list(receiver.spans)
-    (server,) = [s for s in spans if s.span_id.hex() == span_id]
-    assert server.trace_id.hex() == trace_id and server.parent_span_id == b""
+    spans = {s.name: s for s in receiver.spans if s.trace_id.hex() == trace_id}
+    server = spans.pop("POST /v1/chat/completions")
+    assert server.span_id.hex() == span_id and server.parent_span_id == b""  # a root
+    assert set(spans) == set(ENGINE_SPANS)  # a short prompt: one chunk
+    # The stream outlives the handler: the server span ends with the body, after the last text.
+    assert spans["detokenize"].end_time_unix_nano <= server.end_time_unix_nano
 
 
 def silent_collector() -> socket.socket:
@@ -166,10 +174,11 @@ def test_a_collector_that_never_answers_slows_and_fails_no_request(tmp_path) -> 
     server = start_server(str(tmp_path), "--enable-trace", "--otlp-traces-endpoint",
                           f"http://127.0.0.1:{sock.getsockname()[1]}")
     try:
-        for _ in range(4):  # the client's timeout (30 s) fails a request the exporter would hold
-            assert chat(server).parse().choices[0].message.content
+        assert chat(server, prompt="Hi").parse().choices[0].message.content
         sock.settimeout(10)
-        exporter, _ = sock.accept()  # the exporter did connect: its export hangs meanwhile
+        exporter, _ = sock.accept()  # the exporter connected: its export hangs from now on
+        for _ in range(2):  # the client's timeout (30 s) fails a request the exporter would hold
+            assert chat(server, prompt="Hello").parse().choices[0].message.content
         exporter.close()
     finally:
         stop_server(server)

@@ -9,6 +9,7 @@
 //! (full: spans are dropped) drained by its own thread, so an unreachable collector never
 //! slows or fails a request.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
@@ -143,26 +144,23 @@ impl Tracer {
     }
 }
 
-/// A request's place in its trace, handed down the pipeline: the tracer and the context of
-/// its server span (spans recorded with it are that span's children).
+/// A request's place in its trace, handed down the pipeline (cheap to clone): the tracer and
+/// the context of its server span (spans recorded with it are that span's children).
 #[derive(Clone)]
-pub struct RequestTrace {
-    pub tracer: Tracer,
-    pub parent: Context,
-}
+pub struct RequestTrace(Arc<(Tracer, Context)>);
 
 impl RequestTrace {
     /// The trace of the server span `cx` holds, if that span records (a `traceparent` whose
     /// sampled flag is off makes a span that does not: nothing is timed for it).
     pub fn of(tracer: &Tracer, cx: &Context) -> Option<RequestTrace> {
-        cx.span().is_recording().then(|| RequestTrace {
-            tracer: tracer.clone(),
-            parent: cx.clone(),
-        })
+        cx.span()
+            .is_recording()
+            .then(|| RequestTrace(Arc::new((tracer.clone(), cx.clone()))))
     }
 
     pub fn span(&self, name: &'static str, start: Instant, end: Instant, attrs: Vec<KeyValue>) {
-        self.tracer.span(&self.parent, name, start, end, attrs);
+        let (tracer, parent) = &*self.0;
+        tracer.span(parent, name, start, end, attrs);
     }
 }
 
