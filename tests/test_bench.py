@@ -26,6 +26,7 @@ from tokenspeed.bench.datasets import (
     sharegpt_dataset,
 )
 from tokenspeed.bench.metrics import RequestResult, arrival_offsets, compute_metrics, verify_lengths
+from tokenspeed.bench.serve import engine_itl, parse_itl_buckets
 
 
 class WordTokenizer:
@@ -166,6 +167,20 @@ def test_server_prompt_tokens_preferred_when_all_report_them() -> None:
     assert compute_metrics([a, b])["total_input_tokens"] == 23
     b.usage_prompt_tokens = None
     assert compute_metrics([a, b])["total_input_tokens"] == 20
+
+
+def test_engine_itl_from_two_metrics_scrapes() -> None:
+    def scrape(counts: list[int]) -> str:
+        les = ["0.01", "0.3", "0.5", "+Inf"]
+        return "\n".join(f'tokenspeed:inter_token_latency_seconds_bucket{{model_name="m",le="{le}"}} {n}'
+                         for le, n in zip(les, counts)) + "\ntokenspeed:other_bucket{le=\"0.3\"} 7\n"
+
+    before = parse_itl_buckets(scrape([5, 5, 5, 5]))
+    after = parse_itl_buckets(scrape([95, 98, 99, 100]))  # 95 gaps, 2 over 300 ms, 1 over 500
+    assert engine_itl(before, after) == {"gaps": 95, "over_300ms": 2, "max_le_ms": math.inf}
+    after = parse_itl_buckets(scrape([95, 98, 100, 100]))
+    assert engine_itl(before, after)["max_le_ms"] == 500.0
+    assert parse_itl_buckets("# no histogram\n") is None and engine_itl(None, after) is None
 
 
 def test_poisson_arrivals() -> None:
@@ -448,3 +463,5 @@ def test_zz_bench_serve_real_server(server: object, tmp_path: Path) -> None:
         assert rec["metrics"]["total_output_tokens"] == 64 and rec["output_tokens_source"] == "server usage"
         assert rec["metrics"]["gpu_idle"]["gpu_idle_s"] >= 0 and rec["metrics"]["gpu_idle"]["window_s"] > 0
         assert rec["metrics"]["gpu_idle"]["retractions"] == 0  # 8 short requests fit the pool
+        itl = rec["metrics"]["engine_itl"]  # 8 requests x 7 gaps, as the engine saw them
+        assert itl["gaps"] == 56 and itl["max_le_ms"] > 0

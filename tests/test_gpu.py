@@ -312,6 +312,22 @@ def test_extend_graphs_fp32_mixed_steps_match_hf_exactly(tmp_path: Path) -> None
     assert replays == len(prompts)  # every step that carried a prompt (all <= 256 tokens)
 
 
+def test_extend_graphs_replay_mixed_steps_of_a_full_decode_batch(tmp_path: Path) -> None:
+    """A prompt beside ~70 decodes (more than the 64 request rows extend graphs had before
+    session 21) replays a graph, and every request still gets HF's greedy tokens."""
+    from tokenspeed.worker.cuda_graph import extend_capture_sizes
+
+    path = write_config(tmp_path, "small", SMALL_FP32)
+    n_req, n_new = 72, 70
+    runner = make_runner(path, "float32", max_slots=n_req, extend_graph_sizes=extend_capture_sizes(256))
+    hf = hf_from_ours(path, runner.model, torch.float32)  # type: ignore[attr-defined]
+    prompts = prompts_for(SMALL_FP32["vocab_size"], [5 + i % 13 for i in range(n_req)], seed=3)
+    ours = staggered_greedy(runner, prompts, n_new)
+    ref = [hf_greedy(hf, p, n_new)[0] for p in prompts]
+    assert ours == ref
+    assert runner.extend_graphs.replays == n_req  # type: ignore[attr-defined]  # up to 70 decodes beside
+
+
 @pytest.mark.parametrize("prompt_len", [100, 700])  # an extend graph / the eager path
 def test_a_new_requests_step_is_launched_without_waiting_for_the_gpu(tmp_path: Path,
                                                                       prompt_len: int) -> None:

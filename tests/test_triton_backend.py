@@ -218,7 +218,7 @@ def with_extend_graphs(runner: ModelRunner, sizes: list[int], max_requests: int)
     it takes runs the graph's body eagerly, with its padding and tiled attention. Returns the
     list of the token counts it ran, appended per step."""
     graphs = ExtendGraphRunner(runner.model, runner.kv_cache, runner.backend, sizes, max_requests,
-                               runner.config.vocab_size, runner.device, runner.last_tokens,
+                               runner.config.hidden_size, runner.device, runner.last_tokens,
                                runner.dtype, runner.config.head_dim)
     ran: list[int] = []
     body = graphs._run

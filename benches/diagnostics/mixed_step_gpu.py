@@ -41,17 +41,12 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="top N kernels per case")
     ap.add_argument("--quantization", default=None, help="fp8: the served fp8 weights' path")
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: the fp8 KV cache")
-    ap.add_argument("--extend-graph-rows", type=int, default=None,
-                    help="request rows of the extend graphs (default: the runner's own)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
 
     from tokenspeed.worker.cuda_graph import extend_capture_sizes
     from tokenspeed.worker.model_runner import ModelRunner
 
-    if args.extend_graph_rows:  # an experiment: how a mixed step with more requests replays
-        from tokenspeed.worker import model_runner
-        model_runner.EXTEND_GRAPH_MAX_REQUESTS = args.extend_graph_rows
     path = llama31_8b_dir(args.layers)
     sizes = extend_capture_sizes(2048)
     slots = args.decodes + 4 * (args.reps + 2) + 1

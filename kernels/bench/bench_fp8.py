@@ -7,8 +7,10 @@ inside CUDA graphs with bench_kernels.graph_ms, as bench_gemv.py does):
   fp8_gemv    skinny_linear(weight_scale=): fp8 weights, bf16 activations (runtime, M <= 8)
   fp8_gemv_bf16cfg the same with the tile bf16 weights get (what the runtime used before the fp8
               tiles: the comparison in one run)
-  scaled_mm   per_token_quant_fp8 + torch._scaled_mm row-wise (runtime, M > 8)
-  mm_only     torch._scaled_mm alone (activations already fp8): the cuBLAS kernel's own time
+  scaled_mm   per_token_quant_fp8 + torch._scaled_mm row-wise, fast accumulation (runtime, M > 8)
+  mm_only     torch._scaled_mm alone (activations already fp8), cuBLAS's default accumulation
+              (promoted to fp32 periodically; the runtime before session 21, TOKENSPEED_FP8_GEMM=cublas_promote)
+  mm_fast     the same with use_fast_accum=True (Hopper's fp8 fast accumulation: the runtime's)
   triton_mm   per_token_quant_fp8 + tokenspeed_kernels.fp8_matmul (TOKENSPEED_FP8_GEMM=triton)
 "whole step" = 32 x (qkv + o_proj + gate_up + down) + lm_head, each column with its own kernel
 (the lm_head too: --quantization fp8 quantises it by default, --lm-head-quantization). Each fp8 result is checked against the fp32 matmul of
@@ -50,7 +52,7 @@ COLD_BYTES = 256 << 20
 DEVICE = "cuda"  # the sweep's CPU smoke test (interpreter) sets "cpu"
 FP8 = torch.float8_e4m3fn
 GEMV_MAX_M = 8
-TOL = {"bf16_gemv": 2e-2, "fp8_gemv": 2e-2, "fp8_gemv_bf16cfg": 2e-2, "scaled_mm": 5e-2, "mm_only": 5e-2, "triton_mm": 5e-2}
+TOL = {"bf16_gemv": 2e-2, "fp8_gemv": 2e-2, "fp8_gemv_bf16cfg": 2e-2, "scaled_mm": 5e-2, "mm_only": 5e-2, "mm_fast": 5e-2, "triton_mm": 5e-2}
 
 
 def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +60,10 @@ def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / s[:, None]).clamp(-448, 448).to(FP8), s
 
 
-def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    return torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
+def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+              fast_accum: bool = False) -> torch.Tensor:
+    return torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
 
 
 def impls_for(m: int, n: int, k: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]]:
@@ -70,8 +74,9 @@ def impls_for(m: int, n: int, k: int) -> dict[str, Callable[[torch.Tensor, torch
         out["bf16_gemv"] = lambda x, w, q: skinny_linear(x, w)
         out["fp8_gemv"] = lambda x, w, q: skinny_linear(x, q[0], weight_scale=q[1])
         out["fp8_gemv_bf16cfg"] = lambda x, w, q: skinny_linear(x, q[0], weight_scale=q[1], config=cfg)
-    out["scaled_mm"] = lambda x, w, q: scaled_mm(*per_token_quant_fp8(x), q[0], q[1])
+    out["scaled_mm"] = lambda x, w, q: scaled_mm(*per_token_quant_fp8(x), q[0], q[1], fast_accum=True)
     out["mm_only"] = lambda x, w, q: scaled_mm(q[2], q[3], q[0], q[1])
+    out["mm_fast"] = lambda x, w, q: scaled_mm(q[2], q[3], q[0], q[1], fast_accum=True)
     out["triton_mm"] = lambda x, w, q: fp8_matmul(*per_token_quant_fp8(x), q[0], q[1], torch.bfloat16)
     return out
 
@@ -314,6 +319,9 @@ def main() -> int:
             packs = [(q, s, *per_token_quant_fp8(x)) for (q, s), x in zip(qs, xs)]
             ref = xs[0].float() @ (qs[0][0].float() * qs[0][1][:, None]).T
             ref16 = xs[0].float() @ ws[0].float().T  # bf16_gemv multiplies the bf16 weights
+            # The fp8 operands multiplied exactly: what the accumulation alone adds (mm_only vs mm_fast).
+            xq, xsc = packs[0][2], packs[0][3]
+            refq = (xq.double() * xsc.double()[:, None]) @ (qs[0][0].double() * qs[0][1].double()[:, None]).T
             row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m}
             cells = []
             for impl, fn in impls_for(m, n, k).items():
@@ -321,6 +329,8 @@ def main() -> int:
                     if impl != "bf16":
                         err = rel_err(fn(xs[0], ws[0], packs[0]), ref16 if impl == "bf16_gemv" else ref)
                         row[f"{impl}_err"] = err
+                        if impl in ("mm_only", "mm_fast"):
+                            row[f"{impl}_accum_err"] = rel_err(fn(xs[0], ws[0], packs[0]), refq)
                         if err > TOL[impl]:
                             failures += 1
                             cells.append(f"{impl} ERR {err:.1e}")
@@ -328,7 +338,8 @@ def main() -> int:
                     fns = [lambda x=x, w=w, p=p, fn=fn: fn(x, w, p) for x, w, p in zip(xs, ws, packs)]
                     us = graph_ms(fns, calls, 10) * 1e3
                     row[f"{impl}_us"] = us
-                    cells.append(f"{impl} {us:.1f}")
+                    cells.append(f"{impl} {us:.1f}" + (f" (accum err {row[f'{impl}_accum_err']:.1e})"
+                                                       if f"{impl}_accum_err" in row else ""))
                     step[m][impl] = step[m].get(impl, 0.0) + mult * us / 1e3
                 except Exception as e:  # noqa: BLE001 - report, go on
                     failures += 1

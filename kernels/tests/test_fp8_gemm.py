@@ -28,7 +28,7 @@ def _per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k", [(1, 64), (5, 300), (3, 5000)])
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 300), (3, 5000), (2, 14336), (2, 16385)])  # one pass; two
 def test_per_token_quant(dtype: torch.dtype, m: int, k: int, device: str) -> None:
     gen = torch.Generator().manual_seed(m + k)
     x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]  # rows of any size

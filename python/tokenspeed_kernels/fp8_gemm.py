@@ -36,22 +36,37 @@ def _per_token_quant_kernel(
     MANT: tl.constexpr,
     BIAS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
-    """One program = one row: amax over K, scale = amax / FP8_MAX, q = x / scale."""
+    """One program = one row: amax over K, scale = amax / FP8_MAX, q = x / scale. ONE_PASS (the
+    row fits one block): the row is read once and held in registers; else read twice."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0), MIN_AMAX_C) / FP8_MAX
-    inv = 1.0 / scale
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        mask = k0 + offs < K
-        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0)
-        tl.store(q_ptr + row * stride_q + k0 + offs,
-                 cache_value(x, inv, q_ptr.dtype.element_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
+    if ONE_PASS:
+        mask = offs < K
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        scale = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), 0), MIN_AMAX_C) / FP8_MAX
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * stride_q + offs,
+                 cache_value(x, 1.0 / scale, q_ptr.dtype.element_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, 0), MIN_AMAX_C) / FP8_MAX
+        inv = 1.0 / scale
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0)
+            tl.store(q_ptr + row * stride_q + k0 + offs,
+                     cache_value(x, inv, q_ptr.dtype.element_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
+
+
+# Rows up to this many elements are quantised in one pass from registers (64 values a thread at
+# 8 warps): an 8B model's down_proj input (14,336) is read once instead of twice.
+ONE_PASS_MAX_K = 16384
 
 
 def per_token_quant_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
@@ -65,9 +80,11 @@ def per_token_quant_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3f
     if m == 0:
         return q, scale
     q_arg, _, consts = store_args(q, 1.0)
+    one_pass = k <= ONE_PASS_MAX_K
+    block = triton.next_power_of_2(k) if one_pass else 4096
     _per_token_quant_kernel[(m,)](x, q_arg, scale, k, x.stride(0), q.stride(0), MIN_AMAX_C=MIN_AMAX,
-                                  BLOCK_K=min(4096, triton.next_power_of_2(k)), **consts,
-                                  num_warps=4)  # fmt: skip
+                                  BLOCK_K=block, ONE_PASS=one_pass, **consts,
+                                  num_warps=8 if block > 4096 else 4)  # fmt: skip
     return q, scale
 
 

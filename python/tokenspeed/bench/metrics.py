@@ -167,5 +167,9 @@ def format_metrics(m: dict, header: dict[str, object]) -> str:
         lines.append(_line("Engine stalled, no step in flight (ms):", 1e3 * idle["stalled_s"]))
         if "retractions" in idle:  # each one pauses a stream until it is readmitted
             lines.append(_line("Requests retracted (KV pages ran out):", idle["retractions"]))
+    itl = m.get("engine_itl")
+    if isinstance(itl, dict):  # serve.engine_itl: the gaps before the HTTP stream and the client
+        lines.append(_line("Engine ITL gaps over 300 ms:", itl["over_300ms"]))
+        lines.append(_line("Engine max ITL at most (ms):", itl["max_le_ms"]))
     lines.append("=" * 51)
     return "\n".join(lines)

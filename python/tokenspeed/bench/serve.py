@@ -166,6 +166,46 @@ async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> dict[str
         return None
 
 
+ITL_SERIES = "tokenspeed:inter_token_latency_seconds_bucket"
+
+
+async def _engine_itl_buckets(client: httpx.AsyncClient, base_url: str) -> dict[float, float] | None:
+    """The engine's inter-token gap histogram from /metrics (upper bound s -> cumulative count,
+    summed over label sets); None from servers without it."""
+    try:
+        r = await client.get(f"{base_url}/metrics")
+        return parse_itl_buckets(r.text) if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def parse_itl_buckets(text: str) -> dict[float, float] | None:
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(ITL_SERIES + "{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        le = labels.split('le="', 1)[1].split('"', 1)[0]
+        bound = math.inf if le == "+Inf" else float(le)
+        buckets[bound] = buckets.get(bound, 0.0) + float(value)
+    return buckets or None
+
+
+def engine_itl(before: dict[float, float] | None, after: dict[float, float] | None,
+               over_s: float = 0.3) -> dict | None:
+    """The run's inter-token gaps as the engine saw them (its event loop, when each step's
+    tokens arrived: before detokenizing and the HTTP stream, and before the client): how many
+    exceeded `over_s` and the histogram bound under which all of them fall. A long gap the
+    client measures but the engine does not was made between the engine and the client."""
+    if not before or not after or over_s not in after:
+        return None
+    delta = {b: after[b] - before.get(b, 0.0) for b in after}
+    total = delta.get(math.inf, 0.0)
+    max_le = min((b for b, n in delta.items() if n >= total), default=math.inf)
+    return {"gaps": int(total), f"over_{int(over_s * 1e3)}ms": int(total - delta[over_s]),
+            "max_le_ms": max_le * 1e3}
+
+
 def gpu_idle_share(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
     """The server's idle counters over the run (between the bench's two reads of them).
 
@@ -213,9 +253,11 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
             notes.append(f"flush_cache: {await _flush_cache(clients[0], args.base_url)}")
 
         counters = await _engine_counters(clients[0], args.base_url)
+        itl = await _engine_itl_buckets(clients[0], args.base_url)
         results = await _send_all(args, reqs, clients, payload)
         if server is not None:
             server["gpu_idle"] = gpu_idle_share(counters, await _engine_counters(clients[0], args.base_url))
+            server["engine_itl"] = engine_itl(itl, await _engine_itl_buckets(clients[0], args.base_url))
     return results, notes
 
 
@@ -363,8 +405,9 @@ def run_serve_bench(args: argparse.Namespace, argv: list[str], extra_record: dic
         print(n)
     out_source = resolve_output_tokens(results, tok)
     m = compute_metrics(results)
-    if server.get("gpu_idle"):
-        m["gpu_idle"] = server["gpu_idle"]
+    for key in ("gpu_idle", "engine_itl"):
+        if server.get(key):
+            m[key] = server[key]
     header = {"Backend": args.backend, "Traffic request rate": args.request_rate,
               "Max request concurrency": args.max_concurrency or "not set",
               "Request task starts": "staggered" if args.stagger_starts else "all at once"}

@@ -71,9 +71,10 @@ OPT_FLAGS: list[Flag] = [
       readers=("worker",)),
     b("--disable-piecewise-cuda-graph", "Run steps with prompt tokens (prefill/extend, alone or "
       "beside decodes) eagerly instead of replaying CUDA graphs. TokenSpeed captures whole "
-      "extend steps of up to --piecewise-cuda-graph-max-tokens tokens and 64 requests, attention "
-      "included (triton attention backend; not with data-parallel attention), which removes "
-      "the eager path's host launch time from every first token.", G_OPT, readers=("worker",),
+      "extend steps of up to --piecewise-cuda-graph-max-tokens tokens and any number of requests, "
+      "attention included (triton attention backend; not with data-parallel attention), which "
+      "removes the eager path's host launch time from every first token and from a full batch's "
+      "mixed steps.", G_OPT, readers=("worker",),
       implemented=True),
     b("--enable-piecewise-cuda-graph", "Deprecated, as in SGLang: extend-step CUDA graphs are on "
       "by default; --disable-piecewise-cuda-graph turns them off. Accepted and changes nothing.",

@@ -14,15 +14,19 @@ metadata the graph reads (triton: gathered page-table rows; flashinfer: a planne
 size) and refreshes it before each replay. Nothing in `run` waits for the GPU.
 
 Extend graphs (prefill chunks, alone or beside decodes) remove the eager extend path's host
-launch time (~25 ms for an 8B model, whatever the prompt length), which every first token
-waited for: a step of T tokens and R requests is padded to the smallest captured token count
->= T, and to that graph's request rows (absent requests have no new tokens; padding tokens
-write no K/V). Requests with several new tokens go through the extend attention kernel in a
+launch time (~25-50 ms for an 8B model, whatever the prompt length, more when the host is busy
+with a thousand streams), which every first token waited for and which made S1's mixed steps
+host-bound: a step of T tokens and R requests is padded to the smallest captured token count
+>= T, and to that graph's request rows, min(T, the runner's max running requests), so that a
+prompt chunk beside a full decode batch replays too (absent requests have no new tokens and
+cost the attention kernels an early exit; padding tokens write no K/V). Requests with several new tokens go through the extend attention kernel in a
 tiled launch (tokenspeed_kernels.extend_tiles) whose tile table the graph builds on the device;
 those with one (the decodes of a mixed step) through the decode kernel, which reads each K/V
 head once for all its query heads (TritonBackend.extend_graph_metadata); the graph ends with
-the LM head on each request's last token. Whole steps are captured (attention
-inside), unlike SGLang's and vLLM's piecewise graphs: the Triton kernels need no host values.
+each request row's last hidden state, and the LM head runs after the replay on the present
+requests only (eagerly: one launch, and no [rows, vocab] logits buffer in the graphs' pool).
+Whole steps are captured (attention inside), unlike SGLang's and vLLM's piecewise graphs: the
+Triton kernels need no host values.
 """
 
 from __future__ import annotations
@@ -46,11 +50,6 @@ if TYPE_CHECKING:
     from tokenspeed.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-# Requests an extend graph holds (at most its token count): a prefill beside this many decodes
-# still replays a graph; the LM head runs on every row, so the cost of a row is small.
-EXTEND_GRAPH_MAX_REQUESTS = 64
-
 
 def capture_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 from 16, up to and including max_bs."""
@@ -219,7 +218,7 @@ class ExtendGraphRunner:
     """Graphs for steps with prompt tokens: see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend,
-                 sizes: list[int], max_requests: int, vocab_size: int, device: torch.device,
+                 sizes: list[int], max_requests: int, hidden_size: int, device: torch.device,
                  last_tokens: torch.Tensor, dtype: torch.dtype, head_dim: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -235,7 +234,7 @@ class ExtendGraphRunner:
         # the row of its last token (whose logits are sampled).
         self.tokens = torch.zeros((4, t), dtype=torch.int64, device=device)
         self.requests = torch.zeros((5, r + 1), dtype=torch.int64, device=device)
-        self.logits = torch.zeros((r, vocab_size), dtype=torch.float32, device=device)
+        self.last_hidden = torch.zeros((r, hidden_size), dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
@@ -255,7 +254,7 @@ class ExtendGraphRunner:
                              slots=empty, num_tokens=empty, start_pos=empty, query_start=empty,
                              kv_cache=self.kv_cache, backend=self.backend, metadata=meta)
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        self.logits[:r].copy_(self.model.compute_logits(hidden[last[:r]]))  # type: ignore[operator]
+        self.last_hidden[:r].copy_(hidden[last[:r]])
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:
@@ -272,8 +271,8 @@ class ExtendGraphRunner:
             query_start: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for a step of len(slots) requests, request i with tokens [query_start[i],
         query_start[i + 1]) at positions from start_pos[i]. Returns float32 logits [B, vocab] of
-        each request's last token (a view of the static buffer, valid until the next replay)
-        and the slots [B] on the device. Before capture (CPU tests) the same body runs eagerly."""
+        each request's last token and the slots [B] on the device. Before capture (CPU tests)
+        the same body runs eagerly."""
         n, b = len(input_ids), len(slots)
         t = self.sizes[bisect.bisect_left(self.sizes, n)]
         r = self.rows(t)
@@ -296,4 +295,5 @@ class ExtendGraphRunner:
         else:
             graph.replay()
             self.replays += 1
-        return self.logits[:b], self.requests[0, :b]
+        logits = self.model.compute_logits(self.last_hidden[:b])  # type: ignore[operator]
+        return logits, self.requests[0, :b]

@@ -14,11 +14,7 @@ from tokenspeed.distributed.groups import dp_token_counts, state
 from tokenspeed.layers.attention import ForwardBatch
 from tokenspeed.layers.attention_backends import backend_memory_bytes
 from tokenspeed.layers.kv_cache import PagedKVCache
-from tokenspeed.worker.cuda_graph import (
-    EXTEND_GRAPH_MAX_REQUESTS,
-    capture_sizes,
-    graph_memory_estimate,
-)
+from tokenspeed.worker.cuda_graph import capture_sizes, graph_memory_estimate
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +53,8 @@ def profile_num_pages(runner: Any, mem_fraction_static: float | None,
         if runner.cuda_graph_max_bs else 0
     num_graphs = len(capture_sizes(runner.cuda_graph_max_bs)) if runner.cuda_graph_max_bs else 0
     graphs += backend_memory_bytes(runner.attention_backend, num_graphs)
-    if runner.extend_graph_sizes:  # their pool: the activations of the largest, and its logits
-        graphs += (activations * runner.extend_graph_sizes[-1] // tokens
-                   + 3 * EXTEND_GRAPH_MAX_REQUESTS * c.vocab_size * 4)
+    if runner.extend_graph_sizes:  # their pool: the activations of the largest (logits: eager)
+        graphs += activations * runner.extend_graph_sizes[-1] // tokens
     reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES
     fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
     free, total = torch.cuda.mem_get_info(runner.device)

@@ -49,7 +49,6 @@ from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
 from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
 from tokenspeed.worker.cuda_graph import (
-    EXTEND_GRAPH_MAX_REQUESTS,
     DecodeGraphRunner,
     ExtendGraphRunner,
     decode_only,
@@ -248,7 +247,7 @@ class ModelRunner:
         if self.extend_graph_sizes:
             self.extend_graphs = ExtendGraphRunner(
                 self.model, self.kv_cache, self.backend, self.extend_graph_sizes,
-                min(EXTEND_GRAPH_MAX_REQUESTS, self.max_slots), c.vocab_size, self.device,
+                self.max_slots, c.hidden_size, self.device,
                 self.last_tokens, self.dtype, c.head_dim)
             pool = self.extend_graphs.capture()
         if self.cuda_graph_max_bs:

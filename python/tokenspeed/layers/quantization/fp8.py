@@ -8,7 +8,10 @@ the kernel:
   weight-only FP8 (the activations stay bf16): the weight stream is the cost, and it is halved;
 * CUDA, more rows: activations quantised per token (per_token_quant_fp8), then cuBLAS FP8
   (torch._scaled_mm with row-wise scales; per-tensor scales plus an fp32 rescale where a torch
-  build lacks row-wise scaling) or, with TOKENSPEED_FP8_GEMM=triton, tokenspeed_kernels.fp8_matmul;
+  build lacks row-wise scaling) or, with TOKENSPEED_FP8_GEMM=triton, tokenspeed_kernels.fp8_matmul.
+  cuBLAS runs with Hopper's fast FP8 accumulation (as the CUTLASS FP8 kernels of vLLM and SGLang
+  do): 20% less GEMM time at S1's decode batch (kernels/bench/bench_fp8.py, mm_fast);
+  TOKENSPEED_FP8_GEMM=cublas_promote keeps cuBLAS's periodic promotion to fp32 instead;
 * elsewhere (CPU tests): dequantise, then matmul (the reference).
 TOKENSPEED_FP8_GEMM=reference (or setting GEMM_BACKEND) runs `reference_linear` instead on any
 device: the same numerics in fp32 torch, kernel-free (benches/diagnostics/fp8_accuracy.py compares the kernels
@@ -28,8 +31,9 @@ logger = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 SKINNY_MAX_ROWS = 8  # as for bf16 (layers/linear.py): the GEMV's range, cuBLAS above it
-# "cublas" (default), "triton" (to measure both) or "reference" (reference_linear).
+# "cublas" (default), "cublas_promote", "triton" (to measure them) or "reference" (reference_linear).
 GEMM_BACKEND = os.environ.get("TOKENSPEED_FP8_GEMM", "cublas")
+FAST_ACCUM = GEMM_BACKEND != "cublas_promote"
 _rowwise_ok: bool | None = None  # torch._scaled_mm with row-wise scales: learnt on first use
 
 
@@ -51,7 +55,7 @@ def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Te
     if _rowwise_ok is not False:
         try:
             out = torch._scaled_mm(xq, w.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1),
-                                   out_dtype=dtype)
+                                   out_dtype=dtype, use_fast_accum=FAST_ACCUM)
             _rowwise_ok = True
             return out
         except (RuntimeError, ValueError) as e:
@@ -61,7 +65,8 @@ def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Te
                            "scales and an fp32 rescale", e)
             _rowwise_ok = False
     one = torch.ones((), dtype=torch.float32, device=xq.device)
-    out = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    out = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                           use_fast_accum=FAST_ACCUM)
     return (out * xs[:, None] * ws[None, :]).to(dtype)
 
 
