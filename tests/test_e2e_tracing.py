@@ -60,11 +60,14 @@ class Receiver:
         self.port = self.http.server_address[1]
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
-    def wait_for(self, names: set[str], timeout_s: float = 15) -> list[Span]:
+    def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 15) -> list[Span]:
+        """The spans of trace `trace_id` (hex) once they include `names`, or after the timeout."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not names <= {s.name for s in self.spans}:
+        while True:
+            spans = [s for s in list(self.spans) if s.trace_id.hex() == trace_id]
+            if names <= {s.name for s in spans} or time.monotonic() > deadline:
+                return spans
             time.sleep(0.1)
-        return list(self.spans)
 
     def close(self) -> None:
         self.http.shutdown()
@@ -103,8 +106,7 @@ def test_a_chat_completion_exports_its_spans_under_the_callers_traceparent(
     trace_id, caller_span = secrets.token_hex(16), secrets.token_hex(8)
     raw = chat(traced, {"traceparent": f"00-{trace_id}-{caller_span}-01", "tracestate": "ts=1"})
     completion = raw.parse()
-    spans = [s for s in receiver.wait_for({"POST /v1/chat/completions", *ENGINE_SPANS})
-             if s.trace_id.hex() == trace_id]
+    spans = receiver.wait_for(trace_id, {"POST /v1/chat/completions", *ENGINE_SPANS})
     by_name: dict[str, list[Span]] = {}
     for s in spans:
         by_name.setdefault(s.name, []).append(s)
@@ -149,11 +151,7 @@ def test_a_streamed_request_without_traceparent_starts_its_own_trace(
         max_tokens=4, stream=True)
     assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in raw.parse())
     _, trace_id, span_id, _ = raw.headers["traceresponse"].split("-")
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not {"decode", "detokenize"} <= {
-            s.name for s in receiver.spans if s.trace_id.hex() == trace_id}:
-        time.sleep(0.1)
-    spans = {s.name: s for s in receiver.spans if s.trace_id.hex() == trace_id}
+    spans = {s.name: s for s in receiver.wait_for(trace_id, {"POST /v1/chat/completions", *ENGINE_SPANS})}
     server = spans.pop("POST /v1/chat/completions")
     assert server.span_id.hex() == span_id and server.parent_span_id == b""  # a root
     assert set(spans) == set(ENGINE_SPANS)  # a short prompt: one chunk

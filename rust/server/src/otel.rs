@@ -9,7 +9,7 @@
 //! (full: spans are dropped) drained by its own thread, so an unreachable collector never
 //! slows or fails a request.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
@@ -112,13 +112,14 @@ impl Tracer {
 
     /// Opens an HTTP request's server span: a child of its `traceparent` (and `tracestate`)
     /// when it has one, else the root of a new trace. The span lives in the returned context;
-    /// `end_server_span` ends it.
+    /// `http/trace.rs` ends it.
     pub fn server_span(&self, headers: &axum::http::HeaderMap, name: String) -> Context {
         let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
         let span = self
             .tracer
             .span_builder(name)
             .with_kind(SpanKind::Server)
+            .with_start_time(wall_time(Instant::now()))
             .start_with_context(&self.tracer, &parent);
         parent.with_span(span)
     }
@@ -207,12 +208,16 @@ impl Drop for DetokenizeSpan {
     }
 }
 
-/// The wall-clock time of an `Instant` (spans carry Unix times; the engine keeps Instants).
-fn wall_time(t: Instant) -> SystemTime {
-    let (now, wall) = (Instant::now(), SystemTime::now());
-    match now.checked_duration_since(t) {
-        Some(ago) => wall.checked_sub(ago).unwrap_or(wall),
-        None => wall + t.duration_since(now),
+/// The wall-clock time of an `Instant` (spans carry Unix times; the engine keeps Instants),
+/// through one anchor taken once: every span's times come from the one monotonic clock, so two
+/// spans' order and gaps are exactly those the server saw (two reads of the wall clock could
+/// disagree by more than the microseconds between a step's result and a first token).
+pub fn wall_time(t: Instant) -> SystemTime {
+    static ANCHOR: OnceLock<(Instant, SystemTime)> = OnceLock::new();
+    let &(instant, wall) = ANCHOR.get_or_init(|| (Instant::now(), SystemTime::now()));
+    match t.checked_duration_since(instant) {
+        Some(after) => wall + after,
+        None => wall.checked_sub(instant - t).unwrap_or(wall),
     }
 }
 
@@ -230,7 +235,21 @@ impl Extractor for HeaderExtractor<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::traces_url;
+    use super::{traces_url, wall_time};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn wall_times_keep_the_monotonic_order_and_gaps() {
+        let t = Instant::now();
+        let later = t + Duration::from_micros(3);
+        assert_eq!(wall_time(t), wall_time(t));
+        assert_eq!(
+            wall_time(later).duration_since(wall_time(t)).unwrap(),
+            Duration::from_micros(3)
+        );
+        let earlier = t.checked_sub(Duration::from_millis(5)).unwrap_or(t);
+        assert!(wall_time(earlier) <= wall_time(t));
+    }
 
     #[test]
     fn endpoints_become_otlp_http_traces_urls() {

@@ -57,6 +57,7 @@ struct EndOnDrop(Context);
 
 impl Drop for EndOnDrop {
     fn drop(&mut self) {
-        self.0.span().end();
+        let now = crate::otel::wall_time(std::time::Instant::now());
+        self.0.span().end_with_timestamp(now);
     }
 }
