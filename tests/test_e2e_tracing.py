@@ -1,7 +1,8 @@
 """Tracing (--enable-trace) end to end: an OTLP/HTTP receiver in the test, decoding with the
 `opentelemetry-proto` messages a collector uses, gets a chat completion's spans (HTTP, tokenize,
 queue, one per prefill chunk, decode, detokenize) under the trace of the request's W3C
-`traceparent`; a collector that never answers slows and fails no request; off, nothing is sent."""
+`traceparent` (one whose sampled flag is off records nothing); a collector that never answers
+slows and fails no request; off, nothing is sent."""
 
 from __future__ import annotations
 
@@ -157,6 +158,15 @@ def test_a_streamed_request_without_traceparent_starts_its_own_trace(
     assert set(spans) == set(ENGINE_SPANS)  # a short prompt: one chunk
     # The stream outlives the handler: the server span ends with the body, after the last text.
     assert spans["detokenize"].end_time_unix_nano <= server.end_time_unix_nano
+
+
+def test_an_unsampled_traceparent_is_honoured(traced: Server, receiver: Receiver) -> None:
+    trace_id = secrets.token_hex(16)
+    raw = chat(traced, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-00"}, prompt="Hi")
+    assert raw.parse().choices[0].message.content
+    assert raw.headers["traceresponse"].startswith(f"00-{trace_id}-") and raw.headers["traceresponse"].endswith("-00")
+    time.sleep(1.0)  # several export intervals
+    assert receiver.wait_for(trace_id, set(), timeout_s=0) == []
 
 
 def silent_collector() -> socket.socket:
