@@ -62,6 +62,10 @@ def test_tracing_is_off_by_default_and_either_spelling_of_the_endpoint_turns_it_
     config = tmp_path / "serve.yaml"  # an explicit off wins over the endpoint
     config.write_text("enable-trace: false\notlp-traces-endpoint: collector:4318\n")
     assert not parse_serve_args(["--config", str(config)]).enable_trace
+    for endpoint in ("https://collector:4318", "grpc://collector:4317"):  # before any worker loads
+        with pytest.raises(NotSupportedError, match="not supported yet: --otlp-traces-endpoint"):
+            parse_serve_args(["--enable-trace", "--otlp-traces-endpoint", endpoint])
+    assert parse_serve_args(["--otlp-traces-endpoint", "http://c:4318"]).enable_trace
 
 
 def test_positional_model() -> None:
