@@ -275,7 +275,7 @@ pub fn serve(config: ServerConfig, links: Vec<Box<dyn WorkerLink>>) -> Result<()
     if let Some(tracer) = tracer {
         // Short: the launcher watches the workers, which the same SIGTERM stops, and counts
         // their end as a failure unless the core returns soon after.
-        tracer.flush(Duration::from_millis(300));
+        tracer.shutdown(Duration::from_millis(300));
     }
     // A task stuck on a dead client must not hold the exit.
     runtime.shutdown_timeout(Duration::from_secs(1));

@@ -40,6 +40,9 @@ pub struct Tracer {
 /// with `/v1/traces` appended unless the URL's path already names it.
 pub fn traces_url(endpoint: &str) -> Result<String, String> {
     let endpoint = endpoint.trim().trim_end_matches('/');
+    if endpoint.is_empty() {
+        return Err("--otlp-traces-endpoint is empty".into());
+    }
     let url = match endpoint.split_once("://") {
         None => format!("http://{endpoint}"),
         Some(("http", _)) => endpoint.to_string(),
@@ -50,9 +53,6 @@ pub fn traces_url(endpoint: &str) -> Result<String, String> {
             ))
         }
     };
-    if endpoint.is_empty() {
-        return Err("--otlp-traces-endpoint is empty".into());
-    }
     Ok(if url.ends_with("/v1/traces") {
         url
     } else {
@@ -94,9 +94,9 @@ impl Tracer {
         Ok(Tracer { tracer, provider })
     }
 
-    /// Sends the spans still queued, waiting at most `timeout` (a collector that does not
-    /// answer must not hold the server's exit).
-    pub fn flush(&self, timeout: Duration) {
+    /// Sends the spans still queued and stops the exporter, waiting at most `timeout` (a
+    /// collector that does not answer must not hold the server's exit).
+    pub fn shutdown(&self, timeout: Duration) {
         let provider = self.provider.clone();
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
@@ -110,11 +110,11 @@ impl Tracer {
         }
     }
 
-    /// Opens an HTTP request's server span: a child of its `traceparent` (and `tracestate`)
-    /// when it has one, else the root of a new trace. The span lives in the returned context;
-    /// `http/trace.rs` ends it.
-    pub fn server_span(&self, headers: &axum::http::HeaderMap, name: String) -> Context {
-        let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+    /// Opens an HTTP request's server span: a child of the `traceparent` (and `tracestate`)
+    /// among its `headers` when it has one, else the root of a new trace. The span lives in
+    /// the returned context; `http/trace.rs` ends it.
+    pub fn server_span(&self, headers: &dyn Extractor, name: String) -> Context {
+        let parent = TraceContextPropagator::new().extract(headers);
         let span = self
             .tracer
             .span_builder(name)
@@ -218,18 +218,6 @@ pub fn wall_time(t: Instant) -> SystemTime {
     match t.checked_duration_since(instant) {
         Some(after) => wall + after,
         None => wall.checked_sub(instant - t).unwrap_or(wall),
-    }
-}
-
-struct HeaderExtractor<'a>(&'a axum::http::HeaderMap);
-
-impl Extractor for HeaderExtractor<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0.keys().map(|k| k.as_str()).collect()
     }
 }
 

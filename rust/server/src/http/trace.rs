@@ -12,6 +12,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 use futures_util::StreamExt;
 use opentelemetry::context::FutureExt as _;
+use opentelemetry::propagation::Extractor;
 use opentelemetry::trace::{Status, TraceContextExt};
 use opentelemetry::{Context, KeyValue};
 
@@ -22,7 +23,7 @@ pub async fn trace_request(State(state): State<AppState>, req: Request, next: Ne
         return next.run(req).await;
     };
     let name = format!("{} {}", req.method(), req.uri().path());
-    let cx = tracer.server_span(req.headers(), name);
+    let cx = tracer.server_span(&HeaderExtractor(req.headers()), name);
     let span = cx.span();
     span.set_attributes([
         KeyValue::new("http.request.method", req.method().to_string()),
@@ -50,6 +51,19 @@ pub async fn trace_request(State(state): State<AppState>, req: Request, next: Ne
         frame
     });
     Response::from_parts(parts, Body::from_stream(body))
+}
+
+/// The request's headers, as the W3C propagator reads them.
+struct HeaderExtractor<'a>(&'a axum::http::HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
 }
 
 /// Ends the server span when the response body is done with (sent in full or dropped).
