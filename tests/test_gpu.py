@@ -313,8 +313,8 @@ def test_extend_graphs_fp32_mixed_steps_match_hf_exactly(tmp_path: Path) -> None
 
 
 def test_extend_graphs_replay_mixed_steps_of_a_full_decode_batch(tmp_path: Path) -> None:
-    """A prompt beside ~70 decodes (more than the 64 request rows extend graphs had before
-    session 21) replays a graph, and every request still gets HF's greedy tokens."""
+    """A prompt beside ~70 decodes (more than the narrow graphs' 64 request rows) replays a
+    wide graph, and every request still gets HF's greedy tokens."""
     from tokenspeed.worker.cuda_graph import extend_capture_sizes
 
     path = write_config(tmp_path, "small", SMALL_FP32)

@@ -223,9 +223,9 @@ def with_extend_graphs(runner: ModelRunner, sizes: list[int], max_requests: int)
     ran: list[int] = []
     body = graphs._run
 
-    def counted(t: int) -> None:
-        ran.append(t)
-        body(t)
+    def counted(shape: tuple[int, int]) -> None:
+        ran.append(shape[0])
+        body(shape)
 
     graphs._run = counted  # type: ignore[method-assign]
     runner.extend_graphs = graphs

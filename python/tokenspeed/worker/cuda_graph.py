@@ -17,9 +17,12 @@ Extend graphs (prefill chunks, alone or beside decodes) remove the eager extend 
 launch time (~25-50 ms for an 8B model, whatever the prompt length, more when the host is busy
 with a thousand streams), which every first token waited for and which made S1's mixed steps
 host-bound: a step of T tokens and R requests is padded to the smallest captured token count
->= T, and to that graph's request rows, min(T, the runner's max running requests), so that a
-prompt chunk beside a full decode batch replays too (absent requests have no new tokens and
-cost the attention kernels an early exit; padding tokens write no K/V). Requests with several new tokens go through the extend attention kernel in a
+>= T, and to that graph's request rows (absent requests have no new tokens; padding tokens
+write no K/V). Each token count has a graph of NARROW_ROWS rows (a prompt beside a few decodes,
+what TTFT waits for) and, from WIDE_MIN_TOKENS tokens, one of as many rows as the runner's
+running requests (a prompt chunk beside a full decode batch: S1's mixed steps, host-bound when
+eager); absent rows cost the attention kernels an early exit each, which the narrow graphs
+spare a small step. Requests with several new tokens go through the extend attention kernel in a
 tiled launch (tokenspeed_kernels.extend_tiles) whose tile table the graph builds on the device;
 those with one (the decodes of a mixed step) through the decode kernel, which reads each K/V
 head once for all its query heads (TritonBackend.extend_graph_metadata); the graph ends with
@@ -51,6 +54,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Request rows of the extend graph of each token count; from WIDE_MIN_TOKENS tokens a second graph
+# holds all the runner's running requests.
+NARROW_ROWS = 64
+WIDE_MIN_TOKENS = 256
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 from 16, up to and including max_bs."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 8))
@@ -67,12 +76,12 @@ def extend_capture_sizes(max_tokens: int) -> list[int]:
     return [s for s in steps if s < max_tokens] + [max_tokens]
 
 
-def capture_graphs(name: str, sizes: list[int], body: Any, device: torch.device,
-                   pool: Any = None) -> tuple[dict[int, torch.cuda.CUDAGraph], Any]:
+def capture_graphs(name: str, sizes: list[Any], body: Any, device: torch.device,
+                   pool: Any = None) -> tuple[dict[Any, torch.cuda.CUDAGraph], Any]:
     """Capture `body(size)` for every size, largest first, all in one memory pool (`pool`, or a
     new one; returned for the next runner to share: their graphs never run at once)."""
     t0 = time.perf_counter()
-    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    graphs: dict[Any, torch.cuda.CUDAGraph] = {}
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     for size in sorted(sizes, reverse=True):
@@ -88,7 +97,7 @@ def capture_graphs(name: str, sizes: list[int], body: Any, device: torch.device,
         graphs[size] = graph
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
-    logger.info("captured %d %s CUDA graphs (%d..%d) in %.1f s", len(sizes), name, min(sizes),
+    logger.info("captured %d %s CUDA graphs (%s..%s) in %.1f s", len(sizes), name, min(sizes),
                 max(sizes), time.perf_counter() - t0)
     return graphs, pool
 
@@ -228,22 +237,26 @@ class ExtendGraphRunner:
         self.dtype, self.head_dim = dtype, head_dim
         self.sizes = sorted(sizes)
         self.max_requests = max_requests
-        t, r = self.sizes[-1], self.rows(self.sizes[-1])
+        narrow = [(t, min(NARROW_ROWS, max_requests, t)) for t in self.sizes]
+        wide = [(t, min(max_requests, t)) for t in self.sizes if t >= WIDE_MIN_TOKENS]
+        # (tokens, rows) of every graph, smallest first: a step takes the first that holds it.
+        self.shapes = sorted(set(narrow + wide))
+        t, r = self.sizes[-1], max(r for _, r in self.shapes)
         # Per token: input id, position, cache location, slot. Per request: slot, first token
         # (r + 1 entries: cumulative), cached tokens before the new ones, context after them, and
         # the row of its last token (whose logits are sampled).
         self.tokens = torch.zeros((4, t), dtype=torch.int64, device=device)
         self.requests = torch.zeros((5, r + 1), dtype=torch.int64, device=device)
         self.last_hidden = torch.zeros((r, hidden_size), dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
-    def rows(self, tokens: int) -> int:
-        """Request rows of the graph of `tokens` tokens."""
-        return min(self.max_requests, tokens)
+    def shape_for(self, num_tokens: int, num_requests: int) -> tuple[int, int] | None:
+        """The smallest graph (tokens, rows) that holds the step; None: none does."""
+        return next(((t, r) for t, r in self.shapes if t >= num_tokens and r >= num_requests), None)
 
-    def _run(self, t: int) -> None:
-        r = self.rows(t)
+    def _run(self, shape: tuple[int, int]) -> None:
+        t, r = shape
         ids, positions, out_loc, token_slots = self.tokens[:, :t]
         slots, q_start, prefix, seq_lens, last = self.requests[:, :r + 1]
         ids = torch.where(ids == LAST_SAMPLED, self.last_tokens[token_slots], ids)
@@ -260,11 +273,11 @@ class ExtendGraphRunner:
     def capture(self, pool: Any = None) -> Any:
         """Capture every token count; returns the memory pool."""
         self.tokens[2].fill_(-1)
-        self.graphs, pool = capture_graphs("extend", self.sizes, self._run, self.device, pool)
+        self.graphs, pool = capture_graphs("extend", self.shapes, self._run, self.device, pool)
         return pool
 
     def can_run(self, num_tokens: int, num_requests: int) -> bool:
-        return 0 < num_tokens <= self.sizes[-1] and num_requests <= self.max_requests
+        return num_tokens > 0 and self.shape_for(num_tokens, num_requests) is not None
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, out_cache_loc: np.ndarray,
             slots: np.ndarray, start_pos: np.ndarray,
@@ -274,8 +287,9 @@ class ExtendGraphRunner:
         each request's last token and the slots [B] on the device. Before capture (CPU tests)
         the same body runs eagerly."""
         n, b = len(input_ids), len(slots)
-        t = self.sizes[bisect.bisect_left(self.sizes, n)]
-        r = self.rows(t)
+        shape = self.shape_for(n, b)
+        assert shape is not None, "can_run said no graph holds this step"
+        t, r = shape
         tokens = np.zeros((4, t), dtype=np.int64)
         tokens[2] = -1
         tokens[0, :n], tokens[1, :n], tokens[2, :n] = input_ids, positions, out_cache_loc
@@ -289,9 +303,9 @@ class ExtendGraphRunner:
                                                self.device)  # one transfer
         self.tokens[:, :t].copy_(tokens_d.view(4, t))
         self.requests[:, :r + 1].copy_(requests_d.view(5, r + 1))
-        graph = self.graphs.get(t)
+        graph = self.graphs.get(shape)
         if graph is None:
-            self._run(t)
+            self._run(shape)
         else:
             graph.replay()
             self.replays += 1
