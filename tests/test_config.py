@@ -52,6 +52,22 @@ def test_alias_resolves_to_one_setting(spellings: list[str], words: list[str], a
         assert getattr(cfg, attr) == expected, spelling
 
 
+def test_tracing_is_off_by_default_and_either_spelling_of_the_endpoint_turns_it_on(tmp_path: Path) -> None:
+    off = parse_serve_args([])
+    assert (off.enable_trace, off.otlp_traces_endpoint) == (False, "localhost:4318")
+    assert parse_serve_args(["--enable-trace"]).enable_trace
+    for spelling in ("--otlp-traces-endpoint", "--oltp-traces-endpoint"):  # vLLM's, SGLang's
+        cfg = parse_serve_args([spelling, "collector:4318"])
+        assert (cfg.enable_trace, cfg.otlp_traces_endpoint) == (True, "collector:4318"), spelling
+    config = tmp_path / "serve.yaml"  # an explicit off wins over the endpoint
+    config.write_text("enable-trace: false\notlp-traces-endpoint: collector:4318\n")
+    assert not parse_serve_args(["--config", str(config)]).enable_trace
+    for endpoint in ("https://collector:4318", "grpc://collector:4317"):  # before any worker loads
+        with pytest.raises(NotSupportedError, match="not supported yet: --otlp-traces-endpoint"):
+            parse_serve_args(["--enable-trace", "--otlp-traces-endpoint", endpoint])
+    assert parse_serve_args(["--otlp-traces-endpoint", "http://c:4318"]).enable_trace
+
+
 def test_positional_model() -> None:
     assert parse_serve_args(["org/m"]).model_path == "org/m"
     assert parse_serve_args(["--port", "1234", "org/m", "--seed", "1"]).model_path == "org/m"
@@ -434,7 +450,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
         "--hicache-write-policy", "--radix-eviction-policy", "--hicache-storage-backend",
         "--hicache-storage-backend-extra-config", "--json-model-override-args",
-        "--kv-events-config", "--max-logprobs",
+        "--kv-events-config", "--max-logprobs", "--enable-trace", "--otlp-traces-endpoint",
         "--disaggregation-mode", "--disaggregation-transfer-backend",
         "--disaggregation-bootstrap-port", "--disaggregation-bootstrap-host",
     }  # fmt: skip

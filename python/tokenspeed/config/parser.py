@@ -299,6 +299,15 @@ def _check_supported(chosen: dict[str, _Given]) -> None:
         raise NotSupportedError(lines)
 
 
+def _check_traces_endpoint(endpoint: str) -> None:
+    """Refuses at once (before workers load) what the Rust core's exporter would refuse at start
+    (rust/server/src/otel.rs `traces_url`): only plain OTLP/HTTP."""
+    scheme, sep, _ = endpoint.partition("://")
+    if sep and scheme != "http":
+        raise NotSupportedError([(f"not supported yet: --otlp-traces-endpoint ({endpoint}: {scheme}:// "
+                                  "- traces go over OTLP/HTTP without TLS; give host:port or http://host:port)")])
+
+
 def parse_serve_args(argv: list[str]) -> ServeConfig:
     """Resolve `tokenspeed serve` arguments (everything after `serve`) into a ServeConfig.
 
@@ -318,6 +327,9 @@ def parse_serve_args(argv: list[str]) -> ServeConfig:
     _check_supported(chosen)
     # Flags without a ServeConfig field are unimplemented, so they hold their defaults here.
     values = {dest: g.value for dest, g in chosen.items() if dest in _CONFIG_FIELDS}
+    if "otlp_traces_endpoint" in values:  # vLLM has no --enable-trace: the endpoint turns it on
+        values.setdefault("enable_trace", True)
+        _check_traces_endpoint(values["otlp_traces_endpoint"])
     return resolve_kv_events(resolve_speculative(ServeConfig(**values)))
 
 

@@ -351,9 +351,15 @@ LOGGING_FLAGS: list[Flag] = [
       '"topic": "", "replay_endpoint": null, "buffer_steps": 10000, "max_queue_size": 100000}. '
       "With --dp N, replica r publishes on the endpoint's port + r (docs/kv_events.md).",
       G_LOGGING, readers=("server",), implemented=True),
-    b("--enable-trace", "Export OpenTelemetry traces.", G_LOGGING),
-    s("--oltp-traces-endpoint", "OpenTelemetry collector address (host:port) for --enable-trace.",
-      G_LOGGING, "localhost:4317"),
+    b("--enable-trace", "Export OpenTelemetry traces: per request, spans for HTTP, tokenize, "
+      "queue, each prefill chunk, decode and detokenize, under the request's W3C traceparent, "
+      "sent over OTLP/HTTP to --otlp-traces-endpoint (docs/deployment.md#tracing).", G_LOGGING,
+      readers=("server",), implemented=True),
+    s("--otlp-traces-endpoint", "OpenTelemetry collector for --enable-trace: host:port or an "
+      "http:// URL, spans POSTed as OTLP/HTTP protobuf to its /v1/traces (4318 is a "
+      "collector's OTLP/HTTP port; gRPC is not supported yet). Given without --enable-trace "
+      "(vLLM's usage), it turns tracing on.", G_LOGGING, "localhost:4318",
+      aliases=("--oltp-traces-endpoint",), readers=("server",), implemented=True, metavar="URL"),
 ]
 
 LAUNCH_FLAGS: list[Flag] = [

@@ -89,6 +89,10 @@ pub struct ServerConfig {
     pub lora: crate::lora::LoraConfig,
     /// `--kv-events-config`: publish the radix cache's KV events to routers (None: off).
     pub kv_events_config: Option<crate::kv_events::KvEventsConfig>,
+    /// `--enable-trace`: OpenTelemetry spans per request, exported to `otlp_traces_endpoint`.
+    pub enable_trace: bool,
+    /// `--otlp-traces-endpoint`: the OTLP/HTTP collector (`host:port` or an `http://` URL).
+    pub otlp_traces_endpoint: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -25,6 +25,7 @@ mod event_loop;
 mod grammar;
 mod plan_clock;
 mod publish;
+mod trace;
 mod worker_ops;
 use event_loop::{panic_message, EngineLoop};
 
@@ -203,6 +204,8 @@ enum Command {
         constraint: Option<Constraint>,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
         stop: StopSignal,
+        /// `--enable-trace`: the request's trace, for its queue, prefill and decode spans.
+        trace: Option<crate::otel::RequestTrace>,
     },
     Abort {
         id: RequestId,
@@ -316,6 +319,18 @@ impl EngineHandle {
         constraint: Option<Constraint>,
         stop: StopSignal,
     ) -> tokio_mpsc::UnboundedReceiver<EngineEvent> {
+        self.submit_traced(request, constraint, stop, None)
+    }
+
+    /// `submit`, with the request's trace (`--enable-trace`): the engine records its queue,
+    /// prefill-chunk and decode spans.
+    pub fn submit_traced(
+        &self,
+        request: Request,
+        constraint: Option<Constraint>,
+        stop: StopSignal,
+        trace: Option<crate::otel::RequestTrace>,
+    ) -> tokio_mpsc::UnboundedReceiver<EngineEvent> {
         let (events, rx) = tokio_mpsc::unbounded_channel();
         let sent = self.commands.send(Command::Submit {
             id: request.id,
@@ -323,6 +338,7 @@ impl EngineHandle {
             constraint,
             events: events.clone(),
             stop,
+            trace,
         });
         if sent.is_err() {
             let _ = events.send(EngineEvent::Error {
@@ -461,6 +477,8 @@ pub struct EngineOptions {
     /// Where the radix cache's KV events go after each step (`--kv-events-config`; None: off,
     /// and the cache records none).
     pub kv_events: Option<crate::kv_events::KvEventSink>,
+    /// `--enable-trace`: requests may carry a trace (engine/trace.rs); off, no step looks.
+    pub trace: bool,
 }
 
 /// A request's structured-output constraint, as the engine applies it.
@@ -530,6 +548,7 @@ pub fn spawn_engine(
                 gpu_idle: Duration::ZERO,
                 last_submit: None,
                 prefill_sent: HashMap::new(),
+                traced_steps: HashMap::new(),
                 grammars: grammar::Grammars::new(mask_words),
                 plan_clock: plan_clock::PlanClock::new(plan_lead),
                 prefix_queries: 0,

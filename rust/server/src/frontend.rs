@@ -24,4 +24,6 @@ pub struct Frontend {
     /// The chat output stage's parsers (`--tool-call-parser`, `--reasoning-parser`).
     pub chat_parsers: ChatParsers,
     pub metrics: Arc<Metrics>,
+    /// `--enable-trace`: the span exporter (None: off, and nothing is traced).
+    pub tracer: Option<crate::otel::Tracer>,
 }

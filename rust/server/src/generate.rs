@@ -3,7 +3,9 @@
 //! (incremental detokenization, stop strings held back until they can't match).
 
 use std::sync::Arc;
+use std::time::Instant;
 
+use opentelemetry::KeyValue;
 use serde_json::Value;
 use tokenspeed_engine::scheduler::{FinishReason, Request, RequestId};
 use tokenspeed_engine::{KvTransfer, SamplingParams};
@@ -14,6 +16,7 @@ use crate::constraint::GrammarRequest;
 use crate::engine::{Constraint, EngineEvent, EngineHandle, StopSignal, TokenEvent, TokenUsage};
 use crate::error::RequestError;
 use crate::frontend::Frontend;
+use crate::otel::{DetokenizeSpan, RequestTrace};
 use crate::prompt::tokenize_prompt;
 pub use crate::prompt::Prompt;
 
@@ -118,6 +121,8 @@ pub struct Generation {
     prompt_logprobs: Vec<TokenLogprob>,
     /// A chunk already taken from the engine (by `start_choices`), returned by the next `next`.
     pending: Option<Chunk>,
+    /// `--enable-trace`: the time spent detokenizing, recorded as a span when it is dropped.
+    detok_span: Option<Box<DetokenizeSpan>>,
 }
 
 /// Generates one greedy token for `prompt` and waits for it: the probe behind the warm-up and
@@ -191,7 +196,19 @@ async fn start_on(
     spec: GenerationSpec,
     replica: Option<usize>,
 ) -> Result<Generation, RequestError> {
-    let (prompt_ids, mut max_new_tokens) = budgeted_prompt(fe, &spec).await?;
+    // The server span's context rides on the handler's future (`http/trace.rs`).
+    let trace = fe
+        .tracer
+        .as_ref()
+        .and_then(|t| RequestTrace::of(t, &opentelemetry::Context::current()));
+    let tokenizing = trace.as_ref().map(|_| Instant::now());
+    let budgeted = budgeted_prompt(fe, &spec).await;
+    if let (Some(t), Some(start)) = (&trace, tokenizing) {
+        let tokens = budgeted.as_ref().map_or(0, |(p, _)| p.len() as i64);
+        let attrs = vec![KeyValue::new("tokenspeed.prompt_tokens", tokens)];
+        t.span("tokenize", start, Instant::now(), attrs);
+    }
+    let (prompt_ids, mut max_new_tokens) = budgeted?;
     let mut min_new_tokens = spec.min_new_tokens;
     if let KvTransfer::Send { .. } = spec.kv_transfer {
         // A prefill server computes the prompt and its first token; the decode server the rest.
@@ -215,7 +232,10 @@ async fn start_on(
         .counters
         .prompt_tokens
         .inc_by(prompt_ids.len() as u64);
-    let dispatched = fe.engine.dispatch(request, constraint, replica).await;
+    let dispatched = fe
+        .engine
+        .dispatch_traced(request, constraint, replica, trace.clone())
+        .await;
     let events = dispatched.events;
     if fe.config.log_requests {
         tracing::info!(
@@ -247,6 +267,7 @@ async fn start_on(
         prompt_top: spec.prompt_logprobs.unwrap_or(0) as usize,
         prompt_logprobs: Vec::new(),
         pending: None,
+        detok_span: trace.map(DetokenizeSpan::new),
     })
 }
 
@@ -318,6 +339,19 @@ impl Generation {
             Ok(t) => t,
             Err(e) => return Some(Err(e)),
         };
+        if self.detok_span.is_none() {
+            return Some(self.render(token));
+        }
+        let (start, tokens) = (Instant::now(), token.tokens.len());
+        let chunk = self.render(token);
+        if let Some(span) = self.detok_span.as_mut() {
+            span.add(start, Instant::now(), tokens);
+        }
+        Some(chunk)
+    }
+
+    /// The text of an engine event's tokens (stop strings held back and matched), as a chunk.
+    fn render(&mut self, token: TokenEvent) -> Result<Chunk, RequestError> {
         let mut chunk = Chunk {
             usage: token.usage,
             prompt_logprobs: std::mem::take(&mut self.prompt_logprobs),
@@ -334,7 +368,7 @@ impl Generation {
             });
             let piece = match self.detok.push(&self.tokenizer, id) {
                 Ok(p) => p,
-                Err(e) => return Some(Err(RequestError::internal(format!("detokenizer: {e}")))),
+                Err(e) => return Err(RequestError::internal(format!("detokenizer: {e}"))),
             };
             let step = self.stops.push(&piece);
             chunk.text.push_str(&step.emit);
@@ -350,7 +384,7 @@ impl Generation {
                 }
                 self.guard.done = true;
                 self.stop_at(&mut chunk, step);
-                return Some(Ok(chunk));
+                return Ok(chunk);
             }
         }
         if let Some(reason) = token.finish {
@@ -361,7 +395,7 @@ impl Generation {
                 chunk.text.push_str(&step.emit);
                 if step.stopped {
                     self.stop_at(&mut chunk, step);
-                    return Some(Ok(chunk));
+                    return Ok(chunk);
                 }
             }
             chunk.text.push_str(&self.stops.finish());
@@ -373,9 +407,9 @@ impl Generation {
                     .then(|| token.tokens.last().map(|&t| Value::from(t)))
                     .flatten(),
             });
-            return Some(Ok(chunk));
+            return Ok(chunk);
         }
-        Some(Ok(chunk))
+        Ok(chunk)
     }
 
     /// The engine's next event with tokens or a finish (prompt logprobs kept on the way).

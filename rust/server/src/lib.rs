@@ -13,6 +13,7 @@ pub mod http;
 pub mod kv_events;
 pub mod lora;
 pub mod metrics;
+pub mod otel;
 pub mod pooling;
 pub mod prompt;
 pub mod replicas;
@@ -107,6 +108,12 @@ pub fn build_state_replicas(
         config.scheduler.num_pages,
         !config.scheduler.disable_radix_cache,
     );
+    let tracer = match config.enable_trace {
+        true => {
+            Some(otel::Tracer::start(&config.otlp_traces_endpoint).map_err(ServeError::Config)?)
+        }
+        false => None,
+    };
     let options = engine_options(&config, grammar.as_deref(), dp);
     let max_in_flight = options.max_queued_requests;
     let engines = spawn_replicas(&config, links, options, &metrics)?;
@@ -122,6 +129,7 @@ pub fn build_state_replicas(
             grammar,
             chat_parsers,
             metrics,
+            tracer,
         }),
         started: Instant::now(),
         lifecycle: Arc::new(http::Lifecycle::new(max_in_flight * dp)),
@@ -177,6 +185,7 @@ fn engine_options(
         pool_metrics: dp == 1,
         max_adapters: config.lora.max_per_batch_limit(),
         kv_events: None,
+        trace: config.enable_trace,
     }
 }
 
@@ -257,10 +266,16 @@ pub fn serve(config: ServerConfig, links: Vec<Box<dyn WorkerLink>>) -> Result<()
         .build()?;
     let state = build_state_replicas(config, links)?;
     let engine = state.engine.clone();
+    let tracer = state.tracer.clone();
     let result = runtime.block_on(run_http(state, addr));
     engine.shutdown();
     if !engine.wait_stopped(Duration::from_secs(10)) {
         tracing::warn!("the engine thread did not stop within 10s");
+    }
+    if let Some(tracer) = tracer {
+        // Short: the launcher watches the workers, which the same SIGTERM stops, and counts
+        // their end as a failure unless the core returns soon after.
+        tracer.shutdown(Duration::from_millis(300));
     }
     // A task stuck on a dead client must not hold the exit.
     runtime.shutdown_timeout(Duration::from_secs(1));

@@ -105,11 +105,22 @@ impl Replicas {
         constraint: Option<Constraint>,
         pin: Option<usize>,
     ) -> Dispatched {
+        self.dispatch_traced(request, constraint, pin, None).await
+    }
+
+    /// `dispatch`, with the request's trace (`--enable-trace`) handed to the engine.
+    pub async fn dispatch_traced(
+        &self,
+        request: Request,
+        constraint: Option<Constraint>,
+        pin: Option<usize>,
+        trace: Option<crate::otel::RequestTrace>,
+    ) -> Dispatched {
         let replica = match pin {
             Some(r) => r % self.len(),
             None => self.route(&request.prompt).await,
         };
-        self.dispatch_to(replica, request, constraint)
+        self.dispatch_to(replica, request, constraint, trace)
     }
 
     /// `dispatch` without waiting: cache-aware routing falls back to the least loaded replica.
@@ -120,7 +131,7 @@ impl Replicas {
     ) -> (RequestId, UnboundedReceiver<EngineEvent>) {
         let replica = self.pick(None);
         // The caller tracks the request by id alone, so it is not counted in the load.
-        let d = self.dispatch_to(replica, request, constraint);
+        let d = self.dispatch_to(replica, request, constraint, None);
         (d.id, d.events)
     }
 
@@ -129,6 +140,7 @@ impl Replicas {
         replica: usize,
         request: Request,
         constraint: Option<Constraint>,
+        trace: Option<crate::otel::RequestTrace>,
     ) -> Dispatched {
         let id = request.id;
         let load = self.inner.outstanding[replica].clone();
@@ -136,7 +148,7 @@ impl Replicas {
         self.inner.routed[replica].fetch_add(1, Ordering::Relaxed);
         let owner = self.inner.engines[replica].clone();
         let stop = StopSignal::default();
-        let events = owner.submit(request, constraint, stop.clone());
+        let events = owner.submit_traced(request, constraint, stop.clone(), trace);
         Dispatched {
             id,
             replica,

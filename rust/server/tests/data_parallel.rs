@@ -118,6 +118,7 @@ fn group_with(n: usize, policy: Policy, kv: Option<&KvEventsConfig>) -> Group {
             pool_metrics: false,
             max_adapters: usize::MAX,
             kv_events: kv.map(|kv| kv_events::start(kv, rank as u32).expect("KV events bind")),
+            trace: false,
         };
         let link = Box::new(EchoWorker::start(d.clone(), s.clone()));
         let (engine, _thread) =

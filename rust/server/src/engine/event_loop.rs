@@ -40,6 +40,8 @@ pub(super) struct LiveRequest {
     pub(super) last_token: Option<Instant>,
     pub(super) prompt_tokens: u32,
     pub(super) stop: StopSignal,
+    /// `--enable-trace`: its spans so far, recorded when it is dropped (`trace.rs`).
+    pub(super) trace: Option<Box<super::trace::EngineSpans>>,
 }
 
 pub(super) struct EngineLoop {
@@ -67,6 +69,8 @@ pub(super) struct EngineLoop {
     /// sent and how long after that submit.
     pub(super) last_submit: Option<Instant>,
     pub(super) prefill_sent: HashMap<u64, (Instant, Duration)>,
+    /// `--enable-trace`: per step in flight, the traced requests it carries prefill chunks of.
+    pub(super) traced_steps: HashMap<u64, Vec<RequestId>>,
     /// Matchers of the grammar-constrained requests.
     pub(super) grammars: super::grammar::Grammars,
     /// When the next plan is due (`--schedule-lead-ms`).
@@ -197,6 +201,9 @@ impl EngineLoop {
             return None;
         }
         let mut plan = self.scheduler.schedule().filter(|p| !p.is_empty())?;
+        if self.options.trace {
+            self.trace_prefill_chunks(&plan);
+        }
         if !self.grammars.is_empty() {
             let planned: Vec<_> = self.scheduler.last_planned().collect();
             for (id, message) in self.grammars.attach_masks(&mut plan, planned.into_iter()) {
@@ -246,8 +253,9 @@ impl EngineLoop {
                 constraint,
                 events,
                 stop,
+                trace,
             } => {
-                if self.submit(id, *request, events, stop) {
+                if self.submit(id, *request, events, stop, trace) {
                     if let Some(c) = constraint {
                         // A grammar's mask changes token by token: no drafts to verify.
                         self.scheduler.forbid_drafts(id);
@@ -304,6 +312,7 @@ impl EngineLoop {
         req: Request,
         events: tokio_mpsc::UnboundedSender<EngineEvent>,
         stop: StopSignal,
+        trace: Option<crate::otel::RequestTrace>,
     ) -> bool {
         let reject = |message: String, kind| {
             let _ = events.send(EngineEvent::Error { message, kind });
@@ -338,6 +347,7 @@ impl EngineLoop {
                         last_token: None,
                         prompt_tokens,
                         stop,
+                        trace: trace.map(super::trace::EngineSpans::new),
                     },
                 );
                 true
@@ -444,6 +454,9 @@ impl EngineLoop {
 
     fn deliver(&mut self, plan: &Plan, result: StepResult) {
         let started = Instant::now();
+        if self.options.trace {
+            self.trace_step_done(plan.step_id, started);
+        }
         self.gpu_idle += Duration::from_micros(result.gpu_idle_us());
         if let Some(run) = result.gpu_busy() {
             self.scheduler.observe_run_time(plan.step_id, run);

@@ -16,6 +16,7 @@ pub mod protocol;
 pub mod protocol_agents;
 pub mod response;
 pub mod responses;
+pub mod trace;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -147,7 +148,7 @@ pub fn router(state: AppState) -> Router {
 
 /// The routes that generate, behind admission (429 past the in-flight limit).
 fn generating_routes(state: &AppState) -> Router<AppState> {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/generate", post(native::generate))
@@ -157,7 +158,15 @@ fn generating_routes(state: &AppState) -> Router<AppState> {
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             refuse_on_embedding_server,
-        ))
+        ));
+    // Outermost of these: the server span covers admission too.
+    match state.tracer {
+        Some(_) => routes.route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            trace::trace_request,
+        )),
+        None => routes,
+    }
 }
 
 /// The pooling routes (embeddings, scores, classes), behind admission.

@@ -77,5 +77,7 @@ pub fn server_config() -> ServerConfig {
         server_info: Value::Null,
         lora: Default::default(),
         kv_events_config: None,
+        enable_trace: false,
+        otlp_traces_endpoint: "localhost:4318".into(),
     }
 }
