@@ -97,11 +97,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     shrink: dict[str, Any] = {}
     if a.cpu_smoke:  # a narrow model over the tokenizer's own vocabulary
-        from tokenizers import Tokenizer
-
-        vocab = Tokenizer.from_file(a.tokenizer).get_vocab_size()
-        shrink = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "head_dim": 32, "intermediate_size": 256, "vocab_size": vocab}
+        shrink = gpu_bench.cpu_smoke_overrides(Path(a.tokenizer))
     layers = 2 if a.cpu_smoke else gpu_bench.LLAMA31_8B["num_hidden_layers"]
     model = gpu_bench.write_model_dir(Path(tempfile.mkdtemp(prefix="ts-dp-")), Path(a.tokenizer),
                                       layers, shrink)

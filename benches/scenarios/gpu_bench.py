@@ -393,6 +393,15 @@ def run_hf(ctx: Ctx, layers: int, quick: bool, model_name: str = "llama31-8b") -
                 round(got["hf_batch_output_tok_s"], 1), "BENCHMARKS: HF generate_batch 494 tok/s")
 
 
+def cpu_smoke_overrides(tokenizer: Path) -> dict[str, Any]:
+    """A narrow model over the tokenizer's own vocabulary: the scenarios' --cpu-smoke runs."""
+    from tokenizers import Tokenizer
+
+    tok_file = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
+    return {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "intermediate_size": 256, "vocab_size": Tokenizer.from_file(str(tok_file)).get_vocab_size()}
+
+
 def write_model_dir(root: Path, tokenizer: Path, layers: int, overrides: dict[str, Any],
                     model_name: str = "llama31-8b") -> Path:
     base = MODELS[model_name][0]

@@ -53,13 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = ["--load-format", "dummy", *a.serve_args.split()]
     layers = a.layers or gpu_bench.MODELS["llama31-8b"][0]["num_hidden_layers"]
     overrides: dict = {}
-    if a.cpu_smoke:
-        from tokenizers import Tokenizer
-
-        tok = Path(a.tokenizer)
-        vocab = Tokenizer.from_file(str(tok / "tokenizer.json" if tok.is_dir() else tok)).get_vocab_size()
-        overrides = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "head_dim": 32, "intermediate_size": 256, "vocab_size": vocab}
+    if a.cpu_smoke:  # a narrow model over the tokenizer's own vocabulary
+        overrides = gpu_bench.cpu_smoke_overrides(Path(a.tokenizer))
         layers, a.prompts, a.input_len, a.output_len = 2, 8, 16, 16
         serve = ["--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
                  "--max-total-tokens", "4096", "--max-running-requests", "16"]

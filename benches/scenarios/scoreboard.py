@@ -366,12 +366,8 @@ def run_matrix(a: argparse.Namespace, out: Path, gpu: str, wl: dict[str, Workloa
     layers = a.layers or (2 if a.quick else gpu_bench.MODELS[MODEL][0]["num_hidden_layers"])
     overrides: dict[str, Any] = {}
     serve_args = a.serve_args.split()
-    if a.cpu_smoke:  # a narrow model over the tokenizer's own vocabulary (as dp_bench.py's)
-        from tokenizers import Tokenizer
-
-        vocab = Tokenizer.from_file(str(tokenizer_file(Path(a.tokenizer)))).get_vocab_size()
-        overrides = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "head_dim": 32, "intermediate_size": 256, "vocab_size": vocab}
+    if a.cpu_smoke:  # a narrow model over the tokenizer's own vocabulary
+        overrides = gpu_bench.cpu_smoke_overrides(Path(a.tokenizer))
         serve_args = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096",
                       "--max-running-requests", "16", "--grammar-backend", "none", *serve_args]
     tmp = Path(tempfile.mkdtemp(prefix="ts-scoreboard-"))
