@@ -9,12 +9,38 @@
 //!
 //! It runs at the start of `schedule()`, before any running request is put in the step, so a
 //! victim is never both in the plan and retracted; admission then finds the slot and pages.
+//!
+//! Also the queue's: when the engine finds the queue full (`--max-queued-requests`), a more
+//! urgent newcomer displaces the least urgent waiting request (`displace_for`).
 
 use std::collections::HashSet;
 
-use super::{RequestId, Scheduler};
+use super::{FinishReason, Finished, Request, RequestId, Scheduler};
 
 impl Scheduler {
+    /// Makes room in a full queue for `newcomer` (SGLang's rule for `--max-queued-requests`
+    /// under priority scheduling): the least urgent waiting request leaves the scheduler, ended
+    /// as an abort with its resources freed, if `newcomer` is strictly more urgent; among
+    /// equals the latest arrival goes (retracted requests wait at the queue's front, so they go
+    /// last). Returns the record of the one removed; None without priority scheduling, with
+    /// nothing waiting, or when the newcomer does not outrank it: the caller refuses the
+    /// newcomer instead.
+    pub fn displace_for(&mut self, newcomer: &Request) -> Option<Finished> {
+        if !self.config.enable_priority_scheduling {
+            return None;
+        }
+        // Ranks: smaller is more urgent. `max_by_key` keeps the last of equals: the latest.
+        let (rank, victim) = self
+            .waiting
+            .iter()
+            .filter_map(|id| Some((self.urgency(&self.requests.get(id)?.req), *id)))
+            .max_by_key(|v| v.0)?;
+        if rank <= self.urgency(newcomer) {
+            return None;
+        }
+        self.finish(victim, FinishReason::Abort)
+    }
+
     /// Retracts what the most urgent waiting request needs, if it outranks enough running
     /// requests by more than the threshold. Returns how many were retracted.
     pub(super) fn preempt_for_waiting(&mut self) -> usize {
