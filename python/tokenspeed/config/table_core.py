@@ -194,7 +194,9 @@ MEMORY_FLAGS: list[Flag] = [
       aliases=("--max-num-seqs",), minimum=1, readers=("scheduler", "worker"), implemented=True),
     i("--prefill-max-requests", "Most new requests admitted in one prefill batch.", G_MEMORY,
       minimum=1),
-    i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected. "
+    i("--max-queued-requests", "Most requests allowed to wait in the queue; more are rejected "
+      "(429). With --enable-priority-scheduling a new request more urgent than the least urgent "
+      "waiting one takes its place instead, and that one gets the 429 (SGLang's rule). "
       "Bounded by default (SGLang's is unbounded) so that a burst cannot grow memory without "
       "limit.", G_MEMORY, 4096, minimum=1, readers=("server",), implemented=True),
     i("--max-total-tokens", "Size of the KV cache pool in tokens, overriding the size worked out "

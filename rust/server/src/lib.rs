@@ -115,7 +115,14 @@ pub fn build_state_replicas(
         false => None,
     };
     let options = engine_options(&config, grammar.as_deref(), dp);
-    let max_in_flight = options.max_queued_requests;
+    // The HTTP gate runs before the body is parsed, so it cannot tell an urgent request from
+    // another: with priority scheduling it is off, and the engine alone bounds the queue,
+    // displacing the least urgent waiting request for a more urgent one (event_loop.rs,
+    // `queue_full`). A burst is then refused after tokenizing rather than before.
+    let max_in_flight = match config.scheduler.enable_priority_scheduling {
+        true => usize::MAX,
+        false => options.max_queued_requests.saturating_mul(dp),
+    };
     let engines = spawn_replicas(&config, links, options, &metrics)?;
     let engine = Replicas::new(engines, policy);
     let lora = lora::LoraRegistry::new(config.lora.clone()).map_err(ServeError::Config)?;
@@ -132,7 +139,7 @@ pub fn build_state_replicas(
             tracer,
         }),
         started: Instant::now(),
-        lifecycle: Arc::new(http::Lifecycle::new(max_in_flight * dp)),
+        lifecycle: Arc::new(http::Lifecycle::new(max_in_flight)),
         responses: Arc::default(),
     })
 }
@@ -169,7 +176,8 @@ fn engine_options(
     // request waiting only because the scheduler has not run since a slot freed up is not
     // over the limit, and refusing it there would come late (after tokenizing, between steps).
     // Under data parallelism both limits are per replica, so the HTTP layer admits N times as
-    // many (the router spreads them).
+    // many (the router spreads them). With priority scheduling the HTTP gate is off and the
+    // engine's check at this total is the bound (`build_state_replicas`).
     let max_in_flight =
         config.scheduler.max_running_requests as usize + config.max_queued_requests as usize;
     EngineOptions {

@@ -350,7 +350,8 @@ async fn refuse_on_generation_server(
 
 /// Admission for the generating routes, before the handler tokenizes: 503 when the engine
 /// cannot serve, 429 (with Retry-After) when --max-running-requests + --max-queued-requests
-/// requests are already in flight. The slot is held until the response body ends or is
+/// requests are already in flight (never with priority scheduling: the engine bounds the
+/// queue then, by priority; lib.rs). The slot is held until the response body ends or is
 /// dropped (a stream lives past the handler), which bounds the memory of any burst.
 async fn admit(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if !state.engine.is_healthy() {
