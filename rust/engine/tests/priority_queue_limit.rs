@@ -76,19 +76,39 @@ fn with_priority(low_values_first: bool) -> SchedulerConfig {
 #[test]
 fn a_more_urgent_newcomer_displaces_the_latest_of_the_least_urgent() {
     let mut h = queue(with_priority(false), &[0, 5, 0, 5]);
-    assert_eq!(arrive(&mut h, 10, 1), Some(3), "latest of the priority-0 ones");
+    assert_eq!(
+        arrive(&mut h, 10, 1),
+        Some(3),
+        "latest of the priority-0 ones"
+    );
     assert_eq!(arrive(&mut h, 11, 0), None, "an equal does not displace");
-    assert_eq!(arrive(&mut h, 12, -1), None, "a less urgent one does not either");
+    assert_eq!(
+        arrive(&mut h, 12, -1),
+        None,
+        "a less urgent one does not either"
+    );
     assert_eq!(arrive(&mut h, 13, 6), Some(1), "the last priority-0 one");
-    assert_eq!(arrive(&mut h, 14, 6), Some(10), "then the priority-1 newcomer");
-    assert_eq!(h.sched.stats().waiting, 4, "each displacement keeps the queue's length");
+    assert_eq!(
+        arrive(&mut h, 14, 6),
+        Some(10),
+        "then the priority-1 newcomer"
+    );
+    assert_eq!(
+        h.sched.stats().waiting,
+        4,
+        "each displacement keeps the queue's length"
+    );
     drain(h, &[0, 2, 4, 13, 14], &[1, 3, 10]);
 }
 
 #[test]
 fn low_priority_values_first_reverses_who_is_least_urgent() {
     let mut h = queue(with_priority(true), &[0, 5, 0, 5]);
-    assert_eq!(arrive(&mut h, 10, 1), Some(4), "latest of the priority-5 ones");
+    assert_eq!(
+        arrive(&mut h, 10, 1),
+        Some(4),
+        "latest of the priority-5 ones"
+    );
     assert_eq!(arrive(&mut h, 11, 5), None, "an equal does not displace");
     assert_eq!(arrive(&mut h, 12, 9), None, "a larger value is less urgent");
     assert_eq!(arrive(&mut h, 13, -3), Some(2));
