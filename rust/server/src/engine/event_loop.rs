@@ -14,6 +14,7 @@ use tokio::sync::mpsc as tokio_mpsc;
 use super::grammar::Verdict;
 use super::*;
 use crate::metrics::Metrics;
+mod queue_bound;
 
 pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
@@ -353,48 +354,6 @@ impl EngineLoop {
                 true
             }
             Err(e) => reject(e.to_string(), EngineErrorKind::BadRequest),
-        }
-    }
-
-    /// Whether a new request finds the queue full. `max_queued_requests` is the engine's share
-    /// of --max-running-requests + --max-queued-requests (lib.rs). With priority scheduling
-    /// this is the only bound (the HTTP gate is off), so it counts running requests too: the
-    /// queue is full at --max-queued-requests waiting once every slot runs, and a burst into an
-    /// idle engine is not refused before the scheduler admits it. Without, it is a backstop
-    /// behind the HTTP gate, as before.
-    fn queue_full(&self) -> bool {
-        let stats = self.scheduler.stats();
-        let held = match self.scheduler.config().enable_priority_scheduling {
-            true => stats.running + stats.waiting,
-            false => stats.waiting,
-        };
-        held >= self.options.max_queued_requests
-    }
-
-    fn queue_full_message(&self) -> String {
-        match self.scheduler.config().enable_priority_scheduling {
-            true => "server overloaded: the queue is full and no waiting request is less urgent \
-                     than this one; retry later"
-                .into(),
-            false => format!(
-                "server overloaded: {} requests already waiting",
-                self.options.max_queued_requests
-            ),
-        }
-    }
-
-    /// A waiting request a more urgent one displaced (`Scheduler::displace_for`, which freed
-    /// it): its client gets a 429.
-    fn end_displaced(&mut self, id: RequestId) {
-        self.grammars.remove(id);
-        if let Some(live) = self.requests.remove(&id) {
-            self.count_abort();
-            let _ = live.events.send(EngineEvent::Error {
-                message: "server overloaded: the queue is full and a more urgent request \
-                          displaced this one; retry later"
-                    .into(),
-                kind: EngineErrorKind::Overloaded,
-            });
         }
     }
 
