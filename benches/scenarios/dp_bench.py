@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -95,12 +94,7 @@ def main() -> int:
     t0 = time.monotonic()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    shrink: dict[str, Any] = {}
-    if a.cpu_smoke:  # a narrow model over the tokenizer's own vocabulary
-        shrink = gpu_bench.cpu_smoke_overrides(Path(a.tokenizer))
-    layers = 2 if a.cpu_smoke else gpu_bench.LLAMA31_8B["num_hidden_layers"]
-    model = gpu_bench.write_model_dir(Path(tempfile.mkdtemp(prefix="ts-dp-")), Path(a.tokenizer),
-                                      layers, shrink)
+    model, layers = gpu_bench.scenario_model(a.tokenizer, a.cpu_smoke, "ts-dp-")
     sizes = [int(x) for x in a.dp_sizes.split(",") if x]
     results = []
     for i, dp in enumerate(sizes):

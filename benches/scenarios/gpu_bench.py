@@ -402,6 +402,14 @@ def cpu_smoke_overrides(tokenizer: Path) -> dict[str, Any]:
             "intermediate_size": 256, "vocab_size": Tokenizer.from_file(str(tok_file)).get_vocab_size()}
 
 
+def scenario_model(tokenizer: str, cpu_smoke: bool, prefix: str) -> tuple[Path, int]:
+    """The Llama-3.1-8B dummy model dir a scenario serves (narrow and 2 layers under --cpu-smoke)
+    in a fresh temporary directory, and its layer count."""
+    layers = 2 if cpu_smoke else LLAMA31_8B["num_hidden_layers"]
+    overrides = cpu_smoke_overrides(Path(tokenizer)) if cpu_smoke else {}
+    return write_model_dir(Path(tempfile.mkdtemp(prefix=prefix)), Path(tokenizer), layers, overrides), layers
+
+
 def write_model_dir(root: Path, tokenizer: Path, layers: int, overrides: dict[str, Any],
                     model_name: str = "llama31-8b") -> Path:
     base = MODELS[model_name][0]

@@ -26,7 +26,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -144,12 +143,7 @@ def main() -> int:
     t0 = time.monotonic()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    shrink: dict[str, Any] = {}
-    if a.cpu_smoke:  # a narrow model over the tokenizer's own vocabulary
-        shrink = gpu_bench.cpu_smoke_overrides(Path(a.tokenizer))
-    layers = 2 if a.cpu_smoke else gpu_bench.LLAMA31_8B["num_hidden_layers"]
-    model = gpu_bench.write_model_dir(Path(tempfile.mkdtemp(prefix="ts-pd-")), Path(a.tokenizer),
-                                      layers, shrink)
+    model, layers = gpu_bench.scenario_model(a.tokenizer, a.cpu_smoke, "ts-pd-")
     rates = [r for r in a.rate.split(",") if r]
     half = t0 + a.budget_s / 2
     results = run_dp2(gpu_bench.Ctx(out=out, deadline=half), model, a, rates)

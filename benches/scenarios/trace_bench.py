@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -125,12 +124,7 @@ def main() -> int:
     t0 = time.monotonic()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    shrink: dict[str, Any] = {}
-    if a.cpu_smoke:  # a narrow model over the tokenizer's own vocabulary
-        shrink = gpu_bench.cpu_smoke_overrides(Path(a.tokenizer))
-    layers = 2 if a.cpu_smoke else gpu_bench.LLAMA31_8B["num_hidden_layers"]
-    model = gpu_bench.write_model_dir(Path(tempfile.mkdtemp(prefix="ts-trace-")), Path(a.tokenizer),
-                                      layers, shrink)
+    model, layers = gpu_bench.scenario_model(a.tokenizer, a.cpu_smoke, "ts-trace-")
     sink = Sink()
     results = []
     for i, traced in enumerate((False, True)):
