@@ -356,6 +356,9 @@ pub struct StepLimits {
     /// Columns of a token's top logprobs (`RequestEvent::top_k`) at most: `--max-logprobs`
     /// within the vocabulary. A request asking for more is refused before it is queued.
     pub top_logprobs: usize,
+    /// Draft tokens one event proposes at most (`RequestEvent::draft_tokens`: EAGLE-3's
+    /// chain length); 0 without a worker-side drafter.
+    pub max_drafts: usize,
 }
 
 impl Plan {
@@ -444,6 +447,10 @@ section! {
         /// The pooled vector of a `pooling` request (float32; an embedding, or a classifier's
         /// scores), on the event of the step that computed its prompt.
         pub pooled: Vec<f32>,
+        /// Draft tokens the worker proposes to follow this event's last token (EAGLE-3: its
+        /// draft head ran after the step); the scheduler verifies them in the request's next
+        /// step. Empty without a worker-side drafter.
+        pub draft_tokens: Vec<u32>,
     }
 }
 
@@ -523,6 +530,7 @@ impl StepResult {
             prompt * k,
             prompt,           // prompt ranks
             r * l.pooled_dim, // pooled vectors: at most one per slot
+            r * l.max_drafts, // proposed drafts: a chain per slot
             1,                // timing: one row
             1,
             MAX_OP_TEXT, // an op's outcome: one row

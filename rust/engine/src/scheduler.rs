@@ -125,6 +125,9 @@ struct Sequence {
     /// or state that changes token by token inside one step (penalties, `min_tokens`, a
     /// grammar: `Scheduler::forbid_drafts`).
     drafts_allowed: bool,
+    /// The worker's proposal (EAGLE-3's draft head, `RequestEvent::draft_tokens`) for the
+    /// tokens after the last known one; replaced by every result.
+    proposed: Vec<u32>,
     /// Times it was sent back to the queue (vLLM's per-request preemptions).
     retractions: u32,
 }
@@ -404,6 +407,7 @@ impl Scheduler {
                 cached_tokens: None,
                 phase: Phase::Waiting,
                 drafts_allowed,
+                proposed: Vec::new(),
                 retractions: 0,
             },
         );

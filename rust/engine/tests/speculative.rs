@@ -171,3 +171,38 @@ fn drafts_only_where_pages_allow_and_the_radix_cache_holds_verified_tokens() {
     );
     h.assert_no_leak();
 }
+
+/// EAGLE-3: the worker proposes each request's drafts in its result (a draft head ran after
+/// the step) and the scheduler verifies them in the next step, through NGRAM's path: the same
+/// tokens whatever the drafts, and right drafts shorten the run.
+#[test]
+fn worker_drafts_are_verified_next_step() {
+    let eagle = |k| SchedulerConfig {
+        speculative_algorithm: Some("EAGLE3".into()),
+        ..spec_config(k, 4)
+    };
+    fn wrong(_: &[u32]) -> u32 {
+        7
+    }
+    let mut plans = Vec::new();
+    for (right, drafter) in [(true, copy_model as fn(&[u32]) -> u32), (false, wrong)] {
+        let mut h = harness(eagle(3), false);
+        h.worker.drafter = Some((drafter, 3));
+        h.submit(request(1, prompt(1), 40));
+        h.run(200);
+        assert_eq!(h.tokens(1), reference(&prompt(1), 40, None));
+        assert_eq!(h.finish_reason(1), Some(FinishReason::Length));
+        let s = h.sched.stats();
+        assert!(s.spec_draft_tokens > 0, "{s:?}");
+        if right {
+            assert_eq!(s.spec_accepted_tokens, s.spec_draft_tokens, "{s:?}");
+        } else {
+            assert_eq!(s.spec_accepted_tokens, 0, "{s:?}");
+        }
+        h.assert_no_leak();
+        plans.push(h.plans.len());
+    }
+    // Right drafts: 4 tokens per step (40 tokens: 1 prefill + 10 verify steps at most).
+    assert!(plans[0] <= 12, "{plans:?}");
+    assert!(plans[1] >= 40, "{plans:?}");
+}

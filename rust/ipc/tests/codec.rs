@@ -275,6 +275,7 @@ fn a_result_without_timing_reports_no_gpu_idle_and_one_with_it_is_within_the_slo
         storage_copies: false,
         kv_transfer: false,
         top_logprobs: 20,
+        max_drafts: 0,
     };
     let mut r = StepResult {
         step_id: 3,
@@ -384,6 +385,7 @@ fn the_slot_bound_holds_the_largest_step() {
         storage_copies: false,
         kv_transfer: false,
         top_logprobs: 20,
+        max_drafts: 0,
     };
     let full = Plan {
         finished: vec![FinishedSlot::default(); 4],
@@ -471,6 +473,7 @@ fn the_result_bound_follows_the_top_logprobs_width() {
         storage_copies: false,
         kv_transfer: false,
         top_logprobs: k,
+        max_drafts: 0,
     };
     let full = |k: usize| StepResult {
         events: (0..2)

@@ -212,11 +212,12 @@ fn result_schema(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
 /// pooled vector, 0 unless `--is-embedding`; `kv_tiers`: 1 the device, 2 with a host tier,
 /// 3 with a storage tier below it; `top_logprobs`: top logprobs per token at most,
 /// `--max-logprobs` within the vocabulary, 0: none; `kv_transfer`: prefill/decode
-/// disaggregation's page transfers, `--disaggregation-mode`).
+/// disaggregation's page transfers, `--disaggregation-mode`; `max_drafts`: draft tokens one
+/// result event proposes, EAGLE-3's chain length, 0: none).
 #[pyfunction]
 #[pyo3(signature = (max_running, max_step_tokens, max_pages_per_request, mask_words = 0,
                     worker_grammars = false, pooled_dim = 0, kv_tiers = 1, top_logprobs = 0,
-                    kv_transfer = false))]
+                    kv_transfer = false, max_drafts = 0))]
 #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per limit
 fn slot_bytes(
     max_running: usize,
@@ -228,6 +229,7 @@ fn slot_bytes(
     kv_tiers: u8,
     top_logprobs: usize,
     kv_transfer: bool,
+    max_drafts: usize,
 ) -> usize {
     let l = StepLimits {
         max_running,
@@ -240,6 +242,7 @@ fn slot_bytes(
         storage_copies: kv_tiers >= 3,
         kv_transfer,
         top_logprobs,
+        max_drafts,
     };
     Plan::max_encoded_len(&l).max(StepResult::max_encoded_len(&l))
 }

@@ -84,6 +84,8 @@ impl Scheduler {
         let later_planned_wrong = a.in_flight > 0 && accepted.len() != 1;
         let (keep, finished) = finish::accept(&seq.req, seq.completion_tokens(), accepted);
         seq.tokens.extend_from_slice(&accepted[..keep]);
+        // The worker's drafts continue the accepted tokens; a trimmed run ends the request.
+        seq.proposed = event.map_or_else(Vec::new, |ev| ev.draft_tokens.clone());
         let known = seq.tokens.len();
         let a = seq.active_mut()?;
         if a.in_flight == 0 {

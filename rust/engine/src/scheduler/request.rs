@@ -72,7 +72,8 @@ pub struct SchedulerConfig {
     pub disable_radix_cache: bool,
     /// Prompt plus generated tokens of one request.
     pub context_length: u32,
-    /// `NGRAM` drafts tokens by prompt lookup (`ngram.rs`); None: no speculative decoding.
+    /// `NGRAM` drafts tokens by prompt lookup (`ngram.rs`), `EAGLE3` takes the drafts the
+    /// worker's draft head proposes in each result; None: no speculative decoding.
     /// The launcher refuses every other algorithm before it gets here.
     pub speculative_algorithm: Option<String>,
     /// Most draft tokens verified per request per step (the launcher fills it in).
@@ -138,7 +139,7 @@ impl SchedulerConfig {
         if let Some(alg) = self
             .speculative_algorithm
             .as_deref()
-            .filter(|a| *a != "NGRAM")
+            .filter(|a| !matches!(*a, "NGRAM" | "EAGLE3"))
         {
             return Err(ConfigError::Unsupported {
                 field: "speculative_algorithm",

@@ -217,7 +217,8 @@ impl Scheduler {
         self.pool.alloc(n)
     }
 
-    /// Draft tokens to verify after `id`'s next decode token: NGRAM's proposal, cut to what
+    /// Draft tokens to verify after `id`'s next decode token: NGRAM's proposal or the worker's
+    /// (EAGLE-3), cut to what
     /// the request may still generate (drafts past `max_new_tokens` or the context could never
     /// be kept) and to the step's token budget. Empty without speculative decoding.
     fn drafts_for(&self, id: &RequestId, budget: usize) -> Vec<u32> {
@@ -232,6 +233,10 @@ impl Scheduler {
         let room = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens() + 1);
         let context_room = (c.context_length as usize).saturating_sub(seq.tokens.len() + 1);
         let k = (k as usize).min(room).min(context_room).min(budget);
+        if c.speculative_algorithm.as_deref() == Some("EAGLE3") {
+            // Drafted by the worker after the step that produced the last token.
+            return seq.proposed[..k.min(seq.proposed.len())].to_vec();
+        }
         super::ngram::propose(
             &seq.tokens,
             c.speculative_ngram_min_match_window_size as usize,

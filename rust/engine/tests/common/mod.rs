@@ -97,6 +97,9 @@ pub struct FakeWorker {
     pub constant_token: Option<u32>,
     /// The fake model's next token after a sequence (`next_token` unless a test sets one).
     pub model: fn(&[u32]) -> u32,
+    /// A worker-side drafter (EAGLE-3): after each sampling step, a chain of this many tokens
+    /// from this draft model continues the sequence (`RequestEvent::draft_tokens`).
+    pub drafter: Option<(fn(&[u32]) -> u32, usize)>,
     /// Prefill/decode disaggregation: the pages each transfer (by room) sent, in order
     /// (`KV_SEND`), and those waiting to be received (`KV_RECV` takes them from the front).
     pub kv_sent: HashMap<i64, Vec<Vec<Option<u32>>>>,
@@ -115,9 +118,24 @@ impl FakeWorker {
             accept: HashMap::new(),
             constant_token: None,
             model: next_token,
+            drafter: None,
             kv_sent: HashMap::new(),
             kv_inbox: HashMap::new(),
         }
+    }
+
+    /// The drafter's chain after `seq` (empty without one).
+    fn propose(&self, mut seq: Vec<u32>) -> Vec<u32> {
+        let Some((draft, k)) = self.drafter else {
+            return Vec::new();
+        };
+        (0..k)
+            .map(|_| {
+                let t = draft(&seq);
+                seq.push(t);
+                t
+            })
+            .collect()
     }
 
     /// Runs a plan in the order the worker contract fixes: finished, new, page updates, forward.
@@ -302,6 +320,7 @@ impl FakeWorker {
                     logprobs: vec![-0.5; tokens.len()],
                     tokens,
                     prompt_logprobs,
+                    draft_tokens: self.propose(seq),
                     ..RequestEvent::default()
                 });
             } else if r.sample {
@@ -323,6 +342,7 @@ impl FakeWorker {
                     logprobs: vec![-0.5; tokens.len()],
                     tokens,
                     prompt_logprobs,
+                    draft_tokens: self.propose(seq),
                     ..RequestEvent::default()
                 });
             }
