@@ -14,10 +14,11 @@ _VLLM_KEYS = {
     "num_speculative_tokens": "speculative_num_draft_tokens",
     "prompt_lookup_min": "speculative_ngram_min_match_window_size",
     "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+    "model": "speculative_draft_model_path",
 }
 # vLLM's `method` values → `--speculative-algorithm`; None: named, but not built yet.
 _METHODS: dict[str, str | None] = {
-    "ngram": "NGRAM", "eagle": None, "eagle3": None, "mtp": None, "draft_model": None,
+    "ngram": "NGRAM", "eagle": None, "eagle3": "EAGLE3", "mtp": None, "draft_model": None,
     "medusa": None, "mlp_speculator": None,
 }
 
@@ -27,10 +28,17 @@ def resolve_speculative(cfg: Any) -> Any:
     if cfg.speculative_config:
         cfg = _apply_vllm_config(cfg, cfg.speculative_config)
     if cfg.speculative_algorithm is None:
-        if cfg.speculative_num_draft_tokens is not None:
-            raise ConfigError("--speculative-num-draft-tokens needs --speculative-algorithm "
-                              "(NGRAM)")
+        given = [f for f in ("num_draft_tokens", "num_steps", "draft_model_path", "eagle_topk")
+                 if getattr(cfg, f"speculative_{f}") is not None]
+        if given:
+            raise ConfigError(f"--speculative-{given[0].replace('_', '-')} needs "
+                              "--speculative-algorithm (NGRAM or EAGLE3)")
         return cfg
+    if cfg.speculative_algorithm == "EAGLE3":
+        cfg = _eagle3(cfg)
+    elif cfg.speculative_draft_model_path or cfg.speculative_num_steps:
+        raise ConfigError("--speculative-draft-model-path and --speculative-num-steps are for "
+                          "--speculative-algorithm EAGLE3")
     if cfg.speculative_num_draft_tokens is None:
         raise ConfigError(f"--speculative-algorithm {cfg.speculative_algorithm} needs "
                           "--speculative-num-draft-tokens (the draft tokens verified per step)")
@@ -46,13 +54,36 @@ def resolve_speculative(cfg: Any) -> Any:
     return cfg
 
 
+def _eagle3(cfg: Any) -> Any:
+    """A chain of `--speculative-num-steps` drafts per step. SGLang counts the verified root
+    in `--speculative-num-draft-tokens` (steps + 1 for a chain); both spellings are accepted
+    and the scheduler's bound becomes the chain's length."""
+    if not cfg.speculative_draft_model_path:
+        raise ConfigError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path "
+                          "(the EAGLE-3 head's directory)")
+    steps, k = cfg.speculative_num_steps, cfg.speculative_num_draft_tokens
+    if steps is None and k is None:
+        raise ConfigError("--speculative-algorithm EAGLE3 needs --speculative-num-steps or "
+                          "--speculative-num-draft-tokens (the draft tokens per step)")
+    steps = steps or k
+    if k is not None and k not in (steps, steps + 1):
+        raise ConfigError(f"--speculative-num-draft-tokens {k} with --speculative-num-steps "
+                          f"{steps}: a chain verifies {steps} drafts (give {steps} or, counting "
+                          f"the verified token as SGLang does, {steps + 1})")
+    return dataclasses.replace(cfg, speculative_num_steps=steps,
+                               speculative_num_draft_tokens=steps)
+
+
 def speculative_note(cfg: Any) -> str | None:
     """The start-up log line saying speculation is on and what it turned off."""
     if cfg.speculative_algorithm is None:
         return None
     return (f"speculative decoding: {cfg.speculative_algorithm}, up to "
             f"{cfg.speculative_num_draft_tokens} draft tokens per step; the overlap scheduler is "
-            "turned off (the two do not combine yet); verify steps run without CUDA graphs")
+            "turned off (the two do not combine yet); "
+            + ("no step uses CUDA graphs (the draft head reads the target's hidden states)"
+               if cfg.speculative_algorithm == "EAGLE3" else
+               "verify steps run without CUDA graphs"))
 
 
 def _apply_vllm_config(cfg: Any, spec: Any) -> Any:
@@ -69,11 +100,14 @@ def _apply_vllm_config(cfg: Any, spec: Any) -> Any:
     algorithm = _METHODS[method]
     if algorithm is None:
         raise NotSupportedError([(f"not supported yet: --speculative-config (method {method!r}: "
-                                 "draft models and heads are not built yet; available now: "
-                                 "ngram)")])
+                                 "not built yet; available now: ngram, eagle3)")])
     changes: dict[str, Any] = {"speculative_algorithm": algorithm}
     for key, dest in _VLLM_KEYS.items():
-        if key in spec:
+        if key == "model" and key in spec:
+            if algorithm != "EAGLE3" or not isinstance(spec[key], str):
+                raise ConfigError("--speculative-config: model (a path) is for method eagle3")
+            changes[dest] = spec[key]
+        elif key in spec:
             value = spec[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"--speculative-config: {key} must be a positive integer, "

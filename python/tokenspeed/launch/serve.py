@@ -348,8 +348,10 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
         limits = (slots, chunk + slots, -(-layout.context // int(cfg.page_size)), mask_words,
                   worker_grammars, pooled_dim, kv_tiers(cfg))
         pd = cfg.disaggregation_mode != "null"  # page transfers ride in the plan
-        slot_bytes = _core.slot_bytes(*limits, width, kv_transfer=pd)
-        check_rings(cfg, slot_bytes, _core.slot_bytes(*limits, 0, kv_transfer=pd), len(names), slots, width, shm_room())
+        drafts = int(cfg.speculative_num_steps or 0)  # EAGLE-3's proposals ride in results
+        slot_bytes = _core.slot_bytes(*limits, width, kv_transfer=pd, max_drafts=drafts)
+        check_rings(cfg, slot_bytes, _core.slot_bytes(*limits, 0, kv_transfer=pd, max_drafts=drafts),
+                    len(names), slots, width, shm_room())
     except RingSizeError as e:
         raise LaunchError(str(e)) from None
     if layout.node_rank == 0:  # multi-node: one more reader, the relay to the other nodes

@@ -112,13 +112,22 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary_emb, parallel, make_mlp(i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 (worker/eagle3.py): the residual stream at these layers' inputs, concatenated,
+        # is kept in `captured` after each forward for the draft head.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.capture_layers:
+                aux.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, batch)
+        if aux:
+            self.captured = torch.cat(aux, dim=-1)
         if residual is None:
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]

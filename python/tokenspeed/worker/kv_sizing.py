@@ -38,6 +38,7 @@ def profile_num_pages(runner: Any, mem_fraction_static: float | None,
     scheduler can send (measured by a profile forward), the sampler and the CUDA graphs."""
     c = runner.config
     per_page = page_bytes(runner)  # fp8: half the bytes of bf16, twice the pages
+    per_page += getattr(runner, "draft_page_bytes", 0)  # an EAGLE-3 head's KV (worker/eagle3.py)
     if runner.device.type != "cuda":
         return -(-CPU_DEFAULT_KV_TOKENS // runner.page_size)
     # A step holds at most max(chunked_prefill_size, running decodes) tokens.

@@ -166,6 +166,8 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         if s["enable_hierarchical_cache"] else None,
         pd=PdSettings.of(s),
         config_overrides=s["json_model_override_args"],
+        eagle3=(s["speculative_draft_model_path"], int(s["speculative_num_steps"]))
+        if s["speculative_algorithm"] == "EAGLE3" else None,
     )
 
 

@@ -47,12 +47,14 @@ from tokenspeed.layers.quantization.kv_cache import (
 )
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
+from tokenspeed.models.eagle3 import Eagle3Config
 from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
 from tokenspeed.worker.cuda_graph import (
     DecodeGraphRunner,
     ExtendGraphRunner,
     decode_only,
 )
+from tokenspeed.worker.eagle3 import Eagle3Drafter
 from tokenspeed.worker.gpu_idle import IdleClock
 from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, page_bytes, profile_num_pages
 from tokenspeed.worker.kv_transfer import KVTransfer, PdSettings
@@ -107,7 +109,8 @@ class ModelRunner:
                  quantization: str | None = None, lm_head_quantization: str = "auto",
                  lora: dict[str, Any] | None = None, pooling: bool = False,
                  hicache: HostTierSize | None = None, pd: PdSettings | None = None,
-                 config_overrides: dict[str, Any] | None = None) -> None:
+                 config_overrides: dict[str, Any] | None = None,
+                 eagle3: tuple[str, int] | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -137,7 +140,13 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         # --is-embedding: every request pools (prefill-only steps, eager: worker/pooling_step.py).
         self.pooling = pooling
-        disable_cuda_graph = disable_cuda_graph or pooling
+        # EAGLE-3 (`eagle3`: the head's path and its drafts per step): every step feeds the
+        # draft head the target's hidden states of three layers, which no graph captures yet.
+        disable_cuda_graph = disable_cuda_graph or pooling or eagle3 is not None
+        # The head's KV rides beside each target KV page (worker/eagle3.py): sized with it.
+        self.draft_page_bytes = 0 if eagle3 is None else Eagle3Drafter.bytes_per_page(
+            Eagle3Config.load(eagle3[0]), page_size, resolve_kv_cache_dtype(
+                kv_cache_dtype, resolve_dtype(dtype, self.device, ckpt.config)))
         self._load_weights(ckpt, model_path, seed, moe_parallel, quantization,
                            lm_head_quantization, quantization_param_path)
         # LoRA (worker/lora.py): its pool in every adapted layer, before memory is profiled
@@ -150,6 +159,11 @@ class ModelRunner:
         self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
                            use_graphs)
         self._allocate_step_state(seed)
+        self.drafter = None if eagle3 is None else Eagle3Drafter(
+            eagle3[0], self.model, self.kv_cache, num_steps=eagle3[1], dtype=self.dtype,
+            device=self.device, max_positions=max_context_len, dummy=load_format == "dummy",
+            seed=seed)
+        self._draft_aux: torch.Tensor | None = None  # this step's captured hidden states
         # --enable-hierarchical-cache: the radix cache's host tier (layers/host_kv_cache.py).
         self.host_kv = None if hicache is None else HostKVPool(self.kv_cache, host_pages(
             ratio=hicache.ratio, size_gb=hicache.size_gb, device_pages=self.num_pages,
@@ -424,6 +438,8 @@ class ModelRunner:
         if self.lora is not None:  # eager: the adapter segments
             self.lora.prepare(plan.sched_slot, plan.sched_tokens_len, per_token=False)
         hidden = self.model(batch.input_ids, batch.positions, batch)
+        if self.drafter is not None:
+            self._draft_aux = self.model.model.captured  # type: ignore[union-attr]
         if wanted:
             self.prompt_scorer.score(plan, hidden, query_start, wanted, self.model, self.sampler)
         last = query_start[1:] - 1
@@ -470,7 +486,8 @@ class ModelRunner:
         prompt = self.prompt_scorer.take()
         if len(slots) == 0:
             span = self.idle_clock.end()
-            return PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock, span=span)
+            step = PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock, span=span)
+            return step if self.drafter is None else self._draft(plan, step)  # a chunk's KV
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
         failed = self.lora.failed & set(slots.tolist()) if self.lora is not None else set()
@@ -485,8 +502,18 @@ class ModelRunner:
         self.last_tokens[slots_dev] = res.tokens
         outputs = DeviceToHost([res.tokens, res.logprobs, res.top_ids, res.top_logprobs])
         span = self.idle_clock.end()  # after the step's last kernel and copy
-        return PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock,
+        step = PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock,
                            span, drafts, failed=failed)
+        return step if self.drafter is None else self._draft(plan, step)
+
+    def _draft(self, plan: StepPlan, step: PendingStep) -> PendingStep:
+        """EAGLE-3: waits for the step's tokens, then the head proposes each request's next
+        drafts (worker/eagle3.py), which go back in the step's result."""
+        out, aux = step.wait(), self._draft_aux
+        self._draft_aux = None
+        if self.drafter is not None and aux is not None:
+            out.draft_tokens = self.drafter.propose(plan, aux, out)
+        return PendingStep.done(out)
 
     # --- plan → state and batch ------------------------------------------------------------
 

@@ -31,12 +31,22 @@ class PendingStep:
         self._span = span  # the step's marks on the idle clock (its run time)
         self._drafts = drafts  # rows are verified positions: accept on the host (spec_verify)
         self.failed = failed or set()  # slots whose request failed (a LoRA adapter unreadable)
+        self._done: StepOutput | None = None
+
+    @staticmethod
+    def done(out: StepOutput) -> PendingStep:
+        """A step whose output is already on the host (EAGLE-3 drafted after waiting for it)."""
+        step = PendingStep(out.slots, None)
+        step._done = out
+        return step
 
     def ready(self) -> bool:
         """True once `wait()` would not block."""
         return self._outputs is None or self._outputs.ready()
 
     def wait(self) -> StepOutput:
+        if self._done is not None:
+            return self._done
         if self._outputs is None:
             out = StepOutput(slots=self.slots, tokens=np.zeros(0), logprobs=np.zeros(0),
                              prompt=self.prompt)

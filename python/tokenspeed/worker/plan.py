@@ -160,6 +160,8 @@ class StepOutput:
         self.gpu_busy_us = 0
         # A pooling step's vectors, [n, dim] float32 (`RequestEvent::pooled`; no tokens then).
         self.pooled: np.ndarray | None = None
+        # `RequestEvent::draft_tokens` per event (EAGLE-3's proposal; None: no drafter).
+        self.draft_tokens: list[np.ndarray] | None = None
 
     def arrays(self) -> dict[str, bytes]:
         """{result array name: bytes}: one accepted token per event; each event's top-k rows
@@ -190,6 +192,13 @@ class StepOutput:
             errors = np.zeros(events, d["event_error"])
             errors[:n] = self.errors
             out["event_error"] = errors.tobytes()
+        if self.draft_tokens is not None:  # prompt-only events (appended) have none
+            events = len(out["event_slot"]) // RESULT_DTYPES["event_slot"].itemsize
+            lens = [len(t) for t in self.draft_tokens] + [0] * (events - n)
+            out["event_draft_tokens_len"] = np.asarray(lens, np.uint32).tobytes()
+            out["event_draft_tokens"] = np.concatenate(
+                [np.zeros(0, d["event_draft_tokens"]), *self.draft_tokens]).astype(
+                d["event_draft_tokens"]).tobytes()
         if self.gpu_idle_us is not None:
             out["timing_gpu_idle_us"] = np.asarray([self.gpu_idle_us], d["timing_gpu_idle_us"]).tobytes()
             out["timing_gpu_busy_us"] = np.asarray([self.gpu_busy_us], d["timing_gpu_busy_us"]).tobytes()
