@@ -1,5 +1,6 @@
-"""Speculative decoding settings: NGRAM is on, vLLM's --speculative-config maps onto the same
-flags, the other algorithms refuse clearly, and speculation turns the overlap scheduler off."""
+"""Speculative decoding settings: NGRAM and EAGLE3 are on, vLLM's --speculative-config maps
+onto the same flags, the other algorithms (and EAGLE tree drafting) refuse clearly, and
+speculation turns the overlap scheduler off."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ def test_vllm_speculative_config_maps_onto_the_flags() -> None:
     assert "speculative_config" not in cfg.server_dict()  # read by the launcher alone
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
+@pytest.mark.parametrize("algorithm", ["EAGLE", "NEXTN", "STANDALONE"])
 def test_algorithms_with_draft_weights_refuse(algorithm: str) -> None:
-    with pytest.raises(NotSupportedError, match="available now: NGRAM"):
+    with pytest.raises(NotSupportedError, match="available now: NGRAM, EAGLE3"):
         parse_serve_args(["--speculative-algorithm", algorithm,
                           "--speculative-num-draft-tokens", "4"])
 
@@ -47,7 +48,16 @@ def test_algorithms_with_draft_weights_refuse(algorithm: str) -> None:
       "--speculative-ngram-max-match-window-size", "3"], "is larger than"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
      "positive integer"),
-    (["--speculative-config", '{"method": "ngram", "model": "x"}'], "'model' is not supported"),
+    (["--speculative-config", '{"method": "ngram", "model": "x"}'], "model .a path. is for method eagle3"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3"],
+     "needs --speculative-draft-model-path"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "h"],
+     "needs --speculative-num-steps or --speculative-num-draft-tokens"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "h",
+      "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6"], "give 3 or"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+      "--speculative-num-steps", "3"], "are for --speculative-algorithm EAGLE3"),
+    (["--speculative-draft-model-path", "h"], "needs --speculative-algorithm"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
       "--speculative-num-draft-tokens", "4"], "but the flag says 4"),
     (["--speculative-config", "[1]"], "must be a JSON object"),
@@ -59,5 +69,28 @@ def test_inconsistent_settings_are_refused(argv: list[str], message: str) -> Non
 
 def test_eagle_in_vllm_config_refuses() -> None:
     with pytest.raises(NotSupportedError, match="^not supported yet: --speculative-config"):
-        parse_serve_args(["--speculative-config", ('{"method": "eagle3", '
+        parse_serve_args(["--speculative-config", ('{"method": "eagle", '
                           '"num_speculative_tokens": 3}')])
+
+
+@pytest.mark.parametrize("argv", [
+    # SGLang's spelling: the draft-token count includes the verified token.
+    ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/h",
+     "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+     "--speculative-num-draft-tokens", "4"],
+    ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/h",
+     "--speculative-num-draft-tokens", "3"],
+    ["--speculative-config", '{"method": "eagle3", "model": "/h", "num_speculative_tokens": 3}'],
+])
+def test_eagle3_settings_reach_the_scheduler_and_worker(argv: list[str]) -> None:
+    cfg = parse_serve_args(argv)
+    sched, worker = cfg.section("scheduler"), cfg.worker_dict()
+    assert (sched["speculative_algorithm"], sched["speculative_num_draft_tokens"]) == ("EAGLE3", 3)
+    assert (worker["speculative_draft_model_path"], worker["speculative_num_steps"]) == ("/h", 3)
+    assert cfg.disable_overlap_schedule is True
+
+
+def test_eagle_tree_drafting_refuses() -> None:
+    with pytest.raises(NotSupportedError, match="speculative-eagle-topk"):
+        parse_serve_args(["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                          "/h", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4"])

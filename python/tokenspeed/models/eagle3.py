@@ -31,6 +31,7 @@ from torch import nn
 
 from tokenspeed.layers.norm import RMSNorm
 from tokenspeed.layers.rotary import RotaryEmbedding
+from tokenspeed.models.config import _rope
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # The decoder layer's checkpoint prefixes; our parameters sit flat on the head.
@@ -51,6 +52,7 @@ class Eagle3Config:
     vocab_size: int
     draft_vocab_size: int
     fc_bias: bool
+    max_position_embeddings: int
     aux_layer_ids: tuple[int, ...] | None  # target layers whose *outputs* feed fc (None: default)
 
     @staticmethod
@@ -65,16 +67,18 @@ class Eagle3Config:
                              f"{raw['num_hidden_layers']} layers (only 1)")
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        theta, scaling = _rope(raw)  # either transformers spelling, as the target's
         return Eagle3Config(
             hidden_size=hidden, target_hidden_size=int(raw.get("target_hidden_size") or hidden),
             num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads", heads)),
             head_dim=int(raw.get("head_dim") or hidden // heads),
             intermediate_size=int(raw["intermediate_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)), rope_scaling=raw.get("rope_scaling"),
+            rope_theta=theta, rope_scaling=scaling or None,
             vocab_size=int(raw["vocab_size"]),
             draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
             fc_bias=bool(raw.get("bias", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             aux_layer_ids=tuple(int(i) for i in ids) if ids else None)
 
     def capture_layers(self, target_layers: int) -> tuple[int, ...]:
@@ -109,7 +113,8 @@ class Eagle3Head(nn.Module):
         self.embed_tokens: nn.Embedding | None = None  # the target's unless the head has one
         self.d2t: torch.Tensor
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
-        self.rotary = RotaryEmbedding(d, max_positions, c.rope_theta, c.rope_scaling)
+        self.rotary = RotaryEmbedding(d, max_positions, c.rope_theta, c.rope_scaling,
+                                      max_position_embeddings=c.max_position_embeddings)
 
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:

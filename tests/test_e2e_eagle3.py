@@ -1,0 +1,78 @@
+"""EAGLE-3 end to end on the real default model (SmolLM2) with a random head in the public
+layout (hidden 576, a reduced draft vocabulary mapped through d2t): through the real `openai`
+client, greedy answers (text, finish reasons, logprobs) are those of the plain session server,
+the head's drafts are verified (a random head's are rarely right; the verify path with right
+drafts is tests/test_eagle3.py's and rust/engine/tests/speculative.rs's), and acceptance is
+reported in /get_server_info and /metrics as NGRAM's is."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from eagle3_head import make_head
+from test_e2e_speculative import FLAGS, REQUESTS
+
+from server_harness import Server, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def eagle_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("eagle3")
+    target = json.loads((Path(os.environ["TOKENSPEED_TEST_ASSETS"]) / "smollm2" / "config.json")
+                        .read_text())
+    head = make_head(tmp / "head", target, draft_vocab=8192, seed=1)
+    # SGLang's spelling: 3 steps, topk 1, 4 draft tokens counting the verified one.
+    srv = start_server(str(tmp), *FLAGS, "--enable-metrics", "--speculative-algorithm", "EAGLE3",
+                       "--speculative-draft-model-path", str(head), "--speculative-num-steps", "3",
+                       "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+# NGRAM's requests with logprobs, a stop string, n = 2 and a plain prompt (CPU time is short).
+BODIES = [REQUESTS[i] for i in (0, 2, 3, 4)]
+
+
+def answers(server: Server) -> list:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=400)
+    model = client.models.list().data[0].id
+    with ThreadPoolExecutor(len(BODIES)) as pool:
+        return list(pool.map(lambda body: client.completions.create(model=model, **body), BODIES))
+
+
+def test_greedy_answers_are_those_of_plain_decoding(server: Server, eagle_server: Server) -> None:
+    for want, got in zip(answers(server), answers(eagle_server), strict=True):
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+        for w, g in zip(want.choices, got.choices, strict=True):
+            assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
+            if w.logprobs is None:
+                assert g.logprobs is None
+                continue
+            assert g.logprobs.tokens == w.logprobs.tokens
+            assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=2e-3)
+
+
+def test_drafts_are_verified_and_reported(eagle_server: Server) -> None:
+    # After the answers above (one module: the same server).
+    info = eagle_server.info()
+    assert info["speculative_algorithm"] == "EAGLE3"
+    assert info["speculative_num_draft_tokens"] == 3  # the chain's length
+    assert info["disable_overlap_schedule"] is True
+    engine = info["engine"]
+    assert engine["spec_draft_tokens"] > 0 and engine["spec_verify_steps"] > 0
+    assert 0 <= engine["spec_accepted_tokens"] <= engine["spec_draft_tokens"]
+    assert 1.0 <= info["avg_spec_accept_length"] <= 4.0
+    metrics = httpx.get(f"{eagle_server.url}/metrics", timeout=10).text
+    drafted = [ln for ln in metrics.splitlines()
+               if ln.startswith("tokenspeed:spec_decode_num_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) == engine["spec_draft_tokens"]
+    assert "EAGLE-3 head" in eagle_server.log()
