@@ -70,13 +70,14 @@ class _Rows:
 class Eagle3Drafter:
     """The head, its KV beside the target's pool, and the drafting after each step."""
 
-    def __init__(self, path: str, target: torch.nn.Module, kv_cache: PagedKVCache, *,
-                 num_steps: int, dtype: torch.dtype, device: torch.device, max_positions: int,
-                 dummy: bool, seed: int) -> None:
+    def __init__(self, path: str, target: torch.nn.Module, *, num_steps: int,
+                 dtype: torch.dtype, device: torch.device, max_positions: int, dummy: bool,
+                 seed: int) -> None:
+        """Loads the head and sets the target's capture; `attach` gives it its KV once the
+        pool is sized (the head's weights and captured states count in the memory profile)."""
         self.cfg = cfg = Eagle3Config.load(path)
         self.num_steps = num_steps
         self.target = target
-        self.kv_cache = kv_cache
         self.max_positions = max_positions
         with torch.device(device):
             head = Eagle3Head(cfg, max_positions + num_steps + 1)
@@ -94,20 +95,33 @@ class Eagle3Drafter:
         self.head = head.eval().requires_grad_(False)
         layers = cfg.capture_layers(len(target.model.layers))
         target.model.capture_layers = layers  # models/llama.py: the residual stream there
-        size = kv_cache.num_pages * kv_cache.page_size
-        self.k = torch.zeros(size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.kv_cache: PagedKVCache | None = None
+        self.k = self.v = torch.zeros(0, device=device)
         # slot → (position, target hidden row) of a prompt chunk's last token, whose next
         # token is the next chunk's first.
         self._carry: dict[int, tuple[int, torch.Tensor]] = {}
         logger.info("EAGLE-3 head %s: %d draft tokens per step (chain), draft vocabulary %d, "
                     "target layers %s", path, num_steps, cfg.draft_vocab_size, layers)
 
+    def attach(self, kv_cache: PagedKVCache) -> None:
+        """The head's K/V: one entry per flat index of the target's pool."""
+        c, size = self.cfg, kv_cache.num_pages * kv_cache.page_size
+        self.kv_cache = kv_cache
+        self.k = torch.zeros(size, c.num_kv_heads, c.head_dim, dtype=kv_cache.k[0].dtype
+                             if kv_cache.k[0].element_size() > 1 else self.head.fc.weight.dtype,
+                             device=self.head.fc.weight.device)
+        self.v = torch.zeros_like(self.k)
+
     @staticmethod
     def bytes_per_page(cfg: Eagle3Config, page_size: int, dtype: torch.dtype) -> int:
         """The head's share of one KV page (its one layer's K and V)."""
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _pool(self) -> PagedKVCache:
+        if self.kv_cache is None:
+            raise RuntimeError("EAGLE-3 drafter used before attach(kv_cache)")
+        return self.kv_cache
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.head.embed_tokens
@@ -161,7 +175,7 @@ class Eagle3Drafter:
                 self._carry[slot] = (s + n - 1, aux[q0 + n - 1].clone())
             if len(rows.positions) > first:
                 lo, hi = rows.positions[first], rows.positions[-1] + 1
-                rows.locs += self.kv_cache.cache_locs(slot, lo, hi).tolist()
+                rows.locs += self._pool().cache_locs(slot, lo, hi).tolist()
                 rows.requests.append((slot, first, len(rows.positions), sampled))
         return rows
 
@@ -186,7 +200,7 @@ class Eagle3Drafter:
 
     def _history(self, slot: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat KV indices and positions of a request's positions 0..last."""
-        locs = self.kv_cache.cache_locs(slot, 0, last + 1)
+        locs = self._pool().cache_locs(slot, 0, last + 1)
         dev = self.k.device
         return (torch.from_numpy(locs).to(dev),
                 torch.arange(last + 1, device=dev, dtype=torch.int64))

@@ -47,7 +47,6 @@ from tokenspeed.layers.quantization.kv_cache import (
 )
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
-from tokenspeed.models.eagle3 import Eagle3Config
 from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
 from tokenspeed.worker.cuda_graph import (
     DecodeGraphRunner,
@@ -143,12 +142,15 @@ class ModelRunner:
         # EAGLE-3 (`eagle3`: the head's path and its drafts per step): every step feeds the
         # draft head the target's hidden states of three layers, which no graph captures yet.
         disable_cuda_graph = disable_cuda_graph or pooling or eagle3 is not None
-        # The head's KV rides beside each target KV page (worker/eagle3.py): sized with it.
-        self.draft_page_bytes = 0 if eagle3 is None else Eagle3Drafter.bytes_per_page(
-            Eagle3Config.load(eagle3[0]), page_size, resolve_kv_cache_dtype(
-                kv_cache_dtype, resolve_dtype(dtype, self.device, ckpt.config)))
         self._load_weights(ckpt, model_path, seed, moe_parallel, quantization,
                            lm_head_quantization, quantization_param_path)
+        # EAGLE-3's head, before the memory profile (its weights and the captured hidden
+        # states count there); its KV rides beside each target KV page, sized with it.
+        self.drafter = None if eagle3 is None else Eagle3Drafter(
+            eagle3[0], self.model, num_steps=eagle3[1], dtype=self.dtype, device=self.device,
+            max_positions=max_context_len, dummy=load_format == "dummy", seed=seed)
+        self.draft_page_bytes = 0 if self.drafter is None else Eagle3Drafter.bytes_per_page(
+            self.drafter.cfg, page_size, self.dtype if is_fp8(self.kv_dtype) else self.kv_dtype)
         # LoRA (worker/lora.py): its pool in every adapted layer, before memory is profiled
         # and graphs are captured (they capture the LoRA kernels too).
         self.lora = None if lora is None else LoraPool(
@@ -159,10 +161,8 @@ class ModelRunner:
         self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
                            use_graphs)
         self._allocate_step_state(seed)
-        self.drafter = None if eagle3 is None else Eagle3Drafter(
-            eagle3[0], self.model, self.kv_cache, num_steps=eagle3[1], dtype=self.dtype,
-            device=self.device, max_positions=max_context_len, dummy=load_format == "dummy",
-            seed=seed)
+        if self.drafter is not None:
+            self.drafter.attach(self.kv_cache)
         self._draft_aux: torch.Tensor | None = None  # this step's captured hidden states
         # --enable-hierarchical-cache: the radix cache's host tier (layers/host_kv_cache.py).
         self.host_kv = None if hicache is None else HostKVPool(self.kv_cache, host_pages(
