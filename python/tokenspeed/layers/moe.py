@@ -264,3 +264,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def expert_slice(num_experts: int, p: MoeParallel) -> str:
+    """This rank's share of the experts, for the start-up log ("" on one rank)."""
+    if p.ep_size == 1 and p.tp_size == 1:
+        return ""
+    n = num_experts // p.ep_size
+    return (f"; ep rank {p.ep_rank}/{p.ep_size} holds experts [{p.ep_rank * n}, "
+            f"{(p.ep_rank + 1) * n}), moe-tp rank {p.tp_rank}/{p.tp_size}")

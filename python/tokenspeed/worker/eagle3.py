@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ import torch
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.models.eagle3 import Eagle3Config, Eagle3Head, attend
 from tokenspeed.models.weights import init_dummy_weights
+from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import LAST_SAMPLED, StepOutput, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,23 @@ def read_head_tensors(path: str | Path) -> dict[str, torch.Tensor] | None:
     if (root / "pytorch_model.bin").exists():
         return torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
     return None
+
+
+def load_drafter(runner: Any, eagle3: tuple[str, int] | None, load_format: str,
+                 seed: int) -> Eagle3Drafter | None:
+    """The runner's EAGLE-3 drafter (`eagle3`: the head's path and its drafts per step), or
+    None. Built before the runner's memory profile, which then counts the head's weights, the
+    captured hidden states and (`runner.draft_page_bytes`) its KV per page; the runner runs
+    eagerly with it (no graph captures the hidden states) and attaches its KV pool later."""
+    runner.draft_page_bytes = 0
+    if eagle3 is None:
+        return None
+    drafter = Eagle3Drafter(eagle3[0], runner.model, num_steps=eagle3[1], dtype=runner.dtype,
+                            device=runner.device, max_positions=runner.max_context_len,
+                            dummy=load_format == "dummy", seed=seed)
+    kv_dtype = runner.dtype if runner.kv_dtype.itemsize == 1 else runner.kv_dtype
+    runner.draft_page_bytes = Eagle3Drafter.bytes_per_page(drafter.cfg, runner.page_size, kv_dtype)
+    return drafter
 
 
 class _Rows:
@@ -96,6 +115,7 @@ class Eagle3Drafter:
         layers = cfg.capture_layers(len(target.model.layers))
         target.model.capture_layers = layers  # models/llama.py: the residual stream there
         self.kv_cache: PagedKVCache | None = None
+        self.aux: torch.Tensor | None = None  # the last forward's captured hidden states
         self.k = self.v = torch.zeros(0, device=device)
         # slot → (position, target hidden row) of a prompt chunk's last token, whose next
         # token is the next chunk's first.
@@ -126,6 +146,15 @@ class Eagle3Drafter:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.head.embed_tokens
         return e(ids) if e is not None else self.target.model.embed_tokens(ids)
+
+    def after(self, plan: StepPlan, step: PendingStep) -> PendingStep:
+        """Waits for the step's tokens, then proposes each request's next drafts, which go
+        back in the step's result."""
+        out, aux = step.wait(), self.aux
+        self.aux = None
+        if aux is not None:
+            out.draft_tokens = self.propose(plan, aux, out)
+        return PendingStep.done(out)
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, aux: torch.Tensor, out: StepOutput) -> list[np.ndarray]:

@@ -36,6 +36,7 @@ from tokenspeed.layers.moe import (
     GRAPH_SAFE_MOE_BACKENDS,
     MoeOptions,
     MoeParallel,
+    expert_slice,
     resolve_moe_backend,
 )
 from tokenspeed.layers.moe_exchange import moe_parallel as distributed_moe_parallel
@@ -53,7 +54,7 @@ from tokenspeed.worker.cuda_graph import (
     ExtendGraphRunner,
     decode_only,
 )
-from tokenspeed.worker.eagle3 import Eagle3Drafter
+from tokenspeed.worker.eagle3 import Eagle3Drafter, load_drafter
 from tokenspeed.worker.gpu_idle import IdleClock
 from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, page_bytes, profile_num_pages
 from tokenspeed.worker.kv_transfer import KVTransfer, PdSettings
@@ -108,8 +109,7 @@ class ModelRunner:
                  quantization: str | None = None, lm_head_quantization: str = "auto",
                  lora: dict[str, Any] | None = None, pooling: bool = False,
                  hicache: HostTierSize | None = None, pd: PdSettings | None = None,
-                 config_overrides: dict[str, Any] | None = None,
-                 eagle3: tuple[str, int] | None = None) -> None:
+                 config_overrides: dict[str, Any] | None = None, eagle3: tuple[str, int] | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -139,18 +139,10 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         # --is-embedding: every request pools (prefill-only steps, eager: worker/pooling_step.py).
         self.pooling = pooling
-        # EAGLE-3 (`eagle3`: the head's path and its drafts per step): every step feeds the
-        # draft head the target's hidden states of three layers, which no graph captures yet.
-        disable_cuda_graph = disable_cuda_graph or pooling or eagle3 is not None
+        disable_cuda_graph = disable_cuda_graph or pooling or eagle3 is not None  # EAGLE-3: no graph
         self._load_weights(ckpt, model_path, seed, moe_parallel, quantization,
                            lm_head_quantization, quantization_param_path)
-        # EAGLE-3's head, before the memory profile (its weights and the captured hidden
-        # states count there); its KV rides beside each target KV page, sized with it.
-        self.drafter = None if eagle3 is None else Eagle3Drafter(
-            eagle3[0], self.model, num_steps=eagle3[1], dtype=self.dtype, device=self.device,
-            max_positions=max_context_len, dummy=load_format == "dummy", seed=seed)
-        self.draft_page_bytes = 0 if self.drafter is None else Eagle3Drafter.bytes_per_page(
-            self.drafter.cfg, page_size, self.dtype if is_fp8(self.kv_dtype) else self.kv_dtype)
+        self.drafter: Eagle3Drafter | None = load_drafter(self, eagle3, load_format, seed)  # EAGLE-3
         # LoRA (worker/lora.py): its pool in every adapted layer, before memory is profiled
         # and graphs are captured (they capture the LoRA kernels too).
         self.lora = None if lora is None else LoraPool(
@@ -161,9 +153,6 @@ class ModelRunner:
         self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
                            use_graphs)
         self._allocate_step_state(seed)
-        if self.drafter is not None:
-            self.drafter.attach(self.kv_cache)
-        self._draft_aux: torch.Tensor | None = None  # this step's captured hidden states
         # --enable-hierarchical-cache: the radix cache's host tier (layers/host_kv_cache.py).
         self.host_kv = None if hicache is None else HostKVPool(self.kv_cache, host_pages(
             ratio=hicache.ratio, size_gb=hicache.size_gb, device_pages=self.num_pages,
@@ -250,6 +239,8 @@ class ModelRunner:
         # the next step can be queued before this one's tokens reach the host).
         self.last_tokens = torch.zeros(self.max_slots, dtype=torch.int64, device=self.device)
         self.prompt_scorer = PromptScorer(self.device)
+        if self.drafter is not None:  # its KV beside the target's pages
+            self.drafter.attach(self.kv_cache)
         self.graphs: DecodeGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
         self._idle: tuple[PagedKVCache, AttentionBackend] | None = None  # idle_forward's cache
@@ -299,7 +290,7 @@ class ModelRunner:
                     f"{', fp8 lm_head' if self.fp8.lm_head else ''})",
                     self.device, self.attention_backend,
                     f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok}"
-                    f"{_expert_slice(c.num_experts, moe_parallel)})"
+                    f"{expert_slice(c.num_experts, moe_parallel)})"
                     if c.num_experts else "", self.num_pages, self.page_size, self.kv_dtype,
                     self.cuda_graph_max_bs,
                     f" and steps up to {self.extend_graph_sizes[-1]} tokens"
@@ -439,7 +430,7 @@ class ModelRunner:
             self.lora.prepare(plan.sched_slot, plan.sched_tokens_len, per_token=False)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if self.drafter is not None:
-            self._draft_aux = self.model.model.captured  # type: ignore[union-attr]
+            self.drafter.aux = self.model.model.captured  # type: ignore[union-attr]
         if wanted:
             self.prompt_scorer.score(plan, hidden, query_start, wanted, self.model, self.sampler)
         last = query_start[1:] - 1
@@ -487,7 +478,7 @@ class ModelRunner:
         if len(slots) == 0:
             span = self.idle_clock.end()
             step = PendingStep(slots, None, prompt=prompt, idle_clock=self.idle_clock, span=span)
-            return step if self.drafter is None else self._draft(plan, step)  # a chunk's KV
+            return step if self.drafter is None else self.drafter.after(plan, step)  # a chunk's KV
         if slots_dev is None:
             slots_dev = to_device_int64([slots], self.device)[0]
         failed = self.lora.failed & set(slots.tolist()) if self.lora is not None else set()
@@ -504,16 +495,7 @@ class ModelRunner:
         span = self.idle_clock.end()  # after the step's last kernel and copy
         step = PendingStep(slots, outputs, self.sampler.top_k_of(slots), prompt, self.idle_clock,
                            span, drafts, failed=failed)
-        return step if self.drafter is None else self._draft(plan, step)
-
-    def _draft(self, plan: StepPlan, step: PendingStep) -> PendingStep:
-        """EAGLE-3: waits for the step's tokens, then the head proposes each request's next
-        drafts (worker/eagle3.py), which go back in the step's result."""
-        out, aux = step.wait(), self._draft_aux
-        self._draft_aux = None
-        if self.drafter is not None and aux is not None:
-            out.draft_tokens = self.drafter.propose(plan, aux, out)
-        return PendingStep.done(out)
+        return step if self.drafter is None else self.drafter.after(plan, step)
 
     # --- plan → state and batch ------------------------------------------------------------
 
@@ -616,11 +598,3 @@ class ModelRunner:
             kv_cache=self.kv_cache, backend=self.backend,
             request_arrays=(slots_d, seq_lens_d, qs_d, sp_d))
 
-
-def _expert_slice(num_experts: int, p: MoeParallel) -> str:
-    """This rank's share of the experts, for the start-up log ("" on one rank)."""
-    if p.ep_size == 1 and p.tp_size == 1:
-        return ""
-    n = num_experts // p.ep_size
-    return (f"; ep rank {p.ep_rank}/{p.ep_size} holds experts [{p.ep_rank * n}, "
-            f"{(p.ep_rank + 1) * n}), moe-tp rank {p.tp_rank}/{p.tp_size}")
