@@ -29,8 +29,6 @@ ALLOWED_LONG_FUNCTIONS: set[str] = {
     "python/tokenspeed_kernels/decode_attention.py::paged_decode_attention",
     "python/tokenspeed_kernels/extend_attention.py::_extend_kernel",
     "python/tokenspeed_kernels/extend_attention.py::paged_extend_attention",
-    "python/tokenspeed_kernels/gemv.py::_gemv_kernel",
-    "python/tokenspeed_kernels/rotary_kv.py::_rotary_kv_kernel",
 }
 
 
