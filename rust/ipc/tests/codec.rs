@@ -148,12 +148,14 @@ fn event() -> impl Strategy<Value = RequestEvent> {
         (any::<u32>(), any::<u32>(), any::<u32>()),
         (ids(4), floats(4), ids(8), floats(8)),
         (floats(6), ids(6), floats(6), ids(6), floats(5)),
+        ids(4),
     )
         .prop_map(
             |(
                 (slot, error, top_k),
                 (tokens, logprobs, top_ids, top_logprobs),
                 (prompt_logprobs, prompt_top_ids, prompt_top_logprobs, prompt_ranks, pooled),
+                draft_tokens,
             )| RequestEvent {
                 slot,
                 error,
@@ -167,6 +169,7 @@ fn event() -> impl Strategy<Value = RequestEvent> {
                 prompt_top_logprobs,
                 prompt_ranks,
                 pooled,
+                draft_tokens,
             },
         )
 }

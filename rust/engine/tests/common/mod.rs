@@ -79,6 +79,9 @@ struct SlotState {
 }
 
 /// Mirrors what the Python worker keeps across steps, and checks each plan against it.
+/// A fake model: the next token after a sequence.
+pub type Model = fn(&[u32]) -> u32;
+
 pub struct FakeWorker {
     page_size: usize,
     slots: HashMap<u32, SlotState>,
@@ -99,7 +102,7 @@ pub struct FakeWorker {
     pub model: fn(&[u32]) -> u32,
     /// A worker-side drafter (EAGLE-3): after each sampling step, a chain of this many tokens
     /// from this draft model continues the sequence (`RequestEvent::draft_tokens`).
-    pub drafter: Option<(fn(&[u32]) -> u32, usize)>,
+    pub drafter: Option<(Model, usize)>,
     /// Prefill/decode disaggregation: the pages each transfer (by room) sent, in order
     /// (`KV_SEND`), and those waiting to be received (`KV_RECV` takes them from the front).
     pub kv_sent: HashMap<i64, Vec<Vec<Option<u32>>>>,
