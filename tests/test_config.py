@@ -442,6 +442,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--dp-size", "--load-balance-method", "--enable-dp-attention",
         "--speculative-algorithm", "--speculative-config", "--speculative-num-draft-tokens",
         "--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size",
+        "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
         "--max-loras-per-batch", "--max-loaded-loras",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
