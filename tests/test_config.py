@@ -443,7 +443,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--speculative-algorithm", "--speculative-config", "--speculative-num-draft-tokens",
         "--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size",
         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
-        "--max-loras-per-batch", "--max-loaded-loras",
+        "--max-loras-per-batch", "--max-loaded-loras", "--lora-eviction-policy",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
         "--priority-scheduling-preemption-threshold",
         "--is-embedding", "--constrained-json-allow-additional-properties",
