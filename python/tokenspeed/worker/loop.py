@@ -137,7 +137,12 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
     from tokenspeed.worker.model_runner import ModelRunner
 
     s = spec.settings
-    return ModelRunner(
+    deterministic = bool(s["enable_deterministic_inference"])
+    if deterministic:  # before the model is built: its layers read the mode (batch_invariant)
+        from tokenspeed.layers import batch_invariant
+
+        batch_invariant.enable()
+    runner = ModelRunner(
         spec.model_path,
         dtype=s["dtype"],
         device=spec.device,
@@ -148,7 +153,8 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         max_context_len=spec.context_length,
         seed=int(s["random_seed"] or 0),
         mem_fraction_static=s["mem_fraction_static"],
-        attention_backend=s["attention_backend"] or None,  # None: triton on CUDA, else torch_native
+        # None: triton on CUDA, else torch_native; deterministic: torch_native's tiled attention.
+        attention_backend=s["attention_backend"] or ("torch_native" if deterministic else None),
         disable_cuda_graph=bool(s["disable_cuda_graph"]),
         cuda_graph_max_bs=s["cuda_graph_max_bs"],
         extend_graph_sizes=spec.extend_graph_sizes,
@@ -167,6 +173,12 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         pd=PdSettings.of(s),
         config_overrides=s["json_model_override_args"],
     )
+    if deterministic:
+        from tokenspeed.config.deterministic import check_model, deterministic_note
+
+        check_model(runner.config.num_experts, runner.fp8 is not None)
+        logger.info(deterministic_note(runner.device.type))
+    return runner
 
 
 def _leads(spec: WorkerSpec) -> bool:
