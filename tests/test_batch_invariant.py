@@ -114,3 +114,16 @@ def test_mode_switch() -> None:
         assert torch.equal(linear(x, w)[2], bi.linear(x, w, None)[2])
     finally:
         bi.enable(False)
+
+
+@pytest.mark.parametrize("flags", [("--attention-backend", "flashinfer"), ("--enable-lora",),
+                                   ("--quantization", "fp8"), ("--tp-size", "2"),
+                                   ("--speculative-algorithm", "NGRAM",
+                                    "--speculative-num-draft-tokens", "4")])
+def test_refuses_combinations_it_cannot_make_deterministic(flags: tuple[str, ...]) -> None:
+    from tokenspeed.config.errors import NotSupportedError
+    from tokenspeed.config.parser import parse_serve_args
+
+    with pytest.raises(NotSupportedError, match="not supported yet with --enable-deterministic"):
+        parse_serve_args(["model", "--enable-deterministic-inference", *flags])
+    parse_serve_args(["model", *flags])  # fine without the mode

@@ -25,7 +25,7 @@ STORY = ("Once upon a time in a small village by the sea, there lived an old fis
          "water every autumn. The children of the village gathered around him each evening")
 R = STORY + ". One evening a girl asked him what the lights really were, and he said"
 SHARER = STORY + ", and one of them, a quiet boy named Tom, wrote every story down in a book"
-MAX_TOKENS = 5
+MAX_TOKENS = 8
 
 
 def others() -> list[str]:
@@ -33,7 +33,7 @@ def others() -> list[str]:
     words = "apple river mountain cloud engine silver garden window music thunder".split()
     out = [SHARER]
     for i in range(30):
-        out.append(f"Request {i}: " + " ".join(words[(i + j) % len(words)] for j in range(2 + i)))
+        out.append(f"Request {i}: " + " ".join(words[(i + j) % len(words)] for j in range(3 + 3 * i)))
     return out
 
 

@@ -56,3 +56,78 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                          BLOCK_K=BLOCK_K, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                          num_warps=NUM_WARPS, num_stages=NUM_STAGES)  # fmt: skip
     return out
+
+
+KV_TILE = 64  # keys per step of the attention loop, aligned at position 0 (as the CPU path)
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, token_row_ptr, token_pos_ptr,
+                      scale, k_scale, v_scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
+                      stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                      PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)  # one query token (any request, decode or prefill row) ...
+    h = tl.program_id(1)  # ... and one KV head with its GROUP query heads
+    row = tl.load(token_row_ptr + t)
+    pos = tl.load(token_pos_ptr + t)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + t * stride_qt + (h * GROUP + g[:, None]) * stride_qh + d[None, :],
+                mask=q_mask, other=0.0)
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D_PAD), tl.float32)
+    offs = tl.arange(0, TILE)
+    for start in range(0, pos + 1, TILE):  # the row's own keys, tile after tile from 0
+        kp = start + offs
+        keep = kp <= pos
+        if window > 0:
+            keep = keep & (kp > pos - window)
+        page = tl.load(page_table_ptr + row * stride_pt + kp // PAGE_SIZE, mask=kp <= pos, other=0)
+        slot = kp % PAGE_SIZE
+        kv_mask = keep[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + h * stride_kh
+                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * k_scale
+        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + h * stride_vh
+                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * v_scale
+        s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(keep[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        live = m_new > float("-inf")  # a tile before a sliding window: nothing seen yet
+        alpha = tl.where(live, tl.exp(m - m_new), 1.0)
+        p = tl.where(live[:, None], tl.exp(s - m_new[:, None]), 0.0)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m = m_new
+    o = acc / tl.maximum(l, 1e-30)[:, None]
+    tl.store(out_ptr + t * stride_ot + (h * GROUP + g[:, None]) * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              page_table: torch.Tensor, token_row: torch.Tensor, token_pos: torch.Tensor,
+              scale: float, out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+              window: int | None = None) -> torch.Tensor:
+    """Batch-invariant paged attention: every query token t (decode or prefill row alike) attends
+    to keys 0..token_pos[t] of page-table row token_row[t], in KV_TILE tiles from position 0
+    with an fp32 online softmax, so its result depends on its own keys only.
+
+    q, out: [T, Hq, D]; k_cache/v_cache: [num_pages, page_size, Hkv, D] (the step's K/V already
+    written); page_table: [R, W] int32; token_row/token_pos: [T] int32. One program per
+    (token, KV head): no reuse of K/V across a prompt's rows (slower prefill than the extend
+    kernels), exact fp32 dots."""
+    t, (hq, d) = token_row.shape[0], q.shape[1:]  # q may carry padding rows past the tokens
+    hk = k_cache.shape[2]
+    group = hq // hk
+    if t == 0:
+        return out
+    _attention_kernel[(t, hk)](
+        q, k_cache, v_cache, out, page_table, token_row, token_pos, scale, float(k_scale),
+        float(v_scale), int(window or 0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2), page_table.stride(0), PAGE_SIZE=k_cache.shape[1],
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        D_PAD=max(16, triton.next_power_of_2(d)), TILE=KV_TILE, num_warps=4)  # fmt: skip
+    return out

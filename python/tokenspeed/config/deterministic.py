@@ -14,9 +14,9 @@ _SUFFIX = "not supported yet with --enable-deterministic-inference"
 def _conflicts(cfg: Any) -> list[str]:
     """The given flags whose kernels or communication reduce in a batch-dependent order."""
     found = []
-    if cfg.attention_backend not in (None, "torch_native"):
+    if cfg.attention_backend not in (None, "torch_native", "triton"):
         found.append(f"--attention-backend {cfg.attention_backend} (its kernels' reduction order "
-                     "depends on the batch; the mode runs torch_native's tiled attention)")
+                     "depends on the batch; triton and torch_native have a batch-invariant path)")
     if cfg.quantization is not None:
         found.append(f"--quantization {cfg.quantization} (FP8 GEMMs)")
     if cfg.lm_head_quantization == "fp8":
@@ -50,12 +50,14 @@ def check_model(num_experts: int, fp8: bool) -> None:
         raise NotSupportedError([f"{_SUFFIX}: FP8 checkpoints (FP8 GEMMs)"])
 
 
-def deterministic_note(device: str) -> str:
+def deterministic_note(device: str, backend: str) -> str:
     """The start-up log line: what the mode changes."""
     gemm = ("a Triton matmul with one tile config for every M, no split-K" if device == "cuda"
             else "fixed 16-row GEMM blocks")
+    attention = ("one Triton kernel for every query row" if backend == "triton"
+                 else "torch_native tiled attention")
     return ("deterministic inference: batch-invariant linear layers and LM head "
-            f"({gemm}), torch_native attention over 64-key tiles aligned at position 0 for "
-            "every row (prefill, prefix hits, decode), per-row log_softmax logprobs"
-            + ("; CUDA graphs off (torch_native attention is not captured)"
-               if device == "cuda" else ""))
+            f"({gemm}); {attention}, keys reduced in 64-key tiles from position 0 whether the "
+            "row is a prefill chunk, a prefix hit or a decode; per-row log_softmax logprobs"
+            + ("; CUDA graphs off" if device == "cuda"
+               else "; one intra-op thread unless OMP_NUM_THREADS is set"))

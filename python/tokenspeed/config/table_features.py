@@ -258,10 +258,10 @@ MISC_FLAGS: list[Flag] = [
     b("--enable-deterministic-inference", "Batch-invariant kernels: a request's tokens and "
       "logprobs are bit-identical whatever else is in the batch (other requests, prompt "
       "chunking, prefix-cache hits). Linear layers and the LM head in fixed-shape GEMMs (a "
-      "Triton matmul on CUDA), torch_native attention over 64-key tiles, per-row logprobs; "
-      "sampled requests need a `seed`. Slower (docs/deterministic.md); not yet with FP8, LoRA, "
-      "MoE, speculative decoding, TP/EP or other attention backends.", G_MISC,
-      readers=("worker",), implemented=True),
+      "Triton matmul on CUDA), attention over 64-key tiles from position 0 for every row, "
+      "per-row logprobs, no CUDA graphs; sampled requests need a `seed`. Slower "
+      "(docs/deterministic.md); not yet with FP8 weights, LoRA, MoE, speculative decoding, "
+      "TP/EP or the flashinfer backend.", G_MISC, readers=("worker",), implemented=True),
 ]
 
 FEATURE_TABLE: list[Flag] = [

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenspeed.layers import batch_invariant
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.rotary import Rope
@@ -45,6 +46,16 @@ class TritonMetadata:
     fresh: bool = False
 
 
+@dataclass
+class InvariantMetadata:
+    """Batch-invariant mode: the step's page-table rows and, per query token, its row and
+    absolute position (tokenspeed_kernels.batch_invariant.attention)."""
+
+    page_table: torch.Tensor  # [B, W] int32
+    token_row: torch.Tensor  # [T] int32
+    token_pos: torch.Tensor  # [T] int32
+
+
 class TritonBackend(AttentionBackend):
     """Fast path on CUDA; also runs on the CPU under TRITON_INTERPRET=1 (tests)."""
 
@@ -69,6 +80,9 @@ class TritonBackend(AttentionBackend):
         return default_num_splits(batch_size, self.num_kv_heads, self.max_context_len)
 
     def prepare(self, batch: ForwardBatch) -> None:
+        if batch_invariant.enabled():
+            batch.metadata = self._invariant_metadata(batch)
+            return
         seq_lens = batch.seq_lens.astype(np.int64)
         bsz = len(seq_lens)
         max_seq = int(seq_lens.max()) if bsz else 0
@@ -99,6 +113,18 @@ class TritonBackend(AttentionBackend):
             q_start_loc=(query_start[d:] - d).to(torch.int32), prefix_lens=start_pos[d:].to(torch.int32),
             max_new_tokens=int(batch.num_tokens.max()), leading_decodes=decodes,
             fresh=not batch.start_pos[d:].any())
+
+    def _invariant_metadata(self, batch: ForwardBatch) -> InvariantMetadata:
+        """Batch-invariant mode: each query token's request row and absolute position."""
+        n = batch.num_tokens.astype(np.int64)
+        rows = np.repeat(np.arange(len(n)), n)
+        pos = batch.start_pos.astype(np.int64)[rows] + (np.arange(int(n.sum()))
+                                                         - np.repeat(batch.query_start[:-1], n))
+        slots, *_ = batch.device_arrays()
+        dev = batch.input_ids.device
+        return InvariantMetadata(self.kv_cache.page_table[slots],
+                                 torch.from_numpy(rows.astype(np.int32)).to(dev),
+                                 torch.from_numpy(pos.astype(np.int32)).to(dev))
 
     def init_graphs(self, sizes: list[int]) -> None:
         # The page-table rows of a graph's requests, gathered before each replay.
@@ -157,6 +183,8 @@ class TritonBackend(AttentionBackend):
             prefill_supported,
         )
 
+        if isinstance(batch.metadata, InvariantMetadata):
+            return self._forward_invariant(q, k, v, layer, batch, rope)
         m: TritonMetadata = batch.metadata
         window = layer.sliding_window  # per layer (Gemma 3, GPT-OSS interleave)
         fresh = (m.fresh and window is None and prefill_supported(q.device, q.dtype, q.shape[-1])
@@ -187,6 +215,21 @@ class TritonBackend(AttentionBackend):
             paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
                                    m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
                                    max_new_tokens=m.max_new_tokens, tiles=m.tiles, **kw)
+        return out.flatten(1)
+
+    def _forward_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           layer: Attention, batch: ForwardBatch,
+                           rope: Rope | None) -> torch.Tensor:
+        """--enable-deterministic-inference: one kernel for every row (layers/batch_invariant.py)."""
+        from tokenspeed_kernels.batch_invariant import attention
+
+        m: InvariantMetadata = batch.metadata
+        k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc,
+                                    rope)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        attention(q, k_cache, v_cache, m.page_table, m.token_row, m.token_pos, layer.scaling,
+                  out, self.kv_cache.k_scale[layer.layer_id],
+                  self.kv_cache.v_scale[layer.layer_id], layer.sliding_window)
         return out.flatten(1)
 
     @staticmethod

@@ -142,6 +142,13 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         from tokenspeed.layers import batch_invariant
 
         batch_invariant.enable()
+        if spec.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The tiled attention is many small ops: with OpenMP each waits on a hand-off to the
+            # other threads (20x slower on a busy 2-core machine), and they are too small to
+            # gain from it.
+            import torch
+
+            torch.set_num_threads(1)
     runner = ModelRunner(
         spec.model_path,
         dtype=s["dtype"],
@@ -153,9 +160,9 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         max_context_len=spec.context_length,
         seed=int(s["random_seed"] or 0),
         mem_fraction_static=s["mem_fraction_static"],
-        # None: triton on CUDA, else torch_native; deterministic: torch_native's tiled attention.
-        attention_backend=s["attention_backend"] or ("torch_native" if deterministic else None),
-        disable_cuda_graph=bool(s["disable_cuda_graph"]),
+        attention_backend=s["attention_backend"] or None,  # None: triton on CUDA, else torch_native
+        # Deterministic mode: eager steps (its attention metadata is not captured in graphs).
+        disable_cuda_graph=bool(s["disable_cuda_graph"]) or deterministic,
         cuda_graph_max_bs=s["cuda_graph_max_bs"],
         extend_graph_sizes=spec.extend_graph_sizes,
         chunked_prefill_size=int(s["chunked_prefill_size"]),  # largest step: sizes the profile
@@ -177,7 +184,7 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         from tokenspeed.config.deterministic import check_model, deterministic_note
 
         check_model(runner.config.num_experts, runner.fp8 is not None)
-        logger.info(deterministic_note(runner.device.type))
+        logger.info(deterministic_note(runner.device.type, runner.attention_backend))
     return runner
 
 
