@@ -40,7 +40,7 @@ def test_plain_linear_does_depend_on_the_batch() -> None:
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: int | None) -> torch.Tensor:
     """Plain causal SDPA of the last n positions, [n, Hk, G, D]."""
-    n, hk, g, d = q.shape
+    n = q.shape[0]
     length = k.shape[0]
     pos = torch.arange(length - n, length)[:, None]
     kp = torch.arange(length)[None, :]

@@ -1,16 +1,18 @@
 """GPU checks of --enable-deterministic-inference (run on the device machine):
-the Triton batch-invariant matmul against torch (bf16 tolerance) and invariant in M, the tiled
-attention invariant on CUDA, and a real server on CUDA answering a greedy request with the same
-tokens and logprob floats alone and inside a batch of 32.
+the Triton batch-invariant matmul against torch (bf16 tolerance) and invariant in M, the torch
+tiled attention invariant on CUDA (the Triton attention kernel's own checks are in
+kernels/tests/test_batch_invariant_kernels.py), and a real server on CUDA (triton backend)
+answering a greedy and a seeded request with the same tokens and logprob floats alone, after a
+prefix hit and inside a batch of 32.
 
-    python -m pytest -q tests/test_gpu_deterministic.py
+    python -m pytest -q tests/test_gpu_deterministic.py kernels/tests/test_batch_invariant_kernels.py
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,9 +55,8 @@ def test_cuda_attention_is_invariant_to_chunking() -> None:
                                whole[start:end]), (chunk, start)
 
 
-def test_server_on_cuda_alone_vs_batch(tmp_path) -> None:  # noqa: ANN001
+def test_server_on_cuda_alone_vs_batch(tmp_path: Path) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
-    import openai
     import test_e2e_deterministic as e2e
 
     from server_harness import start_server, stop_server
@@ -64,11 +65,10 @@ def test_server_on_cuda_alone_vs_batch(tmp_path) -> None:  # noqa: ANN001
     srv = start_server(str(tmp_path), *e2e.FLAGS, "--enable-deterministic-inference",
                        "--device", "cuda")
     try:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
-        alone = e2e.complete(client, e2e.R)
-        batch = [*e2e.others()[:16], e2e.R, *e2e.others()[16:]]
-        with ThreadPoolExecutor(len(batch)) as pool:
-            got = list(pool.map(lambda p: e2e.complete(client, p), batch))[16]
-        assert got == alone
+        assert "one Triton kernel for every query row" in srv.log()
+        got = e2e.runs(srv)
+        for name, base in (("prefix_hit", "alone"), ("batch", "alone"),
+                           ("sampled_batch", "sampled_alone")):
+            assert got[name] == got[base], name
     finally:
         stop_server(srv)

@@ -44,8 +44,8 @@ def check_deterministic(cfg: Any) -> Any:
 def check_model(num_experts: int, fp8: bool) -> None:
     """Refuses, at worker start, what only the checkpoint reveals (MoE routing, FP8 weights)."""
     if num_experts:
-        raise NotSupportedError([f"{_SUFFIX}: mixture-of-experts models (the expert GEMMs' "
-                                 "grouping depends on the batch)"])
+        raise NotSupportedError([(f"{_SUFFIX}: mixture-of-experts models (the expert GEMMs' "
+                                  "grouping depends on the batch)")])
     if fp8:
         raise NotSupportedError([f"{_SUFFIX}: FP8 checkpoints (FP8 GEMMs)"])
 

@@ -12,8 +12,9 @@ can depend on the batch, and this module gives each an invariant form:
 - attention: keys are reduced in tiles of `KV_TILE` keys aligned at position 0, each tile a
   fixed-shape matmul, the tiles summed one after another; a query row's result then depends on
   its own keys only, not on how its prompt was chunked, how many rows share its block, or whether
-  it is a decode or a prefill row (`attend`). Extra tiles past a row's last key are all masked:
-  they add exact zeros.
+  it is a decode or a prefill row (`attend`, the torch_native backend). Extra tiles past a
+  row's last key are all masked: they add exact zeros. The triton backend runs the same scheme
+  in one kernel for every query row (tokenspeed_kernels.batch_invariant.attention).
 - logprobs: a per-row log_softmax (one row per program on CUDA, per-row loops on the CPU)
   instead of a logsumexp whose reduction a small batch may split across threads or blocks.
 
