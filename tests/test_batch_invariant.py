@@ -127,3 +127,48 @@ def test_refuses_combinations_it_cannot_make_deterministic(flags: tuple[str, ...
     with pytest.raises(NotSupportedError, match="not supported yet with --enable-deterministic"):
         parse_serve_args(["model", "--enable-deterministic-inference", *flags])
     parse_serve_args(["model", *flags])  # fine without the mode
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama_invariant")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_runner_request_is_bit_identical_alone_and_in_a_batch(tiny_llama: str,
+                                                               backend: str) -> None:
+    """Through ModelRunner (the backend's metadata, the sampler): a 70-token prompt prefilled
+    in 16-token chunks alone, then in 5-token chunks among three other requests with decodes
+    mixed into its prefill steps; its logits and tokens are bit-equal (triton: the Triton
+    kernels, in the interpreter without CUDA)."""
+    from tokenspeed.worker.model_runner import ModelRunner
+    from tokenspeed.worker.offline_scheduler import OfflineScheduler
+
+    prompt = [(7 * i) % 190 + 3 for i in range(70)]
+    others = [[5, 6, 7], [(3 * i) % 150 + 9 for i in range(20)], [11] * 9]
+    bi.enable()
+    try:
+        def run(prompts: list[list[int]], chunk: int, after: bool) -> tuple[list, list]:
+            runner = ModelRunner(tiny_llama, page_size=4, max_slots=8, max_context_len=128,
+                                 dtype="float32", attention_backend=backend,
+                                 disable_cuda_graph=True)
+            out = OfflineScheduler(runner).generate(prompts, 4, chunk_size=chunk,
+                                                    decode_after_all_prefills=after,
+                                                    keep_logits=True)
+            i = prompts.index(prompt)
+            return out.tokens[i], out.logits[i]
+
+        tokens, logits = run([prompt], 16, True)
+        batch_tokens, batch_logits = run([*others, prompt], 5, False)
+    finally:
+        bi.enable(False)
+    assert batch_tokens == tokens
+    assert all(torch.equal(a, b) for a, b in zip(batch_logits, logits))
