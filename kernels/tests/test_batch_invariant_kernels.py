@@ -5,9 +5,10 @@ whether its prompt is attended whole, in chunks, or token by token (decode)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from tokenspeed_kernels.batch_invariant import attention, matmul
+from tokenspeed_kernels.batch_invariant import attention, attention_blocks, matmul
 
 
 def test_matmul_matches_torch_and_is_invariant_in_m(device: str) -> None:
@@ -45,9 +46,9 @@ def test_attention_matches_and_is_invariant_to_chunking(device: str) -> None:
     def run(start: int, end: int) -> torch.Tensor:
         n = end - start
         out = torch.empty(n, hk * grp, d, device=device)
-        rows = torch.zeros(n, dtype=torch.int32, device=device)
-        pos = torch.arange(start, end, dtype=torch.int32, device=device)
-        return attention(q[start:end].to(device), kc, vc, table, rows, pos, scale, out).cpu()
+        blocks = attention_blocks(np.asarray([n]), np.asarray([start]), np.asarray([0]), grp)
+        return attention(q[start:end].to(device), kc, vc, table,
+                         torch.from_numpy(blocks).to(device), scale, out).cpu()
 
     from tokenspeed.layers.batch_invariant import attend
 

@@ -12,6 +12,7 @@ by the scoreboard (docs/deterministic.md).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -59,75 +60,115 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 KV_TILE = 64  # keys per step of the attention loop, aligned at position 0 (as the CPU path)
+Q_ROWS = 64  # dot rows per program: (query token, query head of the KV head) pairs
+
+
+def tokens_per_block(group: int) -> int:
+    """Query tokens of one request per program (a decode: one, the rest masked)."""
+    return max(1, Q_ROWS // triton.next_power_of_2(group))
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, token_row_ptr, token_pos_ptr,
-                      scale, k_scale, v_scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
-                      stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
-                      PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0)  # one query token (any request, decode or prefill row) ...
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, blk_row_ptr, blk_tok_ptr,
+                      blk_len_ptr, blk_pos_ptr, scale, k_scale, v_scale, window, stride_qt,
+                      stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh, stride_vp,
+                      stride_vs, stride_vh, stride_pt, PAGE_SIZE: tl.constexpr,
+                      BM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
+                      PRECISION: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)  # up to BM consecutive query tokens of one request ...
     h = tl.program_id(1)  # ... and one KV head with its GROUP query heads
-    row = tl.load(token_row_ptr + t)
-    pos = tl.load(token_pos_ptr + t)
-    g = tl.arange(0, GROUP_PAD)
+    row = tl.load(blk_row_ptr + b)
+    tok0 = tl.load(blk_tok_ptr + b)
+    count = tl.load(blk_len_ptr + b)
+    pos0 = tl.load(blk_pos_ptr + b)
+    r = tl.arange(0, BM * GROUP_PAD)  # one dot row per (token, query head): rows are independent
+    ti = r // GROUP_PAD
+    gi = r % GROUP_PAD
+    valid = (ti < count) & (gi < GROUP)
+    q_pos = pos0 + ti
     d = tl.arange(0, D_PAD)
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + t * stride_qt + (h * GROUP + g[:, None]) * stride_qh + d[None, :],
-                mask=q_mask, other=0.0)
-    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-    l = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, D_PAD), tl.float32)
+    q_off = (tok0 + ti[:, None]) * stride_qt + (h * GROUP + gi[:, None]) * stride_qh + d[None, :]
+    q_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    m = tl.full((BM * GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((BM * GROUP_PAD,), tl.float32)
+    acc = tl.zeros((BM * GROUP_PAD, D_PAD), tl.float32)
     offs = tl.arange(0, TILE)
-    for start in range(0, pos + 1, TILE):  # the row's own keys, tile after tile from 0
+    last = pos0 + count - 1
+    # Tiles from position 0 up to the block's last key; past a row's own last key a tile is all
+    # masked for that row and adds exact zeros (alpha 1, p 0), so a row's result does not depend
+    # on the other rows of its block.
+    for start in range(0, last + 1, TILE):
         kp = start + offs
-        keep = kp <= pos
-        if window > 0:
-            keep = keep & (kp > pos - window)
-        page = tl.load(page_table_ptr + row * stride_pt + kp // PAGE_SIZE, mask=kp <= pos, other=0)
+        cached = kp <= last
+        page = tl.load(page_table_ptr + row * stride_pt + kp // PAGE_SIZE, mask=cached, other=0)
         slot = kp % PAGE_SIZE
-        kv_mask = keep[:, None] & (d[None, :] < HEAD_DIM)
+        kv_mask = cached[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + h * stride_kh
-                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * k_scale
+                    + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + h * stride_vh
-                    + d[None, :], mask=kv_mask, other=0.0).to(tl.float32) * v_scale
-        s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * scale
-        s = tl.where(keep[None, :], s, float("-inf"))
+                    + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        # The model dtype's tensor-core dot (exact fp32 for fp32), fp32 accumulation; fp8 caches
+        # hold K / k_scale: the scale multiplies the scores (V's the output).
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * k_scale)
+        keep = kp[None, :] <= q_pos[:, None]
+        if window > 0:
+            keep = keep & (kp[None, :] > q_pos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         live = m_new > float("-inf")  # a tile before a sliding window: nothing seen yet
         alpha = tl.where(live, tl.exp(m - m_new), 1.0)
         p = tl.where(live[:, None], tl.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    o = acc / tl.maximum(l, 1e-30)[:, None]
-    tl.store(out_ptr + t * stride_ot + (h * GROUP + g[:, None]) * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    o = acc * v_scale / tl.maximum(l, 1e-30)[:, None]
+    o_off = (tok0 + ti[:, None]) * stride_ot + (h * GROUP + gi[:, None]) * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def attention_blocks(num_tokens: np.ndarray, start_pos: np.ndarray, query_start: np.ndarray,
+                     group: int) -> np.ndarray:
+    """The launch's blocks for a step: [4, n] int32 rows (request row, first query token, token
+    count <= tokens_per_block(group), first position), each request's new tokens cut from its
+    first one. Which tokens share a block does not change any token's result."""
+    per = tokens_per_block(group)
+    out = []
+    for i, (n, pos, q0) in enumerate(zip(num_tokens.tolist(), start_pos.tolist(),
+                                         query_start.tolist())):
+        for off in range(0, n, per):
+            out.append((i, q0 + off, min(per, n - off), pos + off))
+    return np.asarray(out, dtype=np.int32).reshape(-1, 4).T.copy()
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              page_table: torch.Tensor, token_row: torch.Tensor, token_pos: torch.Tensor,
-              scale: float, out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+              page_table: torch.Tensor, blocks: torch.Tensor, scale: float, out: torch.Tensor,
+              k_scale: float = 1.0, v_scale: float = 1.0,
               window: int | None = None) -> torch.Tensor:
-    """Batch-invariant paged attention: every query token t (decode or prefill row alike) attends
-    to keys 0..token_pos[t] of page-table row token_row[t], in KV_TILE tiles from position 0
-    with an fp32 online softmax, so its result depends on its own keys only.
+    """Batch-invariant paged attention: every query token (decode or prefill row alike) attends
+    to its request's keys 0..its position in KV_TILE tiles from position 0, with an fp32 online
+    softmax, so its result depends on its own keys only, not on the step's other tokens or on
+    how its prompt was chunked.
 
     q, out: [T, Hq, D]; k_cache/v_cache: [num_pages, page_size, Hkv, D] (the step's K/V already
-    written); page_table: [R, W] int32; token_row/token_pos: [T] int32. One program per
-    (token, KV head): no reuse of K/V across a prompt's rows (slower prefill than the extend
-    kernels), exact fp32 dots."""
-    t, (hq, d) = token_row.shape[0], q.shape[1:]  # q may carry padding rows past the tokens
+    written); page_table: [R, W] int32; blocks: `attention_blocks` (same group) on the device.
+    One program per (block of tokens, KV head), K/V tiles shared by the block's tokens; dots in
+    the model dtype (exact fp32 for fp32) with fp32 accumulation."""
+    hq, d = q.shape[1:]
     hk = k_cache.shape[2]
     group = hq // hk
-    if t == 0:
+    if blocks.shape[1] == 0:
         return out
-    _attention_kernel[(t, hk)](
-        q, k_cache, v_cache, out, page_table, token_row, token_pos, scale, float(k_scale),
+    row, tok, count, pos = blocks
+    group_pad = triton.next_power_of_2(group)
+    _attention_kernel[(blocks.shape[1], hk)](
+        q, k_cache, v_cache, out, page_table, row, tok, count, pos, scale, float(k_scale),
         float(v_scale), int(window or 0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), page_table.stride(0), PAGE_SIZE=k_cache.shape[1],
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        D_PAD=max(16, triton.next_power_of_2(d)), TILE=KV_TILE, num_warps=4)  # fmt: skip
+        BM=tokens_per_block(group), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d,
+        D_PAD=max(16, triton.next_power_of_2(d)), TILE=KV_TILE,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        num_stages=2)  # fmt: skip
     return out

@@ -48,12 +48,14 @@ class TritonMetadata:
 
 @dataclass
 class InvariantMetadata:
-    """Batch-invariant mode: the step's page-table rows and, per query token, its row and
-    absolute position (tokenspeed_kernels.batch_invariant.attention)."""
+    """Batch-invariant mode: the step's page-table rows and request layout
+    (tokenspeed_kernels.batch_invariant.attention)."""
 
     page_table: torch.Tensor  # [B, W] int32
-    token_row: torch.Tensor  # [T] int32
-    token_pos: torch.Tensor  # [T] int32
+    num_tokens: np.ndarray  # [B] host
+    start_pos: np.ndarray  # [B] host
+    query_start: np.ndarray  # [B + 1] host
+    blocks: torch.Tensor | None = None  # [4, n] int32 on the device (attention_blocks)
 
 
 class TritonBackend(AttentionBackend):
@@ -115,16 +117,13 @@ class TritonBackend(AttentionBackend):
             fresh=not batch.start_pos[d:].any())
 
     def _invariant_metadata(self, batch: ForwardBatch) -> InvariantMetadata:
-        """Batch-invariant mode: each query token's request row and absolute position."""
-        n = batch.num_tokens.astype(np.int64)
-        rows = np.repeat(np.arange(len(n)), n)
-        pos = batch.start_pos.astype(np.int64)[rows] + (np.arange(int(n.sum()))
-                                                         - np.repeat(batch.query_start[:-1], n))
+        """Batch-invariant mode: the step's page-table rows and request layout; the kernel's
+        token blocks are cut at the first layer (they depend on the query heads per KV head)."""
         slots, *_ = batch.device_arrays()
-        dev = batch.input_ids.device
         return InvariantMetadata(self.kv_cache.page_table[slots],
-                                 torch.from_numpy(rows.astype(np.int32)).to(dev),
-                                 torch.from_numpy(pos.astype(np.int32)).to(dev))
+                                 batch.num_tokens.astype(np.int64),
+                                 batch.start_pos.astype(np.int64),
+                                 batch.query_start.astype(np.int64))
 
     def init_graphs(self, sizes: list[int]) -> None:
         # The page-table rows of a graph's requests, gathered before each replay.
@@ -221,13 +220,17 @@ class TritonBackend(AttentionBackend):
                            layer: Attention, batch: ForwardBatch,
                            rope: Rope | None) -> torch.Tensor:
         """--enable-deterministic-inference: one kernel for every row (layers/batch_invariant.py)."""
-        from tokenspeed_kernels.batch_invariant import attention
+        from tokenspeed_kernels.batch_invariant import attention, attention_blocks
 
         m: InvariantMetadata = batch.metadata
+        if m.blocks is None:
+            group = layer.num_heads // layer.num_kv_heads
+            m.blocks = torch.from_numpy(attention_blocks(
+                m.num_tokens, m.start_pos, m.query_start[:-1], group)).to(q.device)
         k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc,
                                     rope)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        attention(q, k_cache, v_cache, m.page_table, m.token_row, m.token_pos, layer.scaling,
+        attention(q, k_cache, v_cache, m.page_table, m.blocks, layer.scaling,
                   out, self.kv_cache.k_scale[layer.layer_id],
                   self.kv_cache.v_scale[layer.layer_id], layer.sliding_window)
         return out.flatten(1)
