@@ -193,11 +193,11 @@ def test_spelling_out_the_default_of_an_unbuilt_flag_is_fine(flag: Flag) -> None
 
 def test_unbuilt_features_are_reported_together() -> None:
     with pytest.raises(NotSupportedError) as info:
-        parse_serve_args(["--lora-eviction-policy", "fifo", "--speculative-algorithm", "EAGLE",
+        parse_serve_args(["--lora-backend", "csgmv", "--speculative-algorithm", "EAGLE",
                           "--enable-dp-lm-head"])
     lines = info.value.lines
     assert [ln.split(" (")[0] for ln in lines] == [
-        "not supported yet: --lora-eviction-policy",
+        "not supported yet: --lora-backend",
         "not supported yet: --speculative-algorithm",
         "not supported yet: --enable-dp-lm-head",
     ]

@@ -61,7 +61,7 @@ def _adapter(root: Path, name: str, seed: int, rank: int, modules: list[str]) ->
 
 
 def _run(path: str, adapters: list[str], runs: list[int], device: str, teacher=None, **kw):
-    lora = {"targets": ALL, "max_rank": 16, "pool_slots": 2, "max_loaded": None}
+    lora = {"targets": ALL, "max_rank": 16, "pool_slots": 2, "max_loaded": None, "eviction": "lru"}
     # A fixed small pool: the profiled default would take most of the GPU, and the test
     # builds two CUDA runners in one process.
     runner = ModelRunner(path, device=device, dtype="float32", page_size=4, num_pages=512,

@@ -65,7 +65,7 @@ def _peft_logits(path: str, adapters: dict[str, str], runs: list[str | None],
 def _run(path: str, adapters: dict[str, str], runs: list[str | None], teacher=None,
          **kw: object) -> tuple[list[list[int]], list[torch.Tensor]]:
     ids = {name: i + 1 for i, name in enumerate(adapters)}
-    lora = {"targets": ALL, "max_rank": 8, "pool_slots": 2, "max_loaded": 1}
+    lora = {"targets": ALL, "max_rank": 8, "pool_slots": 2, "max_loaded": 1, "eviction": "lru"}
     runner = ModelRunner(path, page_size=4, max_slots=8, max_context_len=128, lora=lora, **kw)  # type: ignore[arg-type]
     sampling = {"lora_id": [ids[r] if r else 0 for r in runs],
                 "lora_path": [list(adapters[r].encode()) if r else [] for r in runs]}
@@ -107,7 +107,7 @@ def test_an_unreadable_adapter_fails_its_request_only(tiny: tuple[str, dict[str,
     from tokenspeed.worker.plan import StepPlan
 
     path, adapters = tiny
-    lora = {"targets": ALL, "max_rank": 8, "pool_slots": 2, "max_loaded": None}
+    lora = {"targets": ALL, "max_rank": 8, "pool_slots": 2, "max_loaded": None, "eviction": "lru"}
     runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, lora=lora)
     gone = str(tmp_path_factory.mktemp("gone"))
     new = [{"slot": 0, "temperature": 0.0, "lora_id": 7, "lora_path": list(gone.encode())},
@@ -117,3 +117,19 @@ def test_an_unreadable_adapter_fails_its_request_only(tiny: tuple[str, dict[str,
     out = runner.step(plan)
     assert out.errors is not None and out.errors.tolist() == [1, 0]
     assert runner.lora is not None and runner.lora.failed == {0}
+
+
+@pytest.mark.parametrize("policy, kept", [("lru", [1, 3]), ("fifo", [2, 3])])
+def test_eviction_policy_picks_the_adapter_that_leaves_the_pool(
+        tiny: tuple[str, dict[str, str]], policy: str, kept: list[int]) -> None:
+    """Two pool slots; adapters 1 and 2 loaded, 1 used again, then 3 needs a slot: lru gives
+    up 2 (least recently used), fifo gives up 1 (loaded first)."""
+    path, adapters = tiny
+    lora = {"targets": ALL, "max_rank": 8, "pool_slots": 2, "max_loaded": None, "eviction": policy}
+    runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, lora=lora)
+    pool = runner.lora
+    assert pool is not None
+    pool.paths.update({1: adapters["qv"], 2: adapters["all"], 3: adapters["qv"]})
+    for aid in (1, 2, 1, 3):
+        pool._resident(aid, {aid})
+    assert sorted(pool.resident) == kept

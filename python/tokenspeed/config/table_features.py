@@ -71,8 +71,9 @@ LORA_FLAGS: list[Flag] = [
     i("--max-loaded-loras", "Most adapters each worker keeps in host memory (least recently "
       "used dropped, read from disk again when needed). Default: no limit.", G_LORA, minimum=1,
       readers=("worker",), implemented=True),
-    c("--lora-eviction-policy", "Which adapter leaves GPU memory first when it is full.", G_LORA,
-      ("lru", "fifo"), "lru"),
+    c("--lora-eviction-policy", "Which adapter leaves the GPU pool (--max-loras-per-batch "
+      "slots) first when a step needs a slot: lru, the least recently used; fifo, the earliest "
+      "loaded.", G_LORA, ("lru", "fifo"), "lru", readers=("worker",), implemented=True),
     c("--lora-backend", "Kernels used for LoRA computation.", G_LORA, ("triton", "csgmv"),
       "triton", readers=("worker",)),
     c("--max-lora-chunk-size", "Chunk size of the chunked SGMV LoRA kernels.", G_LORA,

@@ -94,8 +94,9 @@ class LoraPool:
 
     def __init__(self, model: nn.Module, *, targets: list[str], max_rank: int, pool_slots: int,
                  max_loaded: int | None, max_slots: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, eviction: str) -> None:
         self.targets, self.max_rank, self.dtype = targets, max_rank, dtype
+        self.lru = eviction == "lru"  # else "fifo": a pool slot's adapter by when it was loaded
         self.max_loaded = max_loaded
         self.batch = LoraBatch(torch.full((max_tokens,), -1, dtype=torch.int32, device=device))
         ours = {HF_MODULES[m][0] for m in targets}
@@ -109,7 +110,7 @@ class LoraPool:
                                      device)
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id → weights, LRU first
         self.paths: dict[int, str] = {}
-        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id → pool slot, LRU first
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id → pool slot, evicted first first
         self.free = list(range(pool_slots - 1, -1, -1))
         self.slot_adapter = np.zeros(max_slots, np.int64)  # request slot → adapter id (0: base)
         self._slots_clear = False  # whether batch.token_slot holds only -1
@@ -167,10 +168,11 @@ class LoraPool:
         self._slots_clear = token_slot is None
 
     def _resident(self, aid: int, wanted: set[int]) -> int:
-        """The pool slot holding adapter `aid`, loading it (over the least recently used
-        adapter this step does not need) when it is not there."""
+        """The pool slot holding adapter `aid`, loading it (over the least recently used, or
+        under fifo the earliest loaded, adapter this step does not need) when it is not there."""
         if aid in self.resident:
-            self.resident.move_to_end(aid)
+            if self.lru:
+                self.resident.move_to_end(aid)
             return self.resident[aid]
         if self.free:
             slot = self.free.pop()
@@ -234,4 +236,5 @@ def lora_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
     return {"targets": list(settings["lora_target_modules"]),
             "max_rank": int(settings["max_lora_rank"]),
             "pool_slots": int(settings["max_loras_per_batch"]),
-            "max_loaded": settings.get("max_loaded_loras")}
+            "max_loaded": settings.get("max_loaded_loras"),
+            "eviction": str(settings["lora_eviction_policy"])}

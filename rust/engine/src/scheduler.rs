@@ -482,9 +482,10 @@ impl Scheduler {
         self.requests.is_empty() && self.in_flight.is_empty() && self.released_slots.is_empty()
     }
 
-    /// Length of the longest cached prefix of `tokens` (for a cache-aware router).
-    pub fn cached_prefix_len(&self, tokens: &[u32]) -> usize {
-        self.cache.peek_prefix_len(tokens)
+    /// Length of the longest cached prefix of `tokens` under LoRA adapter `lora_id` (0: the
+    /// base model), for a cache-aware router.
+    pub fn cached_prefix_len(&self, lora_id: u32, tokens: &[u32]) -> usize {
+        self.cache.peek_prefix_len_in(lora_id, tokens)
     }
 
     /// Sends a running request back to the front of the queue; its computed KV goes to the

@@ -216,8 +216,10 @@ enum Command {
     StopMatched {
         id: RequestId,
     },
-    /// How many leading tokens of `tokens` the radix cache holds (the cache-aware router asks).
+    /// How many leading tokens of `tokens` the radix cache holds under LoRA adapter `lora_id`
+    /// (0: the base model); the cache-aware router asks.
     PrefixLen {
+        lora_id: u32,
         tokens: Arc<Vec<u32>>,
         reply: oneshot::Sender<usize>,
     },
@@ -352,10 +354,14 @@ impl EngineHandle {
     /// The exact length of the longest prefix of `tokens` this engine's radix cache holds, as
     /// the engine thread sees it between two steps: the scheduler never leaves that thread, so
     /// the question travels as a command (answered within one step; None if the engine is gone).
-    pub async fn cached_prefix_len(&self, tokens: Arc<Vec<u32>>) -> Option<usize> {
+    pub async fn cached_prefix_len(&self, lora_id: u32, tokens: Arc<Vec<u32>>) -> Option<usize> {
         let (reply, rx) = oneshot::channel();
         self.commands
-            .send(Command::PrefixLen { tokens, reply })
+            .send(Command::PrefixLen {
+                lora_id,
+                tokens,
+                reply,
+            })
             .ok()?;
         rx.await.ok()
     }

@@ -11,7 +11,7 @@ use crate::engine::{EngineEvent, EngineHandle};
 use crate::error::RequestError;
 use crate::frontend::Frontend;
 use crate::generate::new_request_id;
-use crate::prompt::{tokenize_prompt, Prompt};
+use crate::prompt::{tokenize_prompt, Prompt, PromptError};
 
 /// One model input: its token ids, and where a pair's second segment starts (0: none).
 #[derive(Debug, Clone, PartialEq)]
@@ -41,7 +41,7 @@ pub async fn tokenize_pair(fe: &Frontend, a: String, b: String) -> Result<PoolIn
         let enc = tokenizer
             .hf_tokenizer()
             .encode((a.as_str(), b.as_str()), true)
-            .map_err(|e| RequestError::bad_request(format!("tokenizing a text pair: {e}")))?;
+            .map_err(|e| RequestError::from(PromptError::Pair(e.to_string())))?;
         let segment_b = enc.get_type_ids().iter().position(|&t| t == 1).unwrap_or(0);
         Ok(PoolInput {
             ids: enc.get_ids().to_vec(),

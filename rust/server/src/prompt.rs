@@ -40,6 +40,8 @@ pub enum PromptError {
     FinalMessageNotRendered,
     /// Token ids the tokenizer cannot decode.
     Tokens(String),
+    /// The tokenizer refused a text pair (a cross-encoder's query and document).
+    Pair(String),
 }
 
 pub async fn tokenize_prompt(fe: &Frontend, prompt: Prompt) -> Result<Vec<u32>, RequestError> {

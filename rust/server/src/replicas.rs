@@ -118,7 +118,7 @@ impl Replicas {
     ) -> Dispatched {
         let replica = match pin {
             Some(r) => r % self.len(),
-            None => self.route(&request.prompt).await,
+            None => self.route(request.sampling.lora_id, &request.prompt).await,
         };
         self.dispatch_to(replica, request, constraint, trace)
     }
@@ -159,7 +159,9 @@ impl Replicas {
         }
     }
 
-    async fn route(&self, prompt: &[u32]) -> usize {
+    /// The replica for a prompt run under LoRA adapter `lora_id` (0: the base model): the
+    /// router weighs each replica's cached prefix of it in that adapter's cache namespace.
+    async fn route(&self, lora_id: u32, prompt: &[u32]) -> usize {
         let wants = self
             .inner
             .router
@@ -175,7 +177,7 @@ impl Replicas {
         let answers = join_all(self.inner.engines.iter().map(|e| {
             let tokens = tokens.clone();
             async move {
-                tokio::time::timeout(PREFIX_QUERY_TIMEOUT, e.cached_prefix_len(tokens))
+                tokio::time::timeout(PREFIX_QUERY_TIMEOUT, e.cached_prefix_len(lora_id, tokens))
                     .await
                     .ok()
                     .flatten()

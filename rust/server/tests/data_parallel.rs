@@ -249,6 +249,27 @@ async fn cache_aware_follows_the_replica_holding_the_prefix() {
 }
 
 #[tokio::test]
+async fn cache_aware_asks_for_the_prefix_in_the_requests_adapter_namespace() {
+    // KV computed under a LoRA adapter lives in that adapter's namespace of the radix tree:
+    // the router must ask there, or an adapter's prefix is never found and its requests
+    // spread over the replicas (least loaded in turn).
+    let g = group(2, Policy::CacheAware);
+    let on_adapter = |q: u32| {
+        let mut r = request((100..164).chain([q, q + 1, q + 2]).collect(), 1);
+        r.sampling.lora_id = 5;
+        r
+    };
+    let mut d = g.replicas.dispatch(on_adapter(1), None, Some(1)).await;
+    drain(&mut d.events).await;
+    drop(d);
+    for q in 10..14 {
+        let mut d = g.replicas.dispatch(on_adapter(q), None, None).await;
+        assert_eq!(d.replica, 1, "question {q} went to replica {}", d.replica);
+        drain(&mut d.events).await;
+    }
+}
+
+#[tokio::test]
 async fn shortest_queue_routes_around_a_busy_replica() {
     let g = group(2, Policy::ShortestQueue);
     // Three long requests held on replica 0 (their loads count until dropped).

@@ -17,7 +17,9 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn bad_request(message: impl Into<String>) -> Self {
+    /// Private, as `bad_param`: a 400 is built only from a `RequestError::Invalid` (below),
+    /// which `validate/` words, so no route can invent its own.
+    fn bad_request(message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -25,7 +27,7 @@ impl ApiError {
             param: None,
         }
     }
-    pub fn bad_param(param: &str, message: impl Into<String>) -> Self {
+    fn bad_param(param: &str, message: impl Into<String>) -> Self {
         ApiError {
             param: Some(param.to_string()),
             ..Self::bad_request(message)

@@ -15,6 +15,7 @@ use super::error::ApiError;
 use super::response::ErrorResponse;
 use super::{ok_json, protocol::parse_body, AppState};
 use crate::lora::LoraError;
+use crate::validate;
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -36,7 +37,7 @@ pub struct UnloadLoraRequest {
 fn api_error(e: LoraError, param: &str) -> ApiError {
     match e {
         LoraError::Unknown(_) => ApiError::not_found(e.to_string()),
-        _ => ApiError::bad_param(param, e.to_string()),
+        _ => validate::admin::lora_refusal(e, param).into(),
     }
 }
 
@@ -51,12 +52,7 @@ fn loaded(state: &AppState) -> serde_json::Value {
 pub async fn load_adapter(State(state): State<AppState>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let req: LoadLoraRequest = parse_body(&body)?;
-        if req.pinned == Some(true) {
-            return Err(ApiError::bad_param(
-                "pinned",
-                "pinned adapters are not supported yet",
-            ));
-        }
+        validate::admin::lora_pinned(req.pinned)?;
         let adapter = state
             .lora
             .load(&req.lora_name, &req.lora_path)

@@ -29,6 +29,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
+use crate::error::RequestError;
 use crate::frontend::Frontend;
 use crate::validate::pooling::check_server_kind;
 use error::ApiError;
@@ -95,18 +96,11 @@ impl AppState {
     ) -> Result<Option<crate::lora::Adapter>, ApiError> {
         self.check_model(model)?;
         if let Some(name) = lora_path {
-            if !self.lora.enabled() {
-                return Err(ApiError::bad_param(
-                    "lora_path",
-                    "LoRA adapters need the server started with --enable-lora",
-                ));
-            }
-            return self.lora.get(name).map(Some).ok_or_else(|| {
-                ApiError::bad_param(
-                    "lora_path",
-                    format!("the LoRA adapter `{name}` is not loaded"),
-                )
-            });
+            return Ok(Some(crate::validate::admin::lora_path(
+                self.lora.enabled(),
+                name,
+                self.lora.get(name),
+            )?));
         }
         Ok(model.and_then(|m| self.lora.get(m)))
     }
@@ -311,8 +305,8 @@ async fn limit_body(State(state): State<AppState>, req: Request, next: Next) -> 
         let chunk = match chunk {
             Ok(c) => c,
             Err(e) => {
-                return ApiError::bad_request(format!("reading the request body: {e}"))
-                    .into_response()
+                let refusal = RequestError::from(protocol::BodyError::Unreadable(e.to_string()));
+                return ApiError::from(refusal).into_response();
             }
         };
         if (bytes.len() + chunk.len()) as u64 > limit {

@@ -316,15 +316,13 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
 
 #[utoipa::path(method(get, post), path = "/flush_cache", responses((status = 200, description = "flushed"), (status = 400, description = "requests are running")))]
 pub async fn flush_cache(State(state): State<AppState>) -> Response {
-    if state.engine.flush_cache().await {
-        (StatusCode::OK, "Cache flushed.\n").into_response()
+    let flushed = state.engine.flush_cache().await;
+    let text = if flushed {
+        "Cache flushed.\n"
     } else {
-        (
-            StatusCode::BAD_REQUEST,
-            "Cache not flushed: requests are running.\n",
-        )
-            .into_response()
-    }
+        "Cache not flushed: requests are running.\n"
+    };
+    (super::ops::op_status(flushed), text).into_response()
 }
 
 #[utoipa::path(get, path = "/health", responses((status = 200, description = "healthy"), (status = 503, body = ErrorResponse)))]

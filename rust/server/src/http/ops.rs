@@ -13,6 +13,7 @@ use super::error::ApiError;
 use super::protocol::parse_body;
 use super::response::ErrorResponse;
 use super::{ok_json, AppState};
+use crate::validate;
 
 /// `/pause_generation`'s body (optional).
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
@@ -34,23 +35,7 @@ pub async fn pause_generation(State(state): State<AppState>, body: Bytes) -> Res
         } else {
             parse_body(&body)?
         };
-        let abort = match req.mode.as_deref() {
-            None | Some("abort") => true,
-            Some("in_place") => false,
-            Some("retract") => {
-                return Err(ApiError::bad_param(
-                    "mode",
-                    "mode 'retract' is not supported yet: use 'in_place' (requests keep their \
-                     KV) or 'abort'",
-                ))
-            }
-            Some(other) => {
-                return Err(ApiError::bad_param(
-                    "mode",
-                    format!("unknown mode {other:?} (expected \"abort\" or \"in_place\")"),
-                ))
-            }
-        };
+        let abort = validate::admin::pause_aborts(req.mode.as_deref())?;
         state.engine.set_paused(true).await;
         if abort {
             state
@@ -61,7 +46,7 @@ pub async fn pause_generation(State(state): State<AppState>, body: Bytes) -> Res
             json!({"success": true, "message": "generation paused"}),
         ))
     };
-    run.await.unwrap_or_else(|e| e.into_response())
+    run.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
 /// SGLang's: the `--weight-version` label of the weights serving now.
@@ -104,21 +89,11 @@ pub struct UpdateWeightsRequest {
 pub async fn update_weights_from_disk(State(state): State<AppState>, body: Bytes) -> Response {
     let run = async {
         let req: UpdateWeightsRequest = parse_body(&body)?;
-        if req.flush_cache == Some(false) {
-            return Err(ApiError::bad_param(
-                "flush_cache",
-                "flush_cache false is not supported yet: the old weights' KV would be reused",
-            ));
-        }
-        if req.model_path.is_empty() {
-            return Err(ApiError::bad_param("model_path", "model_path is empty"));
-        }
-        let args = json!({"model_path": req.model_path, "load_format": req.load_format})
-            .to_string()
-            .into_bytes();
-        if args.len() > tokenspeed_engine::MAX_OP_TEXT {
-            return Err(ApiError::bad_param("model_path", "model_path is too long"));
-        }
+        let args = validate::admin::weight_update(
+            &req.model_path,
+            req.load_format.as_deref(),
+            req.flush_cache,
+        )?;
         if req.abort_all_requests == Some(true) {
             state
                 .engine
@@ -140,17 +115,12 @@ pub async fn update_weights_from_disk(State(state): State<AppState>, body: Bytes
         } else {
             tracing::warn!(path = %req.model_path, message = %reply.message, "weights not updated");
         }
-        let status = if reply.ok {
-            StatusCode::OK
-        } else {
-            StatusCode::BAD_REQUEST
-        };
         let body = json!({
             "success": reply.ok,
             "message": reply.message,
             "num_paused_requests": reply.queued,
         });
-        Ok((status, axum::Json(body)).into_response())
+        Ok((op_status(reply.ok), axum::Json(body)).into_response())
     };
     run.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
@@ -179,24 +149,15 @@ pub async fn resume_memory(State(state): State<AppState>, body: Bytes) -> Respon
     memory_op(state, body, tokenspeed_engine::op_kind::RESUME_MEMORY).await
 }
 
-/// The tags SGLang's memory routes take: all of "weights" and "kv_cache" (and "cuda_graph").
-fn check_memory_tags(tags: &[String]) -> Result<(), ApiError> {
-    const KNOWN: [&str; 3] = ["weights", "kv_cache", "cuda_graph"];
-    if let Some(bad) = tags.iter().find(|t| !KNOWN.contains(&t.as_str())) {
-        return Err(ApiError::bad_param(
-            "tags",
-            format!("unknown memory tag {bad:?} (weights, kv_cache, cuda_graph)"),
-        ));
+/// An operation's status in SGLang's shape: 200 when the workers did it, 400 when they
+/// refused it (already released, a checkpoint of another architecture): the body's
+/// `{success: false, message}` says why.
+pub(super) fn op_status(done: bool) -> StatusCode {
+    if done {
+        StatusCode::OK
+    } else {
+        StatusCode::BAD_REQUEST
     }
-    let has = |t: &str| tags.iter().any(|x| x == t);
-    if !(has("weights") && has("kv_cache")) {
-        return Err(ApiError::bad_param(
-            "tags",
-            "releasing only some of weights and kv_cache is not supported yet: send both, or \
-             no tags",
-        ));
-    }
-    Ok(())
 }
 
 async fn memory_op(state: AppState, body: Bytes, kind: u8) -> Response {
@@ -207,20 +168,15 @@ async fn memory_op(state: AppState, body: Bytes, kind: u8) -> Response {
             parse_body(&body)?
         };
         if let Some(tags) = &req.tags {
-            check_memory_tags(tags)?;
+            validate::admin::memory_tags(tags)?;
         }
         let op = tokenspeed_engine::WorkerOp {
             kind,
             args: b"{}".to_vec(),
         };
         let reply = state.engine.worker_op(op).await;
-        let status = if reply.ok {
-            StatusCode::OK
-        } else {
-            StatusCode::BAD_REQUEST
-        };
         let body = json!({"success": reply.ok, "message": reply.message});
-        Ok((status, axum::Json(body)).into_response())
+        Ok((op_status(reply.ok), axum::Json(body)).into_response())
     };
     run.await.unwrap_or_else(|e: ApiError| e.into_response())
 }

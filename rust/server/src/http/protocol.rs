@@ -239,6 +239,8 @@ pub struct DetokenizeRequest {
 #[derive(Debug)]
 pub enum BodyError {
     Empty,
+    /// The body stream broke off before its end.
+    Unreadable(String),
     /// Not JSON at all.
     Json(String),
     NotAnObject,

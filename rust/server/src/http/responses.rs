@@ -64,19 +64,9 @@ fn not_found(id: &str) -> ApiError {
 async fn create_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> {
     let req: ResponsesRequest = parse_body(body)?;
     let agent = Agent::resolve(&state, req.model.as_deref())?;
-    let history = match req.previous_response_id.as_deref() {
-        None => Vec::new(),
-        Some(prev) => state
-            .responses
-            .get(prev)
-            .map(|s| s.messages)
-            .ok_or_else(|| {
-                ApiError::bad_param(
-                    "previous_response_id",
-                    format!("Previous response with id '{prev}' not found."),
-                )
-            })?,
-    };
+    let history = validate::responses::history(req.previous_response_id.as_deref(), |id| {
+        state.responses.get(id).map(|s| s.messages)
+    })?;
     let checked =
         validate::responses::responses_request(&req, history, &agent::chat_context(&state))?;
     let stream = req.stream.unwrap_or(false);

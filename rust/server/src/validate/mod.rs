@@ -1,8 +1,14 @@
 //! Request validation: the one place that turns a parsed request into a typed one, or into a
 //! `RequestError::Invalid` naming the parameter and the numbers involved (`http/` renders it
 //! as a 400). Sampling fields here, chat messages and tools in `chat`, structured output forms
-//! in `grammar`; the context-length rule is `prompt_budget`, written once.
+//! in `grammar`; the context-length rule is `prompt_budget`, written once; the operations
+//! routes' fields in `admin`; the other steps' typed errors (body, prompt, grammar) worded in
+//! `refusals`. `ApiError` cannot build a 400 any other way. Two 400s come from elsewhere, by
+//! design: the engine's `EngineErrorKind::BadRequest` (its own guards, and a grammar matcher
+//! that fails mid-request), and `http::ops::op_status` for an operation the workers refused
+//! (SGLang's `{success: false}` reply).
 
+pub mod admin;
 pub mod agents;
 pub mod chat;
 pub mod grammar;

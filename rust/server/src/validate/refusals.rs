@@ -19,6 +19,9 @@ impl From<BodyError> for RequestError {
             BodyError::Json(message) => {
                 RequestError::bad_request(format!("invalid JSON: {message}"))
             }
+            BodyError::Unreadable(message) => {
+                RequestError::bad_request(format!("reading the request body: {message}"))
+            }
             BodyError::NotAnObject => {
                 RequestError::bad_request("the request body must be a JSON object")
             }
@@ -46,6 +49,9 @@ impl From<PromptError> for RequestError {
                 "the final message's content (a non-empty string) is not in the rendered prompt",
             ),
             PromptError::Tokens(message) => RequestError::bad_param("tokens", message),
+            PromptError::Pair(message) => {
+                RequestError::bad_request(format!("tokenizing a text pair: {message}"))
+            }
         }
     }
 }

@@ -279,6 +279,22 @@ fn logprobs(req: &ResponsesRequest) -> Result<Option<i32>, RequestError> {
     }
 }
 
+/// The conversation `previous_response_id` continues (`stored` looks a response up), or none.
+pub fn history(
+    previous_response_id: Option<&str>,
+    stored: impl FnOnce(&str) -> Option<Vec<Map<String, Value>>>,
+) -> Result<Vec<Map<String, Value>>, RequestError> {
+    let Some(id) = previous_response_id else {
+        return Ok(Vec::new());
+    };
+    stored(id).ok_or_else(|| {
+        RequestError::bad_param(
+            "previous_response_id",
+            format!("Previous response with id '{id}' not found."),
+        )
+    })
+}
+
 /// Checks a Responses request. `history`: the stored conversation of `previous_response_id`.
 pub fn responses_request(
     req: &ResponsesRequest,
