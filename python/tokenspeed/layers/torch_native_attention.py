@@ -127,8 +127,8 @@ class TorchNativeBackend(AttentionBackend):
             if batch_invariant.enabled():
                 ke, ve = gather(k_cache, r.kv_locs, ks), gather(v_cache, r.kv_locs, vs)
                 out[r.q_start:r.q_end] = batch_invariant.attend(
-                    q[r.q_start:r.q_end].view(n, hk, group, d), ke, ve, layer.scaling, window, None if sinks is None else sinks.view(hk, group),
-                ).reshape(n, -1, d)
+                    q[r.q_start:r.q_end].view(n, hk, group, d), ke, ve, layer.scaling, window,
+                    None if sinks is None else sinks.view(hk, group)).reshape(n, -1, d)
                 continue
             # [n, Hk * group, D] → [Hk, group * n, D]: query heads of one KV head side by side.
             qe = q[r.q_start:r.q_end].view(n, hk, group, d).permute(1, 2, 0, 3).reshape(hk, -1, d)
