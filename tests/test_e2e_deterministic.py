@@ -12,12 +12,15 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import pytest
 
 from server_harness import Server, start_server, stop_server
+
+if TYPE_CHECKING:  # imported when used: the GPU test reuses the prompts without openai
+    import openai
 
 FLAGS = ("--page-size", "4", "--max-running-requests", "32", "--max-total-tokens", "16384",
          "--chunked-prefill-size", "64")
@@ -64,6 +67,8 @@ def complete(client: openai.OpenAI, prompt: str,
 def runs(server: Server) -> dict[str, tuple[list[str], list[float]]]:
     """R alone (empty cache), R after SHARER cached part of its prompt, and R inside a batch;
     the same for a seeded sampled request S (alone, then in the batch in place of a prompt)."""
+    import openai
+
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
     def flush() -> None:

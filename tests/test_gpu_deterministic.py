@@ -3,24 +3,32 @@ the Triton batch-invariant matmul against torch (bf16 tolerance) and invariant i
 tiled attention invariant on CUDA (the Triton attention kernel's own checks are in
 kernels/tests/test_batch_invariant_kernels.py), and a real server on CUDA (triton backend)
 answering a greedy and a seeded request with the same tokens and logprob floats alone, after a
-prefix hit and inside a batch of 32.
+prefix hit and inside a batch of 32 (a 4-layer Llama-3.1-8B-shaped dummy model: needs a Llama-3
+tokenizer.json, TOKENSPEED_LLAMA3_TOKENIZER or .carry/llama3/tokenizer.json).
 
     python -m pytest -q tests/test_gpu_deterministic.py kernels/tests/test_batch_invariant_kernels.py
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from tokenspeed.bench.model_configs import LLAMA31_8B
 from tokenspeed.layers import batch_invariant as bi
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = Path(os.environ.get("TOKENSPEED_LLAMA3_TOKENIZER",
+                                ROOT / ".carry/llama3/tokenizer.json"))
 
 
 @pytest.mark.parametrize("k, n", [(4096, 4096), (4096, 14336), (14336, 4096), (576, 49152)])
@@ -92,20 +100,57 @@ def test_triton_attention_bf16_llama_shape() -> None:
     torch.testing.assert_close(full[base:base + length].float(), ref, rtol=2e-2, atol=2e-2)
 
 
+def _complete(url: str, prompt: str, seed: int | None = None) -> tuple[list, list]:
+    """Through httpx (the GPU machine has no openai package): tokens and logprob floats."""
+    import httpx
+
+    body = {"model": "default", "prompt": prompt, "max_tokens": 8, "logprobs": 1,
+            **({"temperature": 0} if seed is None else {"temperature": 0.9, "seed": seed})}
+    body["model"] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    lp = r.json()["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"]
+
+
+@pytest.mark.skipif(not TOKENIZER.exists(), reason=f"no Llama-3 tokenizer at {TOKENIZER}")
 def test_server_on_cuda_alone_vs_batch(tmp_path: Path) -> None:
-    sys.path.insert(0, os.path.dirname(__file__))
-    import test_e2e_deterministic as e2e
+    """A 4-layer Llama-3.1-8B-shaped model (dummy weights, bf16) behind a real server with the
+    flag and --chunked-prefill-size 64: a greedy request alone, after a prefix hit and inside a
+    batch of 32 (and a seeded sampled one alone and in the batch) gives the same tokens and
+    logprob floats. Dummy weights give near-flat logits: any batch dependence shows."""
+    import httpx
 
     from server_harness import start_server, stop_server
 
-    # The harness passes --device cpu first; the later spelling wins.
-    srv = start_server(str(tmp_path), *e2e.FLAGS, "--enable-deterministic-inference",
-                       "--device", "cuda")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_e2e_deterministic import FLAGS, SEEDED, SHARER, R, others
+
+    model = tmp_path / "llama31-8b-4l"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**LLAMA31_8B, "num_hidden_layers": 4,
+                                                   "eos_token_id": 128001}))
+    shutil.copy(TOKENIZER, model / "tokenizer.json")
+    srv = start_server(str(tmp_path), str(model), *FLAGS, "--enable-deterministic-inference",
+                       "--device", "cuda", "--load-format", "dummy", "--dtype", "bfloat16",
+                       "--context-length", "4096")
     try:
         assert "one Triton kernel for every query row" in srv.log()
-        got = e2e.runs(srv)
-        for name, base in (("prefix_hit", "alone"), ("batch", "alone"),
-                           ("sampled_batch", "sampled_alone")):
-            assert got[name] == got[base], name
+
+        def flush() -> None:
+            httpx.post(f"{srv.url}/flush_cache", timeout=30).raise_for_status()
+
+        flush()
+        alone, sampled = _complete(srv.url, R), _complete(srv.url, SEEDED, 7)
+        flush()
+        _complete(srv.url, SHARER)
+        assert _complete(srv.url, R) == alone  # a prefix hit on SHARER's pages
+        flush()
+        batch = [*others()[:16], R, *others()[16:30], SEEDED]
+        with ThreadPoolExecutor(len(batch)) as pool:
+            got = list(pool.map(lambda p: _complete(srv.url, p, 7 if p == SEEDED else None),
+                                batch))
+        assert got[16] == alone
+        assert got[-1] == sampled
     finally:
         stop_server(srv)
