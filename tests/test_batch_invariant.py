@@ -142,24 +142,35 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "triton"])
-def test_runner_request_is_bit_identical_alone_and_in_a_batch(tiny_llama: str,
-                                                               backend: str) -> None:
+@pytest.mark.parametrize("backend, graphs", [("torch_native", False), ("triton", False),
+                                             ("triton", True)])
+def test_runner_request_is_bit_identical_alone_and_in_a_batch(tiny_llama: str, backend: str,
+                                                               graphs: bool) -> None:
     """Through ModelRunner (the backend's metadata, the sampler): a 70-token prompt prefilled
     in 16-token chunks alone, then in 5-token chunks among three other requests with decodes
     mixed into its prefill steps; its logits and tokens are bit-equal (triton: the Triton
-    kernels, in the interpreter without CUDA)."""
+    kernels, in the interpreter without CUDA). `graphs`: the batch's decode steps take the
+    decode-graph path (its body run eagerly on the CPU: the graph metadata, padding rows)."""
+    from tokenspeed.worker.cuda_graph import DecodeGraphRunner
     from tokenspeed.worker.model_runner import ModelRunner
     from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
     prompt = [(7 * i) % 190 + 3 for i in range(70)]
     others = [[5, 6, 7], [(3 * i) % 150 + 9 for i in range(20)], [11] * 9]
+    graph_steps: list[int] = []  # decode steps that took the graph path (padded sizes)
     bi.enable()
     try:
         def run(prompts: list[list[int]], chunk: int, after: bool) -> tuple[list, list]:
             runner = ModelRunner(tiny_llama, page_size=4, max_slots=8, max_context_len=128,
                                  dtype="float32", attention_backend=backend,
                                  disable_cuda_graph=True)
+            if graphs and len(prompts) > 1:
+                runner.graphs = g = DecodeGraphRunner(runner.model, runner.kv_cache,
+                                                      runner.backend, 8,
+                                                      runner.config.vocab_size, runner.device,
+                                                      runner.last_tokens)
+                body = g._run
+                g._run = lambda bs: (graph_steps.append(bs), body(bs))[1]  # type: ignore[method-assign]
             out = OfflineScheduler(runner).generate(prompts, 4, chunk_size=chunk,
                                                     decode_after_all_prefills=after,
                                                     keep_logits=True)
@@ -172,3 +183,4 @@ def test_runner_request_is_bit_identical_alone_and_in_a_batch(tiny_llama: str,
         bi.enable(False)
     assert batch_tokens == tokens
     assert all(torch.equal(a, b) for a, b in zip(batch_logits, logits))
+    assert bool(graph_steps) == graphs

@@ -59,5 +59,5 @@ def deterministic_note(device: str, backend: str) -> str:
     return ("deterministic inference: batch-invariant linear layers and LM head "
             f"({gemm}); {attention}, keys reduced in 64-key tiles from position 0 whether the "
             "row is a prefill chunk, a prefix hit or a decode; per-row log_softmax logprobs"
-            + ("; CUDA graphs off" if device == "cuda"
+            + ("; CUDA graphs for decode steps only (prompt steps eager)" if device == "cuda"
                else "; one intra-op thread unless OMP_NUM_THREADS is set"))

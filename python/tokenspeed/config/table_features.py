@@ -260,9 +260,10 @@ MISC_FLAGS: list[Flag] = [
       "logprobs are bit-identical whatever else is in the batch (other requests, prompt "
       "chunking, prefix-cache hits). Linear layers and the LM head in fixed-shape GEMMs (a "
       "Triton matmul on CUDA), attention over 64-key tiles from position 0 for every row, "
-      "per-row logprobs, no CUDA graphs; sampled requests need a `seed`. Slower "
-      "(docs/deterministic.md); not yet with FP8 weights, LoRA, MoE, speculative decoding, "
-      "TP/EP or the flashinfer backend.", G_MISC, readers=("worker",), implemented=True),
+      "per-row logprobs, CUDA graphs for decode steps only; sampled requests need a `seed`. "
+      "Slower (docs/deterministic.md); not yet with FP8 weights, LoRA, MoE, speculative "
+      "decoding, TP/EP or the flashinfer backend.", G_MISC, readers=("worker",),
+      implemented=True),
 ]
 
 FEATURE_TABLE: list[Flag] = [

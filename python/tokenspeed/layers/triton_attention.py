@@ -130,7 +130,13 @@ class TritonBackend(AttentionBackend):
         self.graph_page_table = torch.zeros((max(sizes), self.kv_cache.max_pages_per_slot),
                                             dtype=torch.int32, device=self.kv_cache.page_table.device)
 
-    def graph_metadata(self, bs: int, positions: torch.Tensor) -> TritonMetadata:
+    def graph_metadata(self, bs: int,
+                       positions: torch.Tensor) -> TritonMetadata | InvariantMetadata:
+        if batch_invariant.enabled():  # one token per row, its blocks built inside the graph
+            rows = torch.arange(bs, dtype=torch.int32, device=positions.device)
+            blocks = torch.stack([rows, rows, torch.ones_like(rows), positions.to(torch.int32)])
+            empty = np.zeros(0, dtype=np.int64)
+            return InvariantMetadata(self.graph_page_table[:bs], empty, empty, empty, blocks)
         return TritonMetadata(page_table=self.graph_page_table[:bs],
                               seq_lens=positions.add(1).to(torch.int32), decode=True,
                               num_splits=self.decode_num_splits(bs))

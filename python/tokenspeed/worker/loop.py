@@ -161,10 +161,11 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         seed=int(s["random_seed"] or 0),
         mem_fraction_static=s["mem_fraction_static"],
         attention_backend=s["attention_backend"] or None,  # None: triton on CUDA, else torch_native
-        # Deterministic mode: eager steps (its attention metadata is not captured in graphs).
-        disable_cuda_graph=bool(s["disable_cuda_graph"]) or deterministic,
+        disable_cuda_graph=bool(s["disable_cuda_graph"]),
         cuda_graph_max_bs=s["cuda_graph_max_bs"],
-        extend_graph_sizes=spec.extend_graph_sizes,
+        # Deterministic mode: decode graphs only (prompt steps eager: the batch-invariant
+        # attention has no extend-graph metadata).
+        extend_graph_sizes=[] if deterministic else spec.extend_graph_sizes,
         chunked_prefill_size=int(s["chunked_prefill_size"]),  # largest step: sizes the profile
         moe_backend=s["moe_backend"] or None,  # None: triton on CUDA, else torch_native
         kv_cache_dtype=s["kv_cache_dtype"],
