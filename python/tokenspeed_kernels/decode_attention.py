@@ -5,6 +5,17 @@ split kernel: the last program of each (request, kv head) to finish combines the
 finds out it is last from an int32 counter that every program increments once (release: its
 partials are published; acquire: it sees everyone else's) and that the last one resets to 0, so
 the counters are zero again after every launch, as a CUDA-graph replay needs them.
+
+paged_decode_attention with an fp8 cache (float8_e4m3fn / float8_e5m2: K / k_scale and V /
+v_scale) and 16-bit q: its tiles become fp16 (exact) and both dots run in fp16 (fp8_f16_dots; q
+is rounded to fp16, finer than bf16, range 65504) with 3 pipeline stages: on the H100 at S1
+sizes (411 requests x 1.5k tokens) 2,160 GB/s of KV against 1,800 for bf16 dots with 2 stages
+(kernels/bench/diag_fp8_decode.py; a bf16 cache reads ~2,900 GB/s, 2 or 3 stages alike).
+prefetch: look the next tile's pages up one iteration ahead (default: with an fp8 cache).
+Triton then double-buffers the K/V copies (tile i+1's async copies in flight while tile i
+computes; with the page lookup in the same iteration it keeps one buffer and waits for each
+tile) and the fp8 kernel needs 119 registers instead of 162 (4 programs per SM, not 3): on
+the H100 at S1 sizes 2,435-2,484 GB/s against 2,209; a bf16 cache is ~2% slower with it.
 """
 
 from __future__ import annotations
@@ -76,96 +87,17 @@ def _tile_pages(pt_row, pos, end, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    page_table_ptr,
-    seq_lens_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    sem_ptr,
-    qk_scale,
-    v_scale,
-    stride_qb,
-    stride_qh,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    stride_pt,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    stride_fb,
-    stride_fh,
-    num_splits,
-    group,
-    window,
-    BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    KV_CAST: tl.constexpr,
-    Q_F16: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_CS: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """One program = one (request, kv head, split): all `group` q heads share each K/V tile.
-
-    FUSED_REDUCE: the last program of the (request, kv head) also writes out [B, Hq, D] (strides
-    stride_fb/stride_fh) from all splits' partials; sem_ptr: [B * Hkv] int32 zeros (left zero).
-    KV_CAST: the cache's dtype is not q's (fp8): converted to q's dtype in registers (exact for
-    fp8); the K scale is in qk_scale and v_scale multiplies each split's output.
-    Q_F16: q is converted to fp16 and the cache with it (e4m3/e5m2 -> fp16 is one conversion;
-    -> bf16 goes through fp16 or fp32), so both dots run in fp16.
-    PREFETCH: the next tile's page-table entries are looked up one iteration ahead, so the K/V
-    loads' addresses do not wait on a load of their own iteration (Triton then double-buffers
-    the K/V copies; see paged_decode_attention's `prefetch`).
-    """
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    # Sliding window (window > 0): only the last `window` keys; the splits share those.
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    # Split length is a multiple of BLOCK_N so every split but the last runs full tiles.
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
-    end = tl.minimum(start + per_split, seq_len)
-
-    offs_h = tl.arange(0, BLOCK_H)
+def _decode_tiles(q, k_ptr, v_ptr, pt_row, start, end, kvh, qk_scale, stride_kp, stride_ks, stride_kh,
+                  stride_vp, stride_vs, stride_vh, mask_d, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr,
+                  UPCAST: tl.constexpr, KV_CAST: tl.constexpr, PREFETCH: tl.constexpr):
+    """Online softmax of q [BLOCK_H, BLOCK_D] over context positions [start, end), in BLOCK_N
+    tiles: (running max m_i, sum l_i, unnormalised output acc), log2 units."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_h = offs_h < group
-    mask_d = offs_d < HEAD_DIM
-    heads = kvh * group + offs_h
-
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    if Q_F16:
-        q = q.to(tl.float16)
-    if UPCAST:
-        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-
-    pt_row = page_table_ptr + b * stride_pt
     if PREFETCH:  # the first tile's pages; each iteration then looks up the next tile's
         page_next = _tile_pages(pt_row, start + offs_n, end, PAGE_SIZE)
     for n0 in range(start, end, BLOCK_N):
@@ -197,18 +129,18 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+    return m_i, l_i, acc
 
-    # Empty splits (start >= end) store lse = -inf and zeros; the reduce gives them weight 0.
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if KV_CAST:
-        out = out * v_scale
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    if FUSED_REDUCE:  # noqa: SIM102  (constexpr test kept apart from the runtime one)
-        if num_splits == 1:  # the reduce of one split is the identity
-            f_ptrs = out_ptr + b * stride_fb + heads[:, None] * stride_fh + offs_d[None, :]
-            tl.store(f_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-            return
+
+@triton.jit
+def _store_partial(out, lse, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr, b, kvh, split, heads,
+                   mask_h, mask_d, seq_len, lo, per_split, num_splits, group, stride_ob, stride_oh,
+                   stride_os, stride_lb, stride_lh, stride_fb, stride_fh, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_CS: tl.constexpr):
+    """A split's partial output and lse; with FUSED_REDUCE the last split of the (request, kv
+    head) to arrive combines them all into out."""
+    offs_d = tl.arange(0, BLOCK_D)
     o_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, out, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
@@ -229,6 +161,77 @@ def _decode_split_kernel(
                            out_ptr + b * stride_fb + kvh * group * stride_fh,
                            stride_oh, stride_os, stride_lh, stride_fh, group, n_used,
                            HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_S, BLOCK_CS)  # fmt: skip
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr,
+    qk_scale, v_scale,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
+    num_splits, group, window,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_CAST: tl.constexpr,
+    Q_F16: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_CS: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """One program = one (request, kv head, split): all `group` q heads share each K/V tile.
+
+    FUSED_REDUCE: the last program of the (request, kv head) also writes out [B, Hq, D] (strides
+    stride_fb/stride_fh) from all splits' partials; sem_ptr: [B * Hkv] int32 zeros (left zero).
+    KV_CAST: the cache's dtype is not q's (fp8): converted to q's dtype in registers (exact for
+    fp8); the K scale is in qk_scale and v_scale multiplies each split's output.
+    Q_F16: q is converted to fp16 and the cache with it (e4m3/e5m2 -> fp16 is one conversion;
+    -> bf16 goes through fp16 or fp32), so both dots run in fp16.
+    PREFETCH: the next tile's page-table entries are looked up one iteration ahead, so the K/V
+    loads' addresses do not wait on a load of their own iteration (Triton then double-buffers
+    the K/V copies; see paged_decode_attention's `prefetch`).
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Sliding window (window > 0): only the last `window` keys; the splits share those.
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # Split length is a multiple of BLOCK_N so every split but the last runs full tiles.
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < group
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * group + offs_h
+
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if Q_F16:
+        q = q.to(tl.float16)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i, l_i, acc = _decode_tiles(q, k_ptr, v_ptr, page_table_ptr + b * stride_pt, start, end, kvh, qk_scale,
+                                  stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, mask_d,
+                                  BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PREC, UPCAST, KV_CAST, PREFETCH)
+
+    # Empty splits (start >= end) store lse = -inf and zeros; the reduce gives them weight 0.
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_CAST:
+        out = out * v_scale
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    if FUSED_REDUCE:  # noqa: SIM102  (constexpr test kept apart from the runtime one)
+        if num_splits == 1:  # the reduce of one split is the identity
+            f_ptrs = out_ptr + b * stride_fb + heads[:, None] * stride_fh + offs_d[None, :]
+            tl.store(f_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+            return
+    _store_partial(out, lse, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr, b, kvh, split, heads, mask_h,
+                   mask_d, seq_len, lo, per_split, num_splits, group, stride_ob, stride_oh, stride_os,
+                   stride_lb, stride_lh, stride_fb, stride_fh, HEAD_DIM, BLOCK_D, FUSED_REDUCE, BLOCK_G,
+                   BLOCK_S, BLOCK_CS)
 
 
 @triton.jit
@@ -299,6 +302,30 @@ def decode_semaphores(device: torch.device, count: int) -> torch.Tensor:
     return bufs[-1]
 
 
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
+                  v_scale: float) -> None:
+    assert q.shape[1] % k_cache.shape[2] == 0, "Hq must be a multiple of Hkv"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert v_cache.dtype == k_cache.dtype
+    assert is_fp8(k_cache.dtype) or (k_scale == 1.0 and v_scale == 1.0), "scales need an fp8 cache"
+
+
+def _reduce_tiles(num_splits: int, group: int, block_d: int) -> tuple[int, int]:
+    """The fused reduce's (BLOCK_S, BLOCK_CS): tiles [group, BLOCK_CS, D] of <= 16K fp32 (H200
+    sweep, kernels/bench/NOTES.md)."""
+    block_s = triton.next_power_of_2(num_splits)
+    return block_s, max(1, min(block_s, 16384 // (triton.next_power_of_2(group) * block_d)))
+
+
+def _checked_semaphores(semaphores: torch.Tensor | None, device: torch.device, count: int) -> torch.Tensor:
+    """The fused reduce's zeroed int32 counters: those given, else the stream's shared ones."""
+    if semaphores is None:
+        semaphores = decode_semaphores(device, count)
+    assert semaphores.dtype == torch.int32 and semaphores.is_contiguous()
+    assert semaphores.numel() >= count
+    return semaphores
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -330,28 +357,16 @@ def paged_decode_attention(
     fused_reduce: one kernel (the last split program per kv head reduces) instead of split kernel
     + reduce kernel; semaphores: its [>= B * Hkv] int32 zero counters, zero again on return
     (default: decode_semaphores(q.device, ...), shared by the launches of one stream).
-    An fp8 cache (float8_e4m3fn / float8_e5m2) holds K / k_scale and V / v_scale. With 16-bit q
-    its tiles become fp16 (exact) and both dots run in fp16 (fp8_f16_dots; q is rounded to fp16,
-    finer than bf16, range 65504) with 3 pipeline stages: on the H100 at S1 sizes (411 requests x
-    1.5k tokens) 2,160 GB/s of KV against 1,800 for bf16 dots with 2 stages
-    (kernels/bench/diag_fp8_decode.py; a bf16 cache reads ~2,900 GB/s, 2 or 3 stages alike).
-    prefetch: look the next tile's pages up one iteration ahead (default: with an fp8 cache).
-    Triton then double-buffers the K/V copies (tile i+1's async copies in flight while tile i
-    computes; with the page lookup in the same iteration it keeps one buffer and waits for each
-    tile) and the fp8 kernel needs 119 registers instead of 162 (4 programs per SM, not 3): on
-    the H100 at S1 sizes 2,435-2,484 GB/s against 2,209; a bf16 cache is ~2% slower with it.
+    An fp8 cache (float8_e4m3fn / float8_e5m2) holds K / k_scale and V / v_scale; fp8_f16_dots
+    and prefetch: see the module docstring.
     """
     batch, hq, head_dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
-    assert hq % hkv == 0, "Hq must be a multiple of Hkv"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _check_inputs(q, k_cache, v_cache, k_scale, v_scale)
     group = hq // hkv
     # fp8 (or any other cache dtype than q's): converted to q's dtype in registers.
     kv_cast = k_cache.dtype != q.dtype
-    assert v_cache.dtype == k_cache.dtype
-    assert is_fp8(k_cache.dtype) or (k_scale == 1.0 and v_scale == 1.0), "scales need an fp8 cache"
-    if out is None:
-        out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
     if num_splits is None:
@@ -360,88 +375,33 @@ def paged_decode_attention(
         num_splits = default_num_splits(batch, hkv, max_seq_len)
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(16, triton.next_power_of_2(group))
-    if block_n is None:
-        block_n = 64 if block_d <= 128 else 32
-    if num_stages is None:
-        num_stages = 3 if kv_cast else 2
-    if prefetch is None:
-        prefetch = kv_cast
+    block_n = block_n or (64 if block_d <= 128 else 32)
+    num_stages = num_stages or (3 if kv_cast else 2)
+    prefetch = kv_cast if prefetch is None else prefetch
     part_out = torch.empty((batch, hq, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
     block_s, block_cs = 1, 1  # (unused without the fused reduce: one compiled variant)
     if fused_reduce:
-        # Reduce tile [group, BLOCK_CS, D] of <= 16K fp32 (H200 sweep, kernels/bench/NOTES.md).
-        block_s = triton.next_power_of_2(num_splits)
-        block_cs = max(1, min(block_s, 16384 // (triton.next_power_of_2(group) * block_d)))
-        if semaphores is None:
-            semaphores = decode_semaphores(q.device, batch * hkv)
-        assert semaphores.dtype == torch.int32 and semaphores.is_contiguous()
-        assert semaphores.numel() >= batch * hkv
+        block_s, block_cs = _reduce_tiles(num_splits, group, block_d)
+        semaphores = _checked_semaphores(semaphores, q.device, batch * hkv)
     _decode_split_kernel[(batch, hkv, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        page_table,
-        seq_lens,
-        part_out,
-        part_lse,
-        out,
+        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
         semaphores if fused_reduce else part_lse,  # (unused without the fused reduce)
-        scale * LOG2E * k_scale,
-        v_scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        page_table.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        group,
-        window or 0,
-        BLOCK_H=block_h,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        PAGE_SIZE=page_size,
-        DOT_PREC=dot_precision(q.dtype),
-        UPCAST=upcast_dot(q.dtype),
-        KV_CAST=kv_cast,
+        scale * LOG2E * k_scale, v_scale,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0),
+        *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
+        num_splits, group, window or 0,
+        BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), KV_CAST=kv_cast,
         Q_F16=fp8_f16_dots and kv_cast and q.dtype in (torch.float16, torch.bfloat16),
-        FUSED_REDUCE=fused_reduce,
-        BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_S=block_s,
-        BLOCK_CS=block_cs,
-        PREFETCH=prefetch,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+        FUSED_REDUCE=fused_reduce, BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s,
+        BLOCK_CS=block_cs, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     if fused_reduce:
         return out
     _decode_reduce_kernel[(batch, hq)](
-        part_out,
-        part_lse,
-        out,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=4 if block_d >= 128 else 2,
-    )
+        part_out, part_lse, out, *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0),
+        out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if block_d >= 128 else 2,
+    )  # fmt: skip
     return out

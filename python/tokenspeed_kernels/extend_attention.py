@@ -85,42 +85,54 @@ def _attn_tile(
 
 
 @triton.jit
+def _extend_keys(q, k_ptr, v_ptr, pt_row, kvh, qpos, prefix, seq_len, mblk, window, qk_scale, stride_kp,
+                 stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, offs_n, offs_d, mask_d,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                 KV_CAST: tl.constexpr, SLIDING: tl.constexpr):
+    """Online softmax of the tile's q rows (positions qpos) over every key they see: (acc, m_i,
+    l_i), unnormalised, log2 units."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    diag_end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
+    if SLIDING:
+        # From the tile holding the first row's oldest visible key, every tile masked.
+        lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, diag_end, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST, True,
+            )  # fmt: skip
+    else:
+        # Keys before the tile's first query position are visible to every row: no masks.
+        full_end = (prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST, KV_CAST,
+            )  # fmt: skip
+        # Diagonal tiles: causal + sequence-end masks.
+        for n0 in range(full_end, diag_end, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _extend_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    page_table_ptr,
-    q_start_loc_ptr,
-    prefix_lens_ptr,
-    seq_lens_ptr,
-    tiles_ptr,
-    num_tiles,
-    qk_scale,
-    v_scale,
-    stride_qt,
-    stride_qh,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_pt,
-    group,
-    window,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    KV_CAST: tl.constexpr,
-    TILED: tl.constexpr,
-    SLIDING: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, q_start_loc_ptr, prefix_lens_ptr, seq_lens_ptr,
+    tiles_ptr, num_tiles, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_pt, group, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_CAST: tl.constexpr,
+    TILED: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """One program = one (request, q head, BLOCK_M new tokens). KV_CAST: the K scale is in
     qk_scale, v_scale multiplies the output. TILED: the grid is (q head, tile) and the tile
@@ -158,37 +170,10 @@ def _extend_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    pt_row = page_table_ptr + b * stride_pt
-
-    diag_end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
-    if SLIDING:
-        # From the tile holding the first row's oldest visible key, every tile masked.
-        lo = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(lo, diag_end, BLOCK_N):
-            acc, m_i, l_i = _attn_tile(
-                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST, True,
-            )  # fmt: skip
-    else:
-        # Keys before the tile's first query position are visible to every row: no masks.
-        full_end = (prefix + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
-        for n0 in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = _attn_tile(
-                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                offs_n, offs_d, mask_d, PAGE_SIZE, False, DOT_PREC, UPCAST, KV_CAST,
-            )  # fmt: skip
-        # Diagonal tiles: causal + sequence-end masks.
-        for n0 in range(full_end, diag_end, BLOCK_N):
-            acc, m_i, l_i = _attn_tile(
-                q, acc, m_i, l_i, k_ptr, v_ptr, pt_row, kvh, n0, qpos, seq_len, window, qk_scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                offs_n, offs_d, mask_d, PAGE_SIZE, True, DOT_PREC, UPCAST, KV_CAST,
-            )  # fmt: skip
+    acc, _, l_i = _extend_keys(q, k_ptr, v_ptr, page_table_ptr + b * stride_pt, kvh, qpos, prefix, seq_len,
+                               mblk, window, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                               stride_vh, offs_n, offs_d, mask_d, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                               DOT_PREC, UPCAST, KV_CAST, SLIDING)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_CAST:
@@ -299,42 +284,13 @@ def paged_extend_attention(
             max_new_tokens = int((q_start_loc[1:] - q_start_loc[:-1]).max().item())
         grid = (batch, hq, triton.cdiv(max_new_tokens, block_m))
     _extend_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        page_table,
-        q_start_loc,
-        prefix_lens,
-        seq_lens,
+        q, k_cache, v_cache, out, page_table, q_start_loc, prefix_lens, seq_lens,
         tiles if tiles is not None else q_start_loc,  # unread unless TILED
-        tiles.shape[1] if tiles is not None else 0,
-        scale * LOG2E * k_scale,
-        v_scale,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        page_table.stride(0),
-        hq // hkv,
-        window or 0,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        PAGE_SIZE=page_size,
-        DOT_PREC=dot_precision(q.dtype),
-        UPCAST=upcast_dot(q.dtype),
-        KV_CAST=kv_cast,
-        TILED=tiles is not None,
-        SLIDING=bool(window),
-        num_warps=warps,
-        num_stages=stages,
-    )
+        tiles.shape[1] if tiles is not None else 0, scale * LOG2E * k_scale, v_scale,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0),
+        out.stride(1), page_table.stride(0), hq // hkv, window or 0,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), KV_CAST=kv_cast,
+        TILED=tiles is not None, SLIDING=bool(window), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out

@@ -151,6 +151,41 @@ def _gemv_step(
 
 
 @triton.jit
+def _gemv_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              REDUCE_ONCE: tl.constexpr, FLAT: tl.constexpr):
+    """The fp32 accumulator _gemv_step adds to: [BLOCK_N, BLOCK_M], or with REDUCE_ONCE the
+    unreduced products [BLOCK_N, BLOCK_M, BLOCK_K] ([BLOCK_N, BLOCK_K] when FLAT)."""
+    if REDUCE_ONCE and FLAT:
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif REDUCE_ONCE:
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    else:
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    return acc3
+
+
+@triton.jit
+def _gemv_store(acc3, out_ptr, s_ptr, b_ptr, rows_w, pid_s, stride_os, offs_m, offs_n, M, N, stride_om,
+                W_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE_ONCE: tl.constexpr,
+                FLAT: tl.constexpr):
+    """The epilogue: reduce what REDUCE_ONCE left unreduced, apply W's row scales (W_FP8) and the
+    bias, store [BLOCK_N, BLOCK_M] transposed into out (K slice pid_s's, with split-K)."""
+    if REDUCE_ONCE and FLAT:
+        acc = tl.sum(acc3, axis=1, keep_dims=True)
+    elif REDUCE_ONCE:
+        acc = tl.sum(acc3, axis=2)
+    else:
+        acc = acc3
+    if W_FP8:
+        acc *= tl.load(s_ptr + rows_w)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows_w).to(tl.float32)[:, None]
+    o_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -200,12 +235,7 @@ def _gemv_kernel(
         x_ptrs = x_ptr + rows_x[None, :] * stride_xm + (k_start + offs_k)[:, None]
     else:
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]
-    if REDUCE_ONCE and FLAT:
-        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    elif REDUCE_ONCE:
-        acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
-    else:
-        acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc3 = _gemv_acc(BLOCK_M, BLOCK_N, BLOCK_K, REDUCE_ONCE, FLAT)
     n_full = k_len // BLOCK_K
     if PDL:  # W streams while the producer of x drains; x only after the wait
         w0 = _load_w(w_ptrs, 0, offs_k, False)
@@ -223,19 +253,8 @@ def _gemv_kernel(
     if k_rem > 0:
         w = _load_w(w_ptrs, k_rem, offs_k, True)
         acc3 = _gemv_step(acc3, w, x_ptrs, k_rem, offs_k, True, USE_DOT, DOT_PREC, UPCAST, W_FP8, REDUCE_ONCE, FLAT)
-    if REDUCE_ONCE and FLAT:
-        acc = tl.sum(acc3, axis=1, keep_dims=True)
-    elif REDUCE_ONCE:
-        acc = tl.sum(acc3, axis=2)
-    else:
-        acc = acc3
-    if W_FP8:
-        acc *= tl.load(s_ptr + rows_w)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows_w).to(tl.float32)[:, None]
-    o_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _gemv_store(acc3, out_ptr, s_ptr, b_ptr, rows_w, pid_s, stride_os, offs_m, offs_n, M, N, stride_om,
+                W_FP8, HAS_BIAS, REDUCE_ONCE, FLAT)
 
 
 @triton.jit

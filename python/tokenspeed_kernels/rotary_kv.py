@@ -18,6 +18,29 @@ from tokenspeed_kernels.rotary import _as_heads, _rope_heads
 
 
 @triton.jit
+def _write_kv_slot(k_cache_ptr, v_cache_ptr, v_ptr, k_row, slot, t, offs_h, mask_h, c1, c2, o1, o2, mask,
+                   stride_kc_slot, stride_kc_h, stride_vt, stride_vh, stride_vc_slot, stride_vc_h,
+                   inv_k_scale, inv_v_scale, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+                   FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """Token t's rotated k (o1, o2 at columns c1, c2) and its v into KV cache slot `slot`."""
+    kc_row = k_cache_ptr + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h
+    kc_ty = k_cache_ptr.dtype.element_ty
+    tl.store(kc_row + c1, cache_value(o1, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
+    tl.store(kc_row + c2, cache_value(o2, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
+    if BLOCK_TAIL > 0:  # partial rotary: features [2 * HALF, HEAD_DIM) are copied unrotated
+        offs_t = 2 * HALF + tl.arange(0, BLOCK_TAIL)[None, :]
+        mask_t = mask_h & (offs_t < HEAD_DIM)
+        tail = tl.load(k_row + offs_t, mask=mask_t)
+        tl.store(kc_row + offs_t, cache_value(tail, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask_t)
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask_v = mask_h & (offs_d < HEAD_DIM)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=mask_v)
+    vc = v_cache_ptr + slot * stride_vc_slot + offs_h[:, None] * stride_vc_h + offs_d
+    tl.store(vc, cache_value(v, inv_v_scale, v_cache_ptr.dtype.element_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask_v)
+
+
+@triton.jit
 def _rotary_kv_kernel(
     pos_ptr,
     q_ptr,
@@ -88,21 +111,10 @@ def _rotary_kv_kernel(
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # negative slot: CUDA-graph padding row, nothing goes to the cache
-        kc_row = k_cache_ptr + slot * stride_kc_slot + offs_h[:, None] * stride_kc_h
-        kc_ty = k_cache_ptr.dtype.element_ty
-        tl.store(kc_row + c1, cache_value(o1, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
-        tl.store(kc_row + c2, cache_value(o2, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
-        if BLOCK_TAIL > 0:  # partial rotary: features [2 * HALF, HEAD_DIM) are copied unrotated
-            offs_t = 2 * HALF + tl.arange(0, BLOCK_TAIL)[None, :]
-            mask_t = mask_h & (offs_t < HEAD_DIM)
-            tail = tl.load(k_row + offs_t, mask=mask_t)
-            tl.store(kc_row + offs_t, cache_value(tail, inv_k_scale, kc_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask_t)
-        offs_d = tl.arange(0, BLOCK_D)[None, :]
-        mask_v = mask_h & (offs_d < HEAD_DIM)
-        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=mask_v)
-        vc = v_cache_ptr + slot * stride_vc_slot + offs_h[:, None] * stride_vc_h + offs_d
-        tl.store(vc, cache_value(v, inv_v_scale, v_cache_ptr.dtype.element_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask_v)
-
+        _write_kv_slot(k_cache_ptr, v_cache_ptr, v_ptr, k_row, slot, t, offs_h, mask_h, c1, c2, o1, o2, mask,
+                       stride_kc_slot, stride_kc_h, stride_vt, stride_vh, stride_vc_slot, stride_vc_h,
+                       inv_k_scale, inv_v_scale, HALF, HEAD_DIM, BLOCK_TAIL, BLOCK_D, QUANT, FP8_MAX, MANT,
+                       BIAS)
 
 def rotary_embedding_write_kv(
     positions: torch.Tensor,

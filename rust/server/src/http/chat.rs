@@ -87,11 +87,7 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         state.config.max_logprobs,
         &state.chat_parsers,
     )?;
-    // Responses name the adapter a request ran on, as vLLM's do.
-    let model = adapter.as_ref().map_or_else(
-        || state.config.served_model_name.clone(),
-        |a| a.name.clone(),
-    );
+    let model = state.response_model(adapter.as_ref());
     crate::lora::run_on(&mut checked.spec.sampling, adapter);
     checked.spec.priority = validate::priority(
         req.priority,

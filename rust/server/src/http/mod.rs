@@ -86,6 +86,12 @@ impl AppState {
         }
     }
 
+    /// The `model` a response names: the adapter a request ran on (as vLLM's responses do),
+    /// else the served model.
+    pub fn response_model(&self, adapter: Option<&crate::lora::Adapter>) -> String {
+        adapter.map_or_else(|| self.config.served_model_name.clone(), |a| a.name.clone())
+    }
+
     /// The LoRA adapter a generating request runs: SGLang's `lora_path` (an adapter's name;
     /// 400 when not loaded), else the `model` field when it names one (vLLM), else none;
     /// `model` must name the base model or an adapter either way (404).

@@ -170,11 +170,7 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         state.tokenizer.vocab_size() as u32,
         state.config.max_logprobs,
     )?;
-    // Responses name the adapter a request ran on, as vLLM's do.
-    let model = adapter.as_ref().map_or_else(
-        || state.config.served_model_name.clone(),
-        |a| a.name.clone(),
-    );
+    let model = state.response_model(adapter.as_ref());
     let priority = validate::priority(
         req.priority,
         state.config.scheduler.enable_priority_scheduling,

@@ -1,0 +1,134 @@
+"""Whether a kernel refactor changed the code the H100 runs, without a GPU: compile the main
+Triton kernels for sm_90 from the working tree and from a git revision (Triton's bundled ptxas
+and nvdisasm), and compare their SASS case by case.
+
+    python3 kernels/tests/sass_diff.py [REV]     # REV defaults to HEAD; exit 1 if any case differs
+
+Per case it prints `same SASS`, `same instructions, other order` (the same multiset of SASS
+instructions: a register allocation or scheduling difference), or `DIFFERENT` with the
+instruction counts. Splitting a kernel into @triton.jit helpers is inlined back by the compiler,
+so such a split should give `same SASS`. A kernel missing at REV is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = "python/tokenspeed_kernels"
+
+
+def _cases() -> list[dict]:
+    """(module, kernel, pointer dtypes, constexprs, options) for the kernels S1-S3 run."""
+    cases = []
+    for fp8, flat in ((False, False), (True, True), (True, False)):
+        cases.append({"module": "gemv", "kernel": "_gemv_kernel",
+                      "sig": {"w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32"},
+                      "const": {"HAS_BIAS": False, "W_FP8": fp8, "BLOCK_M": 1 if flat else 16, "BLOCK_N": 8,
+                                "BLOCK_K": 512, "USE_DOT": not flat, "DOT_PREC": "ieee", "UPCAST": False,
+                                "REDUCE_ONCE": False, "PDL": flat, "FLAT": flat}})
+    for quant in (False, True):
+        kc = "*fp8e4nv" if quant else "*bf16"
+        cases.append({"module": "rotary_kv", "kernel": "_rotary_kv_kernel",
+                      "sig": {"pos_ptr": "*i64", "cache_ptr": "*fp32", "slot_ptr": "*i64", "k_cache_ptr": kc,
+                              "v_cache_ptr": kc, "inv_k_scale": "fp32", "inv_v_scale": "fp32"},
+                      "const": {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HALF": 64, "BLOCK_R": 64, "BLOCK_H": 32,
+                                "BLOCK_KH": 8, "BLOCK_D": 128, "BLOCK_TAIL": 0, "IS_NEOX": True,
+                                "ROTATE_K": False, "QUANT": quant, "FP8_MAX": 448.0, "MANT": 3, "BIAS": 7}})
+    for kv in ("bf16", "fp8e4nv"):
+        fp8 = kv != "bf16"
+        ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}",
+                "qk_scale": "fp32", "v_scale": "fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+        cases.append({"module": "decode_attention", "kernel": "_decode_split_kernel", "ptr": "*i32", "sig": ptrs,
+                      "const": {"BLOCK_H": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16,
+                                "DOT_PREC": "tf32", "UPCAST": False, "KV_CAST": fp8, "Q_F16": fp8,
+                                "FUSED_REDUCE": True, "BLOCK_G": 4, "BLOCK_S": 1, "BLOCK_CS": 1,
+                                "PREFETCH": fp8},
+                      "opts": {"num_warps": 4, "num_stages": 3 if fp8 else 2}})
+        cases.append({"module": "extend_attention", "kernel": "_extend_kernel", "ptr": "*i32", "sig": ptrs,
+                      "const": {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
+                                "DOT_PREC": "tf32", "UPCAST": False, "KV_CAST": fp8, "TILED": True,
+                                "SLIDING": False},
+                      "opts": {"num_warps": 4, "num_stages": 2}})
+    return cases
+
+
+def _compile(root: str) -> None:
+    """Child process: print the SASS of every case compiled from `root`'s tokenspeed_kernels."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sys.path.insert(0, root)
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    out = []
+    for c in _cases():
+        kernel = getattr(importlib.import_module(f"tokenspeed_kernels.{c['module']}"), c["kernel"], None)
+        if kernel is None:
+            out.append(None)
+            continue
+        names = kernel.arg_names
+        sig = {n: c["sig"].get(n, "constexpr" if n in c["const"] else
+                               (c.get("ptr", "*bf16") if n.endswith("_ptr") else "i32")) for n in names}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=c["const"], attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=c.get("opts", {"num_warps": 4}))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        out.append([m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]+\*/\s*(.*?);", sass)])
+    print(json.dumps(out))
+
+
+def _sass_of(root: str) -> list[list[str] | None]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__, "--compile", root], capture_output=True, text=True,
+                          env=env, check=True)
+    return json.loads(done.stdout)
+
+
+def _opcodes(sass: list[str]) -> collections.Counter:
+    return collections.Counter(line.split()[1] if line.startswith("@") else line.split()[0] for line in sass)
+
+
+def main(rev: str) -> int:
+    with tempfile.TemporaryDirectory() as old:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, PKG], capture_output=True, check=True)
+        with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+            tar.extractall(old, filter="data")
+        before = _sass_of(str(Path(old) / "python"))
+    after = _sass_of(str(ROOT / "python"))
+    different = 0
+    for c, a, b in zip(_cases(), before, after, strict=True):
+        weights = c["sig"].get("k_ptr") or c["sig"].get("w_ptr") or c["sig"].get("k_cache_ptr")
+        name = f"{c['kernel']} ({weights.lstrip('*')})"
+        if a is None or b is None:
+            verdict = f"missing at {rev}" if a is None else "missing in the working tree"
+        elif a == b:
+            verdict = "same SASS"
+        elif _opcodes(a) == _opcodes(b):
+            verdict = "same instructions, other order"
+        else:
+            different += 1
+            verdict = f"DIFFERENT ({len(a)} instructions at {rev}, {len(b)} now)"
+        print(f"{name:50s} {verdict}")
+    return 1 if different else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--compile"]:
+        _compile(sys.argv[2])
+    else:
+        sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "HEAD"))
