@@ -453,6 +453,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--kv-events-config", "--max-logprobs", "--enable-trace", "--otlp-traces-endpoint",
         "--disaggregation-mode", "--disaggregation-transfer-backend",
         "--disaggregation-bootstrap-port", "--disaggregation-bootstrap-host",
+        "--enable-deterministic-inference",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()
