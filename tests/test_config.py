@@ -444,7 +444,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size",
         "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
-        "--max-loras-per-batch", "--max-loaded-loras",
+        "--max-loras-per-batch", "--max-loaded-loras", "--lora-eviction-policy",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
         "--priority-scheduling-preemption-threshold",
         "--is-embedding", "--constrained-json-allow-additional-properties",
@@ -454,6 +454,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--kv-events-config", "--max-logprobs", "--enable-trace", "--otlp-traces-endpoint",
         "--disaggregation-mode", "--disaggregation-transfer-backend",
         "--disaggregation-bootstrap-port", "--disaggregation-bootstrap-host",
+        "--enable-deterministic-inference",
     }  # fmt: skip
     assert {f.name for f in FLAGS if f.implemented} == expected
     c = counts()

@@ -20,6 +20,7 @@ import textwrap
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
+from tokenspeed.config.deterministic import check_deterministic
 from tokenspeed.config.errors import ConfigError, NotSupportedError
 from tokenspeed.config.flag import GROUPS, Flag
 from tokenspeed.config.kv_events import resolve_kv_events
@@ -330,7 +331,7 @@ def parse_serve_args(argv: list[str]) -> ServeConfig:
     if "otlp_traces_endpoint" in values:  # vLLM has no --enable-trace: the endpoint turns it on
         values.setdefault("enable_trace", True)
         _check_traces_endpoint(values["otlp_traces_endpoint"])
-    return resolve_kv_events(resolve_speculative(ServeConfig(**values)))
+    return check_deterministic(resolve_kv_events(resolve_speculative(ServeConfig(**values))))
 
 
 def load_serve_config(argv: list[str]) -> ServeConfig:
@@ -377,4 +378,5 @@ def config_from_kwargs(values: dict[str, Any], where: str = "keyword argument") 
     chosen = _resolve(seen, {})
     _validate(chosen)
     _check_supported(chosen)
-    return ServeConfig(**{dest: g.value for dest, g in chosen.items() if dest in _CONFIG_FIELDS})
+    return check_deterministic(
+        ServeConfig(**{dest: g.value for dest, g in chosen.items() if dest in _CONFIG_FIELDS}))

@@ -262,8 +262,14 @@ MISC_FLAGS: list[Flag] = [
       "multi-item scoring requests.", G_MISC, minimum=0, readers=("server", "worker")),
     j("--forward-hooks", "JSON list of forward hooks to attach to model modules.", G_MISC,
       readers=("worker",)),
-    b("--enable-deterministic-inference", "Batch-invariant kernels so results do not depend on "
-      "batch composition.", G_MISC, readers=("server", "worker")),
+    b("--enable-deterministic-inference", "Batch-invariant kernels: a request's tokens and "
+      "logprobs are bit-identical whatever else is in the batch (other requests, prompt "
+      "chunking, prefix-cache hits). Linear layers and the LM head in fixed-shape GEMMs (a "
+      "Triton matmul on CUDA), attention over 64-key tiles from position 0 for every row, "
+      "per-row logprobs, CUDA graphs for decode steps only; sampled requests need a `seed`. "
+      "Slower (docs/deterministic.md); not yet with FP8 weights, LoRA, MoE, speculative "
+      "decoding, TP/EP or the flashinfer backend.", G_MISC, readers=("worker",),
+      implemented=True),
 ]
 
 FEATURE_TABLE: list[Flag] = [

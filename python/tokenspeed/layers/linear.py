@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenspeed.distributed.groups import tp_all_reduce
+from tokenspeed.layers import batch_invariant
 from tokenspeed.layers.lora import LoraWeights
 from tokenspeed.layers.quantization.fp8 import fp8_linear
 
@@ -71,6 +72,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight_scale: FP8 weights (layers/quantization/fp8.py picks their kernels)."""
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias)
+    if batch_invariant.enabled():
+        return batch_invariant.linear(x, weight, bias)
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
             and x.stride(1) == 1):

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from tokenspeed.layers import batch_invariant
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.quantization.kv_cache import is_fp8, quantize_fp8
@@ -54,7 +55,8 @@ class TorchNativeBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
-        is_decode = batch.num_tokens == 1
+        # Batch-invariant mode: decode rows go through the same per-request path as prompts.
+        is_decode = (batch.num_tokens == 1) & (not batch_invariant.enabled())
         decode = None
         if is_decode.any():
             idx = np.flatnonzero(is_decode)
@@ -122,6 +124,12 @@ class TorchNativeBackend(AttentionBackend):
 
         for r in meta.extends:
             n = r.q_end - r.q_start
+            if batch_invariant.enabled():
+                ke, ve = gather(k_cache, r.kv_locs, ks), gather(v_cache, r.kv_locs, vs)
+                out[r.q_start:r.q_end] = batch_invariant.attend(
+                    q[r.q_start:r.q_end].view(n, hk, group, d), ke, ve, layer.scaling, window,
+                    None if sinks is None else sinks.view(hk, group)).reshape(n, -1, d)
+                continue
             # [n, Hk * group, D] → [Hk, group * n, D]: query heads of one KV head side by side.
             qe = q[r.q_start:r.q_end].view(n, hk, group, d).permute(1, 2, 0, 3).reshape(hk, -1, d)
             ke = gather(k_cache, r.kv_locs, ks).transpose(0, 1)  # [Hk, L, D]

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenspeed.layers import batch_invariant
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.rotary import Rope
@@ -45,6 +46,18 @@ class TritonMetadata:
     fresh: bool = False
 
 
+@dataclass
+class InvariantMetadata:
+    """Batch-invariant mode: the step's page-table rows and request layout
+    (tokenspeed_kernels.batch_invariant.attention)."""
+
+    page_table: torch.Tensor  # [B, W] int32
+    num_tokens: np.ndarray  # [B] host
+    start_pos: np.ndarray  # [B] host
+    query_start: np.ndarray  # [B + 1] host
+    blocks: torch.Tensor | None = None  # [4, n] int32 on the device (attention_blocks)
+
+
 class TritonBackend(AttentionBackend):
     """Fast path on CUDA; also runs on the CPU under TRITON_INTERPRET=1 (tests)."""
 
@@ -69,6 +82,9 @@ class TritonBackend(AttentionBackend):
         return default_num_splits(batch_size, self.num_kv_heads, self.max_context_len)
 
     def prepare(self, batch: ForwardBatch) -> None:
+        if batch_invariant.enabled():
+            batch.metadata = self._invariant_metadata(batch)
+            return
         seq_lens = batch.seq_lens.astype(np.int64)
         bsz = len(seq_lens)
         max_seq = int(seq_lens.max()) if bsz else 0
@@ -100,12 +116,27 @@ class TritonBackend(AttentionBackend):
             max_new_tokens=int(batch.num_tokens.max()), leading_decodes=decodes,
             fresh=not batch.start_pos[d:].any())
 
+    def _invariant_metadata(self, batch: ForwardBatch) -> InvariantMetadata:
+        """Batch-invariant mode: the step's page-table rows and request layout; the kernel's
+        token blocks are cut at the first layer (they depend on the query heads per KV head)."""
+        slots, *_ = batch.device_arrays()
+        return InvariantMetadata(self.kv_cache.page_table[slots],
+                                 batch.num_tokens.astype(np.int64),
+                                 batch.start_pos.astype(np.int64),
+                                 batch.query_start.astype(np.int64))
+
     def init_graphs(self, sizes: list[int]) -> None:
         # The page-table rows of a graph's requests, gathered before each replay.
         self.graph_page_table = torch.zeros((max(sizes), self.kv_cache.max_pages_per_slot),
                                             dtype=torch.int32, device=self.kv_cache.page_table.device)
 
-    def graph_metadata(self, bs: int, positions: torch.Tensor) -> TritonMetadata:
+    def graph_metadata(self, bs: int,
+                       positions: torch.Tensor) -> TritonMetadata | InvariantMetadata:
+        if batch_invariant.enabled():  # one token per row, its blocks built inside the graph
+            rows = torch.arange(bs, dtype=torch.int32, device=positions.device)
+            blocks = torch.stack([rows, rows, torch.ones_like(rows), positions.to(torch.int32)])
+            empty = np.zeros(0, dtype=np.int64)
+            return InvariantMetadata(self.graph_page_table[:bs], empty, empty, empty, blocks)
         return TritonMetadata(page_table=self.graph_page_table[:bs],
                               seq_lens=positions.add(1).to(torch.int32), decode=True,
                               num_splits=self.decode_num_splits(bs))
@@ -157,6 +188,8 @@ class TritonBackend(AttentionBackend):
             prefill_supported,
         )
 
+        if isinstance(batch.metadata, InvariantMetadata):
+            return self._forward_invariant(q, k, v, layer, batch, rope)
         m: TritonMetadata = batch.metadata
         window = layer.sliding_window  # per layer (Gemma 3, GPT-OSS interleave)
         fresh = (m.fresh and window is None and prefill_supported(q.device, q.dtype, q.shape[-1])
@@ -187,6 +220,25 @@ class TritonBackend(AttentionBackend):
             paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
                                    m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
                                    max_new_tokens=m.max_new_tokens, tiles=m.tiles, **kw)
+        return out.flatten(1)
+
+    def _forward_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           layer: Attention, batch: ForwardBatch,
+                           rope: Rope | None) -> torch.Tensor:
+        """--enable-deterministic-inference: one kernel for every row (layers/batch_invariant.py)."""
+        from tokenspeed_kernels.batch_invariant import attention, attention_blocks
+
+        m: InvariantMetadata = batch.metadata
+        if m.blocks is None:
+            group = layer.num_heads // layer.num_kv_heads
+            m.blocks = torch.from_numpy(attention_blocks(
+                m.num_tokens, m.start_pos, m.query_start[:-1], group)).to(q.device)
+        k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc,
+                                    rope)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        attention(q, k_cache, v_cache, m.page_table, m.blocks, layer.scaling,
+                  out, self.kv_cache.k_scale[layer.layer_id],
+                  self.kv_cache.v_scale[layer.layer_id], layer.sliding_window)
         return out.flatten(1)
 
     @staticmethod

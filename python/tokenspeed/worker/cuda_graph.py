@@ -203,15 +203,16 @@ class DecodeGraphRunner:
         (dev,) = to_device_int64([packed.reshape(-1)], self.device)
         self.inputs[:, :bs].copy_(dev.view(4, bs))
         graph = self.graphs.get(bs)
+        if graph is not None or self.graph_backend:  # the eager body reads the same buffers
+            if b:
+                self.backend.prepare_replay(bs, slots, positions, self.inputs[3, :bs])
+            else:  # padding only: as one padding row (slot 0, position 0)
+                zero = np.zeros(1, dtype=np.int64)
+                self.backend.prepare_replay(bs, zero, zero, self.inputs[3, :bs])
         if graph is None:
             self._host[:, :bs] = packed[[3, 1]]
             self._run(bs)
             return self.logits[:b], self.inputs[3, :b]
-        if b:
-            self.backend.prepare_replay(bs, slots, positions, self.inputs[3, :bs])
-        else:  # padding only: as one padding row (slot 0, position 0)
-            zero = np.zeros(1, dtype=np.int64)
-            self.backend.prepare_replay(bs, zero, zero, self.inputs[3, :bs])
         graph.replay()
         self.replays += 1
         return self.logits[:b], self.inputs[3, :b]

@@ -137,7 +137,19 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
     from tokenspeed.worker.model_runner import ModelRunner
 
     s = spec.settings
-    return ModelRunner(
+    deterministic = bool(s["enable_deterministic_inference"])
+    if deterministic:  # before the model is built: its layers read the mode (batch_invariant)
+        from tokenspeed.layers import batch_invariant
+
+        batch_invariant.enable()
+        if spec.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The tiled attention is many small ops: with OpenMP each waits on a hand-off to the
+            # other threads (20x slower on a busy 2-core machine), and they are too small to
+            # gain from it.
+            import torch
+
+            torch.set_num_threads(1)
+    runner = ModelRunner(
         spec.model_path,
         dtype=s["dtype"],
         device=spec.device,
@@ -151,7 +163,9 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         attention_backend=s["attention_backend"] or None,  # None: triton on CUDA, else torch_native
         disable_cuda_graph=bool(s["disable_cuda_graph"]),
         cuda_graph_max_bs=s["cuda_graph_max_bs"],
-        extend_graph_sizes=spec.extend_graph_sizes,
+        # Deterministic mode: decode graphs only (prompt steps eager: the batch-invariant
+        # attention has no extend-graph metadata).
+        extend_graph_sizes=[] if deterministic else spec.extend_graph_sizes,
         chunked_prefill_size=int(s["chunked_prefill_size"]),  # largest step: sizes the profile
         moe_backend=s["moe_backend"] or None,  # None: triton on CUDA, else torch_native
         kv_cache_dtype=s["kv_cache_dtype"],
@@ -169,6 +183,12 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         eagle3=(s["speculative_draft_model_path"], int(s["speculative_num_steps"]))
         if s["speculative_algorithm"] == "EAGLE3" else None,
     )
+    if deterministic:
+        from tokenspeed.config.deterministic import check_model, deterministic_note
+
+        check_model(runner.config.num_experts, runner.fp8 is not None)
+        logger.info(deterministic_note(runner.device.type, runner.attention_backend))
+    return runner
 
 
 def _leads(spec: WorkerSpec) -> bool:

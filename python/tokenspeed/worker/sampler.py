@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tokenspeed.layers import batch_invariant
 from tokenspeed.layers.host_copy import to_device_int64
 
 if TYPE_CHECKING:
@@ -225,6 +226,7 @@ class Sampler:
         missing = [s for s in slots if s not in self.slots]
         if missing:
             raise KeyError(f"slot {missing[0]} samples but was never announced as a new request")
+        # The fused greedy pass reads each row in one program: batch-invariant as it is.
         if self.device.type == "cuda" and self.plain_greedy(idx, masks):
             from tokenspeed_kernels.sampling import greedy_logprobs
 
@@ -248,15 +250,20 @@ class Sampler:
             rows_dev = to_device_int64([rows], self.device)[0]
             seeded = [(i, self.slots[slots[r]].generator) for i, r in enumerate(rows.tolist())]
             tokens[rows_dev] = self._sample_rows(logits[rows_dev], slots_dev[rows_dev], seeded)
-        # log_softmax at the chosen token without materializing the whole [B, vocab] result.
-        lse = torch.logsumexp(raw, dim=-1)
-        chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse
+        # log_softmax at the chosen token without materializing the whole [B, vocab] result;
+        # batch-invariant mode: a per-row log_softmax (layers/batch_invariant.py says why).
+        if batch_invariant.enabled():
+            chosen, logp = batch_invariant.chosen_logprobs(raw, tokens)
+        else:
+            lse = torch.logsumexp(raw, dim=-1)
+            chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse
         # At most the logits' width: a request's -1 ("all") is the tokenizer's vocabulary, which
         # may exceed the model's (each event then reports the columns there are).
         k = min(int(self._top_logprobs[idx].max()), raw.shape[-1]) if len(idx) else 0
         if k:
             top_vals, top_ids = raw.topk(k, dim=-1)
-            top_lp = top_vals - lse[:, None]
+            top_lp = (logp.gather(1, top_ids) if batch_invariant.enabled()
+                      else top_vals - lse[:, None])
         else:
             top_lp, top_ids = raw.new_zeros(len(slots), 0), tokens.new_zeros(len(slots), 0)
         if penalized:  # history for the next step's penalties (waits for this step's tokens)
