@@ -45,7 +45,7 @@ def lora_layers_on_rank(rank: int, adapter_dir: str, scale: float) -> str:
     tp = state().attn_tp
     g = torch.Generator().manual_seed(0)
     root, w = _block(tp.rank, tp.size, g)
-    pool = LoraPool(root, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+    pool = LoraPool(root, eviction="lru", targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                    "down_proj"], max_rank=8, pool_slots=2, max_loaded=None,
                     max_slots=4, max_tokens=16, dtype=torch.float32, device=torch.device("cpu"))
     # Requests in slots 0 (base model) and 1 (the adapter), 3 tokens each.

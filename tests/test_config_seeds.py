@@ -115,7 +115,11 @@ def test_flags_named_in_the_issue(spelling: str) -> None:
 
 
 # Flags whose value only means something beside another one (the pair is what gets tested).
-PARTNERS = {"--speculative-num-draft-tokens": ["--speculative-algorithm", "NGRAM"]}
+PARTNERS = {"--speculative-num-draft-tokens": ["--speculative-algorithm", "NGRAM"],
+            "--speculative-draft-model-path": ["--speculative-algorithm", "EAGLE3",
+                                               "--speculative-num-steps", "3"],
+            "--speculative-num-steps": ["--speculative-algorithm", "EAGLE3",
+                                        "--speculative-draft-model-path", "head"]}
 JSON_SAMPLES = {"--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}',
                 "--kv-events-config": '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'}
 
