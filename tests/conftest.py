@@ -1,4 +1,5 @@
-"""Shared fixtures: a real `tokenspeed serve` process on CPU with the default model."""
+"""Shared fixtures: a real `tokenspeed serve` process on CPU with the default model, and a tiny
+random Llama checkpoint for the model-runner tests."""
 
 from __future__ import annotations
 
@@ -35,3 +36,18 @@ def client(server: Server) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random Llama (vocab 200, hidden 64, GQA 4/2) saved by transformers, seed 0."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)

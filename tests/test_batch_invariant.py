@@ -129,19 +129,6 @@ def test_refuses_combinations_it_cannot_make_deterministic(flags: tuple[str, ...
     parse_serve_args(["model", *flags])  # fine without the mode
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama_invariant")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("backend, graphs", [("torch_native", False), ("triton", False),
                                              ("triton", True)])
 def test_runner_request_is_bit_identical_alone_and_in_a_batch(tiny_llama: str, backend: str,

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenspeed.config.derived import default_max_running_requests
 from tokenspeed.worker.model_runner import ModelRunner
@@ -15,17 +14,6 @@ from tokenspeed.worker.offline_scheduler import OfflineScheduler
 from tokenspeed.worker.plan import LAST_SAMPLED, PLAN_DTYPES, StepPlan
 
 U32 = np.uint32
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def runner_for(path: str, page_size: int = 4, **kw: object) -> ModelRunner:

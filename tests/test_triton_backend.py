@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import numpy as np
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tokenspeed.worker.cuda_graph import ExtendGraphRunner
 from tokenspeed.worker.model_runner import ModelRunner
@@ -43,17 +43,6 @@ def _rerun_in_subprocess(test_name: str) -> None:
                           f"{__file__}::{test_name}"], check=False, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama_triton")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
