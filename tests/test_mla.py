@@ -71,3 +71,15 @@ def test_fp8_kv_cache_is_refused(family_models: Callable[[str], tuple]) -> None:
     with pytest.raises(ValueError, match="not supported yet for multi-head latent attention"):
         ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, seed=0,
                     kv_cache_dtype="fp8_e4m3")
+
+
+def test_deterministic_inference_is_refused(family_models: Callable[[str], tuple]) -> None:  # noqa: F811
+    from tokenspeed.layers import batch_invariant
+
+    path, _ = family_models("deepseek_v2")
+    batch_invariant.enable()
+    try:
+        with pytest.raises(ValueError, match="deterministic-inference is not supported yet"):
+            ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, seed=0)
+    finally:
+        batch_invariant.enable(False)

@@ -5,9 +5,10 @@ The cache holds one latent "head" per token, [latent (D_LAT) | roped key part (D
 [q_nope @ W_UK (D_LAT) | q_pe (D_PE)], the scores are q_lat . latent + q_pe . k_pe, and V is the
 latent itself, so each head's output is D_LAT wide (W_UV maps it to v_head_dim afterwards).
 
-One program = one (query row, block of BLOCK_H heads, split): it reads each tile of the latent
+One program = one (block of BLOCK_H heads, query row, split): it reads each tile of the latent
 once for all its heads (the latent is the bandwidth: D_LAT + D_PE values per token, shared by
-all heads), online softmax over its split's keys, a partial output and lse per head; the
+all heads; a row's head blocks are adjacent in the grid, so their re-reads of its tiles should
+come from L2), online softmax over its split's keys, a partial output and lse per head; the
 decode kernel's reduce (decode_attention._decode_reduce_kernel) combines the splits.
 
 Every query row names its page-table row (`rows`, default: row i) and the number of keys it
@@ -39,8 +40,8 @@ def _mla_split_kernel(
 ):
     """Partial (output / sum, lse in log2 units) of BLOCK_H heads of query row t over the keys
     of its split; empty splits store lse -inf (weight 0 in the reduce)."""
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)  # fastest: a row's head blocks run side by side and share its tiles in L2
+    t = tl.program_id(1)
     split = tl.program_id(2)
     if HAS_ROWS:  # a prefill chunk's tokens share their request's page-table row
         row = tl.load(rows_ptr + t)
@@ -146,7 +147,8 @@ def mla_decode_attention(
     block_n = block_n or (16 if block_dl >= 512 else 32)
     part_out = torch.empty((total, heads, num_splits, latent_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((total, heads, num_splits), dtype=torch.float32, device=q.device)
-    _mla_split_kernel[(total, head_blocks, num_splits)](
+    assert total < 65536, "query rows ride the grid's second axis"
+    _mla_split_kernel[(head_blocks, total, num_splits)](
         q, kv_cache, page_table, rows if rows is not None else kv_lens, kv_lens, part_out, part_lse,
         scale * LOG2E, heads, num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0),

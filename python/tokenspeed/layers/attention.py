@@ -138,10 +138,16 @@ def check_layers(backend: AttentionBackend, model: nn.Module) -> None:
                                           for m in model.modules()):
         raise ValueError(f"attention backend {backend.name!r} has no attention sinks (GPT-OSS) "
                          "yet; use --attention-backend torch_native")
-    if not backend.supports_mla and any(isinstance(m, Attention) and m.latent
-                                        for m in model.modules()):
+    if not any(isinstance(m, Attention) and m.latent for m in model.modules()):
+        return
+    if not backend.supports_mla:
         raise ValueError(f"attention backend {backend.name!r} has no multi-head latent attention "
                          "(DeepSeek) yet; use --attention-backend triton or torch_native")
+    from tokenspeed.layers import batch_invariant
+
+    if batch_invariant.enabled():  # its kernels assume K and V of one width
+        raise ValueError("--enable-deterministic-inference is not supported yet for multi-head "
+                         "latent attention models (DeepSeek-V2/V3)")
 
 
 BACKENDS = ("torch_native", "triton", "flashinfer")
