@@ -185,6 +185,9 @@ class Eagle3Drafter:
         pool, _ = self._caches()
         self.carry_pos[plan.finished_slot.astype(np.int64)] = -1
         rows = step_rows(plan, out, self.carry_pos, pool.page_table_host, pool.page_size)
+        none = np.zeros(0, np.int64)
+        if not len(rows.positions) and not len(rows.new_carry_slots):
+            return [none] * len(out.slots)
         chain = chain_layout(rows, self.num_steps, pool.page_size, pool.num_pages,
                              pool.page_table_host)
         d = self._upload(rows, chain)
@@ -195,7 +198,6 @@ class Eagle3Drafter:
                 drafts = self._chain(chain, d, outs[d["last_row"]]).cpu().numpy()
         if len(rows.new_carry_slots):  # after the rows above read the slots' previous carry
             self.carry_aux[d["new_carry_slots"]] = aux[d["new_carry_rows"]].to(self.carry_aux.dtype)
-        none = np.zeros(0, np.int64)
         if drafts is None:
             return [none] * len(out.slots)
         where = np.full(len(self.carry_pos), -1, np.int64)
