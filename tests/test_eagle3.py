@@ -165,3 +165,23 @@ def test_a_batch_drafts_as_each_request_alone(target_and_head: tuple[str, Path],
         (2, 10, prompts[2][10:], True)]), {0, 1, 2, 3})
     assert seqs[1][-(STEPS + 1):] == right
     step(StepPlan.build(scheduled=[verify(s) for s in (3, 2, 1, 0)]), {0, 1, 2, 3})
+
+
+def test_a_copied_page_brings_the_heads_kv(target_and_head: tuple[str, Path], sharp_head: Path) -> None:
+    # The plan's device page copies (as for a shared prefix's partial page): B's first two pages
+    # are copies of A's and it computes from position 6 on; the head's entries of positions
+    # 0 ... 5 must come with the copies for B's drafts to be those of B alone.
+    target = target_and_head[0]
+    runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
+                         eagle3=(str(sharp_head), STEPS))
+    a = [(41 * i) % 290 + 3 for i in range(8)]
+    b = a[:7] + [11, 12, 13]
+    runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}],
+                                 page_tables=[(0, 0, [1, 2, 3])],
+                                 scheduled=[(0, 0, a, True)])).wait()
+    out = runner.launch(StepPlan.build(new=[{"slot": 1, "temperature": 0.0}],
+                                       page_tables=[(1, 0, [10, 11, 12])], copies=[(1, 10), (2, 11)],
+                                       scheduled=[(1, 6, b[6:], True)])).wait()
+    assert out.draft_tokens is not None
+    seq = b + np.asarray(out.tokens).tolist()
+    assert out.draft_tokens[0].tolist() == hf_reference(target, sharp_head, seq)

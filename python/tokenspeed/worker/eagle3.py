@@ -159,6 +159,10 @@ class Eagle3Drafter:
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * page_size * cfg.num_kv_heads * cfg.head_dim * elem
 
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """The plan's device page copies, for the head's KV as for the target's."""
+        self._caches()[1].copy_pages(src, dst)
+
     def _caches(self) -> tuple[PagedKVCache, PagedKVCache]:
         if self.pool is None or self.cache is None:
             raise RuntimeError("EAGLE-3 drafter used before attach(kv_cache)")
