@@ -42,6 +42,9 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_table_host = np.zeros((max_slots, self.max_pages_per_slot), dtype=np.int32)
+        # Caches of other layers over the same page ids (an EAGLE-3 head's, worker/eagle3.py):
+        # a page copy copies their pages too.
+        self.companions: list[PagedKVCache] = []
         self.page_table = torch.zeros((max_slots, self.max_pages_per_slot), dtype=torch.int32,
                                       device=device)
 
@@ -69,6 +72,8 @@ class PagedKVCache:
         for k, v in zip(self.k, self.v):
             k[d] = k[s]
             v[d] = v[s]
+        for companion in self.companions:
+            companion.copy_pages(src, dst)
 
     def update_page_table(self, slots: np.ndarray, first: np.ndarray, count: np.ndarray,
                           pages: np.ndarray) -> None:

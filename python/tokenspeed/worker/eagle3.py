@@ -147,6 +147,7 @@ class Eagle3Drafter:
             num_layers=1, num_pages=kv_cache.num_pages + kv_cache.max_slots * per, page_size=ps,
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=dtype, device=self.device,
             max_slots=kv_cache.max_slots, max_context_len=(kv_cache.max_pages_per_slot + per) * ps)
+        kv_cache.companions.append(self.cache)  # page copies (a shared prefix's) bring its KV
         self.backend = create_backend(backend, self.cache, num_heads=c.num_heads,
                                       head_dim=c.head_dim, q_dtype=self.head.fc.weight.dtype)
         self.carry_pos = np.full(kv_cache.max_slots, -1, np.int64)
@@ -158,10 +159,6 @@ class Eagle3Drafter:
         """The head's share of one KV page (its one layer's K and V)."""
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * page_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """The plan's device page copies, for the head's KV as for the target's."""
-        self._caches()[1].copy_pages(src, dst)
 
     def _caches(self) -> tuple[PagedKVCache, PagedKVCache]:
         if self.pool is None or self.cache is None:

@@ -555,8 +555,6 @@ class ModelRunner:
             raise ValueError("host-tier page copies without --enable-hierarchical-cache")
         else:
             self.kv_cache.copy_pages(src, dst)
-            if self.drafter is not None:  # an EAGLE-3 head's KV rides with the target's pages
-                self.drafter.copy_pages(src, dst)
 
     def _token_indices(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per token: position and flat KV-cache index; per request: cumulative token offsets."""
