@@ -1,7 +1,9 @@
 """EAGLE-3 drafting in the worker (worker/eagle3.py): a random head in the public layout
 loads, and the drafts the runner returns after prefill chunks, after a verify step that
 rejects and after one that accepts every draft are exactly those of a plain torch reference
-of the head's forward over HF transformers' hidden states of the target (same weights)."""
+of the head's forward over HF transformers' hidden states of the target (same weights); so are
+every request's drafts in a mixed batch (the head's attention batched through the attention
+backend, torch_native and triton) and after a page copy."""
 
 from __future__ import annotations
 
