@@ -222,3 +222,18 @@ def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         h = F.silu(h[:, :inter]) * h[:, inter:]
         out.index_add_(0, tok, (h @ w2[e].to(dtype).T) * topk_weights[tok, slot, None].to(dtype))
     return out
+
+
+def ref_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                      kv_lens: torch.Tensor, scale: float, latent_dim: int,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed MLA (mla_decode_attention) in fp32: row t's heads q [T, H, W] over the first
+    kv_lens[t] tokens of page-table row rows[t] (default t) of the one-head latent cache,
+    V = each token's first latent_dim features; returns [T, H, latent_dim]."""
+    out = torch.empty(*q.shape[:2], latent_dim, dtype=torch.float32, device=q.device)
+    for t in range(q.shape[0]):
+        row = t if rows is None else int(rows[t])
+        kv = _gather_kv(kv_cache, page_table, row, int(kv_lens[t]), torch.float32)[:, 0]  # [L, W]
+        p = torch.softmax((q[t].float() @ kv.T) * scale, dim=-1)
+        out[t] = p @ kv[:, :latent_dim]
+    return out

@@ -458,7 +458,10 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
             # The host tier's slots (0: --enable-hierarchical-cache off) and its storage tier's
             # pages (0: no --hicache-storage-backend): each rank has them.
             "num_host_pages": min(int(c.get("num_host_pages", 0)) for c in capacities),
-            "num_storage_pages": min(int(c.get("num_storage_pages", 0)) for c in capacities)},
+            "num_storage_pages": min(int(c.get("num_storage_pages", 0)) for c in capacities),
+            # Token counts every rank replays an extend graph at: mixed steps fill their padding.
+            "extend_graph_tokens": sorted(set.intersection(
+                *(set(c.get("extend_graph_tokens", ())) for c in capacities)))},
         "vocab_size": vocab_size,
         "pooling_labels": pooling_facts(model_dir, cfg.json_model_override_args)[0] if cfg.is_embedding else [],
         "json_whitespace": ("compact" if cfg.constrained_json_disable_any_whitespace

@@ -62,6 +62,9 @@ class AttentionBackend(ABC):
     name: str = ""
     fuses_rope: bool = False
     supports_sinks: bool = False  # per-head attention sinks (GPT-OSS), see Attention.forward
+    # Latent (MLA) layers: one K "head" per token whose first v_head_dim features are V, read
+    # from a `v_from_k` cache; the output is v_head_dim wide per query head.
+    supports_mla: bool = False
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
@@ -95,11 +98,13 @@ class AttentionBackend(ABC):
 class Attention(nn.Module):
     """Parameter-free attention layer: carries head geometry and delegates to the backend.
     `has_sinks`: the model passes per-head sink logits to forward (GPT-OSS): one more score per
-    query that joins the softmax's denominator and no value."""
+    query that joins the softmax's denominator and no value. `v_head_dim` (multi-head latent
+    attention, absorbed): V is K's first v_head_dim features (the cache's `v_from_k`), and each
+    head's output is that wide."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scaling: float, sliding_window: int | None = None,
-                 has_sinks: bool = False) -> None:
+                 has_sinks: bool = False, v_head_dim: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
@@ -110,6 +115,8 @@ class Attention(nn.Module):
         self.scaling = scaling
         self.sliding_window = sliding_window
         self.has_sinks = has_sinks
+        self.v_head_dim = v_head_dim or head_dim
+        self.latent = v_head_dim is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 rope: Rope | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,6 +138,16 @@ def check_layers(backend: AttentionBackend, model: nn.Module) -> None:
                                           for m in model.modules()):
         raise ValueError(f"attention backend {backend.name!r} has no attention sinks (GPT-OSS) "
                          "yet; use --attention-backend torch_native")
+    if not any(isinstance(m, Attention) and m.latent for m in model.modules()):
+        return
+    if not backend.supports_mla:
+        raise ValueError(f"attention backend {backend.name!r} has no multi-head latent attention "
+                         "(DeepSeek) yet; use --attention-backend triton or torch_native")
+    from tokenspeed.layers import batch_invariant
+
+    if batch_invariant.enabled():  # its kernels assume K and V of one width
+        raise ValueError("--enable-deterministic-inference is not supported yet for multi-head "
+                         "latent attention models (DeepSeek-V2/V3)")
 
 
 BACKENDS = ("torch_native", "triton", "flashinfer")

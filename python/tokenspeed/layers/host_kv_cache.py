@@ -58,6 +58,9 @@ class HostKVPool:
 
     def __init__(self, device_cache: PagedKVCache, num_pages: int,
                  storage: KVStorage | None = None) -> None:
+        if device_cache.v_from_k:  # its V is a view of K: the copies below would double it
+            raise ValueError("--enable-hierarchical-cache is not supported yet for multi-head latent "
+                             "attention models (DeepSeek-V2/V3)")
         _check_fits(num_pages, device_cache)
         page = device_cache.k[0].shape[1:]
         dev = device_cache.k[0].device

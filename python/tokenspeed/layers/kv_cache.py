@@ -19,13 +19,19 @@ class PagedKVCache:
     An fp8 cache (float8_e4m3fn / float8_e5m2) stores K / k_scale[l] and V / v_scale[l] of layer l
     (layers/quantization/kv_cache.py says where the scales come from); other dtypes store K and V
     as they are and keep the scales at 1.0.
+
+    `v_from_k` (multi-head latent attention, DeepSeek): the cache holds K only, one "head" per
+    token of [normed latent (kv_lora_rank) | roped shared key part], and V of each layer is a
+    view of K's first `v_from_k` features (the latent), so a token costs one vector per layer
+    instead of per-head K and V.
     """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, max_slots: int,
                  max_context_len: int, k_scale: list[float] | None = None,
-                 v_scale: list[float] | None = None) -> None:
+                 v_scale: list[float] | None = None, v_from_k: int | None = None) -> None:
         self.dtype = dtype
+        self.v_from_k = v_from_k
         self.k_scale = list(k_scale) if k_scale is not None else [1.0] * num_layers
         self.v_scale = list(v_scale) if v_scale is not None else [1.0] * num_layers
         if len(self.k_scale) != num_layers or len(self.v_scale) != num_layers:
@@ -40,7 +46,8 @@ class PagedKVCache:
         self.max_pages_per_slot = -(-max_context_len // page_size)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [k[..., :v_from_k] for k in self.k] if v_from_k else \
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_table_host = np.zeros((max_slots, self.max_pages_per_slot), dtype=np.int32)
         # Caches of other layers over the same page ids (an EAGLE-3 head's, worker/eagle3.py):
         # a page copy copies their pages too.
@@ -50,14 +57,16 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_page(*, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
+                       dtype: torch.dtype, v_from_k: bool = False) -> int:
+        """v_from_k: V is a view of K (MLA's latent cache), one vector per token and layer."""
         elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+        return (1 if v_from_k else 2) * num_layers * page_size * num_kv_heads * head_dim * elem
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of a layer viewed as [num_pages * page_size, num_kv_heads, head_dim]."""
+        """K and V of a layer viewed as [num_pages * page_size, num_kv_heads, head_dim] (V of a
+        `v_from_k` cache: its first v_from_k features, a strided view of K)."""
         k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+        return k.view(-1, *k.shape[2:]), v.flatten(0, 1)
 
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """KV page `dst[i]` of every layer = page `src[i]` (the plan's copy section), queued on
@@ -71,7 +80,8 @@ class PagedKVCache:
         s, d = to_device_int64([src, dst], self.k[0].device)
         for k, v in zip(self.k, self.v):
             k[d] = k[s]
-            v[d] = v[s]
+            if not self.v_from_k:  # else V is part of K, copied with it
+                v[d] = v[s]
         for companion in self.companions:
             companion.copy_pages(src, dst)
 

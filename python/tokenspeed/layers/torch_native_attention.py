@@ -49,6 +49,7 @@ class TorchNativeBackend(AttentionBackend):
 
     name = "torch_native"
     supports_sinks = True
+    supports_mla = True  # V = the first v_head_dim features of the one latent K head
 
     def __init__(self, kv_cache: PagedKVCache) -> None:
         self.kv_cache = kv_cache
@@ -97,7 +98,8 @@ class TorchNativeBackend(AttentionBackend):
                 0, loc, quantize_fp8(v, vs, v_cache.dtype).view(torch.uint8))
         else:
             k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
+            if not self.kv_cache.v_from_k:  # else V is K's first features: written with it
+                v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
 
         def gather(cache: torch.Tensor, locs: torch.Tensor, scale: float) -> torch.Tensor:
             """Cached rows in q's dtype (fp8: dequantised, stored * scale, in fp32 first)."""
@@ -106,9 +108,10 @@ class TorchNativeBackend(AttentionBackend):
             return (cache.view(torch.uint8)[locs].view(cache.dtype).float() * scale).to(q.dtype)
 
         hk, group, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
+        dv = layer.v_head_dim
         window = layer.sliding_window
         meta: _Metadata = batch.metadata
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], dv)
 
         if meta.decode is not None:
             m = meta.decode
@@ -120,7 +123,7 @@ class TorchNativeBackend(AttentionBackend):
                 mask = mask & (torch.arange(mask.shape[1], device=q.device) > m.q_pos - window)
             o = _attend(qd, kd, vd, mask[:, None, None, :], layer.scaling,
                         None if sinks is None else sinks.view(hk, group))
-            out[m.q_rows] = o.reshape(-1, hk * group, d)
+            out[m.q_rows] = o.reshape(-1, hk * group, dv)
 
         for r in meta.extends:
             n = r.q_end - r.q_start
@@ -128,7 +131,7 @@ class TorchNativeBackend(AttentionBackend):
                 ke, ve = gather(k_cache, r.kv_locs, ks), gather(v_cache, r.kv_locs, vs)
                 out[r.q_start:r.q_end] = batch_invariant.attend(
                     q[r.q_start:r.q_end].view(n, hk, group, d), ke, ve, layer.scaling, window,
-                    None if sinks is None else sinks.view(hk, group)).reshape(n, -1, d)
+                    None if sinks is None else sinks.view(hk, group)).reshape(n, -1, dv)
                 continue
             # [n, Hk * group, D] → [Hk, group * n, D]: query heads of one KV head side by side.
             qe = q[r.q_start:r.q_end].view(n, hk, group, d).permute(1, 2, 0, 3).reshape(hk, -1, d)
@@ -140,7 +143,7 @@ class TorchNativeBackend(AttentionBackend):
                 mask = mask & (k_pos > r.q_pos - window)
             o = _attend(qe, ke, ve, mask.repeat(group, 1), layer.scaling,
                         None if sinks is None else sinks.view(hk, group).repeat_interleave(n, 1))
-            out[r.q_start:r.q_end] = o.view(hk, group, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
+            out[r.q_start:r.q_end] = o.view(hk, group, n, dv).permute(2, 0, 1, 3).reshape(n, -1, dv)
         return out.flatten(1)
 
 

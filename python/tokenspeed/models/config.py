@@ -52,6 +52,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def mla_v_dim(self) -> int | None:
+        """Multi-head latent attention (DeepSeek): kv_lora_rank, the width of the cached latent,
+        which the absorbed attention reads as V (the first features of its one K "head")."""
+        return int(self.raw["kv_lora_rank"]) if "kv_lora_rank" in self.raw else None
+
     def is_moe_layer(self, layer_id: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer_id]
 
@@ -170,8 +176,9 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     theta, scaling = _rope(raw)
     layers = raw["num_hidden_layers"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    if "kv_lora_rank" in raw:  # DeepSeek MLA: the cache's heads hold nope + rope features
-        head_dim = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if "kv_lora_rank" in raw:  # DeepSeek MLA, absorbed: one latent "head" (latent | rope) per token
+        head_dim, kv_heads = int(raw["kv_lora_rank"]) + int(raw["qk_rope_head_dim"]), 1
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -179,7 +186,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=raw["intermediate_size"],
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
-        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),

@@ -1,13 +1,16 @@
 """DeepSeek-V2 / V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; Kimi-K2, DeepSeek-R1 share V3).
 
-Multi-head latent attention, computed here in its expanded form: q from `q_proj` (or the
-low-rank `q_a_proj` → `q_a_layernorm` → `q_b_proj`), the latent `kv_a_proj_with_mqa` → normed
-latent (kv_lora_rank) + one shared rope key part, `kv_b_proj` expanding the latent into each
-head's no-rope key and value. The KV cache holds full per-head K (nope | rope) and V (zero-padded
-to K's width), not the compressed latent: correct everywhere, but kv_lora_rank + rope per token
-is what DeepSeek's MLA caches (~1/30 of this here). The rope part is interleaved (pairs of
-features), de-interleaved before a neox rotation (the same q.k); YaRN's mscale_all_dim scales
-the softmax by mscale^2.
+Multi-head latent attention with the compressed KV cache and weight absorption: q from `q_proj`
+(or the low-rank `q_a_proj` → `q_a_layernorm` → `q_b_proj`); `kv_a_proj_with_mqa` gives the
+latent, normed (kv_lora_rank), and one shared rope key part. The cache holds just those per
+token and layer, [latent | roped k_pe] as one K "head" (kv_lora_rank + rope: 576 values for V3,
+~1/30 of per-head K and V). `kv_b_proj` is never applied to the latent: its key half W_UK is
+absorbed into the query (q_nope @ W_UK: each head's query in latent space, then the roped q_pe:
+a kv_lora_rank + rope wide query), attention runs as MQA over the cache with V = the latent (the
+cache's first kv_lora_rank features), and the value half W_UV maps each head's latent output to
+v_head_dim before o_proj. The softmax scale stays that of the original head (nope + rope)**-0.5,
+times YaRN's mscale(mscale_all_dim)^2. The rope part is interleaved (pairs of features),
+de-interleaved before a neox rotation (the same q.k).
 
 MoE: dense MLPs up to `first_k_dense_replace`, then routed experts plus always-on shared ones;
 routing V2: softmax, greedy or group-limited (group score = max); V3: sigmoid scores plus the
@@ -66,8 +69,23 @@ class MlaAttention(nn.Module):
         s = config.rope_scaling
         if s.get("rope_type") == "yarn" and s.get("mscale_all_dim"):
             scaling *= _yarn_mscale(float(s["factor"]), float(s["mscale_all_dim"])) ** 2
-        # K and V share the cache's head width (nope + rope); V is zero-padded to it.
-        self.attn = Attention(layer_id, self.heads, self.heads, qk, scaling=scaling)
+        # One latent K head of kv_lora + rope features shared by every query head; V = its first
+        # kv_lora features. Prefill uses the same absorbed form as decode: one cache layout and
+        # one code path, and prefix hits / chunked prefill read the cached latent as it is (the
+        # expanded form, cheaper in FLOPs for long prompts, would re-expand every cached prefix).
+        self.attn = Attention(layer_id, self.heads, 1, self.kv_lora + self.rope, scaling=scaling,
+                              v_head_dim=self.kv_lora)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, kv_lora], W_UV [H, v_dim, kv_lora]): kv_b_proj's key and value halves
+        (views of its weight; an fp8-quantised kv_b_proj is dequantised first)."""
+        w = self.kv_b_proj.weight
+        if self.kv_b_proj.weight_scale is not None:
+            from tokenspeed.layers.quantization.fp8 import dequantize
+
+            w = dequantize(w, self.kv_b_proj.weight_scale, torch.float32)
+        w = w.view(self.heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, : self.nope], w[:, self.nope:]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -78,15 +96,17 @@ class MlaAttention(nn.Module):
             q = self.q_proj(x)
         q = q.view(t, self.heads, self.nope + self.rope)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, self.heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_pe, k_pe = self.rotary[0](positions, _deinterleave(q[..., self.nope:]),
                                     _deinterleave(k_pe.reshape(t, 1, self.rope)))
-        q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(t, self.heads, self.rope)], dim=-1)
-        v = nn.functional.pad(v, (0, self.nope + self.rope - self.v_dim))
-        out = self.attn(q, k, v, batch).view(t, self.heads, -1)[..., : self.v_dim]
-        return self.o_proj(out.reshape(t, -1))
+        w_uk, w_uv = self._absorbed()
+        # [H, t, nope] @ [H, nope, kv_lora]: each head's no-rope query in latent space.
+        q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1)
+        q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        k = torch.cat([self.kv_a_layernorm(latent), k_pe.reshape(t, self.rope)], dim=-1)[:, None]
+        out = self.attn(q, k, k[..., : self.kv_lora], batch).view(t, self.heads, self.kv_lora)
+        # [H, t, kv_lora] @ [H, kv_lora, v_dim]: each head's value from its latent output.
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2).to(out.dtype)).transpose(0, 1)
+        return self.o_proj(out.reshape(t, self.heads * self.v_dim))
 
 
 class DeepseekRouter(nn.Module):

@@ -25,11 +25,12 @@ PROFILE_SAFETY_BYTES = 512 << 20  # allocator fragmentation, cuBLAS workspaces, 
 
 
 def page_bytes(runner: Any) -> int:
-    """Bytes of one KV page of this rank, every layer's K and V."""
+    """Bytes of one KV page of this rank, every layer's K and V (MLA: one latent per token)."""
     c = runner.config
     return PagedKVCache.bytes_per_page(
         num_layers=c.num_hidden_layers, page_size=runner.page_size,
-        num_kv_heads=runner.num_kv_heads, head_dim=c.head_dim, dtype=runner.kv_dtype)
+        num_kv_heads=runner.num_kv_heads, head_dim=c.head_dim, dtype=runner.kv_dtype,
+        v_from_k=bool(c.mla_v_dim))
 
 
 def profile_num_pages(runner: Any, mem_fraction_static: float | None,
@@ -85,7 +86,7 @@ def profile_forward(runner: Any, tokens: int, rows: int) -> int:
         num_layers=c.num_hidden_layers, num_pages=1, page_size=runner.page_size,
         num_kv_heads=runner.num_kv_heads, head_dim=c.head_dim, dtype=runner.kv_dtype,
         device=runner.device, max_slots=1, max_context_len=tokens,
-        k_scale=runner.kv_scales[0], v_scale=runner.kv_scales[1])
+        k_scale=runner.kv_scales[0], v_scale=runner.kv_scales[1], v_from_k=c.mla_v_dim)
     backend = runner._make_backend(scratch)
     positions = np.arange(tokens, dtype=np.int64)
     dev = runner.device

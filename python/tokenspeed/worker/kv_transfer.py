@@ -84,6 +84,9 @@ class KVTransfer:
     """One worker rank's end of its pair: sends (prefill) or receives (decode) page transfers."""
 
     def __init__(self, settings: PdSettings, kv_cache: PagedKVCache, rank: int, tp: int) -> None:
+        if kv_cache.v_from_k:  # its V is a view of K: the pages below would carry it twice
+            raise ValueError("--disaggregation-mode is not supported yet for multi-head latent "
+                             "attention models (DeepSeek-V2/V3)")
         self.settings = settings
         self.kv = kv_cache
         self.rank, self.tp = rank, tp

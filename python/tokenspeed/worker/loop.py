@@ -114,7 +114,8 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
                     "num_host_pages": int(runner.num_host_pages),
                     "num_storage_pages": int(runner.num_storage_pages),
                     "max_running_requests": int(runner.max_slots),
-                    "cuda_graph_max_bs": int(runner.cuda_graph_max_bs)})
+                    "cuda_graph_max_bs": int(runner.cuda_graph_max_bs),
+                    "extend_graph_tokens": [int(t) for t in runner.extend_graph_sizes]})
         ready.close()
     except BaseException as e:  # noqa: BLE001  (report any start-up failure, then exit)
         ready.send({"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})

@@ -136,7 +136,7 @@ class ModelRunner:
         # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
         moe_parallel = moe_parallel or distributed_moe_parallel()  # from the TP/EP groups
         check_expert_parallel(self.config, moe_parallel.ep_size, moe_parallel.tp_size)
-        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, bool(self.config.mla_v_dim))
         # --is-embedding: every request pools (prefill-only steps, eager: worker/pooling_step.py).
         self.pooling = pooling
         disable_cuda_graph = disable_cuda_graph or pooling or eagle3 is not None  # EAGLE-3: no graph
@@ -203,9 +203,9 @@ class ModelRunner:
         graph_bs = (min(cuda_graph_max_bs, self.max_slots) if cuda_graph_max_bs
                     else default_cuda_graph_max_bs(self.max_slots))
         self.cuda_graph_max_bs = graph_bs if use_graphs else 0
-        # Extend graphs read the triton backend's tiled extend kernel (no host values).
+        # Extend graphs read the triton backend's tiled extend kernel (no host values; not MLA).
         self.extend_graph_sizes = sorted(set(extend_graph_sizes or ())) \
-            if (use_graphs and self.attention_backend == "triton"
+            if (use_graphs and self.attention_backend == "triton" and not c.mla_v_dim
                 and sizes.extend_graph_capturable(moe)) else []
         return use_graphs
 
@@ -231,7 +231,7 @@ class ModelRunner:
             num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=self.page_size,
             num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
             device=self.device, max_slots=self.max_slots, max_context_len=self.max_context_len,
-            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
+            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1], v_from_k=c.mla_v_dim)
         self.backend = self._make_backend(self.kv_cache)
         self.sampler = Sampler(self.device, seed, capacity=self.max_slots)
         self.sampler.warm_up(c.vocab_size, self.dtype)
@@ -337,7 +337,7 @@ class ModelRunner:
                 num_layers=c.num_hidden_layers, num_pages=1, page_size=self.page_size,
                 num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
                 device=self.device, max_slots=1, max_context_len=self.page_size,
-                k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
+                k_scale=self.kv_scales[0], v_scale=self.kv_scales[1], v_from_k=c.mla_v_dim)
             self._idle = (scratch, self._make_backend(scratch))
         scratch, backend = self._idle
         self.idle_clock.begin()  # GPU work of its own: no idle gap for the step after it

@@ -30,7 +30,11 @@ fn cfg(cap: u32) -> SchedulerConfig {
 /// One request decoding, then a wave of four 30-token prompts; returns the harness after the
 /// run and the index of the first plan of the wave.
 fn wave(cap: u32, overlap: bool) -> (Harness, usize) {
-    let mut h = Harness::with_overlap(cfg(cap), overlap);
+    wave_in(cfg(cap), overlap)
+}
+
+fn wave_in(config: SchedulerConfig, overlap: bool) -> (Harness, usize) {
+    let mut h = Harness::with_overlap(config, overlap);
     h.submit(request(1, prompt(1, 4), 40));
     h.step();
     h.step();
@@ -98,6 +102,49 @@ fn cap_zero_keeps_the_chunked_prefill_budget_in_mixed_steps() {
     let (tokens, decodes) = split(&h.plans[first]);
     assert!(decodes);
     assert_eq!(tokens, 63, "64-token budget minus one decode");
+}
+
+/// Extend CUDA graphs: a mixed step runs as the graph of the next captured token count, so its
+/// prompt share is raised to fill that padding, as far as the chunked-prefill budget allows.
+#[test]
+fn a_mixed_step_fills_its_graphs_padding_with_prompt_tokens() {
+    let graphs = |sizes: &[u32], chunk: u32| SchedulerConfig {
+        extend_graph_tokens: sizes.to_vec(),
+        chunked_prefill_size: chunk,
+        ..cfg(8)
+    };
+    // (graph sizes, chunked-prefill size, the most prompt tokens a mixed step may carry)
+    let cases: [(&[u32], u32, usize); 3] = [
+        (&[4, 16, 48], 64, 15), // 1 decode + 8 capped -> the 16-token graph
+        (&[16], 12, 8),         // filling 16 would pass the 12-token budget
+        (&[4], 64, 8),          // no graph holds the step: it runs eagerly
+    ];
+    for (sizes, chunk, most) in cases {
+        for overlap in [false, true] {
+            let (mut h, first) = wave_in(graphs(sizes, chunk), overlap);
+            let mixed: Vec<&Plan> = h.plans[first..]
+                .iter()
+                .filter(|p| matches!(split(p), (n, true) if n > 0))
+                .collect();
+            let shares: Vec<usize> = mixed.iter().map(|p| split(p).0).collect();
+            assert_eq!(
+                shares.iter().sum::<usize>(),
+                4 * 30,
+                "{sizes:?}: {shares:?}"
+            );
+            assert_eq!(shares.iter().max(), Some(&most), "{sizes:?}: {shares:?}");
+            if most == 15 {
+                // Every mixed step but the wave's last is exactly a graph's 16 tokens.
+                let total = |p: &Plan| p.scheduled.iter().map(|s| s.tokens.len()).sum::<usize>();
+                let (_, full) = mixed.split_last().expect("mixed steps");
+                assert!(full.iter().all(|p| total(p) == 16), "{shares:?}");
+            }
+            for id in 2..=5u64 {
+                assert_eq!(h.tokens(id), reference(&prompt(id as u32, 30), 3));
+            }
+            h.assert_no_leak();
+        }
+    }
 }
 
 /// `max_mixed_step_ms`: a fake GPU where a step takes 1 ms, plus 0.3 ms per decode, plus 0.02 ms

@@ -63,12 +63,18 @@ fn workload() -> impl Strategy<Value = Workload> {
         any::<bool>(),
         any::<bool>(),
         // The host tier: none, or 1-2x the device pool; write-back or through; LRU or LFU;
-        // a storage tier below it of none, or 1-2x the device pool.
-        (0u32..3, any::<bool>(), any::<bool>(), 0u32..3),
+        // a storage tier below it of none, or 1-2x the device pool; extend graphs or none.
+        (
+            0u32..3,
+            any::<bool>(),
+            any::<bool>(),
+            0u32..3,
+            any::<bool>(),
+        ),
     )
         .prop_flat_map(
             |(page_size, num_pages, max_running, budget, lpm, cache, host)| {
-                let (host_scale, write_back, lfu, storage_scale) = host;
+                let (host_scale, write_back, lfu, storage_scale, graphs) = host;
                 let config = SchedulerConfig {
                     page_size,
                     num_pages,
@@ -103,6 +109,11 @@ fn workload() -> impl Strategy<Value = Workload> {
                         WritePolicy::WriteThrough
                     },
                     num_storage_pages: storage_scale * num_pages,
+                    extend_graph_tokens: if graphs {
+                        vec![4, 8, 16, 24]
+                    } else {
+                        Vec::new()
+                    },
                 };
                 // Prompts drawn from a few stems so that prefixes are shared.
                 let one = (

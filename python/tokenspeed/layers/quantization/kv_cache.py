@@ -58,12 +58,18 @@ _SCALE_NAME = re.compile(
     r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.|k_proj\.|v_proj\.)?(k_scale|v_scale|kv_scale)$")
 
 
-def resolve_kv_cache_dtype(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str | None, model_dtype: torch.dtype,
+                           mla: bool = False) -> torch.dtype:
+    """mla: the model caches MLA latents (DeepSeek), which have no fp8 path yet."""
     if name in (None, ""):
         name = "auto"
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {name!r} not in {sorted(KV_CACHE_DTYPES)}")
     dtype = KV_CACHE_DTYPES[name]
+    if mla and dtype is not None and is_fp8(dtype):
+        raise ValueError(f"--kv-cache-dtype {name} is not supported yet for multi-head latent "
+                         "attention models (DeepSeek-V2/V3): their latent KV cache runs in the "
+                         "model dtype; use --kv-cache-dtype auto")
     return model_dtype if dtype is None else dtype
 
 

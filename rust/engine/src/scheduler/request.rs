@@ -34,8 +34,9 @@ impl FromStr for SchedulePolicy {
 
 /// What the scheduler reads, as `tokenspeed serve` hands it over: each field is the flag of the
 /// same name (`python/tokenspeed/config/table_*.py`, the flags whose readers include
-/// "scheduler"; the one owner of their defaults and help) or, for `num_pages`, what the workers
-/// measured. Python sends every field (no serde defaults that could disagree with the table).
+/// "scheduler"; the one owner of their defaults and help) or, for `num_pages` and the like, what
+/// the workers measured or built. Python sends every field (no serde defaults that could
+/// disagree with the table).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SchedulerConfig {
@@ -91,6 +92,10 @@ pub struct SchedulerConfig {
     /// Pages the storage tier below the host tier may hold, as the workers sized it (0: none,
     /// `--hicache-storage-backend` unset).
     pub num_storage_pages: u32,
+    /// Token counts of the worker's extend CUDA graphs, ascending (empty: none; reported by
+    /// the workers at start). A step is padded to the next of them, so a mixed step's prompt
+    /// budget is raised to fill that padding with prompt tokens (`step.rs`).
+    pub extend_graph_tokens: Vec<u32>,
 }
 
 impl SchedulerConfig {
@@ -121,6 +126,7 @@ impl SchedulerConfig {
             num_host_pages: 0,
             hicache_write_policy: WritePolicy::default(),
             num_storage_pages: 0,
+            extend_graph_tokens: Vec::new(),
         }
     }
 
@@ -159,6 +165,12 @@ impl SchedulerConfig {
             return Err(ConfigError::Invalid {
                 field: "max_mixed_step_ms",
                 rule: "a finite number >= 0",
+            });
+        }
+        if self.extend_graph_tokens.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(ConfigError::Invalid {
+                field: "extend_graph_tokens",
+                rule: "strictly ascending",
             });
         }
         Ok(())
