@@ -1,10 +1,13 @@
 """EAGLE-3 drafting in the worker (worker/eagle3.py): a random head in the public layout
 loads, and the drafts the runner returns after prefill chunks, after a verify step that
 rejects and after one that accepts every draft are exactly those of a plain torch reference
-of the head's forward over HF transformers' hidden states of the target (same weights)."""
+of the head's forward over HF transformers' hidden states of the target (same weights); so are
+every request's drafts in a mixed batch (the head's attention batched through the attention
+backend, torch_native and triton) and after a page copy."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -33,10 +36,24 @@ def target_and_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path
     return str(path), head
 
 
+@pytest.fixture(scope="module")
+def sharp_head(target_and_head: tuple[str, Path]) -> Path:
+    """A head whose drafts hang on its attention more (larger weights): a batched attention
+    that read a wrong key or page would change them."""
+    target = Path(target_and_head[0])
+    return make_head(target / "sharp_head", json.loads((target / "config.json").read_text()),
+                     draft_vocab=120, seed=3, std=0.2)
+
+
+@functools.cache
+def hf_model(target: str) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+
+
 def hf_reference(target: str, head: Path, tokens: list[int]) -> list[int]:
     """The reference drafts after `tokens`: HF's hidden states at the inputs of layers 2,
     N // 2, N - 3 (hidden_states[i] is layer i's input), then the head in plain torch."""
-    model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    model = hf_model(target)
     with torch.no_grad():
         hs = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
     n = model.config.num_hidden_layers
@@ -45,7 +62,7 @@ def hf_reference(target: str, head: Path, tokens: list[int]) -> list[int]:
 
 
 def hf_greedy(target: str, tokens: list[int], n: int) -> list[int]:
-    model = LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    model = hf_model(target)
     out = model.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False)
     return out[0, len(tokens):].tolist()
 
@@ -102,3 +119,71 @@ def test_a_config_alone_needs_dummy_weights(target_and_head: tuple[str, Path], t
     out = runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}], page_tables=[(0, 0, [1, 2])],
                                        scheduled=[(0, 0, [5, 6, 7], True)])).wait()
     assert out.draft_tokens is not None and len(out.draft_tokens[0]) == STEPS
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])  # triton: the interpreter on CPU
+def test_a_batch_drafts_as_each_request_alone(target_and_head: tuple[str, Path], sharp_head: Path,
+                                              backend: str) -> None:
+    # Four requests of different lengths in one batch, the head's attention one backend call
+    # per pass: prompt chunks (one of a single token, which only carries its last position on),
+    # last chunks, plain decodes, verify steps that reject and one that accepts every draft, in
+    # mixed orders. Every request's drafts are the reference's for that request alone.
+    target, head = target_and_head[0], sharp_head
+    runner = ModelRunner(target, page_size=4, max_slots=4, max_context_len=64,
+                         attention_backend=backend, eagle3=(str(head), STEPS))
+    prompts = {s: [(31 * i + 17 * s) % 290 + 3 for i in range(n)]
+               for s, n in ((0, 5), (1, 9), (2, 14), (3, 7))}
+    seqs = {s: list(p) for s, p in prompts.items()}
+    drafts: dict[int, list[int]] = {}
+
+    def step(plan: StepPlan, want: set[int]) -> None:
+        out = runner.launch(plan).wait()
+        assert out.draft_tokens is not None
+        ends = np.cumsum(out.counts)
+        got = {}
+        for i, slot in enumerate(np.asarray(out.slots).tolist()):
+            seqs[slot] += np.asarray(out.tokens[ends[i] - out.counts[i]:ends[i]]).tolist()
+            got[slot] = out.draft_tokens[i].tolist()
+        assert set(got) == want
+        for slot, d in got.items():
+            assert d == hf_reference(target, head, seqs[slot]), slot
+            drafts[slot] = d
+
+    def verify(slot: int, guess: list[int] | None = None) -> tuple:
+        s = seqs[slot]
+        return (slot, len(s) - 1, [s[-1], *(guess or drafts[slot])], True, STEPS)
+
+    new = [{"slot": s, "temperature": 0.0} for s in prompts]
+    tables = [(s, 0, list(range(1 + 16 * s, 17 + 16 * s))) for s in prompts]
+    step(StepPlan.build(new=new, page_tables=tables, scheduled=[
+        (2, 0, prompts[2][:6], False), (0, 0, prompts[0], True), (3, 0, prompts[3][:3], False),
+        (1, 0, prompts[1], True)]), {0, 1})
+    step(StepPlan.build(scheduled=[
+        (2, 6, prompts[2][6:10], False), verify(0), (1, len(seqs[1]) - 1, [seqs[1][-1]], True),
+        (3, 3, prompts[3][3:4], False)]), {0, 1})
+    right = hf_greedy(target, seqs[1], STEPS + 1)
+    step(StepPlan.build(scheduled=[
+        verify(1, right[:STEPS]), (3, 4, prompts[3][4:], True), verify(0),
+        (2, 10, prompts[2][10:], True)]), {0, 1, 2, 3})
+    assert seqs[1][-(STEPS + 1):] == right
+    step(StepPlan.build(scheduled=[verify(s) for s in (3, 2, 1, 0)]), {0, 1, 2, 3})
+
+
+def test_a_copied_page_brings_the_heads_kv(target_and_head: tuple[str, Path], sharp_head: Path) -> None:
+    # The plan's device page copies (as for a shared prefix's partial page): B's first two pages
+    # are copies of A's and it computes from position 6 on; the head's entries of positions
+    # 0 ... 5 must come with the copies for B's drafts to be those of B alone.
+    target = target_and_head[0]
+    runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
+                         eagle3=(str(sharp_head), STEPS))
+    a = [(41 * i) % 290 + 3 for i in range(8)]
+    b = a[:7] + [11, 12, 13]
+    runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}],
+                                 page_tables=[(0, 0, [1, 2, 3])],
+                                 scheduled=[(0, 0, a, True)])).wait()
+    out = runner.launch(StepPlan.build(new=[{"slot": 1, "temperature": 0.0}],
+                                       page_tables=[(1, 0, [10, 11, 12])], copies=[(1, 10), (2, 11)],
+                                       scheduled=[(1, 6, b[6:], True)])).wait()
+    assert out.draft_tokens is not None
+    seq = b + np.asarray(out.tokens).tolist()
+    assert out.draft_tokens[0].tolist() == hf_reference(target, sharp_head, seq)

@@ -49,6 +49,9 @@ class PagedKVCache:
         self.v = [k[..., :v_from_k] for k in self.k] if v_from_k else \
             [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_table_host = np.zeros((max_slots, self.max_pages_per_slot), dtype=np.int32)
+        # Caches of other layers over the same page ids (an EAGLE-3 head's, worker/eagle3.py):
+        # a page copy copies their pages too.
+        self.companions: list[PagedKVCache] = []
         self.page_table = torch.zeros((max_slots, self.max_pages_per_slot), dtype=torch.int32,
                                       device=device)
 
@@ -79,6 +82,8 @@ class PagedKVCache:
             k[d] = k[s]
             if not self.v_from_k:  # else V is part of K, copied with it
                 v[d] = v[s]
+        for companion in self.companions:
+            companion.copy_pages(src, dst)
 
     def update_page_table(self, slots: np.ndarray, first: np.ndarray, count: np.ndarray,
                           pages: np.ndarray) -> None:

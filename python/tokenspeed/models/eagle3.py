@@ -91,7 +91,8 @@ class Eagle3Config:
 
 class Eagle3Head(nn.Module):
     """The head's weights and its forward pieces; attention over its KV is the caller's
-    (worker/eagle3.py keeps that KV beside the target's pages)."""
+    (worker/eagle3.py: the configured attention backend over a KV layer beside the target's
+    pages)."""
 
     def __init__(self, cfg: Eagle3Config, max_positions: int) -> None:
         super().__init__()
@@ -174,16 +175,3 @@ class Eagle3Head(nn.Module):
         best = self.lm_head(self.norm(out)).argmax(dim=-1)
         return best + self.d2t[best]
 
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-           kv_pos: torch.Tensor) -> torch.Tensor:
-    """Causal attention of q [n, H, D] at positions q_pos over k/v [L, Hk, D] at kv_pos (a
-    query sees keys at positions <= its own); [n, H * D]."""
-    n, heads, d = q.shape
-    rep = heads // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    mask = kv_pos[None, :] <= q_pos[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-        attn_mask=mask[None], scale=d ** -0.5)
-    return out.transpose(0, 1).reshape(n, heads * d)

@@ -55,6 +55,7 @@ def profile_num_pages(runner: Any, mem_fraction_static: float | None,
         if runner.cuda_graph_max_bs else 0
     num_graphs = len(capture_sizes(runner.cuda_graph_max_bs)) if runner.cuda_graph_max_bs else 0
     graphs += backend_memory_bytes(runner.attention_backend, num_graphs)
+    graphs += getattr(runner, "draft_fixed_bytes", 0)  # an EAGLE-3 head's scratch and backend
     if runner.extend_graph_sizes:  # their pool: the activations of the largest (logits: eager)
         graphs += activations * runner.extend_graph_sizes[-1] // tokens
     reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES

@@ -240,7 +240,7 @@ class ModelRunner:
         self.last_tokens = torch.zeros(self.max_slots, dtype=torch.int64, device=self.device)
         self.prompt_scorer = PromptScorer(self.device)
         if self.drafter is not None:  # its KV beside the target's pages
-            self.drafter.attach(self.kv_cache)
+            self.drafter.attach(self.kv_cache, self.attention_backend)
         self.graphs: DecodeGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
         self._idle: tuple[PagedKVCache, AttentionBackend] | None = None  # idle_forward's cache
