@@ -80,8 +80,9 @@ OPT_FLAGS: list[Flag] = [
       "by default; --disable-piecewise-cuda-graph turns them off. Accepted and changes nothing.",
       G_OPT, readers=("worker",), implemented=True),
     lst("--piecewise-cuda-graph-tokens", "Exact token counts captured as extend-step CUDA graphs "
-        "(a step is padded to the next one). Default: 16, 32, 64, then every 64 to 512, then "
-        "every 128 up to --piecewise-cuda-graph-max-tokens.",
+        "(a step is padded to the next one; a step beside decodes fills that padding with prompt "
+        "tokens instead, within --chunked-prefill-size). Default: 16, 32, 64, then every 64 to "
+        "512, then every 128 up to --piecewise-cuda-graph-max-tokens.",
         G_OPT, item="int", minimum=1, readers=("worker",), implemented=True),
     i("--torch-compile-max-bs", "Largest batch size compiled with torch.compile.", G_OPT, 32,
       minimum=1, readers=("worker",)),
