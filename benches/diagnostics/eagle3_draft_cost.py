@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,7 @@ import numpy as np
 import torch
 
 from tokenspeed.bench.model_configs import LLAMA31_8B, SMOLLM2_135M
-from tokenspeed.bench.one_batch import prefill_plan
+from tokenspeed.bench.one_batch import median_wall_ms, prefill_plan
 from tokenspeed.worker.model_runner import ModelRunner
 from tokenspeed.worker.plan import StepPlan
 
@@ -55,17 +52,6 @@ def write_dirs(root: Path, model: dict[str, Any], layers: int) -> tuple[Path, Pa
         "draft_vocab_size": min(32000, model["vocab_size"]), "hidden_act": "silu",
         "target_hidden_size": model["hidden_size"], "tie_word_embeddings": False}))
     return target, head
-
-
-def wall_ms(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -113,11 +99,11 @@ def main() -> int:
         plan = StepPlan.build(2 * step_id + 1, scheduled=[
             (s, args.context, [int(out.tokens[s]), *out.draft_tokens[s].tolist()], True,
              len(out.draft_tokens[s])) for s in range(bs)])
-        step = wall_ms(lambda plan=plan: runner.launch(plan).wait(), args.reps, sync)
+        step = median_wall_ms(lambda plan=plan: runner.launch(plan).wait(), args.reps, sync)
         again = (lambda rec=seen[0]: propose(*rec))  # the last step's drafting, again
-        draft = wall_ms(again, args.reps, sync)
+        draft = median_wall_ms(again, args.reps, sync)
         drafter.num_steps = 1
-        head_ms = wall_ms(again, args.reps, sync)
+        head_ms = median_wall_ms(again, args.reps, sync)
         drafter.num_steps = args.steps
         print(f"{bs:>5} {draft:>9.3f} {head_ms:>8.3f} {draft - head_ms:>9.3f} {step:>8.3f}")
     return 0

@@ -63,7 +63,7 @@ from decode_step_report import (
     write_outputs,
 )
 from gpu_bench import MODELS
-from tokenspeed.bench.one_batch import decode_plan
+from tokenspeed.bench.one_batch import decode_plan, median_wall_ms
 from tokenspeed.worker.plan import StepPlan
 
 # name: (label, --quantization, --kv-cache-dtype, S1's running requests on an H100)
@@ -132,17 +132,6 @@ def capture_one(runner: Any, size: int) -> None:
     graphs.capture()
     runner.graphs = graphs
     runner.cuda_graph_max_bs = size
-
-
-def _median_wall_ms(fn: Any, reps: int, sync: Any) -> float:
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def profile_steps(runner: Any, plan: StepPlan, steps: int, cuda: bool,
@@ -282,7 +271,7 @@ def run_config(name: str, args: argparse.Namespace, batch: int, model_dir: str, 
     res.roofline = roofline(shapes, batch, rows, args.context, args.hbm_tbs * 1e12,
                             args.bf16_tflops * 1e12, args.fp8_tflops * 1e12)
     replays = runner.graphs.replays if graphs else 0
-    res.step_ms = _median_wall_ms(lambda: runner.step(plan), args.step_reps, sync)
+    res.step_ms = median_wall_ms(lambda: runner.step(plan), args.step_reps, sync)
     if graphs and runner.graphs.replays == replays:
         raise RuntimeError(f"the decode steps of {batch} requests did not replay the graph")
     if graphs:

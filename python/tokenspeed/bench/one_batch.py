@@ -16,6 +16,19 @@ import numpy as np
 from tokenspeed.worker.plan import StepPlan
 
 
+def median_wall_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+    """Median wall time of `fn` over `reps` runs, in ms, each between two `sync`s (a device's
+    synchronize, so queued GPU work counts)."""
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenspeed bench one-batch",
                                 description="Static batch through tokenspeed.worker.model_runner.ModelRunner: one "
