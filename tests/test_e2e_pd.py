@@ -7,6 +7,7 @@ server mid-request ends the request with an error, and the survivor's pages all 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def start_pair(tmp: str, *extra: str, gpus: tuple[str, str] | None = None) -> Pa
     backend = ("--disaggregation-transfer-backend", "gloo" if gpus is None else "nccl")
     device = () if gpus is None else ("--device", "cuda")
     common = (*backend, "--disaggregation-bootstrap-port", port, "--page-size", str(PAGE),
-              "--served-model-name", "default", *device, *extra)
+              "--served-model-name", "default", "--enable-metrics", *device, *extra)
     prefill = _on(gpus and gpus[0], tmp, "--disaggregation-mode", "prefill", *common)
     decode = _on(gpus and gpus[1], tmp, "--disaggregation-mode", "decode", *common)
     rport = free_port()
@@ -115,16 +116,29 @@ def _chat(client: openai.OpenAI, stream: bool, max_tokens: int = 16) -> tuple[st
     return text, usage
 
 
+def _transfers(server: Server) -> dict[str, int]:
+    """/get_server_info's `kv_transfer`, checked against the same totals in /metrics."""
+    info = httpx.get(f"{server.url}/get_server_info", timeout=10).json()["kv_transfer"]
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for key, value in info.items():
+        m = re.search(rf"^tokenspeed:kv_transfer_{key}_total{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+        assert m and float(m.group(1)) == value, (key, value, m and m.group(0))
+    return info
+
+
 def test_a_pd_pair_gives_the_tokens_of_one_server(pair: Pair) -> None:
     # Without a bootstrap_room a PD server serves as a combined one: the reference.
     want, _ = _chat(pair.client(pair.prefill.url), stream=False)
     assert want
+    before = [_transfers(s) for s in (pair.prefill, pair.decode)]
+    crossed = 0
     for stream in (False, True):
         got, usage = _chat(pair.client(), stream)
         assert got == want, f"stream={stream}"
         prompt = usage.prompt_tokens
         # The decode server received the prompt's full pages bar the last token, computed none.
         assert usage.prompt_tokens_details.cached_tokens == (prompt - 1) // PAGE * PAGE
+        crossed += usage.prompt_tokens_details.cached_tokens // PAGE
     completion = pair.client().completions.create(model="default", prompt="The rainbow has",
                                                   max_tokens=8, temperature=0)
     direct = pair.client(pair.prefill.url).completions.create(
@@ -137,6 +151,15 @@ def test_a_pd_pair_gives_the_tokens_of_one_server(pair: Pair) -> None:
     for server in (pair.prefill, pair.decode):
         pages = flushed_pages(server)
         assert pages["free"] == pages["total"], pages
+    # The two chats' pages crossed, counted on both sides; the short prompts fit one page, so
+    # nothing of theirs crossed.
+    sent, got_kv = ({k: v - was[k] for k, v in _transfers(s).items()}
+                    for s, was in zip((pair.prefill, pair.decode), before, strict=True))
+    assert crossed > 0
+    assert sent == {"sent_requests": 2, "sent_pages": crossed, "received_requests": 0,
+                    "received_pages": 0}, sent
+    assert got_kv == {"sent_requests": 0, "sent_pages": 0, "received_requests": 2,
+                      "received_pages": crossed}, got_kv
 
 
 def test_bootstrap_room_is_refused_by_a_combined_server_and_with_n(pair: Pair) -> None:

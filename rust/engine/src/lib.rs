@@ -20,7 +20,8 @@ pub use radix::{
     WritePolicy,
 };
 pub use scheduler::{
-    kv_transfer_len, ConfigError, FinishReason, Finished, KvTransfer, Request, RequestId,
-    RequestOutput, SchedulePolicy, Scheduler, SchedulerConfig, SchedulerStats, SubmitError,
+    kv_transfer_len, ConfigError, FinishReason, Finished, KvTransfer, KvTransferStats, Request,
+    RequestId, RequestOutput, SchedulePolicy, Scheduler, SchedulerConfig, SchedulerStats,
+    SubmitError,
 };
 pub use schema::Message;

@@ -32,8 +32,8 @@ mod step;
 mod step_cost;
 
 pub use request::{
-    kv_transfer_len, ConfigError, FinishReason, Finished, KvTransfer, Request, RequestId,
-    RequestOutput, SchedulePolicy, SchedulerConfig, SchedulerStats, SubmitError,
+    kv_transfer_len, ConfigError, FinishReason, Finished, KvTransfer, KvTransferStats, Request,
+    RequestId, RequestOutput, SchedulePolicy, SchedulerConfig, SchedulerStats, SubmitError,
 };
 
 /// Above this many waiting requests `lpm` falls back to arrival order: ranking costs a tree walk
@@ -271,6 +271,8 @@ pub struct Scheduler {
     retractions: u64,
     /// Speculative decoding counts (`SchedulerStats::spec_*`).
     spec: SpecCounts,
+    /// PD transfers planned so far (`SchedulerStats::kv_transfer`).
+    transfers: KvTransferStats,
     /// Run times of past steps, for `max_mixed_step_ms`.
     step_cost: step_cost::StepCost,
     /// Most distinct LoRA adapters among running requests (`--max-loras-per-batch`: the
@@ -329,6 +331,7 @@ impl Scheduler {
             admitted: Vec::new(),
             retractions: 0,
             spec: SpecCounts::default(),
+            transfers: KvTransferStats::default(),
             step_cost: step_cost::StepCost::default(),
             max_adapters: usize::MAX,
             admission_held: false,
@@ -466,6 +469,7 @@ impl Scheduler {
             spec_verify_steps: self.spec.steps,
             host: self.cache.host_stats(),
             storage: self.cache.storage_stats(),
+            kv_transfer: self.transfers,
         }
     }
 

@@ -98,6 +98,17 @@ fn a_pd_pair_gives_the_tokens_of_one_server() {
                 pages * ps,
                 "received"
             );
+            // What /metrics and /get_server_info report of it.
+            let (requests, pages) = (u64::from(pages > 0), pages as u64);
+            let sent = prefill.sched.stats().kv_transfer;
+            assert_eq!((sent.sent_requests, sent.sent_pages), (requests, pages));
+            assert_eq!((sent.received_requests, sent.received_pages), (0, 0));
+            let got = decode.sched.stats().kv_transfer;
+            assert_eq!(
+                (got.received_requests, got.received_pages),
+                (requests, pages)
+            );
+            assert_eq!((got.sent_requests, got.sent_pages), (0, 0));
         }
     }
 }
@@ -108,6 +119,9 @@ fn a_prompt_within_one_page_crosses_nothing() {
     let (prefill, decode) = pair(4, &p, false);
     assert!(kv_ops(&prefill, copy_kind::KV_SEND).is_empty());
     assert!(kv_ops(&decode, copy_kind::KV_RECV).is_empty());
+    let none = tokenspeed_engine::KvTransferStats::default();
+    assert_eq!(prefill.sched.stats().kv_transfer, none);
+    assert_eq!(decode.sched.stats().kv_transfer, none);
     assert_eq!(
         decode.plans[0].scheduled[0].start_pos, 0,
         "the decode server computes it all"

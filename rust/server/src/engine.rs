@@ -139,6 +139,8 @@ pub struct EngineStats {
     pub host: tokenspeed_engine::HostStats,
     /// Its storage tier (`--hicache-storage-backend`; zeros when off).
     pub storage: tokenspeed_engine::StorageStats,
+    /// PD disaggregation's KV transfers (`--disaggregation-mode`; zeros when off).
+    pub kv_transfer: tokenspeed_engine::KvTransferStats,
 }
 
 impl EngineStats {
@@ -174,6 +176,7 @@ impl EngineStats {
                     writeback_pages: t.host.writeback_pages + s.host.writeback_pages,
                 },
                 storage: t.storage.plus(&s.storage),
+                kv_transfer: t.kv_transfer.plus(&s.kv_transfer),
             })
     }
 
@@ -193,6 +196,7 @@ impl EngineStats {
             spec_verify_steps: self.spec_verify_steps,
             host: self.host,
             storage: self.storage,
+            kv_transfer: self.kv_transfer,
         }
     }
 }

@@ -11,6 +11,9 @@ use prometheus::{
 };
 use tokenspeed_engine::scheduler::SchedulerStats;
 
+mod kv_moves;
+use kv_moves::KvMoveSeries;
+
 pub struct Metrics {
     registry: Registry,
     /// Counted as requests arrive, produce tokens and finish.
@@ -21,8 +24,8 @@ pub struct Metrics {
     engine: EngineSeries,
     /// One observation per engine step.
     steps: StepSeries,
-    /// The hierarchical cache's tiers below the device.
-    tiers: TierSeries,
+    /// KV that moves: the hierarchical cache's tiers below the device, PD transfers.
+    kv_moves: KvMoveSeries,
 }
 
 pub struct RequestCounters {
@@ -71,22 +74,6 @@ struct EngineSeries {
     spec_decode_num_accepted_tokens: IntCounter,
     free_kv_pages: IntGauge,
     cached_kv_pages: IntGauge,
-}
-
-/// The radix cache's host tier (`--enable-hierarchical-cache`): slots, slots in use, and
-/// running totals of host-hit tokens and of pages loaded / written back; and its storage tier
-/// (`--hicache-storage-backend`): pages, pages in use, hit tokens, pages stored / fetched.
-struct TierSeries {
-    host_kv_pages: IntGauge,
-    host_kv_pages_used: IntGauge,
-    host_hit_tokens: IntCounter,
-    host_load_pages: IntCounter,
-    host_writeback_pages: IntCounter,
-    storage_kv_pages: IntGauge,
-    storage_kv_pages_used: IntGauge,
-    storage_hit_tokens: IntCounter,
-    storage_store_pages: IntCounter,
-    storage_fetch_pages: IntCounter,
 }
 
 struct StepSeries {
@@ -202,7 +189,7 @@ impl Metrics {
             histograms: RequestHistograms::new(&b, max_model_len.max(1)),
             engine: EngineSeries::new(&b),
             steps: StepSeries::new(&b),
-            tiers: TierSeries::new(&b),
+            kv_moves: KvMoveSeries::new(&b),
             registry,
         }
     }
@@ -233,7 +220,7 @@ impl Metrics {
         self.engine
             .spec_decode_num_accepted_tokens
             .inc_by(accepted.saturating_sub(self.engine.spec_decode_num_accepted_tokens.get()));
-        self.tiers.observe(s);
+        self.kv_moves.observe(s);
         if s.total_pages > 0 {
             let busy = s
                 .total_pages
@@ -459,67 +446,6 @@ impl EngineSeries {
             ),
             free_kv_pages: b.gauge("free_kv_pages", "Free KV pages"),
             cached_kv_pages: b.gauge("cached_kv_pages", "KV pages held by the radix cache"),
-        }
-    }
-}
-
-impl TierSeries {
-    fn new(b: &Builder) -> Self {
-        TierSeries {
-            host_kv_pages: b.gauge("host_kv_pages", "Host KV slots of the hierarchical cache"),
-            host_kv_pages_used: b.gauge(
-                "host_kv_pages_used",
-                "Host KV slots holding cached prefixes",
-            ),
-            host_hit_tokens: b.counter(
-                "host_hit_tokens_total",
-                "Prefix tokens found in host memory and loaded back instead of recomputed",
-            ),
-            host_load_pages: b.counter(
-                "host_load_pages_total",
-                "KV pages copied from host memory to the device",
-            ),
-            host_writeback_pages: b.counter(
-                "host_writeback_pages_total",
-                "KV pages copied from the device to host memory",
-            ),
-            storage_kv_pages: b.gauge(
-                "storage_kv_pages",
-                "KV pages the hierarchical cache's storage tier may hold",
-            ),
-            storage_kv_pages_used: b
-                .gauge("storage_kv_pages_used", "KV pages held in the storage tier"),
-            storage_hit_tokens: b.counter(
-                "storage_hit_tokens_total",
-                "Prefix tokens found in the storage tier and fetched instead of recomputed",
-            ),
-            storage_store_pages: b.counter(
-                "storage_store_pages_total",
-                "KV pages written from host memory to the storage tier",
-            ),
-            storage_fetch_pages: b.counter(
-                "storage_fetch_pages_total",
-                "KV pages read from the storage tier into host memory",
-            ),
-        }
-    }
-
-    /// Sets the gauges and brings the counters up to the scheduler's running totals.
-    fn observe(&self, s: &SchedulerStats) {
-        let (h, st) = (&s.host, &s.storage);
-        self.host_kv_pages.set(h.total_pages as i64);
-        self.host_kv_pages_used.set(h.used_pages as i64);
-        self.storage_kv_pages.set(st.total_pages as i64);
-        self.storage_kv_pages_used.set(st.used_pages as i64);
-        for (counter, total) in [
-            (&self.host_hit_tokens, h.hit_tokens),
-            (&self.host_load_pages, h.load_pages),
-            (&self.host_writeback_pages, h.writeback_pages),
-            (&self.storage_hit_tokens, st.hit_tokens),
-            (&self.storage_store_pages, st.store_pages),
-            (&self.storage_fetch_pages, st.fetch_pages),
-        ] {
-            counter.inc_by(total.saturating_sub(counter.get()));
         }
     }
 }

@@ -74,6 +74,8 @@ impl Scheduler {
                 kind: copy_kind::KV_RECV,
                 key: room as i64,
             }));
+        self.transfers.received_requests += 1;
+        self.transfers.received_pages += pages.ids().len() as u64;
         a.own.append(pages);
         a.computed = tokens;
     }

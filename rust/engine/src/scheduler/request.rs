@@ -292,6 +292,29 @@ pub enum KvTransfer {
     Recv { room: u64 },
 }
 
+/// What crossed between a PD pair so far, as this scheduler planned it: requests and pages
+/// sent after their prompt's forward (prefill server), and received at admission (decode
+/// server). A failed transfer ends its request with an error; it is counted here all the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct KvTransferStats {
+    pub sent_requests: u64,
+    pub sent_pages: u64,
+    pub received_requests: u64,
+    pub received_pages: u64,
+}
+
+impl KvTransferStats {
+    /// The totals of two replicas.
+    pub fn plus(&self, o: &KvTransferStats) -> KvTransferStats {
+        KvTransferStats {
+            sent_requests: self.sent_requests + o.sent_requests,
+            sent_pages: self.sent_pages + o.sent_pages,
+            received_requests: self.received_requests + o.received_requests,
+            received_pages: self.received_pages + o.received_pages,
+        }
+    }
+}
+
 /// Tokens whose KV crosses for a prompt of `prompt_len` tokens: its full pages before the last
 /// token (the receiving side must compute at least that one to sample).
 pub fn kv_transfer_len(prompt_len: usize, page_size: usize) -> usize {
@@ -411,6 +434,8 @@ pub struct SchedulerStats {
     pub host: HostStats,
     /// Its storage tier (zeros without one).
     pub storage: StorageStats,
+    /// PD disaggregation's KV transfers (zeros on a combined server).
+    pub kv_transfer: KvTransferStats,
 }
 
 impl SchedulerStats {

@@ -318,6 +318,8 @@ impl Scheduler {
             // The prompt's last chunk (the request samples once, `max_new_tokens` 1): its KV
             // goes to the decode server after this step's forward.
             let count = kv_transfer_len(seq.req.prompt.len(), ps) / ps;
+            self.transfers.sent_requests += u64::from(count > 0);
+            self.transfers.sent_pages += count as u64;
             let table = a.prefix_pages.iter().chain(a.own.ids()).take(count);
             step.kv_copies.extend(table.map(|&page| CopyOp {
                 src: page,

@@ -47,6 +47,7 @@ impl EngineLoop {
                 spec_verify_steps: s.spec_verify_steps,
                 host: s.host,
                 storage: s.storage,
+                kv_transfer: s.kv_transfer,
             };
         }
     }

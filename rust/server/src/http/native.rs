@@ -292,6 +292,8 @@ pub async fn server_info(State(state): State<AppState>) -> Response {
         },
         // Its storage tier (`--hicache-storage-backend`; zeros when off).
         "storage_kv_pages": stats.storage,
+        // PD disaggregation's transfers (`--disaggregation-mode`; zeros when off).
+        "kv_transfer": stats.kv_transfer,
         "engine": stats,
         "dp_size": replicas.len(),
         "replicas": replicas,
