@@ -30,7 +30,7 @@ from bench_mla_decode import LATENT, PAGE, ROPE, _time
 
 from tokenspeed_kernels import mla_decode_attention, mla_extend_attention, mla_num_splits
 
-SWEEP = [(4, 16, 32, 8, 2), (4, 16, 64, 8, 2), (2, 16, 64, 4, 2), (8, 16, 32, 8, 2),
+SWEEP = [(4, 16, 32, 8, 2), (4, 16, 16, 8, 2), (4, 16, 64, 8, 2), (2, 16, 64, 4, 2), (8, 16, 32, 8, 2),
          (4, 16, 32, 8, 1), (4, 16, 32, 4, 2), (8, 16, 16, 8, 2), (2, 32, 32, 8, 2)]
 
 

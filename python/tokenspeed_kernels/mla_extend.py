@@ -124,7 +124,8 @@ def _mla_extend_kernel(
 def mla_extend_config(dtype: torch.dtype, latent_dim: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M tokens, BLOCK_H heads, BLOCK_N keys, num_warps, num_stages). 64 query rows (4
     tokens x 16 heads) per program keep the fp32 accumulator of a 512-wide latent at 128
-    registers a thread over 8 warps; untuned (kernels/bench/bench_mla_extend.py --sweep)."""
+    registers a thread over 8 warps (ptxas for sm_90: 255 registers, ~100 bytes of spills; 4
+    warps or 128 rows spill kilobytes). Not yet timed on a GPU: bench_mla_extend.py --sweep."""
     if triton.next_power_of_2(latent_dim) >= 512:
         return 4, 16, 32, 8, 2
     return 4, 16, 32, 4, 2
