@@ -83,3 +83,22 @@ def test_deterministic_inference_is_refused(family_models: Callable[[str], tuple
             ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, seed=0)
     finally:
         batch_invariant.enable(False)
+
+
+def test_mixed_step_mla_matches_torch_native(family_models: Callable[[str], tuple]) -> None:  # noqa: F811
+    """Two decodes leading a step with a prefill chunk past a cached prefix (the triton backend:
+    mla_decode_attention for the decodes, mla_extend_attention for the chunk): torch_native's
+    logits."""
+    path, _ = family_models("deepseek_v3")
+    logits = {}
+    for backend in ("torch_native", "triton"):
+        runner = ModelRunner(path, page_size=4, max_slots=8, max_context_len=128, seed=0,
+                             attention_backend=backend)
+        runner.step(StepPlan.of(**new_requests([0]), **pages(0, 0, [1, 2, 3, 4]),
+                                **schedule([(0, 0, PREFIX + TAIL_A, 1)])))
+        runner.step(StepPlan.of(**new_requests([1]), **pages(1, 0, [5, 6]),
+                                **schedule([(1, 0, TAIL_B + [7], 1)])))
+        steps = [(0, 15, [40], 1), (1, 6, [41], 1), (2, 8, PREFIX[8:] + TAIL_B, 1)]
+        plan = StepPlan.of(**new_requests([2]), **pages(2, 0, [1, 2, 7, 8, 9]), **schedule(steps))
+        logits[backend] = runner.forward(plan)
+    torch.testing.assert_close(logits["triton"], logits["torch_native"], atol=2e-4, rtol=1e-4)

@@ -114,7 +114,7 @@ CASES: dict[str, Case] = {
     "gpt_oss": Case("gpt_oss"),
     "deepseek_v3": Case("deepseek_v3"),
     "deepseek_v2": Case("deepseek_v2"),
-    # MLA through tokenspeed_kernels.mla_attention: prefill chunks (one row per token) and decode.
+    # MLA through tokenspeed_kernels: prefill chunks (mla_extend_attention) and decode.
     "deepseek_v3_triton": Case("deepseek_v3", prompts=tuple(map(tuple, _prompts([19, 11]))),
                                new_tokens=4, backend="triton"),
 }

@@ -14,11 +14,13 @@ from __future__ import annotations
 import re
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from tokenspeed_kernels.decode_attention import _decode_split_kernel
+from tokenspeed_kernels.mla_extend import _mla_extend_kernel, mla_extend_config
 from tokenspeed_kernels.sampling import GREEDY_BLOCK, _greedy_logprobs_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -66,13 +68,30 @@ def double_buffered(ttgir: str) -> str:
     return f"K/V tiles not double-buffered: buffer depths {depths} (want >= 2 for K and V)"
 
 
+def mla_extend_case() -> tuple:
+    """mla_extend_attention as the triton backend launches it for DeepSeek-V3 (bf16, latent
+    512 + rope 64, page 64) with its default tiles: the dots must run on wgmma."""
+    names = _mla_extend_kernel.arg_names
+    sig = {n: "constexpr" if n.isupper() else "*bf16" if n in ("q_ptr", "kv_ptr", "out_ptr")
+           else "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32" for n in names}
+    block_m, block_h, block_n, warps, stages = mla_extend_config(torch.bfloat16, 512)
+    constexprs = {"D_LAT": 512, "D_PE": 64, "BLOCK_DL": 512, "BLOCK_DP": 64, "BLOCK_M": block_m,
+                  "BLOCK_H": block_h, "BLOCK_N": block_n, "PAGE_SIZE": 64, "DOT_PREC": "tf32",
+                  "UPCAST": False}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n in names if n.endswith("_ptr") or n.startswith("stride_")}
+    return ("mla_extend bf16 512+64", _mla_extend_kernel, sig, constexprs,
+            {"num_warps": warps, "num_stages": stages}, attrs,
+            lambda ttgir: "" if "warp_group_dot" in ttgir else "no wgmma in the MLA extend kernel")
+
+
 CASES: list[tuple] = [
     (f"greedy_logprobs {dtype}", _greedy_logprobs_kernel,
      {"logits_ptr": f"*{dtype}", "stride_b": "i64", "vocab": "i32", "tokens_ptr": "*i64",
       "logprobs_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": GREEDY_BLOCK}, {"num_warps": 16}, {},
      None)
     for dtype in ("bf16", "fp16", "fp32")
-] + [decode_case("fp8e4nv", True, 3), decode_case("fp8e5", True, 3), decode_case("bf16", False, 2)]
+] + [decode_case("fp8e4nv", True, 3), decode_case("fp8e5", True, 3), decode_case("bf16", False, 2)] + [mla_extend_case()]
 
 
 def main() -> int:

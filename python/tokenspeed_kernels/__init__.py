@@ -7,6 +7,7 @@ from tokenspeed_kernels.fp8_gemm import fp8_matmul, per_token_quant_fp8
 from tokenspeed_kernels.gemv import skinny_linear
 from tokenspeed_kernels.kv_cache import write_kv_to_pages
 from tokenspeed_kernels.mla_attention import mla_decode_attention, mla_num_splits
+from tokenspeed_kernels.mla_extend import mla_extend_attention
 from tokenspeed_kernels.moe import fused_moe, moe_align, moe_route
 from tokenspeed_kernels.norm import fused_add_rmsnorm, rmsnorm
 from tokenspeed_kernels.prefill_attention import (
@@ -27,6 +28,7 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_moe",
     "mla_decode_attention",
+    "mla_extend_attention",
     "mla_num_splits",
     "moe_align",
     "moe_route",

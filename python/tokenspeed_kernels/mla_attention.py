@@ -13,9 +13,9 @@ decode kernel's reduce (decode_attention._decode_reduce_kernel) combines the spl
 
 Every query row names its page-table row (`rows`, default: row i) and the number of keys it
 sees (`kv_lens`), so the same kernel serves decode (one row per request, kv_lens = seq_lens)
-and, as a simple correct path, prefill chunks (one row per new token, kv_lens = its position
-+ 1: causal by construction; each token re-reads its prefix, O(n^2) reads, fine for the chunks
-the scheduler sends and far from a tuned MLA prefill).
+and, as a simple reference path, prefill chunks (one row per new token, kv_lens = its position
++ 1: causal by construction; each token re-reads its prefix, O(n^2) reads). The triton backend
+runs prefill through the tiled `mla_extend.mla_extend_attention` instead.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import torch
 
 from tokenspeed.layers import batch_invariant
 from tokenspeed.layers.attention import Attention, AttentionBackend, ForwardBatch
-from tokenspeed.layers.host_copy import to_device_int64
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.layers.rotary import Rope
 
@@ -45,10 +44,6 @@ class TritonMetadata:
     # extend, eager: every request after the leading decodes is a fresh prompt (no cached
     # prefix), so where `prefill_supported` its attention reads K/V from the QKV output itself.
     fresh: bool = False
-    # extend with MLA layers (a latent cache): every token of the step as one query row of
-    # mla_decode_attention: (page-table rows of all requests, each token's row in it, the keys
-    # each token sees, the most of them).
-    mla: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
 
 @dataclass
@@ -120,19 +115,7 @@ class TritonBackend(AttentionBackend):
             seq_lens=seq_lens_d[d:].to(torch.int32), decode=False,
             q_start_loc=(query_start[d:] - d).to(torch.int32), prefix_lens=start_pos[d:].to(torch.int32),
             max_new_tokens=int(batch.num_tokens.max()), leading_decodes=decodes,
-            fresh=not batch.start_pos[d:].any(),
-            mla=self._mla_rows(batch, slots, max_seq) if self.kv_cache.v_from_k else None)
-
-    def _mla_rows(self, batch: ForwardBatch, slots: torch.Tensor,
-                  max_seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """TritonMetadata.mla: each token's request and causal key count (its position + 1)."""
-        n = batch.num_tokens.astype(np.int64)
-        rows = np.repeat(np.arange(len(n), dtype=np.int64), n)
-        kv_lens = (np.arange(int(n.sum()), dtype=np.int64) - np.repeat(batch.query_start[:-1], n)
-                   + np.repeat(batch.start_pos, n) + 1)
-        rows_d, kv_lens_d = to_device_int64([rows, kv_lens], slots.device)
-        return (self.kv_cache.page_table[slots], rows_d.to(torch.int32), kv_lens_d.to(torch.int32),
-                max_seq)
+            fresh=not batch.start_pos[d:].any())
 
     def _invariant_metadata(self, batch: ForwardBatch) -> InvariantMetadata:
         """Batch-invariant mode: the step's page-table rows and request layout; the kernel's
@@ -245,10 +228,16 @@ class TritonBackend(AttentionBackend):
     def _forward_mla(self, q: torch.Tensor, k: torch.Tensor, layer: Attention,
                      batch: ForwardBatch) -> torch.Tensor:
         """Absorbed MLA: k [T, 1, latent + rope] into the latent cache (V is its first features,
-        written with it), then mla_decode_attention for decode rows and, one row per token,
-        for prefill chunks. The split count follows the longest admitted context, as for the
-        other kernels, so eager and graph-replayed decodes agree."""
-        from tokenspeed_kernels import mla_decode_attention, mla_num_splits, write_kv_to_pages
+        written with it), then mla_decode_attention for decode rows (a pure-decode step or a
+        mixed step's leading decodes) and the tiled mla_extend_attention for prefill chunks.
+        The split count follows the longest admitted context, as for the other kernels, so
+        eager and graph-replayed decodes agree."""
+        from tokenspeed_kernels import (
+            mla_decode_attention,
+            mla_extend_attention,
+            mla_num_splits,
+            write_kv_to_pages,
+        )
 
         m = batch.metadata
         if isinstance(m, InvariantMetadata) or m.singles is not None:
@@ -256,16 +245,18 @@ class TritonBackend(AttentionBackend):
                                       "or extend CUDA graphs is not supported yet")
         k_cache = self.kv_cache.k[layer.layer_id]
         write_kv_to_pages(k, k, k_cache, k_cache, batch.out_cache_loc)
-        head_blocks = -(-layer.num_heads // 16)
-        if m.decode:
-            splits = mla_num_splits(q.shape[0], head_blocks, self.max_context_len)
-            out = mla_decode_attention(q, k_cache, m.page_table, m.seq_lens, layer.scaling,
-                                       layer.v_head_dim, num_splits=splits)
-            return out.flatten(1)
-        assert m.mla is not None
-        page_table, rows, kv_lens, max_len = m.mla
-        out = mla_decode_attention(q, k_cache, page_table, kv_lens, layer.scaling, layer.v_head_dim,
-                                   rows=rows, num_splits=mla_num_splits(q.shape[0], head_blocks, max_len))
+        head_blocks = -(-q.shape[1] // 16)
+        lead = m if m.decode else m.leading_decodes
+        d = 0 if lead is None else lead.page_table.shape[0]
+        out = q.new_empty(q.shape[0], q.shape[1], layer.v_head_dim)
+        if lead is not None:
+            splits = mla_num_splits(d, head_blocks, self.max_context_len)
+            mla_decode_attention(q[:d], k_cache, lead.page_table, lead.seq_lens, layer.scaling,
+                                 layer.v_head_dim, out=out[:d], num_splits=splits)
+        if not m.decode:
+            assert m.q_start_loc is not None and m.prefix_lens is not None
+            mla_extend_attention(q[d:], k_cache, m.page_table, m.q_start_loc, m.prefix_lens,
+                                 layer.scaling, layer.v_head_dim, out=out[d:])
         return out.flatten(1)
 
     def _forward_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
