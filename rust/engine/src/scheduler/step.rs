@@ -3,8 +3,8 @@
 
 use super::step_cost::StepShape;
 use super::{
-    kv_transfer_len, Expected, KvTransfer, Phase, RequestId, Scheduler, Sequence, StepBuilder,
-    Work, RESERVE_RATIO_BUMP,
+    kv_transfer_len, Active, Expected, KvTransfer, Phase, RequestId, Scheduler, Sequence,
+    StepBuilder, Work, RESERVE_RATIO_BUMP,
 };
 use crate::pages::Pages;
 use crate::plan::{copy_kind, CopyOp, FinishedSlot, Plan, ScheduledRequest, LAST_SAMPLED};
@@ -315,18 +315,10 @@ impl Scheduler {
             && tokens.len() == seq.req.prompt.len()
             && seq.req.kv_transfer.crosses(&seq.req.sampling);
         if let (KvTransfer::Send { room }, true) = (seq.req.kv_transfer, prompt_done) {
-            // The prompt's last chunk (the request samples once, `max_new_tokens` 1): its KV
-            // goes to the decode server after this step's forward.
-            let count = kv_transfer_len(seq.req.prompt.len(), ps) / ps;
-            self.transfers.sent_requests += u64::from(count > 0);
-            self.transfers.sent_pages += count as u64;
-            let table = a.prefix_pages.iter().chain(a.own.ids()).take(count);
-            step.kv_copies.extend(table.map(|&page| CopyOp {
-                src: page,
-                dst: a.slot,
-                kind: copy_kind::KV_SEND,
-                key: room as i64,
-            }));
+            let pages = kv_transfer_len(seq.req.prompt.len(), ps) / ps;
+            self.transfers.sent_requests += u64::from(pages > 0);
+            self.transfers.sent_pages += pages as u64;
+            step.kv_copies.extend(prompt_kv_sends(a, room, pages));
         }
         step.plan.scheduled.push(ScheduledRequest {
             slot: a.slot,
@@ -354,4 +346,17 @@ impl Scheduler {
     fn youngest_retractable(&self, i: usize) -> Option<RequestId> {
         self.running.get(i + 1..)?.last().copied()
     }
+}
+
+/// The prompt's last chunk on a prefill server (the request samples once, `max_new_tokens` 1):
+/// its first `pages` pages go to the decode server after this step's forward, one `KV_SEND`
+/// copy each.
+fn prompt_kv_sends(a: &Active, room: u64, pages: usize) -> impl Iterator<Item = CopyOp> + '_ {
+    let table = a.prefix_pages.iter().chain(a.own.ids()).take(pages);
+    table.map(move |&src| CopyOp {
+        src,
+        dst: a.slot,
+        kind: copy_kind::KV_SEND,
+        key: room as i64,
+    })
 }
