@@ -4,7 +4,6 @@ give the unsharded y = x W^T + scale (x A^T) B^T."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -12,6 +11,7 @@ from torch import nn
 from tokenspeed.distributed.groups import state, tp_all_gather
 from tokenspeed.layers.linear import GateUpLinear, QKVLinear, RowLinear
 from tokenspeed.worker.lora import LoraPool
+from tokenspeed.worker.plan import StepPlan
 
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS, INTER = 16, 4, 4, 2, 24
 
@@ -51,7 +51,7 @@ def lora_layers_on_rank(rank: int, adapter_dir: str, scale: float) -> str:
     # Requests in slots 0 (base model) and 1 (the adapter), 3 tokens each.
     pool.admit(0, 0, "")
     pool.admit(1, 5, adapter_dir)
-    pool.prepare(np.array([0, 1]), np.array([3, 3]), per_token=False)
+    pool.prepare(StepPlan.of(sched_slot=[0, 1], sched_tokens_len=[3, 3]), per_token=False)
     ab = {k.split(".")[-3]: v for k, v in load_file(f"{adapter_dir}/adapter_model.safetensors").items()
           if ".lora_A." in k}
     bb = {k.split(".")[-3]: v for k, v in load_file(f"{adapter_dir}/adapter_model.safetensors").items()

@@ -5,6 +5,7 @@ loaded and unloaded at run time; the prefix cache kept apart per adapter."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,7 +75,9 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory,
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory: pytest.TempPathFactory,
                 adapter_dirs: dict[str, Path]) -> Iterator[Server]:
-    paths = [f"{n}={adapter_dirs[n]}" for n in ("attn", "mlp", "all")]
+    # attn is pinned (SGLang's JSON form): it keeps one of the 3 pool slots throughout.
+    pinned = json.dumps({"lora_name": "attn", "lora_path": str(adapter_dirs["attn"]), "pinned": True})
+    paths = [pinned] + [f"{n}={adapter_dirs[n]}" for n in ("mlp", "all")]
     srv = start_server(str(tmp_path_factory.mktemp("lora-server")), "--page-size", "4",
                        "--max-total-tokens", "4096", "--lora-paths", *paths,
                        "--max-loras-per-batch", "3")
@@ -203,6 +206,31 @@ def test_load_and_unload_at_run_time(lora_server: Server, client: openai.OpenAI,
         _complete(client, "late", prompt_ids)
     gone = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"})
     assert gone.status_code == 404 and "late" in gone.text
+
+
+def test_pinned_adapters_keep_a_slot_and_leave_one(lora_server: Server, client: openai.OpenAI,
+                                                   adapter_dirs: dict[str, Path], prompt_ids: list[int],
+                                                   peft_tokens: dict[str | None, list[int]]) -> None:
+    """3 pool slots, attn pinned at start: one more pin is taken, a third would leave no slot
+    for the others (400 on `pinned`); unloading a pinned adapter frees its pin. Pinned or not,
+    every adapter gives PEFT's tokens, beside the others in one batch."""
+    url = lora_server.url
+    load = {"lora_name": "late", "lora_path": str(adapter_dirs["late"]), "pinned": True}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 200
+    try:
+        third = httpx.post(f"{url}/v1/load_lora_adapter", json=load | {"lora_name": "late2"})
+        assert third.status_code == 400, third.text
+        assert third.json()["error"]["param"] == "pinned" and "at most 2" in third.text
+        with ThreadPoolExecutor(4) as pool:  # 2 pins + mlp = 3 slots; then all waits for one
+            got = dict(zip(["late", "attn", "mlp", "all"], pool.map(
+                lambda m: _ids(_complete(client, m, prompt_ids)), ["late", "attn", "mlp", "all"])))
+        assert got == {m: peft_tokens[m] for m in got}
+    finally:
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    again = httpx.post(f"{url}/v1/load_lora_adapter", json=load | {"lora_name": "late2"})
+    assert again.status_code == 200, again.text
+    assert _ids(_complete(client, "late2", prompt_ids)) == peft_tokens["late"]
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late2"}).status_code == 200
 
 
 def test_n_streaming_and_structured_output_on_an_adapter(client: openai.OpenAI, prompt_ids: list[int],

@@ -12,6 +12,7 @@ from test_fp8_kv_cache import compare, save_tiny_llama
 
 from tokenspeed.worker.model_runner import ModelRunner
 from tokenspeed.worker.offline_scheduler import OfflineScheduler
+from tokenspeed.worker.plan import StepPlan
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -104,8 +105,6 @@ def test_an_unreadable_adapter_fails_its_request_only(tiny: tuple[str, dict[str,
                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
     """An adapter deleted after the server checked it: its request's events carry FAILED, the
     request beside it on another adapter runs, and so does the worker."""
-    from tokenspeed.worker.plan import StepPlan
-
     path, adapters = tiny
     lora = {"targets": ALL, "max_rank": 8, "pool_slots": 2, "max_loaded": None, "eviction": "lru"}
     runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, lora=lora)
@@ -133,3 +132,29 @@ def test_eviction_policy_picks_the_adapter_that_leaves_the_pool(
     for aid in (1, 2, 1, 3):
         pool._resident(aid, {aid})
     assert sorted(pool.resident) == kept
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_a_pinned_adapter_never_leaves_the_pool(tiny: tuple[str, dict[str, str]],
+                                                policy: str) -> None:
+    """Two pool slots, adapter 1 pinned (the plan lists it): 2, then 3, then 2 again each take
+    the other slot, whichever adapter the policy would give up first."""
+    path, adapters = tiny
+    lora = {"targets": ALL, "max_rank": 8, "pool_slots": 2, "max_loaded": None, "eviction": policy}
+    runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, lora=lora)
+    pool = runner.lora
+    assert pool is not None
+    for slot, (aid, name) in enumerate([(1, "qv"), (2, "all"), (3, "qv")]):
+        pool.admit(slot, aid, adapters[name])
+    def step(slot: int, pins: list[int]) -> StepPlan:
+        return StepPlan.of(sched_slot=[slot], sched_tokens_len=[1], lora_pin_adapter=pins)
+
+    pool.prepare(step(0, [1]), per_token=False)
+    first = pool.resident[1]
+    for slot in (1, 2, 1):
+        pool.prepare(step(slot, [1]), per_token=False)
+        assert 1 in pool.resident and pool.resident[1] == first
+    assert sorted(pool.resident) == [1, 2]
+    # Unpinned, 1 goes: it is both the least recently used and the earliest loaded.
+    pool.prepare(step(2, []), per_token=False)
+    assert sorted(pool.resident) == [2, 3]

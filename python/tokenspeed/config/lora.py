@@ -75,28 +75,38 @@ def resolve_target_modules(given: list[str] | None, adapters: list[AdapterConfig
     return sorted(found or HF_MODULES)
 
 
-def parse_lora_paths(items: list[str] | None) -> list[tuple[str, str]]:
-    """--lora-paths as (name, path): NAME=PATH, a bare PATH (named by itself, as SGLang does),
-    or a JSON object with lora_name and lora_path."""
+@dataclass(frozen=True)
+class StartAdapter:
+    """An adapter of --lora-paths."""
+
+    name: str
+    path: str
+    pinned: bool = False  # SGLang's: never evicted from the GPU pool (the server checks the limit)
+
+
+def parse_lora_paths(items: list[str] | None) -> list[StartAdapter]:
+    """--lora-paths: NAME=PATH, a bare PATH (named by itself, as SGLang does), or a JSON object
+    with lora_name, lora_path and optionally pinned."""
     out = []
     for item in items or []:
         text = item.strip()
+        pinned = False
         if text.startswith("{"):
             try:
                 obj = json.loads(text)
             except ValueError as e:
                 raise AdapterError(f"--lora-paths {item!r}: {e}") from None
-            if obj.get("pinned"):
-                raise AdapterError(f"--lora-paths {item!r}: pinned adapters are not supported yet")
-            name, path = obj.get("lora_name"), obj.get("lora_path")
+            name, path, pinned = obj.get("lora_name"), obj.get("lora_path"), obj.get("pinned", False)
             if not isinstance(name, str) or not isinstance(path, str):
                 raise AdapterError(f"--lora-paths {item!r}: needs lora_name and lora_path")
+            if not isinstance(pinned, bool):
+                raise AdapterError(f"--lora-paths {item!r}: pinned must be true or false")
         elif "=" in text:
             name, path = text.split("=", 1)
         else:
             name, path = text, text
-        out.append((name, path))
-    names = [n for n, _ in out]
+        out.append(StartAdapter(name, path, pinned))
+    names = [a.name for a in out]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise AdapterError(f"--lora-paths names the adapter {dup!r} twice")
@@ -107,12 +117,12 @@ def parse_lora_paths(items: list[str] | None) -> list[tuple[str, str]]:
 class LoraSettings:
     """What the launcher hands the server and the workers."""
 
-    adapters: list[tuple[str, str]]
+    adapters: list[StartAdapter]
     max_rank: int
     targets: list[str]
 
     def server(self, max_per_batch: int) -> dict[str, Any]:
-        return {"enabled": True, "adapters": [list(a) for a in self.adapters],
+        return {"enabled": True, "adapters": [vars(a) for a in self.adapters],
                 "max_rank": self.max_rank, "target_modules": self.targets,
                 "max_per_batch": max_per_batch}
 
@@ -124,14 +134,14 @@ def resolve_lora(enable: bool, paths: list[str] | None, max_rank: int | None,
     adapters = parse_lora_paths(paths)
     if not enable and not adapters:
         return None
-    configs = [read_adapter_config(path) for _, path in adapters]
+    configs = [read_adapter_config(a.path) for a in adapters]
     rank = max_rank or max((c.rank for c in configs), default=DEFAULT_MAX_RANK)
-    too_big = [(n, c.rank) for (n, _), c in zip(adapters, configs) if c.rank > rank]
+    too_big = [(a.name, c.rank) for a, c in zip(adapters, configs) if c.rank > rank]
     if too_big:
         raise AdapterError(f"LoRA adapter {too_big[0][0]} has rank {too_big[0][1]} > "
                            f"--max-lora-rank {rank}")
     modules = resolve_target_modules(targets, configs)
-    outside = [(n, sorted(c.modules - set(modules))) for (n, _), c in zip(adapters, configs)
+    outside = [(a.name, sorted(c.modules - set(modules))) for a, c in zip(adapters, configs)
                if c.modules - set(modules)]
     if outside:
         raise AdapterError(f"LoRA adapter {outside[0][0]} targets {outside[0][1]}, not in "

@@ -63,7 +63,8 @@ LORA_FLAGS: list[Flag] = [
         "--lora-paths adapters adapt, else all.", G_LORA, choices=LORA_MODULES,
         readers=("launch", "worker"), implemented=True),
     lst("--lora-paths", "Adapters to load at start: PATH, NAME=PATH, or a JSON object with "
-        "lora_name, lora_path (and pinned, which is not supported yet).", G_LORA, nargs="*",
+        "lora_name, lora_path and pinned (true: never evicted from the GPU pool, which keeps "
+        "a slot for it; at most --max-loras-per-batch - 1 pinned).", G_LORA, nargs="*",
         readers=("launch",), implemented=True),
     i("--max-loras-per-batch", "Most distinct adapters in one batch (the base model not "
       "counted): the adapter slots of the GPU pool.", G_LORA, 8, minimum=1,
@@ -73,7 +74,7 @@ LORA_FLAGS: list[Flag] = [
       readers=("worker",), implemented=True),
     c("--lora-eviction-policy", "Which adapter leaves the GPU pool (--max-loras-per-batch "
       "slots) first when a step needs a slot: lru, the least recently used; fifo, the earliest "
-      "loaded.", G_LORA, ("lru", "fifo"), "lru", readers=("worker",), implemented=True),
+      "loaded. Pinned adapters never leave.", G_LORA, ("lru", "fifo"), "lru", readers=("worker",), implemented=True),
     c("--lora-backend", "Kernels used for LoRA computation.", G_LORA, ("triton", "csgmv"),
       "triton", readers=("worker",)),
     c("--max-lora-chunk-size", "Chunk size of the chunked SGMV LoRA kernels.", G_LORA,

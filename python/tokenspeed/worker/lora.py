@@ -8,7 +8,8 @@ fused qkv_proj / gate_up_proj; scaling is lora_alpha / r (rsLoRA: / sqrt(r)), fo
 `LoraPool` owns the adapters of one worker: a host cache of loaded adapters (at most
 --max-loaded-loras, least recently used dropped; a dropped one is read from disk again when a
 request needs it) and --max-loras-per-batch pool slots in every adapted layer (on the device;
-the scheduler never puts more adapters in one step). Requests carry an adapter id (0: the base
+the scheduler never puts more adapters in one step; pinned adapters, which each plan lists,
+are never evicted and the scheduler keeps their slots). Requests carry an adapter id (0: the base
 model) and its path, fixed when the server registered it, so ids are never reused for
 another adapter.
 """
@@ -29,6 +30,7 @@ from torch import nn
 from tokenspeed.config.lora import HF_MODULES, AdapterError, read_adapter_config
 from tokenspeed.layers.linear import ColumnLinear, RowLinear, shard_cols, shard_rows
 from tokenspeed.layers.lora import LoraBatch, LoraWeights, token_segments
+from tokenspeed.worker.plan import StepPlan
 
 logger = logging.getLogger(__name__)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -132,17 +134,19 @@ class LoraPool:
             self.slot_adapter[slot] = 0
             self.failed.add(slot)
 
-    def prepare(self, slots: np.ndarray, num_tokens: np.ndarray, per_token: bool,
-                padded_tokens: int = 0) -> None:
-        """Point the layers at this step's adapters: load missing ones into pool slots, then
-        the per-token slots (CUDA graphs, `per_token`) or the segments of adapter rows."""
-        ids = self.slot_adapter[slots]
+    def prepare(self, plan: StepPlan, per_token: bool) -> None:
+        """Point the layers at the step's adapters: load missing ones into pool slots (over
+        adapters neither this step nor a pin needs: the plan lists every pinned adapter, and
+        the scheduler keeps a slot for each), then the per-token slots (CUDA graphs,
+        `per_token`) or the segments of adapter rows."""
+        ids = self.slot_adapter[plan.sched_slot]
         pool_slot = np.full(len(ids), -1, np.int32)
         wanted = set(ids[ids > 0].tolist())
+        keep = wanted | set(plan.lora_pin_adapter.tolist())
         for i, aid in enumerate(ids.tolist()):
             if aid:
-                pool_slot[i] = self._resident(aid, wanted)
-        token_slot = np.repeat(pool_slot, num_tokens)
+                pool_slot[i] = self._resident(aid, keep)
+        token_slot = np.repeat(pool_slot, plan.sched_tokens_len)
         batch = self.batch
         if per_token:
             self._write_token_slots(token_slot if wanted else None)
@@ -167,9 +171,9 @@ class LoraPool:
         self.batch.token_slot.copy_(_to_copy(torch.from_numpy(host)), non_blocking=True)
         self._slots_clear = token_slot is None
 
-    def _resident(self, aid: int, wanted: set[int]) -> int:
+    def _resident(self, aid: int, keep: set[int]) -> int:
         """The pool slot holding adapter `aid`, loading it (over the least recently used, or
-        under fifo the earliest loaded, adapter this step does not need) when it is not there."""
+        under fifo the earliest loaded, adapter not in `keep`) when it is not there."""
         if aid in self.resident:
             if self.lru:
                 self.resident.move_to_end(aid)
@@ -177,7 +181,7 @@ class LoraPool:
         if self.free:
             slot = self.free.pop()
         else:
-            victim = next((v for v in self.resident if v not in wanted), None)
+            victim = next((v for v in self.resident if v not in keep), None)
             if victim is None:
                 raise RuntimeError(f"a step needs more adapters than the {len(self.resident)} "
                                    "pool slots (--max-loras-per-batch); the scheduler bounds it")

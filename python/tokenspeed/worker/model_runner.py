@@ -413,7 +413,7 @@ class ModelRunner:
         drafts = Drafts.of(plan)
         if self.lora is not None and (self.graphs or self.extend_graphs):
             # The per-token adapter slots a graph replay reads.
-            self.lora.prepare(plan.sched_slot, plan.sched_tokens_len, per_token=True)
+            self.lora.prepare(plan, per_token=True)
         # Prompt logprobs read every position's hidden state, and so does verifying drafts
         # (logits at every draft position; no graph captures that yet): eager.
         graph_run = None if (wanted or drafts is not None) and not self.lockstep else \
@@ -427,7 +427,7 @@ class ModelRunner:
         batch = self._build_batch(plan, positions, out_loc, query_start)
         self.backend.prepare(batch)
         if self.lora is not None:  # eager: the adapter segments
-            self.lora.prepare(plan.sched_slot, plan.sched_tokens_len, per_token=False)
+            self.lora.prepare(plan, per_token=False)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if self.drafter is not None:
             self.drafter.aux = self.model.model.captured  # type: ignore[union-attr]

@@ -27,6 +27,9 @@ pub const MAX_LOGIT_BIAS: usize = 1024;
 /// The longest LoRA adapter path (bytes) a request carries to the worker.
 pub const MAX_LORA_PATH: usize = 1024;
 
+/// The most pinned LoRA adapters (`pinned` at load): bounds the plan's `lora_pins`.
+pub const MAX_LORA_PINS: usize = 64;
+
 section! {
     /// A slot whose request finished or was aborted/retracted since the last plan: the worker
     /// drops its state before taking new requests.
@@ -287,6 +290,17 @@ section! {
     }
 }
 
+section! {
+    /// A pinned LoRA adapter (loaded with `pinned`): once in the worker's pool it is never
+    /// evicted, and the scheduler keeps a pool slot for it. Every step plan lists all of them
+    /// (a handful at most), so the worker needs no state about pins between plans.
+    pub struct LoraPin("lora_pin") {
+        /// The adapter's registry id (`SamplingParams::lora_id`).
+        pub adapter: u32,
+    }
+    lists {}
+}
+
 message! {
     /// One step of work for the worker group.
     pub struct Plan(magic = 0x4e4c_5054) {
@@ -298,6 +312,7 @@ message! {
         pub masks: Vec<TokenMask>,
         pub grammars: Vec<GrammarRow>,
         pub ops: Vec<WorkerOp>,
+        pub lora_pins: Vec<LoraPin>,
     }
 }
 
@@ -400,7 +415,8 @@ impl Plan {
                 0
             }, // grammar rows: one per new request, each bounded
             1,
-            MAX_OP_TEXT, // worker ops: one at most, alone in its plan
+            MAX_OP_TEXT,   // worker ops: one at most, alone in its plan
+            MAX_LORA_PINS, // pinned adapters
         ];
         <Plan as Message>::max_encoded_len(&counts)
     }

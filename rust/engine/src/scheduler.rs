@@ -21,6 +21,7 @@ use crate::pages::{PagePool, Pages};
 use crate::plan::{PageTableUpdate, Plan};
 use crate::radix::{NodeId, RadixCache};
 
+mod adapters;
 mod admission;
 mod finish;
 mod ngram;
@@ -275,9 +276,8 @@ pub struct Scheduler {
     transfers: KvTransferStats,
     /// Run times of past steps, for `max_mixed_step_ms`.
     step_cost: step_cost::StepCost,
-    /// Most distinct LoRA adapters among running requests (`--max-loras-per-batch`: the
-    /// worker's adapter pool slots; every running request is in every step).
-    max_adapters: usize,
+    /// The worker's LoRA adapter pool slots: how many, and which are pinned.
+    adapters: adapters::AdapterSlots,
     /// No request is admitted (nor preempts) while set: the engine drains the running ones
     /// before an operation on the worker group (`ops.rs`).
     admission_held: bool,
@@ -333,7 +333,7 @@ impl Scheduler {
             spec: SpecCounts::default(),
             transfers: KvTransferStats::default(),
             step_cost: step_cost::StepCost::default(),
-            max_adapters: usize::MAX,
+            adapters: adapters::AdapterSlots::unlimited(),
             admission_held: false,
         })
     }
@@ -341,7 +341,16 @@ impl Scheduler {
     /// At most `n` distinct LoRA adapters (the base model not counted) run at once; a waiting
     /// request for another one waits until a running adapter has no request left.
     pub fn limit_adapters(&mut self, n: usize) {
-        self.max_adapters = n;
+        self.adapters.max = n;
+    }
+
+    /// The pinned LoRA adapters, all of them (the server's registry, after a load or an unload
+    /// changed them): each keeps a pool slot, and every step plan lists them so the worker
+    /// never evicts them.
+    pub fn pin_adapters(&mut self, mut pins: Vec<u32>) {
+        pins.sort_unstable();
+        pins.dedup();
+        self.adapters.pins = pins;
     }
 
     pub fn config(&self) -> &SchedulerConfig {

@@ -7,8 +7,8 @@ use tokenspeed_engine::plan::{
 };
 use tokenspeed_engine::schema::Message;
 use tokenspeed_engine::{
-    GrammarRow, OpOutcome, Plan, SamplingParams, StepLimits, StepResult, StepTiming, TokenMask,
-    WorkerOp,
+    GrammarRow, LoraPin, OpOutcome, Plan, SamplingParams, StepLimits, StepResult, StepTiming,
+    TokenMask, WorkerOp,
 };
 use tokenspeed_ipc::codec::{decode, encode, encode_arrays, layout_of, DType};
 use tokenspeed_ipc::IpcError;
@@ -116,6 +116,7 @@ fn plan() -> impl Strategy<Value = Plan> {
         prop::collection::vec(mask, 0..3),
         prop::collection::vec(grammar, 0..3),
         prop::collection::vec(op, 0..2),
+        prop::collection::vec(any::<u32>().prop_map(|adapter| LoraPin { adapter }), 0..4),
     )
         .prop_map(
             |(
@@ -128,6 +129,7 @@ fn plan() -> impl Strategy<Value = Plan> {
                 masks,
                 grammars,
                 ops,
+                lora_pins,
             )| Plan {
                 step_id,
                 finished,
@@ -138,6 +140,7 @@ fn plan() -> impl Strategy<Value = Plan> {
                 masks,
                 grammars,
                 ops,
+                lora_pins,
             },
         )
 }
@@ -445,6 +448,7 @@ fn the_slot_bound_holds_the_largest_step() {
             args: vec![b'x'; tokenspeed_engine::MAX_OP_TEXT],
             ..Default::default()
         }],
+        lora_pins: vec![LoraPin::default(); tokenspeed_engine::MAX_LORA_PINS],
         ..Default::default()
     };
     assert!(full.encoded_len() <= Plan::max_encoded_len(&l));

@@ -230,6 +230,10 @@ enum Command {
     FlushCache {
         reply: oneshot::Sender<bool>,
     },
+    /// The pinned LoRA adapters, all of them (`Scheduler::pin_adapters`).
+    PinAdapters {
+        pins: Vec<u32>,
+    },
     /// Ends every live request with an error (the shutdown drain ran out of time).
     AbortAll {
         message: String,
@@ -390,6 +394,12 @@ impl EngineHandle {
             return false;
         }
         rx.await.unwrap_or(false)
+    }
+
+    /// The pinned LoRA adapters now (the registry's `PinSink`): queued before any request
+    /// sent after it, so a request on a new pin is admitted under it.
+    pub fn pin_adapters(&self, pins: Vec<u32>) {
+        let _ = self.commands.send(Command::PinAdapters { pins });
     }
 
     pub fn is_healthy(&self) -> bool {

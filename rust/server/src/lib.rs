@@ -125,7 +125,12 @@ pub fn build_state_replicas(
     };
     let engines = spawn_replicas(&config, links, options, &metrics)?;
     let engine = Replicas::new(engines, policy);
-    let lora = lora::LoraRegistry::new(config.lora.clone()).map_err(ServeError::Config)?;
+    let pins_to = engine.clone();
+    let lora = lora::LoraRegistry::new(
+        config.lora.clone(),
+        Box::new(move |pins| pins_to.pin_adapters(pins)),
+    )
+    .map_err(ServeError::Config)?;
     Ok(http::AppState {
         lora: Arc::new(lora),
         weight_version: Arc::new(std::sync::RwLock::new(config.weight_version.clone())),

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::RwLock;
 
 use serde::{Deserialize, Serialize};
-use tokenspeed_engine::MAX_LORA_PATH;
+use tokenspeed_engine::{MAX_LORA_PATH, MAX_LORA_PINS};
 
 /// The server's LoRA settings, as the launcher resolved them from the flags and the start-up
 /// adapters (`python/tokenspeed/worker/lora.py` resolves the same for the workers).
@@ -23,8 +23,8 @@ use tokenspeed_engine::MAX_LORA_PATH;
 pub struct LoraConfig {
     /// `--enable-lora` (or `--lora-paths`): adapters may be loaded and requested.
     pub enabled: bool,
-    /// `--lora-paths`, as (name, path) pairs.
-    pub adapters: Vec<(String, String)>,
+    /// `--lora-paths`.
+    pub adapters: Vec<StartAdapter>,
     /// `--max-lora-rank`: the worker's pool holds ranks up to this.
     pub max_rank: u32,
     /// HF module names the worker's pool adapts (`--lora-target-modules`, resolved).
@@ -44,12 +44,26 @@ impl LoraConfig {
     }
 }
 
+/// An adapter of `--lora-paths`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartAdapter {
+    pub name: String,
+    pub path: String,
+    /// SGLang's `pinned` (`--lora-paths '{..., "pinned": true}'`).
+    #[serde(default)]
+    pub pinned: bool,
+}
+
 /// A registered adapter.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Adapter {
     pub id: u32,
     pub name: String,
     pub path: String,
+    /// Never evicted from the workers' GPU pool, which keeps a slot for it (SGLang's
+    /// `pinned`); unloading it frees the slot.
+    pub pinned: bool,
 }
 
 /// Runs a request's sampling on `adapter` (None: the base model).
@@ -67,6 +81,8 @@ pub enum LoraError {
     Unknown(String),
     Exists(String),
     Invalid(String),
+    /// Pinning one more would leave no pool slot for the other adapters.
+    PinLimit(usize),
 }
 
 impl std::fmt::Display for LoraError {
@@ -76,13 +92,23 @@ impl std::fmt::Display for LoraError {
             LoraError::Unknown(n) => write!(f, "the LoRA adapter `{n}` is not loaded"),
             LoraError::Exists(n) => write!(f, "a LoRA adapter named `{n}` is already loaded"),
             LoraError::Invalid(why) => f.write_str(why),
+            LoraError::PinLimit(n) => write!(
+                f,
+                "at most {n} adapters may be pinned: one of the --max-loras-per-batch pool \
+                 slots stays for the adapters that are not"
+            ),
         }
     }
 }
 
+/// Where the registry sends the pinned adapters' ids, all of them, each time they change
+/// (the engines' schedulers, `Replicas::pin_adapters`).
+pub type PinSink = Box<dyn Fn(Vec<u32>) + Send + Sync>;
+
 pub struct LoraRegistry {
     config: LoraConfig,
     inner: RwLock<Inner>,
+    pins_to: PinSink,
 }
 
 #[derive(Default)]
@@ -92,18 +118,42 @@ struct Inner {
 }
 
 impl LoraRegistry {
-    /// The registry with the start-up adapters; an error names the first bad one.
-    pub fn new(config: LoraConfig) -> Result<Self, String> {
+    /// The registry with the start-up adapters; an error names the first bad one. `pins_to`
+    /// hears the pinned adapters now and after every change, in the order the changes
+    /// happened (it is called under the registry's lock).
+    pub fn new(config: LoraConfig, pins_to: PinSink) -> Result<Self, String> {
         let registry = LoraRegistry {
             inner: RwLock::new(Inner::default()),
             config,
+            pins_to,
         };
-        for (name, path) in registry.config.adapters.clone() {
+        for a in registry.config.adapters.clone() {
             registry
-                .load(&name, &path)
-                .map_err(|e| format!("--lora-paths {name}={path}: {e}"))?;
+                .load(&a.name, &a.path, a.pinned)
+                .map_err(|e| format!("--lora-paths {}={}: {e}", a.name, a.path))?;
         }
+        (registry.pins_to)(registry.pinned_ids(&registry.read()));
         Ok(registry)
+    }
+
+    /// Most adapters pinned at once: every pool slot but one (`LoraError::PinLimit`).
+    fn max_pins(&self) -> usize {
+        (self.config.max_per_batch as usize)
+            .saturating_sub(1)
+            .min(MAX_LORA_PINS)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pinned_ids(&self, inner: &Inner) -> Vec<u32> {
+        inner
+            .by_name
+            .values()
+            .filter(|a| a.pinned)
+            .map(|a| a.id)
+            .collect()
     }
 
     pub fn enabled(&self) -> bool {
@@ -111,7 +161,7 @@ impl LoraRegistry {
     }
 
     /// Registers `name` → `path` after checking the adapter fits the worker's pool.
-    pub fn load(&self, name: &str, path: &str) -> Result<Adapter, LoraError> {
+    pub fn load(&self, name: &str, path: &str, pinned: bool) -> Result<Adapter, LoraError> {
         if !self.config.enabled {
             return Err(LoraError::Disabled);
         }
@@ -125,13 +175,20 @@ impl LoraRegistry {
         if inner.by_name.contains_key(name) {
             return Err(LoraError::Exists(name.to_string()));
         }
+        if pinned && self.pinned_ids(&inner).len() >= self.max_pins() {
+            return Err(LoraError::PinLimit(self.max_pins()));
+        }
         inner.last_id += 1;
         let adapter = Adapter {
             id: inner.last_id,
             name: name.to_string(),
             path: path.to_string(),
+            pinned,
         };
         inner.by_name.insert(name.to_string(), adapter.clone());
+        if pinned {
+            (self.pins_to)(self.pinned_ids(&inner));
+        }
         Ok(adapter)
     }
 
@@ -141,21 +198,23 @@ impl LoraRegistry {
             return Err(LoraError::Disabled);
         }
         let mut inner = self.inner.write().unwrap_or_else(|e| e.into_inner());
-        inner
+        let adapter = inner
             .by_name
             .remove(name)
-            .ok_or_else(|| LoraError::Unknown(name.to_string()))
+            .ok_or_else(|| LoraError::Unknown(name.to_string()))?;
+        if adapter.pinned {
+            (self.pins_to)(self.pinned_ids(&inner));
+        }
+        Ok(adapter)
     }
 
     pub fn get(&self, name: &str) -> Option<Adapter> {
-        let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());
-        inner.by_name.get(name).cloned()
+        self.read().by_name.get(name).cloned()
     }
 
     /// Every registered adapter, by name.
     pub fn list(&self) -> Vec<Adapter> {
-        let inner = self.inner.read().unwrap_or_else(|e| e.into_inner());
-        inner.by_name.values().cloned().collect()
+        self.read().by_name.values().cloned().collect()
     }
 
     fn check_adapter(&self, path: &str) -> Result<(), LoraError> {
@@ -221,26 +280,42 @@ mod tests {
         dir.to_string_lossy().into_owned()
     }
 
+    type Heard = std::sync::Arc<std::sync::Mutex<Vec<Vec<u32>>>>;
+
+    /// A registry with 4 pool slots, and what its pin sink heard.
+    fn registry_hearing() -> (LoraRegistry, Heard) {
+        let heard = Heard::default();
+        let sink = heard.clone();
+        let reg = LoraRegistry::new(
+            LoraConfig {
+                enabled: true,
+                adapters: Vec::new(),
+                max_rank: 16,
+                target_modules: vec!["q_proj".into(), "v_proj".into()],
+                max_per_batch: 4,
+            },
+            Box::new(move |pins| sink.lock().expect("sink").push(pins)),
+        )
+        .expect("registry");
+        (reg, heard)
+    }
+
     fn registry() -> LoraRegistry {
-        LoraRegistry::new(LoraConfig {
-            enabled: true,
-            adapters: Vec::new(),
-            max_rank: 16,
-            target_modules: vec!["q_proj".into(), "v_proj".into()],
-            max_per_batch: 4,
-        })
-        .expect("registry")
+        registry_hearing().0
     }
 
     #[test]
     fn ids_are_never_reused() {
         let reg = registry();
         let path = adapter_dir("ids", 8, &["q_proj"]);
-        let a = reg.load("a", &path).expect("load");
-        assert_eq!(reg.load("a", &path), Err(LoraError::Exists("a".into())));
+        let a = reg.load("a", &path, false).expect("load");
+        assert_eq!(
+            reg.load("a", &path, false),
+            Err(LoraError::Exists("a".into()))
+        );
         reg.unload("a").expect("unload");
         assert_eq!(reg.unload("a"), Err(LoraError::Unknown("a".into())));
-        let again = reg.load("a", &path).expect("reload");
+        let again = reg.load("a", &path, false).expect("reload");
         assert!(again.id > a.id);
         assert_eq!(reg.list(), vec![again]);
     }
@@ -250,15 +325,46 @@ mod tests {
         let reg = registry();
         let big = adapter_dir("big", 32, &["q_proj"]);
         assert!(
-            matches!(reg.load("big", &big), Err(LoraError::Invalid(m)) if m.contains("rank 32"))
+            matches!(reg.load("big", &big, false), Err(LoraError::Invalid(m)) if m.contains("rank 32"))
         );
         let mlp = adapter_dir("mlp", 8, &["down_proj"]);
         assert!(
-            matches!(reg.load("mlp", &mlp), Err(LoraError::Invalid(m)) if m.contains("down_proj"))
+            matches!(reg.load("mlp", &mlp, false), Err(LoraError::Invalid(m)) if m.contains("down_proj"))
         );
         assert!(matches!(
-            reg.load("none", "/no/such/dir"),
+            reg.load("none", "/no/such/dir", false),
             Err(LoraError::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn pins_leave_one_pool_slot_and_every_change_is_heard() {
+        let (reg, heard) = registry_hearing();
+        let path = adapter_dir("pins", 8, &["q_proj"]);
+        let ids: Vec<u32> = ["p1", "p2", "p3"]
+            .iter()
+            .map(|n| reg.load(n, &path, true).expect("pin").id)
+            .collect();
+        assert_eq!(reg.load("p4", &path, true), Err(LoraError::PinLimit(3)));
+        let plain = reg
+            .load("plain", &path, false)
+            .expect("an unpinned one still loads");
+        assert!(!plain.pinned);
+        reg.unload("p2").expect("unload");
+        reg.unload("plain").expect("unload");
+        let p4 = reg.load("p4", &path, true).expect("the freed pin slot");
+        let heard = heard.lock().expect("heard").clone();
+        assert_eq!(
+            heard,
+            vec![
+                vec![],
+                vec![ids[0]],
+                ids[..2].to_vec(),
+                ids.clone(),
+                vec![ids[0], ids[2]],
+                vec![ids[0], ids[2], p4.id],
+            ],
+            "the start, each pin and the pinned unload; not the unpinned ones"
+        );
     }
 }

@@ -216,6 +216,13 @@ impl Replicas {
             .all(|flushed| flushed)
     }
 
+    /// Every replica's scheduler keeps slots for the pinned LoRA adapters `pins`.
+    pub fn pin_adapters(&self, pins: Vec<u32>) {
+        for engine in &self.inner.engines {
+            engine.pin_adapters(pins.clone());
+        }
+    }
+
     /// Healthy only while every replica is: one dead worker fails `/health` (and the server
     /// stops, as with one replica).
     pub fn is_healthy(&self) -> bool {

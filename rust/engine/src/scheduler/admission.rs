@@ -127,10 +127,10 @@ impl Scheduler {
                 continue;
             };
             let adapter = seq.req.sampling.lora_id;
-            if adapter != 0 && !adapters.contains(&adapter) {
-                if adapters.len() >= self.max_adapters {
-                    continue; // waits for a pool slot; requests on running adapters go ahead
-                }
+            if !self.adapters.admits(&adapters, adapter) {
+                continue; // waits for a pool slot; requests on running adapters go ahead
+            }
+            if adapter != 0 {
                 adapters.insert(adapter);
             }
             let ns = seq.req.sampling.lora_id;

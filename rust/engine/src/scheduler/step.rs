@@ -7,7 +7,7 @@ use super::{
     StepBuilder, Work, RESERVE_RATIO_BUMP,
 };
 use crate::pages::Pages;
-use crate::plan::{copy_kind, CopyOp, FinishedSlot, Plan, ScheduledRequest, LAST_SAMPLED};
+use crate::plan::{copy_kind, CopyOp, FinishedSlot, LoraPin, Plan, ScheduledRequest, LAST_SAMPLED};
 
 /// The fewest prompt tokens the time cap leaves a step with decodes: a quarter of the default
 /// mixed-step token cap, so that when decodes alone take the whole target a wave of prompts
@@ -160,6 +160,12 @@ impl Scheduler {
         if step.plan.is_empty() {
             return None;
         }
+        step.plan.lora_pins = self
+            .adapters
+            .pins
+            .iter()
+            .map(|&adapter| LoraPin { adapter })
+            .collect();
         step.plan.step_id = self.next_step;
         self.next_step += 1;
         self.step_cost.planned(step.plan.step_id, scheduled);

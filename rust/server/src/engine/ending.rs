@@ -101,6 +101,7 @@ impl EngineLoop {
                 | Command::StopMatched { .. }
                 | Command::AbortAll { .. }
                 | Command::PrefixLen { .. }
+                | Command::PinAdapters { .. }
                 | Command::SetPaused { .. }
                 | Command::WorkerOp { .. } => {}
                 Command::Shutdown => return,

@@ -22,7 +22,8 @@ use crate::validate;
 pub struct LoadLoraRequest {
     pub lora_name: String,
     pub lora_path: String,
-    /// SGLang's: keep the adapter in GPU memory; only false (the default) is supported.
+    /// SGLang's: never evict the adapter from the workers' GPU pool, which keeps a slot for
+    /// it (at most `--max-loras-per-batch` - 1 pinned).
     pub pinned: Option<bool>,
 }
 
@@ -52,12 +53,11 @@ fn loaded(state: &AppState) -> serde_json::Value {
 pub async fn load_adapter(State(state): State<AppState>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let req: LoadLoraRequest = parse_body(&body)?;
-        validate::admin::lora_pinned(req.pinned)?;
         let adapter = state
             .lora
-            .load(&req.lora_name, &req.lora_path)
+            .load(&req.lora_name, &req.lora_path, req.pinned.unwrap_or(false))
             .map_err(|e| api_error(e, "lora_path"))?;
-        tracing::info!(name = %adapter.name, id = adapter.id, path = %adapter.path, "LoRA adapter loaded");
+        tracing::info!(name = %adapter.name, id = adapter.id, path = %adapter.path, pinned = adapter.pinned, "LoRA adapter loaded");
         Ok(ok_json(json!({
             "success": true,
             "message": format!("Success: LoRA adapter '{}' added successfully.", adapter.name),

@@ -70,20 +70,13 @@ pub fn memory_tags(tags: &[String]) -> Result<(), RequestError> {
     Ok(())
 }
 
-/// `/v1/load_lora_adapter`'s `pinned`: only false (the default) is supported.
-pub fn lora_pinned(pinned: Option<bool>) -> Result<(), RequestError> {
-    if pinned == Some(true) {
-        return Err(RequestError::bad_param(
-            "pinned",
-            "pinned adapters are not supported yet",
-        ));
-    }
-    Ok(())
-}
-
-/// A LoRA registry refusal (bad path, name taken, LoRA off), naming `param`. An unknown
-/// adapter is the caller's 404, not a 400.
+/// A LoRA registry refusal (bad path, name taken, LoRA off), naming `param`; a pin past the
+/// limit names `pinned`. An unknown adapter is the caller's 404, not a 400.
 pub fn lora_refusal(e: LoraError, param: &str) -> RequestError {
+    let param = match e {
+        LoraError::PinLimit(_) => "pinned",
+        _ => param,
+    };
     RequestError::bad_param(param, e.to_string())
 }
 

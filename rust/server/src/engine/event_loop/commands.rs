@@ -1,5 +1,5 @@
 //! The front end's commands as the engine loop carries them out: submit (with its queue bound,
-//! `queue_bound.rs`), abort, a stop string matched, the router's prefix query, flush, pause,
+//! `queue_bound.rs`), abort, a stop string matched, the router's prefix query, flush, LoRA pins, pause,
 //! worker operations and shutdown.
 
 use super::*;
@@ -49,6 +49,7 @@ impl EngineLoop {
                 self.publish_stats(0, 0);
                 let _ = reply.send(flushed);
             }
+            Command::PinAdapters { pins } => self.scheduler.pin_adapters(pins),
             Command::AbortAll { message } => {
                 self.grammars.clear();
                 for (id, live) in self.requests.drain() {
