@@ -152,3 +152,17 @@ def test_dummy_weights_draft(mtp_model: MtpModel) -> None:
                                        scheduled=[(0, 0, [5, 6, 7], True)])).wait()
     assert out.draft_tokens is not None and len(out.draft_tokens[0]) == STEPS
 
+
+
+def test_fp8_target_drafts_with_the_layer_in_its_dtype(mtp_model: MtpModel) -> None:
+    # --quantization fp8 of a float checkpoint: the target's linears are FP8, the MTP layer's
+    # stay as loaded (its own output head included), and it drafts.
+    runner = ModelRunner(str(mtp_model.path), page_size=4, max_slots=2, max_context_len=64,
+                         quantization="fp8", draft=NEXTN)
+    assert runner.model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.dtype == torch.float8_e4m3fn
+    head = runner.drafter.head
+    assert head.decoder.self_attn.kv_a_proj_with_mqa.weight.dtype == torch.float32
+    out = runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}],
+                                       page_tables=[(0, 0, [1, 2, 3])],
+                                       scheduled=[(0, 0, [5, 6, 7, 8, 9], True)])).wait()
+    assert out.draft_tokens is not None and len(out.draft_tokens[0]) == STEPS

@@ -149,8 +149,8 @@ def load_mtp_head(target: nn.Module, path: str, *, dtype: torch.dtype, device: t
     for name, mine in shared.items():  # equal to the target's: use the target's
         t = tensors.get(name)
         if t is not None and mine is not None and t.shape == mine.shape and \
-                torch.equal(t.to(mine.device, mine.dtype), mine):
-            del tensors[name]
+                mine.element_size() > 1 and torch.equal(t.to(mine.device, mine.dtype), mine):
+            del tensors[name]  # (an FP8 target head is not compared: the layer keeps its own)
     with default_dtype(dtype), torch.device(device):
         head = DeepseekMtpHead(target, max_positions, "shared_head.head.weight" in tensors,
                                "embed_tokens.weight" in tensors)

@@ -105,8 +105,9 @@ def load_drafter(runner: Any, spec: DraftSpec | None, model_path: str, load_form
     runner.draft_page_bytes = runner.draft_fixed_bytes = 0
     if spec is None:
         return None
-    if spec.algorithm == "NEXTN" and runner.fp8 is not None:
-        raise ValueError("not supported yet: --speculative-algorithm NEXTN with FP8 weights")
+    if spec.algorithm == "NEXTN" and runner.fp8 is not None and runner.fp8.checkpoint_format:
+        # (--quantization fp8 of a bf16 checkpoint is fine: the MTP layer stays in the dtype.)
+        raise ValueError("not supported yet: --speculative-algorithm NEXTN with an FP8 checkpoint")
     head = load_head(spec, runner.model, model_path, dtype=runner.dtype, device=runner.device,
                      max_positions=runner.max_context_len + spec.num_steps + 1,
                      dummy=load_format == "dummy", seed=seed)
