@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tokenspeed.models.config import read_config_json
+from tokenspeed.models.config import mtp_layers, read_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def checkpoint_refusal(cfg: Any, model_dir: Path) -> str | None:
         resolve_quantization(cfg.quantization, raw, str(model_dir), cfg.lm_head_quantization)
     except QuantizationError as e:
         return str(e)
-    if cfg.speculative_algorithm == "NEXTN" and not int(raw.get("num_nextn_predict_layers") or 0):
+    if cfg.speculative_algorithm == "NEXTN" and not mtp_layers(raw):
         return (f"not supported yet: --speculative-algorithm NEXTN for {model_dir}: it has no "
                 "multi-token prediction layer to draft with (num_nextn_predict_layers is 0 or "
                 "absent; DeepSeek-V3's checkpoints have one)")

@@ -29,7 +29,7 @@ from torch import nn
 from tokenspeed.layers.attention import ForwardBatch
 from tokenspeed.layers.norm import RMSNorm
 from tokenspeed.layers.rotary import RotaryEmbedding
-from tokenspeed.models.config import config_from_hf_dict
+from tokenspeed.models.config import config_from_hf_dict, mtp_layers
 from tokenspeed.models.deepseek_v2 import DeepseekMoe, DeepseekV2ForCausalLM, MlaAttention
 from tokenspeed.models.llama import LlamaDecoderLayer, LlamaMLP
 from tokenspeed.models.weights import (
@@ -42,11 +42,6 @@ from tokenspeed.models.weights import (
 _EH_PROJ = re.compile(r"^model\.layers\.(\d+)\.eh_proj\.weight$")
 # The MTP layer's own tensors (the rest of `model.layers.N.*` is its decoder layer's).
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
-
-
-def mtp_layers(raw: dict) -> int:
-    """MTP layers a DeepSeek config declares (0: none)."""
-    return int(raw.get("num_nextn_predict_layers") or 0)
 
 
 class DeepseekMtpHead(nn.Module):
