@@ -3,8 +3,9 @@ draft_chain.py over models/deepseek_mtp.py): from a tiny random V3 checkpoint wi
 layer (tests/deepseek_mtp_model.py), the drafts the runner returns after prompt chunks, after a
 verify step that rejects and one that accepts every draft are those of a plain torch reference
 over HF transformers' hidden states; so are every request's in a mixed batch (torch_native and
-triton). The head's KV is a latent (MLA) cache; the target skips the MTP layer's tensors; what
-it refuses."""
+triton) and after a page copy (the head's latent KV comes along). The head's KV is a latent
+(MLA) cache; the target skips the MTP layer's tensors; copies of the target's head and
+embedding are shared; --quantization fp8 drafts; a model without an MTP layer is refused."""
 
 from __future__ import annotations
 
@@ -166,3 +167,22 @@ def test_fp8_target_drafts_with_the_layer_in_its_dtype(mtp_model: MtpModel) -> N
                                        page_tables=[(0, 0, [1, 2, 3])],
                                        scheduled=[(0, 0, [5, 6, 7, 8, 9], True)])).wait()
     assert out.draft_tokens is not None and len(out.draft_tokens[0]) == STEPS
+
+
+def test_a_copied_page_brings_the_heads_latent_kv(mtp_model: MtpModel) -> None:
+    # The plan's page copies (a shared prefix's partial page): B's first two pages are copies of
+    # A's and it computes from position 6 on; the head's latent entries of positions 0 ... 5
+    # must come with the copies for B's drafts to be those of B alone.
+    m = mtp_model
+    runner = runner_for(m)
+    a = [(41 * i) % 250 + 3 for i in range(8)]
+    b = a[:7] + [11, 12, 13]
+    runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}],
+                                 page_tables=[(0, 0, [1, 2, 3])],
+                                 scheduled=[(0, 0, a, True)])).wait()
+    out = runner.launch(StepPlan.build(new=[{"slot": 1, "temperature": 0.0}],
+                                       page_tables=[(1, 0, [10, 11, 12])], copies=[(1, 10), (2, 11)],
+                                       scheduled=[(1, 6, b[6:], True)])).wait()
+    assert out.draft_tokens is not None
+    seq = b + np.asarray(out.tokens).tolist()
+    assert out.draft_tokens[0].tolist() == reference_drafts(m, seq, STEPS)
