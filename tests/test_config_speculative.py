@@ -1,6 +1,7 @@
-"""Speculative decoding settings: NGRAM and EAGLE3 are on, vLLM's --speculative-config maps
-onto the same flags, the other algorithms (and EAGLE tree drafting) refuse clearly, and
-speculation turns the overlap scheduler off."""
+"""Speculative decoding settings: NGRAM, EAGLE3 and NEXTN are on, vLLM's --speculative-config
+maps onto the same flags, the other algorithms (and EAGLE tree drafting, NEXTN past one rank or
+on a model without an MTP layer) refuse clearly, and speculation turns the overlap scheduler
+off."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def test_vllm_speculative_config_maps_onto_the_flags() -> None:
     assert "speculative_config" not in cfg.server_dict()  # read by the launcher alone
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "NEXTN", "STANDALONE"])
+@pytest.mark.parametrize("algorithm", ["EAGLE", "STANDALONE"])
 def test_algorithms_with_draft_weights_refuse(algorithm: str) -> None:
-    with pytest.raises(NotSupportedError, match="available now: NGRAM, EAGLE3"):
+    with pytest.raises(NotSupportedError, match="available now: NGRAM, EAGLE3, NEXTN"):
         parse_serve_args(["--speculative-algorithm", algorithm,
                           "--speculative-num-draft-tokens", "4"])
 
@@ -56,7 +57,7 @@ def test_algorithms_with_draft_weights_refuse(algorithm: str) -> None:
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "h",
       "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6"], "give 3 or"),
     (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
-      "--speculative-num-steps", "3"], "are for --speculative-algorithm EAGLE3"),
+      "--speculative-num-steps", "3"], "are for --speculative-algorithm EAGLE3 or NEXTN"),
     (["--speculative-draft-model-path", "h"], "needs --speculative-algorithm"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
       "--speculative-num-draft-tokens", "4"], "but the flag says 4"),
@@ -94,3 +95,58 @@ def test_eagle_tree_drafting_refuses() -> None:
     with pytest.raises(NotSupportedError, match="speculative-eagle-topk"):
         parse_serve_args(["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                           "/h", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4"])
+
+
+@pytest.mark.parametrize("argv", [
+    # SGLang's spelling (the draft path defaults to the model's own checkpoint).
+    ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
+    ["--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "3"],
+    # vLLM's: DeepSeek's MTP layer under either method name.
+    ["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 3}'],
+    ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'],
+])
+def test_nextn_settings_reach_the_scheduler_and_worker(argv: list[str]) -> None:
+    cfg = parse_serve_args(argv)
+    sched, worker = cfg.section("scheduler"), cfg.worker_dict()
+    assert (sched["speculative_algorithm"], sched["speculative_num_draft_tokens"]) == ("NEXTN", 3)
+    assert (worker["speculative_draft_model_path"], worker["speculative_num_steps"]) == (None, 3)
+    assert cfg.disable_overlap_schedule is True
+
+
+def test_nextn_takes_a_separate_mtp_checkpoint() -> None:
+    cfg = parse_serve_args(["--speculative-config",
+                            '{"method": "mtp", "model": "/mtp", "num_speculative_tokens": 2}'])
+    assert (cfg.speculative_algorithm, cfg.speculative_draft_model_path) == ("NEXTN", "/mtp")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+      "--speculative-eagle-topk", "2"], "speculative-eagle-topk"),
+    (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--tp-size", "2"],
+     "NEXTN with --tp-size 2"),
+    (["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 2}',
+      "--ep-size", "2"], "NEXTN with --ep-size 2"),
+])
+def test_nextn_refuses_what_it_cannot_do(argv: list[str], message: str) -> None:
+    with pytest.raises(NotSupportedError, match=message):
+        parse_serve_args(argv)
+
+
+def test_nextn_needs_a_chain_length() -> None:
+    with pytest.raises(ConfigError, match="NEXTN needs --speculative-num-steps"):
+        parse_serve_args(["--speculative-algorithm", "NEXTN"])
+
+
+def test_a_model_without_an_mtp_layer_is_refused_at_start(tmp_path) -> None:
+    import json
+
+    from tokenspeed.launch.model_facts import checkpoint_refusal
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"],
+                                                      "num_nextn_predict_layers": 0}))
+    nextn = parse_serve_args(["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"])
+    assert "not supported yet: --speculative-algorithm NEXTN" in checkpoint_refusal(nextn, tmp_path)
+    assert checkpoint_refusal(parse_serve_args([]), tmp_path) is None
+    (tmp_path / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 1}))
+    assert checkpoint_refusal(nextn, tmp_path) is None

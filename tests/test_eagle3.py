@@ -1,4 +1,4 @@
-"""EAGLE-3 drafting in the worker (worker/eagle3.py): a random head in the public layout
+"""EAGLE-3 drafting in the worker (worker/draft_chain.py): a random head in the public layout
 loads, and the drafts the runner returns after prefill chunks, after a verify step that
 rejects and after one that accepts every draft are exactly those of a plain torch reference
 of the head's forward over HF transformers' hidden states of the target (same weights); so are
@@ -18,6 +18,7 @@ from eagle3_head import make_head, reference_drafts
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenspeed.models.eagle3 import Eagle3Config
+from tokenspeed.worker.draft_chain import DraftSpec
 from tokenspeed.worker.model_runner import ModelRunner
 from tokenspeed.worker.plan import StepPlan
 
@@ -78,7 +79,7 @@ def test_head_config_and_capture_layers(target_and_head: tuple[str, Path]) -> No
 def test_drafts_match_the_reference_forward(target_and_head: tuple[str, Path]) -> None:
     target, head = target_and_head
     runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
-                         eagle3=(str(head), STEPS))
+                         draft=DraftSpec("EAGLE3", str(head), STEPS))
     prompt = [(37 * i) % 290 + 3 for i in range(11)]
     pages = (0, 0, list(range(1, 17)))
 
@@ -113,9 +114,9 @@ def test_a_config_alone_needs_dummy_weights(target_and_head: tuple[str, Path], t
     (tmp_path / "config.json").write_text((head / "config.json").read_text())
     with pytest.raises(ValueError, match="dummy"):
         ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
-                    eagle3=(str(tmp_path), STEPS))
+                    draft=DraftSpec("EAGLE3", str(tmp_path), STEPS))
     runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64, load_format="dummy",
-                         eagle3=(str(tmp_path), STEPS))
+                         draft=DraftSpec("EAGLE3", str(tmp_path), STEPS))
     out = runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}], page_tables=[(0, 0, [1, 2])],
                                        scheduled=[(0, 0, [5, 6, 7], True)])).wait()
     assert out.draft_tokens is not None and len(out.draft_tokens[0]) == STEPS
@@ -130,7 +131,7 @@ def test_a_batch_drafts_as_each_request_alone(target_and_head: tuple[str, Path],
     # mixed orders. Every request's drafts are the reference's for that request alone.
     target, head = target_and_head[0], sharp_head
     runner = ModelRunner(target, page_size=4, max_slots=4, max_context_len=64,
-                         attention_backend=backend, eagle3=(str(head), STEPS))
+                         attention_backend=backend, draft=DraftSpec("EAGLE3", str(head), STEPS))
     prompts = {s: [(31 * i + 17 * s) % 290 + 3 for i in range(n)]
                for s, n in ((0, 5), (1, 9), (2, 14), (3, 7))}
     seqs = {s: list(p) for s, p in prompts.items()}
@@ -175,7 +176,7 @@ def test_a_copied_page_brings_the_heads_kv(target_and_head: tuple[str, Path], sh
     # 0 ... 5 must come with the copies for B's drafts to be those of B alone.
     target = target_and_head[0]
     runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
-                         eagle3=(str(sharp_head), STEPS))
+                         draft=DraftSpec("EAGLE3", str(sharp_head), STEPS))
     a = [(41 * i) % 290 + 3 for i in range(8)]
     b = a[:7] + [11, 12, 13]
     runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What EAGLE-3 drafting alone costs per step (worker/eagle3.py `Eagle3Drafter.propose`: the
+"""What EAGLE-3 drafting alone costs per step (worker/draft_chain.py `ChainDrafter.propose`: the
 head over the step's verified rows, then the chain), at batch 1 / 8 / 32, on whatever device
 is here. Target: Llama-3.1-8B with dummy weights (`--model smollm2` for a quick CPU run), a
 random one-layer head of the public layout (benches/diagnostics/eagle3_dummy_head.py's config),
@@ -32,6 +32,7 @@ import torch
 
 from tokenspeed.bench.model_configs import LLAMA31_8B, SMOLLM2_135M
 from tokenspeed.bench.one_batch import median_wall_ms, prefill_plan
+from tokenspeed.worker.draft_chain import DraftSpec
 from tokenspeed.worker.model_runner import ModelRunner
 from tokenspeed.worker.plan import StepPlan
 
@@ -75,7 +76,8 @@ def main() -> int:
     runner = ModelRunner(str(target), dtype="bfloat16" if cuda else "float32",
                          device="cuda" if cuda else "cpu", load_format="dummy", page_size=PAGE,
                          num_pages=max_bs * pps, max_slots=max_bs, max_context_len=ctx,
-                         attention_backend=args.attention_backend, eagle3=(str(head), args.steps))
+                         attention_backend=args.attention_backend,
+                         draft=DraftSpec("EAGLE3", str(head), args.steps))
     drafter = runner.drafter
     assert drafter is not None
     seen: list[tuple] = []

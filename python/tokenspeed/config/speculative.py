@@ -18,9 +18,12 @@ _VLLM_KEYS = {
 }
 # vLLM's `method` values → `--speculative-algorithm`; None: named, but not built yet.
 _METHODS: dict[str, str | None] = {
-    "ngram": "NGRAM", "eagle": None, "eagle3": "EAGLE3", "mtp": None, "draft_model": None,
-    "medusa": None, "mlp_speculator": None,
+    "ngram": "NGRAM", "eagle": None, "eagle3": "EAGLE3", "mtp": "NEXTN", "deepseek_mtp": "NEXTN",
+    "draft_model": None, "medusa": None, "mlp_speculator": None,
 }
+# Algorithms whose drafts a head in the worker chains after each step (worker/draft_chain.py;
+# the scheduler's side: rust/engine SchedulerConfig::worker_drafts).
+DRAFT_HEADS = ("EAGLE3", "NEXTN")
 
 
 def resolve_speculative(cfg: Any) -> Any:
@@ -32,13 +35,13 @@ def resolve_speculative(cfg: Any) -> Any:
                  if getattr(cfg, f"speculative_{f}") is not None]
         if given:
             raise ConfigError(f"--speculative-{given[0].replace('_', '-')} needs "
-                              "--speculative-algorithm (NGRAM or EAGLE3)")
+                              "--speculative-algorithm (NGRAM, EAGLE3 or NEXTN)")
         return cfg
-    if cfg.speculative_algorithm == "EAGLE3":
-        cfg = _eagle3(cfg)
+    if cfg.speculative_algorithm in DRAFT_HEADS:
+        cfg = _chain(cfg)
     elif cfg.speculative_draft_model_path or cfg.speculative_num_steps:
         raise ConfigError("--speculative-draft-model-path and --speculative-num-steps are for "
-                          "--speculative-algorithm EAGLE3")
+                          "--speculative-algorithm EAGLE3 or NEXTN")
     if cfg.speculative_num_draft_tokens is None:
         raise ConfigError(f"--speculative-algorithm {cfg.speculative_algorithm} needs "
                           "--speculative-num-draft-tokens (the draft tokens verified per step)")
@@ -54,16 +57,20 @@ def resolve_speculative(cfg: Any) -> Any:
     return cfg
 
 
-def _eagle3(cfg: Any) -> Any:
+def _chain(cfg: Any) -> Any:
     """A chain of `--speculative-num-steps` drafts per step. SGLang counts the verified root
     in `--speculative-num-draft-tokens` (steps + 1 for a chain); both spellings are accepted
-    and the scheduler's bound becomes the chain's length."""
-    if not cfg.speculative_draft_model_path:
+    and the scheduler's bound becomes the chain's length. NEXTN's head is the target's own MTP
+    layer: its path defaults to the target's checkpoint (the worker reads it there)."""
+    alg = cfg.speculative_algorithm
+    if alg == "EAGLE3" and not cfg.speculative_draft_model_path:
         raise ConfigError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path "
                           "(the EAGLE-3 head's directory)")
+    if alg == "NEXTN":
+        _check_nextn_parallel(cfg)
     steps, k = cfg.speculative_num_steps, cfg.speculative_num_draft_tokens
     if steps is None and k is None:
-        raise ConfigError("--speculative-algorithm EAGLE3 needs --speculative-num-steps or "
+        raise ConfigError(f"--speculative-algorithm {alg} needs --speculative-num-steps or "
                           "--speculative-num-draft-tokens (the draft tokens per step)")
     steps = steps or k
     if k is not None and k not in (steps, steps + 1):
@@ -74,6 +81,16 @@ def _eagle3(cfg: Any) -> Any:
                                speculative_num_draft_tokens=steps)
 
 
+def _check_nextn_parallel(cfg: Any) -> None:
+    """NEXTN's MTP layer runs on one rank (its MoE layer, like the target's, is single-rank)."""
+    for flag in ("tp_size", "world_size", "pp_size", "ep_size", "nnodes"):
+        value = getattr(cfg, flag, None)
+        if value is not None and int(value) > 1:
+            raise NotSupportedError([(f"not supported yet: --speculative-algorithm NEXTN with "
+                                      f"--{flag.replace('_', '-')} {value} (the MTP draft "
+                                      "layer runs on one rank)")])
+
+
 def speculative_note(cfg: Any) -> str | None:
     """The start-up log line saying speculation is on and what it turned off."""
     if cfg.speculative_algorithm is None:
@@ -82,7 +99,7 @@ def speculative_note(cfg: Any) -> str | None:
             f"{cfg.speculative_num_draft_tokens} draft tokens per step; the overlap scheduler is "
             "turned off (the two do not combine yet); "
             + ("no step uses CUDA graphs (the draft head reads the target's hidden states)"
-               if cfg.speculative_algorithm == "EAGLE3" else
+               if cfg.speculative_algorithm in DRAFT_HEADS else
                "verify steps run without CUDA graphs"))
 
 
@@ -100,12 +117,14 @@ def _apply_vllm_config(cfg: Any, spec: Any) -> Any:
     algorithm = _METHODS[method]
     if algorithm is None:
         raise NotSupportedError([(f"not supported yet: --speculative-config (method {method!r}: "
-                                 "not built yet; available now: ngram, eagle3)")])
+                                 "not built yet; available now: ngram, eagle3, mtp / "
+                                 "deepseek_mtp)")])
     changes: dict[str, Any] = {"speculative_algorithm": algorithm}
     for key, dest in _VLLM_KEYS.items():
         if key == "model" and key in spec:
-            if algorithm != "EAGLE3" or not isinstance(spec[key], str):
-                raise ConfigError("--speculative-config: model (a path) is for method eagle3")
+            if algorithm not in DRAFT_HEADS or not isinstance(spec[key], str):
+                raise ConfigError("--speculative-config: model (a path) is for method eagle3 or "
+                                  "mtp")
             changes[dest] = spec[key]
         elif key in spec:
             value = spec[key]

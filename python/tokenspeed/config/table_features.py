@@ -117,24 +117,28 @@ KERNEL_FLAGS: list[Flag] = [
 SPEC_FLAGS: list[Flag] = [
     c("--speculative-algorithm", "Speculative decoding method: NGRAM drafts by prompt lookup "
       "over the request's own tokens (no draft weights); EAGLE3 drafts with an EAGLE-3 head "
-      "(--speculative-draft-model-path) over the target's hidden states (docs/speculative.md). "
-      "EAGLE, NEXTN and STANDALONE are not built yet.", G_SPEC,
-      ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"), supported=("NGRAM", "EAGLE3"),
+      "(--speculative-draft-model-path) over the target's hidden states; NEXTN with the "
+      "model's own multi-token prediction layer (DeepSeek-V3's MTP, read from the model's "
+      "checkpoint unless --speculative-draft-model-path names another; one rank) "
+      "(docs/speculative.md). EAGLE and STANDALONE are not built yet.", G_SPEC,
+      ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"), supported=("NGRAM", "EAGLE3", "NEXTN"),
       readers=("scheduler", "worker"), implemented=True),
     j("--speculative-config", "Speculative decoding settings as one JSON object (vLLM style): "
       '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, '
       '"prompt_lookup_max": b} sets the NGRAM flags; {"method": "eagle3", "model": PATH, '
-      '"num_speculative_tokens": k} the EAGLE3 ones.',
+      '"num_speculative_tokens": k} the EAGLE3 ones; {"method": "deepseek_mtp" (or "mtp"), '
+      '"num_speculative_tokens": k} the NEXTN ones.',
       G_SPEC, readers=("launch",), implemented=True),
     s("--speculative-draft-model-path", "Draft model for speculative decoding: the directory of "
       "an EAGLE-3 head in its public layout (config.json and safetensors or pytorch_model.bin; "
-      "a config alone with --load-format dummy draws random weights).", G_SPEC,
+      "a config alone with --load-format dummy draws random weights); for NEXTN, a checkpoint "
+      "holding the MTP layer (default: the model's own).", G_SPEC,
       aliases=("--speculative-draft-model",), readers=("worker",), metavar="PATH",
       implemented=True),
     s("--speculative-draft-model-revision", "Revision of the draft model.", G_SPEC,
       readers=("worker",)),
-    i("--speculative-num-steps", "Draft steps per verification: EAGLE3's chain length, one "
-      "draft token each (default: --speculative-num-draft-tokens).", G_SPEC, minimum=1,
+    i("--speculative-num-steps", "Draft steps per verification: EAGLE3's and NEXTN's chain "
+      "length, one draft token each (default: --speculative-num-draft-tokens).", G_SPEC, minimum=1,
       readers=("worker",), implemented=True),
     i("--speculative-eagle-topk", "Candidates kept per draft step in EAGLE tree drafting (1: "
       "a chain; tree drafting is not built yet).", G_SPEC, minimum=1, readers=("launch",),

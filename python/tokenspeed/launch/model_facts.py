@@ -1,5 +1,6 @@
 """What the launcher reads from a model directory besides its weights: the context length, the
-vocabulary, the pooling facts of an embedding model and the generation defaults."""
+vocabulary, the pooling facts of an embedding model, the generation defaults and the flags its
+checkpoint cannot serve."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tokenspeed.models.config import read_config_json
+from tokenspeed.models.config import mtp_layers, read_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,25 @@ def model_vocab_size(model_dir: Path, overrides: dict[str, Any] | None = None) -
     """The model's vocabulary (its logits' width; may exceed the tokenizer's)."""
     cfg = read_config_json(model_dir, overrides)
     return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+
+
+def checkpoint_refusal(cfg: Any, model_dir: Path) -> str | None:
+    """Flags the checkpoint cannot serve, as one line, before any worker starts (a worker
+    would refuse them too, after a spawn): an unsupported --quantization or checkpoint
+    quantization_config (or --lm-head-quantization fp8 without FP8 weights), NEXTN drafting
+    without an MTP layer. None: nothing to refuse."""
+    from tokenspeed.layers.quantization.methods import QuantizationError, resolve_quantization
+
+    raw = read_config_json(model_dir, cfg.json_model_override_args)
+    try:
+        resolve_quantization(cfg.quantization, raw, str(model_dir), cfg.lm_head_quantization)
+    except QuantizationError as e:
+        return str(e)
+    if cfg.speculative_algorithm == "NEXTN" and not mtp_layers(raw):
+        return (f"not supported yet: --speculative-algorithm NEXTN for {model_dir}: it has no "
+                "multi-token prediction layer to draft with (num_nextn_predict_layers is 0 or "
+                "absent; DeepSeek-V3's checkpoints have one)")
+    return None
 
 
 def pooling_facts(model_dir: Path, overrides: dict[str, Any] | None = None

@@ -20,6 +20,7 @@ from tokenspeed.config.speculative import speculative_note
 from tokenspeed.distributed.groups import ParallelConfigError, free_tcp_port, resolve_sizes
 from tokenspeed.launch import relay
 from tokenspeed.launch.model_facts import (
+    checkpoint_refusal,
     model_context_length,
     model_vocab_size,
     pooling_facts,
@@ -27,7 +28,6 @@ from tokenspeed.launch.model_facts import (
 )
 from tokenspeed.launch.ring_size import RING_SLOTS, RingSizeError, check_rings, logprobs_width, shm_room
 from tokenspeed.launch.supervisor import DeathWatch, Watched, describe, without_sigint
-from tokenspeed.models.config import read_config_json
 from tokenspeed.worker.kv_transfer import check_disaggregation
 from tokenspeed.worker.loop import WorkerSpec, run_worker
 
@@ -54,20 +54,6 @@ def resolve_model(model_path: str | None) -> Path:
             "(there is no model hub access); pass a directory with config.json and weights."
         )
     return path
-
-
-def check_quantization(method: str | None, model_dir: Path, lm_head: str = "auto",
-                       overrides: dict[str, Any] | None = None) -> None:
-    """An unsupported --quantization or checkpoint quantization_config (or --lm-head-quantization
-    fp8 without FP8 weights): one line, before any worker starts (the worker would refuse it too,
-    after a spawn)."""
-    from tokenspeed.layers.quantization.methods import QuantizationError, resolve_quantization
-
-    try:
-        resolve_quantization(method, read_config_json(model_dir, overrides), str(model_dir),
-                             lm_head)
-    except QuantizationError as e:
-        raise LaunchError(str(e)) from None
 
 
 def check_moe_settings(cfg: Any, model_dir: Path, device: str, sizes: Any) -> None:
@@ -258,7 +244,8 @@ def resolve_layout(cfg: Any) -> Layout:
     check_attention_backend(cfg.attention_backend, device)
     sizes = parallel_sizes(cfg, model_dir)
     check_moe_settings(cfg, model_dir, device, sizes)
-    check_quantization(cfg.quantization, model_dir, cfg.lm_head_quantization, cfg.json_model_override_args)
+    if refusal := checkpoint_refusal(cfg, model_dir):  # quantization, NEXTN's MTP layer
+        raise LaunchError(refusal)
     check_priority_flags(cfg)
     world = sizes.nprocs_per_node
     node_rank = int(cfg.node_rank or 0)
@@ -348,7 +335,7 @@ def open_channels(cfg: Any, layout: Layout, vocab_size: int,
         limits = (slots, chunk + slots, -(-layout.context // int(cfg.page_size)), mask_words,
                   worker_grammars, pooled_dim, kv_tiers(cfg))
         pd = cfg.disaggregation_mode != "null"  # page transfers ride in the plan
-        drafts = int(cfg.speculative_num_steps or 0)  # EAGLE-3's proposals ride in results
+        drafts = int(cfg.speculative_num_steps or 0)  # a draft head's proposals ride in results
         slot_bytes = _core.slot_bytes(*limits, width, kv_transfer=pd, max_drafts=drafts)
         check_rings(cfg, slot_bytes, _core.slot_bytes(*limits, 0, kv_transfer=pd, max_drafts=drafts),
                     len(names), slots, width, shm_room())

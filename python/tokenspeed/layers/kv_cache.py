@@ -49,7 +49,7 @@ class PagedKVCache:
         self.v = [k[..., :v_from_k] for k in self.k] if v_from_k else \
             [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_table_host = np.zeros((max_slots, self.max_pages_per_slot), dtype=np.int32)
-        # Caches of other layers over the same page ids (an EAGLE-3 head's, worker/eagle3.py):
+        # Caches of other layers over the same page ids (a draft head's, worker/draft_chain.py):
         # a page copy copies their pages too.
         self.companions: list[PagedKVCache] = []
         self.page_table = torch.zeros((max_slots, self.max_pages_per_slot), dtype=torch.int32,

@@ -62,6 +62,12 @@ class ModelConfig:
         return bool(self.moe_layers) and self.moe_layers[layer_id]
 
 
+def mtp_layers(raw: dict[str, Any]) -> int:
+    """Multi-token prediction layers the checkpoint ships after its stack (DeepSeek-V3's
+    `num_nextn_predict_layers`; 0: none)."""
+    return int(raw.get("num_nextn_predict_layers") or 0)
+
+
 def local_heads(config: ModelConfig, tp_size: int) -> tuple[int, int]:
     """(query heads, KV heads) one rank of an attention-TP group of `tp_size` holds: KV heads
     split, or one replicated head per rank when there are fewer KV heads than ranks."""

@@ -19,6 +19,7 @@ unbiased scores renormalised (`norm_topk_prob`); both scaled by `routed_scaling_
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import torch
@@ -33,6 +34,8 @@ from tokenspeed.layers.rotary import RotaryEmbedding, _yarn_mscale
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import STACKED_PARAMS, LlamaDecoderLayer, LlamaMLP
 from tokenspeed.models.moe_base import MoeForCausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +188,15 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         if self.config.is_moe_layer(layer_id):
             return DeepseekMoe(self.config, self.parallel, self)
         return LlamaMLP(self.config, self.parallel)
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                    modules: dict[str, nn.Module]) -> str | None:
+        # Layers past the stack are V3's multi-token prediction layer: a draft head's
+        # (models/deepseek_mtp.py, --speculative-algorithm NEXTN), not the model's.
+        m = _LAYER.match(name)
+        if m and int(m[1]) >= self.config.num_hidden_layers:
+            return None
+        return super().load_tensor(name, tensor, params, modules)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -29,9 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenspeed.layers.attention import Attention, ForwardBatch
 from tokenspeed.layers.norm import RMSNorm
 from tokenspeed.layers.rotary import RotaryEmbedding
 from tokenspeed.models.config import _rope
+from tokenspeed.models.weights import init_dummy_weights
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # The decoder layer's checkpoint prefixes; our parameters sit flat on the head.
@@ -89,15 +91,57 @@ class Eagle3Config:
         return (2, target_layers // 2, target_layers - 3)
 
 
+def read_head_tensors(path: str | Path) -> dict[str, torch.Tensor] | None:
+    """The head's tensors (*.safetensors, else pytorch_model.bin); None: the directory has
+    only a config (a dummy head)."""
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(str(f)))
+        return out
+    if (root / "pytorch_model.bin").exists():
+        return torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return None
+
+
+def load_eagle3_head(target: nn.Module, path: str, *, dtype: torch.dtype, device: torch.device,
+                     max_positions: int, dummy: bool, seed: int) -> Eagle3Head:
+    """The head at `path` for `target` (its embedding unless the head ships one); a config
+    alone draws seeded random weights with `dummy`."""
+    cfg = Eagle3Config.load(path)
+    with torch.device(device):
+        head = Eagle3Head(cfg, max_positions)
+    tensors = read_head_tensors(path)
+    if tensors is None:
+        if not dummy:
+            raise ValueError(f"--speculative-draft-model-path {path}: no *.safetensors or "
+                             "pytorch_model.bin (a config alone needs --load-format dummy)")
+        init_dummy_weights(head, seed + 1)
+    else:
+        head.load(tensors)
+    for name, module in head.named_children():
+        if name != "rotary":  # RoPE tables stay float32
+            module.to(dtype)
+    head.target_embed = [target.model.embed_tokens]
+    return head.eval().requires_grad_(False)
+
+
 class Eagle3Head(nn.Module):
-    """The head's weights and its forward pieces; attention over its KV is the caller's
-    (worker/eagle3.py: the configured attention backend over a KV layer beside the target's
-    pages)."""
+    """The head's weights and its forward; attention through the caller's batch (the
+    configured attention backend over a KV layer beside the target's pages,
+    worker/draft_chain.py)."""
 
     def __init__(self, cfg: Eagle3Config, max_positions: int) -> None:
         super().__init__()
         self.cfg = c = cfg
         h, d = c.hidden_size, c.head_dim
+        self.capture_width = 3 * c.target_hidden_size
+        self.attn = Attention(0, c.num_heads, c.num_kv_heads, d, d ** -0.5)
+        self.target_embed: list[nn.Module] = []  # the target's embedding (not a submodule)
         self.fc = nn.Linear(3 * c.target_hidden_size, h, bias=c.fc_bias)
         self.q_proj = nn.Linear(2 * h, c.num_heads * d, bias=False)
         self.k_proj = nn.Linear(2 * h, c.num_kv_heads * d, bias=False)
@@ -149,6 +193,38 @@ class Eagle3Head(nn.Module):
         missing = sorted(set(params) - loaded - {"embed_tokens.weight"})
         if missing:
             raise KeyError(f"EAGLE-3 head: tensors missing from the checkpoint: {missing[:6]}")
+
+    @property
+    def kv_layout(self) -> dict:
+        """The head cache's geometry (its one layer's K and V heads)."""
+        c = self.cfg
+        return {"num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "v_from_k": None,
+                "num_heads": c.num_heads}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def capture_layers(self, target_layers: int) -> tuple[int, ...]:
+        return self.cfg.capture_layers(target_layers)
+
+    def from_target(self, captured: torch.Tensor) -> torch.Tensor:
+        """The fused hidden state of rows from the target's captured states."""
+        return self.fc(captured)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed_tokens if self.embed_tokens is not None else self.target_embed[0]
+        return e(ids)
+
+    def layer(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              batch: ForwardBatch) -> torch.Tensor:
+        """The layer's output (before `norm`) of rows whose fused hidden state is `hidden` and
+        next token `ids`."""
+        q, k, v = self.qkv(self.embed(ids), hidden, positions)
+        return self.finish(self.attn(q, k, v, batch), hidden)
+
+    def describe(self) -> str:
+        return f"EAGLE-3 head, draft vocabulary {self.cfg.draft_vocab_size}"
 
     def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

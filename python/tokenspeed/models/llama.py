@@ -112,8 +112,9 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary_emb, parallel, make_mlp(i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # EAGLE-3 (worker/eagle3.py): the residual stream at these layers' inputs, concatenated,
-        # is kept in `captured` after each forward for the draft head.
+        # Draft heads (worker/draft_chain.py): the residual stream at these layers' inputs
+        # (EAGLE-3), or index num_layers: after the last layer, before the final norm (an MTP
+        # layer), concatenated, is kept in `captured` after each forward for the head.
         self.capture_layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
 
@@ -126,6 +127,8 @@ class LlamaModel(nn.Module):
             if i in self.capture_layers:
                 aux.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, batch)
+        if len(self.layers) in self.capture_layers:
+            aux.append(x if residual is None else x + residual)
         if aux:
             self.captured = torch.cat(aux, dim=-1)
         if residual is None:

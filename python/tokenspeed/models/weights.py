@@ -108,6 +108,31 @@ def iter_safetensors(model_dir: str, progress: bool = True,
                 bar.update(1)
 
 
+
+def matching_tensor_names(model_dir: str, pattern: re.Pattern[str]) -> list[str]:
+    """Names of the *.safetensors tensors that `pattern` matches (from the files' headers)."""
+    from safetensors import safe_open
+
+    names = []
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(f, framework="pt") as h:
+            names += [k for k in h.keys() if pattern.match(k)]  # noqa: SIM118 (not a dict)
+    return names
+
+
+def read_matching_tensors(model_dir: str, pattern: re.Pattern[str]) -> dict[str, torch.Tensor]:
+    """The *.safetensors tensors that `pattern` matches (one layer of a large checkpoint: only
+    the files holding them are read)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 (not a dict)
+                if pattern.match(k):
+                    out[k] = h.get_tensor(k)
+    return out
+
 # --- GGUF ------------------------------------------------------------------------------------
 
 _GGUF_LAYER_NAMES = {
@@ -232,7 +257,7 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02,
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -283,7 +308,7 @@ def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
     parallel = parallel or state()
     pool_cfg = pooling_config_for(ckpt.config, os.path.dirname(ckpt.path) if ckpt.load_format
                                   == "gguf" else ckpt.path) if pooling else None
-    with _default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device):
         model = build_model(ckpt.config, max_positions, moe, parallel, pool_cfg)
     if fp8 is not None and fp8.checkpoint_format and ckpt.tensors is not None:
         prepare_fp8_checkpoint(model, fp8)
@@ -294,7 +319,7 @@ def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
             # device gives every tensor's full shape, so each rank keeps its shard of the same
             # draws and the model is the same at any TP / EP / MoE-TP size.
             one = replace(moe, parallel=MoeParallel()) if moe is not None else None
-            with _default_dtype(dtype), torch.device("meta"):
+            with default_dtype(dtype), torch.device("meta"):
                 full = build_model(ckpt.config, max_positions, one, single_rank(), pool_cfg)
         init_dummy_weights(model, seed, full_model=full)
     else:

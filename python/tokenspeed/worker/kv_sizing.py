@@ -39,7 +39,7 @@ def profile_num_pages(runner: Any, mem_fraction_static: float | None,
     scheduler can send (measured by a profile forward), the sampler and the CUDA graphs."""
     c = runner.config
     per_page = page_bytes(runner)  # fp8: half the bytes of bf16, twice the pages
-    per_page += getattr(runner, "draft_page_bytes", 0)  # an EAGLE-3 head's KV (worker/eagle3.py)
+    per_page += getattr(runner, "draft_page_bytes", 0)  # a draft head's KV (worker/draft_chain.py)
     if runner.device.type != "cuda":
         return -(-CPU_DEFAULT_KV_TOKENS // runner.page_size)
     # A step holds at most max(chunked_prefill_size, running decodes) tokens.
@@ -55,7 +55,7 @@ def profile_num_pages(runner: Any, mem_fraction_static: float | None,
         if runner.cuda_graph_max_bs else 0
     num_graphs = len(capture_sizes(runner.cuda_graph_max_bs)) if runner.cuda_graph_max_bs else 0
     graphs += backend_memory_bytes(runner.attention_backend, num_graphs)
-    graphs += getattr(runner, "draft_fixed_bytes", 0)  # an EAGLE-3 head's scratch and backend
+    graphs += getattr(runner, "draft_fixed_bytes", 0)  # a draft head's scratch and backend
     if runner.extend_graph_sizes:  # their pool: the activations of the largest (logits: eager)
         graphs += activations * runner.extend_graph_sizes[-1] // tokens
     reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES

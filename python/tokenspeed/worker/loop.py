@@ -131,8 +131,10 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
 def load_runner(spec: WorkerSpec) -> ModelRunner:
     """The model runner of this rank, built from the worker's flags and what the launcher
     resolved for it."""
+    from tokenspeed.config.speculative import DRAFT_HEADS
     from tokenspeed.layers.host_kv_cache import HostTierSize
     from tokenspeed.layers.kv_storage import StorageSettings
+    from tokenspeed.worker.draft_chain import DraftSpec
     from tokenspeed.worker.kv_transfer import PdSettings
     from tokenspeed.worker.lora import lora_settings
     from tokenspeed.worker.model_runner import ModelRunner
@@ -181,8 +183,9 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         if s["enable_hierarchical_cache"] else None,
         pd=PdSettings.of(s),
         config_overrides=s["json_model_override_args"],
-        eagle3=(s["speculative_draft_model_path"], int(s["speculative_num_steps"]))
-        if s["speculative_algorithm"] == "EAGLE3" else None,
+        draft=DraftSpec(s["speculative_algorithm"], s["speculative_draft_model_path"],
+                        int(s["speculative_num_steps"]))
+        if s["speculative_algorithm"] in DRAFT_HEADS else None,
     )
     if deterministic:
         from tokenspeed.config.deterministic import check_model, deterministic_note

@@ -54,7 +54,7 @@ from tokenspeed.worker.cuda_graph import (
     ExtendGraphRunner,
     decode_only,
 )
-from tokenspeed.worker.eagle3 import Eagle3Drafter, load_drafter
+from tokenspeed.worker.draft_chain import ChainDrafter, DraftSpec, load_drafter
 from tokenspeed.worker.gpu_idle import IdleClock
 from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, page_bytes, profile_num_pages
 from tokenspeed.worker.kv_transfer import KVTransfer, PdSettings
@@ -109,7 +109,7 @@ class ModelRunner:
                  quantization: str | None = None, lm_head_quantization: str = "auto",
                  lora: dict[str, Any] | None = None, pooling: bool = False,
                  hicache: HostTierSize | None = None, pd: PdSettings | None = None,
-                 config_overrides: dict[str, Any] | None = None, eagle3: tuple[str, int] | None = None) -> None:
+                 config_overrides: dict[str, Any] | None = None, draft: DraftSpec | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -139,10 +139,10 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, bool(self.config.mla_v_dim))
         # --is-embedding: every request pools (prefill-only steps, eager: worker/pooling_step.py).
         self.pooling = pooling
-        disable_cuda_graph = disable_cuda_graph or pooling or eagle3 is not None  # EAGLE-3: no graph
+        disable_cuda_graph = disable_cuda_graph or pooling or draft is not None  # a draft head: no graph
         self._load_weights(ckpt, model_path, seed, moe_parallel, quantization,
                            lm_head_quantization, quantization_param_path)
-        self.drafter: Eagle3Drafter | None = load_drafter(self, eagle3, load_format, seed)  # EAGLE-3
+        self.drafter: ChainDrafter | None = load_drafter(self, draft, model_path, load_format, seed)
         # LoRA (worker/lora.py): its pool in every adapted layer, before memory is profiled
         # and graphs are captured (they capture the LoRA kernels too).
         self.lora = None if lora is None else LoraPool(

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{config, request, Harness};
-use tokenspeed_engine::{FinishReason, Request, SamplingParams, SchedulerConfig};
+use tokenspeed_engine::{FinishReason, Request, SamplingParams, Scheduler, SchedulerConfig};
 
 /// Copies the token 5 back, except at every 7th position (a deviation drafts cannot predict).
 fn copy_model(seq: &[u32]) -> u32 {
@@ -172,15 +172,22 @@ fn drafts_only_where_pages_allow_and_the_radix_cache_holds_verified_tokens() {
     h.assert_no_leak();
 }
 
-/// EAGLE-3: the worker proposes each request's drafts in its result (a draft head ran after
-/// the step) and the scheduler verifies them in the next step, through NGRAM's path: the same
-/// tokens whatever the drafts, and right drafts shorten the run.
+/// EAGLE-3 and NEXTN (DeepSeek's MTP layer): the worker proposes each request's drafts in its
+/// result (a draft head ran after the step) and the scheduler verifies them in the next step,
+/// through NGRAM's path: the same tokens whatever the drafts, and right drafts shorten the run.
 #[test]
 fn worker_drafts_are_verified_next_step() {
+    for algorithm in ["EAGLE3", "NEXTN"] {
+        worker_drafts_are_verified_for(algorithm);
+    }
+}
+
+fn worker_drafts_are_verified_for(algorithm: &str) {
     let eagle = |k| SchedulerConfig {
-        speculative_algorithm: Some("EAGLE3".into()),
+        speculative_algorithm: Some(algorithm.into()),
         ..spec_config(k, 4)
     };
+    assert!(eagle(3).worker_drafts());
     fn wrong(_: &[u32]) -> u32 {
         7
     }
@@ -205,4 +212,17 @@ fn worker_drafts_are_verified_next_step() {
     // Right drafts: 4 tokens per step (40 tokens: 1 prefill + 10 verify steps at most).
     assert!(plans[0] <= 12, "{plans:?}");
     assert!(plans[1] >= 40, "{plans:?}");
+}
+
+/// Only NGRAM is drafted by the scheduler; an algorithm none of the three is refused when the
+/// scheduler is built (the launcher refuses it first).
+#[test]
+fn only_known_algorithms_build_a_scheduler() {
+    assert!(!spec_config(3, 4).worker_drafts());
+    let other = SchedulerConfig {
+        speculative_algorithm: Some("STANDALONE".into()),
+        ..spec_config(3, 4)
+    };
+    assert!(!other.worker_drafts());
+    assert!(Scheduler::new(other).is_err());
 }

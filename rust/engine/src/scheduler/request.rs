@@ -73,9 +73,10 @@ pub struct SchedulerConfig {
     pub disable_radix_cache: bool,
     /// Prompt plus generated tokens of one request.
     pub context_length: u32,
-    /// `NGRAM` drafts tokens by prompt lookup (`ngram.rs`), `EAGLE3` takes the drafts the
-    /// worker's draft head proposes in each result; None: no speculative decoding.
-    /// The launcher refuses every other algorithm before it gets here.
+    /// `NGRAM` drafts tokens by prompt lookup (`ngram.rs`); `EAGLE3` and `NEXTN` (DeepSeek's
+    /// MTP layer) take the drafts the worker's draft head proposes in each result
+    /// (`worker_drafts`); None: no speculative decoding. The launcher refuses every other
+    /// algorithm before it gets here.
     pub speculative_algorithm: Option<String>,
     /// Most draft tokens verified per request per step (the launcher fills it in).
     pub speculative_num_draft_tokens: Option<u32>,
@@ -99,6 +100,18 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// Whether the worker proposes the drafts (a draft head after each step, returned in
+    /// `RequestEvent::draft_tokens`) rather than the scheduler (NGRAM).
+    pub fn worker_drafts(&self) -> bool {
+        self.speculative_algorithm
+            .as_deref()
+            .is_some_and(Self::worker_drafts_for)
+    }
+
+    fn worker_drafts_for(algorithm: &str) -> bool {
+        matches!(algorithm, "EAGLE3" | "NEXTN")
+    }
+
     /// A small engine for tests, simulations and tools: `num_pages` pages of `page_size`
     /// tokens, `max_running` slots, steps of up to `context_length` prompt tokens; FCFS, no
     /// mixed-step caps, no priorities, no speculation, no host or storage tier. Not what a
@@ -145,7 +158,7 @@ impl SchedulerConfig {
         if let Some(alg) = self
             .speculative_algorithm
             .as_deref()
-            .filter(|a| !matches!(*a, "NGRAM" | "EAGLE3"))
+            .filter(|a| *a != "NGRAM" && !Self::worker_drafts_for(a))
         {
             return Err(ConfigError::Unsupported {
                 field: "speculative_algorithm",

@@ -242,9 +242,9 @@ impl Scheduler {
     }
 
     /// Draft tokens to verify after `id`'s next decode token: NGRAM's proposal or the worker's
-    /// (EAGLE-3), cut to what
-    /// the request may still generate (drafts past `max_new_tokens` or the context could never
-    /// be kept) and to the step's token budget. Empty without speculative decoding.
+    /// (EAGLE-3, NEXTN), cut to what the request may still generate (drafts past
+    /// `max_new_tokens` or the context could never be kept) and to the step's token budget.
+    /// Empty without speculative decoding.
     fn drafts_for(&self, id: &RequestId, budget: usize) -> Vec<u32> {
         let c = &self.config;
         let (Some(k), Some(seq)) = (c.speculative_num_draft_tokens, self.requests.get(id)) else {
@@ -257,7 +257,7 @@ impl Scheduler {
         let room = (seq.req.max_new_tokens as usize).saturating_sub(seq.completion_tokens() + 1);
         let context_room = (c.context_length as usize).saturating_sub(seq.tokens.len() + 1);
         let k = (k as usize).min(room).min(context_room).min(budget);
-        if c.speculative_algorithm.as_deref() == Some("EAGLE3") {
+        if c.worker_drafts() {
             // Drafted by the worker after the step that produced the last token.
             return seq.proposed[..k.min(seq.proposed.len())].to_vec();
         }

@@ -1,6 +1,6 @@
-"""The host-side index arrays of EAGLE-3 drafting (worker/eagle3.py), built with numpy over a
-whole step (no Python loop over its requests): which positions the head runs over after a step
-(`step_rows`) and where its draft chain keeps K/V (`chain_layout`)."""
+"""The host-side index arrays of chain drafting (worker/draft_chain.py: EAGLE-3, NEXTN), built
+with numpy over a whole step (no Python loop over its requests): which positions the head runs
+over after a step (`step_rows`) and where its draft chain keeps K/V (`chain_layout`)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def step_rows(plan: StepPlan, out: StepOutput, carry_pos: np.ndarray, page_table
     q0 = np.cumsum(n) - n
     acc_n, acc_at = _accepted(out, len(carry_pos))
     acc_n, acc_at = acc_n[slot], acc_at[slot]
-    # Overlap scheduling's placeholder inputs (never with EAGLE-3): such a request is skipped.
+    # Overlap scheduling's placeholder inputs (never with a draft head): such a request is skipped.
     placeholder = np.bincount(np.repeat(np.arange(b), n)[ids == LAST_SAMPLED], minlength=b) > 0
     keep = ~placeholder & (~sampled | (acc_n >= 0))
     known = n - d - 1  # this step's tokens whose next token is an input of the step

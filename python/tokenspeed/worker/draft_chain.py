@@ -1,10 +1,14 @@
-"""EAGLE-3 drafting in the worker: after a step, the draft head (models/eagle3.py) proposes
-each sampled request's next `k` tokens, which ride back in the step's result
-(`RequestEvent::draft_tokens`) and become the request's drafts in its next step, verified by
-spec_verify.py like NGRAM's (the scheduler's path: exactness, KV rewind, radix cache).
+"""Chain drafting in the worker, for one-layer draft heads over the target's hidden states:
+EAGLE-3 (models/eagle3.py) and DeepSeek's MTP layer (NEXTN, models/deepseek_mtp.py). After a
+step the head proposes each sampled request's next `k` tokens, which ride back in the step's
+result (`RequestEvent::draft_tokens`) and become the request's drafts in its next step,
+verified by spec_verify.py like NGRAM's (the scheduler's path: exactness, KV rewind, radix
+cache). The heads differ only in what they capture from the target, how they project it and
+their layer (`DraftHead`); rows, KV and the chain are this module's.
 
 The head's KV. The head is one attention layer over all earlier positions of the request, so
-it keeps K/V per position. They live in a one-layer PagedKVCache beside the target's pool whose
+it keeps K/V per position (the same kind of cache as the target's layers: per-head K and V, or
+MLA's latent). They live in a one-layer PagedKVCache beside the target's pool whose
 first pages mirror the target's page ids, so position p of a request sits at the same flat
 index as its target KV. Pages, their allocation, release and the radix cache's sharing then
 hold for the head as they do for the target, with no second allocator (a cached prefix reused
@@ -19,7 +23,7 @@ The chain's own speculative positions never go into those pages: the scheduler a
 pages only for the tokens it feeds (rust/engine scheduler/step.rs `schedule_chunk`), so after
 a step the pages of positions past the last sampled token may not be the request's (their
 page-table entries are stale, maybe another request's pages). They go to scratch pages after
-the pool's, a few per chain row (eagle3_rows.py `chain_layout`): the chain reads through the
+the pool's, a few per chain row (draft_rows.py `chain_layout`): the chain reads through the
 head cache's own page table, whose rows are the requests' rows with the page holding the first
 draft position and those after it swapped for scratch pages (the verified entries of that page
 copied in first). A rejected draft then leaves nothing behind, and nothing is overwritten.
@@ -35,95 +39,103 @@ eagerly, once per step, after the step's tokens reach the host: no CUDA graphs y
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from tokenspeed.layers.attention import Attention, ForwardBatch
+from tokenspeed.layers.attention import ForwardBatch, check_layers
 from tokenspeed.layers.attention_backends import backend_memory_bytes, create_backend
 from tokenspeed.layers.host_copy import to_device_int64
 from tokenspeed.layers.kv_cache import PagedKVCache
-from tokenspeed.models.eagle3 import Eagle3Config, Eagle3Head
-from tokenspeed.models.weights import init_dummy_weights
-from tokenspeed.worker.eagle3_rows import ChainLayout, HeadRows, chain_layout, scratch_pages, step_rows
+from tokenspeed.worker.draft_rows import ChainLayout, HeadRows, chain_layout, scratch_pages, step_rows
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import StepOutput, StepPlan
 
 logger = logging.getLogger(__name__)
 
 
-def read_head_tensors(path: str | Path) -> dict[str, torch.Tensor] | None:
-    """The head's tensors (*.safetensors, else pytorch_model.bin); None: the directory has
-    only a config (a dummy head)."""
-    root = Path(path)
-    files = sorted(root.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
+@dataclass(frozen=True)
+class DraftSpec:
+    """Which head drafts (`--speculative-algorithm` EAGLE3 or NEXTN), where its weights are
+    (NEXTN: the target's checkpoint unless given) and how many drafts it chains per step."""
 
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            out.update(load_file(str(f)))
-        return out
-    if (root / "pytorch_model.bin").exists():
-        return torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    return None
+    algorithm: str
+    path: str | None
+    num_steps: int
 
 
-def load_drafter(runner: Any, eagle3: tuple[str, int] | None, load_format: str,
-                 seed: int) -> Eagle3Drafter | None:
-    """The runner's EAGLE-3 drafter (`eagle3`: the head's path and its drafts per step), or
-    None. Built before the runner's memory profile, which then counts the head's weights, the
-    captured hidden states, its KV per page (`runner.draft_page_bytes`) and its fixed buffers
-    (`runner.draft_fixed_bytes`: chain scratch pages, carried hidden states, the head's
-    attention backend); the runner runs eagerly with it (no graph captures the hidden states)
-    and attaches its KV later."""
+class DraftHead(Protocol):
+    """What the drafter needs of a head (an nn.Module whose attention reads the batch's
+    backend over its one-layer cache, layer 0)."""
+
+    capture_width: int  # features per position of the target's captured hidden states
+    kv_layout: dict  # num_kv_heads, head_dim, v_from_k, num_heads of its cache and backend
+    dtype: torch.dtype
+
+    def capture_layers(self, target_layers: int) -> tuple[int, ...]: ...
+    def from_target(self, captured: torch.Tensor) -> torch.Tensor: ...
+    def layer(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              batch: ForwardBatch) -> torch.Tensor: ...
+    def draft_ids(self, out: torch.Tensor) -> torch.Tensor: ...
+    def describe(self) -> str: ...
+
+
+def load_head(spec: DraftSpec, target: torch.nn.Module, target_path: str, **kw: Any) -> DraftHead:
+    """The head of `spec` for `target` (kw: dtype, device, max_positions, dummy, seed)."""
+    if spec.algorithm == "EAGLE3":
+        from tokenspeed.models.eagle3 import load_eagle3_head
+
+        return load_eagle3_head(target, spec.path or "", **kw)
+    if spec.algorithm == "NEXTN":
+        from tokenspeed.models.deepseek_mtp import load_mtp_head
+
+        return load_mtp_head(target, spec.path or target_path, **kw)
+    raise ValueError(f"speculative algorithm {spec.algorithm!r} has no draft head")
+
+
+def load_drafter(runner: Any, spec: DraftSpec | None, model_path: str, load_format: str,
+                 seed: int) -> ChainDrafter | None:
+    """The runner's drafter (None without a draft head). Built before the runner's memory
+    profile, which then counts the head's weights, the captured hidden states, its KV per page
+    (`runner.draft_page_bytes`) and its fixed buffers (`runner.draft_fixed_bytes`: chain
+    scratch pages, carried hidden states, the head's attention backend); the runner runs
+    eagerly with it (no graph captures the hidden states) and attaches its KV later."""
     runner.draft_page_bytes = runner.draft_fixed_bytes = 0
-    if eagle3 is None:
+    if spec is None:
         return None
-    drafter = Eagle3Drafter(eagle3[0], runner.model, num_steps=eagle3[1], dtype=runner.dtype,
-                            device=runner.device, max_positions=runner.max_context_len,
-                            dummy=load_format == "dummy", seed=seed)
+    if spec.algorithm == "NEXTN" and runner.fp8 is not None and runner.fp8.checkpoint_format:
+        # (--quantization fp8 of a bf16 checkpoint is fine: the MTP layer stays in the dtype.)
+        raise ValueError("not supported yet: --speculative-algorithm NEXTN with an FP8 checkpoint")
+    head = load_head(spec, runner.model, model_path, dtype=runner.dtype, device=runner.device,
+                     max_positions=runner.max_context_len + spec.num_steps + 1,
+                     dummy=load_format == "dummy", seed=seed)
+    drafter = ChainDrafter(head, runner.model, num_steps=spec.num_steps, device=runner.device)
     kv_dtype = runner.dtype if runner.kv_dtype.itemsize == 1 else runner.kv_dtype
-    page = Eagle3Drafter.bytes_per_page(drafter.cfg, runner.page_size, kv_dtype)
+    kv = head.kv_layout
+    page = PagedKVCache.bytes_per_page(
+        num_layers=1, page_size=runner.page_size, num_kv_heads=kv["num_kv_heads"],
+        head_dim=kv["head_dim"], dtype=kv_dtype, v_from_k=bool(kv["v_from_k"]))
     runner.draft_page_bytes = page
-    carry = 3 * drafter.cfg.target_hidden_size * runner.dtype.itemsize
+    carry = head.capture_width * runner.dtype.itemsize
     runner.draft_fixed_bytes = runner.max_slots * (
-        scratch_pages(drafter.num_steps, runner.page_size) * page + carry
+        scratch_pages(spec.num_steps, runner.page_size) * page + carry
     ) + backend_memory_bytes(runner.attention_backend, 0)
     return drafter
 
 
-class Eagle3Drafter:
-    """The head, its KV beside the target's pool, and the drafting after each step."""
+class ChainDrafter:
+    """A draft head, its KV beside the target's pool, and the drafting after each step."""
 
-    def __init__(self, path: str, target: torch.nn.Module, *, num_steps: int,
-                 dtype: torch.dtype, device: torch.device, max_positions: int, dummy: bool,
-                 seed: int) -> None:
-        """Loads the head and sets the target's capture; `attach` gives it its KV once the
-        pool is sized (the head's weights and captured states count in the memory profile)."""
-        self.cfg = cfg = Eagle3Config.load(path)
+    def __init__(self, head: DraftHead, target: torch.nn.Module, *, num_steps: int,
+                 device: torch.device) -> None:
+        """Sets the target's capture; `attach` gives the head its KV once the pool is sized
+        (the head's weights and captured states count in the memory profile)."""
+        self.head = head
         self.num_steps = num_steps
-        self.target = target
-        self.max_positions = max_positions
         self.device = device
-        with torch.device(device):
-            head = Eagle3Head(cfg, max_positions + num_steps + 1)
-        tensors = read_head_tensors(path)
-        if tensors is None:
-            if not dummy:
-                raise ValueError(f"--speculative-draft-model-path {path}: no *.safetensors or "
-                                 "pytorch_model.bin (a config alone needs --load-format dummy)")
-            init_dummy_weights(head, seed + 1)
-        else:
-            head.load(tensors)
-        for name, module in head.named_children():
-            if name != "rotary":  # RoPE tables stay float32
-                module.to(dtype)
-        self.head = head.eval().requires_grad_(False)
-        self.attn = Attention(0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
-        layers = cfg.capture_layers(len(target.model.layers))
+        layers = head.capture_layers(len(target.model.layers))
         target.model.capture_layers = layers  # models/llama.py: the residual stream there
         self.aux: torch.Tensor | None = None  # the last forward's captured hidden states
         self.pool: PagedKVCache | None = None  # the target's (its page table)
@@ -133,41 +145,33 @@ class Eagle3Drafter:
         # the next chunk's first, and (`carry_aux`, on the device) its target hidden state.
         self.carry_pos = np.zeros(0, np.int64)
         self.carry_aux = torch.zeros(0, device=device)
-        logger.info("EAGLE-3 head %s: %d draft tokens per step (chain), draft vocabulary %d, "
-                    "target layers %s", path, num_steps, cfg.draft_vocab_size, layers)
+        logger.info("draft head: %s; %d draft tokens per step (chain), target layers captured "
+                    "%s", head.describe(), num_steps, layers)
 
     def attach(self, kv_cache: PagedKVCache, backend: str) -> None:
         """The head's KV (one layer: the pool's pages, then the chain's scratch pages) and
         its attention backend (`backend`, the target's kind)."""
-        c, ps = self.cfg, kv_cache.page_size
+        kv, ps = self.head.kv_layout, kv_cache.page_size
         per = scratch_pages(self.num_steps, ps)
-        dtype = kv_cache.dtype if kv_cache.k[0].element_size() > 1 else self.head.fc.weight.dtype
+        dtype = kv_cache.dtype if kv_cache.k[0].element_size() > 1 else self.head.dtype
         self.pool = kv_cache
         self.cache = PagedKVCache(
             num_layers=1, num_pages=kv_cache.num_pages + kv_cache.max_slots * per, page_size=ps,
-            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=dtype, device=self.device,
-            max_slots=kv_cache.max_slots, max_context_len=(kv_cache.max_pages_per_slot + per) * ps)
+            num_kv_heads=kv["num_kv_heads"], head_dim=kv["head_dim"], dtype=dtype,
+            device=self.device, max_slots=kv_cache.max_slots,
+            max_context_len=(kv_cache.max_pages_per_slot + per) * ps, v_from_k=kv["v_from_k"])
         kv_cache.companions.append(self.cache)  # page copies (a shared prefix's) bring its KV
-        self.backend = create_backend(backend, self.cache, num_heads=c.num_heads,
-                                      head_dim=c.head_dim, q_dtype=self.head.fc.weight.dtype)
+        self.backend = create_backend(backend, self.cache, num_heads=kv["num_heads"],
+                                      head_dim=kv["head_dim"], q_dtype=self.head.dtype)
+        check_layers(self.backend, self.head)  # type: ignore[arg-type]
         self.carry_pos = np.full(kv_cache.max_slots, -1, np.int64)
-        self.carry_aux = torch.zeros(kv_cache.max_slots, 3 * c.target_hidden_size,
-                                     dtype=self.head.fc.weight.dtype, device=self.device)
-
-    @staticmethod
-    def bytes_per_page(cfg: Eagle3Config, page_size: int, dtype: torch.dtype) -> int:
-        """The head's share of one KV page (its one layer's K and V)."""
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+        self.carry_aux = torch.zeros(kv_cache.max_slots, self.head.capture_width,
+                                     dtype=self.head.dtype, device=self.device)
 
     def _caches(self) -> tuple[PagedKVCache, PagedKVCache]:
         if self.pool is None or self.cache is None:
-            raise RuntimeError("EAGLE-3 drafter used before attach(kv_cache)")
+            raise RuntimeError("drafter used before attach(kv_cache)")
         return self.pool, self.cache
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        e = self.head.embed_tokens
-        return e(ids) if e is not None else self.target.model.embed_tokens(ids)
 
     def after(self, plan: StepPlan, step: PendingStep) -> PendingStep:
         """Waits for the step's tokens, then proposes each request's next drafts, which go
@@ -181,7 +185,7 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def propose(self, plan: StepPlan, aux: torch.Tensor, out: StepOutput) -> list[np.ndarray]:
         """Draft tokens per event of `out` (its order), after the step `plan` whose target
-        forward captured `aux` [tokens, 3 * target_hidden]; writes the head's KV of every
+        forward captured `aux` [tokens, head.capture_width]; writes the head's KV of every
         position whose next token is now known."""
         pool, _ = self._caches()
         self.carry_pos[plan.finished_slot.astype(np.int64)] = -1
@@ -243,8 +247,7 @@ class Eagle3Drafter:
         src = aux.index_select(0, d["aux_rows"])
         if len(rows.carried_at):
             src[d["carried_at"]] = self.carry_aux[d["carried_slots"]].to(src.dtype)
-        hidden = head.fc(src.to(head.fc.weight.dtype))
-        q, k, v = head.qkv(self.embed(d["next_ids"]), hidden, d["positions"])
+        hidden = head.from_target(src.to(head.dtype))
         last = rows.start_pos + rows.num_tokens  # context lengths after this pass
         self._rows_of(rows.slots, d["slots"], int(-(-last.max() // pool.page_size)))
         batch = ForwardBatch(
@@ -254,7 +257,7 @@ class Eagle3Drafter:
             backend=self.backend, request_arrays=(d["v_rows"], d["v_seq_lens"],
                                                   d["v_query_start"], d["v_start_pos"]))
         self.backend.prepare(batch)
-        return head.finish(self.attn(q, k, v, batch), hidden)
+        return head.layer(d["next_ids"], hidden, d["positions"], batch)
 
     def _chain(self, chain: ChainLayout, d: dict[str, torch.Tensor],
                outs: torch.Tensor) -> torch.Tensor:
@@ -271,7 +274,8 @@ class Eagle3Drafter:
             cache.page_table[d["table_rows"], d["table_cols"]] = d["table_pages"].to(torch.int32)
             if len(chain.copy_src):
                 cache.k[0][d["copy_dst"]] = cache.k[0][d["copy_src"]]
-                cache.v[0][d["copy_dst"]] = cache.v[0][d["copy_src"]]
+                if not cache.v_from_k:  # else V is part of K, copied with it
+                    cache.v[0][d["copy_dst"]] = cache.v[0][d["copy_src"]]
         rows, ones = np.arange(c), np.ones(c, np.int64)
         for j in range(1, self.num_steps):  # the scheduler cuts drafts past the context
             at = slice((j - 1) * c, j * c)
@@ -282,7 +286,6 @@ class Eagle3Drafter:
                 kv_cache=cache, backend=self.backend,
                 request_arrays=(d["c_rows"], d["c_seq_lens"][at], d["c_query_start"], pos))
             self.backend.prepare(batch)
-            q, k, v = head.qkv(self.embed(tokens[-1]), outs, pos)
-            outs = head.finish(self.attn(q, k, v, batch), outs)
+            outs = head.layer(tokens[-1], outs, pos, batch)
             tokens.append(head.draft_ids(outs))
         return torch.stack(tokens, dim=1)
