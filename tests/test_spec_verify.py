@@ -9,7 +9,7 @@ import torch
 
 from tokenspeed.worker.plan import NEUTRAL_SAMPLING, StepPlan
 from tokenspeed.worker.sampler import Sampler
-from tokenspeed.worker.spec_verify import Drafts
+from tokenspeed.worker.spec_verify import Drafts, SimulatedAcceptance
 
 
 def test_drafts_of_a_plan_and_their_logit_rows() -> None:
@@ -32,9 +32,28 @@ def test_accept_keeps_drafts_up_to_the_first_mismatch_then_the_models_token() ->
                         7,  # no drafts: one token
                         8, 3,  # the draft accepted, then the bonus token
                         0, 6, 6])  # the first draft rejected
-    keep, counts = d.accept(sampled)
+    keep, counts, tokens = d.accept(sampled)
     assert counts.tolist() == [3, 1, 2, 1]
-    assert sampled[keep].tolist() == [1, 2, 9, 7, 8, 3, 0]
+    assert tokens is sampled and sampled[keep].tolist() == [1, 2, 9, 7, 8, 3, 0]
+
+
+def test_simulated_acceptance_emits_drafts_at_the_asked_average_length() -> None:
+    """TOKENSPEED_SIMULATE_ACCEPT_LEN=2.5 with 3 drafts a request: 1 or 2 drafts accepted
+    (2.5 tokens a step on average), whatever the model sampled, and the accepted drafts are the
+    tokens emitted; a request with one draft accepts it; a plain decode row stays one token."""
+    steps = 4000
+    d = Drafts(rows=np.array([4, 2, 1] * steps),
+               drafts=[np.array([11, 12, 13]), np.array([21]), np.zeros(0, np.int64)] * steps,
+               simulated=SimulatedAcceptance(2.5))
+    sampled = np.tile(np.array([90, 91, 92, 93, 94, 95, 96]), steps)
+    keep, counts, tokens = d.accept(sampled)
+    three, one, plain = counts[0::3], counts[1::3], counts[2::3]
+    assert set(three.tolist()) == {2, 3} and abs(three.mean() - 2.5) < 0.05
+    assert (one == 2).all() and (plain == 1).all()
+    c = int(counts[0])
+    first = [11, 12, 13][:c - 1] + [90 + c - 1]  # the drafts, then the model's token after them
+    assert tokens[keep][:c + 3].tolist() == first + [21, 95, 96]
+    assert sampled[0] == 90, "the model's tokens are not overwritten"
 
 
 def _outputs(logits: list[torch.Tensor], draft: int, trials: int, **params: float) -> list[list[int]]:
@@ -45,7 +64,7 @@ def _outputs(logits: list[torch.Tensor], draft: int, trials: int, **params: floa
     batch = torch.stack([logits[0], logits[1]] * trials)
     tokens = s.sample([0] * (2 * trials), batch).tokens.numpy()
     d = Drafts(rows=np.full(trials, 2), drafts=[np.array([draft])] * trials)
-    keep, counts = d.accept(tokens)
+    keep, counts, _ = d.accept(tokens)
     out, off = [], 0
     for c in counts.tolist():
         out.append(tokens[keep[off:off + c]].tolist())

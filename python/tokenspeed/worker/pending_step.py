@@ -54,7 +54,7 @@ class PendingStep:
             tokens, logprobs, top_ids, top_logprobs = self._outputs.wait()
             slots, top_k, counts = self.slots, self.top_k, None
             if self._drafts is not None:
-                keep, counts = self._drafts.accept(np.asarray(tokens))
+                keep, counts, tokens = self._drafts.accept(np.asarray(tokens))
                 starts = np.cumsum(self._drafts.rows) - self._drafts.rows
                 slots = self.slots[starts]
                 top_k = None if top_k is None else top_k[starts]

@@ -17,15 +17,54 @@ probability p(draft), and when x != draft, x is distributed as p conditioned on 
 the residual. Every emitted token is therefore distributed as p at its position given the
 tokens before it: the output distribution is unchanged (tests/test_spec_verify.py checks it
 on a tiny vocabulary). Draft heads with a non-degenerate q (EAGLE) will need the general form.
+
+Benchmarks only: `TOKENSPEED_SIMULATE_ACCEPT_LEN=a` (read at worker start; SGLang's
+`SGLANG_SIMULATE_ACC_LEN`) accepts drafts as if `a` tokens per verify step (the model's own
+token included) were right on average, whatever the model says, so the cost of drafting and
+verifying is measured on dummy weights, whose drafts are never right. The accepted drafts are
+emitted as they are, so the KV, the radix cache and the counts are what a run with that
+acceptance has; the text is junk. A request with fewer drafts than `a - 1` accepts all of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tokenspeed.worker.plan import StepPlan
+
+logger = logging.getLogger(__name__)
+SIMULATE_ENV = "TOKENSPEED_SIMULATE_ACCEPT_LEN"
+
+
+class SimulatedAcceptance:
+    """How many drafts a verify step accepts when simulating acceptance length `mean` (>= 1,
+    the model's own token included): floor(mean - 1) or one more, at random (seeded), so the
+    average is `mean - 1` wherever a request has that many drafts."""
+
+    def __init__(self, mean: float, seed: int = 0) -> None:
+        if not mean >= 1.0:
+            raise ValueError(f"{SIMULATE_ENV}={mean}: an acceptance length is at least 1")
+        self.base, self.frac = int(mean - 1), (mean - 1) % 1
+        self.rng = np.random.default_rng(seed)
+
+    def drafts_accepted(self, available: int) -> int:
+        return min(available, self.base + int(self.rng.random() < self.frac))
+
+    @staticmethod
+    def from_env() -> SimulatedAcceptance | None:
+        text = os.environ.get(SIMULATE_ENV)
+        if not text:
+            return None
+        logger.warning("%s=%s: verify steps accept drafts by simulation, not by the model "
+                       "(a benchmark mode: the output is junk)", SIMULATE_ENV, text)
+        return SimulatedAcceptance(float(text))
+
+
+SIMULATED = SimulatedAcceptance.from_env()
 
 
 @dataclass
@@ -34,6 +73,7 @@ class Drafts:
 
     rows: np.ndarray  # [R] int64: sampled rows per request (1 + its drafts)
     drafts: list[np.ndarray]  # per request, its draft token ids (may be empty)
+    simulated: SimulatedAcceptance | None = field(default_factory=lambda: SIMULATED)
 
     @staticmethod
     def of(plan: StepPlan) -> Drafts | None:
@@ -54,17 +94,24 @@ class Drafts:
         return np.concatenate([np.arange(e - n, e) for e, n in zip(ends.tolist(),
                                                                     self.rows.tolist())])
 
-    def accept(self, sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def accept(self, sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """From the tokens sampled at every row: (indices of the rows kept, in order; tokens
-        kept per request). A request keeps its drafts up to the first one that differs from
-        the token sampled before it, then that row's own token."""
+        kept per request; the rows' tokens). A request keeps its drafts up to the first one that
+        differs from the token sampled before it, then that row's own token. The rows' tokens
+        are `sampled`, except when simulating: a copy with the accepted drafts written in."""
         keep, counts, off = [], [], 0
+        if self.simulated is not None:
+            sampled = np.array(sampled, copy=True)
         for n, d in zip(self.rows.tolist(), self.drafts):
             t = sampled[off:off + n]
-            m = 0
-            while m < len(d) and int(d[m]) == int(t[m]):
-                m += 1
+            if self.simulated is not None:
+                m = self.simulated.drafts_accepted(len(d))
+                t[:m] = d[:m]
+            else:
+                m = 0
+                while m < len(d) and int(d[m]) == int(t[m]):
+                    m += 1
             keep.extend(range(off, off + m + 1))
             counts.append(m + 1)
             off += n
-        return np.asarray(keep, np.int64), np.asarray(counts, np.int64)
+        return np.asarray(keep, np.int64), np.asarray(counts, np.int64), sampled
