@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from eagle3_head import make_head
+from spec_checks import answers, assert_same_answers
 from test_e2e_speculative import FLAGS, REQUESTS
 
 from server_harness import Server, start_server, stop_server
@@ -42,23 +41,8 @@ def eagle_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 BODIES = [REQUESTS[i] for i in (0, 2, 3, 4)]
 
 
-def answers(server: Server) -> list:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=400)
-    model = client.models.list().data[0].id
-    with ThreadPoolExecutor(len(BODIES)) as pool:
-        return list(pool.map(lambda body: client.completions.create(model=model, **body), BODIES))
-
-
 def test_greedy_answers_are_those_of_plain_decoding(server: Server, eagle_server: Server) -> None:
-    for want, got in zip(answers(server), answers(eagle_server), strict=True):
-        assert got.usage.completion_tokens == want.usage.completion_tokens
-        for w, g in zip(want.choices, got.choices, strict=True):
-            assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
-            if w.logprobs is None:
-                assert g.logprobs is None
-                continue
-            assert g.logprobs.tokens == w.logprobs.tokens
-            assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=2e-3)
+    assert_same_answers(answers(server, BODIES), answers(eagle_server, BODIES))
 
 
 def test_drafts_are_verified_and_reported(eagle_server: Server) -> None:

@@ -11,13 +11,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from deepseek_mtp_model import make_mtp_model
+from spec_checks import answers, assert_same_answers
 from test_e2e_speculative import COPY, FLAGS
 from test_models_numerics import smollm2_dir
 
@@ -60,23 +60,8 @@ BODIES = [
 ]
 
 
-def answers(server: Server) -> list:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=400)
-    model = client.models.list().data[0].id
-    with ThreadPoolExecutor(len(BODIES)) as pool:
-        return list(pool.map(lambda body: client.completions.create(model=model, **body), BODIES))
-
-
 def test_greedy_answers_are_those_of_plain_decoding(servers: dict) -> None:
-    for want, got in zip(answers(servers["plain"]), answers(servers["nextn"]), strict=True):
-        assert got.usage.completion_tokens == want.usage.completion_tokens
-        for w, g in zip(want.choices, got.choices, strict=True):
-            assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
-            if w.logprobs is None:
-                assert g.logprobs is None
-                continue
-            assert g.logprobs.tokens == w.logprobs.tokens
-            assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=2e-3)
+    assert_same_answers(answers(servers["plain"], BODIES), answers(servers["nextn"], BODIES))
 
 
 def test_a_stop_string_ends_both_alike(servers: dict) -> None:

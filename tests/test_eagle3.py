@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from eagle3_head import make_head, reference_drafts
+from spec_checks import drafts_follow_the_reference
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenspeed.models.eagle3 import Eagle3Config
@@ -80,33 +81,9 @@ def test_drafts_match_the_reference_forward(target_and_head: tuple[str, Path]) -
     target, head = target_and_head
     runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
                          draft=DraftSpec("EAGLE3", str(head), STEPS))
-    prompt = [(37 * i) % 290 + 3 for i in range(11)]
-    pages = (0, 0, list(range(1, 17)))
-
-    def step(plan: StepPlan) -> tuple[list[int], list[int]]:
-        out = runner.launch(plan).wait()
-        assert out.draft_tokens is not None
-        return np.asarray(out.tokens).tolist(), out.draft_tokens[0].tolist()
-
-    # Two prompt chunks (the first one's last position waits for the next chunk's token).
-    runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}], page_tables=[pages],
-                                 scheduled=[(0, 0, prompt[:6], False)])).wait()
-    toks, drafts = step(StepPlan.build(scheduled=[(0, 6, prompt[6:], True)]))
-    seq = prompt + toks
-    assert drafts == hf_reference(target, head, seq)
-    # A verify step whose drafts (the head's, random) are checked against the target.
-    toks, drafts = step(StepPlan.build(scheduled=[(0, len(seq) - 1, [seq[-1], *drafts], True, STEPS)]))
-    assert 1 <= len(toks) <= STEPS + 1
-    seq += toks
-    assert drafts == hf_reference(target, head, seq)
-    # Right drafts (the target's own greedy continuation): all accepted, STEPS + 1 tokens in
-    # one step, and the head drafts on from the end of the accepted run.
-    right = hf_greedy(target, seq, STEPS + 1)
-    toks, drafts = step(StepPlan.build(scheduled=[(0, len(seq) - 1, [seq[-1], *right[:STEPS]],
-                                                   True, STEPS)]))
-    assert toks == right
-    seq += toks
-    assert drafts == hf_reference(target, head, seq)
+    drafts_follow_the_reference(runner, [(37 * i) % 290 + 3 for i in range(11)], STEPS,
+                                lambda seq: hf_reference(target, head, seq),
+                                lambda seq, n: hf_greedy(target, seq, n))
 
 
 def test_a_config_alone_needs_dummy_weights(target_and_head: tuple[str, Path], tmp_path: Path) -> None:

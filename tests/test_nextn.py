@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from deepseek_mtp_model import MtpModel, hf_greedy, make_mtp_model, reference_drafts
+from spec_checks import drafts_follow_the_reference
 from test_models_families import family_models  # noqa: F401  (the fixture)
 
 from tokenspeed.worker.draft_chain import DraftSpec
@@ -52,35 +53,9 @@ def test_the_head_is_the_mtp_layer_over_a_latent_cache(mtp_model: MtpModel) -> N
 
 def test_drafts_match_the_reference_forward(mtp_model: MtpModel) -> None:
     m = mtp_model
-    runner = runner_for(m)
-    prompt = [(37 * i) % 250 + 3 for i in range(11)]
-    pages = (0, 0, list(range(1, 17)))
-
-    def step(plan: StepPlan) -> tuple[list[int], list[int]]:
-        out = runner.launch(plan).wait()
-        assert out.draft_tokens is not None
-        return np.asarray(out.tokens).tolist(), out.draft_tokens[0].tolist()
-
-    # Two prompt chunks (the first one's last position waits for the next chunk's token).
-    runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}], page_tables=[pages],
-                                 scheduled=[(0, 0, prompt[:6], False)])).wait()
-    toks, drafts = step(StepPlan.build(scheduled=[(0, 6, prompt[6:], True)]))
-    seq = prompt + toks
-    assert toks == hf_greedy(m.target, prompt, 1)
-    assert drafts == reference_drafts(m, seq, STEPS)
-    # A verify step of the head's (random) drafts: some or none accepted.
-    toks, drafts = step(StepPlan.build(scheduled=[(0, len(seq) - 1, [seq[-1], *drafts], True, STEPS)]))
-    assert 1 <= len(toks) <= STEPS + 1
-    seq += toks
-    assert drafts == reference_drafts(m, seq, STEPS)
-    # Right drafts (the target's own greedy continuation): all accepted, and the head drafts
-    # on from the end of the accepted run.
-    right = hf_greedy(m.target, seq, STEPS + 1)
-    toks, drafts = step(StepPlan.build(scheduled=[(0, len(seq) - 1, [seq[-1], *right[:STEPS]],
-                                                   True, STEPS)]))
-    assert toks == right
-    seq += toks
-    assert drafts == reference_drafts(m, seq, STEPS)
+    drafts_follow_the_reference(runner_for(m), [(37 * i) % 250 + 3 for i in range(11)], STEPS,
+                                lambda seq: reference_drafts(m, seq, STEPS),
+                                lambda seq, n: hf_greedy(m.target, seq, n))
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])  # triton: the interpreter on CPU

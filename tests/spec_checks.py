@@ -1,0 +1,71 @@
+"""Checks every speculative algorithm with a draft head shares (test_eagle3, test_nextn and
+their end-to-end tests): the head's drafts against a reference through the drafting scenario,
+and a server's greedy answers against plain decoding's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+
+from server_harness import Server
+from tokenspeed.worker.model_runner import ModelRunner
+from tokenspeed.worker.plan import StepPlan
+
+
+def drafts_follow_the_reference(runner: ModelRunner, prompt: list[int], steps: int,
+                                reference: Callable[[list[int]], list[int]],
+                                greedy: Callable[[list[int], int], list[int]]) -> None:
+    """One request in slot 0: two prompt chunks (the first one's last position waits for the
+    next chunk's token), a verify step of the head's own (random) drafts, then one of right
+    drafts (the target's greedy continuation: all accepted). After each, the drafts equal
+    `reference(tokens so far)`; `greedy(tokens, n)` is the target's next n greedy tokens."""
+    pages = (0, 0, list(range(1, 17)))
+
+    def step(plan: StepPlan) -> tuple[list[int], list[int]]:
+        out = runner.launch(plan).wait()
+        assert out.draft_tokens is not None
+        return np.asarray(out.tokens).tolist(), out.draft_tokens[0].tolist()
+
+    runner.launch(StepPlan.build(new=[{"slot": 0, "temperature": 0.0}], page_tables=[pages],
+                                 scheduled=[(0, 0, prompt[:6], False)])).wait()
+    toks, drafts = step(StepPlan.build(scheduled=[(0, 6, prompt[6:], True)]))
+    seq = prompt + toks
+    assert toks == greedy(prompt, 1)
+    assert drafts == reference(seq)
+    toks, drafts = step(StepPlan.build(scheduled=[(0, len(seq) - 1, [seq[-1], *drafts], True, steps)]))
+    assert 1 <= len(toks) <= steps + 1
+    seq += toks
+    assert drafts == reference(seq)
+    # All accepted: steps + 1 tokens in one step, and the head drafts on from the run's end.
+    right = greedy(seq, steps + 1)
+    toks, drafts = step(StepPlan.build(scheduled=[(0, len(seq) - 1, [seq[-1], *right[:steps]],
+                                                   True, steps)]))
+    assert toks == right
+    seq += toks
+    assert drafts == reference(seq)
+
+
+def answers(server: Server, bodies: list[dict]) -> list:
+    """The server's completions of `bodies`, sent at once."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=400)
+    model = client.models.list().data[0].id
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda body: client.completions.create(model=model, **body), bodies))
+
+
+def assert_same_answers(want: list, got: list) -> None:
+    """Greedy answers with speculation are plain decoding's: text, finish reasons, usage, and
+    logprobs (within float noise: a verify step computes a row among more rows)."""
+    for w_answer, g_answer in zip(want, got, strict=True):
+        assert g_answer.usage.completion_tokens == w_answer.usage.completion_tokens
+        for w, g in zip(w_answer.choices, g_answer.choices, strict=True):
+            assert (g.text, g.finish_reason) == (w.text, w.finish_reason)
+            if w.logprobs is None:
+                assert g.logprobs is None
+                continue
+            assert g.logprobs.tokens == w.logprobs.tokens
+            assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=2e-3)
