@@ -89,3 +89,46 @@ def test_empty_rows(device: str) -> None:
     assert a_s.shape == (0, 1)
     out = w8a8_block_matmul(a_q, a_s, b_q.to(device), b_s.to(device), BLOCK, torch.bfloat16)
     assert out.shape == (0, 40)
+
+
+def _ref_block_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor,
+                   s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per expert: its tokens' activations rounded per 128-group, both GEMMs on dequantised
+    operands in fp32 (the intermediate rounded the same way before the down GEMM)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    inter = w13.shape[1] // 2
+
+    def w8a8(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return ref_w8a8_block_matmul(*ref_per_token_group_quant_fp8(a), w, s, BLOCK, torch.float32)
+
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel():
+            h = w8a8(x[tok], w13[e], s13[e])
+            h = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+            out.index_add_(0, tok, w8a8(h, w2[e], s2[e]) * weights[tok, slot, None])
+    return out
+
+
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", [
+    (1, 100, 128, 8, 2), (5, 192, 128, 8, 2), (17, 256, 256, 4, 1)])
+def test_fused_moe_with_block_scales_matches_reference(tokens: int, hidden: int, inter: int,
+                                                        experts: int, top_k: int, device: str) -> None:
+    from tokenspeed_kernels.moe import fused_moe, moe_route
+
+    gen = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13, s13, w2, s2 = [], [], [], []
+    for _ in range(experts):  # tiles x1/8 .. x8 apart: a scale on the wrong tile shows
+        for ws, ss, shape in ((w13, s13, (2 * inter, hidden)), (w2, s2, (hidden, inter))):
+            tiles = 2.0 ** torch.randint(-3, 4, (-(-shape[0] // 128), -(-shape[1] // 128)), generator=gen)
+            full = tiles.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
+            q, s = quantize_weight_blocks(torch.randn(*shape, generator=gen) * full / shape[1] ** 0.5)
+            ws.append(q)
+            ss.append(s)
+    w13, s13, w2, s2 = (torch.stack(t) for t in (w13, s13, w2, s2))
+    weights, ids = moe_route(torch.randn(tokens, experts, generator=gen), top_k, True)
+    ref = _ref_block_moe(x, w13, s13, w2, s2, weights, ids)
+    dev = [t.to(device) for t in (x, w13, w2, weights, ids, s13, s2)]
+    out = fused_moe(*dev[:5], w13_scale=dev[5], w2_scale=dev[6], block=BLOCK)
+    assert out.shape == x.shape and rel_err(out.cpu(), ref) < BLOCK_MATMUL_TOL * 10
