@@ -101,6 +101,19 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, expert_start: int,
 
 
 @triton.jit
+def _scaled_dot(a, w, acc, as_ptrs, ws_ptrs, kb, mask_m, mask_n, SCALED: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """acc + a . w; SCALED: one K-block of fp8 operands, its fp32 product times the rows' group
+    scales and the columns' tile scales (a fresh partial sum per block: promoted every block)."""
+    if SCALED:
+        a_s = tl.load(as_ptrs + kb, mask=mask_m, other=0.0)
+        w_s = tl.load(ws_ptrs + kb, mask=mask_n, other=0.0)
+        return acc + tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    else:
+        return tl.dot(a, w, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -127,13 +140,14 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALED: tl.constexpr,
     SCALE_N: tl.constexpr,
 ):
     """out[a, n] for BLOCK_M assignments a of one expert e and BLOCK_N outputs n:
     GATED: silu(A[a // div] . W[e, n]) * (A[a // div] . W[e, n_out + n])  (W = [gate; up])
     else : A[a // div] . W[e, n].
-    SCALE_N > 0: fp8 A and W with block scales (A: [rows, K / BLOCK_K], W: [E, N / SCALE_N,
-    K / BLOCK_K]), applied per K-block."""
+    SCALED: fp8 A and W with block scales (A: [rows, K / BLOCK_K], W: [E, N / SCALE_N,
+    K / BLOCK_K]), applied per K-block (_scaled_dot)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -153,12 +167,10 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     # W[e] is [rows n, cols k] with unit column stride; read it as the [BLOCK_K, BLOCK_N] B operand.
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    as_ptrs = as_ptr + rows * stride_asm  # the block scales' rows and columns (SCALED only)
+    ws_ptrs = ws_ptr + expert * stride_wse + (offs_n // SCALE_N) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SCALE_N > 0:  # this tile's rows of A's group scales and columns of W's tile scales
-        as_ptrs = as_ptr + rows * stride_asm
-        ws_ptrs = ws_ptr + expert * stride_wse + (offs_n // SCALE_N) * stride_wsn
-        us_ptrs = ws_ptr + expert * stride_wse + ((offs_n + n_out) // SCALE_N) * stride_wsn
     for k0 in range(0, k_in, BLOCK_K):
         mask_k = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -166,21 +178,13 @@ def _moe_gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        if SCALE_N > 0:
-            kb = k0 // BLOCK_K
-            a_s = tl.load(as_ptrs + kb, mask=mask_m, other=0.0)
-            acc += tl.dot(a, w) * a_s[:, None] * tl.load(ws_ptrs + kb, mask=mask_n, other=0.0)[None, :]
-        else:
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-        if GATED:
+        acc = _scaled_dot(a, w, acc, as_ptrs, ws_ptrs, k0 // BLOCK_K, mask_m, mask_n, SCALED, DOT_PREC)
+        if GATED:  # the up rows' scales: n_out further down the grid (a multiple of SCALE_N)
             u = tl.load(w_ptrs + n_out * stride_wn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if UPCAST:
                 u = u.to(tl.float32)
-            if SCALE_N > 0:
-                u_s = tl.load(us_ptrs + k0 // BLOCK_K, mask=mask_n, other=0.0)
-                acc_up += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
-            else:
-                acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PREC)
+            acc_up = _scaled_dot(a, u, acc_up, as_ptrs, ws_ptrs + (n_out // SCALE_N) * stride_wsn,
+                                 k0 // BLOCK_K, mask_m, mask_n, SCALED, DOT_PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATED:
@@ -256,10 +260,10 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignme
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_in = w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1 and a.shape[1] == k_in
-    block_k, scale_n, a_s, w_s = cfg.block_k, 0, w, w  # (the scale pointers are unused without)
+    block_k, scale_n, a_s, w_s = cfg.block_k, 1, w, w  # (the scale pointers are unused without)
     if scales is not None:
         (scale_n, block_k), a_s, w_s = scales.block, scales.a, scales.w
-        assert a_s.stride(1) == 1 and w_s.stride(2) == 1
+        assert a_s.stride(1) == 1 and w_s.stride(2) == 1 and not (gated and n_out % scale_n)
     blocks = align.sorted_ids.numel() // cfg.block_m
     grid = (blocks * triton.cdiv(n_out, cfg.block_n),)
     _moe_gemm_kernel[grid](
@@ -267,7 +271,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignme
         align.num_assignments, n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1),
         out.stride(0), a_s.stride(0), w_s.stride(0), w_s.stride(1) if w_s.dim() > 1 else 0,
         GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        DOT_PREC=dot_precision(a.dtype), SCALE_N=scale_n,
+        DOT_PREC=dot_precision(a.dtype), SCALED=scales is not None, SCALE_N=scale_n,
         UPCAST=upcast_dot(a.dtype) or (scales is not None and interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

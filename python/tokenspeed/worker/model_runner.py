@@ -287,7 +287,6 @@ class ModelRunner:
         logger.info("model %s loaded: dtype=%s%s device=%s attention=%s%s kv pages=%d x %d tokens "
                     "(%s), cuda graphs up to batch %d%s", c.architecture, self.dtype,
                     "" if self.fp8 is None else f", fp8 weights ({self.fp8.checkpoint_format or 'quantised'}"
-                    f"{', 128x128 block scales' if self.fp8.weight_block else ''}"
                     f"{', fp8 lm_head' if self.fp8.lm_head else ''})",
                     self.device, self.attention_backend,
                     f" moe={self.moe_backend} ({c.num_experts} experts, top {c.num_experts_per_tok}"
