@@ -209,6 +209,43 @@ def test_block_linear_is_the_reference_and_uses_each_tiles_scale() -> None:
     assert moved[:128].eq(0).all() and moved[128:].gt(0).any()
 
 
+def _deq(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape[-2:]
+    return q.float() * s.repeat_interleave(128, -2)[..., :n, :].repeat_interleave(128, -1)[..., :k]
+
+
+def test_tensor_parallel_shards_take_their_block_rows_and_columns() -> None:
+    """Rank 1 of 2: a fused gate/up's rows of each half, a row-parallel layer's columns, an
+    expert's moe-TP slice; each dequantises to its slice of the full dequantised weight."""
+    from tokenspeed.layers.linear import GateUpLinear
+    from tokenspeed.layers.moe import MoeOptions, MoeParallel
+    from tokenspeed.layers.quantization.fp8_model import prepare_fp8_checkpoint
+    from tokenspeed.layers.quantization.methods import Fp8Config
+
+    gen = torch.Generator().manual_seed(5)
+    gate, up, down = (quantize_blocks(torch.randn(*shape, generator=gen) * 2.0 ** torch.randint(
+        -3, 4, (1,), generator=gen)) for shape in ((512, 300), (512, 300), (300, 512)))
+    gate_up, row = GateUpLinear(300, 512, tp_rank=1, tp_size=2), RowLinear(512, 300, tp_rank=1, tp_size=2)
+    experts = FusedMoE(2, 1, 300, 512, False, MoeOptions(parallel=MoeParallel(tp_rank=1, tp_size=2)))
+    for module in (gate_up, row):
+        prepare_fp8_checkpoint(module, Fp8Config("fp8", weight_block=(128, 128)))
+    experts.make_fp8_block((128, 128))
+    for shard, (q, s) in enumerate((gate, up)):
+        gate_up.weight_loader(gate_up.weight, q, shard)
+        gate_up.weight_loader(gate_up.weight_scale, s, shard)
+        experts.load_expert(1, ("gate", "up")[shard], q)
+        experts.load_expert(1, ("gate_scale", "up_scale")[shard], s)
+    row.weight_loader(row.weight, down[0])
+    row.weight_loader(row.weight_scale, down[1])
+    experts.load_expert(1, "down", down[0])
+    experts.load_expert(1, "down_scale", down[1])
+    halves = torch.cat([_deq(*gate)[256:], _deq(*up)[256:]])
+    assert torch.equal(_deq(gate_up.weight, gate_up.weight_scale), halves)
+    assert torch.equal(_deq(experts.gate_up_proj[1], experts.gate_up_proj_scale[1]), halves)
+    assert torch.equal(_deq(row.weight, row.weight_scale), _deq(*down)[:, 256:])
+    assert torch.equal(_deq(experts.down_proj[1], experts.down_proj_scale[1]), _deq(*down)[:, 256:])
+
+
 @pytest.mark.parametrize("change,match", [
     ({"weight_block_size": [64, 64]}, r"\[128, 128\] blocks only"),
     ({"fmt": "e5m2"}, "only e4m3"),
