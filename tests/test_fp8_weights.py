@@ -259,7 +259,7 @@ def test_a_sharded_checkpoints_fp8_head_is_found_through_its_index(tiny_llama: s
     ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
     ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size \\[64, 64\\]"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "'modelopt/NVFP4'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
 ])

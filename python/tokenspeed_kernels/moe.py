@@ -6,6 +6,11 @@
     down[a]      = inter[a] @ down[e]^T                                  a second grouped GEMM
     out[t]       = sum_j weights[t, j] * down[t * k + j]                  combine, fp32
 
+FP8 experts with block scales (DeepSeek-V3's checkpoints): w13 / w2 fp8 with one fp32 scale per
+[block_n, block_k] tile; x and the intermediate are quantised per token per block_k group first
+(tokenspeed_kernels.fp8_block) and each K-block's fp8 partial product is scaled by the row's
+group scale times the weight tile's scale (BLOCK_K = block_k), as the dense block GEMM does.
+
 An "assignment" a = t * top_k + j is token t's j-th expert. `moe_align` sorts the assignments by
 expert and pads each expert's run to a multiple of BLOCK_M, so that one program of a grouped GEMM
 multiplies BLOCK_M rows that all use the same expert's weights (the vLLM/SGLang fused_moe layout).
@@ -96,6 +101,19 @@ def moe_align(topk_ids: torch.Tensor, num_local: int, expert_start: int,
 
 
 @triton.jit
+def _scaled_dot(a, w, acc, as_ptrs, ws_ptrs, kb, mask_m, mask_n, SCALED: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """acc + a . w; SCALED: one K-block of fp8 operands, its fp32 product times the rows' group
+    scales and the columns' tile scales (a fresh partial sum per block: promoted every block)."""
+    if SCALED:
+        a_s = tl.load(as_ptrs + kb, mask=mask_m, other=0.0)
+        w_s = tl.load(ws_ptrs + kb, mask=mask_n, other=0.0)
+        return acc + tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    else:
+        return tl.dot(a, w, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -103,6 +121,8 @@ def _moe_gemm_kernel(
     sorted_ids_ptr,
     block_expert_ptr,
     num_padded_ptr,
+    as_ptr,
+    ws_ptr,
     num_assignments,
     n_out,
     k_in,
@@ -111,16 +131,23 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_asm,
+    stride_wse,
+    stride_wsn,
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALED: tl.constexpr,
+    SCALE_N: tl.constexpr,
 ):
     """out[a, n] for BLOCK_M assignments a of one expert e and BLOCK_N outputs n:
     GATED: silu(A[a // div] . W[e, n]) * (A[a // div] . W[e, n_out + n])  (W = [gate; up])
-    else : A[a // div] . W[e, n]."""
+    else : A[a // div] . W[e, n].
+    SCALED: fp8 A and W with block scales (A: [rows, K / BLOCK_K], W: [E, N / SCALE_N,
+    K / BLOCK_K]), applied per K-block (_scaled_dot)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -140,6 +167,8 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     # W[e] is [rows n, cols k] with unit column stride; read it as the [BLOCK_K, BLOCK_N] B operand.
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    as_ptrs = as_ptr + rows * stride_asm  # the block scales' rows and columns (SCALED only)
+    ws_ptrs = ws_ptr + expert * stride_wse + (offs_n // SCALE_N) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
@@ -149,12 +178,13 @@ def _moe_gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-        if GATED:
+        acc = _scaled_dot(a, w, acc, as_ptrs, ws_ptrs, k0 // BLOCK_K, mask_m, mask_n, SCALED, DOT_PREC)
+        if GATED:  # the up rows' scales: n_out further down the grid (a multiple of SCALE_N)
             u = tl.load(w_ptrs + n_out * stride_wn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if UPCAST:
                 u = u.to(tl.float32)
-            acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PREC)
+            acc_up = _scaled_dot(a, u, acc_up, as_ptrs, ws_ptrs + (n_out // SCALE_N) * stride_wsn,
+                                 k0 // BLOCK_K, mask_m, mask_n, SCALED, DOT_PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATED:
@@ -215,30 +245,48 @@ def pick_config(num_assignments: int, num_local: int) -> MoeGemmConfig:
     return MoeGemmConfig(64, 128, 64, 8, 3)
 
 
+@dataclass(frozen=True)
+class BlockScales:
+    """FP8 block scales of one grouped GEMM: the activations' [rows, K / bk] and the experts'
+    [E, N / bn, K / bk] (bn, bk = block)."""
+
+    a: torch.Tensor
+    w: torch.Tensor
+    block: tuple[int, int]
+
+
 def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, a_row_div: int,
-          gated: bool, cfg: MoeGemmConfig) -> None:
+          gated: bool, cfg: MoeGemmConfig, scales: BlockScales | None = None) -> None:
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_in = w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1 and a.shape[1] == k_in
+    block_k, scale_n, a_s, w_s = cfg.block_k, 1, w, w  # (the scale pointers are unused without)
+    if scales is not None:
+        (scale_n, block_k), a_s, w_s = scales.block, scales.a, scales.w
+        assert a_s.stride(1) == 1 and w_s.stride(2) == 1 and not (gated and n_out % scale_n)
     blocks = align.sorted_ids.numel() // cfg.block_m
     grid = (blocks * triton.cdiv(n_out, cfg.block_n),)
     _moe_gemm_kernel[grid](
-        a, w, out, align.sorted_ids, align.block_expert, align.num_padded, align.num_assignments,
-        n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PREC=dot_precision(a.dtype), UPCAST=upcast_dot(a.dtype),
+        a, w, out, align.sorted_ids, align.block_expert, align.num_padded, a_s, w_s,
+        align.num_assignments, n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), a_s.stride(0), w_s.stride(0), w_s.stride(1) if w_s.dim() > 1 else 0,
+        GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        DOT_PREC=dot_precision(a.dtype), SCALED=scales is not None, SCALE_N=scale_n,
+        UPCAST=upcast_dot(a.dtype) or (scales is not None and interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_start: int = 0,
-              config: MoeGemmConfig | None = None) -> torch.Tensor:
+              config: MoeGemmConfig | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """Experts' weighted output for every token.
 
     x [T, H]; w13 [E_local, 2 * I, H] (gate rows then up rows, as HF's fused gate_up_proj);
     w2 [E_local, H, I]; topk_weights [T, k] (float32), topk_ids [T, k] global expert ids.
     Experts outside [expert_start, expert_start + E_local) contribute nothing. Returns [T, H]
-    in x.dtype; intermediates are x.dtype, accumulation fp32."""
+    in x.dtype; intermediates are x.dtype, accumulation fp32. w13_scale [E, 2I / bn, H / bk] and
+    w2_scale [E, H / bn, I / bk]: fp8 w13 / w2 with `block` scales (W8A8, see the docstring)."""
     tokens, hidden = x.shape
     num_local, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -249,9 +297,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg = config or pick_config(n, num_local)
     align = moe_align(topk_ids, num_local, expert_start, cfg.block_m)
     inter = torch.empty((n, two_inter // 2), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, inter, align, top_k, True, cfg)
     down = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
-    _gemm(inter, w2, down, align, 1, False, cfg)
+    if w13_scale is None or w2_scale is None:
+        _gemm(x, w13, inter, align, top_k, True, cfg)
+        _gemm(inter, w2, down, align, 1, False, cfg)
+    else:
+        from tokenspeed_kernels.fp8_block import per_token_group_quant_fp8
+
+        xq, xs = per_token_group_quant_fp8(x.contiguous(), block[1])
+        _gemm(xq, w13, inter, align, top_k, True, cfg, BlockScales(xs, w13_scale, block))
+        iq, is_ = per_token_group_quant_fp8(inter, block[1])
+        _gemm(iq, w2, down, align, 1, False, cfg, BlockScales(is_, w2_scale, block))
     weights = topk_weights.contiguous().float()
     ids = topk_ids.contiguous().to(torch.int32)
     block_h = min(1024, triton.next_power_of_2(hidden))

@@ -149,7 +149,8 @@ QUANT_FLAGS: list[Flag] = [
       implemented=True),
     s("--quantization", "Weight quantization method. Available now: fp8 (per-channel FP8 weights, "
       "per-token FP8 activations; a bf16/fp16/fp32 checkpoint is quantised while loading). FP8 "
-      "checkpoints (compressed-tensors, ModelOpt) are detected from config.json without it; other "
+      "checkpoints (compressed-tensors, ModelOpt, per-tensor fp8, and DeepSeek-V3's block-wise fp8 "
+      "with 128x128 weight scales, kept fp8 in memory) are detected from config.json without it; other "
       "methods (awq, gptq, bitsandbytes, ...) fail at start.", G_QUANT, readers=("worker",),
       implemented=True, metavar="METHOD"),
     c("--lm-head-quantization", "Precision of the LM head's weights under FP8 weight "

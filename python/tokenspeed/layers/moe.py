@@ -14,6 +14,12 @@ routes first and sends each token only to the ranks holding its experts: the exp
 `Routing` (weights and ids) instead of router logits. The exchanges over the process groups are
 in moe_exchange.py; the MoE families' `SparseMoeBlock` (models/moe_base.py) calls the hook.
 
+FP8 experts (block-scaled checkpoints, DeepSeek-V3): `make_fp8_block` turns gate_up_proj /
+down_proj into fp8 tensors with one fp32 scale per [128, 128] tile (`gate_up_proj_scale`
+[E, 2I / 128, H / 128], `down_proj_scale` [E, H / 128, I / 128]); they stay fp8 in memory and
+every expert GEMM is block-scaled W8A8 (torch_native: fp8.py's fp8_block_linear per expert;
+triton: fused_moe with the scales).
+
 Backends: `torch_native` (CPU and reference: a loop over the experts that receive tokens, which
 reads the per-expert counts on the host, so it cannot run inside a CUDA graph) and `triton`
 (tokenspeed_kernels.fused_moe: no host syncs, the default on CUDA, used in decode graphs).
@@ -117,10 +123,11 @@ def moe_torch_native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      expert_start: int = 0, b13: torch.Tensor | None = None,
                      b2: torch.Tensor | None = None,
-                     activation: ExpertActivation = ExpertActivation()) -> torch.Tensor:
+                     activation: ExpertActivation = ExpertActivation(),
+                     s13: torch.Tensor | None = None, s2: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: per local expert, gather its tokens, gate_up → activation → down (biases
-    b13 [E, 2I] / b2 [E, H] when given), scale by the routing weight and add into the token's
-    output (fp32)."""
+    b13 [E, 2I] / b2 [E, H] when given; fp8 weights with block scales s13 / s2 when given),
+    scale by the routing weight and add into the token's output (fp32)."""
     tokens, hidden = x.shape
     num_local, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
@@ -134,8 +141,10 @@ def moe_torch_native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if count:
             assign = order[start:start + count]
             rows = assign // top_k
-            gate, up = linear(x[rows], w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)
-            h = linear(activation(gate, up), w2[e], None if b2 is None else b2[e])
+            gate, up = linear(x[rows], w13[e], None if b13 is None else b13[e],
+                              None if s13 is None else s13[e]).chunk(2, dim=-1)
+            h = linear(activation(gate, up), w2[e], None if b2 is None else b2[e],
+                       None if s2 is None else s2[e])
             out.index_add_(0, rows, h.float() * weights[assign, None].float())
         start += count
     return out.to(x.dtype)
@@ -180,6 +189,54 @@ class FusedMoE(nn.Module):
                                                   requires_grad=False)
             self.down_proj_bias = nn.Parameter(torch.empty(self.num_local, hidden_size),
                                                requires_grad=False)
+        # FP8 block scales (make_fp8_block): one per [block_n, block_k] tile of each expert.
+        self.block: tuple[int, int] | None = None
+        self.gate_up_proj_scale: nn.Parameter | None = None
+        self.down_proj_scale: nn.Parameter | None = None
+
+    def make_fp8_block(self, block: tuple[int, int]) -> None:
+        """fp8 expert weights with block-scale grids, for a block-wise FP8 checkpoint to fill.
+        The gate and up halves and each moe-TP slice must cut on the block grid (V3: I = 2048)."""
+        bn, bk = block
+        i, hidden = self.inter_local, self.down_proj.shape[1]
+        if i % bn or i % bk:
+            raise ValueError(f"FP8 block-scaled experts: intermediate slice {i} is not a multiple "
+                             f"of the {bn}x{bk} weight block")
+        if self.gate_up_proj_bias is not None:
+            raise NotImplementedError("FP8 block-scaled experts with biases")
+        dev = self.gate_up_proj.device
+
+        def param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.ones(shape, dtype=dtype, device=dev), requires_grad=False)
+
+        self.block = block
+        self.gate_up_proj = param(tuple(self.gate_up_proj.shape), torch.float8_e4m3fn)
+        self.down_proj = param(tuple(self.down_proj.shape), torch.float8_e4m3fn)
+        self.gate_up_proj_scale = param((self.num_local, 2 * i // bn, -(-hidden // bk)), torch.float32)
+        self.down_proj_scale = param((self.num_local, -(-hidden // bn), i // bk), torch.float32)
+
+    def _load_target(self, e: int, shard: str, loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(destination, source) of one expert's shard: its rows of gate_up / columns of down
+        (block rows / columns of their scale grids for the `*_scale` shards)."""
+        i, t = self.inter_local, self.parallel.tp_rank
+        if shard.endswith("_scale"):
+            bn, bk = self.block or (0, 0)
+            if shard == "down_scale":
+                return self.down_proj_scale.data[e], loaded.narrow(1, t * i // bk, i // bk)  # type: ignore[union-attr]
+            offset = 0 if shard == "gate_scale" else i // bn
+            return (self.gate_up_proj_scale.data[e].narrow(0, offset, i // bn),  # type: ignore[union-attr]
+                    loaded.narrow(0, t * i // bn, i // bn))
+        if shard in ("gate_bias", "up_bias") and self.gate_up_proj_bias is not None:
+            offset = 0 if shard == "gate_bias" else i
+            return self.gate_up_proj_bias.data[e].narrow(0, offset, i), loaded.narrow(0, t * i, i)
+        if shard == "down_bias" and self.down_proj_bias is not None:
+            return self.down_proj_bias.data[e], loaded if t == 0 else torch.zeros_like(loaded)
+        if shard == "down":
+            return self.down_proj.data[e], loaded.narrow(1, t * i, i)
+        if shard in ("gate", "up"):
+            offset = 0 if shard == "gate" else i
+            return self.gate_up_proj.data[e].narrow(0, offset, i), loaded.narrow(0, t * i, i)
+        raise ValueError(f"unknown expert shard {shard!r}")
 
     def local_expert(self, expert: int) -> int | None:
         """Index of global expert `expert` on this rank, None when another EP rank holds it."""
@@ -188,23 +245,14 @@ class FusedMoE(nn.Module):
 
     def load_expert(self, expert: int, shard: str, loaded: torch.Tensor) -> bool:
         """Copy this rank's slice of one expert's HF tensor: shard "gate"/"up" ([I, H]) or
-        "down" ([H, I]). False when the expert lives on another EP rank (nothing copied)."""
+        "down" ([H, I]), their biases (`*_bias`) or block scales (`*_scale`). False when the expert lives on another EP rank (nothing copied)."""
         e = self.local_expert(expert)
         if e is None:
             return False
-        i, t = self.inter_local, self.parallel.tp_rank
-        if shard in ("gate_bias", "up_bias") and self.gate_up_proj_bias is not None:
-            offset = 0 if shard == "gate_bias" else i
-            dst, src = self.gate_up_proj_bias.data[e].narrow(0, offset, i), loaded.narrow(0, t * i, i)
-        elif shard == "down_bias" and self.down_proj_bias is not None:
-            dst, src = self.down_proj_bias.data[e], loaded if t == 0 else torch.zeros_like(loaded)
-        elif shard == "down":
-            dst, src = self.down_proj.data[e], loaded.narrow(1, t * i, i)
-        elif shard in ("gate", "up"):
-            offset = 0 if shard == "gate" else i
-            dst, src = self.gate_up_proj.data[e].narrow(0, offset, i), loaded.narrow(0, t * i, i)
-        else:
-            raise ValueError(f"unknown expert shard {shard!r}")
+        if shard.endswith("_scale") and self.block is None:
+            raise ValueError(f"expert {expert} {shard}: FP8 expert weights load from block-wise FP8 "
+                             "checkpoints only (weight_block_size [128, 128])")
+        dst, src = self._load_target(e, shard, loaded)
         if dst.shape != src.shape:
             raise ValueError(f"expert {expert} {shard}: checkpoint slice {tuple(src.shape)} != "
                              f"parameter {tuple(dst.shape)}")
@@ -247,10 +295,12 @@ class FusedMoE(nn.Module):
 
         weights, ids = routing if isinstance(routing, Routing) else self.route(routing)
         if self.backend == "triton":
-            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_start)
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_start,
+                             w13_scale=self.gate_up_proj_scale, w2_scale=self.down_proj_scale,
+                             block=self.block or (128, 128))
         return moe_torch_native(x, self.gate_up_proj, self.down_proj, weights, ids,
                                 self.expert_start, self.gate_up_proj_bias, self.down_proj_bias,
-                                self.activation)
+                                self.activation, self.gate_up_proj_scale, self.down_proj_scale)
 
 
 class Router(nn.Module):

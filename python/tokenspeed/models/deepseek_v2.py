@@ -171,6 +171,9 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     # q_proj is MLA's own (no fused qkv); only the MLPs' gate/up fuse.
     STACKED_PARAMS: ClassVar[list[tuple[str, str, int]]] = [
         p for p in STACKED_PARAMS if p[1] == ".gate_up_proj."]
+    # Read as matrices (MlaAttention._absorbed), not multiplied through: a block-scaled FP8
+    # checkpoint's kv_b_proj is dequantised to the model dtype once loaded (fp8_model.py).
+    HIGH_PRECISION_LINEARS: ClassVar[tuple[str, ...]] = ("kv_b_proj",)
 
     def make_model(self, max_positions: int) -> nn.Module:
         c = self.config

@@ -14,8 +14,9 @@ from tokenspeed.layers.moe_exchange import moe_communication
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import LlamaForCausalLM, LlamaMLP
 
-# One expert's matrix: HF safetensors (`mlp.experts.3.gate_proj.weight`, Mixtral's `w1`/`w2`/`w3`).
-_ONE_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+# One expert's matrix: HF safetensors (`mlp.experts.3.gate_proj.weight`, Mixtral's `w1`/`w2`/`w3`),
+# or its FP8 block scales (`weight_scale`: the checkpoint's weight_scale_inv, renamed by fp8_model).
+_ONE_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale)$")
 # All experts stacked on dim 0: transformers 5's fused tensors (`mlp.experts.gate_up_proj`
 # [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) and the GGUF stacks (`gate_proj`/`up_proj` [E, I, H]).
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
@@ -65,8 +66,9 @@ class MoeForCausalLM(LlamaForCausalLM):
             shard = self.EXPERT_SHARDS.get(m[3])
             if shard is None:
                 raise KeyError(f"checkpoint tensor {name!r}: unknown expert matrix {m[3]!r}")
-            experts.load_expert(int(m[2]), shard, tensor)
-            return f"{m[1]}.{'down_proj' if shard == 'down' else 'gate_up_proj'}"
+            suffix = "_scale" if m[4] == "weight_scale" else ""
+            experts.load_expert(int(m[2]), shard + suffix, tensor)
+            return f"{m[1]}.{'down_proj' if shard == 'down' else 'gate_up_proj'}{suffix}"
         if m := _STACKED.match(name):
             experts = self._experts(modules, m[1], name)
             if tensor.shape[0] != experts.num_experts:

@@ -25,7 +25,11 @@ from tqdm import tqdm
 
 from tokenspeed.distributed.groups import ParallelState, single_rank, state
 from tokenspeed.layers.moe import MoeOptions, MoeParallel
-from tokenspeed.layers.quantization.fp8_model import prepare_fp8_checkpoint, quantize_model
+from tokenspeed.layers.quantization.fp8_model import (
+    checkpoint_names,
+    prepare_fp8_checkpoint,
+    quantize_model,
+)
 from tokenspeed.layers.quantization.kv_cache import KVScales, split_kv_scales
 from tokenspeed.layers.quantization.methods import Fp8Config
 from tokenspeed.models.config import ModelConfig, config_from_gguf_fields, load_hf_config
@@ -323,7 +327,10 @@ def load_model(ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device,
                 full = build_model(ckpt.config, max_positions, one, single_rank(), pool_cfg)
         init_dummy_weights(model, seed, full_model=full)
     else:
-        model.load_weights(split_kv_scales(ckpt.tensors(), kv_scales))  # type: ignore[operator]
+        tensors = split_kv_scales(ckpt.tensors(), kv_scales)
+        if fp8 is not None:
+            tensors = checkpoint_names(tensors, fp8)
+        model.load_weights(tensors)  # type: ignore[operator]
     if fp8 is not None:
         quantize_model(model, fp8, dtype)
     return model.eval()

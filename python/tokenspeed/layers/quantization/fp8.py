@@ -13,6 +13,10 @@ the kernel:
   do): 20% less GEMM time at S1's decode batch (kernels/bench/bench_fp8.py, mm_fast);
   TOKENSPEED_FP8_GEMM=cublas_promote keeps cuBLAS's periodic promotion to fp32 instead;
 * elsewhere (CPU tests): dequantise, then matmul (the reference).
+Block-scaled weights (DeepSeek-V3's checkpoints: `weight_scale` 2-D, one scale per FP8_BLOCK tile
+of the weight, [ceil(N / 128), ceil(K / 128)]) go to `fp8_block_linear` instead: activations
+quantised per token per 128-column group, then tokenspeed_kernels.w8a8_block_matmul on CUDA (both
+scales applied per K-block); elsewhere `reference_block_linear`, the same numerics in fp32 torch.
 TOKENSPEED_FP8_GEMM=reference (or setting GEMM_BACKEND) runs `reference_linear` instead on any
 device: the same numerics in fp32 torch, kernel-free (benches/diagnostics/fp8_accuracy.py compares the kernels
 against it at model level).
@@ -30,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
+# The weight block of block-scaled checkpoints: DeepSeek-V3's, the only size methods.py accepts.
+FP8_BLOCK = (128, 128)
 SKINNY_MAX_ROWS = 8  # as for bf16 (layers/linear.py): the GEMV's range, cuBLAS above it
 # "cublas" (default), "cublas_promote", "triton" (to measure them) or "reference" (reference_linear).
 GEMM_BACKEND = os.environ.get("TOKENSPEED_FP8_GEMM", "cublas")
@@ -45,7 +51,45 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype`: per-channel scales [N], or block scales [N / bn, K / bk] (2-D)."""
+    if weight_scale.dim() == 2:
+        from tokenspeed_kernels.fp8_block import dequantize_block
+
+        return dequantize_block(weight, weight_scale, FP8_BLOCK, dtype)
     return (weight.float() * weight_scale[:, None]).to(dtype)
+
+
+def reference_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_block_linear's numerics in fp32 torch: activations rounded to fp8 per token per
+    128-group, both operands dequantised, fp32 matmul, output rounded to x's dtype."""
+    from tokenspeed_kernels.fp8_block import dequantize_block, ref_per_token_group_quant_fp8
+
+    k = x.shape[-1]
+    xq, xs = ref_per_token_group_quant_fp8(x.reshape(-1, k), FP8_BLOCK[1])
+    out = dequantize_block(xq, xs, (1, FP8_BLOCK[1])) @ dequantize_block(weight, weight_scale, FP8_BLOCK).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) with W = weight (fp8 [N, K]) * its FP8_BLOCK tile's weight_scale; W8A8 at every
+    batch size (no weight-only GEMV: the block matmul streams the fp8 weight once either way)."""
+    if GEMM_BACKEND == "reference" or not x.is_cuda:
+        return reference_block_linear(x, weight, weight_scale, bias)
+    from tokenspeed_kernels.fp8_block import per_token_group_quant_fp8, w8a8_block_matmul
+
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    xq, xs = per_token_group_quant_fp8(x2, FP8_BLOCK[1])
+    out = w8a8_block_matmul(xq, xs, weight, weight_scale, FP8_BLOCK, x.dtype)
+    if bias is not None:
+        out += bias
+    return out.view(*shape[:-1], weight.shape[0])
 
 
 def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
@@ -87,7 +131,10 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) with W = weight (fp8) * weight_scale[:, None]; output in x's dtype."""
+    """x W^T (+ b) with W = weight (fp8) * weight_scale[:, None]; output in x's dtype. A 2-D
+    weight_scale holds block scales (fp8_block_linear)."""
+    if weight_scale.dim() == 2:
+        return fp8_block_linear(x, weight, weight_scale, bias)
     if GEMM_BACKEND == "reference":
         return reference_linear(x, weight, weight_scale, bias)
     if not x.is_cuda:

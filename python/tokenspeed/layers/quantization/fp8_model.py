@@ -2,17 +2,25 @@
 list, in HF module names), fp8 parameters for an FP8 checkpoint to fill (`prepare_fp8_checkpoint`),
 and quantising what still holds high-precision weights once loaded (`quantize_model`). The
 layers then run through fp8.py's `fp8_linear`.
+
+Block-scaled checkpoints (Fp8Config.weight_block, DeepSeek-V3): the linears' `weight_scale` is the
+checkpoint's `weight_scale_inv` grid [ceil(N/bn), ceil(K/bk)] (`checkpoint_names` renames it), cut
+on the block grid for fused sub-matrices and TP shards; the routed experts (FusedMoE) get fp8
+`gate_up_proj` / `down_proj` with `gate_up_proj_scale` / `down_proj_scale` grids the same way. The
+linears a model reads as matrices (its HIGH_PRECISION_LINEARS: MLA's kv_b_proj) are dequantised to
+the model dtype once loaded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from tokenspeed.layers.embedding import LMHead
 from tokenspeed.layers.linear import ColumnLinear, RowLinear
+from tokenspeed.layers.moe import FusedMoE
 from tokenspeed.layers.quantization.fp8 import FP8, dequantize, quantize_per_channel
 from tokenspeed.layers.quantization.methods import Fp8Config, QuantizationError
 
@@ -88,13 +96,87 @@ def _make_fp8(module: nn.Module) -> None:
                                                    device=w.device), requires_grad=False)
 
 
+def checkpoint_names(tensors: Iterable[tuple[str, torch.Tensor]], cfg: Fp8Config
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A block-scaled checkpoint's tensors with `weight_scale_inv` named `weight_scale`, the
+    parameter that holds it (the others pass as they are)."""
+    for name, tensor in tensors:
+        if cfg.weight_block is not None and name.endswith(".weight_scale_inv"):
+            name = name[: -len("_inv")]
+        yield name, tensor
+
+
+def _blocks(size: int, block: int, what: str) -> int:
+    if size % block:
+        raise QuantizationError(f"{what}: {size} rows/columns do not cut on the {block}-wide "
+                                "block grid of the checkpoint's FP8 weight scales")
+    return size // block
+
+
+def _block_scale_loader(module: nn.Module, loader: object, block: tuple[int, int]) -> object:
+    """The module's weight_loader, taking the checkpoint's block-scale grid [ceil(N/bn), ceil(K/bk)]
+    into this layer's grid: a fused sub-matrix's block rows at its offset, a column-parallel
+    shard's block rows, a row-parallel shard's block columns."""
+    bn, bk = block
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if param is not module.weight_scale:
+            loader(param, loaded, shard)  # type: ignore[operator]
+            return
+        grid = loaded.to(torch.float32)  # a Tensor or a weights.LazyTensor (small: read whole)
+        if isinstance(module, ColumnLinear):
+            part, parts = module.shard_splits[shard]
+            size, offset = module.output_sizes[shard], sum(module.output_sizes[:shard])
+            if len(module.output_sizes) == 1 and parts == 1:
+                dst = param.data  # one whole matrix: a partial last block is fine
+            else:
+                rows = _blocks(size, bn, f"shard {shard} of a fused/TP linear")
+                dst = param.data.narrow(0, _blocks(offset, bn, "a fused linear"), rows)
+                grid = grid.narrow(0, part * rows, rows)
+        else:
+            cols = param.shape[1]
+            if module.tp_size > 1:
+                _blocks(module.weight.shape[1], bk, "a row-parallel shard")
+                grid = grid.narrow(1, module.tp_rank * cols, cols)
+            dst = param.data
+        if dst.shape != grid.shape:
+            raise ValueError(f"block scales: checkpoint grid {tuple(grid.shape)} != "
+                             f"parameter {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(grid)
+
+    return load
+
+
+def _make_fp8_block(module: nn.Module, block: tuple[int, int]) -> None:
+    """An fp8 `weight` and an fp32 block-scale grid `weight_scale` of the module's shape."""
+    w = module.weight
+    grid = (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+    module.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False)
+    module.weight_scale = nn.Parameter(torch.ones(grid, dtype=torch.float32, device=w.device),
+                                       requires_grad=False)
+    module.weight_loader = _block_scale_loader(module, module.weight_loader, block)
+
+
+def _prepare_blocks(model: nn.Module, cfg: Fp8Config) -> None:
+    assert cfg.weight_block is not None
+    for _, module in _quantized_modules(model, cfg):
+        _make_fp8_block(module, cfg.weight_block)
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and not cfg.ignores(name):
+            module.make_fp8_block(cfg.weight_block)
+
+
 def prepare_fp8_checkpoint(model: nn.Module, cfg: Fp8Config) -> None:
     """Before loading an FP8 checkpoint: quantised layers (and the LM head, when the checkpoint's
-    is FP8) get an fp8 `weight` and an fp32 `weight_scale`, which the checkpoint's tensors then
-    fill."""
-    for _, module in _quantized_modules(model, cfg):
-        _make_fp8(module)
-        module.weight_loader = _scale_loader(module, module.weight_loader)
+    is FP8) get an fp8 `weight` and an fp32 `weight_scale` (per row; a block grid for a block-wise
+    checkpoint, routed experts included), which the checkpoint's tensors then fill."""
+    if cfg.weight_block is not None:
+        _prepare_blocks(model, cfg)
+    else:
+        for _, module in _quantized_modules(model, cfg):
+            _make_fp8(module)
+            module.weight_loader = _scale_loader(module, module.weight_loader)
     head = getattr(model, "lm_head", None)
     if cfg.checkpoint_lm_head and isinstance(head, LMHead):
         _make_fp8(head)
@@ -121,6 +203,8 @@ def quantize_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype | None =
             continue
         _quantize_weight(module)
         count += 1
+    if cfg.weight_block is not None:
+        _dequantize_matrices(model, dtype)
     head = getattr(model, "lm_head", None)
     if cfg.lm_head and isinstance(head, LMHead) and head.weight.dtype != FP8:
         _quantize_weight(head)  # tied: the embedding keeps its high-precision table for lookups
@@ -132,3 +216,17 @@ def quantize_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype | None =
                                    requires_grad=False)
         head.weight_scale = None
     return count
+
+
+def _dequantize_matrices(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """The block-scaled linears the model reads as matrices, not through linear() (its
+    HIGH_PRECISION_LINEARS name suffixes; MLA's kv_b_proj), dequantised to `dtype` once."""
+    suffixes = tuple("." + s for s in getattr(model, "HIGH_PRECISION_LINEARS", ()))
+    for name, module in model.named_modules():
+        if not name.endswith(suffixes) or getattr(module, "weight_scale", None) is None:
+            continue
+        if dtype is None:
+            raise ValueError(f"{name} must be dequantised: pass the model dtype")
+        module.weight = nn.Parameter(dequantize(module.weight, module.weight_scale, dtype),
+                                     requires_grad=False)
+        module.weight_scale = None

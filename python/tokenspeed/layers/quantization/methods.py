@@ -14,10 +14,23 @@ scales. They come from either
   - ModelOpt: `quantization_config = {"quant_method": "modelopt", "quant_algo": "FP8" |
     "FP8_PER_CHANNEL_PER_TOKEN", "exclude_modules": [...]}` or the same under "quantization" in
     `hf_quant_config.json`; tensors `weight`, `weight_scale` (scalar or [N]), `input_scale`;
-  - vLLM/HF `{"quant_method": "fp8"}` with per-tensor `weight_scale` (no `weight_block_size`).
+  - vLLM/HF `{"quant_method": "fp8"}` with per-tensor `weight_scale` (no `weight_block_size`);
+  - block-wise FP8 as DeepSeek-V3/R1 (and Kimi-K2) ship it: `{"quant_method": "fp8", "fmt":
+    "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`; tensors `weight`
+    (fp8 [N, K]) and `weight_scale_inv` (fp32 [ceil(N/128), ceil(K/128)], W = weight * the
+    scale of its 128x128 tile; "inv" names DeepSeek's convention, it multiplies). The weights stay
+    fp8 in memory with their block scales (fp8.py's fp8_block_linear: activations quantised per
+    token per 128-group, a block-scaled W8A8 GEMM), the routed experts too (layers/moe.py).
+    Every linear the checkpoint ships so is FP8: MLA's q_a/q_b/kv_a_proj_with_mqa/o_proj, the
+    dense and shared-expert MLPs, the routed experts; the router (`mlp.gate`), embeddings, norms
+    and the LM head stay in the model dtype. One exception: MLA's `kv_b_proj` is never multiplied
+    through as a linear (its halves W_UK / W_UV are absorbed into the query and the output), so
+    it is dequantised to the model dtype once loaded (fp8_model.py; V3: 16.8M weights a layer).
+    Only 128x128 blocks, e4m3 and dynamic activations load; a fused layer (gate_up) or a tensor-
+    parallel shard must cut the weight on the block grid (V3's shapes do at TP 8).
 Per-tensor weight scales are expanded to per-channel ones (the same numbers, exactly). Static
 activation scales are replaced by dynamic per-token ones, which are at least as accurate.
-Anything else (AWQ, GPTQ, bitsandbytes, block-wise FP8, INT8, ...) fails here, naming the method.
+Anything else (AWQ, GPTQ, bitsandbytes, INT8, ...) fails here, naming the method.
 
 The LM head (`--lm-head-quantization`): `auto` quantises it to FP8 with the other linears when
 TokenSpeed quantises the checkpoint (`--quantization fp8`): at batch-1 decode it is the largest
@@ -41,8 +54,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 SUPPORTED = ("fp8: '--quantization fp8' quantises a bf16/fp16/fp32 checkpoint while loading; FP8 "
-             "checkpoints in the compressed-tensors, ModelOpt (FP8, FP8_PER_CHANNEL_PER_TOKEN) and "
-             "per-tensor 'fp8' formats load as they are")
+             "checkpoints in the compressed-tensors, ModelOpt (FP8, FP8_PER_CHANNEL_PER_TOKEN), "
+             "per-tensor 'fp8' and block-wise 'fp8' (weight_block_size [128, 128], DeepSeek-V3) "
+             "formats load as they are")
 # Spellings of --quantization that name FP8 (vLLM/SGLang accept the checkpoint formats' names).
 FP8_FLAG_NAMES = ("fp8", "compressed-tensors", "compressed_tensors", "modelopt", "modelopt_fp8")
 LM_HEAD_CHOICES = ("auto", "fp8", "none")  # --lm-head-quantization (the flag table's choices)
@@ -59,12 +73,15 @@ class Fp8Config:
     kept in high precision. lm_head: the LM head's matmul runs on FP8 weights too (quantised
     after loading; a tied head gets its own FP8 copy, the embedding keeps the model dtype).
     checkpoint_lm_head: the checkpoint's LM head is FP8 itself (it ships lm_head.weight_scale):
-    it loads as FP8, and is dequantised once loaded when lm_head is False."""
+    it loads as FP8, and is dequantised once loaded when lm_head is False. weight_block: the
+    checkpoint's weights carry one scale per [block_n, block_k] tile (`weight_scale_inv`)."""
 
     checkpoint_format: str | None = None
     ignore: tuple[str, ...] = ()
     lm_head: bool = False
     checkpoint_lm_head: bool = False
+    # (block_n, block_k) of a block-scaled checkpoint (DeepSeek-V3: (128, 128)); None: per channel.
+    weight_block: tuple[int, int] | None = None
 
     def ignores(self, hf_name: str) -> bool:
         for pattern in self.ignore:
@@ -108,6 +125,24 @@ def _modelopt(qc: dict[str, Any]) -> Fp8Config:
     return Fp8Config("modelopt", tuple(inner.get("exclude_modules") or ()))
 
 
+def _weight_block(qc: dict[str, Any]) -> tuple[int, int] | None:
+    """The block of a block-wise `fp8` config (None without `weight_block_size`); only DeepSeek's
+    layout loads: 128x128 tiles, e4m3 weights, dynamic activations."""
+    block = qc.get("weight_block_size")
+    if not block:
+        return None
+    where = "checkpoint quantization_config"
+    if [int(b) for b in block] != [128, 128]:
+        raise _unsupported(f"fp8 with weight_block_size {list(block)} (block-wise FP8 loads with "
+                           "[128, 128] blocks only, as DeepSeek-V3 ships them)", where)
+    if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
+        raise _unsupported(f"block-wise fp8 with fmt {qc.get('fmt')!r} (only e4m3)", where)
+    if str(qc.get("activation_scheme", "dynamic")).lower() != "dynamic":
+        raise _unsupported(f"block-wise fp8 with activation_scheme {qc.get('activation_scheme')!r} "
+                           "(only dynamic: activations are quantised per token per 128-group)", where)
+    return (128, 128)
+
+
 def checkpoint_quantization(hf_config: dict[str, Any], model_dir: str | None = None) -> Fp8Config | None:
     """The quantization a checkpoint's config.json (or ModelOpt's hf_quant_config.json) declares,
     and whether its LM head is FP8 (read from the tensor names, not the config: whether a
@@ -124,10 +159,8 @@ def checkpoint_quantization(hf_config: dict[str, Any], model_dir: str | None = N
     elif method == "modelopt":
         cfg = _modelopt(qc)
     elif method == "fp8":
-        if qc.get("weight_block_size"):
-            raise _unsupported(f"fp8 with weight_block_size {qc['weight_block_size']} (block-wise "
-                               "FP8)", "checkpoint quantization_config")
-        cfg = Fp8Config("fp8", tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
+        ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+        cfg = Fp8Config("fp8", ignore, weight_block=_weight_block(qc))
     else:
         raise _unsupported(method or str(qc), "checkpoint quantization_config")
     head = model_dir is not None and not hf_config.get("tie_word_embeddings", False) \
