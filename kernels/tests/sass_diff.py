@@ -28,7 +28,8 @@ PKG = "python/tokenspeed_kernels"
 
 
 def _cases() -> list[dict]:
-    """(module, kernel, pointer dtypes, constexprs, options) for the kernels S1-S3 run."""
+    """(module, kernel, pointer dtypes, constexprs, options) for the kernels S1-S3 run, and the
+    MoE models' expert GEMM."""
     cases = []
     for fp8, flat in ((False, False), (True, True), (True, False)):
         cases.append({"module": "gemv", "kernel": "_gemv_kernel",
@@ -59,6 +60,13 @@ def _cases() -> list[dict]:
                                 "DOT_PREC": "tf32", "UPCAST": False, "KV_CAST": fp8, "TILED": True,
                                 "SLIDING": False},
                       "opts": {"num_warps": 4, "num_stages": 2}})
+    for gated in (True, False):  # the MoE models' experts (bf16), gate/up then down
+        cases.append({"module": "moe", "kernel": "_moe_gemm_kernel", "ptr": "*i32",
+                      "sig": {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "as_ptr": "*fp32",
+                              "ws_ptr": "*fp32"},
+                      "const": {"GATED": gated, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
+                                "DOT_PREC": "tf32", "UPCAST": False, "SCALED": False, "SCALE_N": 1},
+                      "opts": {"num_warps": 8, "num_stages": 3}})
     return cases
 
 
@@ -82,7 +90,8 @@ def _compile(root: str) -> None:
         sig = {n: c["sig"].get(n, "constexpr" if n in c["const"] else
                                (c.get("ptr", "*bf16") if n.endswith("_ptr") else "i32")) for n in names}
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
-        src = ASTSource(fn=kernel, signature=sig, constexprs=c["const"], attrs=attrs)
+        const = {k: v for k, v in c["const"].items() if k in names}  # REV may predate some
+        src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=c.get("opts", {"num_warps": 4}))
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
