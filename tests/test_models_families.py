@@ -22,6 +22,7 @@ from transformers import (
     PretrainedConfig,
 )
 
+from tokenspeed.distributed.groups import ParallelSizes
 from tokenspeed.worker.model_runner import ModelRunner
 from tokenspeed.worker.offline_scheduler import OfflineScheduler
 
@@ -175,17 +176,35 @@ def test_family_dummy_weights_generate(family_models: Callable[[str], tuple], na
     assert all(torch.isfinite(x).all() for req in res.logits for x in req)
 
 
-@pytest.mark.parametrize("name", ["phi3_longrope", "gemma3"])
-def test_family_tp2_matches_tp1(family_models: Callable[[str], tuple], name: str) -> None:
+@pytest.mark.parametrize("name, sizes", [
+    ("phi3_longrope", None), ("gemma3", None), ("deepseek_v3", None),
+    ("deepseek_v3", ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=1, ep=2)),
+    ("deepseek_v2", None)])
+def test_family_tp2_matches_tp1(family_models: Callable[[str], tuple], name: str,
+                                sizes: ParallelSizes | None) -> None:
     """Phi-3's fused checkpoint tensors (qkv_proj / gate_up_proj) cut per rank; Gemma 3's
-    per-head q/k norms on each rank's heads."""
+    per-head q/k norms on each rank's heads; DeepSeek's MLA heads per rank and its routed
+    experts' partial outputs combined across ranks (MoE-TP 2, or EP 2), shared experts
+    sharded like a dense MLP."""
     path, _ = family_models(name)
     prompts = PROMPTS[:3]
     ref_tokens, ref_logits, _ = generate_on_rank(0, path, prompts, 8)
-    tokens, logits, _ = run_ranks(generate_on_rank, 2, path, prompts, 8)[0]
+    tokens, logits, _ = run_ranks(generate_on_rank, 2, path, prompts, 8, sizes=sizes)[0]
     assert tokens == ref_tokens
     worst = max(abs(a - b).max() for o, r in zip(logits, ref_logits) for a, b in zip(o, r))
     assert worst < 1e-3, worst
+
+
+def test_deepseek_moe_refuses_exchanges_that_carry_router_logits(
+        family_models: Callable[[str], tuple]) -> None:
+    from tokenspeed.models.config import check_moe_exchange, load_hf_config
+
+    config = load_hf_config(family_models("deepseek_v3")[0])
+    check_moe_exchange(config, 2, 1, "naive")  # TP / EP
+    for attn_dp, backend in ((2, "naive"), (1, "torch_all2all")):
+        with pytest.raises(ValueError, match="not supported yet"):
+            check_moe_exchange(config, 2, attn_dp, backend)
+    check_moe_exchange(load_hf_config(family_models("gpt_oss")[0]), 2, 2, "torch_all2all")
 
 
 # --- GPT-OSS MXFP4 -----------------------------------------------------------------------------

@@ -28,10 +28,11 @@ from torch import nn
 from tokenspeed.distributed.groups import ParallelState
 from tokenspeed.layers.attention import Attention, ForwardBatch
 from tokenspeed.layers.linear import ColumnLinear, RowLinear
-from tokenspeed.layers.moe import FusedMoE, Routing
+from tokenspeed.layers.moe import FusedMoE, MoeCommunication, Routing, SingleRank
+from tokenspeed.layers.moe_exchange import moe_communication
 from tokenspeed.layers.norm import RMSNorm
 from tokenspeed.layers.rotary import RotaryEmbedding, _yarn_mscale
-from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.config import ModelConfig, check_moe_exchange
 from tokenspeed.models.llama import STACKED_PARAMS, LlamaDecoderLayer, LlamaMLP
 from tokenspeed.models.moe_base import MoeForCausalLM
 
@@ -150,21 +151,27 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoe(nn.Module):
+    """Routed experts through the ranks' MoE exchange (as `SparseMoeBlock`: tokens meet their
+    experts, partial outputs are combined), plus the shared experts, a dense MLP on this rank's
+    own tokens sharded like the dense layers (its down projection reduces itself)."""
+
     def __init__(self, config: ModelConfig, parallel: ParallelState, owner: MoeForCausalLM) -> None:
         super().__init__()
-        if parallel.world.size > 1:
-            raise NotImplementedError("DeepSeek MoE layers run on one rank only so far")
-        c = config
+        c, sizes = config, parallel.sizes
+        check_moe_exchange(c, sizes.world_size, sizes.attn_dp, sizes.all2all_backend)
         self.gate = DeepseekRouter(c)
         self.experts = FusedMoE(c.num_experts, c.num_experts_per_tok, c.hidden_size,
                                 c.moe_intermediate_size, False, owner.moe_options)
+        self.comm: MoeCommunication = moe_communication(parallel, self.experts) or SingleRank()
         shared = int(c.raw.get("n_shared_experts") or 0)
         self.shared_experts = LlamaMLP(c, parallel, c.moe_intermediate_size * shared) \
             if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        tokens, routing = self.comm.dispatch(x, self.gate(x))
+        out = self.comm.combine(self.experts(tokens, routing))
+        return out if shared is None else out + shared
 
 
 class DeepseekV2ForCausalLM(MoeForCausalLM):
