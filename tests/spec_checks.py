@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -69,3 +70,56 @@ def assert_same_answers(want: list, got: list) -> None:
                 continue
             assert g.logprobs.tokens == w.logprobs.tokens
             assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=2e-3)
+
+
+class BatchDrafting:
+    """Requests in slots 0, 1, ... (`prompts`), stepped together by plans a test writes: after
+    each step, every request that sampled has the drafts `reference(its tokens so far)`, as it
+    would alone."""
+
+    def __init__(self, runner: ModelRunner, prompts: dict[int, list[int]], steps: int,
+                 reference: Callable[[list[int]], list[int]]) -> None:
+        self.runner, self.prompts, self.steps, self.reference = runner, prompts, steps, reference
+        self.seqs = {s: list(p) for s, p in prompts.items()}
+        self.drafts: dict[int, list[int]] = {}
+
+    def admission(self) -> dict:
+        """StepPlan.build's `new` and `page_tables` for every request (16 pages a slot)."""
+        return {"new": [{"slot": s, "temperature": 0.0} for s in self.prompts],
+                "page_tables": [(s, 0, list(range(1 + 16 * s, 17 + 16 * s))) for s in self.prompts]}
+
+    def step(self, plan: StepPlan, want: set[int]) -> None:
+        """Runs `plan`; the slots in `want` sampled, and their drafts are the reference's."""
+        out = self.runner.launch(plan).wait()
+        assert out.draft_tokens is not None
+        ends = np.cumsum(out.counts)
+        got = {}
+        for i, slot in enumerate(np.asarray(out.slots).tolist()):
+            self.seqs[slot] += np.asarray(out.tokens[ends[i] - out.counts[i]:ends[i]]).tolist()
+            got[slot] = out.draft_tokens[i].tolist()
+        assert set(got) == want
+        for slot, d in got.items():
+            assert d == self.reference(self.seqs[slot]), slot
+            self.drafts[slot] = d
+
+    def verify(self, slot: int, guess: list[int] | None = None) -> tuple:
+        """A scheduled row verifying the slot's last drafts (or `guess`)."""
+        s = self.seqs[slot]
+        return (slot, len(s) - 1, [s[-1], *(guess or self.drafts[slot])], True, self.steps)
+
+
+def assert_drafts_reported(server: Server, algorithm: str, chain: int) -> dict:
+    """After some answers: the server verified drafts of `algorithm` (a chain of `chain`), and
+    /get_server_info and /metrics count them alike. Returns the server info."""
+    info = server.info()
+    assert info["speculative_algorithm"] == algorithm
+    assert info["speculative_num_draft_tokens"] == chain
+    assert info["disable_overlap_schedule"] is True
+    engine = info["engine"]
+    assert engine["spec_draft_tokens"] > 0 and engine["spec_verify_steps"] > 0
+    assert 0 <= engine["spec_accepted_tokens"] <= engine["spec_draft_tokens"]
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    drafted = [ln for ln in metrics.splitlines()
+               if ln.startswith("tokenspeed:spec_decode_num_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) == engine["spec_draft_tokens"]
+    return info

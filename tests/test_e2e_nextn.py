@@ -13,11 +13,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from deepseek_mtp_model import make_mtp_model
-from spec_checks import answers, assert_same_answers
+from spec_checks import answers, assert_drafts_reported, assert_same_answers
 from test_e2e_speculative import COPY, FLAGS
 from test_models_numerics import smollm2_dir
 
@@ -82,17 +81,7 @@ def test_a_stop_string_ends_both_alike(servers: dict) -> None:
 def test_drafts_are_verified_and_reported(servers: dict) -> None:
     # After the answers above (one module: the same servers).
     srv = servers["nextn"]
-    info = srv.info()
-    assert info["speculative_algorithm"] == "NEXTN"
-    assert info["speculative_num_draft_tokens"] == 3  # the chain's length
-    assert info["disable_overlap_schedule"] is True
-    engine = info["engine"]
-    assert engine["spec_draft_tokens"] > 0 and engine["spec_verify_steps"] > 0
-    assert 0 <= engine["spec_accepted_tokens"] <= engine["spec_draft_tokens"]
-    metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-    drafted = [ln for ln in metrics.splitlines()
-               if ln.startswith("tokenspeed:spec_decode_num_draft_tokens_total")]
-    assert drafted and float(drafted[0].split()[-1]) == engine["spec_draft_tokens"]
+    assert_drafts_reported(srv, "NEXTN", 3)  # the chain's length
     assert "DeepSeek MTP layer" in srv.log()
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from eagle3_head import make_head, reference_drafts
-from spec_checks import drafts_follow_the_reference
+from spec_checks import BatchDrafting, drafts_follow_the_reference
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenspeed.models.eagle3 import Eagle3Config
@@ -111,40 +111,19 @@ def test_a_batch_drafts_as_each_request_alone(target_and_head: tuple[str, Path],
                          attention_backend=backend, draft=DraftSpec("EAGLE3", str(head), STEPS))
     prompts = {s: [(31 * i + 17 * s) % 290 + 3 for i in range(n)]
                for s, n in ((0, 5), (1, 9), (2, 14), (3, 7))}
-    seqs = {s: list(p) for s, p in prompts.items()}
-    drafts: dict[int, list[int]] = {}
-
-    def step(plan: StepPlan, want: set[int]) -> None:
-        out = runner.launch(plan).wait()
-        assert out.draft_tokens is not None
-        ends = np.cumsum(out.counts)
-        got = {}
-        for i, slot in enumerate(np.asarray(out.slots).tolist()):
-            seqs[slot] += np.asarray(out.tokens[ends[i] - out.counts[i]:ends[i]]).tolist()
-            got[slot] = out.draft_tokens[i].tolist()
-        assert set(got) == want
-        for slot, d in got.items():
-            assert d == hf_reference(target, head, seqs[slot]), slot
-            drafts[slot] = d
-
-    def verify(slot: int, guess: list[int] | None = None) -> tuple:
-        s = seqs[slot]
-        return (slot, len(s) - 1, [s[-1], *(guess or drafts[slot])], True, STEPS)
-
-    new = [{"slot": s, "temperature": 0.0} for s in prompts]
-    tables = [(s, 0, list(range(1 + 16 * s, 17 + 16 * s))) for s in prompts]
-    step(StepPlan.build(new=new, page_tables=tables, scheduled=[
+    b = BatchDrafting(runner, prompts, STEPS, lambda seq: hf_reference(target, head, seq))
+    b.step(StepPlan.build(**b.admission(), scheduled=[
         (2, 0, prompts[2][:6], False), (0, 0, prompts[0], True), (3, 0, prompts[3][:3], False),
         (1, 0, prompts[1], True)]), {0, 1})
-    step(StepPlan.build(scheduled=[
-        (2, 6, prompts[2][6:10], False), verify(0), (1, len(seqs[1]) - 1, [seqs[1][-1]], True),
+    b.step(StepPlan.build(scheduled=[
+        (2, 6, prompts[2][6:10], False), b.verify(0), (1, len(b.seqs[1]) - 1, [b.seqs[1][-1]], True),
         (3, 3, prompts[3][3:4], False)]), {0, 1})
-    right = hf_greedy(target, seqs[1], STEPS + 1)
-    step(StepPlan.build(scheduled=[
-        verify(1, right[:STEPS]), (3, 4, prompts[3][4:], True), verify(0),
+    right = hf_greedy(target, b.seqs[1], STEPS + 1)
+    b.step(StepPlan.build(scheduled=[
+        b.verify(1, right[:STEPS]), (3, 4, prompts[3][4:], True), b.verify(0),
         (2, 10, prompts[2][10:], True)]), {0, 1, 2, 3})
-    assert seqs[1][-(STEPS + 1):] == right
-    step(StepPlan.build(scheduled=[verify(s) for s in (3, 2, 1, 0)]), {0, 1, 2, 3})
+    assert b.seqs[1][-(STEPS + 1):] == right
+    b.step(StepPlan.build(scheduled=[b.verify(s) for s in (3, 2, 1, 0)]), {0, 1, 2, 3})
 
 
 def test_a_copied_page_brings_the_heads_kv(target_and_head: tuple[str, Path], sharp_head: Path) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from deepseek_mtp_model import MtpModel, hf_greedy, make_mtp_model, reference_drafts
-from spec_checks import drafts_follow_the_reference
+from spec_checks import BatchDrafting, drafts_follow_the_reference
 from test_models_families import family_models  # noqa: F401  (the fixture)
 
 from tokenspeed.worker.draft_chain import DraftSpec
@@ -63,37 +63,16 @@ def test_a_batch_drafts_as_each_request_alone(mtp_model: MtpModel, backend: str)
     # Three requests in one batch, the head's attention one backend call per pass: prompt
     # chunks, decodes, verify steps that reject and one that accepts every draft.
     m = mtp_model
-    runner = runner_for(m, slots=3, backend=backend)
     prompts = {s: [(31 * i + 17 * s) % 250 + 3 for i in range(n)] for s, n in ((0, 5), (1, 9), (2, 14))}
-    seqs = {s: list(p) for s, p in prompts.items()}
-    drafts: dict[int, list[int]] = {}
-
-    def step(plan: StepPlan, want: set[int]) -> None:
-        out = runner.launch(plan).wait()
-        assert out.draft_tokens is not None
-        ends = np.cumsum(out.counts)
-        got = {}
-        for i, slot in enumerate(np.asarray(out.slots).tolist()):
-            seqs[slot] += np.asarray(out.tokens[ends[i] - out.counts[i]:ends[i]]).tolist()
-            got[slot] = out.draft_tokens[i].tolist()
-        assert set(got) == want
-        for slot, d in got.items():
-            assert d == reference_drafts(m, seqs[slot], STEPS), slot
-            drafts[slot] = d
-
-    def verify(slot: int, guess: list[int] | None = None) -> tuple:
-        s = seqs[slot]
-        return (slot, len(s) - 1, [s[-1], *(guess or drafts[slot])], True, STEPS)
-
-    new = [{"slot": s, "temperature": 0.0} for s in prompts]
-    tables = [(s, 0, list(range(1 + 16 * s, 17 + 16 * s))) for s in prompts]
-    step(StepPlan.build(new=new, page_tables=tables, scheduled=[
+    b = BatchDrafting(runner_for(m, slots=3, backend=backend), prompts, STEPS,
+                      lambda seq: reference_drafts(m, seq, STEPS))
+    b.step(StepPlan.build(**b.admission(), scheduled=[
         (2, 0, prompts[2][:6], False), (0, 0, prompts[0], True), (1, 0, prompts[1], True)]), {0, 1})
-    right = hf_greedy(m.target, seqs[1], STEPS + 1)
-    step(StepPlan.build(scheduled=[
-        verify(1, right[:STEPS]), verify(0), (2, 6, prompts[2][6:], True)]), {0, 1, 2})
-    assert seqs[1][-(STEPS + 1):] == right
-    step(StepPlan.build(scheduled=[verify(s) for s in (2, 1, 0)]), {0, 1, 2})
+    right = hf_greedy(m.target, b.seqs[1], STEPS + 1)
+    b.step(StepPlan.build(scheduled=[
+        b.verify(1, right[:STEPS]), b.verify(0), (2, 6, prompts[2][6:], True)]), {0, 1, 2})
+    assert b.seqs[1][-(STEPS + 1):] == right
+    b.step(StepPlan.build(scheduled=[b.verify(s) for s in (2, 1, 0)]), {0, 1, 2})
 
 
 def test_a_model_without_an_mtp_layer_is_refused(family_models, tmp_path: Path) -> None:  # noqa: F811
