@@ -46,10 +46,13 @@ def _group_quant_kernel(
     offs = g * GROUP + tl.arange(0, GROUP)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), MIN_AMAX_C) / FP8_MAX
+    # IEEE-rounded divisions (a GPU's `/` is approximate): the scale and its inverse are
+    # torch's to the bit, so every q is too (an inverse one ulp off flips ties).
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), MIN_AMAX_C), FP8_MAX)
     tl.store(s_ptr + row * stride_s + g, scale)
     tl.store(q_ptr + row * stride_q + offs,
-             cache_value(x, 1.0 / scale, q_ptr.dtype.element_ty, QUANT, FP8_MAX, MANT, BIAS), mask=mask)
+             cache_value(x, tl.math.div_rn(1.0, scale), q_ptr.dtype.element_ty, QUANT, FP8_MAX, MANT, BIAS),
+             mask=mask)
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, dtype: torch.dtype = torch.float8_e4m3fn
