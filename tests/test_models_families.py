@@ -166,6 +166,32 @@ def test_family_greedy_matches_hf(family_models: Callable[[str], tuple], case: s
     assert_matches_hf(runner, prompts, ref_tokens, ref_logits, chunk_size=8)
 
 
+# On the GPU the Triton kernels are compiled (MLA decode and extend, sliding windows), decode steps
+# replay CUDA graphs, and fp32 dots may round through TF32: the same tokens, logits a little looser.
+GPU_LOGIT_ATOL = 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_greedy_matches_hf_on_gpu(family_models: Callable[[str], tuple], case: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    c = CASES[case]
+    path, model = family_models(c.config)
+    prompts = [list(p) for p in c.prompts]
+    ref_tokens, ref_logits = hf_one_by_one(model, prompts, c.new_tokens)
+    # A fixed pool (not 85% of the GPU): the module's earlier runners may still hold theirs.
+    runner = ModelRunner(path, device="cuda", page_size=4, num_pages=256, max_slots=8,
+                         max_context_len=c.max_context_len, seed=0, attention_backend=c.backend)
+    res = OfflineScheduler(runner).generate(prompts, c.new_tokens, chunk_size=8, keep_logits=True)
+    worst = max((a - b).abs().max().item()
+                for ours, ref in zip(res.logits, ref_logits) for a, b in zip(ours, ref))
+    print(f"{case}: max |logit diff| vs HF (CPU) {worst:.2e}, cuda graphs up to "
+          f"{runner.cuda_graph_max_bs}")
+    assert res.tokens == ref_tokens
+    assert worst < GPU_LOGIT_ATOL, worst
+
+
 @pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
 def test_family_dummy_weights_generate(family_models: Callable[[str], tuple], name: str) -> None:
     path, _ = family_models(name)
@@ -268,6 +294,20 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path: Path) -> None:
     ref_tokens, ref_logits = hf_one_by_one(model, prompts, 8)
     runner = ModelRunner(str(tmp_path), page_size=4, max_slots=4, max_context_len=128, seed=0)
     assert_matches_hf(runner, prompts, ref_tokens, ref_logits, chunk_size=8)
+
+
+def test_gpt_oss_gets_torch_native_backends_by_default() -> None:
+    """On a GPU "auto" means triton, which has no sinks or biased experts: GPT-OSS gets
+    torch_native instead of a start-up error (found by the GPU run of the family test)."""
+    from tokenspeed.layers.attention import resolve_backend_name
+    from tokenspeed.layers.moe import resolve_moe_backend
+    from tokenspeed.models.registry import TORCH_NATIVE_ONLY
+
+    gpu = torch.device("cuda")
+    assert "GptOssForCausalLM" in TORCH_NATIVE_ONLY and "LlamaForCausalLM" not in TORCH_NATIVE_ONLY
+    for resolve in (resolve_backend_name, resolve_moe_backend):
+        assert resolve("auto", gpu, True) == "torch_native"
+        assert resolve(None, gpu, False) == "triton"
 
 
 def test_gpt_oss_refuses_backends_without_sinks(family_models: Callable[[str], tuple]) -> None:

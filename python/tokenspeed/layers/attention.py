@@ -154,10 +154,11 @@ BACKENDS = ("torch_native", "triton", "flashinfer")
 GRAPH_BACKENDS = ("triton", "flashinfer")  # backends whose decode steps CUDA graphs can capture
 
 
-def resolve_backend_name(name: str | None, device: torch.device) -> str:
-    """"auto"/None: triton on CUDA, torch_native elsewhere."""
+def resolve_backend_name(name: str | None, device: torch.device, native_only: bool = False) -> str:
+    """"auto"/None: triton on CUDA, torch_native elsewhere or for a model only torch_native
+    implements (`native_only`)."""
     if name in (None, "", "auto"):
-        return "triton" if device.type == "cuda" else "torch_native"
+        return "triton" if device.type == "cuda" and not native_only else "torch_native"
     return name
 
 

@@ -111,8 +111,9 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # HF multiplies by the normalizer cast to the weights' dtype (sqrt(hidden) rounded in bf16).
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype, device=x.device)
+        # HF multiplies by the normalizer cast to the weights' dtype (sqrt(hidden) rounded in bf16);
+        # a host scalar, so no host-to-device copy lands in a CUDA graph's capture.
+        x = x * torch.tensor(self.normalizer, dtype=x.dtype).item()
         for layer in self.layers:
             x = layer(positions, x, batch)
         return self.norm(x)

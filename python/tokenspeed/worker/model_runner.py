@@ -48,12 +48,9 @@ from tokenspeed.layers.quantization.kv_cache import (
 )
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
+from tokenspeed.models.registry import TORCH_NATIVE_ONLY
 from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
-from tokenspeed.worker.cuda_graph import (
-    DecodeGraphRunner,
-    ExtendGraphRunner,
-    decode_only,
-)
+from tokenspeed.worker.cuda_graph import DecodeGraphRunner, ExtendGraphRunner, decode_only
 from tokenspeed.worker.draft_chain import ChainDrafter, DraftSpec, load_drafter
 from tokenspeed.worker.gpu_idle import IdleClock
 from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, page_bytes, profile_num_pages
@@ -130,9 +127,10 @@ class ModelRunner:
         # This rank's heads (tensor parallelism: the KV cache holds only these).
         self.num_heads, self.num_kv_heads = local_heads(self.config, state().attn_tp.size)
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
-        self.attention_backend = resolve_backend_name(attention_backend, self.device)
+        native = self.config.architecture in TORCH_NATIVE_ONLY  # what "auto" resolves to
+        self.attention_backend = resolve_backend_name(attention_backend, self.device, native)
         check_backend(self.attention_backend, self.device)
-        self.moe_backend = resolve_moe_backend(moe_backend, self.device)
+        self.moe_backend = resolve_moe_backend(moe_backend, self.device, native)
         # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
         moe_parallel = moe_parallel or distributed_moe_parallel()  # from the TP/EP groups
         check_expert_parallel(self.config, moe_parallel.ep_size, moe_parallel.tp_size)
@@ -508,6 +506,8 @@ class ModelRunner:
         in the middle of a run that stalls every running stream (1.5 s in S1 on an H100, at the
         first chunk that continued a prompt past 64 requests)."""
         ps = self.page_size
+        if self.max_context_len < 48:  # a context shorter than these steps' positions
+            return
         slots = [0, 1][:self.max_slots]
         width = -(-48 // ps)  # pages for positions 0..47
         rows = [(slot, 0, range(slot * width, (slot + 1) * width)) for slot in slots]
