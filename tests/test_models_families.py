@@ -233,6 +233,49 @@ def test_deepseek_moe_refuses_exchanges_that_carry_router_logits(
     check_moe_exchange(load_hf_config(family_models("gpt_oss")[0]), 2, 2, "torch_all2all")
 
 
+# --- Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration: gemma-3-4b/12b/27b) -------
+
+@pytest.mark.parametrize("layout", ["as saved", "hub config, new tensor names"])
+def test_gemma3_multimodal_checkpoint_serves_its_text_tower(tmp_path: Path, layout: str) -> None:
+    """The text tower of a multimodal checkpoint gives HF's tokens (the vision tower is not
+    read). "hub config": text_config lists only what differs from transformers' defaults, as
+    Google's configs do; "new tensor names": `model.language_model.*` (transformers >= 4.52)
+    rather than the published `language_model.model.*`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig
+
+    # No final soft-capping: the released multimodal configs have none, and HF's
+    # Gemma3ForConditionalGeneration would not apply it.
+    text = {k: v for k, v in GEMMA3.to_dict().items() if k in Gemma3TextConfig().to_dict()}
+    text["final_logit_softcapping"] = None
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+        boi_token_index=253, eoi_token_index=254)).eval()
+    randomize(model, seed=3)
+    model.save_pretrained(tmp_path)
+    if layout != "as saved":
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        defaults = Gemma3TextConfig().to_dict()
+        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items()
+                              if k not in defaults or defaults[k] != v}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        tensors = load_file(tmp_path / "model.safetensors")
+        save_file({k.replace("language_model.model.", "model.language_model."): v
+                   for k, v in tensors.items()}, tmp_path / "model.safetensors",
+                  metadata={"format": "pt"})
+    prompts = PROMPTS[:3]
+    ref_tokens, ref_logits = hf_one_by_one(model, prompts, 8)
+    runner = ModelRunner(str(tmp_path), page_size=4, max_slots=4, max_context_len=128, seed=0)
+    assert runner.config.architecture == "Gemma3ForCausalLM"
+    assert runner.config.sliding_windows == [8, 8, None, 8]
+    assert_matches_hf(runner, prompts, ref_tokens, ref_logits, chunk_size=8)
+
+
 # --- GPT-OSS MXFP4 -----------------------------------------------------------------------------
 
 _FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,

@@ -250,16 +250,37 @@ def merge_config(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
     return out
 
 
+# Multimodal checkpoints served as their text tower (the front end refuses image parts):
+# architecture -> (the tower's causal-LM architecture, its `text_config` model_type).
+TEXT_TOWERS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
+
+
+def text_tower_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's `text_config` as a causal LM's config, with transformers'
+    defaults filled in: the hub's configs list only the fields that differ from them."""
+    from transformers import AutoConfig
+
+    arch, model_type = TEXT_TOWERS[raw["architectures"][0]]
+    text = dict(raw.get("text_config") or {})
+    full = AutoConfig.for_model(text.pop("model_type", None) or model_type, **text).to_dict()
+    dtype = full.get("torch_dtype") or full.get("dtype") or raw.get("torch_dtype") or raw.get("dtype")
+    # The checkpoint's quantization covers the tower's tensors too.
+    quant = {"quantization_config": raw["quantization_config"]} if "quantization_config" in raw else {}
+    return {**full, **quant, "architectures": [arch], "torch_dtype": dtype}
+
+
 def read_config_json(model_dir: str | os.PathLike[str],
                      overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The model's config.json with `--json-model-override-args` merged over it: what every
-    reader of the model's config (launcher and workers) sees."""
+    """The model's config.json with `--json-model-override-args` merged over it (a multimodal
+    checkpoint's: its text tower's, see TEXT_TOWERS): what every reader of the model's config
+    (launcher and workers) sees."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
     with open(path) as f:
         raw = json.load(f)
-    return raw if overrides is None else merge_config(raw, overrides)
+    raw = raw if overrides is None else merge_config(raw, overrides)
+    return text_tower_config(raw) if (raw.get("architectures") or [""])[0] in TEXT_TOWERS else raw
 
 
 def load_hf_config(model_dir: str, overrides: dict[str, Any] | None = None) -> ModelConfig:

@@ -119,9 +119,28 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
 
+# A multimodal checkpoint's (Gemma3ForConditionalGeneration, served as its text tower) tensor
+# names: the tower's under these prefixes, as transformers >= 4.52 saves them and as Google
+# published them; the vision tower and projector are not read.
+_TOWER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+             "model.multi_modal_projector.")
+
+
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def make_model(self, max_positions: int) -> nn.Module:
         return Gemma3Model(self.config, max_positions, self.parallel)
+
+    def load_tensor(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                    modules: dict[str, nn.Module]) -> str | None:
+        if name.startswith(_NOT_TEXT):
+            return None
+        for prefix, ours in _TOWER_PREFIXES:
+            if name.startswith(prefix):
+                name = ours + name[len(prefix):]
+                break
+        return super().load_tensor(name, tensor, params, modules)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
