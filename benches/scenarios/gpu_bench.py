@@ -58,11 +58,9 @@ MODELS: dict[str, tuple[dict[str, Any], str]] = {
                                 ("gpt-oss-20b", GPT_OSS_20B, "GPT-OSS-20B"),
                                 ("deepseek-v2-lite", DEEPSEEK_V2_LITE, "DeepSeek-V2-Lite")]},
 }
-# Flags a model needs beyond the scenario's (GPT-OSS: sinks and its expert activation run on
-# the torch_native backends only so far).
-MODEL_SERVE_ARGS: dict[str, list[str]] = {
-    "gpt-oss-20b": ["--attention-backend", "torch_native", "--moe-backend", "torch_native"],
-}
+# Flags a model needs beyond the scenario's (none now: GPT-OSS's torch_native backends are what
+# "auto" picks for it, models/registry.TORCH_NATIVE_ONLY).
+MODEL_SERVE_ARGS: dict[str, list[str]] = {}
 
 
 @dataclass
