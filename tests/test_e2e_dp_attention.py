@@ -4,7 +4,8 @@ radix cache and KV pool each) sharing a tiny random Qwen3-MoE's experts. Its gre
 one rank's for a concurrent batch that lands on both groups and for a lone request (the other
 group runs idle forward passes every step); a dense tiny Llama under it too; a killed rank stops
 the server; the sizes resolve as seed 001's split example says; and the MoE exchange itself, on
-two gloo ranks with unequal token counts, gives each group exactly its rows of one rank's output.
+two gloo ranks with unequal token counts, gives each group exactly its rows of one rank's output;
+a tiny DeepSeek-V3 (MLA, grouped routing) gives one rank's text under it too.
 `--all2all-backend torch_all2all` (tokens sent only to the ranks holding their experts) too: the
 same text with and without attention groups, and one rank's MoE output layer by layer."""
 
@@ -23,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 from test_e2e_expert_parallel import moe_dir  # noqa: F401  (the tiny Qwen3-MoE fixture)
+from test_models_families import DEEPSEEK_V3
 from test_models_numerics import save_tiny_checkpoint
 from tp_ranks import (
     generate_on_rank,
@@ -217,6 +219,27 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
     save_tiny_checkpoint(cfg, path, seed=7)
     return path
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny DeepSeek-V3 (test_models_families' config) with SmolLM2's vocabulary."""
+    path = tmp_path_factory.mktemp("deepseek_dpattn")
+    cfg = DEEPSEEK_V3.__class__.from_dict({**DEEPSEEK_V3.to_dict(), "vocab_size": 49152})
+    save_tiny_checkpoint(cfg, path, seed=5)
+    return path
+
+
+def test_deepseek_dp_attention_gives_one_ranks_text(deepseek_dir: Path, tmp_path: Path) -> None:
+    """Issue 39's layout, small: each group's MLA over its own requests, DeepSeek-V3's routing
+    (sigmoid, bias, grouped top-k) carried with the tokens to the experts over EP 2."""
+    ref, ref_regex = _reference(deepseek_dir, tmp_path)
+    srv = start_server(str(tmp_path), str(deepseek_dir), *DP_ATTENTION, "--ep-size", "2", *FLAGS)
+    try:
+        assert _greedy(srv, PROMPTS, concurrent=True) == ref
+        assert _greedy(srv, PROMPTS[1:2], False, REGEX) == [ref_regex]
+    finally:
+        stop_server(srv)
 
 
 def test_dense_dp_attention_gives_one_ranks_text(llama_dir: Path, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_models_numerics import assert_matches_hf, hf_greedy, randomize
-from tp_ranks import generate_on_rank, run_ranks
+from tp_ranks import generate_on_rank, lockstep_generate_on_rank, run_ranks
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
@@ -202,16 +202,23 @@ def test_family_dummy_weights_generate(family_models: Callable[[str], tuple], na
     assert all(torch.isfinite(x).all() for req in res.logits for x in req)
 
 
+_EP2_A2A = ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=1, ep=2,
+                        all2all_backend="torch_all2all")
+
+
 @pytest.mark.parametrize("name, sizes", [
     ("phi3_longrope", None), ("gemma3", None), ("deepseek_v3", None),
     ("deepseek_v3", ParallelSizes(world_size=2, attn_tp=2, dense_tp=2, moe_tp=1, ep=2)),
-    ("deepseek_v2", None)])
+    ("deepseek_v2", None), ("deepseek_v3", _EP2_A2A), ("deepseek_v2", _EP2_A2A)],
+    ids=["phi3_longrope", "gemma3", "deepseek_v3", "deepseek_v3-ep2", "deepseek_v2",
+         "deepseek_v3-ep2-a2a", "deepseek_v2-ep2-a2a"])
 def test_family_tp2_matches_tp1(family_models: Callable[[str], tuple], name: str,
                                 sizes: ParallelSizes | None) -> None:
     """Phi-3's fused checkpoint tensors (qkv_proj / gate_up_proj) cut per rank; Gemma 3's
     per-head q/k norms on each rank's heads; DeepSeek's MLA heads per rank and its routed
-    experts' partial outputs combined across ranks (MoE-TP 2, or EP 2), shared experts
-    sharded like a dense MLP."""
+    experts' partial outputs combined across ranks (MoE-TP 2, EP 2, or EP 2 through
+    torch_all2all: tokens sent, with DeepSeek's routing, only to their experts' ranks),
+    shared experts sharded like a dense MLP."""
     path, _ = family_models(name)
     prompts = PROMPTS[:3]
     ref_tokens, ref_logits, _ = generate_on_rank(0, path, prompts, 8)
@@ -221,16 +228,45 @@ def test_family_tp2_matches_tp1(family_models: Callable[[str], tuple], name: str
     assert worst < 1e-3, worst
 
 
-def test_deepseek_moe_refuses_exchanges_that_carry_router_logits(
-        family_models: Callable[[str], tuple]) -> None:
-    from tokenspeed.models.config import check_moe_exchange, load_hf_config
+# Data-parallel attention: two attention groups with prompts of their own (unequal counts,
+# so the MoE all-gather pads and drops rows), decode steps padded to one graph size (the graph's
+# body run eagerly) with an idle group replaying it once its requests are done.
+DP_GROUPS = [[PROMPTS[0], PROMPTS[2], PROMPTS[3]], [PROMPTS[1]]]
+DP_NEW = [8, 5]
+DP_LAYOUTS = {
+    "dp2-ep2": ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2,
+                             all2all_backend="allgather_reducescatter"),
+    "dp2-moetp2": ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=2, ep=1,
+                                all2all_backend="allgather_reducescatter"),
+    "dp2-ep2-a2a": ParallelSizes(world_size=2, attn_tp=1, dense_tp=1, moe_tp=1, ep=2,
+                                 all2all_backend="torch_all2all"),
+    # MLA's heads split over each group's two ranks, experts over EP 2 x MoE-TP 2.
+    "dp2-attntp2-ep2-moetp2": ParallelSizes(world_size=4, attn_tp=2, dense_tp=2, moe_tp=2, ep=2,
+                                            all2all_backend="allgather_reducescatter"),
+}
 
-    config = load_hf_config(family_models("deepseek_v3")[0])
-    check_moe_exchange(config, 2, 1, "naive")  # TP / EP
-    for attn_dp, backend in ((2, "naive"), (1, "torch_all2all")):
-        with pytest.raises(ValueError, match="not supported yet"):
-            check_moe_exchange(config, 2, attn_dp, backend)
-    check_moe_exchange(load_hf_config(family_models("gpt_oss")[0]), 2, 2, "torch_all2all")
+
+@pytest.mark.parametrize("layout", list(DP_LAYOUTS))
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_dp_attention_matches_tp1(family_models: Callable[[str], tuple], name: str,
+                                           layout: str) -> None:
+    """DeepSeek's routing (V3: sigmoid, bias, grouped top-k, renormalised, scaled; V2: softmax,
+    group-limited greedy, scaled) travels with the tokens through data-parallel attention's
+    exchanges; each group's MLA runs its own requests over its own cache."""
+    path, _ = family_models(name)
+    sizes = DP_LAYOUTS[layout]
+    ref_tokens, ref_logits, _ = generate_on_rank(0, path, [p for g in DP_GROUPS for p in g],
+                                                 max(DP_NEW))
+    runs = run_ranks(lockstep_generate_on_rank, sizes.world_size, path, DP_GROUPS, DP_NEW,
+                     sizes.all2all_backend != "torch_all2all", 64, sizes=sizes)
+    for rank, (tokens, logits, _) in enumerate(runs):
+        group = rank // sizes.attn_tp
+        first = sum(len(g) for g in DP_GROUPS[:group])
+        n = DP_NEW[group]
+        assert tokens == [t[:n] for t in ref_tokens[first:first + len(tokens)]], f"rank {rank}"
+        worst = max(abs(a - b).max() for o, r in zip(logits, ref_logits[first:])
+                    for a, b in zip(o, r))
+        assert worst < 1e-3, (rank, worst)
 
 
 # --- Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration: gemma-3-4b/12b/27b) -------

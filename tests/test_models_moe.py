@@ -17,7 +17,7 @@ from test_models_weights import llama_cpp_permute
 from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
 from tokenspeed.distributed.groups import ParallelSizes
-from tokenspeed.layers.moe import FusedMoE, MoeOptions, MoeParallel
+from tokenspeed.layers.moe import FusedMoE, MoeOptions, MoeParallel, Routing
 from tokenspeed.models.config import check_expert_parallel, config_from_hf_dict
 from tokenspeed.models.moe_base import SparseMoeBlock
 from tokenspeed.worker.model_runner import ModelRunner
@@ -206,8 +206,8 @@ class ThreadAllReduce:
         outer = self
 
         class Rank:
-            def dispatch(self, x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return x, logits
+            def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
+                return x, routing
 
             def combine(self, partial: torch.Tensor) -> torch.Tensor:
                 outer.slots[r] = partial

@@ -158,12 +158,12 @@ def moe_all_gather_on_rank(rank: int, counts: list[int]) -> str:
     x = x_all[lo:lo + counts[group]]
     comm = MoeAllGather()
     with dp_token_counts(counts):
-        xs, logits = comm.dispatch(x, x @ router.T)
-        out = comm.combine(mine(xs, logits))
+        xs, routing = comm.dispatch(x, mine.route(x @ router.T))
+        out = comm.combine(mine(xs, routing))
     _close(out, ref[lo:lo + counts[group]], f"rank {rank} rows of the MoE output")
     with dp_token_counts([c + 1 for c in counts]):
         try:
-            comm.dispatch(x, x @ router.T)
+            comm.dispatch(x, mine.route(x @ router.T))
         except RuntimeError as e:
             assert "the lockstep tick announced" in str(e), e
         else:
@@ -209,7 +209,7 @@ def moe_all_to_all_on_rank(rank: int, cases: list[tuple[list[int], str]]) -> str
         group = st.attn_group
         lo = sum(counts[:group])
         x, logits = x_all[lo:lo + counts[group]], logits_all[lo:lo + counts[group]]
-        xs, routing = comm.dispatch(x, logits)
+        xs, routing = comm.dispatch(x, mine.route(logits))
         assert isinstance(routing, Routing) and xs.shape == (expected, hidden), \
             f"rank {rank} {counts} {skew}: received {tuple(xs.shape)}, expected {expected} rows"
         out = comm.combine(mine(xs, routing))

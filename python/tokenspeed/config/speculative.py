@@ -82,7 +82,8 @@ def _chain(cfg: Any) -> Any:
 
 
 def _check_nextn_parallel(cfg: Any) -> None:
-    """NEXTN's MTP layer runs on one rank (its MoE layer, like the target's, is single-rank)."""
+    """NEXTN's MTP layer is loaded and run on one rank (models/deepseek_mtp.py refuses more):
+    the draft chain has no sharded MLA / MoE path, though the target's layers have."""
     for flag in ("tp_size", "world_size", "pp_size", "ep_size", "nnodes"):
         value = getattr(cfg, flag, None)
         if value is not None and int(value) > 1:

@@ -59,14 +59,12 @@ def resolve_model(model_path: str | None) -> Path:
 def check_moe_settings(cfg: Any, model_dir: Path, device: str, sizes: Any) -> None:
     """MoE flags against the model and the device, before any worker starts: an EP size that does
     not divide the expert count (or EP on a dense model), a MoE-TP size that does not divide the
-    experts' intermediate size, an exchange the model's routing cannot use, a MoE backend that
-    cannot run here."""
-    from tokenspeed.models.config import check_expert_parallel, check_moe_exchange, load_hf_config
+    experts' intermediate size, a MoE backend that cannot run here."""
+    from tokenspeed.models.config import check_expert_parallel, load_hf_config
 
     try:
         config = load_hf_config(str(model_dir), cfg.json_model_override_args)
         check_expert_parallel(config, sizes.ep, sizes.moe_tp if config.num_experts else 1)
-        check_moe_exchange(config, sizes.world_size, sizes.attn_dp, sizes.all2all_backend)
         if cfg.moe_backend and config.num_experts:
             import torch
 

@@ -10,9 +10,12 @@ over its intermediate slice for the ones it does. The partials of all ep_size * 
 to the full output, so `MoeCommunication.combine` is an all-reduce over that group. With data
 parallel attention (DP + EP) `dispatch` all-gathers the replicas' tokens first and `combine`
 reduce-scatters instead. With `--all2all-backend torch_all2all` (moe_all2all.py) `dispatch`
-routes first and sends each token only to the ranks holding its experts: the experts then get
-`Routing` (weights and ids) instead of router logits. The exchanges over the process groups are
-in moe_exchange.py; the MoE families' `SparseMoeBlock` (models/moe_base.py) calls the hook.
+sends each token only to the ranks holding its experts. Tokens are routed on the rank that holds
+them, before any exchange, by the model's own router (`FusedMoE.route`'s softmax top-k, or
+DeepSeek's grouped, biased top-k), and every exchange carries that `Routing` (top-k weights and
+ids) with the hidden states: no exchange routes, so one model's routing works under all of them.
+The exchanges over the process groups are in moe_exchange.py; the MoE families'
+`SparseMoeBlock` (models/moe_base.py) calls the hook.
 
 FP8 experts (block-scaled checkpoints, DeepSeek-V3): `make_fp8_block` turns gate_up_proj /
 down_proj into fp8 tensors with one fp32 scale per [128, 128] tile (`gate_up_proj_scale`
@@ -80,13 +83,31 @@ class Routing(NamedTuple):
     ids: torch.Tensor  # [T, k] int32, global expert ids
 
 
+def pack_routed(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Rows of [hidden state | top-k weights fp32 | top-k ids int32] as bytes: one message per
+    exchange, the weights unrounded and the ids exact whatever the hidden dtype (bf16 holds
+    integers only up to 256; Kimi-K2 has 384 experts)."""
+    return torch.cat([x.contiguous().view(torch.uint8),
+                      routing.weights.float().contiguous().view(torch.uint8),
+                      routing.ids.to(torch.int32).contiguous().view(torch.uint8)], dim=1)
+
+
+def unpack_routed(rows: torch.Tensor, hidden: int, dtype: torch.dtype,
+                  top_k: int) -> tuple[torch.Tensor, Routing]:
+    """`pack_routed`'s rows back to (hidden states [T, hidden] of `dtype`, their `Routing`)."""
+    h = hidden * torch.empty(0, dtype=dtype).element_size()
+    x = rows[:, :h].contiguous().view(dtype)
+    weights = rows[:, h:h + 4 * top_k].contiguous().view(torch.float32)
+    ids = rows[:, h + 4 * top_k:].contiguous().view(torch.int32)
+    return x, Routing(weights, ids)
+
+
 class MoeCommunication(Protocol):
     """Where tokens meet the experts across ranks; the parallel runtime provides it. `dispatch`
-    returns the tokens this rank's experts compute and their router logits, or their `Routing`
-    when the exchange had to route them to know where they go (all-to-all)."""
+    takes this rank's tokens and their `Routing` and returns the tokens this rank's experts
+    compute with theirs; `combine` returns this rank's tokens' outputs from the partials."""
 
-    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor | Routing]: ...
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]: ...
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor: ...
 
@@ -94,9 +115,8 @@ class MoeCommunication(Protocol):
 class SingleRank:
     """One rank holds every expert whole: nothing to exchange."""
 
-    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, router_logits
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
+        return x, routing
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         return partial

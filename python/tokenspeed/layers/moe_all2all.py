@@ -7,8 +7,8 @@ a slice of their intermediate dimension. The ranks of one attention-TP group hol
 replicates activations; under data-parallel attention each group has its own), so attention-TP
 rank a dispatches only share a of them (ceil(n / attn_tp) rows): every token leaves one rank.
 
-dispatch: route the share (softmax, top-k); each token goes to every EP rank holding at least one
-of its experts, to each MoE-TP rank of it. One all_to_all_single swaps the per-destination row
+dispatch: the share's tokens arrive routed (by the model's router, on this rank); each goes to
+every EP rank holding at least one of its experts, to each MoE-TP rank of it. One all_to_all_single swaps the per-destination row
 counts, which are read on the host; a second sends the rows (hidden state, the token's top-k
 weights and ids, packed as bytes) with those split sizes. The receiving rank runs its experts on
 what it got (the kernels skip ids held elsewhere) and weights them.
@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from tokenspeed.distributed.groups import state
-from tokenspeed.layers.moe import FusedMoE, Routing
+from tokenspeed.layers.moe import FusedMoE, Routing, pack_routed, unpack_routed
 
 
 class _Sent(NamedTuple):
@@ -48,19 +48,17 @@ class MoeAllToAll:
     """`SparseMoeBlock.comm` for `--all2all-backend torch_all2all` (see the module docstring)."""
 
     def __init__(self, experts: FusedMoE) -> None:
-        self.route = experts.route
         self.experts_per_rank = experts.num_local
         self._sent: _Sent | None = None
 
-    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, Routing]:
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
         st = state()
         sizes, tp = st.sizes, st.attn_tp
         n, hidden = x.shape
         per = -(-n // tp.size)
         lo = min(n, tp.rank * per)
         rows = min(n, lo + per) - lo
-        routing = self.route(router_logits[lo:lo + rows])
+        routing = Routing(routing.weights[lo:lo + rows], routing.ids[lo:lo + rows])
         # The world ranks each token goes to: every MoE-TP rank of the EP ranks holding its experts.
         owner = routing.ids.long() // self.experts_per_rank
         holds = torch.zeros(rows, sizes.ep, dtype=torch.bool, device=x.device)
@@ -74,11 +72,11 @@ class MoeAllToAll:
         recv = st.world.all_to_all(send, one, one)
         send_n, recv_n = torch.stack([send, recv]).tolist()  # the host sync
         token = order[:sum(send_n)] % max(rows, 1)
-        packed = _pack(x[lo:lo + rows].index_select(0, token), routing.weights[token],
-                       routing.ids[token])
+        packed = pack_routed(x[lo:lo + rows].index_select(0, token),
+                             Routing(routing.weights[token], routing.ids[token]))
         got = st.world.all_to_all(packed, send_n, recv_n)
         self._sent = _Sent(token, send_n, recv_n, (lo, rows, n))
-        return _unpack(got, hidden, x.dtype, routing.ids.shape[1])
+        return unpack_routed(got, hidden, x.dtype, routing.ids.shape[1])
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         st = state()
@@ -97,18 +95,3 @@ class MoeAllToAll:
             out = torch.cat([out, out.new_zeros(per - rows, out.shape[1])])
         return tp.all_gather(out, dim=0)[:n]
 
-
-def _pack(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows of [hidden state | top-k weights fp32 | top-k ids int32] as bytes: one message."""
-    return torch.cat([x.contiguous().view(torch.uint8),
-                      weights.float().contiguous().view(torch.uint8),
-                      ids.to(torch.int32).contiguous().view(torch.uint8)], dim=1)
-
-
-def _unpack(rows: torch.Tensor, hidden: int, dtype: torch.dtype,
-            top_k: int) -> tuple[torch.Tensor, Routing]:
-    h = hidden * torch.empty(0, dtype=dtype).element_size()
-    x = rows[:, :h].contiguous().view(dtype)
-    weights = rows[:, h:h + 4 * top_k].contiguous().view(torch.float32)
-    ids = rows[:, h + 4 * top_k:].contiguous().view(torch.int32)
-    return x, Routing(weights, ids)

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 
 from tokenspeed.distributed.groups import ParallelState, dp_counts, state
-from tokenspeed.layers.moe import FusedMoE, MoeCommunication, MoeParallel
+from tokenspeed.layers.moe import (
+    FusedMoE,
+    MoeCommunication,
+    MoeParallel,
+    Routing,
+    pack_routed,
+    unpack_routed,
+)
 from tokenspeed.layers.moe_all2all import MoeAllToAll
 
 
@@ -19,9 +26,8 @@ class MoeAllReduce:
     the activations) and computes a partial output over its experts and intermediate slice; the
     partials of the ep x moe-TP grid, which is the whole world, sum to the layer's output."""
 
-    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, router_logits
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
+        return x, routing
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         return state().world.all_reduce(partial)
@@ -30,7 +36,7 @@ class MoeAllReduce:
 class MoeAllGather:
     """`SparseMoeBlock.comm` under data-parallel attention (`--all2all-backend
     allgather_reducescatter`): each attention group holds only its own tokens. `dispatch`
-    all-gathers hidden states and router logits over `attn_dp` (padded to the largest group's
+    all-gathers hidden states and their routing over `attn_dp` (padded to the largest group's
     count, known from the lockstep tick, so no extra collective sizes it); every rank computes
     its experts' partial output for every group's real tokens; `combine` puts them back in the
     padded layout, reduce-scatters it over `attn_dp` (each rank keeps its group's block, summed
@@ -44,8 +50,7 @@ class MoeAllGather:
         self._rows: torch.Tensor | None = None  # the real rows of the gathered layout
         self._padded = (0, 0)  # (groups * largest count, this group's count)
 
-    def dispatch(self, x: torch.Tensor, router_logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
         st = state()
         counts = dp_counts()
         if counts is None or len(counts) != st.sizes.attn_dp:
@@ -55,21 +60,19 @@ class MoeAllGather:
         if x.shape[0] != counts[g]:
             raise RuntimeError(f"attention group {g}: {x.shape[0]} tokens in the forward pass, "
                                f"the lockstep tick announced {counts[g]}")
-        width = x.shape[1]
         most = max(counts)
-        both = torch.cat([x, router_logits.to(x.dtype)], dim=1)
-        if most > both.shape[0]:
-            both = torch.cat([both, both.new_zeros(most - both.shape[0], both.shape[1])])
-        gathered = st.attn_dp.all_gather(both, dim=0)  # [groups * most, H + E]
+        rows = pack_routed(x, routing)
+        if most > rows.shape[0]:  # padding rows route to expert 0 with weight 0
+            rows = torch.cat([rows, rows.new_zeros(most - rows.shape[0], rows.shape[1])])
+        gathered = st.attn_dp.all_gather(rows, dim=0)  # [groups * most, row bytes]
         self._padded = (len(counts) * most, counts[g])
-        if min(counts) == most:  # nothing to drop
-            self._rows = None
-            return gathered[:, :width], gathered[:, width:].to(router_logits.dtype)
-        # The real rows (no expert work on padding); host ints only: no device sync.
-        self._rows = torch.cat([torch.arange(j * most, j * most + n, device=x.device)
-                                for j, n in enumerate(counts)])
-        both = gathered.index_select(0, self._rows)
-        return both[:, :width], both[:, width:].to(router_logits.dtype)
+        self._rows = None
+        if min(counts) < most:
+            # The real rows (no expert work on padding); host ints only: no device sync.
+            self._rows = torch.cat([torch.arange(j * most, j * most + n, device=x.device)
+                                    for j, n in enumerate(counts)])
+            gathered = gathered.index_select(0, self._rows)
+        return unpack_routed(gathered, x.shape[1], x.dtype, routing.ids.shape[1])
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         st = state()

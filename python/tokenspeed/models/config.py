@@ -225,18 +225,6 @@ def check_expert_parallel(config: ModelConfig, ep_size: int, moe_tp_size: int = 
                          f"size {config.moe_intermediate_size} ({config.architecture})")
 
 
-def check_moe_exchange(config: ModelConfig, world_size: int, attn_dp: int,
-                       all2all_backend: str) -> None:
-    """DeepSeek routes (grouped, biased top-k) before the MoE exchange; data-parallel attention's
-    all-gather and torch_all2all carry router logits instead and route with a softmax top-k, so
-    a DeepSeek model under them is refused until its routing travels. Plain TP / EP are fine."""
-    if config.architecture.startswith("Deepseek") and config.num_experts and world_size > 1 and (
-            attn_dp > 1 or all2all_backend == "torch_all2all"):
-        raise ValueError(f"not supported yet: {config.architecture}'s MoE layers under "
-                         "data-parallel attention or --all2all-backend torch_all2all (plain "
-                         "TP and EP work)")
-
-
 def merge_config(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """`base` with `overrides` merged over it: nested objects key by key (so
     `{"rope_scaling": {"factor": 4}}` keeps the other rope fields, as vLLM's --hf-overrides

@@ -32,7 +32,7 @@ from tokenspeed.layers.moe import FusedMoE, MoeCommunication, Routing, SingleRan
 from tokenspeed.layers.moe_exchange import moe_communication
 from tokenspeed.layers.norm import RMSNorm
 from tokenspeed.layers.rotary import RotaryEmbedding, _yarn_mscale
-from tokenspeed.models.config import ModelConfig, check_moe_exchange
+from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import STACKED_PARAMS, LlamaDecoderLayer, LlamaMLP
 from tokenspeed.models.moe_base import MoeForCausalLM
 
@@ -137,7 +137,7 @@ class DeepseekRouter(nn.Module):
         choice = scores if self.e_score_correction_bias is None else \
             scores + self.e_score_correction_bias.float()
         if self.grouped:
-            g = choice.view(x.shape[0], self.groups, -1)
+            g = choice.unflatten(1, (self.groups, -1))  # [T, groups, experts per group]
             group_score = g.topk(2, dim=-1)[0].sum(-1) if self.sigmoid else g.amax(-1)
             keep = torch.zeros_like(group_score).scatter_(
                 1, group_score.topk(self.topk_group, dim=-1)[1], 1.0).bool()
@@ -151,14 +151,14 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoe(nn.Module):
-    """Routed experts through the ranks' MoE exchange (as `SparseMoeBlock`: tokens meet their
-    experts, partial outputs are combined), plus the shared experts, a dense MLP on this rank's
-    own tokens sharded like the dense layers (its down projection reduces itself)."""
+    """Routed experts through the ranks' MoE exchange (as `SparseMoeBlock`: tokens routed by
+    `DeepseekRouter` meet their experts, partial outputs are combined), under TP / EP, data-
+    parallel attention or torch_all2all alike, plus the shared experts, a dense MLP on this
+    rank's own tokens sharded like the dense layers (its down projection reduces itself)."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelState, owner: MoeForCausalLM) -> None:
         super().__init__()
-        c, sizes = config, parallel.sizes
-        check_moe_exchange(c, sizes.world_size, sizes.attn_dp, sizes.all2all_backend)
+        c = config
         self.gate = DeepseekRouter(c)
         self.experts = FusedMoE(c.num_experts, c.num_experts_per_tok, c.hidden_size,
                                 c.moe_intermediate_size, False, owner.moe_options)
@@ -169,6 +169,7 @@ class DeepseekMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = None if self.shared_experts is None else self.shared_experts(x)
+        # Routed here, on the rank holding the tokens: every exchange carries the routing.
         tokens, routing = self.comm.dispatch(x, self.gate(x))
         out = self.comm.combine(self.experts(tokens, routing))
         return out if shared is None else out + shared

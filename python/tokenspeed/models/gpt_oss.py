@@ -100,7 +100,7 @@ class GptOssMoe(nn.Module):
         self.comm: MoeCommunication = comm if comm is not None else SingleRank()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, routing = self.comm.dispatch(x, self.router(x))
+        x, routing = self.comm.dispatch(x, self.experts.route(self.router(x)))
         return self.comm.combine(self.experts(x, routing))
 
 

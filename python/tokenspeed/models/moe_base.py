@@ -23,7 +23,8 @@ _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|dow
 
 
 class SparseMoeBlock(nn.Module):
-    """router → experts → combine across ranks. Parameter names follow HF (`gate`, `experts`)."""
+    """router → routing (softmax top-k) → dispatch → experts → combine across ranks. Parameter
+    names follow HF (`gate`, `experts`)."""
 
     def __init__(self, config: ModelConfig, options: MoeOptions | None = None) -> None:
         super().__init__()
@@ -38,7 +39,8 @@ class SparseMoeBlock(nn.Module):
         self.comm: MoeCommunication = SingleRank()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, routing = self.comm.dispatch(x, self.gate(x))
+        # Routed here, on the rank holding the tokens: the exchange carries the routing.
+        x, routing = self.comm.dispatch(x, self.experts.route(self.gate(x)))
         return self.comm.combine(self.experts(x, routing))
 
 
