@@ -121,6 +121,27 @@ def graph_memory_estimate(max_bs: int, vocab_size: int) -> int:
     return 3 * max_bs * vocab_size * 4 + (256 << 20)
 
 
+def pack_extend_step(shape: tuple[int, int], input_ids: np.ndarray, positions: np.ndarray,
+                     out_cache_loc: np.ndarray, slots: np.ndarray, start_pos: np.ndarray,
+                     query_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An extend graph's static inputs for a step, padded to the graph's (tokens, rows):
+    per token [4, tokens] (input id, position, cache location, slot; padding tokens: 0, 0, -1
+    (no K/V written), 0) and per request [5, rows + 1] (slot, first token (cumulative: absent
+    requests start and end at the step's last token, so they have none), cached tokens before
+    the new ones, context after them, row of the last token)."""
+    (t, r), n, b = shape, len(input_ids), len(slots)
+    tokens = np.zeros((4, t), dtype=np.int64)
+    tokens[2] = -1
+    tokens[0, :n], tokens[1, :n], tokens[2, :n] = input_ids, positions, out_cache_loc
+    tokens[3, :n] = np.repeat(slots, np.diff(query_start))
+    requests = np.zeros((5, r + 1), dtype=np.int64)
+    requests[1, b:] = n
+    requests[0, :b], requests[1, :b + 1], requests[2, :b] = slots, query_start, start_pos
+    requests[3, :b] = start_pos + np.diff(query_start)
+    requests[4, :b] = query_start[1:] - 1
+    return tokens, requests
+
+
 class DecodeGraphRunner:
     """Decode graphs (see the module docstring). Under data-parallel attention with MoE layers
     every rank replays the size the lockstep tick chose (`run(..., bs=)`), an idle group on
@@ -227,21 +248,25 @@ class DecodeGraphRunner:
 class ExtendGraphRunner:
     """Graphs for steps with prompt tokens: see the module docstring."""
 
+    kind = "extend"  # in the capture's log line
+
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend,
                  sizes: list[int], max_requests: int, hidden_size: int, device: torch.device,
-                 last_tokens: torch.Tensor, dtype: torch.dtype, head_dim: int) -> None:
+                 last_tokens: torch.Tensor, dtype: torch.dtype, head_dim: int,
+                 shapes: list[tuple[int, int]] | None = None) -> None:
+        """`shapes`: the graphs' (tokens, rows) when given, else from `sizes` (see above)."""
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
         self.last_tokens = last_tokens
         self.dtype, self.head_dim = dtype, head_dim
-        self.sizes = sorted(sizes)
         self.max_requests = max_requests
-        narrow = [(t, min(NARROW_ROWS, max_requests, t)) for t in self.sizes]
-        wide = [(t, min(max_requests, t)) for t in self.sizes if t >= WIDE_MIN_TOKENS]
+        narrow = [(t, min(NARROW_ROWS, max_requests, t)) for t in sizes]
+        wide = [(t, min(max_requests, t)) for t in sizes if t >= WIDE_MIN_TOKENS]
         # (tokens, rows) of every graph, smallest first: a step takes the first that holds it.
-        self.shapes = sorted(set(narrow + wide))
+        self.shapes = sorted(set(shapes or narrow + wide))
+        self.sizes = sorted({t for t, _ in self.shapes})
         t, r = self.sizes[-1], max(r for _, r in self.shapes)
         # Per token: input id, position, cache location, slot. Per request: slot, first token
         # (r + 1 entries: cumulative), cached tokens before the new ones, context after them, and
@@ -268,13 +293,17 @@ class ExtendGraphRunner:
                              slots=empty, num_tokens=empty, start_pos=empty, query_start=empty,
                              kv_cache=self.kv_cache, backend=self.backend, metadata=meta)
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        self.last_hidden[:r].copy_(hidden[last[:r]])
+        self._keep(hidden, t, last[:r])
+
+    def _keep(self, hidden: torch.Tensor, num_tokens: int, last: torch.Tensor) -> None:
+        """What the graph leaves in static buffers: each request row's last hidden state."""
+        self.last_hidden[:last.shape[0]].copy_(hidden[last])
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:
         """Capture every token count; returns the memory pool."""
         self.tokens[2].fill_(-1)
-        self.graphs, pool = capture_graphs("extend", self.shapes, self._run, self.device, pool)
+        self.graphs, pool = capture_graphs(self.kind, self.shapes, self._run, self.device, pool)
         return pool
 
     def can_run(self, num_tokens: int, num_requests: int) -> bool:
@@ -287,19 +316,20 @@ class ExtendGraphRunner:
         query_start[i + 1]) at positions from start_pos[i]. Returns float32 logits [B, vocab] of
         each request's last token and the slots [B] on the device. Before capture (CPU tests)
         the same body runs eagerly."""
-        n, b = len(input_ids), len(slots)
-        shape = self.shape_for(n, b)
+        self._replay(input_ids, positions, out_cache_loc, slots, start_pos, query_start)
+        b = len(slots)
+        logits = self.model.compute_logits(self.last_hidden[:b])  # type: ignore[operator]
+        return logits, self.requests[0, :b]
+
+    def _replay(self, input_ids: np.ndarray, positions: np.ndarray, out_cache_loc: np.ndarray,
+                slots: np.ndarray, start_pos: np.ndarray, query_start: np.ndarray) -> None:
+        """The step's tokens and requests into the static buffers (one transfer), padded to the
+        smallest graph that holds it, then its replay (or, uncaptured, its body)."""
+        shape = self.shape_for(len(input_ids), len(slots))
         assert shape is not None, "can_run said no graph holds this step"
         t, r = shape
-        tokens = np.zeros((4, t), dtype=np.int64)
-        tokens[2] = -1
-        tokens[0, :n], tokens[1, :n], tokens[2, :n] = input_ids, positions, out_cache_loc
-        tokens[3, :n] = np.repeat(slots, np.diff(query_start))
-        requests = np.zeros((5, r + 1), dtype=np.int64)
-        requests[1, b:] = n  # absent requests: no new tokens
-        requests[0, :b], requests[1, :b + 1], requests[2, :b] = slots, query_start, start_pos
-        requests[3, :b] = start_pos + np.diff(query_start)
-        requests[4, :b] = query_start[1:] - 1
+        tokens, requests = pack_extend_step(shape, input_ids, positions, out_cache_loc, slots,
+                                            start_pos, query_start)
         tokens_d, requests_d = to_device_int64([tokens.reshape(-1), requests.reshape(-1)],
                                                self.device)  # one transfer
         self.tokens[:, :t].copy_(tokens_d.view(4, t))
@@ -310,5 +340,3 @@ class ExtendGraphRunner:
         else:
             graph.replay()
             self.replays += 1
-        logits = self.model.compute_logits(self.last_hidden[:b])  # type: ignore[operator]
-        return logits, self.requests[0, :b]

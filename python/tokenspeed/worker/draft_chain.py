@@ -32,8 +32,9 @@ Both passes (the step's verified rows, then each chain step over all drafting re
 run the head's attention as one batched call of the configured attention backend, over that
 cache, as the target's layers do. Host work is numpy over the whole step; one host → device
 transfer carries every index array and one device → host copy brings the drafts back. It runs
-eagerly, once per step, after the step's tokens reach the host: no CUDA graphs yet, no overlap
-(the launcher turns overlap off).
+eagerly, once per step, after the step's tokens reach the host (no CUDA graph for the head yet;
+the target's pure verify steps replay worker/verify_graph.py's), with no overlap (the launcher
+turns overlap off).
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def load_drafter(runner: Any, spec: DraftSpec | None, model_path: str, load_form
     """The runner's drafter (None without a draft head). Built before the runner's memory
     profile, which then counts the head's weights, the captured hidden states, its KV per page
     (`runner.draft_page_bytes`) and its fixed buffers (`runner.draft_fixed_bytes`: chain
-    scratch pages, carried hidden states, the head's attention backend); the runner runs
-    eagerly with it (no graph captures the hidden states) and attaches its KV later."""
+    scratch pages, carried hidden states, the head's attention backend); the runner replays
+    verify graphs with it (worker/verify_graph.py) and attaches its KV later."""
     runner.draft_page_bytes = runner.draft_fixed_bytes = 0
     if spec is None:
         return None

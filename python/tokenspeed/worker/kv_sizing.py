@@ -15,6 +15,7 @@ from tokenspeed.layers.attention import ForwardBatch
 from tokenspeed.layers.attention_backends import backend_memory_bytes
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.worker.cuda_graph import capture_sizes, graph_memory_estimate
+from tokenspeed.worker.verify_graph import verify_graph_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +51,21 @@ def profile_num_pages(runner: Any, mem_fraction_static: float | None,
     # all groups' tokens, here the same count from each.
     with dp_token_counts([tokens] * state().sizes.attn_dp):
         activations = profile_forward(runner, tokens, rows)
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None:  # a verify step samples every verified row (1 + k per request)
+        rows = min(runner.max_slots * (drafter.num_steps + 1), tokens)
     sampler = 4 * rows * c.vocab_size * 4  # float32 copies of the logits (softmax, sort)
-    graphs = graph_memory_estimate(runner.cuda_graph_max_bs, c.vocab_size) \
-        if runner.cuda_graph_max_bs else 0
-    num_graphs = len(capture_sizes(runner.cuda_graph_max_bs)) if runner.cuda_graph_max_bs else 0
+    decode_bs = runner.cuda_graph_max_bs if drafter is None else 0  # else verify graphs
+    graphs = graph_memory_estimate(decode_bs, c.vocab_size) if decode_bs else 0
+    num_graphs = len(capture_sizes(decode_bs)) if decode_bs else 0
     graphs += backend_memory_bytes(runner.attention_backend, num_graphs)
     graphs += getattr(runner, "draft_fixed_bytes", 0)  # a draft head's scratch and backend
     if runner.extend_graph_sizes:  # their pool: the activations of the largest (logits: eager)
         graphs += activations * runner.extend_graph_sizes[-1] // tokens
+    if drafter is not None and runner.cuda_graph_max_bs:
+        graphs += verify_graph_bytes(runner.cuda_graph_max_bs, drafter.num_steps, c.hidden_size,
+                                     drafter.head.capture_width, runner.dtype.itemsize,
+                                     activations, tokens)
     reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES
     fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
     free, total = torch.cuda.mem_get_info(runner.device)

@@ -59,8 +59,9 @@ def release(runner: Any) -> str:
     except RuntimeError:  # a storage that cannot be resized (e.g. borrowed from numpy)
         _restore(done)
         raise
-    runner.had_graphs = runner.graphs is not None or runner.extend_graphs is not None
-    runner.graphs = runner.extend_graphs = None
+    runner.had_graphs = any(g is not None for g in (runner.graphs, runner.extend_graphs,
+                                                     runner.verify_graphs))
+    runner.graphs = runner.extend_graphs = runner.verify_graphs = None
     runner.released = out
     gc.collect()
     if runner.device.type == "cuda":

@@ -42,9 +42,8 @@ from tokenspeed.layers.moe import (
 from tokenspeed.layers.moe_exchange import moe_parallel as distributed_moe_parallel
 from tokenspeed.layers.quantization.kv_cache import (
     KVScales,
-    is_fp8,
-    load_kv_scales_json,
     resolve_kv_cache_dtype,
+    resolve_kv_scales,
 )
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
@@ -62,6 +61,7 @@ from tokenspeed.worker.pooling_step import pool_step
 from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
 from tokenspeed.worker.spec_verify import Drafts
+from tokenspeed.worker.verify_graph import VerifyGraphRunner, verify_graphs_for
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, bool(self.config.mla_v_dim))
         # --is-embedding: every request pools (prefill-only steps, eager: worker/pooling_step.py).
         self.pooling = pooling
-        disable_cuda_graph = disable_cuda_graph or pooling or draft is not None  # a draft head: no graph
+        disable_cuda_graph = disable_cuda_graph or pooling
         self._load_weights(ckpt, model_path, seed, moe_parallel, quantization,
                            lm_head_quantization, quantization_param_path)
         self.drafter: ChainDrafter | None = load_drafter(self, draft, model_path, load_format, seed)
@@ -180,7 +180,8 @@ class ModelRunner:
                                 max_positions=self.max_context_len, seed=seed,
                                 moe=MoeOptions(backend=self.moe_backend, parallel=moe_parallel),
                                 kv_scales=ckpt_scales, fp8=self.fp8, pooling=self.pooling)
-        self.kv_scales = self._kv_scales(ckpt_scales, quantization_param_path)
+        self.kv_scales = resolve_kv_scales(self.kv_dtype, c.num_hidden_layers, ckpt_scales,
+                                           quantization_param_path)
         windows = [w for w in c.sliding_windows if w is not None]
         self._window = min(windows) if windows else None
 
@@ -198,13 +199,15 @@ class ModelRunner:
         use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                       and self.attention_backend in GRAPH_BACKENDS and moe_graph_safe
                       and sizes.graph_capturable(moe))
+        # Extend graphs read the triton backend's tiled extend kernel (no host values; not MLA).
+        extend = (use_graphs and self.attention_backend == "triton" and not c.mla_v_dim
+                  and sizes.extend_graph_capturable(moe))
+        if self.drafter is not None:  # verify graphs (extend graphs) in place of both kinds
+            use_graphs, extend = extend and not self.lockstep, False
         graph_bs = (min(cuda_graph_max_bs, self.max_slots) if cuda_graph_max_bs
                     else default_cuda_graph_max_bs(self.max_slots))
         self.cuda_graph_max_bs = graph_bs if use_graphs else 0
-        # Extend graphs read the triton backend's tiled extend kernel (no host values; not MLA).
-        self.extend_graph_sizes = sorted(set(extend_graph_sizes or ())) \
-            if (use_graphs and self.attention_backend == "triton" and not c.mla_v_dim
-                and sizes.extend_graph_capturable(moe)) else []
+        self.extend_graph_sizes = sorted(set(extend_graph_sizes or ())) if extend else []
         return use_graphs
 
     def _size_kv_pool(self, num_pages: int | None, max_slots: int | None,
@@ -241,6 +244,7 @@ class ModelRunner:
             self.drafter.attach(self.kv_cache, self.attention_backend)
         self.graphs: DecodeGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
+        self.verify_graphs: VerifyGraphRunner | None = None  # with a draft head, in place of both
         self._idle: tuple[PagedKVCache, AttentionBackend] | None = None  # idle_forward's cache
         # Marks around each step's GPU work: the GPU's idle time between steps (gpu_idle.py).
         self.idle_clock = IdleClock.for_device(self.device)
@@ -258,7 +262,11 @@ class ModelRunner:
                 self.max_slots, c.hidden_size, self.device,
                 self.last_tokens, self.dtype, c.head_dim)
             pool = self.extend_graphs.capture()
-        if self.cuda_graph_max_bs:
+        if self.cuda_graph_max_bs and self.drafter is not None:
+            self.verify_graphs = verify_graphs_for(self, self.drafter.head.capture_width,
+                                                   self.drafter.num_steps)
+            self.verify_graphs.capture(pool)
+        elif self.cuda_graph_max_bs:
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
                                             self.last_tokens)
@@ -293,20 +301,6 @@ class ModelRunner:
                     self.cuda_graph_max_bs,
                     f" and steps up to {self.extend_graph_sizes[-1]} tokens"
                     if self.extend_graph_sizes else "")
-
-    def _kv_scales(self, from_checkpoint: KVScales,
-                   param_path: str | None) -> tuple[list[float], list[float]]:
-        """Per-layer (K, V) scales of an fp8 cache: --quantization-param-path, else the
-        checkpoint's, else 1.0 (layers/quantization/kv_cache.py); all 1.0 for other caches."""
-        layers = self.config.num_hidden_layers
-        if not is_fp8(self.kv_dtype):
-            if param_path:
-                raise ValueError("--quantization-param-path holds FP8 KV cache scales; it needs "
-                                 "--kv-cache-dtype fp8 (or fp8_e4m3 / fp8_e5m2)")
-            return KVScales().lists(layers)
-        scales = load_kv_scales_json(param_path, layers) if param_path else from_checkpoint
-        logger.info("fp8 KV cache (%s): scales from %s", self.kv_dtype, scales.source)
-        return scales.lists(layers)
 
     def _make_backend(self, kv_cache: PagedKVCache) -> AttentionBackend:
         backend = create_backend(self.attention_backend, kv_cache,
@@ -409,11 +403,11 @@ class ModelRunner:
         sample = plan.sched_sample.astype(bool)
         wanted = self.sampler.prompt_logprobs_pending(plan.sched_slot).tolist()
         drafts = Drafts.of(plan)
-        if self.lora is not None and (self.graphs or self.extend_graphs):
+        if self.lora is not None and (self.graphs or self.extend_graphs or self.verify_graphs):
             # The per-token adapter slots a graph replay reads.
             self.lora.prepare(plan, per_token=True)
         # Prompt logprobs read every position's hidden state, and so does verifying drafts
-        # (logits at every draft position; no graph captures that yet): eager.
+        # (logits at every draft position): eager, or a verify graph below.
         graph_run = None if (wanted or drafts is not None) and not self.lockstep else \
             self._replay(plan, positions, out_loc, query_start)
         if graph_run is not None:
@@ -422,13 +416,17 @@ class ModelRunner:
                 return (logits.clone() if copy_logits else logits), slots_dev
             rows = to_device_int64([np.flatnonzero(sample)], self.device)[0]
             return logits[rows], slots_dev[rows]
-        batch = self._build_batch(plan, positions, out_loc, query_start)
-        self.backend.prepare(batch)
-        if self.lora is not None:  # eager: the adapter segments
-            self.lora.prepare(plan, per_token=False)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        if self.drafter is not None:
-            self.drafter.aux = self.model.model.captured  # type: ignore[union-attr]
+        # A draft head's pure verify steps replay a verify graph (worker/verify_graph.py).
+        hidden = None if self.verify_graphs is None or wanted else \
+            self.verify_graphs.run_step(plan, positions, out_loc, query_start, self.drafter)
+        if hidden is None:
+            batch = self._build_batch(plan, positions, out_loc, query_start)
+            self.backend.prepare(batch)
+            if self.lora is not None:  # eager: the adapter segments
+                self.lora.prepare(plan, per_token=False)
+            hidden = self.model(batch.input_ids, batch.positions, batch)
+            if self.drafter is not None:
+                self.drafter.aux = self.model.model.captured  # type: ignore[union-attr]
         if wanted:
             self.prompt_scorer.score(plan, hidden, query_start, wanted, self.model, self.sampler)
         last = query_start[1:] - 1

@@ -118,6 +118,20 @@ def load_kv_scales_json(path: str, num_layers: int, tp_rank: int = 0) -> KVScale
     return scales
 
 
+def resolve_kv_scales(kv_dtype: torch.dtype, num_layers: int, from_checkpoint: KVScales,
+                      param_path: str | None) -> tuple[list[float], list[float]]:
+    """Per-layer (K, V) scales of an fp8 cache: --quantization-param-path, else the
+    checkpoint's, else 1.0; all 1.0 for other caches."""
+    if not is_fp8(kv_dtype):
+        if param_path:
+            raise ValueError("--quantization-param-path holds FP8 KV cache scales; it needs "
+                             "--kv-cache-dtype fp8 (or fp8_e4m3 / fp8_e5m2)")
+        return KVScales().lists(num_layers)
+    scales = load_kv_scales_json(param_path, num_layers) if param_path else from_checkpoint
+    logger.info("fp8 KV cache (%s): scales from %s", kv_dtype, scales.source)
+    return scales.lists(num_layers)
+
+
 def split_kv_scales(tensors: Iterator[tuple[str, torch.Tensor]],
                     sink: KVScales | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass a checkpoint's tensors through, taking out its K/V cache scales (into `sink`, when
