@@ -76,6 +76,13 @@ def test_extend_sliding_window(pad_requests: int, device: str) -> None:
          pad_requests=pad_requests, window=24)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_extend_wide_heads(dtype: torch.dtype, device: str) -> None:
+    """Gemma 3's 256-wide heads, with the tiles that fit a GPU's shared memory (the D=128 ones
+    failed to launch on an H100: 320 KB)."""
+    _run([0, 40], [70, 9], 2, 2, 256, 16, dtype, device, seed=6)
+
+
 def test_extend_empty_request(device: str) -> None:
     # A request with no new tokens (q_start_loc repeats) must be skipped cleanly.
     _run([5, 12, 0], [3, 0, 4], 1, 2, 64, 16, torch.float32, device, seed=4)

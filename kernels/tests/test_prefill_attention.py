@@ -26,6 +26,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int
     ([70, 33, 130], 2, 64),  # lengths off the tiles; each request's tiles read into the next
     ([1, 5, 200], 4, 128),   # a one-token prompt; the last request's tiles read past the end
     ([257], 1, 64),
+    ([90, 7], 2, 256),       # Gemma 3's wide heads (the default tiles' shared memory)
 ])
 def test_prefill_matches_causal_attention(lens: list[int], group: int, head_dim: int,
                                           device: str) -> None:

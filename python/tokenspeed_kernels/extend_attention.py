@@ -194,6 +194,13 @@ def _large_smem(device: torch.device) -> bool:
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= 200 * 1024
 
 
+def wide_head_config(device: torch.device | None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the attention kernels for heads wider than
+    128 (Gemma 3's 256): Q and two stages of K/V tiles in 160 KB, 96 KB where shared memory is
+    smaller (correct on the H100, not tuned)."""
+    return (64, 64, 4, 2) if device is not None and _large_smem(device) else (64, 32, 4, 2)
+
+
 def extend_config(dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None,
                   device: torch.device | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the extend kernel for a q dtype, head size,
@@ -201,6 +208,9 @@ def extend_config(dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | Non
     shared memory)."""
     if dtype == torch.float32:
         return 64, 32, 4, 2
+    if triton.next_power_of_2(head_dim) > 128:
+        # D=256 (Gemma 3): the D=128 tiles need 320 KB of shared memory (the H100 has 227).
+        return wide_head_config(device)
     if triton.next_power_of_2(head_dim) <= 64:
         return 128, 64, 4, 3
     # D=128 bf16/fp16 (bench_kernels.py --only extend --sweep, H100, 4 shapes from 4x1024 new

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed_kernels.extend_attention import LOG2E
+from tokenspeed_kernels.extend_attention import LOG2E, wide_head_config
 
 
 @triton.jit
@@ -86,11 +86,13 @@ def prefill_layout_ok(*tensors: torch.Tensor) -> bool:
                and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
-def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
+def prefill_config(head_dim: int, device: torch.device | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). D=128 on the H100 (bench_prefill_attention.py,
     session 14): 128x128x8x3 is fastest at 4096 tokens (454 TF/s; 2 stages 388, 128x64 397,
     64x64x4x3 437); a warp-specialized main loop (tl.range(warp_specialize=True)) gained nothing.
-    D=64 takes the same tiles (tested, not tuned)."""
+    D=64 takes the same tiles (tested, not tuned); wider heads smaller ones (`wide_head_config`)."""
+    if head_dim > 128:
+        return wide_head_config(device)
     return 128, 128, 8, 3
 
 
@@ -114,7 +116,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
     batch = q_start_loc.shape[0] - 1
     if total == 0 or batch == 0:
         return out
-    block_m, block_n, warps, stages = config or prefill_config(head_dim)
+    block_m, block_n, warps, stages = config or prefill_config(head_dim, q.device)
 
     def desc(t: torch.Tensor, heads: int, rows: int) -> TensorDescriptor:
         return TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [rows, head_dim])
