@@ -173,22 +173,29 @@ GPU_LOGIT_ATOL = 2e-2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
-def test_family_greedy_matches_hf_on_gpu(family_models: Callable[[str], tuple], case: str) -> None:
+def test_family_on_gpu_gives_the_cpu_runs_tokens(family_models: Callable[[str], tuple],
+                                                case: str) -> None:
+    """The CUDA run against the CPU run of the same runner, which the test above ties to HF
+    here: HF itself is not the reference on the GPU machine, whose transformers may be older
+    (its 5.17 gives GPT-OSS other logits than 5.24 on the CPU, while our CPU and CUDA runs agree
+    module by module within 4e-7: session 25)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     c = CASES[case]
-    path, model = family_models(c.config)
+    path, _ = family_models(c.config)
     prompts = [list(p) for p in c.prompts]
-    ref_tokens, ref_logits = hf_one_by_one(model, prompts, c.new_tokens)
-    # A fixed pool (not 85% of the GPU): the module's earlier runners may still hold theirs.
-    runner = ModelRunner(path, device="cuda", page_size=4, num_pages=256, max_slots=8,
-                         max_context_len=c.max_context_len, seed=0, attention_backend=c.backend)
-    res = OfflineScheduler(runner).generate(prompts, c.new_tokens, chunk_size=8, keep_logits=True)
-    worst = max((a - b).abs().max().item()
-                for ours, ref in zip(res.logits, ref_logits) for a, b in zip(ours, ref))
-    print(f"{case}: max |logit diff| vs HF (CPU) {worst:.2e}, cuda graphs up to "
+    res = {}
+    for device in ("cpu", "cuda"):
+        # A fixed pool (not 85% of the GPU): the module's earlier runners may still hold theirs.
+        runner = ModelRunner(path, device=device, page_size=4, num_pages=256, max_slots=8,
+                             max_context_len=c.max_context_len, seed=0, attention_backend=c.backend)
+        res[device] = OfflineScheduler(runner).generate(prompts, c.new_tokens, chunk_size=8,
+                                                        keep_logits=True)
+    worst = max((a - b).abs().max().item() for ours, ref in zip(res["cuda"].logits, res["cpu"].logits)
+                for a, b in zip(ours, ref))
+    print(f"{case}: max |logit diff| CUDA vs CPU {worst:.2e}, cuda graphs up to "
           f"{runner.cuda_graph_max_bs}")
-    assert res.tokens == ref_tokens
+    assert res["cuda"].tokens == res["cpu"].tokens
     assert worst < GPU_LOGIT_ATOL, worst
 
 
