@@ -93,6 +93,7 @@
 
 mod error;
 mod grammar;
+pub mod harmony;
 mod json_scan;
 mod lark;
 pub mod reasoning;
@@ -103,6 +104,7 @@ pub use error::{GrammarError, MatchError};
 pub use grammar::{
     CompiledGrammar, GrammarCompiler, GrammarSpec, JsonWhitespace, Matcher, DEFAULT_CACHE_CAPACITY,
 };
+pub use harmony::{HarmonyDelta, HarmonyMessage, HarmonyStream};
 pub use reasoning::{ReasoningFormat, ReasoningOutput, ReasoningStream};
 pub use tool_call::{
     ParsedToolCalls, ToolCall, ToolCallDelta, ToolCallFormat, ToolCallStream, ToolStreamDelta,
