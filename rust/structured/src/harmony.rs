@@ -31,8 +31,11 @@ pub const END: &str = "<|end|>";
 pub const CALL: &str = "<|call|>";
 pub const RETURN: &str = "<|return|>";
 
-/// What ends a body. `<|start|>` without `<|end|>` before it is malformed, but ends it too.
-const BODY_ENDS: [&str; 4] = [END, CALL, RETURN, START];
+/// What ends a body: its end markers, and (malformed, no `<|end|>` first) any marker that
+/// starts a header, so a marker never shows as text.
+const BODY_ENDS: [&str; 7] = [END, CALL, RETURN, START, CHANNEL, MESSAGE, CONSTRAIN];
+/// The body ends that belong to the next message's header.
+const HEADER_MARKERS: [&str; 4] = [START, CHANNEL, MESSAGE, CONSTRAIN];
 /// The recipient prefix of a function call (built-in tools, `browser.*` and `python`, are not).
 const FUNCTIONS: &str = "functions.";
 
@@ -143,8 +146,11 @@ pub(crate) fn snapshot(text: &str, calls: bool, finished: bool) -> Snapshot {
         let rest = &text[body_start..];
         let (body, next) = match first_end(rest) {
             Some((at, marker)) => {
-                // `<|start|>` belongs to the next message's header.
-                let skip = if marker == START { 0 } else { marker.len() };
+                let skip = if HEADER_MARKERS.contains(&marker) {
+                    0
+                } else {
+                    marker.len()
+                };
                 (&rest[..at], Some(body_start + at + skip))
             }
             None if finished => (rest, None),
@@ -156,8 +162,7 @@ pub(crate) fn snapshot(text: &str, calls: bool, finished: bool) -> Snapshot {
             None => return snap,
         }
     }
-    let markers = [START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN];
-    if finished && !markers.iter().any(|m| text.contains(m)) {
+    if finished && !BODY_ENDS.iter().any(|m| text.contains(m)) {
         snap.content = text.to_string(); // not harmony at all (special tokens skipped)
     }
     snap

@@ -169,6 +169,18 @@ fn output_cut_short_gives_what_was_written() {
 }
 
 #[test]
+fn a_marker_out_of_place_starts_a_header_and_never_shows_as_text() {
+    // No `<|end|><|start|>assistant` before the next header.
+    let text = "<|channel|>analysis<|message|>Think.<|channel|>final<|message|>Done.<|return|>";
+    check(true, text, &message("Think.", "Done.", &[]));
+    check(
+        true,
+        "<|message|><|message|>Hi<|message|>",
+        &message("", "Hi", &[]),
+    );
+}
+
+#[test]
 fn text_without_markers_is_all_answer() {
     // Special tokens skipped: the markers are gone, nothing to split on.
     check(
