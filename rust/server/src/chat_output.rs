@@ -36,6 +36,12 @@ pub struct ChatParsers {
 }
 
 impl ChatParsers {
+    /// Whether the model writes GPT-OSS's harmony (either flag names it).
+    pub fn harmony(&self) -> bool {
+        self.reasoning == Some(ReasoningFormat::GptOss)
+            || self.tool_call == Some(ToolCallFormat::Harmony)
+    }
+
     pub fn from_config(c: &ServerConfig, tokenizer: &TextTokenizer) -> Result<Self, String> {
         let tool_call = match c.tool_call_parser.as_deref() {
             None | Some("") => None,
@@ -122,6 +128,9 @@ pub struct OutputStage {
     /// `chat_template_kwargs.enable_thinking` (None: the template's default).
     pub enable_thinking: Option<bool>,
     pub tools: ToolMode,
+    /// The model writes GPT-OSS's harmony (either parser flag named it): one parser reads the
+    /// whole output, the request's tools or not.
+    pub harmony: bool,
 }
 
 /// A whole answer, split. Empty strings are the API layer's to map to null.
@@ -149,28 +158,16 @@ impl MessageDelta {
 impl OutputStage {
     /// Text goes through untouched (content only).
     pub fn is_passthrough(&self) -> bool {
-        self.reasoning.is_none() && self.tools == ToolMode::Off
+        self.reasoning.is_none() && self.tools == ToolMode::Off && !self.harmony
     }
 
     /// Whether output begins inside the reasoning (a grammar then starts after it). Harmony's
     /// starts with its analysis channel whichever flag named the format.
     pub fn starts_in_reasoning(&self) -> bool {
-        self.harmony()
+        self.harmony
             || self
                 .reasoning
                 .is_some_and(|r| r.starts_in_reasoning(self.enable_thinking))
-    }
-
-    /// The output is GPT-OSS's harmony format (read by one parser, not two stages).
-    pub fn harmony(&self) -> bool {
-        self.reasoning == Some(ReasoningFormat::GptOss)
-            || matches!(
-                self.tools,
-                ToolMode::Parse {
-                    format: ToolCallFormat::Harmony,
-                    ..
-                }
-            )
     }
 
     /// Whether harmony's calls are parsed, and whether only the first is kept.
@@ -187,7 +184,7 @@ impl OutputStage {
     /// Splits a whole answer.
     pub fn parse(&self, text: &str) -> ParsedMessage {
         let mut out = ParsedMessage::default();
-        if self.harmony() {
+        if self.harmony {
             let (calls, single) = self.harmony_calls();
             let m = harmony::parse(text, calls);
             if self.reasoning.is_some() {
@@ -228,7 +225,7 @@ impl OutputStage {
 
     /// The state for streaming one choice.
     pub fn stream(&self) -> OutputStream {
-        let harmony = self.harmony();
+        let harmony = self.harmony;
         OutputStream {
             reasoning: self
                 .reasoning
@@ -454,10 +451,20 @@ mod tests {
     use super::*;
 
     fn stage(reasoning: Option<&str>, thinking: Option<bool>, tools: ToolMode) -> OutputStage {
+        let reasoning = reasoning.map(|n| ReasoningFormat::from_name(n).expect("format"));
+        let harmony = reasoning == Some(ReasoningFormat::GptOss)
+            || matches!(
+                tools,
+                ToolMode::Parse {
+                    format: ToolCallFormat::Harmony,
+                    ..
+                }
+            );
         OutputStage {
-            reasoning: reasoning.map(|n| ReasoningFormat::from_name(n).expect("format")),
+            reasoning,
             enable_thinking: thinking,
             tools,
+            harmony,
         }
     }
 
@@ -637,7 +644,7 @@ mod tests {
     #[test]
     fn harmony_reads_reasoning_and_calls_with_one_parser() {
         let both = stage(Some("gpt-oss"), None, parse_mode("gpt-oss"));
-        assert!(both.harmony() && both.starts_in_reasoning() && !both.is_passthrough());
+        assert!(both.harmony && both.starts_in_reasoning() && !both.is_passthrough());
         let m = check_splits(&both, HARMONY);
         assert_eq!(m.reasoning_content, "Weather, then time.");
         assert_eq!(m.content, "");

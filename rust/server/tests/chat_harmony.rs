@@ -186,6 +186,14 @@ async fn the_tool_parser_alone_drops_the_reasoning() {
     assert_eq!(message.get("reasoning_content"), Some(&Value::Null), "{v}");
     assert_eq!(message["content"], Value::Null, "{v}");
     assert_eq!(message["tool_calls"][0]["function"]["name"], "get_weather");
+    // A request without tools is still harmony: the answer only, no channel text in it.
+    let (st, _) = state(ANSWER, None, Some("gpt-oss"));
+    let body = request(json!({"tools": null}));
+    let v = whole(&st, &body).await;
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["content"], "2 + 2 = 4.", "{v}");
+    assert_eq!(message.get("reasoning_content"), Some(&Value::Null), "{v}");
+    check_stream(&st, &body, &v).await;
 }
 
 #[tokio::test]

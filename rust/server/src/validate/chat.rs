@@ -297,9 +297,10 @@ pub fn output_stage(
         reasoning: parsers.reasoning,
         enable_thinking,
         tools,
+        harmony: parsers.harmony(),
     };
     let model_markup = matches!(stage.tools, ToolMode::Parse { format, .. } if format != ToolCallFormat::JsonArray);
-    if (model_markup || stage.harmony()) && req.sampling.skip_special_tokens.is_none() {
+    if (model_markup || stage.harmony) && req.sampling.skip_special_tokens.is_none() {
         // Tool-call markers (`<|python_tag|>`, `[TOOL_CALLS]`, Qwen's `<tool_call>`) and
         // harmony's channel markers may be special tokens: the parser must see them.
         spec.skip_special_tokens = false;
@@ -311,7 +312,7 @@ pub fn output_stage(
     {
         // The reasoning stays free; the grammar applies from the token after its end.
         spec.grammar_starts_after = Some(parsers.think_end_id.ok_or_else(|| {
-            let why = if stage.harmony() {
+            let why = if stage.harmony {
                 "GPT-OSS's harmony output starts with its analysis channel and no single token \
                  ends it (a grammar after harmony's reasoning is not built)"
             } else {
