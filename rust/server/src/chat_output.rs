@@ -7,10 +7,15 @@
 //! parsers and the same rules (whitespace-only content dropped when calls were made, a single
 //! call kept without `parallel_tool_calls`), so streamed deltas reassemble to the non-streamed
 //! message; the tests split recorded outputs at every byte boundary to check that.
+//!
+//! GPT-OSS's harmony format carries reasoning, answer and calls in one channelled text, so
+//! whichever of the two flags names it, one `harmony` parser reads the whole output: its
+//! reasoning is reported with `--reasoning-parser gpt-oss` (dropped without, as SGLang's tool
+//! parser does), its `functions.*` messages are calls when the request's tools are parsed.
 
 use tokenspeed_structured::{
-    ReasoningFormat, ReasoningStream, ToolCall, ToolCallDelta, ToolCallFormat, ToolCallStream,
-    ToolStreamDelta,
+    harmony, HarmonyStream, ReasoningFormat, ReasoningStream, ToolCall, ToolCallDelta,
+    ToolCallFormat, ToolCallStream, ToolStreamDelta,
 };
 use tokenspeed_text::TextTokenizer;
 
@@ -31,6 +36,12 @@ pub struct ChatParsers {
 }
 
 impl ChatParsers {
+    /// Whether the model writes GPT-OSS's harmony (either flag names it).
+    pub fn harmony(&self) -> bool {
+        self.reasoning == Some(ReasoningFormat::GptOss)
+            || self.tool_call == Some(ToolCallFormat::Harmony)
+    }
+
     pub fn from_config(c: &ServerConfig, tokenizer: &TextTokenizer) -> Result<Self, String> {
         let tool_call = match c.tool_call_parser.as_deref() {
             None | Some("") => None,
@@ -57,13 +68,16 @@ impl ChatParsers {
                     .into(),
             );
         }
-        let think_end_id = reasoning.and_then(|r| tokenizer.token_to_id(r.end_marker()));
+        check_harmony_pair(reasoning, tool_call)?;
+        let think_end_id = reasoning
+            .and_then(ReasoningFormat::end_marker)
+            .and_then(|m| tokenizer.token_to_id(m));
         if let (Some(r), None) = (reasoning, think_end_id) {
             tracing::warn!(
-                marker = r.end_marker(),
-                "--reasoning-parser: the tokenizer has no single think-end token, so requests \
-                 that start in reasoning cannot also ask for a grammar (structured output or \
-                 tool_choice required/named)"
+                parser = ?r,
+                "--reasoning-parser: no single think-end token, so requests that start in \
+                 reasoning cannot also ask for a grammar (structured output or tool_choice \
+                 required/named)"
             );
         }
         Ok(ChatParsers {
@@ -72,6 +86,23 @@ impl ChatParsers {
             auto_tool_choice: c.enable_auto_tool_choice,
             think_end_id,
         })
+    }
+}
+
+/// Harmony is one format for both parsers: naming it for one and another format for the other
+/// would read the same output two ways.
+fn check_harmony_pair(
+    reasoning: Option<ReasoningFormat>,
+    tool_call: Option<ToolCallFormat>,
+) -> Result<(), String> {
+    let harmony_reasoning = reasoning == Some(ReasoningFormat::GptOss);
+    let harmony_tools = tool_call == Some(ToolCallFormat::Harmony);
+    match (reasoning, tool_call) {
+        (Some(r), Some(t)) if harmony_reasoning != harmony_tools => Err(format!(
+            "--reasoning-parser {r:?} and --tool-call-parser {t:?} disagree: GPT-OSS's harmony \
+             format (gpt-oss) is one format for both, use it for both or for neither"
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -97,6 +128,9 @@ pub struct OutputStage {
     /// `chat_template_kwargs.enable_thinking` (None: the template's default).
     pub enable_thinking: Option<bool>,
     pub tools: ToolMode,
+    /// The model writes GPT-OSS's harmony (either parser flag named it): one parser reads the
+    /// whole output, the request's tools or not.
+    pub harmony: bool,
 }
 
 /// A whole answer, split. Empty strings are the API layer's to map to null.
@@ -124,18 +158,45 @@ impl MessageDelta {
 impl OutputStage {
     /// Text goes through untouched (content only).
     pub fn is_passthrough(&self) -> bool {
-        self.reasoning.is_none() && self.tools == ToolMode::Off
+        self.reasoning.is_none() && self.tools == ToolMode::Off && !self.harmony
     }
 
-    /// Whether output begins inside the reasoning (a grammar then starts after it).
+    /// Whether output begins inside the reasoning (a grammar then starts after it). Harmony's
+    /// starts with its analysis channel whichever flag named the format.
     pub fn starts_in_reasoning(&self) -> bool {
-        self.reasoning
-            .is_some_and(|r| r.starts_in_reasoning(self.enable_thinking))
+        self.harmony
+            || self
+                .reasoning
+                .is_some_and(|r| r.starts_in_reasoning(self.enable_thinking))
+    }
+
+    /// Whether harmony's calls are parsed, and whether only the first is kept.
+    fn harmony_calls(&self) -> (bool, bool) {
+        match self.tools {
+            ToolMode::Parse {
+                format: ToolCallFormat::Harmony,
+                single,
+            } => (true, single),
+            _ => (false, false),
+        }
     }
 
     /// Splits a whole answer.
     pub fn parse(&self, text: &str) -> ParsedMessage {
         let mut out = ParsedMessage::default();
+        if self.harmony {
+            let (calls, single) = self.harmony_calls();
+            let m = harmony::parse(text, calls);
+            if self.reasoning.is_some() {
+                out.reasoning_content = m.reasoning_content;
+            }
+            out.content = m.content;
+            out.tool_calls = m.tool_calls;
+            if single {
+                out.tool_calls.truncate(1);
+            }
+            return drop_blank_content(out);
+        }
         let answer = match self.reasoning {
             Some(r) => {
                 let split = r.parse(text, self.enable_thinking);
@@ -159,17 +220,26 @@ impl OutputStage {
                 arguments: answer,
             }),
         }
-        if !out.tool_calls.is_empty() && out.content.trim().is_empty() {
-            out.content.clear();
-        }
-        out
+        drop_blank_content(out)
     }
 
     /// The state for streaming one choice.
     pub fn stream(&self) -> OutputStream {
+        let harmony = self.harmony;
         OutputStream {
-            reasoning: self.reasoning.map(|r| r.stream(self.enable_thinking)),
+            reasoning: self
+                .reasoning
+                .filter(|_| !harmony)
+                .map(|r| r.stream(self.enable_thinking)),
             tools: match &self.tools {
+                _ if harmony => {
+                    let (calls, single) = self.harmony_calls();
+                    ToolState::Harmony {
+                        stream: harmony::stream(calls),
+                        single,
+                        reasoning: self.reasoning.is_some(),
+                    }
+                }
                 ToolMode::Off => ToolState::Off,
                 ToolMode::Parse { format, single } => ToolState::Parse {
                     stream: format.stream(),
@@ -188,8 +258,22 @@ impl OutputStage {
     }
 }
 
+/// Whitespace-only content is dropped when calls were made (the stream holds it back likewise).
+fn drop_blank_content(mut out: ParsedMessage) -> ParsedMessage {
+    if !out.tool_calls.is_empty() && out.content.trim().is_empty() {
+        out.content.clear();
+    }
+    out
+}
+
 enum ToolState {
     Off,
+    /// Harmony: reasoning, answer and calls from one parser; `reasoning`: report it.
+    Harmony {
+        stream: HarmonyStream,
+        single: bool,
+        reasoning: bool,
+    },
     Parse {
         stream: ToolCallStream,
         single: bool,
@@ -235,42 +319,79 @@ impl OutputStream {
             }
             None => text.to_string(),
         };
-        let content = match &mut self.tools {
-            ToolState::Off => answer,
+        let (reasoning, d) = self.tool_stage(answer, last);
+        out.reasoning_content.push_str(&reasoning);
+        self.calls += d.tool_calls.iter().filter(|c| c.name.is_some()).count();
+        out.tool_calls = d.tool_calls;
+        out.content = self.content(d.content, last);
+        out
+    }
+
+    /// The tool stage's share of one chunk of answer: harmony's reasoning, content and calls.
+    fn tool_stage(&mut self, answer: String, last: bool) -> (String, ToolStreamDelta) {
+        let (reasoning, mut d, single) = match &mut self.tools {
+            ToolState::Off => {
+                let d = ToolStreamDelta {
+                    content: answer,
+                    tool_calls: Vec::new(),
+                };
+                return (String::new(), d);
+            }
             ToolState::Parse { stream, single } => {
                 let mut d = stream.push(&answer);
                 if last {
+                    d = merge(d, stream.finish());
+                }
+                (String::new(), d, *single)
+            }
+            ToolState::Harmony {
+                stream,
+                single,
+                reasoning,
+            } => {
+                let mut h = stream.push(&answer);
+                if last {
                     let rest = stream.finish();
-                    d = merge(d, rest);
+                    h.reasoning_content.push_str(&rest.reasoning_content);
+                    h.content.push_str(&rest.content);
+                    h.tool_calls = merge_calls(h.tool_calls, rest.tool_calls);
                 }
-                if *single {
-                    d.tool_calls.retain(|c| c.index == 0);
-                }
-                self.calls += d.tool_calls.iter().filter(|c| c.name.is_some()).count();
-                out.tool_calls = d.tool_calls;
-                d.content
+                let d = ToolStreamDelta {
+                    content: h.content,
+                    tool_calls: h.tool_calls,
+                };
+                let kept = if *reasoning {
+                    h.reasoning_content
+                } else {
+                    String::new()
+                };
+                (kept, d, *single)
             }
             ToolState::Named { name, sent } => {
-                if (!answer.is_empty() || last) && !*sent {
+                let mut call = ToolCallDelta {
+                    index: 0,
+                    name: None,
+                    arguments: answer,
+                };
+                if (!call.arguments.is_empty() || last) && !*sent {
                     *sent = true;
-                    self.calls = 1;
-                    out.tool_calls.push(ToolCallDelta {
-                        index: 0,
-                        name: Some(name.clone()),
-                        arguments: answer,
-                    });
-                } else if !answer.is_empty() {
-                    out.tool_calls.push(ToolCallDelta {
-                        index: 0,
-                        name: None,
-                        arguments: answer,
-                    });
+                    call.name = Some(name.clone());
                 }
-                String::new()
+                let d = ToolStreamDelta {
+                    content: String::new(),
+                    tool_calls: if call.name.is_some() || !call.arguments.is_empty() {
+                        vec![call]
+                    } else {
+                        Vec::new()
+                    },
+                };
+                return (String::new(), d);
             }
         };
-        out.content = self.content(content, last);
-        out
+        if single {
+            d.tool_calls.retain(|c| c.index == 0);
+        }
+        (reasoning, d)
     }
 
     /// Whether any tool call was streamed (the finish reason is then "tool_calls").
@@ -297,15 +418,20 @@ impl OutputStream {
 /// Two successive tool deltas as one, pieces of the same call joined (name first).
 fn merge(mut a: ToolStreamDelta, b: ToolStreamDelta) -> ToolStreamDelta {
     a.content.push_str(&b.content);
-    for call in b.tool_calls {
-        match a.tool_calls.iter_mut().find(|c| c.index == call.index) {
+    a.tool_calls = merge_calls(a.tool_calls, b.tool_calls);
+    a
+}
+
+fn merge_calls(mut a: Vec<ToolCallDelta>, b: Vec<ToolCallDelta>) -> Vec<ToolCallDelta> {
+    for call in b {
+        match a.iter_mut().find(|c| c.index == call.index) {
             Some(prev) => {
                 if prev.name.is_none() {
                     prev.name = call.name;
                 }
                 prev.arguments.push_str(&call.arguments);
             }
-            None => a.tool_calls.push(call),
+            None => a.push(call),
         }
     }
     a
@@ -325,10 +451,20 @@ mod tests {
     use super::*;
 
     fn stage(reasoning: Option<&str>, thinking: Option<bool>, tools: ToolMode) -> OutputStage {
+        let reasoning = reasoning.map(|n| ReasoningFormat::from_name(n).expect("format"));
+        let harmony = reasoning == Some(ReasoningFormat::GptOss)
+            || matches!(
+                tools,
+                ToolMode::Parse {
+                    format: ToolCallFormat::Harmony,
+                    ..
+                }
+            );
         OutputStage {
-            reasoning: reasoning.map(|n| ReasoningFormat::from_name(n).expect("format")),
+            reasoning,
             enable_thinking: thinking,
             tools,
+            harmony,
         }
     }
 
@@ -498,6 +634,77 @@ mod tests {
         let m = check_splits(&off, "no <think>here</think> x");
         assert_eq!(m.content, "no <think>here</think> x");
         assert!(stage(Some("qwen3"), None, ToolMode::Off).starts_in_reasoning());
+    }
+
+    const HARMONY: &str = "<|channel|>analysis<|message|>Weather, then time.<|end|><|start|>\
+        assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>\
+        {\"city\": \"Paris\"}<|call|><|start|>assistant<|channel|>commentary \
+        to=functions.get_time <|constrain|>json<|message|>{}<|call|>";
+
+    #[test]
+    fn harmony_reads_reasoning_and_calls_with_one_parser() {
+        let both = stage(Some("gpt-oss"), None, parse_mode("gpt-oss"));
+        assert!(both.harmony && both.starts_in_reasoning() && !both.is_passthrough());
+        let m = check_splits(&both, HARMONY);
+        assert_eq!(m.reasoning_content, "Weather, then time.");
+        assert_eq!(m.content, "");
+        let names: Vec<&str> = m.tool_calls.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["get_weather", "get_time"]);
+        assert_eq!(m.tool_calls[0].arguments, "{\"city\": \"Paris\"}");
+        // Without parallel_tool_calls: the first call only.
+        let single = OutputStage {
+            tools: ToolMode::Parse {
+                format: ToolCallFormat::Harmony,
+                single: true,
+            },
+            ..both.clone()
+        };
+        assert_eq!(check_splits(&single, HARMONY).tool_calls.len(), 1);
+        // The tool parser alone: the calls, the reasoning dropped (not shown as content).
+        let tools_only = stage(None, None, parse_mode("openai"));
+        assert!(
+            tools_only.starts_in_reasoning(),
+            "a grammar cannot start first"
+        );
+        let m = check_splits(&tools_only, HARMONY);
+        assert_eq!((m.reasoning_content.as_str(), m.tool_calls.len()), ("", 2));
+        // The reasoning parser alone (no tools in the request): call bodies are answer text.
+        let reasoning_only = stage(Some("openai_gptoss"), None, ToolMode::Off);
+        let m = check_splits(&reasoning_only, HARMONY);
+        assert_eq!(m.reasoning_content, "Weather, then time.");
+        assert_eq!(m.content, "{\"city\": \"Paris\"}\n{}");
+        assert!(m.tool_calls.is_empty());
+    }
+
+    #[test]
+    fn harmony_answers_and_truncated_outputs() {
+        let both = stage(Some("gpt-oss"), None, parse_mode("gpt-oss"));
+        let text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final\
+            <|message|>2 + 2 = 4.<|return|>";
+        let m = check_splits(&both, text);
+        assert_eq!(
+            (m.reasoning_content.as_str(), m.content.as_str()),
+            ("Easy.", "2 + 2 = 4.")
+        );
+        // Cut by max_tokens in the second call's header: the first call only.
+        let m = check_splits(&both, &HARMONY[..HARMONY.len() - 40]);
+        assert_eq!(m.tool_calls.len(), 1);
+        assert_eq!(m.tool_calls[0].arguments, "{\"city\": \"Paris\"}");
+        let m = check_splits(&both, "<|channel|>analysis<|message|>Hmm, the us");
+        assert_eq!(m.reasoning_content, "Hmm, the us");
+    }
+
+    #[test]
+    fn harmony_is_one_format_for_both_flags() {
+        let gpt = ReasoningFormat::GptOss;
+        assert!(check_harmony_pair(Some(gpt), Some(ToolCallFormat::Harmony)).is_ok());
+        assert!(check_harmony_pair(Some(gpt), None).is_ok());
+        assert!(check_harmony_pair(None, Some(ToolCallFormat::Harmony)).is_ok());
+        let err = check_harmony_pair(Some(gpt), Some(ToolCallFormat::Hermes)).expect_err("mixed");
+        assert!(err.contains("--tool-call-parser"), "{err}");
+        let qwen = ReasoningFormat::Qwen3;
+        assert!(check_harmony_pair(Some(qwen), Some(ToolCallFormat::Harmony)).is_err());
+        assert!(check_harmony_pair(Some(qwen), Some(ToolCallFormat::Hermes)).is_ok());
     }
 
     #[test]

@@ -81,7 +81,9 @@
 //! (`<|python_tag|>`, `[TOOL_CALLS]`) only reach the parser when the request detokenizes with
 //! special tokens kept, so keep them when `tools` are given. The API layer adds the call ids
 //! (`call_...`), `type: "function"`, `finish_reason: "tool_calls"` when there are calls, and
-//! maps empty `content` / `reasoning_content` to null.
+//! maps empty `content` / `reasoning_content` to null. GPT-OSS's harmony output is the exception
+//! to the two stages: reasoning, answer and calls are channels of one text, read together by
+//! [`harmony`] (`harmony::stream(calls)` / `harmony::parse`).
 //!
 //! `tool_choice`: "none" skips the tool parser (and leaves tools out of the template if the
 //! API says so); "auto" runs it as above; "required" and a named function are enforced with a
@@ -93,6 +95,7 @@
 
 mod error;
 mod grammar;
+pub mod harmony;
 mod json_scan;
 mod lark;
 pub mod reasoning;
@@ -103,6 +106,7 @@ pub use error::{GrammarError, MatchError};
 pub use grammar::{
     CompiledGrammar, GrammarCompiler, GrammarSpec, JsonWhitespace, Matcher, DEFAULT_CACHE_CAPACITY,
 };
+pub use harmony::{HarmonyDelta, HarmonyMessage, HarmonyStream};
 pub use reasoning::{ReasoningFormat, ReasoningOutput, ReasoningStream};
 pub use tool_call::{
     ParsedToolCalls, ToolCall, ToolCallDelta, ToolCallFormat, ToolCallStream, ToolStreamDelta,

@@ -5,12 +5,15 @@
 //! - `qwen3`: the same while thinking is enabled (`chat_template_kwargs.enable_thinking`, default
 //!   true; Qwen3-2507 templates also open the block in the prompt); with thinking disabled the
 //!   template closes an empty block in the prompt, so the whole output is content.
+//! - `gpt-oss`: GPT-OSS's harmony channels (`crate::harmony`): the `analysis` channel is the
+//!   reasoning, the rest the answer. Tool calls need the harmony tool parser too (the output
+//!   stage then reads all of it with one `harmony` parser).
 //!
 //! As with tool calls, parsing is a snapshot of the text so far and streaming diffs snapshots,
 //! so streamed pieces concatenate to the non-streamed result. Text is kept verbatim (the
 //! newlines after `</think>` included); mapping empty strings to `null` is the API layer's.
 
-use crate::tool_call::stable_len;
+use crate::tool_call::{diff_text, stable_len};
 
 pub const THINK_START: &str = "<think>";
 pub const THINK_END: &str = "</think>";
@@ -20,41 +23,63 @@ pub const THINK_END: &str = "</think>";
 pub enum ReasoningFormat {
     DeepSeekR1,
     Qwen3,
+    GptOss,
 }
 
 impl ReasoningFormat {
-    pub const NAMES: [&'static str; 2] = ["deepseek-r1", "qwen3"];
+    pub const NAMES: [&'static str; 3] = ["deepseek-r1", "qwen3", "gpt-oss"];
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "deepseek-r1" | "deepseek_r1" => Some(ReasoningFormat::DeepSeekR1),
             "qwen3" | "qwen3-thinking" => Some(ReasoningFormat::Qwen3),
+            // vLLM's name for it.
+            "gpt-oss" | "gpt_oss" | "openai_gptoss" => Some(ReasoningFormat::GptOss),
             _ => None,
         }
     }
 
-    /// The text whose appearance ends reasoning (the engine starts a grammar after it).
-    pub fn end_marker(self) -> &'static str {
-        THINK_END
+    /// The text whose appearance ends reasoning (the engine starts a grammar after it); None:
+    /// no one marker does (harmony's answer starts after a header of several tokens, and
+    /// analysis may follow it again).
+    pub fn end_marker(self) -> Option<&'static str> {
+        match self {
+            ReasoningFormat::DeepSeekR1 | ReasoningFormat::Qwen3 => Some(THINK_END),
+            ReasoningFormat::GptOss => None,
+        }
     }
 
     /// Whether output starts in reasoning, given the request's `enable_thinking` (`None`:
     /// not given, the template's default of thinking).
     pub fn starts_in_reasoning(self, enable_thinking: Option<bool>) -> bool {
         match self {
-            ReasoningFormat::DeepSeekR1 => true,
+            ReasoningFormat::DeepSeekR1 | ReasoningFormat::GptOss => true,
             ReasoningFormat::Qwen3 => enable_thinking.unwrap_or(true),
         }
     }
 
     /// Splits a whole output.
     pub fn parse(self, text: &str, enable_thinking: Option<bool>) -> ReasoningOutput {
-        snapshot(text, self.starts_in_reasoning(enable_thinking), true)
+        self.snapshot(text, self.starts_in_reasoning(enable_thinking), true)
+    }
+
+    fn snapshot(self, text: &str, thinking: bool, finished: bool) -> ReasoningOutput {
+        match self {
+            ReasoningFormat::GptOss => {
+                let snap = crate::harmony::snapshot(text, false, finished);
+                ReasoningOutput {
+                    reasoning_content: snap.reasoning,
+                    content: snap.content,
+                }
+            }
+            _ => snapshot(text, thinking, finished),
+        }
     }
 
     /// A parser for one streamed response.
     pub fn stream(self, enable_thinking: Option<bool>) -> ReasoningStream {
         ReasoningStream {
+            format: self,
             thinking: self.starts_in_reasoning(enable_thinking),
             text: String::new(),
             sent: ReasoningOutput::default(),
@@ -107,41 +132,37 @@ fn snapshot(text: &str, thinking: bool, finished: bool) -> ReasoningOutput {
 
 /// Streaming state: the text so far and what was sent of it.
 pub struct ReasoningStream {
+    format: ReasoningFormat,
     thinking: bool,
     text: String,
     sent: ReasoningOutput,
 }
 
 impl ReasoningStream {
-    /// Whether the reasoning has ended (everything from now on is the answer).
+    /// Whether the reasoning has ended (everything from now on is the answer). Never for
+    /// harmony: another analysis message may follow the answer's.
     pub fn reasoning_ended(&self) -> bool {
-        !self.thinking || self.text.contains(THINK_END)
+        match self.format {
+            ReasoningFormat::GptOss => false,
+            _ => !self.thinking || self.text.contains(THINK_END),
+        }
     }
 
     pub fn push(&mut self, delta: &str) -> ReasoningOutput {
         self.text.push_str(delta);
-        let snap = snapshot(&self.text, self.thinking, false);
+        let snap = self.format.snapshot(&self.text, self.thinking, false);
         self.diff(snap)
     }
 
     pub fn finish(&mut self) -> ReasoningOutput {
-        let snap = snapshot(&self.text, self.thinking, true);
+        let snap = self.format.snapshot(&self.text, self.thinking, true);
         self.diff(snap)
     }
 
     fn diff(&mut self, snap: ReasoningOutput) -> ReasoningOutput {
-        let mut out = ReasoningOutput::default();
-        if let Some(new) = snap
-            .reasoning_content
-            .strip_prefix(self.sent.reasoning_content.as_str())
-        {
-            out.reasoning_content = new.to_string();
-            self.sent.reasoning_content = snap.reasoning_content;
+        ReasoningOutput {
+            reasoning_content: diff_text(&mut self.sent.reasoning_content, snap.reasoning_content),
+            content: diff_text(&mut self.sent.content, snap.content),
         }
-        if let Some(new) = snap.content.strip_prefix(self.sent.content.as_str()) {
-            out.content = new.to_string();
-            self.sent.content = snap.content;
-        }
-        out
     }
 }

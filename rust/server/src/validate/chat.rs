@@ -288,13 +288,6 @@ pub fn output_stage(
         }
         spec.grammar = Some(grammar);
     }
-    if matches!(tools, ToolMode::Parse { format, .. } if format != ToolCallFormat::JsonArray)
-        && req.sampling.skip_special_tokens.is_none()
-    {
-        // Tool-call markers (`<|python_tag|>`, `[TOOL_CALLS]`, Qwen's `<tool_call>`) may be
-        // special tokens: the parser must see them.
-        spec.skip_special_tokens = false;
-    }
     let enable_thinking = req
         .chat_template_kwargs
         .as_ref()
@@ -304,7 +297,14 @@ pub fn output_stage(
         reasoning: parsers.reasoning,
         enable_thinking,
         tools,
+        harmony: parsers.harmony(),
     };
+    let model_markup = matches!(stage.tools, ToolMode::Parse { format, .. } if format != ToolCallFormat::JsonArray);
+    if (model_markup || stage.harmony) && req.sampling.skip_special_tokens.is_none() {
+        // Tool-call markers (`<|python_tag|>`, `[TOOL_CALLS]`, Qwen's `<tool_call>`) and
+        // harmony's channel markers may be special tokens: the parser must see them.
+        spec.skip_special_tokens = false;
+    }
     if let Some(grammar) = spec
         .grammar
         .as_ref()
@@ -312,12 +312,17 @@ pub fn output_stage(
     {
         // The reasoning stays free; the grammar applies from the token after its end.
         spec.grammar_starts_after = Some(parsers.think_end_id.ok_or_else(|| {
+            let why = if stage.harmony {
+                "GPT-OSS's harmony output starts with its analysis channel and no single token \
+                 ends it (a grammar after harmony's reasoning is not built)"
+            } else {
+                "this model's tokenizer has no single think-end token; send \
+                 chat_template_kwargs {\"enable_thinking\": false} if the model supports it"
+            };
             RequestError::bad_param(
                 grammar.field,
                 format!(
-                    "'{}' constrains the answer after the reasoning, but this model's tokenizer \
-                     has no single think-end token; send chat_template_kwargs \
-                     {{\"enable_thinking\": false}} if the model supports it",
+                    "'{}' constrains the answer after the reasoning, but {why}",
                     grammar.field
                 ),
             )

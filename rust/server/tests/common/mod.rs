@@ -5,6 +5,8 @@
 // Each test binary compiles this module and uses part of it.
 #![allow(dead_code)]
 
+pub mod chat;
+
 use std::path::PathBuf;
 
 use serde_json::Value;

@@ -69,13 +69,17 @@ pub enum ToolCallFormat {
     Mistral,
     /// Llama 3.2 / 4 pythonic: `[f(a=1, b="x"), g()]`.
     Pythonic,
+    /// GPT-OSS harmony: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>`
+    /// (`crate::harmony`); parsed alone, the reasoning is dropped (SGLang's `gpt-oss` does so).
+    Harmony,
     /// `[{"name": .., "parameters": ..}, ..]`: the grammar-forced output of
     /// `tool_choice: "required"` (see `forced`), whatever the model's own format.
     JsonArray,
 }
 
 impl ToolCallFormat {
-    pub const NAMES: [&'static str; 4] = ["hermes", "llama3_json", "mistral", "pythonic"];
+    pub const NAMES: [&'static str; 5] =
+        ["hermes", "llama3_json", "mistral", "pythonic", "gpt-oss"];
 
     /// The format for a `--tool-call-parser` value; `None` names an unknown parser.
     pub fn from_name(name: &str) -> Option<Self> {
@@ -84,6 +88,8 @@ impl ToolCallFormat {
             "llama3_json" | "llama3" | "llama4_json" => ToolCallFormat::Llama3Json,
             "mistral" => ToolCallFormat::Mistral,
             "pythonic" | "llama4_pythonic" => ToolCallFormat::Pythonic,
+            // vLLM names its harmony tool parser `openai`.
+            "gpt-oss" | "gpt_oss" | "openai" => ToolCallFormat::Harmony,
             _ => return None,
         })
     }
@@ -95,6 +101,13 @@ impl ToolCallFormat {
             ToolCallFormat::Mistral => mistral::snapshot(text, finished),
             ToolCallFormat::Pythonic => pythonic::snapshot(text, finished),
             ToolCallFormat::JsonArray => forced::snapshot(text, finished),
+            ToolCallFormat::Harmony => {
+                let snap = crate::harmony::snapshot(text, true, finished);
+                Snapshot {
+                    content: snap.content,
+                    calls: snap.calls,
+                }
+            }
         }
     }
 
@@ -122,7 +135,7 @@ impl ToolCallFormat {
             format: self,
             text: String::new(),
             sent_content: String::new(),
-            sent_calls: Vec::new(),
+            sent_calls: CallDiff::default(),
         }
     }
 }
@@ -147,8 +160,7 @@ pub struct ToolCallStream {
     format: ToolCallFormat,
     text: String,
     sent_content: String,
-    /// Per call: whether its name was sent, and how many bytes of its arguments.
-    sent_calls: Vec<(bool, usize)>,
+    sent_calls: CallDiff,
 }
 
 impl ToolCallStream {
@@ -168,19 +180,42 @@ impl ToolCallStream {
     /// Sends what `snap` adds to what was sent. A snapshot that contradicts what was sent (only
     /// malformed outputs do that) sends nothing for that part: sent text cannot be recalled.
     fn diff(&mut self, snap: Snapshot) -> ToolStreamDelta {
-        let mut out = ToolStreamDelta::default();
-        if let Some(new) = snap.content.strip_prefix(self.sent_content.as_str()) {
-            out.content = new.to_string();
-            self.sent_content = snap.content;
+        ToolStreamDelta {
+            content: diff_text(&mut self.sent_content, snap.content),
+            tool_calls: self.sent_calls.diff(snap.calls),
         }
-        for (index, call) in snap.calls.into_iter().enumerate() {
-            if self.sent_calls.len() <= index {
-                self.sent_calls.push((false, 0));
+    }
+}
+
+/// What `snap` adds to `sent` (then `sent` is `snap`); nothing if `snap` does not extend it.
+pub(crate) fn diff_text(sent: &mut String, snap: String) -> String {
+    match snap.strip_prefix(sent.as_str()) {
+        Some(new) => {
+            let new = new.to_string();
+            *sent = snap;
+            new
+        }
+        None => String::new(),
+    }
+}
+
+/// The calls sent so far of a stream: per call, whether its name was sent and how many bytes
+/// of its arguments.
+#[derive(Debug, Default)]
+pub(crate) struct CallDiff(Vec<(bool, usize)>);
+
+impl CallDiff {
+    /// The deltas that bring what was sent up to `calls` (a call's name first, as OpenAI does).
+    pub fn diff(&mut self, calls: Vec<CallSnapshot>) -> Vec<ToolCallDelta> {
+        let mut out = Vec::new();
+        for (index, call) in calls.into_iter().enumerate() {
+            if self.0.len() <= index {
+                self.0.push((false, 0));
             }
             let Some(name) = call.name else {
                 continue; // arguments wait for the name: OpenAI streams the name first
             };
-            let (name_sent, args_sent) = &mut self.sent_calls[index];
+            let (name_sent, args_sent) = &mut self.0[index];
             let mut delta = ToolCallDelta {
                 index,
                 name: None,
@@ -195,7 +230,7 @@ impl ToolCallStream {
                 *args_sent = call.arguments.len();
             }
             if delta.name.is_some() || !delta.arguments.is_empty() {
-                out.tool_calls.push(delta);
+                out.push(delta);
             }
         }
         out
