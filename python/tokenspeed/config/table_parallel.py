@@ -205,7 +205,8 @@ PD_FLAGS: list[Flag] = [
     c("--disaggregation-mode", "Role in prefill/decode disaggregation: prefill (computes prompts "
       "and sends their KV), decode (receives it and generates), or null (a normal combined "
       "server). A pair is one prefill and one decode server of the same model, page size and "
-      "--tp, behind `tokenspeed router --pd` (docs/parallelism.md).", G_PD,
+      "--tp, behind `tokenspeed router --pd` or SGLang's router in PD mode "
+      "(docs/parallelism.md).", G_PD,
       ("null", "prefill", "decode"), "null", readers=("server", "worker"), implemented=True),
     c("--disaggregation-transfer-backend", "Transport that moves KV cache from prefill to decode "
       "servers: nccl (GPU to GPU, torch.distributed send/recv) or gloo (through host memory, "
@@ -215,10 +216,12 @@ PD_FLAGS: list[Flag] = [
                 "(CPU)" for name in ("mooncake", "nixl", "ascend", "fake")},
       readers=("worker",), implemented=True),
     i("--disaggregation-bootstrap-port", "Port of the prefill server's bootstrap service (a "
-      "torch.distributed store its first rank hosts; the decode server connects to it).", G_PD,
-      8998, minimum=1, maximum=65535, readers=("worker",), implemented=True),
+      "torch.distributed store its first rank hosts; the decode server connects to it). A "
+      "request whose `bootstrap_port` names another is refused.", G_PD,
+      8998, minimum=1, maximum=65535, readers=("server", "worker"), implemented=True),
     s("--disaggregation-bootstrap-host", "Host of the prefill server's bootstrap service (set on "
-      "decode servers).", G_PD, "127.0.0.1", readers=("worker",), implemented=True),
+      "decode servers; a request whose `bootstrap_host` names another is refused).", G_PD,
+      "127.0.0.1", readers=("server", "worker"), implemented=True),
     i("--disaggregation-decode-tp", "Tensor-parallel size of the decode servers (set on prefill "
       "servers).", G_PD, minimum=1),
     i("--disaggregation-decode-dp", "Data-parallel size of the decode servers (set on prefill "

@@ -4,8 +4,9 @@ A generation request goes first to the prefill server with a fresh `bootstrap_ro
 transfer's id, SGLang's field) and `stream` off: that server computes the prompt and its first
 token and ships the prompt's KV to its decode peer. Then the same request, with the same room,
 goes to the decode server, which takes the KV from the transfer and generates; its response
-(streamed or not) is the client's. Sequential on purpose: the decode server's step waits for a
-transfer it is told to receive, so it must only be told once the transfer is under way.
+(streamed or not) is the client's. Sequential, unlike SGLang's router (which sends to both at
+once; the decode server then holds the request outside its batch until the KV arrives): a
+request the prefill server refuses never reaches the decode server.
 
 Failures end the request with an OpenAI-format error, never a hang: a prefill server that
 refuses the request passes its error on, one that cannot be reached or dies mid-request gives a

@@ -12,9 +12,12 @@ server's bootstrap port (a TCPStore its rank 0 hosts).
 Both servers start on their own: the pair connects in a background thread. Transfers are
 ordered: the sender writes a header (room, pages) under the next sequence number in the store,
 then sends the pages; the receiver reads the headers in order and receives each transfer whole
-into a buffer kept by room, where the decode worker's step takes it (waiting at most
-`WAIT_S`). A failure (the peer gone, a layout mismatch, a missing transfer) fails the requests
-that needed it, never the worker.
+into a buffer kept by room, where the decode worker's step takes it. The first rank reports
+each room that arrived in its step results (`ArrivalReports`); the decode server admits the
+request only then, so that rank never waits, and another rank waits in its step at most `WAIT_S`
+for a transfer its prefill peer sent alongside. A failure (the peer gone, a layout mismatch, a
+missing transfer) fails the requests that needed it, never the worker; a pair that is down is
+reported in every result, failing the requests still waiting for their KV.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 KV_SEND, KV_RECV = 6, 7  # rust/engine/src/plan.rs copy_kind
 WAIT_S = 30.0  # how long a decode step waits for a transfer it was told to receive
+MAX_DOWN_TEXT = 1024  # bytes of why the pair is down, in a result (Rust's bound: MAX_OP_TEXT)
 EXPIRE_S = 300.0  # a received transfer no request took is dropped after this
 PG_TIMEOUT_S = 120.0  # a transfer whose header arrived but whose pages do not
 STATS_EVERY_S = 10.0  # the sender logs its totals this often while it sends
@@ -95,6 +99,7 @@ class KVTransfer:
         self._sends: list[tuple[int, np.ndarray]] = []  # this step's, run after the forward
         self._queue: queue.Queue[tuple[int, torch.Tensor, Any, float]] = queue.Queue()
         self._arrived: dict[int, tuple[torch.Tensor, float]] = {}
+        self._unreported: list[int] = []  # rooms arrived since the last result said so
         self._cond = threading.Condition()
         self.stats = SendStats()
         target = self._send_loop if settings.mode == "prefill" else self._recv_loop
@@ -251,7 +256,36 @@ class KVTransfer:
                 for old in [r for r, (_, t) in self._arrived.items() if now - t > EXPIRE_S]:
                     del self._arrived[old]
                 self._arrived[room] = (buf, now)
+                self._unreported.append(room)
                 self._cond.notify_all()
+
+    def reports(self, limit: int) -> dict[str, bytes]:
+        """A result's transfer reports: up to `limit` rooms that arrived since the last
+        (`StepResult::kv_arrived`; the rest go in the next), and why the pair is down
+        (`kv_down`, in every result while it is)."""
+        with self._cond:
+            rooms, self._unreported = self._unreported[:limit], self._unreported[limit:]
+            failed = self.failed
+        out = {"kv_arrived_room": np.asarray(rooms, np.int64).tobytes()}
+        if failed is not None:
+            why = failed.encode()[:MAX_DOWN_TEXT]
+            out |= {"kv_down_message_len": np.asarray([len(why)], np.uint32).tobytes(),
+                    "kv_down_message": why}
+        return out
+
+
+class ArrivalReports:
+    """A decode server's first rank's result channel: every result it sends carries the
+    transfers that arrived since the previous one, so the engine admits their requests."""
+
+    def __init__(self, channel: Any, kv: KVTransfer, limit: int) -> None:
+        self._channel, self._kv, self._limit = channel, kv, limit
+
+    def send_result(self, step_id: int, arrays: dict[str, bytes]) -> None:
+        self._channel.send_result(step_id, {**arrays, **self._kv.reports(self._limit)})
+
+    def __getattr__(self, name: str) -> Any:  # recv and the rest: the channel's own
+        return getattr(self._channel, name)
 
 
 class SendStats:

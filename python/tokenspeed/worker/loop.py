@@ -223,6 +223,11 @@ def serve_plans(channel: WorkerChannel, runner: ModelRunner, spec: WorkerSpec,
         return serve_plans_lockstep(channel, runner, spec, parent, grammars)
     trace = StepTrace.from_env()
     pending: Pending | None = None
+    kv = runner.kv_transfer
+    if kv is not None and kv.settings.mode == "decode" and _leads(spec):
+        from tokenspeed.worker.kv_transfer import ArrivalReports
+
+        channel = ArrivalReports(channel, kv, runner.max_slots)  # type: ignore[assignment]
     while True:
         try:
             # With a step in flight, poll (0 ms) so its result is sent as soon as it is ready.

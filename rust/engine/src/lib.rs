@@ -10,10 +10,11 @@ pub mod schema;
 
 pub use pages::{PagePool, Pages};
 pub use plan::{
-    copy_kind, grammar_kind, op_kind, CopyOp, FinishedSlot, GrammarRow, LoraPin, OpOutcome,
-    PageTableUpdate, Plan, RequestEvent, SamplingParams, ScheduledRequest, StepLimits, StepResult,
-    StepTiming, TokenMask, WorkerOp, LAST_SAMPLED, MAX_GRAMMAR_REPLAY, MAX_GRAMMAR_STOP_IDS,
-    MAX_GRAMMAR_TEXT, MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_LORA_PINS, MAX_OP_TEXT, NO_SEED,
+    copy_kind, grammar_kind, op_kind, CopyOp, FinishedSlot, GrammarRow, KvArrival, KvPairDown,
+    LoraPin, OpOutcome, PageTableUpdate, Plan, RequestEvent, SamplingParams, ScheduledRequest,
+    StepLimits, StepResult, StepTiming, TokenMask, WorkerOp, LAST_SAMPLED, MAX_GRAMMAR_REPLAY,
+    MAX_GRAMMAR_STOP_IDS, MAX_GRAMMAR_TEXT, MAX_LOGIT_BIAS, MAX_LORA_PATH, MAX_LORA_PINS,
+    MAX_OP_TEXT, NO_SEED,
 };
 pub use radix::{
     block_hash, EvictionPolicy, HostStats, KvEvent, NodeId, PrefixMatch, RadixCache, StorageStats,

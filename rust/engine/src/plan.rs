@@ -518,12 +518,34 @@ section! {
     }
 }
 
+section! {
+    /// PD decode server: a transfer whose KV has arrived at the worker group's first rank,
+    /// reported once; its request waits outside the batch until then (`Scheduler::advance`).
+    pub struct KvArrival("kv_arrived") {
+        /// The transfer's room (`KvTransfer::Recv`), spelt as `CopyOp::key`.
+        pub room: i64,
+    }
+    lists {}
+}
+
+section! {
+    /// PD: the transfer pair is down, so nothing more arrives (one row, in every result while
+    /// it is): the requests waiting for their KV fail.
+    pub struct KvPairDown("kv_down") {}
+    lists {
+        /// Why (UTF-8, at most `MAX_OP_TEXT` bytes).
+        pub message: Vec<u8>,
+    }
+}
+
 message! {
     /// What the worker sends back after a step.
     pub struct StepResult(magic = 0x5345_5254) {
         pub events: Vec<RequestEvent>,
         pub timing: Vec<StepTiming>,
         pub op_results: Vec<OpOutcome>,
+        pub kv_arrived: Vec<KvArrival>,
+        pub kv_down: Vec<KvPairDown>,
     }
 }
 
@@ -549,7 +571,10 @@ impl StepResult {
             r * l.max_drafts, // proposed drafts: a chain per slot
             1,                // timing: one row
             1,
-            MAX_OP_TEXT, // an op's outcome: one row
+            MAX_OP_TEXT,                       // an op's outcome: one row
+            if l.kv_transfer { r } else { 0 }, // arrivals: the worker reports r at most a step
+            usize::from(l.kv_transfer),
+            if l.kv_transfer { MAX_OP_TEXT } else { 0 }, // the pair down: one row
         ];
         <StepResult as Message>::max_encoded_len(&counts)
     }

@@ -24,6 +24,7 @@ use crate::radix::{NodeId, RadixCache};
 mod adapters;
 mod admission;
 mod finish;
+mod kv_wait;
 mod ngram;
 mod ops;
 mod preemption;
@@ -226,6 +227,8 @@ struct StepBuilder {
     expected: Vec<Expected>,
     /// Prefill/decode disaggregation's page transfers (`KvTransfer`), after the cache's copies.
     kv_copies: Vec<crate::plan::CopyOp>,
+    /// Sent even with nothing in it (`Scheduler::poll_kv`).
+    poll: bool,
 }
 
 impl StepBuilder {
@@ -274,6 +277,8 @@ pub struct Scheduler {
     spec: SpecCounts,
     /// PD transfers planned so far (`SchedulerStats::kv_transfer`).
     transfers: KvTransferStats,
+    /// PD decode server: requests parked until their KV arrives (`kv_wait.rs`).
+    kv_wait: kv_wait::KvWait,
     /// Run times of past steps, for `max_mixed_step_ms`.
     step_cost: step_cost::StepCost,
     /// The worker's LoRA adapter pool slots: how many, and which are pinned.
@@ -332,6 +337,7 @@ impl Scheduler {
             retractions: 0,
             spec: SpecCounts::default(),
             transfers: KvTransferStats::default(),
+            kv_wait: kv_wait::KvWait::default(),
             step_cost: step_cost::StepCost::default(),
             adapters: adapters::AdapterSlots::unlimited(),
             admission_held: false,
@@ -423,7 +429,7 @@ impl Scheduler {
                 retractions: 0,
             },
         );
-        self.waiting.push_back(id);
+        self.enqueue(id);
         Ok(())
     }
 
@@ -471,7 +477,7 @@ impl Scheduler {
             cached_pages: cached,
             evictable_pages: self.cache.evictable_pages(),
             running: self.running.len(),
-            waiting: self.waiting.len(),
+            waiting: self.waiting.len() + self.kv_wait.parked(),
             retractions: self.retractions,
             spec_draft_tokens: self.spec.drafted,
             spec_accepted_tokens: self.spec.accepted,

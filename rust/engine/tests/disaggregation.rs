@@ -84,10 +84,15 @@ fn a_pd_pair_gives_the_tokens_of_one_server() {
             assert!(sends
                 .iter()
                 .all(|(step, _)| Some(*step) == last_chunk.map(|pl| pl.step_id)));
-            // The receives ride in the admitting plan, whose chunk starts after them.
+            // The receives ride in the admitting plan, whose chunk starts after them; before
+            // it, the request waits for its KV outside the batch (a poll plan runs nothing).
             let recvs = kv_ops(&decode, copy_kind::KV_RECV);
             assert_eq!(recvs.len(), pages);
-            let first = &decode.plans[0];
+            let first = decode
+                .plans
+                .iter()
+                .find(|pl| !pl.scheduled.is_empty())
+                .expect("the request ran");
             assert!(recvs
                 .iter()
                 .all(|(step, c)| *step == first.step_id && c.key == ROOM as i64));
@@ -220,4 +225,137 @@ fn a_penalized_request_is_computed_on_both_sides() {
     decode.run(50);
     assert!(kv_ops(&decode, copy_kind::KV_RECV).is_empty());
     assert_eq!(decode.tokens(2u64), reference(&p, 4));
+}
+
+/// The pages transfer `room` carries for prompt `p` (page size 4), as the prefill server sends.
+fn sent_pages(p: &[u32], room: u64) -> Vec<Vec<Option<u32>>> {
+    let mut prefill = Harness::new(config(64, 4));
+    prefill.submit(transfer(9, p.to_vec(), 1, KvTransfer::Send { room }));
+    prefill.run(50);
+    prefill.worker.kv_sent.remove(&(room as i64)).expect("sent")
+}
+
+#[test]
+fn a_receiver_waits_outside_the_batch_until_its_kv_arrives() {
+    // SGLang's router sends to both servers at once: the decode server holds the request
+    // while the prefill server computes it. Meanwhile it must hold no slot and no pages, and
+    // the requests already running must keep stepping.
+    let p = prompt(11, 21);
+    let pages = sent_pages(&p, ROOM);
+    let mut decode = Harness::new(config(64, 4));
+    decode.submit(request(1, prompt(2, 6), 40));
+    decode.step();
+    decode.submit(transfer(2, p.clone(), 6, KvTransfer::Recv { room: ROOM }));
+    for _ in 0..10 {
+        assert!(decode.step(), "the running request keeps stepping");
+    }
+    assert_eq!(decode.tokens(1u64).len(), 11, "one token a step, no stall");
+    assert!(decode.tokens(2u64).is_empty());
+    assert!(kv_ops(&decode, copy_kind::KV_RECV).is_empty());
+    assert!(
+        decode.plans.iter().all(|pl| pl.new_requests.len() <= 1),
+        "not admitted"
+    );
+    let stats = decode.sched.stats();
+    assert_eq!((stats.running, stats.waiting), (1, 1));
+    // Request 1's 17 tokens fill 5 pages at most; the receiver's 21 would need 6 more.
+    assert!(
+        stats.used_pages + stats.cached_pages <= 5,
+        "it holds no pages"
+    );
+    assert_eq!(
+        decode.sched.awaiting_kv().collect::<Vec<_>>(),
+        vec![2u64.into()]
+    );
+
+    decode
+        .worker
+        .kv_inbox
+        .insert(ROOM as i64, pages.into_iter().collect());
+    decode.run(100);
+    assert_eq!(
+        decode.tokens(2u64),
+        reference(&p, 6),
+        "decoded from the received KV"
+    );
+    assert_eq!(kv_ops(&decode, copy_kind::KV_RECV).len(), 5);
+    assert_eq!(decode.sched.awaiting_kv().count(), 0);
+    decode.assert_no_leak();
+}
+
+#[test]
+fn a_room_reported_before_its_request_is_admitted_without_waiting() {
+    // Our own router sends to the decode server once the prefill is done: the KV is often
+    // there (and reported) before the request is.
+    let p = prompt(12, 17);
+    let mut decode = Harness::new(config(64, 4));
+    decode
+        .worker
+        .kv_inbox
+        .insert(ROOM as i64, sent_pages(&p, ROOM).into_iter().collect());
+    decode.submit(request(1, prompt(3, 5), 3));
+    decode.run(20); // its results report the arrival
+    let before = decode.plans.len();
+    decode.submit(transfer(2, p.clone(), 4, KvTransfer::Recv { room: ROOM }));
+    decode.run(50);
+    let admitting = &decode.plans[before];
+    assert_eq!(admitting.new_requests.len(), 1, "admitted by the next plan");
+    assert!(admitting
+        .copies
+        .iter()
+        .any(|c| c.kind == copy_kind::KV_RECV));
+    assert_eq!(decode.tokens(2u64), reference(&p, 4));
+    decode.assert_no_leak();
+}
+
+#[test]
+fn a_pair_that_goes_down_fails_the_waiting_receivers() {
+    let mut decode = Harness::new(config(64, 4));
+    decode.submit(transfer(
+        1,
+        prompt(4, 21),
+        6,
+        KvTransfer::Recv { room: ROOM },
+    ));
+    decode.submit(transfer(
+        2,
+        prompt(5, 21),
+        6,
+        KvTransfer::Recv { room: ROOM + 1 },
+    ));
+    for _ in 0..3 {
+        assert!(decode.step(), "an idle decode server polls for arrivals");
+    }
+    assert!(
+        decode.plans.iter().all(|pl| pl.is_empty()),
+        "polls run nothing"
+    );
+    decode.worker.kv_down = Some("ConnectionResetError: peer gone".into());
+    decode.run(10);
+    for id in [1u64, 2] {
+        let out = decode.last_output(id);
+        assert_eq!(out.finished, Some(tokenspeed_engine::FinishReason::Error));
+        let message = out.error.as_deref().unwrap_or_default();
+        assert!(message.contains("peer gone"), "{message}");
+    }
+    assert!(decode.sched.is_idle());
+    decode.assert_no_leak();
+}
+
+#[test]
+fn an_aborted_waiting_receiver_is_forgotten() {
+    let mut decode = Harness::new(config(64, 4));
+    decode.submit(transfer(
+        1,
+        prompt(6, 21),
+        6,
+        KvTransfer::Recv { room: ROOM },
+    ));
+    decode.step();
+    assert!(decode.sched.abort(1u64.into()));
+    assert_eq!(decode.sched.awaiting_kv().count(), 0);
+    assert!(decode.sched.poll_kv().is_none(), "nothing left to poll for");
+    decode.run(5);
+    assert!(decode.sched.is_idle());
+    decode.assert_no_leak();
 }

@@ -7,8 +7,8 @@ use tokenspeed_engine::plan::{
 };
 use tokenspeed_engine::schema::Message;
 use tokenspeed_engine::{
-    GrammarRow, LoraPin, OpOutcome, Plan, SamplingParams, StepLimits, StepResult, StepTiming,
-    TokenMask, WorkerOp,
+    GrammarRow, KvArrival, KvPairDown, LoraPin, OpOutcome, Plan, SamplingParams, StepLimits,
+    StepResult, StepTiming, TokenMask, WorkerOp,
 };
 use tokenspeed_ipc::codec::{decode, encode, encode_arrays, layout_of, DType};
 use tokenspeed_ipc::IpcError;
@@ -183,8 +183,12 @@ fn result() -> impl Strategy<Value = StepResult> {
         prop::collection::vec(event(), 0..12),
         prop::option::of((any::<u32>(), any::<u32>())),
         prop::option::of((any::<bool>(), prop::collection::vec(any::<u8>(), 0..40))),
+        (
+            prop::collection::vec(any::<i64>(), 0..4),
+            prop::option::of(prop::collection::vec(any::<u8>(), 0..40)),
+        ),
     )
-        .prop_map(|(step_id, events, timing, op)| StepResult {
+        .prop_map(|(step_id, events, timing, op, (rooms, down))| StepResult {
             step_id,
             events,
             timing: timing
@@ -196,6 +200,11 @@ fn result() -> impl Strategy<Value = StepResult> {
                 .collect(),
             op_results: op
                 .map(|(ok, message)| OpOutcome { ok, message })
+                .into_iter()
+                .collect(),
+            kv_arrived: rooms.into_iter().map(|room| KvArrival { room }).collect(),
+            kv_down: down
+                .map(|message| KvPairDown { message })
                 .into_iter()
                 .collect(),
         })
@@ -519,6 +528,61 @@ fn the_result_bound_follows_the_top_logprobs_width() {
     }
     let wide = StepResult::max_encoded_len(&limits(49152));
     assert!(wide > 100 * StepResult::max_encoded_len(&limits(20)));
+}
+
+#[test]
+fn a_pd_results_transfer_reports_fit_the_bound_and_arrive_by_name() {
+    // A decode worker reports up to one arrival per slot, and the pair's failure (one row).
+    let limits = StepLimits {
+        max_running: 3,
+        max_step_tokens: 6,
+        max_pages_per_request: 4,
+        mask_words: 0,
+        worker_grammars: false,
+        pooled_dim: 0,
+        host_copies: false,
+        storage_copies: false,
+        kv_transfer: true,
+        top_logprobs: 0,
+        max_drafts: 0,
+    };
+    let full = StepResult {
+        kv_arrived: (0..3).map(|room| KvArrival { room: room << 40 }).collect(),
+        kv_down: vec![KvPairDown {
+            message: vec![b'x'; tokenspeed_engine::MAX_OP_TEXT],
+        }],
+        ..Default::default()
+    };
+    assert!(full.encoded_len() <= StepResult::max_encoded_len(&limits));
+    let plain = StepLimits {
+        kv_transfer: false,
+        ..limits
+    };
+    let room_for_them = 3 * 8 + tokenspeed_engine::MAX_OP_TEXT;
+    assert!(
+        StepResult::max_encoded_len(&limits) - StepResult::max_encoded_len(&plain) >= room_for_them,
+        "a PD server's slot has room for them besides the rest"
+    );
+    // What the Python worker sends: the arrays by name.
+    let rooms = le_i64(&[7, 1 << 62]);
+    let (why_len, why) = (4u32.to_le_bytes().to_vec(), b"gone".to_vec());
+    let arrays: Vec<(&str, &[u8])> = vec![
+        ("kv_arrived_room", &rooms),
+        ("kv_down_message_len", &why_len),
+        ("kv_down_message", &why),
+    ];
+    let get = |n: &str| arrays.iter().find(|(k, _)| *k == n).map(|(_, v)| *v);
+    let mut buf = vec![0u8; 4096];
+    encode_arrays::<StepResult>(3, get, &mut buf).unwrap();
+    let r = decode::<StepResult>(&buf).unwrap();
+    let got: Vec<i64> = r.kv_arrived.iter().map(|a| a.room).collect();
+    assert_eq!(got, vec![7, 1 << 62]);
+    assert_eq!(r.kv_down[0].message, b"gone".to_vec());
+    assert!(r.events.is_empty());
+}
+
+fn le_i64(v: &[i64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 #[test]

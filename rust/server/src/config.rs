@@ -52,6 +52,12 @@ pub struct ServerConfig {
     /// Prefill/decode disaggregation role (`--disaggregation-mode`): "null", "prefill" or
     /// "decode"; requests carry the router's `bootstrap_room` only in the latter two.
     pub disaggregation_mode: String,
+    /// Where a PD pair meets (`--disaggregation-bootstrap-host` / `-port`): requests that
+    /// name another place (SGLang's `bootstrap_host` / `bootstrap_port`) are refused.
+    #[serde(default)]
+    pub disaggregation_bootstrap_host: String,
+    #[serde(default)]
+    pub disaggregation_bootstrap_port: u32,
     /// Sampling values for the fields a request omits (`--sampling-defaults model`: the model's
     /// generation_config.json; empty with `openai`).
     pub sampling_defaults: SamplingDefaults,
@@ -103,4 +109,15 @@ pub struct SamplingDefaults {
     pub top_k: Option<f32>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
+}
+
+impl ServerConfig {
+    /// This server's side of its prefill/decode pair, as request validation checks it.
+    pub fn pd_pair(&self) -> crate::validate::PdPair<'_> {
+        crate::validate::PdPair {
+            mode: &self.disaggregation_mode,
+            host: &self.disaggregation_bootstrap_host,
+            port: self.disaggregation_bootstrap_port,
+        }
+    }
 }

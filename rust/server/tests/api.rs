@@ -165,6 +165,7 @@ impl ScriptedWorker {
                                 }
                             })
                             .collect(),
+                        ..Default::default()
                     })
                     .is_err()
                 {

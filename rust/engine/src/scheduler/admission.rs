@@ -30,7 +30,7 @@ pub(super) fn matchable_len(seq: &Sequence) -> usize {
 
 /// The transfer a decode server's request receives its prompt KV from (`KvTransfer::Recv`),
 /// at its first admission only: readmitted after a retraction, it computes its prompt.
-fn received_room(seq: &Sequence) -> Option<u64> {
+pub(super) fn received_room(seq: &Sequence) -> Option<u64> {
     match seq.req.kv_transfer {
         KvTransfer::Recv { room }
             if seq.cached_tokens.is_none() && seq.req.kv_transfer.crosses(&seq.req.sampling) =>
@@ -43,7 +43,7 @@ fn received_room(seq: &Sequence) -> Option<u64> {
 
 impl Scheduler {
     /// Prompt tokens whose KV `seq` receives at this admission instead of computing them.
-    fn received_len(&self, seq: &Sequence) -> usize {
+    pub(super) fn received_len(&self, seq: &Sequence) -> usize {
         received_room(seq).map_or(0, |_| {
             kv_transfer_len(seq.req.prompt.len(), self.config.page_size as usize)
         })

@@ -19,6 +19,7 @@ impl Scheduler {
     pub fn finish(&mut self, id: RequestId, reason: FinishReason) -> Option<Finished> {
         let mut seq = self.requests.remove(&id)?;
         self.waiting.retain(|&w| w != id);
+        self.unpark(id);
         self.running.retain(|&r| r != id);
         if let Phase::Prefilling(active) | Phase::Decoding(active) =
             std::mem::replace(&mut seq.phase, Phase::Finished)

@@ -10,7 +10,7 @@ use crate::plan::{event_error, RequestEvent, StepResult};
 impl Scheduler {
     /// Applies a step's events. Events for requests aborted since the plan are ignored.
     pub fn advance(&mut self, result: &StepResult) -> Vec<RequestOutput> {
-        let mut outputs = Vec::new();
+        let mut outputs = self.note_kv(result);
         // Steps are answered in order; an older unanswered step counts as answered with nothing.
         while self
             .in_flight

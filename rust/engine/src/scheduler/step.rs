@@ -148,7 +148,7 @@ impl Scheduler {
 
     /// Completes the step: the slots released since the last plan, the cache's copies, its id;
     /// records its shape for the step-time model. `None` when it holds nothing.
-    fn seal(&mut self, mut step: StepBuilder, scheduled: StepShape) -> Option<Plan> {
+    pub(super) fn seal(&mut self, mut step: StepBuilder, scheduled: StepShape) -> Option<Plan> {
         step.plan.finished = std::mem::take(&mut self.released_slots)
             .into_iter()
             .map(|slot| FinishedSlot { slot })
@@ -157,7 +157,7 @@ impl Scheduler {
         step.plan.copies = self.cache.take_copies();
         // PD transfers after them: a received page may be one the cache just wrote back.
         step.plan.copies.append(&mut step.kv_copies);
-        if step.plan.is_empty() {
+        if step.plan.is_empty() && !step.poll {
             return None;
         }
         step.plan.lora_pins = self

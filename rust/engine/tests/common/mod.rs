@@ -13,8 +13,8 @@
 use std::collections::{HashMap, VecDeque};
 
 use tokenspeed_engine::{
-    copy_kind, FinishReason, Plan, Request, RequestEvent, RequestId, RequestOutput, Scheduler,
-    SchedulerConfig, SchedulerStats, StepResult, LAST_SAMPLED,
+    copy_kind, FinishReason, KvArrival, KvPairDown, Plan, Request, RequestEvent, RequestId,
+    RequestOutput, Scheduler, SchedulerConfig, SchedulerStats, StepResult, LAST_SAMPLED,
 };
 
 /// A small engine's settings; tests override what they exercise.
@@ -107,6 +107,10 @@ pub struct FakeWorker {
     /// (`KV_SEND`), and those waiting to be received (`KV_RECV` takes them from the front).
     pub kv_sent: HashMap<i64, Vec<Vec<Option<u32>>>>,
     pub kv_inbox: HashMap<i64, VecDeque<Vec<Option<u32>>>>,
+    /// Rooms of `kv_inbox` already reported as arrived (`StepResult::kv_arrived`, once each).
+    pub kv_reported: std::collections::HashSet<i64>,
+    /// The transfer pair is down, for this reason (`StepResult::kv_down`).
+    pub kv_down: Option<String>,
 }
 
 impl FakeWorker {
@@ -124,6 +128,8 @@ impl FakeWorker {
             drafter: None,
             kv_sent: HashMap::new(),
             kv_inbox: HashMap::new(),
+            kv_reported: Default::default(),
+            kv_down: None,
         }
     }
 
@@ -356,9 +362,20 @@ impl FakeWorker {
             let page = self.kv[src..src + ps].to_vec();
             self.kv_sent.entry(c.key).or_default().push(page);
         }
+        let mut arrived: Vec<i64> = self.kv_inbox.keys().copied().collect();
+        arrived.retain(|&room| self.kv_reported.insert(room));
+        arrived.sort_unstable(); // a HashMap's order would change from run to run
         StepResult {
             step_id: plan.step_id,
             events,
+            kv_arrived: arrived.into_iter().map(|room| KvArrival { room }).collect(),
+            kv_down: self
+                .kv_down
+                .iter()
+                .map(|why| KvPairDown {
+                    message: why.as_bytes().to_vec(),
+                })
+                .collect(),
             ..Default::default()
         }
     }
@@ -417,7 +434,8 @@ impl Harness {
     /// to `advance` if as many plans are in flight as the mode allows (or no plan was made).
     /// False when nothing was scheduled nor advanced.
     pub fn step(&mut self) -> bool {
-        let plan = self.sched.schedule();
+        // As the engine does: with only requests parked for their KV, an empty plan polls.
+        let plan = self.sched.schedule().or_else(|| self.sched.poll_kv());
         let made = plan.is_some();
         if let Some(plan) = plan {
             self.stats.push(self.sched.stats());
@@ -467,7 +485,7 @@ impl Harness {
         );
         let before: usize = outs.iter().map(|o| o.tokens.len()).sum();
         assert!(
-            !out.tokens.is_empty() || !out.prompt_logprobs.is_empty(),
+            !out.tokens.is_empty() || !out.prompt_logprobs.is_empty() || out.error.is_some(),
             "request {}: an output has tokens (or prompt logprobs)",
             out.id
         );

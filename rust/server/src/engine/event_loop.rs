@@ -15,6 +15,7 @@ use super::grammar::Verdict;
 use super::*;
 use crate::metrics::Metrics;
 mod commands;
+mod kv_poll;
 mod queue_bound;
 
 pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -126,6 +127,7 @@ impl EngineLoop {
             if !self.healthy.load(Ordering::Acquire) {
                 continue;
             }
+            self.expire_kv_waits();
             let hold = self.hold_until(depth);
             let plan = self.next_plan(depth, hold);
             let sent = plan.is_some();
@@ -143,8 +145,7 @@ impl EngineLoop {
                     Ok(None) => {}
                     Err(e) => self.fail_all(&e),
                 }
-            } else if !sent && matches!(self.wait_for_command(), Waited::Stop) {
-                // Nothing runnable and nothing in flight: waited for a command rather than spin.
+            } else if !sent && !self.wait_idle() {
                 return;
             }
         }

@@ -93,11 +93,12 @@ async fn chat_inner(state: AppState, body: &[u8]) -> Result<Response, ApiError> 
         req.priority,
         state.config.scheduler.enable_priority_scheduling,
     )?;
-    checked.spec.kv_transfer = validate::bootstrap_room(
-        req.bootstrap_room,
-        &state.config.disaggregation_mode,
-        checked.n,
-    )?;
+    let pd = validate::PdFields {
+        room: req.bootstrap_room,
+        host: req.bootstrap_host.as_deref(),
+        port: req.bootstrap_port,
+    };
+    checked.spec.kv_transfer = validate::bootstrap(pd, state.config.pd_pair(), checked.n)?;
     let rid = generate::new_request_id();
     let choices =
         generate::start_choices(&state, rid, vec![checked.spec.clone()], checked.n).await?;

@@ -148,8 +148,12 @@ async fn generate_inner(state: AppState, body: &[u8]) -> Result<Response, ApiErr
         req.priority,
         state.config.scheduler.enable_priority_scheduling,
     )?;
-    checked.spec.kv_transfer =
-        validate::bootstrap_room(req.bootstrap_room, &state.config.disaggregation_mode, 1)?;
+    let pd = validate::PdFields {
+        room: req.bootstrap_room,
+        host: req.bootstrap_host.as_deref(),
+        port: req.bootstrap_port,
+    };
+    checked.spec.kv_transfer = validate::bootstrap(pd, state.config.pd_pair(), 1)?;
     let mut gen = generate::start(&state, generate::new_request_id(), checked.spec).await?;
     let report = LogprobReport {
         top: checked.top as usize,

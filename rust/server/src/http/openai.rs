@@ -175,11 +175,13 @@ async fn completions_inner(state: AppState, body: &[u8]) -> Result<Response, Api
         req.priority,
         state.config.scheduler.enable_priority_scheduling,
     )?;
-    let kv_transfer = validate::bootstrap_room(
-        req.bootstrap_room,
-        &state.config.disaggregation_mode,
-        checked.specs.len() * checked.n,
-    )?;
+    let pd = validate::PdFields {
+        room: req.bootstrap_room,
+        host: req.bootstrap_host.as_deref(),
+        port: req.bootstrap_port,
+    };
+    let kv_transfer =
+        validate::bootstrap(pd, state.config.pd_pair(), checked.specs.len() * checked.n)?;
     for spec in &mut checked.specs {
         spec.priority = priority;
         spec.kv_transfer = kv_transfer;

@@ -132,8 +132,11 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
     /// vLLM's and SGLang's admission priority (`validate::priority`).
     pub priority: Option<i64>,
-    /// SGLang's PD router's KV transfer id (`validate::bootstrap_room`).
+    /// SGLang's PD router's KV transfer id, and where it says the pair meets
+    /// (`validate::bootstrap`).
     pub bootstrap_room: Option<u64>,
+    pub bootstrap_host: Option<String>,
+    pub bootstrap_port: Option<u32>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -164,8 +167,11 @@ pub struct ChatCompletionRequest {
     pub echo: Option<bool>,
     /// vLLM's and SGLang's admission priority (`validate::priority`).
     pub priority: Option<i64>,
-    /// SGLang's PD router's KV transfer id (`validate::bootstrap_room`).
+    /// SGLang's PD router's KV transfer id, and where it says the pair meets
+    /// (`validate::bootstrap`).
     pub bootstrap_room: Option<u64>,
+    pub bootstrap_host: Option<String>,
+    pub bootstrap_port: Option<u32>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -192,8 +198,11 @@ pub struct GenerateRequest {
     pub return_text_in_logprobs: Option<bool>,
     /// vLLM's and SGLang's admission priority (`validate::priority`).
     pub priority: Option<i64>,
-    /// SGLang's PD router's KV transfer id (`validate::bootstrap_room`).
+    /// SGLang's PD router's KV transfer id, and where it says the pair meets
+    /// (`validate::bootstrap`).
     pub bootstrap_room: Option<u64>,
+    pub bootstrap_host: Option<String>,
+    pub bootstrap_port: Option<u32>,
     #[serde(flatten)]
     #[schema(ignore)]
     pub extra: Map<String, Value>,

@@ -59,6 +59,8 @@ pub fn agent_chat(
         // Admission priority: the default (a non-zero `priority` is refused as unbuilt).
         priority: None,
         bootstrap_room: None,
+        bootstrap_host: None,
+        bootstrap_port: None,
         sampling: parts.sampling,
         extra: Map::new(),
     };

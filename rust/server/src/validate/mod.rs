@@ -14,6 +14,7 @@ pub mod chat;
 pub mod grammar;
 pub mod logprobs;
 pub mod messages;
+pub mod pd;
 pub mod pooling;
 mod refusals;
 pub mod responses;
@@ -29,6 +30,7 @@ use crate::generate::{GenerationSpec, Prompt};
 use crate::http::protocol::SamplingFields;
 
 pub use logprobs::top_logprobs;
+pub use pd::{bootstrap, PdFields, PdPair};
 
 /// Choices one request may ask for (prompts × n).
 pub const MAX_CHOICES: usize = 128;
@@ -220,33 +222,6 @@ pub fn priority(given: Option<i64>, enabled: bool) -> Result<i64, RequestError> 
                  --enable-priority-scheduling (only the neutral 0 is accepted without it)"
             ),
         )),
-    }
-}
-
-/// SGLang's `bootstrap_room` (its router's PD mode; `bootstrap_host` and `bootstrap_port` are
-/// ignored: a decode server's prefill peer is fixed at start): the KV transfer a request joins
-/// on a prefill or decode server (`--disaggregation-mode`), one generation per request.
-/// Refused on a combined server, where no transfer could happen.
-pub fn bootstrap_room(
-    given: Option<u64>,
-    mode: &str,
-    choices: usize,
-) -> Result<tokenspeed_engine::KvTransfer, RequestError> {
-    use tokenspeed_engine::KvTransfer;
-    let Some(room) = given else {
-        return Ok(KvTransfer::None);
-    };
-    let refuse = |why: &str| Err(RequestError::bad_param("bootstrap_room", why.to_string()));
-    if choices != 1 {
-        return refuse("a request with 'bootstrap_room' generates one choice (n = 1)");
-    }
-    match mode {
-        "prefill" => Ok(KvTransfer::Send { room }),
-        "decode" => Ok(KvTransfer::Recv { room }),
-        _ => refuse(
-            "'bootstrap_room' names a prefill/decode KV transfer: this server runs neither \
-             (start it with --disaggregation-mode prefill or decode)",
-        ),
     }
 }
 

@@ -65,6 +65,8 @@ pub fn server_config() -> ServerConfig {
         decode_log_interval: 0,
         enable_metrics: false,
         disaggregation_mode: "null".into(),
+        disaggregation_bootstrap_host: String::new(),
+        disaggregation_bootstrap_port: 0,
         sampling_defaults: Default::default(),
         vocab_size: 0,
         max_logprobs: 20,
