@@ -314,3 +314,68 @@ fn forced_schemas_follow_the_tools() {
     assert!(err.contains("\"missing\""), "{err}");
     assert!(forced::required_schema(&[], true).is_err());
 }
+
+#[test]
+fn deepseek_v3_fenced_calls() {
+    check(
+        ToolCallFormat::DeepSeekV3,
+        "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"東京\", \"unit\": \"celsius\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        expect(
+            "Let me look.",
+            vec![
+                call("get_weather", r#"{"city": "東京", "unit": "celsius"}"#),
+                call("get_time", "{}"),
+            ],
+        ),
+    );
+}
+
+#[test]
+fn deepseek_v3_plain_answer_and_a_cut_off_call() {
+    check(
+        ToolCallFormat::DeepSeekV3,
+        "Use `<｜tool` with ```json fences``` | ▁.",
+        expect("Use `<｜tool` with ```json fences``` | ▁.", vec![]),
+    );
+    // The output ended inside the arguments: the call is kept with what was written.
+    check(
+        ToolCallFormat::DeepSeekV3,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": [1, 2]}",
+        expect("", vec![call("f", r#"{"a": [1, 2]}"#)]),
+    );
+}
+
+#[test]
+fn deepseek_v31_calls() {
+    check(
+        ToolCallFormat::DeepSeekV31,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\": \"Tokyo\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"location\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        expect(
+            "",
+            vec![
+                call("get_weather", r#"{"location": "Tokyo"}"#),
+                call("get_weather", r#"{"location": "Paris"}"#),
+            ],
+        ),
+    );
+}
+
+#[test]
+fn kimi_k2_calls_with_ids() {
+    check(
+        ToolCallFormat::KimiK2,
+        "I'll search.<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.web.search:0<|tool_call_argument_begin|>{\"q\": \"rust \\\"serde\\\"\"}<|tool_call_end|>\n<|tool_call_begin|>functions.get_time:1 <|tool_call_argument_begin|> {}<|tool_call_end|>\n<|tool_calls_section_end|>",
+        expect(
+            "I'll search.",
+            vec![
+                call("web.search", r#"{"q": "rust \"serde\""}"#),
+                call("get_time", "{}"),
+            ],
+        ),
+    );
+    check(
+        ToolCallFormat::KimiK2,
+        "No tools: <|tool_calls",
+        expect("No tools: <|tool_calls", vec![]),
+    );
+}

@@ -9,7 +9,7 @@
 //!
 //! Arguments are the JSON text as the model wrote it (for `pythonic`, the JSON the Python
 //! literals translate to), so streamed fragments concatenate to exactly the non-streamed value.
-//! Special-token markers (`<|python_tag|>`, `[TOOL_CALLS]`) reach the parser only when the
+//! Special-token markers (`<|python_tag|>`, `[TOOL_CALLS]`, DeepSeek's and Kimi's) reach the parser only when the
 //! request detokenizes with special tokens kept: do so when tools are in play.
 
 pub mod forced;
@@ -17,6 +17,7 @@ mod hermes;
 mod llama3_json;
 mod mistral;
 mod pythonic;
+mod sectioned;
 
 use crate::json_scan::{scan_object, Scan};
 
@@ -69,6 +70,14 @@ pub enum ToolCallFormat {
     Mistral,
     /// Llama 3.2 / 4 pythonic: `[f(a=1, b="x"), g()]`.
     Pythonic,
+    /// DeepSeek-V3 / R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
+    /// then the arguments in a ```` ```json ```` fence, `<｜tool▁call▁end｜>` per call.
+    DeepSeekV3,
+    /// DeepSeek-V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}<｜tool▁call▁end｜>` in the same section.
+    DeepSeekV31,
+    /// Kimi-K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX`
+    /// `<|tool_call_argument_begin|>{..}<|tool_call_end|>..<|tool_calls_section_end|>`.
+    KimiK2,
     /// GPT-OSS harmony: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>`
     /// (`crate::harmony`); parsed alone, the reasoning is dropped (SGLang's `gpt-oss` does so).
     Harmony,
@@ -78,8 +87,16 @@ pub enum ToolCallFormat {
 }
 
 impl ToolCallFormat {
-    pub const NAMES: [&'static str; 5] =
-        ["hermes", "llama3_json", "mistral", "pythonic", "gpt-oss"];
+    pub const NAMES: [&'static str; 8] = [
+        "hermes",
+        "llama3_json",
+        "mistral",
+        "pythonic",
+        "deepseekv3",
+        "deepseekv31",
+        "kimi_k2",
+        "gpt-oss",
+    ];
 
     /// The format for a `--tool-call-parser` value; `None` names an unknown parser.
     pub fn from_name(name: &str) -> Option<Self> {
@@ -88,6 +105,10 @@ impl ToolCallFormat {
             "llama3_json" | "llama3" | "llama4_json" => ToolCallFormat::Llama3Json,
             "mistral" => ToolCallFormat::Mistral,
             "pythonic" | "llama4_pythonic" => ToolCallFormat::Pythonic,
+            // SGLang's names, then vLLM's.
+            "deepseekv3" | "deepseek_v3" => ToolCallFormat::DeepSeekV3,
+            "deepseekv31" | "deepseek_v31" => ToolCallFormat::DeepSeekV31,
+            "kimi_k2" => ToolCallFormat::KimiK2,
             // vLLM names its harmony tool parser `openai`.
             "gpt-oss" | "gpt_oss" | "openai" => ToolCallFormat::Harmony,
             _ => return None,
@@ -100,6 +121,13 @@ impl ToolCallFormat {
             ToolCallFormat::Llama3Json => llama3_json::snapshot(text, finished),
             ToolCallFormat::Mistral => mistral::snapshot(text, finished),
             ToolCallFormat::Pythonic => pythonic::snapshot(text, finished),
+            ToolCallFormat::DeepSeekV3 => {
+                sectioned::snapshot(&sectioned::DEEPSEEK_V3, text, finished)
+            }
+            ToolCallFormat::DeepSeekV31 => {
+                sectioned::snapshot(&sectioned::DEEPSEEK_V31, text, finished)
+            }
+            ToolCallFormat::KimiK2 => sectioned::snapshot(&sectioned::KIMI_K2, text, finished),
             ToolCallFormat::JsonArray => forced::snapshot(text, finished),
             ToolCallFormat::Harmony => {
                 let snap = crate::harmony::snapshot(text, true, finished);
