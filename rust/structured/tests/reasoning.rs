@@ -108,3 +108,52 @@ fn stream_reports_when_reasoning_ends() {
     assert!(s.reasoning_ended());
     assert!(ReasoningFormat::Qwen3.stream(Some(false)).reasoning_ended());
 }
+
+#[test]
+fn deepseek_v3_thinks_only_when_asked() {
+    let v3 = ReasoningFormat::DeepSeekV3;
+    let thought = "The user wants the weather; call get_weather.</think>\n\nChecking.<｜tool▁calls▁begin｜>";
+    // thinking=true: the template opened the block in the prompt.
+    check(
+        v3,
+        Some(true),
+        thought,
+        out(
+            "The user wants the weather; call get_weather.",
+            "\n\nChecking.<｜tool▁calls▁begin｜>",
+        ),
+    );
+    check(v3, Some(true), "<think>hm</think>ok", out("hm", "ok"));
+    // Not asked (SGLang's default for this parser): all is content, tags included.
+    check(v3, None, "Hello </think> there", out("", "Hello </think> there"));
+    check(v3, Some(false), "<think>x</think>y", out("", "<think>x</think>y"));
+    assert_eq!(v3.thinking_kwarg(), "thinking");
+    assert!(v3.stream(None).reasoning_ended());
+}
+
+#[test]
+fn kimi_reasons_only_inside_an_opening_block() {
+    let kimi = ReasoningFormat::Kimi;
+    check(
+        kimi,
+        None,
+        "◁think▷Compare 3 and 5: 5 ◁ bigger.◁/think▷5 is larger.",
+        out("Compare 3 and 5: 5 ◁ bigger.", "5 is larger."),
+    );
+    check(kimi, None, "◁think▷cut off ◁/thi", out("cut off ◁/thi", ""));
+    check(
+        kimi,
+        None,
+        "No block: ◁think▷ here is text.",
+        out("", "No block: ◁think▷ here is text."),
+    );
+    check(kimi, None, "◁thi", out("", "◁thi"));
+    let mut s = kimi.stream(None);
+    s.push("◁th");
+    assert!(!s.reasoning_ended());
+    s.push("ink▷a◁/think▷");
+    assert!(s.reasoning_ended());
+    let mut s = kimi.stream(None);
+    s.push("Hi");
+    assert!(s.reasoning_ended());
+}
