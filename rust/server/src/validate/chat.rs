@@ -5,7 +5,7 @@
 
 use serde_json::{Map, Value};
 use tokenspeed_structured::tool_call::forced;
-use tokenspeed_structured::{GrammarSpec, ToolCallFormat};
+use tokenspeed_structured::{GrammarSpec, ReasoningFormat, ToolCallFormat};
 
 use crate::chat_output::{ChatParsers, OutputStage, ToolMode};
 use crate::config::SamplingDefaults;
@@ -288,10 +288,14 @@ pub fn output_stage(
         }
         spec.grammar = Some(grammar);
     }
+    // The template's thinking switch: `enable_thinking` (Qwen3), `thinking` (DeepSeek-V3.1).
+    let thinking_kwarg = parsers
+        .reasoning
+        .map_or("enable_thinking", ReasoningFormat::thinking_kwarg);
     let enable_thinking = req
         .chat_template_kwargs
         .as_ref()
-        .and_then(|k| k.get("enable_thinking"))
+        .and_then(|k| k.get(thinking_kwarg))
         .and_then(Value::as_bool);
     let stage = OutputStage {
         reasoning: parsers.reasoning,
@@ -315,9 +319,12 @@ pub fn output_stage(
             let why = if stage.harmony {
                 "GPT-OSS's harmony output starts with its analysis channel and no single token \
                  ends it (a grammar after harmony's reasoning is not built)"
+                    .to_string()
             } else {
-                "this model's tokenizer has no single think-end token; send \
-                 chat_template_kwargs {\"enable_thinking\": false} if the model supports it"
+                format!(
+                    "this model's tokenizer has no single think-end token; send \
+                     chat_template_kwargs {{\"{thinking_kwarg}\": false}} if the model supports it"
+                )
             };
             RequestError::bad_param(
                 grammar.field,
@@ -420,7 +427,6 @@ pub fn chat_request(
 mod tests {
     use super::*;
     use serde_json::json;
-    use tokenspeed_structured::ReasoningFormat;
 
     fn request(extra: Value) -> ChatCompletionRequest {
         let mut body = json!({
@@ -538,6 +544,33 @@ mod tests {
             "the model's markers may be special tokens"
         );
         assert!(s.grammar.is_none());
+    }
+
+    #[test]
+    fn deepseek_v3_reads_its_templates_thinking_switch() {
+        let parsers = ChatParsers {
+            tool_call: Some(ToolCallFormat::DeepSeekV31),
+            reasoning: Some(ReasoningFormat::DeepSeekV3),
+            auto_tool_choice: true,
+            think_end_id: Some(THINK_END),
+        };
+        let stage_for = |kwargs: Value| {
+            let req = request(json!({"chat_template_kwargs": kwargs}));
+            output_stage(&req, &parsers, &mut spec()).expect("valid")
+        };
+        let on = stage_for(json!({"thinking": true}));
+        assert_eq!(on.enable_thinking, Some(true));
+        assert!(on.starts_in_reasoning());
+        // Qwen3's switch is not DeepSeek's: the template ignores it, so does the parser.
+        let other = stage_for(json!({"enable_thinking": true}));
+        assert_eq!(other.enable_thinking, None);
+        assert!(!other.starts_in_reasoning());
+        let mut s = spec();
+        output_stage(&request(json!({})), &parsers, &mut s).expect("valid");
+        assert!(
+            !s.skip_special_tokens,
+            "DeepSeek's tool markers are special tokens"
+        );
     }
 
     #[test]
