@@ -112,7 +112,8 @@ fn stream_reports_when_reasoning_ends() {
 #[test]
 fn deepseek_v3_thinks_only_when_asked() {
     let v3 = ReasoningFormat::DeepSeekV3;
-    let thought = "The user wants the weather; call get_weather.</think>\n\nChecking.<｜tool▁calls▁begin｜>";
+    let thought =
+        "The user wants the weather; call get_weather.</think>\n\nChecking.<｜tool▁calls▁begin｜>";
     // thinking=true: the template opened the block in the prompt.
     check(
         v3,
@@ -125,8 +126,18 @@ fn deepseek_v3_thinks_only_when_asked() {
     );
     check(v3, Some(true), "<think>hm</think>ok", out("hm", "ok"));
     // Not asked (SGLang's default for this parser): all is content, tags included.
-    check(v3, None, "Hello </think> there", out("", "Hello </think> there"));
-    check(v3, Some(false), "<think>x</think>y", out("", "<think>x</think>y"));
+    check(
+        v3,
+        None,
+        "Hello </think> there",
+        out("", "Hello </think> there"),
+    );
+    check(
+        v3,
+        Some(false),
+        "<think>x</think>y",
+        out("", "<think>x</think>y"),
+    );
     assert_eq!(v3.thinking_kwarg(), "thinking");
     assert!(v3.stream(None).reasoning_ended());
 }
