@@ -114,21 +114,26 @@ API_FLAGS: list[Flag] = [
       G_API),
     b("--enable-cache-report", "Report the number of prefix-cached prompt tokens in each "
       "response's usage block.", G_API),
-    c("--reasoning-parser", "Parser that separates reasoning text (think tags; gpt-oss: "
-      "harmony's analysis channel) from the final answer: message.reasoning_content and "
-      "delta.reasoning_content. openai_gptoss is vLLM's name for gpt-oss.", G_API,
-      ("deepseek-r1", "deepseek-v3", "glm45", "gpt-oss", "openai_gptoss", "kimi", "qwen3",
-       "qwen3-thinking", "step3"),
-      supported=("deepseek-r1", "qwen3", "qwen3-thinking", "gpt-oss", "openai_gptoss"),
+    c("--reasoning-parser", "Parser that separates reasoning text (think tags; deepseek-v3: "
+      "only with chat_template_kwargs thinking true; kimi: the model's optional "
+      "\u25c1think\u25b7 block; gpt-oss: harmony's analysis channel) from the final answer: "
+      "message.reasoning_content and delta.reasoning_content. deepseek_v3 and openai_gptoss are "
+      "vLLM's names.", G_API,
+      ("deepseek-r1", "deepseek-v3", "deepseek_v3", "glm45", "gpt-oss", "openai_gptoss", "kimi",
+       "qwen3", "qwen3-thinking", "step3"),
+      supported=("deepseek-r1", "deepseek-v3", "deepseek_v3", "kimi", "qwen3", "qwen3-thinking",
+                 "gpt-oss", "openai_gptoss"),
       implemented=True),
     c("--tool-call-parser", "Parser that extracts OpenAI-style tool calls from model output "
-      "(hermes: Qwen2.5/Qwen3; llama3_json; mistral; pythonic; gpt-oss: GPT-OSS's harmony "
-      "format, vLLM's openai).", G_API,
+      "(hermes: Qwen2.5/Qwen3; llama3_json; mistral; pythonic; deepseekv3: DeepSeek-V3/R1; "
+      "deepseekv31: DeepSeek-V3.1; kimi_k2: Kimi-K2; gpt-oss: GPT-OSS's harmony format). "
+      "deepseek_v3, deepseek_v31 and openai are vLLM's names.", G_API,
       ("hermes", "qwen25", "qwen3", "llama3", "llama3_json", "llama4_json", "mistral",
-       "pythonic", "llama4_pythonic", "deepseekv3", "glm45", "kimi_k2", "gpt-oss", "openai",
-       "step3"),
+       "pythonic", "llama4_pythonic", "deepseekv3", "deepseek_v3", "deepseekv31", "deepseek_v31",
+       "glm45", "kimi_k2", "gpt-oss", "openai", "step3"),
       supported=("hermes", "qwen25", "qwen3", "llama3", "llama3_json", "llama4_json",
-                 "mistral", "pythonic", "llama4_pythonic", "gpt-oss", "openai"),
+                 "mistral", "pythonic", "llama4_pythonic", "deepseekv3", "deepseek_v3",
+                 "deepseekv31", "deepseek_v31", "kimi_k2", "gpt-oss", "openai"),
       implemented=True),
     b("--enable-auto-tool-choice", "Let the model decide when to call tools (tool_choice "
       "\"auto\"); needs --tool-call-parser. Accepted as vLLM spells it.", G_API,
