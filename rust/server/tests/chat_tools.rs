@@ -36,8 +36,18 @@ fn config(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> Ser
 }
 
 fn state(tool_parser: Option<&str>, reasoning: Option<&str>, auto: bool) -> AppState {
+    scripted(ANSWER, tool_parser, reasoning, auto)
+}
+
+/// A server whose worker writes `answer`, then EOS.
+fn scripted(
+    answer: &str,
+    tool_parser: Option<&str>,
+    reasoning: Option<&str>,
+    auto: bool,
+) -> AppState {
     let tok = TextTokenizer::from_dir(&smollm2_dir(), None).expect("tokenizer");
-    let mut script = tok.encode(ANSWER, false).expect("encode");
+    let mut script = tok.encode(answer, false).expect("encode");
     script.push(tok.eos_token_ids()[0]);
     let link = Box::new(ScriptedWorker::start(script));
     build_state(config(tool_parser, reasoning, auto), link).expect("state")
@@ -149,6 +159,45 @@ async fn thinking_disabled_leaves_the_think_block_in_the_content() {
     on["stream"] = json!(true);
     let (_, sse) = post(&st, &on).await;
     assert_eq!(reassemble(&sse).0, comparable(message));
+}
+
+/// DeepSeek-V3.1 with thinking on: reasoning (its template opened the block), then calls in
+/// its special-token markup.
+const DEEPSEEK_V31_ANSWER: &str = "The user wants the weather in Paris and the time.</think>\
+    Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \
+    \"Paris\", \"unit\": \"celsius\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>\
+    {}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+
+#[tokio::test]
+async fn deepseek_v31_thinking_and_calls_split_the_same_streamed_or_not() {
+    let st = scripted(
+        DEEPSEEK_V31_ANSWER,
+        Some("deepseekv31"),
+        Some("deepseek-v3"),
+        true,
+    );
+    let body = request(json!({"chat_template_kwargs": {"thinking": true}}));
+    let (status, text) = post(&st, &body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    let choice = &v["choices"][0];
+    let message = &choice["message"];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{text}");
+    assert_eq!(
+        message["reasoning_content"],
+        "The user wants the weather in Paris and the time."
+    );
+    assert_eq!(message["content"], "Checking.", "{text}");
+    let calls = message["tool_calls"].as_array().expect("tool_calls");
+    let names: Vec<_> = calls.iter().map(|c| &c["function"]["name"]).collect();
+    assert_eq!(names, ["get_weather", "get_time"], "{text}");
+    assert_eq!(calls[1]["function"]["arguments"], "{}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, sse) = post(&st, &streamed).await;
+    let (got, finish) = reassemble(&sse);
+    assert_eq!(finish, "tool_calls");
+    assert_eq!(got, comparable(message), "{sse}");
 }
 
 #[tokio::test]
