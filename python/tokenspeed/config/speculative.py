@@ -99,7 +99,8 @@ def speculative_note(cfg: Any) -> str | None:
     return (f"speculative decoding: {cfg.speculative_algorithm}, up to "
             f"{cfg.speculative_num_draft_tokens} draft tokens per step; the overlap scheduler is "
             "turned off (the two do not combine yet); "
-            + ("no step uses CUDA graphs (the draft head reads the target's hidden states)"
+            + ("pure verify steps replay CUDA graphs (triton attention, not MLA); prompt steps "
+               "and the draft head run eagerly"
                if cfg.speculative_algorithm in DRAFT_HEADS else
                "verify steps run without CUDA graphs"))
 
