@@ -82,12 +82,7 @@ pub fn parse(text: &str, calls: bool) -> HarmonyMessage {
         tool_calls: snap
             .calls
             .into_iter()
-            .filter_map(|c| {
-                c.name.map(|name| ToolCall {
-                    name,
-                    arguments: c.arguments,
-                })
-            })
+            .filter_map(CallSnapshot::into_call)
             .collect(),
     }
 }

@@ -147,12 +147,7 @@ impl ToolCallFormat {
             tool_calls: snap
                 .calls
                 .into_iter()
-                .filter_map(|c| {
-                    c.name.map(|name| ToolCall {
-                        name,
-                        arguments: c.arguments,
-                    })
-                })
+                .filter_map(CallSnapshot::into_call)
                 .collect(),
         }
     }
@@ -181,6 +176,14 @@ pub(crate) struct CallSnapshot {
     pub name: Option<String>,
     /// The arguments' JSON text so far (complete once the call is).
     pub arguments: String,
+}
+
+impl CallSnapshot {
+    /// The finished call of a whole output; None while its name never completed.
+    pub(crate) fn into_call(self) -> Option<ToolCall> {
+        let arguments = self.arguments;
+        self.name.map(|name| ToolCall { name, arguments })
+    }
 }
 
 /// Streaming state: the text so far and what has been sent of its snapshot.
