@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,7 +28,7 @@ from tokenspeed.bench.datasets import (
     sharegpt_dataset,
 )
 from tokenspeed.bench.metrics import RequestResult, arrival_offsets, compute_metrics, verify_lengths
-from tokenspeed.bench.serve import engine_itl, parse_itl_buckets
+from tokenspeed.bench.serve import LoopLag, engine_itl, parse_itl_buckets
 
 
 class WordTokenizer:
@@ -380,12 +382,33 @@ def test_bench_serve_against_fake_server(fake_server: str, tmp_path: Path, capsy
     assert idle["gpu_idle_share"] == pytest.approx(0.5 / idle["window_s"]) and idle["window_s"] > 0
     assert "GPU idle between steps (%):" in text and "Engine stalled, no step in flight (%):" in text
     assert idle["retractions"] == 3 and "Requests retracted (KV pages ran out):" in text
+    lag = m["client_loop_lag"]  # the client's own event loop, probed through the run
+    assert lag["samples"] > 0 and lag["max_ms"] >= lag["p99_ms"] >= 0
+    assert "Client event loop max lateness (ms):" in text
 
     _FakeHandler.short_by = 2
     assert bench_main([*args[:-2], "--dataset-name", "random-ids", "--disable-cache-flush"]) == 1
     text = capsys.readouterr().out
     assert "MISMATCH, 8 mismatches of 8" in text and _FakeHandler.flushed == 1
     assert bench_main([*args[:-2], "--no-verify"]) == 0
+
+
+def test_loop_lag_sees_a_blocked_event_loop() -> None:
+    async def block() -> dict | None:
+        lag = LoopLag(period=0.001)
+        probe = asyncio.ensure_future(lag.run())
+        await asyncio.sleep(0.01)
+        _hold(0.15)  # the loop is held, as a client parsing a burst of events holds it
+        await asyncio.sleep(0.01)
+        probe.cancel()
+        return lag.summary()
+
+    s = asyncio.run(block())
+    assert s is not None and s["max_ms"] >= 140 and s["over_100ms"] == 1
+
+
+def _hold(seconds: float) -> None:
+    time.sleep(seconds)
 
 
 @pytest.mark.parametrize("stagger", [False, True])

@@ -233,6 +233,30 @@ def gpu_idle_share(before: dict[str, float] | None, after: dict[str, float] | No
     return out
 
 
+class LoopLag:
+    """How late the client's own event loop wakes during the run: a task that sleeps `period`
+    and records by how much it overslept. Every stream's tokens wait in their sockets while
+    the loop is busy, so a client-side inter-token gap as long as the loop's lateness was made
+    by the client (one Python process parsing ~50k SSE events a second in S1), not the server."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period = period
+        self.lags: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.period)
+            self.lags.append(time.perf_counter() - t - self.period)
+
+    def summary(self, over_s: float = 0.1) -> dict | None:
+        if not self.lags:
+            return None
+        a = np.asarray(self.lags)
+        return {"max_ms": float(a.max() * 1e3), "p99_ms": float(np.percentile(a, 99) * 1e3),
+                f"over_{int(over_s * 1e3)}ms": int((a > over_s).sum()), "samples": len(a)}
+
+
 async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model: str | None,
                        ignore_eos: bool, server: dict | None = None) -> tuple[list[RequestResult], list[str]]:
     """Warm-up, cache flush, then every request on its Poisson arrival; returns results and notes.
@@ -254,8 +278,14 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
 
         counters = await _engine_counters(clients[0], args.base_url)
         itl = await _engine_itl_buckets(clients[0], args.base_url)
-        results = await _send_all(args, reqs, clients, payload)
+        lag = LoopLag()
+        probe = asyncio.ensure_future(lag.run())
+        try:
+            results = await _send_all(args, reqs, clients, payload)
+        finally:
+            probe.cancel()
         if server is not None:
+            server["client_loop_lag"] = lag.summary()
             server["gpu_idle"] = gpu_idle_share(counters, await _engine_counters(clients[0], args.base_url))
             server["engine_itl"] = engine_itl(itl, await _engine_itl_buckets(clients[0], args.base_url))
     return results, notes
@@ -405,7 +435,7 @@ def run_serve_bench(args: argparse.Namespace, argv: list[str], extra_record: dic
         print(n)
     out_source = resolve_output_tokens(results, tok)
     m = compute_metrics(results)
-    for key in ("gpu_idle", "engine_itl"):
+    for key in ("gpu_idle", "engine_itl", "client_loop_lag"):
         if server.get(key):
             m[key] = server[key]
     header = {"Backend": args.backend, "Traffic request rate": args.request_rate,
