@@ -2,9 +2,10 @@
 tokens with a draft head and graphs equal those of the same head run eagerly and those of no
 speculation (fp32 small configs, exact), at batch 1 and 5 (padded to a graph of 8 rows), with
 the head's own drafts (mostly rejected) and with right drafts (the reference's continuation: all
-accepted) in turn; the verify graphs replay. EAGLE-3 over a Llama target; NEXTN over a tiny
-DeepSeek-V3 (MLA: extend graphs do not run MLA, so its verify steps stay eager, which the
-test states). Small on purpose (about a minute): failures print the first difference.
+accepted) in turn; the verify graphs replay, and so do the head's draft graphs
+(worker/draft_graph.py) after each verify step, their drafts the eager head's. EAGLE-3 over a
+Llama target; NEXTN over a tiny DeepSeek-V3 (MLA: extend graphs do not run MLA, so its verify
+steps and its drafting stay eager, which the test states). Small on purpose (about a minute): failures print the first difference.
 
     pytest -q -m gpu tests/test_gpu_spec.py
 """
@@ -140,6 +141,12 @@ def check_exact(path: str, draft: DraftSpec, prompts: list[list[int]], graphs_ex
     if vg is not None:  # every step after the prefill is a pure verify step
         print(f"verify graph replays: {vg.replays} of {len(graph_drafts) - 1} verify steps")
         assert vg.replays == len(graph_drafts) - 1
+        dg = runner.drafter.graphs  # and the head drafts after each in its graphs
+        assert dg is not None
+        print(f"draft graph replays: {dg.replays}, sizes {dg.sizes}")
+        assert dg.replays == vg.replays
+    else:
+        assert runner.drafter.graphs is None
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ random one-layer head of the public layout (benches/diagnostics/eagle3_dummy_hea
 last token and the head's `--steps` drafts; random drafts are rejected, so one verified row
 per request, as at acceptance length 1).
 
-Columns: draft = propose() wall time (synced: it ends with the drafts' device → host copy);
-head = the same with a chain of 1 (the verified rows' head forward and the first draft), so
-chain = draft - head; step = the whole verify step (target forward, sampling, verification,
-drafting) for scale. Medians over `--reps`.
+Columns: draft = propose() wall time (synced: it ends with the drafts' device → host copy),
+through the head's CUDA graphs where they are captured (worker/draft_graph.py; a GPU with the
+triton backend); eager = the same with the graphs off; head = eager with a chain of 1 (the
+verified rows' head forward and the first draft), so chain = eager - head; step = the whole
+verify step (target forward, sampling, verification, drafting) for scale. Medians over `--reps`.
 
     python benches/diagnostics/eagle3_draft_cost.py                      # GPU: 8B, batch 1 8 32
     python benches/diagnostics/eagle3_draft_cost.py --layers 8 --context 64 --reps 3   # CPU
@@ -90,8 +91,10 @@ def main() -> int:
     drafter.propose = recording  # type: ignore[method-assign]
     print(f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, {args.model} "
           f"({args.layers or model['num_hidden_layers']} layers), backend {runner.attention_backend}, "
-          f"context {args.context}, chain of {args.steps}")
-    print(f"{'batch':>5} {'draft ms':>9} {'head ms':>8} {'chain ms':>9} {'step ms':>8}")
+          f"context {args.context}, chain of {args.steps}, draft graphs "
+          f"{'none' if getattr(drafter, 'graphs', None) is None else drafter.graphs.sizes}")
+    print(f"{'batch':>5} {'draft ms':>9} {'eager ms':>9} {'head ms':>8} {'chain ms':>9} "
+          f"{'step ms':>8}")
     live: list[int] = []
     for step_id, bs in enumerate(args.batch_sizes):
         prompts = [[(7 * i + 13 * s) % 30000 + 100 for i in range(args.context)] for s in range(bs)]
@@ -104,10 +107,14 @@ def main() -> int:
         step = median_wall_ms(lambda plan=plan: runner.launch(plan).wait(), args.reps, sync)
         again = (lambda rec=seen[0]: propose(*rec))  # the last step's drafting, again
         draft = median_wall_ms(again, args.reps, sync)
+        graphs = getattr(drafter, "graphs", None)  # (older checkouts have none)
+        drafter.graphs = None  # the eager drafting, whole, then with a chain of 1
+        eager = median_wall_ms(again, args.reps, sync)
         drafter.num_steps = 1
         head_ms = median_wall_ms(again, args.reps, sync)
-        drafter.num_steps = args.steps
-        print(f"{bs:>5} {draft:>9.3f} {head_ms:>8.3f} {draft - head_ms:>9.3f} {step:>8.3f}")
+        drafter.num_steps, drafter.graphs = args.steps, graphs
+        print(f"{bs:>5} {draft:>9.3f} {eager:>9.3f} {head_ms:>8.3f} {eager - head_ms:>9.3f} "
+              f"{step:>8.3f}")
     return 0
 
 

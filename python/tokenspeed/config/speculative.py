@@ -99,8 +99,9 @@ def speculative_note(cfg: Any) -> str | None:
     return (f"speculative decoding: {cfg.speculative_algorithm}, up to "
             f"{cfg.speculative_num_draft_tokens} draft tokens per step; the overlap scheduler is "
             "turned off (the two do not combine yet); "
-            + ("pure verify steps replay CUDA graphs (triton attention, not MLA); prompt steps "
-               "and the draft head run eagerly"
+            + ("pure verify steps and the draft head's drafting after them replay CUDA graphs "
+               "(triton attention, not MLA); prompt and mixed steps and the drafting after them "
+               "run eagerly"
                if cfg.speculative_algorithm in DRAFT_HEADS else
                "verify steps run without CUDA graphs"))
 

@@ -32,16 +32,17 @@ Both passes (the step's verified rows, then each chain step over all drafting re
 run the head's attention as one batched call of the configured attention backend, over that
 cache, as the target's layers do. Host work is numpy over the whole step; one host → device
 transfer carries every index array and one device → host copy brings the drafts back. It runs
-eagerly, once per step, after the step's tokens reach the host (no CUDA graph for the head yet;
-the target's pure verify steps replay worker/verify_graph.py's), with no overlap (the launcher
-turns overlap off).
+once per step, after the step's tokens reach the host, with no overlap (the launcher turns
+overlap off): after a pure verify step whose target forward replayed a verify graph
+(worker/verify_graph.py), as CUDA graphs of the whole drafting (worker/draft_graph.py);
+after any other step (prompt chunks, mixed steps, no graphs, MLA heads), eagerly.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -53,6 +54,9 @@ from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.worker.draft_rows import ChainLayout, HeadRows, chain_layout, scratch_pages, step_rows
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from tokenspeed.worker.draft_graph import DraftGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +146,8 @@ class ChainDrafter:
         self.pool: PagedKVCache | None = None  # the target's (its page table)
         self.cache: PagedKVCache | None = None  # the head's, and its attention backend
         self.backend: Any = None
+        # Its CUDA graphs after pure verify steps (worker/draft_graph.py); None: eager only.
+        self.graphs: DraftGraphRunner | None = None
         # Per slot: the position of a prompt chunk's last token (-1: none) whose next token is
         # the next chunk's first, and (`carry_aux`, on the device) its target hidden state.
         self.carry_pos = np.zeros(0, np.int64)
@@ -196,6 +202,8 @@ class ChainDrafter:
             return [none] * len(out.slots)
         chain = chain_layout(rows, self.num_steps, pool.page_size, pool.num_pages,
                              pool.page_table_host)
+        if self.graphs is not None and len(rows.positions) and self.graphs.holds(rows, chain, aux):
+            return self._by_event(self.graphs.run(rows, chain), chain, out)
         d = self._upload(rows, chain)
         drafts = None
         if len(rows.positions):
@@ -206,8 +214,13 @@ class ChainDrafter:
             self.carry_aux[d["new_carry_slots"]] = aux[d["new_carry_rows"]].to(self.carry_aux.dtype)
         if drafts is None:
             return [none] * len(out.slots)
+        return self._by_event(drafts, chain, out)
+
+    def _by_event(self, drafts: np.ndarray, chain: ChainLayout, out: StepOutput) -> list[np.ndarray]:
+        """The chain rows' drafts [C, k] per event of `out` (none for a request that drew none)."""
         where = np.full(len(self.carry_pos), -1, np.int64)
         where[chain.slots] = np.arange(len(chain.rows))
+        none = np.zeros(0, np.int64)
         return [drafts[i] if i >= 0 else none
                 for i in where[np.asarray(out.slots, np.int64)].tolist()]
 

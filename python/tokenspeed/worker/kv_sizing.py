@@ -15,7 +15,7 @@ from tokenspeed.layers.attention import ForwardBatch
 from tokenspeed.layers.attention_backends import backend_memory_bytes
 from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.worker.cuda_graph import capture_sizes, graph_memory_estimate
-from tokenspeed.worker.verify_graph import verify_graph_bytes
+from tokenspeed.worker.draft_graph import spec_graph_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +62,8 @@ def profile_num_pages(runner: Any, mem_fraction_static: float | None,
     graphs += getattr(runner, "draft_fixed_bytes", 0)  # a draft head's scratch and backend
     if runner.extend_graph_sizes:  # their pool: the activations of the largest (logits: eager)
         graphs += activations * runner.extend_graph_sizes[-1] // tokens
-    if drafter is not None and runner.cuda_graph_max_bs:
-        graphs += verify_graph_bytes(runner.cuda_graph_max_bs, drafter.num_steps, c.hidden_size,
-                                     drafter.head.capture_width, runner.dtype.itemsize,
-                                     activations, tokens)
+    if drafter is not None and runner.cuda_graph_max_bs:  # verify graphs, the head's
+        graphs += spec_graph_bytes(runner, activations, tokens)
     reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES
     fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
     free, total = torch.cuda.mem_get_info(runner.device)

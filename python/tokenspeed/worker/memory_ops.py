@@ -62,6 +62,8 @@ def release(runner: Any) -> str:
     runner.had_graphs = any(g is not None for g in (runner.graphs, runner.extend_graphs,
                                                      runner.verify_graphs))
     runner.graphs = runner.extend_graphs = runner.verify_graphs = None
+    if getattr(runner, "drafter", None) is not None:  # its graphs too (captured again on resume)
+        runner.drafter.graphs = None
     runner.released = out
     gc.collect()
     if runner.device.type == "cuda":

@@ -51,6 +51,7 @@ from tokenspeed.models.registry import TORCH_NATIVE_ONLY
 from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
 from tokenspeed.worker.cuda_graph import DecodeGraphRunner, ExtendGraphRunner, decode_only
 from tokenspeed.worker.draft_chain import ChainDrafter, DraftSpec, load_drafter
+from tokenspeed.worker.draft_graph import capture_spec_graphs
 from tokenspeed.worker.gpu_idle import IdleClock
 from tokenspeed.worker.kv_sizing import DEFAULT_CHUNKED_PREFILL, page_bytes, profile_num_pages
 from tokenspeed.worker.kv_transfer import KVTransfer, PdSettings
@@ -61,7 +62,7 @@ from tokenspeed.worker.pooling_step import pool_step
 from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
 from tokenspeed.worker.spec_verify import Drafts
-from tokenspeed.worker.verify_graph import VerifyGraphRunner, verify_graphs_for
+from tokenspeed.worker.verify_graph import VerifyGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -262,10 +263,8 @@ class ModelRunner:
                 self.max_slots, c.hidden_size, self.device,
                 self.last_tokens, self.dtype, c.head_dim)
             pool = self.extend_graphs.capture()
-        if self.cuda_graph_max_bs and self.drafter is not None:
-            self.verify_graphs = verify_graphs_for(self, self.drafter.head.capture_width,
-                                                   self.drafter.num_steps)
-            self.verify_graphs.capture(pool)
+        if self.cuda_graph_max_bs and self.drafter is not None:  # and the head's
+            self.verify_graphs = capture_spec_graphs(self, pool)
         elif self.cuda_graph_max_bs:
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
