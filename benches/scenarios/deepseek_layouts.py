@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -175,6 +176,14 @@ def agreement(ctx: Ctx, a: argparse.Namespace, layouts: dict[str, list[str]], ba
     else, if that server does not start, the model without its quantization_config)."""
     tmp = Path(tempfile.mkdtemp(prefix="ts-dsv3-agree-"))
     d = write_model_dir(tmp, Path(a.tokenizer), a.agree_layers, dict(CPU_SHAPE) if a.cpu_smoke else {}, MODEL)
+    try:
+        _agree(ctx, a, layouts, base, tokens, d)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _agree(ctx: Ctx, a: argparse.Namespace, layouts: dict[str, list[str]], base: list[str],
+           tokens: dict[str, Any], d: Path) -> None:
     fp32 = ["--dtype", "float32", "--disable-cuda-graph"]
     for variant in ("fp8", "nofp8"):
         if variant == "nofp8":
@@ -274,6 +283,7 @@ def main() -> int:
                 "bf16: near, not exact", **res)
     if not a.skip_agreement:
         agreement(ctx, a, layouts, base, tokens)
+    shutil.rmtree(d.parent, ignore_errors=True)
     (out / "greedy.json").write_text(json.dumps(tokens))
     merge_logs(out)
     if (out / "gpu_bench.jsonl").exists():
