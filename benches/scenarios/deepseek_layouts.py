@@ -262,6 +262,11 @@ def main() -> int:
     for f in ("gpu_bench.jsonl", "bench_serve.jsonl"):
         (out / f).unlink(missing_ok=True)
     ctx = Ctx(out=out, deadline=t0 + a.budget_s)
+    import tokenspeed.layers.quantization.fp8 as fp8_mod
+
+    if not hasattr(fp8_mod, "quantize_blocks"):  # a tokenspeed older than this script
+        ctx.row("WARNING", f"{fp8_mod.__file__} predates block-FP8 dummy weights",
+                "experts bf16, linears per-channel: not V3's bytes, layouts' weights may differ", "-")
     layers = 2 if a.cpu_smoke and a.layers == 5 else a.layers
     if a.cpu_smoke and a.agree_layers == 4:
         a.agree_layers = 2
