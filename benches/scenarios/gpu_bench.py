@@ -37,6 +37,7 @@ from typing import Any
 
 from tokenspeed.bench.model_configs import (
     DEEPSEEK_V2_LITE,
+    DEEPSEEK_V3,
     GEMMA3_12B,
     GPT_OSS_20B,
     LLAMA31_8B,
@@ -56,7 +57,8 @@ MODELS: dict[str, tuple[dict[str, Any], str]] = {
                "eos_token_id": LLAMA31_8B["eos_token_id"]}, f"{label} (vocab 128256)")
        for name, cfg, label in [("phi-4", PHI4, "Phi-4"), ("gemma-3-12b", GEMMA3_12B, "Gemma-3-12B"),
                                 ("gpt-oss-20b", GPT_OSS_20B, "GPT-OSS-20B"),
-                                ("deepseek-v2-lite", DEEPSEEK_V2_LITE, "DeepSeek-V2-Lite")]},
+                                ("deepseek-v2-lite", DEEPSEEK_V2_LITE, "DeepSeek-V2-Lite"),
+                                ("deepseek-v3", DEEPSEEK_V3, "DeepSeek-V3 (block FP8)")]},
 }
 # Flags a model needs beyond the scenario's (none now: GPT-OSS's torch_native backends are what
 # "auto" picks for it, models/registry.TORCH_NATIVE_ONLY).

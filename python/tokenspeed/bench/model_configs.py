@@ -91,3 +91,25 @@ DEEPSEEK_V2_LITE: dict[str, Any] = {
     "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
     "bos_token_id": 100000, "eos_token_id": 100001,
 }
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json, as released): 61 layers, MLA (q_lora 1536,
+# kv_lora 512, 128 heads of 128 + 64 rope), layers 0-2 dense (18432), then 256 routed experts of
+# width 2048, top-8 in 4 of 8 groups by sigmoid scores + e_score_correction_bias (noaux_tc), 1
+# shared; block-FP8 weights ([128, 128] tiles); 671B parameters, 37B active per token. The
+# multi-token prediction layer (num_nextn_predict_layers) is past the stack: not served here.
+DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+    "bos_token_id": 0, "eos_token_id": 1,
+}

@@ -236,6 +236,21 @@ class FusedMoE(nn.Module):
         self.gate_up_proj_scale = param((self.num_local, 2 * i // bn, -(-hidden // bk)), torch.float32)
         self.down_proj_scale = param((self.num_local, -(-hidden // bn), i // bk), torch.float32)
 
+    @torch.no_grad()
+    def quantize_fp8_block(self, block: tuple[int, int]) -> None:
+        """The experts' high-precision weights (dummy ones) block-quantised in place, expert by
+        expert, into make_fp8_block's layout: what a block-wise FP8 checkpoint would have given."""
+        from tokenspeed.layers.quantization.fp8 import quantize_blocks
+
+        w13, w2 = self.gate_up_proj.data, self.down_proj.data
+        self.make_fp8_block(block)
+        for e in range(self.num_local):
+            for src, dst, scale in ((w13, self.gate_up_proj, self.gate_up_proj_scale),
+                                    (w2, self.down_proj, self.down_proj_scale)):
+                q, s = quantize_blocks(src[e], block)
+                dst.data[e].copy_(q)
+                scale.data[e].copy_(s)  # type: ignore[union-attr]
+
     def _load_target(self, e: int, shard: str, loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(destination, source) of one expert's shard: its rows of gate_up / columns of down
         (block rows / columns of their scale grids for the `*_scale` shards)."""

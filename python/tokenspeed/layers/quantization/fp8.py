@@ -50,6 +50,19 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], fp32 block scales [ceil(N / bn), ceil(K / bk)]): each tile's max
+    |w| maps to 448, the layout of a block-scaled checkpoint's weight and `weight_scale_inv`
+    (partial last tiles as there). Dummy weights under a block-FP8 config take this form."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.nn.functional.pad(w.float(), (0, cols * bk - k, 0, rows * bn - n))
+    scale = padded.view(rows, bn, cols, bk).abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight in `dtype`: per-channel scales [N], or block scales [N / bn, K / bk] (2-D)."""
     if weight_scale.dim() == 2:

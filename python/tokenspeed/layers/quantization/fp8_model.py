@@ -21,7 +21,7 @@ from torch import nn
 from tokenspeed.layers.embedding import LMHead
 from tokenspeed.layers.linear import ColumnLinear, RowLinear
 from tokenspeed.layers.moe import FusedMoE
-from tokenspeed.layers.quantization.fp8 import FP8, dequantize, quantize_per_channel
+from tokenspeed.layers.quantization.fp8 import FP8, dequantize, quantize_blocks, quantize_per_channel
 from tokenspeed.layers.quantization.methods import Fp8Config, QuantizationError
 
 
@@ -197,14 +197,15 @@ def quantize_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype | None =
     weights (all of them for --quantization fp8 or dummy weights), and the LM head when
     cfg.lm_head. Returns how many. An FP8 head (the checkpoint's) without cfg.lm_head
     (--lm-head-quantization none) is dequantised to `dtype` instead."""
-    count = 0
-    for _, module in _quantized_modules(model, cfg):
-        if module.weight.dtype == FP8:
-            continue
-        _quantize_weight(module)
-        count += 1
     if cfg.weight_block is not None:
+        count = _quantize_blocks(model, cfg)
         _dequantize_matrices(model, dtype)
+    else:
+        count = 0
+        for _, module in _quantized_modules(model, cfg):
+            if module.weight.dtype != FP8:
+                _quantize_weight(module)
+                count += 1
     head = getattr(model, "lm_head", None)
     if cfg.lm_head and isinstance(head, LMHead) and head.weight.dtype != FP8:
         _quantize_weight(head)  # tied: the embedding keeps its high-precision table for lookups
@@ -215,6 +216,31 @@ def quantize_model(model: nn.Module, cfg: Fp8Config, dtype: torch.dtype | None =
         head.weight = nn.Parameter(dequantize(head.weight, head.weight_scale, dtype),
                                    requires_grad=False)
         head.weight_scale = None
+    return count
+
+
+def _quantize_blocks(model: nn.Module, cfg: Fp8Config) -> int:
+    """A block-FP8 config's layers still in high precision (dummy weights: the checkpoint's
+    tensors arrive fp8) block-quantised as the checkpoint would hold them: linears' weight + scale
+    grid, the routed experts' fp8 banks. The layers the model reads as matrices stay as they are
+    (a checkpoint's are dequantised anyway). Each rank quantises its shard: the same tiles as the
+    full tensor's wherever shards cut on the block grid (V3 at TP <= 8, any EP), so the dummy
+    model stays the same at every layout."""
+    block = cfg.weight_block
+    assert block is not None
+    suffixes = tuple("." + s for s in getattr(model, "HIGH_PRECISION_LINEARS", ()))
+    count = 0
+    for name, module in _quantized_modules(model, cfg):
+        if module.weight.dtype == FP8 or name.endswith(suffixes):
+            continue
+        q, scale = quantize_blocks(module.weight.data, block)
+        module.weight = nn.Parameter(q, requires_grad=False)
+        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+        count += 1
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and not cfg.ignores(name) and module.gate_up_proj.dtype != FP8:
+            module.quantize_fp8_block(block)
+            count += 1
     return count
 
 
