@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""DeepSeek-V3 at reduced depth on 4 GPUs, two layouts, one time-bounded run (issue 39's
+"""DeepSeek-V3 at reduced depth on 4 GPUs (--gpus), two layouts, one time-bounded run (issue 39's
 "reduced-layer shapes on 1-4 GPUs"): the released V3 architecture (bench/model_configs.py
 DEEPSEEK_V3: MLA, 256 routed experts top-8 grouped sigmoid routing, block-FP8 weights) with
 --layers layers (default 5: the 3 dense + 2 MoE), dummy weights, vocabulary cut to the Llama-3
@@ -46,10 +46,14 @@ from gpu_bench import MODELS, Ctx, Scenario, dig, run_scenario, start_server, st
 MODEL = "deepseek-v3"
 HBM_BYTES_S = 3.35e12  # H100 SXM datasheet
 # name → serve flags (GPU), and their 2-rank CPU counterparts.
-LAYOUTS: dict[str, list[str]] = {
-    "tp4": ["--tp", "4"],
-    "dp4ep4": ["--tp", "4", "--dp", "4", "--enable-dp-attention", "--ep-size", "4"],
-}
+
+
+def gpu_layouts(n: int) -> dict[str, list[str]]:
+    """The two layouts on n GPUs: TP n, and n attention groups of one GPU with EP n."""
+    return {f"tp{n}": ["--tp", str(n)],
+            f"dp{n}ep{n}": ["--tp", str(n), "--dp", str(n), "--enable-dp-attention", "--ep-size", str(n)]}
+
+
 CPU_LAYOUTS: dict[str, list[str]] = {
     "tp2": ["--tp", "2"],
     "dp2ep2": ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep-size", "2"],
@@ -251,6 +255,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=5, help="layers served for S3 / S1 (3 dense + rest MoE)")
     p.add_argument("--agree-layers", type=int, default=4, help="layers of the fp32 agreement runs")
     p.add_argument("--s1-prompts", type=int, default=512)
+    p.add_argument("--gpus", type=int, default=4, help="GPUs of each layout (tpN vs dpNepN)")
     p.add_argument("--start-s", type=float, default=240.0, help="longest wait for one server to start")
     p.add_argument("--skip-agreement", action="store_true", help="no fp32 agreement servers")
     p.add_argument("--serve-args", default="", help="extra `tokenspeed serve` flags, one string")
@@ -270,7 +275,7 @@ def main() -> int:
     layers = 2 if a.cpu_smoke and a.layers == 5 else a.layers
     if a.cpu_smoke and a.agree_layers == 4:
         a.agree_layers = 2
-    layouts = CPU_LAYOUTS if a.cpu_smoke else LAYOUTS
+    layouts = CPU_LAYOUTS if a.cpu_smoke else gpu_layouts(a.gpus)
     base = (CPU_FLAGS if a.cpu_smoke else []) + a.serve_args.split()
     d = write_model_dir(Path(tempfile.mkdtemp(prefix="ts-dsv3-")), Path(a.tokenizer), layers,
                         dict(CPU_SHAPE) if a.cpu_smoke else {}, MODEL)

@@ -274,6 +274,11 @@ def scenarios(quick: bool, full: bool = False) -> dict[str, Scenario]:
              "floor 4.5 (datasheet) / 5.0 (measured); SGLang 6.32, vLLM 7.5"),
             ("ms/token (mean TPOT)", "metrics.tpot_ms.mean", "-"),
             ("median TTFT ms", "metrics.ttft_ms.median", "-")], 150),
+        # Speculation's other regime (issue 32: >= 1.3x at acceptance 3 here, or it turns off).
+        "C16": Scenario("C16", "concurrency 16 (128 in / 256 out, 64 prompts)",
+                        rid(32, 32, 16, 16) if q else rid(128, 256, 64, 16), [
+            ("ms/token (median TPOT)", "metrics.tpot_ms.median", "-"),
+            ("output tok/s", f"metrics.{tput}", "-")], 120),
         "S2r8": Scenario("S2r8", f"S2 online {'' if full else 'REDUCED '}(1024/256 at 8 req/s, "
                          f"Poisson, {s2_prompts} prompts)",
                          rid(*s2, s2_prompts) + ["--request-rate", "8", "--seed", "0"], [
@@ -437,7 +442,7 @@ def main() -> int:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--full", action="store_true",
                    help="BENCHMARKS.md's full S1 (2000 prompts) and S5 (64 groups) workloads")
-    p.add_argument("--only", default=None, help="comma-separated scenario ids (S3,S2r8,S4c1,S4all,S1r,S5)")
+    p.add_argument("--only", default=None, help="comma-separated scenario ids (S3,C16,S2r8,S4c1,S4all,S1r,S5)")
     p.add_argument("--serve-args", default="", help="extra `tokenspeed serve` flags, one string")
     p.add_argument("--config-overrides", default="{}", help="JSON merged into config.json")
     p.add_argument("--quantization", default=None, help="serve with --quantization (fp8)")
@@ -465,7 +470,7 @@ def main() -> int:
     def wanted(sid: str) -> bool:
         return only is None or sid in only or (sid.startswith("S5") and "S5" in only)
 
-    plan = [("on", [], [k for k in ("S3", "S2r8", "S4c1", "S4all", "S1r", "S5on", "S5zero_on")
+    plan = [("on", [], [k for k in ("S3", "C16", "S2r8", "S4c1", "S4all", "S1r", "S5on", "S5zero_on")
                         if wanted(k)]),
             ("nocache", ["--disable-radix-cache"], [k for k in ("S5off", "S5zero_off") if wanted(k)])]
     for tag, extra, ids in plan:
