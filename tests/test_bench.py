@@ -455,6 +455,25 @@ def test_bench_serve_two_client_processes_match_one(
     assert two["metrics"]["duration_s"] < 10
 
 
+def test_client_processes_from_a_script_without_a_main_guard(fake_server: str, tmp_path: Path) -> None:
+    """The workers are `python -m tokenspeed.bench.procs`, not multiprocessing's spawn, which
+    re-imports the caller's __main__ and fails in a script without `if __name__ == "__main__"`."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text("from tokenspeed.bench import main\n"
+                      f"raise SystemExit(main(['serve', '--base-url', {fake_server!r}, '--tokenizer', "
+                      f"{_write_word_tokenizer(tmp_path)!r}, '--num-prompts', '4', '--random-input-len', '8', "
+                      "'--random-output-len', '3', '--disable-tqdm', '--num-client-processes', '2']))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "python")}
+    out = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Client processes:" in out.stdout and "0 mismatches of 4" in out.stdout
+    assert len(_FakeHandler.prompts) == 5  # the warm-up and the 4 requests
+
+
 def test_max_concurrency_is_refused_with_client_processes(fake_server: str, tmp_path: Path) -> None:
     args = ["serve", "--base-url", fake_server, "--tokenizer", _write_word_tokenizer(tmp_path),
             "--num-prompts", "4", "--max-concurrency", "2", "--num-client-processes", "2", "--disable-tqdm"]

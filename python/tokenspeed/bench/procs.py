@@ -15,17 +15,24 @@ between the worker's spawn and its ready message (`ClientProcesses._wait_ready`)
 fails the run instead of skewing it.
 
 Warm-up, the cache flush and the server counter reads stay in the parent, around `run`.
+
+The workers are `python -m tokenspeed.bench.procs FD`, talking over a socketpair (fd FD), rather
+than multiprocessing's spawn: spawn re-imports the caller's __main__, which breaks any script
+that runs `bench serve` in-process without an `if __name__ == "__main__"` guard.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
+import multiprocessing as mp  # Pipe: a socketpair of pickling Connections
 import os
+import subprocess
+import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from tokenspeed.bench.datasets import BenchRequest
 from tokenspeed.bench.metrics import RequestResult
@@ -75,21 +82,22 @@ class ClientProcesses:
         if args.max_concurrency:
             raise SystemExit("tokenspeed bench: --max-concurrency is a global cap and cannot be split over "
                              "client processes; use it with --num-client-processes 1")
-        ctx = mp.get_context("spawn")
         self.n_items = len(reqs)
         self.parts = [p for p in split(len(reqs), n) if p]
         self.conns: list[Connection] = []
-        self.procs: list[mp.process.BaseProcess] = []
+        self.procs: list[subprocess.Popen] = []
         spawned_at = time.perf_counter()
-        for idx in self.parts:
-            here, there = ctx.Pipe()
-            job = (args, [reqs[i] for i in idx], [offsets[i] for i in idx], model, ignore_eos)
-            p = ctx.Process(target=_worker, args=(there, job), daemon=True, name="tokenspeed-bench-client")
-            p.start()
-            there.close()
-            self.conns.append(here)
-            self.procs.append(p)
+        pkg_root = str(Path(__file__).resolve().parents[2])  # the dir holding this tokenspeed package
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         try:
+            for idx in self.parts:
+                here, there = mp.Pipe()
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "tokenspeed.bench.procs", str(there.fileno())],
+                    pass_fds=[there.fileno()], env=env, stdin=subprocess.DEVNULL))
+                there.close()
+                self.conns.append(here)
+                here.send((args, [reqs[i] for i in idx], [offsets[i] for i in idx], model, ignore_eos))
             self._wait_ready(spawned_at)
         except BaseException:
             self.close()
@@ -99,8 +107,8 @@ class ClientProcesses:
         conn, proc = self.conns[k], self.procs[k]
         deadline = None if timeout is None else time.monotonic() + timeout
         while not conn.poll(0.5):
-            if not proc.is_alive():
-                raise SystemExit(f"tokenspeed bench: client process {k} died (exit code {proc.exitcode})")
+            if proc.poll() is not None:
+                raise SystemExit(f"tokenspeed bench: client process {k} died (exit code {proc.returncode})")
             if deadline is not None and time.monotonic() > deadline:
                 raise SystemExit(f"tokenspeed bench: client process {k} not ready after {timeout:.0f} s")
         try:
@@ -137,15 +145,16 @@ class ClientProcesses:
         for conn in self.conns:
             conn.close()
         for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 p.terminate()
-                p.join()
+                p.wait()
 
 
-def _worker(conn: Connection, job: tuple) -> None:
+def _worker(conn: Connection) -> None:
     try:
-        asyncio.run(_worker_run(conn, *job))
+        asyncio.run(_worker_run(conn, *conn.recv()))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
         try:
             conn.send(("error", traceback.format_exc()))
@@ -179,3 +188,7 @@ async def _worker_run(conn: Connection, args: argparse.Namespace, reqs: list[Ben
         finally:
             probe.cancel()
     conn.send(("done", results, lag.lags))
+
+
+if __name__ == "__main__":
+    _worker(Connection(int(sys.argv[1])))
