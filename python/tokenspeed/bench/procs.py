@@ -75,7 +75,7 @@ def merge(parts: list[list[int]], results: list[list[RequestResult]], n_items: i
 
 
 class ClientProcesses:
-    """N spawned workers, each holding its share of the requests, ready to send at `run`."""
+    """N worker processes, each holding its share of the requests, ready to send at `run`."""
 
     def __init__(self, args: argparse.Namespace, reqs: list[BenchRequest], offsets: list[float],
                  model: str | None, ignore_eos: bool, n: int) -> None:
@@ -97,7 +97,8 @@ class ClientProcesses:
                     pass_fds=[there.fileno()], env=env, stdin=subprocess.DEVNULL))
                 there.close()
                 self.conns.append(here)
-                here.send((args, [reqs[i] for i in idx], [offsets[i] for i in idx], model, ignore_eos))
+            for idx, conn in zip(self.parts, self.conns, strict=True):  # once all are starting up
+                conn.send((args, [reqs[i] for i in idx], [offsets[i] for i in idx], model, ignore_eos))
             self._wait_ready(spawned_at)
         except BaseException:
             self.close()
