@@ -287,6 +287,7 @@ class _FakeHandler(BaseHTTPRequestHandler):
     short_by = 0  # tokens to drop from every response (to trip the verifier)
     flushed = 0
     info_reads = 0
+    prompts: ClassVar[list] = []  # the prompt of every completion request received
 
     def log_message(self, *args: object) -> None:
         pass
@@ -316,6 +317,7 @@ class _FakeHandler(BaseHTTPRequestHandler):
             return self._json(200, {})
         if self.path != "/v1/completions":
             return self._json(404, {"error": "no route"})
+        _FakeHandler.prompts.append(body["prompt"])
         n = int(body["max_tokens"]) - type(self).short_by
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
@@ -338,6 +340,7 @@ def fake_server() -> Iterator[str]:
     _FakeHandler.short_by = 0
     _FakeHandler.flushed = 0
     _FakeHandler.info_reads = 0
+    _FakeHandler.prompts = []
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeHandler)
     srv.daemon_threads = True
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -391,6 +394,91 @@ def test_bench_serve_against_fake_server(fake_server: str, tmp_path: Path, capsy
     text = capsys.readouterr().out
     assert "MISMATCH, 8 mismatches of 8" in text and _FakeHandler.flushed == 1
     assert bench_main([*args[:-2], "--no-verify"]) == 0
+
+
+def test_split_and_merge_keep_request_order() -> None:
+    from tokenspeed.bench import procs
+
+    parts = procs.split(7, 3)
+    assert parts == [[0, 3, 6], [1, 4], [2, 5]]
+    assert procs.split(2, 4) == [[0], [1], [], []]
+    results = [[RequestResult(i, 10 * i) for i in idx] for idx in parts]
+    merged = procs.merge(parts, results, 7)
+    assert [r.prompt_len for r in merged] == list(range(7))  # result i is request i's
+    assert [r.expected_output_len for r in merged] == [10 * i for i in range(7)]
+    with pytest.raises(RuntimeError):
+        procs.merge(parts, [results[0], results[1], []], 7)
+    assert procs.num_processes("3") == 3 and 1 <= procs.num_processes("auto") <= procs.MAX_AUTO
+    for bad in ("0", "x"):
+        with pytest.raises(Exception, match="integer >= 1"):
+            procs.num_processes(bad)
+
+
+@pytest.mark.parametrize("rate", ["200", "inf"])
+def test_bench_serve_two_client_processes_match_one(
+        fake_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rate: str) -> None:
+    """--num-client-processes 2 sends the same requests (same dataset, same arrival offsets, each
+    once) and reports the same counts and per-request lengths as 1, with the workers' loop lag."""
+    from tokenspeed.bench import serve
+
+    seen: list[list[RequestResult]] = []
+    real_metrics = serve.compute_metrics
+
+    def capture(results: list[RequestResult]) -> dict:
+        seen.append(results)
+        return real_metrics(results)
+
+    monkeypatch.setattr(serve, "compute_metrics", capture)
+    out = tmp_path / "runs.jsonl"
+    n = 10
+    args = ["serve", "--base-url", fake_server, "--tokenizer", _write_word_tokenizer(tmp_path),
+            "--num-prompts", str(n), "--random-input-len", "12", "--random-output-len", "6",
+            "--random-range-ratio", "0.5", "--request-rate", rate, "--disable-tqdm", "--output-file", str(out)]
+    sent = []
+    for procs_ in ("1", "2"):
+        _FakeHandler.prompts = []
+        assert bench_main([*args, "--num-client-processes", procs_]) == 0
+        sent.append(_FakeHandler.prompts)
+    one, two = (json.loads(line) for line in out.read_text().splitlines())
+    assert one["num_client_processes"] == 1 and two["num_client_processes"] == 2
+    assert len(sent[1]) == n + 1 and sorted(map(str, sent[0])) == sorted(map(str, sent[1]))  # + warm-up
+    for key in ("num_requests", "completed", "total_input_tokens", "total_output_tokens"):
+        assert one["metrics"][key] == two["metrics"][key]
+    assert two["metrics"]["completed"] == n and two["length_mismatches"] == 0
+    lengths = [[(r.prompt_len, r.expected_output_len, r.output_tokens) for r in res] for res in seen]
+    assert lengths[0] == lengths[1] and len({x[1] for x in lengths[0]}) > 1  # lengths differ per request
+    lag = two["metrics"]["client_loop_lag"]
+    assert lag["samples"] > 0 and lag["max_ms"] >= lag["p99_ms"] >= 0
+    # One clock for both processes: their first sends lie together (all at t=0 with rate inf).
+    firsts = [min(r.send_time for r in seen[1][k::2]) for k in range(2)]
+    assert abs(firsts[0] - firsts[1]) < (0.5 if rate == "inf" else 1.0)
+    assert two["metrics"]["duration_s"] < 10
+
+
+def test_client_processes_from_a_script_without_a_main_guard(fake_server: str, tmp_path: Path) -> None:
+    """The workers are `python -m tokenspeed.bench.procs`, not multiprocessing's spawn, which
+    re-imports the caller's __main__ and fails in a script without `if __name__ == "__main__"`."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text("from tokenspeed.bench import main\n"
+                      f"raise SystemExit(main(['serve', '--base-url', {fake_server!r}, '--tokenizer', "
+                      f"{_write_word_tokenizer(tmp_path)!r}, '--num-prompts', '4', '--random-input-len', '8', "
+                      "'--random-output-len', '3', '--disable-tqdm', '--num-client-processes', '2']))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "python")}
+    out = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Client processes:" in out.stdout and "0 mismatches of 4" in out.stdout
+    assert len(_FakeHandler.prompts) == 5  # the warm-up and the 4 requests
+
+
+def test_max_concurrency_is_refused_with_client_processes(fake_server: str, tmp_path: Path) -> None:
+    args = ["serve", "--base-url", fake_server, "--tokenizer", _write_word_tokenizer(tmp_path),
+            "--num-prompts", "4", "--max-concurrency", "2", "--num-client-processes", "2", "--disable-tqdm"]
+    with pytest.raises(SystemExit, match="--max-concurrency is a global cap"):
+        bench_main(args)
 
 
 def test_loop_lag_sees_a_blocked_event_loop() -> None:
@@ -475,12 +563,15 @@ HAVE_CORE = importlib.util.find_spec("tokenspeed._core") is not None
 def test_zz_bench_serve_real_server(server: object, tmp_path: Path) -> None:
     out = tmp_path / "real.jsonl"
     url = server.url  # type: ignore[attr-defined]
-    for backend in ("openai-completions", "tokenspeed-native"):
+    # The last run: two client processes, each its own event loop (--num-client-processes).
+    for backend, nproc in (("openai-completions", 1), ("tokenspeed-native", 1), ("openai-completions", 2)):
         rc = bench_main(["serve", "--base-url", url, "--backend", backend, "--num-prompts", "8",
                          "--random-input-len", "32", "--random-output-len", "8", "--disable-tqdm",
-                         "--disable-cache-flush", "--output-file", str(out)])
+                         "--disable-cache-flush", "--num-client-processes", str(nproc), "--output-file", str(out)])
         assert rc == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["num_client_processes"] for r in recs] == [1, 1, 2]
+    assert recs[2]["metrics"]["client_loop_lag"]["samples"] > 0
     for rec in recs:
         assert rec["metrics"]["completed"] == 8 and rec["length_mismatches"] == 0
         assert rec["metrics"]["total_output_tokens"] == 64 and rec["output_tokens_source"] == "server usage"

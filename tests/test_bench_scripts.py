@@ -349,3 +349,11 @@ def test_trace_bench_reports_each_metric_off_on_and_its_change() -> None:
     assert "| S2r8 p99 ITL ms | None | 9.00 | - |" in table
     assert "exports received: off 0, on 7" in table
     assert tb.report([off, {"tracing": True, "error": "server failed"}], "t").endswith("server failed")
+
+
+def test_scoreboard_s1_sends_from_four_client_processes(sb: ModuleType) -> None:
+    """S1's ~2,000 streams at once outrun one client event loop (issue 29); S2 and S3 are light."""
+    for quick in (False, True):
+        wl = sb.workloads(quick=quick)
+        assert wl["S1"].args[-2:] == ["--num-client-processes", "4"]
+        assert all("--num-client-processes" not in wl[s].args for s in ("S2", "S3"))

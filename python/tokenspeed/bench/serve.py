@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from tokenspeed.bench import procs
 from tokenspeed.bench.client import BACKENDS, build_payload, send
 from tokenspeed.bench.datasets import (
     RANGE_RATIO_HELP,
@@ -74,7 +75,14 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="dir with tokenizer.json (or the file) for counting and generating "
                                        "prompt tokens (default: the server's model dir from /get_model_info "
                                        "if local, else the server's /tokenize)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="cap on requests in flight (only with --num-client-processes 1)")
+    p.add_argument("--num-client-processes", type=procs.num_processes, default=1, metavar="N|auto",
+                   help="send the measured requests from N processes (auto: min(8, CPUs)), each with its "
+                        "own event loop, the requests dealt round-robin and started together at one "
+                        "instant (same dataset and arrival offsets as with 1). One Python event loop cannot "
+                        "read thousands of streams in time (S1: ~50k SSE events/s) and its lateness counts "
+                        "as the server's ITL; see client_loop_lag (default 1)")
     p.add_argument("--stagger-starts", action="store_true",
                    help="start the request tasks one at a time, letting the event loop read the open "
                         "streams between starts, instead of creating every task at once (the default, as "
@@ -257,20 +265,31 @@ class LoopLag:
                 f"over_{int(over_s * 1e3)}ms": int((a > over_s).sum()), "samples": len(a)}
 
 
+def payload_fn(args: argparse.Namespace, model: str | None,
+               ignore_eos: bool) -> Callable[[BenchRequest], tuple[str, dict]]:
+    def payload(r: BenchRequest) -> tuple[str, dict]:
+        return build_payload(args.backend, model, r, ignore_eos=ignore_eos,
+                             temperature=args.temperature, extra=args.extra_body)
+    return payload
+
+
 async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model: str | None,
                        ignore_eos: bool, server: dict | None = None) -> tuple[list[RequestResult], list[str]]:
     """Warm-up, cache flush, then every request on its Poisson arrival; returns results and notes.
-    `server`, when given, receives the server's engine counters over the run ("gpu_idle")."""
+    `server`, when given, receives the server's engine counters over the run ("gpu_idle").
+    With --num-client-processes N > 1 the workers are spawned (and ready) before the warm-up,
+    so that their start-up stays out of the counters' window, and send the measured requests."""
     notes: list[str] = []
-    clients = _open_clients(args, len(reqs))
+    nproc = args.num_client_processes
+    offsets = arrival_offsets(len(reqs), args.request_rate, np.random.default_rng(args.seed + 1))
+    pool = procs.ClientProcesses(args, reqs, offsets.tolist(), model, ignore_eos, nproc) if nproc > 1 else None
+    clients = _open_clients(args, len(reqs) if pool is None else max(1, args.warmup_requests))
     async with contextlib.AsyncExitStack() as stack:
+        if pool is not None:
+            stack.callback(pool.close)
         for c in clients:
             await stack.enter_async_context(c)
-
-        def payload(r: BenchRequest) -> tuple[str, dict]:
-            return build_payload(args.backend, model, r, ignore_eos=ignore_eos,
-                                 temperature=args.temperature, extra=args.extra_body)
-
+        payload = payload_fn(args, model, ignore_eos)
         if args.warmup_requests > 0:
             notes.append(await _warm_up(args, clients, reqs[0], *payload(reqs[0])))
         if not args.disable_cache_flush:
@@ -279,11 +298,14 @@ async def run_requests(args: argparse.Namespace, reqs: list[BenchRequest], model
         counters = await _engine_counters(clients[0], args.base_url)
         itl = await _engine_itl_buckets(clients[0], args.base_url)
         lag = LoopLag()
-        probe = asyncio.ensure_future(lag.run())
-        try:
-            results = await _send_all(args, reqs, clients, payload)
-        finally:
-            probe.cancel()
+        if pool is not None:  # the parent's loop only waits: the workers' lateness is the one
+            results, lag.lags = await asyncio.to_thread(pool.run)
+        else:
+            probe = asyncio.ensure_future(lag.run())
+            try:
+                results = await _send_all(args, reqs, clients, payload, offsets)
+            finally:
+                probe.cancel()
         if server is not None:
             server["client_loop_lag"] = lag.summary()
             server["gpu_idle"] = gpu_idle_share(counters, await _engine_counters(clients[0], args.base_url))
@@ -316,10 +338,10 @@ async def _warm_up(args: argparse.Namespace, clients: list[httpx.AsyncClient], r
 
 
 async def _send_all(args: argparse.Namespace, reqs: list[BenchRequest],
-                    clients: list[httpx.AsyncClient],
-                    payload: Callable[[BenchRequest], tuple[str, dict]]) -> list[RequestResult]:
-    """Every request on its Poisson arrival, at most --max-concurrency at once."""
-    offsets = arrival_offsets(len(reqs), args.request_rate, np.random.default_rng(args.seed + 1))
+                    clients: list[httpx.AsyncClient], payload: Callable[[BenchRequest], tuple[str, dict]],
+                    offsets: np.ndarray | list[float], start: float | None = None) -> list[RequestResult]:
+    """Every request at `start` (a perf_counter time; default now) + its arrival offset, at most
+    --max-concurrency at once."""
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     results = [RequestResult(r.prompt_len, r.output_len) for r in reqs]
     bar = None
@@ -333,10 +355,10 @@ async def _send_all(args: argparse.Namespace, reqs: list[BenchRequest],
     gc.collect()
     gc.freeze()
     gc.disable()
-    start = time.perf_counter()
+    t0 = time.perf_counter() if start is None else start
 
     async def one(i: int) -> None:
-        delay = start + float(offsets[i]) - time.perf_counter()
+        delay = t0 + float(offsets[i]) - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         path, body = payload(reqs[i])
@@ -440,7 +462,8 @@ def run_serve_bench(args: argparse.Namespace, argv: list[str], extra_record: dic
             m[key] = server[key]
     header = {"Backend": args.backend, "Traffic request rate": args.request_rate,
               "Max request concurrency": args.max_concurrency or "not set",
-              "Request task starts": "staggered" if args.stagger_starts else "all at once"}
+              "Request task starts": "staggered" if args.stagger_starts else "all at once",
+              "Client processes": args.num_client_processes}
     print(format_metrics(m, header))
     print(f"output tokens counted from: {out_source}")
     realised = length_stats([r.output_tokens for r in results if r.ok])
@@ -465,7 +488,7 @@ def run_serve_bench(args: argparse.Namespace, argv: list[str], extra_record: dic
         "commit": git_commit(), "argv": argv, "base_url": args.base_url, "backend": args.backend,
         "model": model, "tokenizer": tok.source, "request_rate": args.request_rate,
         "max_concurrency": args.max_concurrency, "stagger_starts": bool(args.stagger_starts),
-        "ignore_eos": ignore_eos, "seed": args.seed,
+        "ignore_eos": ignore_eos, "seed": args.seed, "num_client_processes": args.num_client_processes,
         "tag": args.tag, "dataset": summary, "notes": notes, "output_tokens_source": out_source,
         "realised_output_len": realised, "length_mismatches": len(mismatches) if ignore_eos else None,
         "first_error": failed[0].error if failed else None, **(extra_record or {}), "metrics": m,
