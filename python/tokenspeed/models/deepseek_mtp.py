@@ -16,11 +16,21 @@ The layer's attention is MLA over the latent cache, like the target's (`MlaAtten
 of the head's own one-layer cache). `shared_head.head` and `embed_tokens` that equal the
 target's are shared with it, not copied (V3's are copies: about 1.8 GB each in bf16). A
 separate MTP export (its layer under another index) is found by its `eh_proj` tensor.
+
+An FP8 checkpoint (DeepSeek-V3/R1's block-FP8 release) quantises the MTP layer's decoder layer
+as the target's layers: it gets the same preparation (layers/quantization/fp8_model.py, the
+checkpoint's ignore list read under the layer's own names) and its `weight` + `weight_scale_inv`
+load through the target's loader, kv_b_proj dequantised once loaded, the routed experts fp8
+block banks; dummy weights under such a config are block-quantised as the target's. The layer's
+own tensors (norms, `eh_proj`, `shared_head`, `embed_tokens`) stay in the model dtype (V3 ships
+them unquantised; one shipped FP8 is dequantised). `--quantization fp8` of a bf16 checkpoint
+leaves the whole MTP layer in the dtype.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +38,14 @@ from torch import nn
 
 from tokenspeed.layers.attention import ForwardBatch
 from tokenspeed.layers.norm import RMSNorm
+from tokenspeed.layers.quantization.fp8 import FP8, dequantize
+from tokenspeed.layers.quantization.fp8_model import (
+    checkpoint_names,
+    prepare_fp8_checkpoint,
+    quantize_model,
+)
+from tokenspeed.layers.quantization.kv_cache import split_kv_scales
+from tokenspeed.layers.quantization.methods import Fp8Config
 from tokenspeed.layers.rotary import RotaryEmbedding
 from tokenspeed.models.config import config_from_hf_dict, mtp_layers
 from tokenspeed.models.deepseek_v2 import DeepseekMoe, DeepseekV2ForCausalLM, MlaAttention
@@ -51,9 +69,13 @@ class DeepseekMtpHead(nn.Module):
     capture_width: int
 
     def __init__(self, target: DeepseekV2ForCausalLM, max_positions: int, own_head: bool,
-                 own_embed: bool) -> None:
+                 own_embed: bool, hf_prefix: str) -> None:
         super().__init__()
         c = target.config
+        # FP8 preparation (fp8_model.py) as the target's: its fused layers, its matrices.
+        self.STACKED_PARAMS = target.STACKED_PARAMS
+        self.HIGH_PRECISION_LINEARS = target.HIGH_PRECISION_LINEARS
+        self.hf_prefix = hf_prefix  # `model.layers.N.` of the layer in the checkpoint
         n, h, eps = c.num_hidden_layers, c.hidden_size, c.rms_norm_eps
         self.capture_width = h
         self.target_layers = n
@@ -71,6 +93,11 @@ class DeepseekMtpHead(nn.Module):
         self.shared_head.head = nn.Linear(h, c.vocab_size, bias=False) if own_head else None
         self.embed_tokens = nn.Embedding(c.vocab_size, h) if own_embed else None
         self._target = [target]  # not a submodule: its weights are the target's
+
+    def hf_module_name(self, name: str) -> str:
+        """The checkpoint's name of a module of the head (an FP8 config's ignore list reads it):
+        the decoder layer's are the MTP layer's, `model.layers.N.self_attn...`."""
+        return self.hf_prefix + name.removeprefix("decoder.")
 
     @property
     def kv_layout(self) -> dict:
@@ -124,20 +151,42 @@ def find_mtp_prefix(path: str | Path) -> str:
     return f"model.layers.{min(found)}."
 
 
+def _checkpoint_fp8(fp8: Fp8Config | None) -> Fp8Config | None:
+    """The FP8 setup the MTP layer loads with: an FP8 checkpoint's (the layer is quantised as
+    the target's layers; no LM head of its own to quantise), else None (`--quantization fp8` of
+    a bf16 checkpoint, or none: the layer stays in the dtype)."""
+    if fp8 is None or not fp8.checkpoint_format:
+        return None
+    return replace(fp8, lm_head=False, checkpoint_lm_head=False)
+
+
+def _read_layer(path: str, fp8: Fp8Config | None) -> tuple[str, dict[str, torch.Tensor]]:
+    """(`model.layers.K.`, the MTP layer's tensors without it), named as the target reads its
+    own: static activation / KV scales dropped, `weight_scale_inv` read as `weight_scale`."""
+    prefix = find_mtp_prefix(path)
+    items = split_kv_scales(iter(read_matching_tensors(path, re.compile(re.escape(prefix))).items()),
+                            None)
+    if fp8 is not None:
+        items = checkpoint_names(items, fp8)
+    return prefix, {k[len(prefix):]: v for k, v in items}
+
+
 def load_mtp_head(target: nn.Module, path: str, *, dtype: torch.dtype, device: torch.device,
-                  max_positions: int, dummy: bool, seed: int) -> DeepseekMtpHead:
+                  max_positions: int, dummy: bool, seed: int,
+                  fp8: Fp8Config | None = None) -> DeepseekMtpHead:
     """The MTP layer of the checkpoint at `path` (the target's own, by default) for `target`;
-    `dummy`: seeded random weights (the output head and embedding the target's)."""
+    `dummy`: seeded random weights (the output head and embedding the target's). `fp8`: the
+    target's FP8 setup (an FP8 checkpoint's applies to the layer's decoder layer too)."""
     if not isinstance(target, DeepseekV2ForCausalLM) or not mtp_layers(target.config.raw):
         raise ValueError("not supported yet: --speculative-algorithm NEXTN for a model without "
                          "an MTP layer (DeepSeek-V3's num_nextn_predict_layers)")
     if target.parallel.world.size > 1:
         raise ValueError("not supported yet: --speculative-algorithm NEXTN on more than one rank")
-    tensors: dict[str, torch.Tensor] = {}
+    quant = _checkpoint_fp8(fp8)
+    prefix, tensors = f"model.layers.{target.config.num_hidden_layers}.", {}
     if not dummy:
-        prefix = find_mtp_prefix(path)
-        tensors = {k[len(prefix):]: v for k, v in read_matching_tensors(
-            path, re.compile(re.escape(prefix))).items()}
+        prefix, tensors = _read_layer(path, quant)
+        tensors = _dequantize_own(tensors, dtype)
     lm, embed = target.lm_head, target.model.embed_tokens
     shared = {"shared_head.head.weight": getattr(lm, "weight", None),
               "embed_tokens.weight": getattr(embed, "weight", None)}
@@ -148,18 +197,42 @@ def load_mtp_head(target: nn.Module, path: str, *, dtype: torch.dtype, device: t
             del tensors[name]  # (an FP8 target head is not compared: the layer keeps its own)
     with default_dtype(dtype), torch.device(device):
         head = DeepseekMtpHead(target, max_positions, "shared_head.head.weight" in tensors,
-                               "embed_tokens.weight" in tensors)
+                               "embed_tokens.weight" in tensors, prefix)
+    if quant is not None and not dummy:
+        prepare_fp8_checkpoint(head, quant)  # fp8 weights + scale grids, as the target's layers
     if dummy:
         init_dummy_weights(head, seed + 1)
     else:
         _load(head, target, tensors)
+    if quant is not None:  # dummy: block-quantised as the target's; kv_b_proj dequantised
+        quantize_model(head, quant, dtype)
     return head.eval().requires_grad_(False)
+
+
+def _dequantize_own(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The layer's own tensors (`eh_proj`, `shared_head.head`) in `dtype` where the checkpoint
+    ships them FP8 (a `weight_scale` beside them: a block grid, per row or one in all): they run
+    as plain matmuls. V3's are bf16 already."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.startswith(_OWN) and n.endswith(".weight_scale")]:
+        weight = name[: -len("_scale")]
+        w, scale = out.get(weight), out.pop(name).to(torch.float32)
+        if w is None or w.dtype != FP8:
+            raise ValueError(f"MTP layer tensor {name}: a weight scale without an fp8 weight")
+        if scale.dim() < 2:
+            scale = scale.reshape(-1).expand(w.shape[0]).contiguous() if scale.numel() == 1 \
+                else scale.reshape(-1)
+        elif scale.shape[1] == 1 and scale.shape[0] == w.shape[0]:  # [N, 1]: per row
+            scale = scale.reshape(-1)
+        out[weight] = dequantize(w, scale, dtype)
+    return out
 
 
 def _load(head: DeepseekMtpHead, target: DeepseekV2ForCausalLM,
           tensors: dict[str, torch.Tensor]) -> None:
     """The layer's tensors (names without `model.layers.N.`): its own directly, the decoder
-    layer's through the target's loader (fused gate/up, experts, MLA), every parameter filled."""
+    layer's through the target's loader (fused gate/up, experts, MLA; FP8 weights and their
+    scales as the target's), every parameter filled."""
     params, modules = dict(head.named_parameters()), dict(head.named_modules())
     loaded = set()
     for name, t in tensors.items():
@@ -176,6 +249,9 @@ def _load(head: DeepseekMtpHead, target: DeepseekV2ForCausalLM,
         got = target.load_tensor(f"decoder.{name}", t, params, modules)
         if got is not None:
             loaded.add(got)
+            if params.get(got) is not None and params[got].dtype == FP8 and t.dtype != FP8:
+                raise ValueError(f"MTP layer tensor {name} is {t.dtype}, where the checkpoint's "
+                                 "FP8 config says fp8 (with a weight scale)")
     missing = sorted(set(params) - loaded)
     if missing:
         raise KeyError(f"MTP layer: tensors missing from the checkpoint: {missing[:6]}")

@@ -88,15 +88,17 @@ class DraftHead(Protocol):
 
 
 def load_head(spec: DraftSpec, target: torch.nn.Module, target_path: str, **kw: Any) -> DraftHead:
-    """The head of `spec` for `target` (kw: dtype, device, max_positions, dummy, seed)."""
-    if spec.algorithm == "EAGLE3":
+    """The head of `spec` for `target` (kw: dtype, device, max_positions, dummy, seed, fp8: the
+    target's FP8 setup, which an FP8 checkpoint's MTP layer loads with too)."""
+    fp8 = kw.pop("fp8", None)
+    if spec.algorithm == "EAGLE3":  # its own checkpoint, in the dtype
         from tokenspeed.models.eagle3 import load_eagle3_head
 
         return load_eagle3_head(target, spec.path or "", **kw)
     if spec.algorithm == "NEXTN":
         from tokenspeed.models.deepseek_mtp import load_mtp_head
 
-        return load_mtp_head(target, spec.path or target_path, **kw)
+        return load_mtp_head(target, spec.path or target_path, fp8=fp8, **kw)
     raise ValueError(f"speculative algorithm {spec.algorithm!r} has no draft head")
 
 
@@ -110,12 +112,9 @@ def load_drafter(runner: Any, spec: DraftSpec | None, model_path: str, load_form
     runner.draft_page_bytes = runner.draft_fixed_bytes = 0
     if spec is None:
         return None
-    if spec.algorithm == "NEXTN" and runner.fp8 is not None and runner.fp8.checkpoint_format:
-        # (--quantization fp8 of a bf16 checkpoint is fine: the MTP layer stays in the dtype.)
-        raise ValueError("not supported yet: --speculative-algorithm NEXTN with an FP8 checkpoint")
     head = load_head(spec, runner.model, model_path, dtype=runner.dtype, device=runner.device,
                      max_positions=runner.max_context_len + spec.num_steps + 1,
-                     dummy=load_format == "dummy", seed=seed)
+                     dummy=load_format == "dummy", seed=seed, fp8=runner.fp8)
     drafter = ChainDrafter(head, runner.model, num_steps=spec.num_steps, device=runner.device)
     kv_dtype = runner.dtype if runner.kv_dtype.itemsize == 1 else runner.kv_dtype
     kv = head.kv_layout

@@ -25,6 +25,14 @@ from tokenspeed.layers.quantization.fp8 import FP8, dequantize, quantize_blocks,
 from tokenspeed.layers.quantization.methods import Fp8Config, QuantizationError
 
 
+def _hf_name(model: nn.Module, name: str) -> str:
+    """The checkpoint's name of the model's module `name`: the same, but for a module built
+    apart from the checkpoint's root that says where its tensors live (`hf_module_name`: a draft
+    head, models/deepseek_mtp.py, whose decoder layer is `model.layers.N.` on disk)."""
+    rename = getattr(model, "hf_module_name", None)
+    return rename(name) if rename is not None else name
+
+
 def _linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]]]:
     """(name, module, the HF module names it holds) of every ColumnLinear/RowLinear. The model
     names the HF modules it fuses in its STACKED_PARAMS ((HF fragment, ours, shard) rows, as
@@ -33,9 +41,9 @@ def _linear_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnLinear, RowLinear)):
             continue
-        key = name + "."
+        key = _hf_name(model, name) + "."
         parts = [key.replace(ours, hf) for hf, ours, _ in stacked if ours in key]
-        yield name, module, [p.rstrip(".") for p in parts] or [name]
+        yield name, module, [p.rstrip(".") for p in parts] or [key.rstrip(".")]
 
 
 def _quantized_modules(model: nn.Module, cfg: Fp8Config) -> Iterator[tuple[str, nn.Module]]:
@@ -163,7 +171,7 @@ def _prepare_blocks(model: nn.Module, cfg: Fp8Config) -> None:
     for _, module in _quantized_modules(model, cfg):
         _make_fp8_block(module, cfg.weight_block)
     for name, module in model.named_modules():
-        if isinstance(module, FusedMoE) and not cfg.ignores(name):
+        if isinstance(module, FusedMoE) and not cfg.ignores(_hf_name(model, name)):
             module.make_fp8_block(cfg.weight_block)
 
 
@@ -238,7 +246,8 @@ def _quantize_blocks(model: nn.Module, cfg: Fp8Config) -> int:
         module.weight_scale = nn.Parameter(scale, requires_grad=False)
         count += 1
     for name, module in model.named_modules():
-        if isinstance(module, FusedMoE) and not cfg.ignores(name) and module.gate_up_proj.dtype != FP8:
+        if isinstance(module, FusedMoE) and not cfg.ignores(_hf_name(model, name)) \
+                and module.gate_up_proj.dtype != FP8:
             module.quantize_fp8_block(block)
             count += 1
     return count
