@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def make_head(path: Path, target: dict, draft_vocab: int, seed: int = 0, std: float = 0.05) -> Path:
+def make_head(path: Path, target: dict, draft_vocab: int, seed: int = 0, std: float = 0.05,
+              hot: list[int] | None = None) -> Path:
     """Writes a head for `target` (a config.json dict) to `path`; its draft vocabulary is
-    `draft_vocab` target ids drawn at random (d2t: target id - draft id)."""
+    `draft_vocab` target ids drawn at random, or the ids `hot` (d2t: target id - draft id)."""
     g = torch.Generator().manual_seed(seed)
     h, heads = target["hidden_size"], target["num_attention_heads"]
     kvh, d = target["num_key_value_heads"], target.get("head_dim") or h // heads
@@ -22,7 +23,10 @@ def make_head(path: Path, target: dict, draft_vocab: int, seed: int = 0, std: fl
     def w(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
 
-    hot = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    if hot is None:
+        hot = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    else:
+        hot, draft_vocab = torch.tensor(sorted(set(hot))), len(set(hot))
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[hot] = True
     tensors = {

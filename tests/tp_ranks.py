@@ -304,3 +304,26 @@ def world_min_on_rank(rank: int) -> int:
     from tokenspeed.distributed.groups import world_min
 
     return world_min(7 - rank)
+
+
+def eagle3_drafts_on_rank(rank: int, target: str, head: str, prompt: list[int], steps: int) -> tuple:
+    """EAGLE-3 drafting through ModelRunner: a prompt, then three verify steps of the head's own
+    drafts. Returns (tokens, drafts) per step and the head's weight shapes (whole on each rank)."""
+    from tokenspeed.worker.draft_chain import DraftSpec
+    from tokenspeed.worker.model_runner import ModelRunner
+    from tokenspeed.worker.plan import StepPlan
+
+    runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
+                         draft=DraftSpec("EAGLE3", head, steps))
+    plan = StepPlan.build(new=[{"slot": 0, "temperature": 0.0}],
+                          page_tables=[(0, 0, list(range(1, 17)))], scheduled=[(0, 0, prompt, True)])
+    seq, trace = list(prompt), []
+    for _ in range(4):
+        out = runner.launch(plan).wait()
+        assert out.draft_tokens is not None
+        toks, drafts = [int(t) for t in out.tokens], out.draft_tokens[0].tolist()
+        seq += toks
+        trace.append((toks, drafts))
+        plan = StepPlan.build(scheduled=[(0, len(seq) - 1, [seq[-1], *drafts], True, len(drafts))])
+    shapes = {n: tuple(p.shape) for n, p in runner.drafter.head.named_parameters()}  # type: ignore[union-attr]
+    return trace, shapes

@@ -124,11 +124,11 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         aux = []
         for i, layer in enumerate(self.layers):
-            if i in self.capture_layers:
-                aux.append(x if residual is None else x + residual)
+            if i in self.capture_layers:  # once per mention (N // 2 == N - 3 when N is 6)
+                aux += [x if residual is None else x + residual] * self.capture_layers.count(i)
             x, residual = layer(positions, x, residual, batch)
         if len(self.layers) in self.capture_layers:
-            aux.append(x if residual is None else x + residual)
+            aux += [x if residual is None else x + residual] * self.capture_layers.count(len(self.layers))
         if aux:
             self.captured = torch.cat(aux, dim=-1)
         if residual is None:
