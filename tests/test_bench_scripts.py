@@ -361,7 +361,7 @@ def test_pd_bench_reads_the_kv_transfers_of_a_run_from_metrics(monkeypatch: pyte
             lines.append(f'tokenspeed:kv_transfer_seconds_bucket{{{lab},le="{le}"}} {c}')
         lines += [f"tokenspeed:kv_transfer_seconds_sum{{{lab}}} {total_s}",
                   f"tokenspeed:kv_transfer_seconds_count{{{lab}}} {count}",
-                  f"tokenspeed:kv_transfer_received_bytes_total{{{lab}}} {nbytes}"]
+                  f"tokenspeed:kv_transfer_arrived_bytes_total{{{lab}}} {nbytes}"]
         return "\n".join(lines)
 
     pages = iter([scrape(2, [1, 2, 2], 0.0015, 2_000_000),  # before the run: 2 transfers

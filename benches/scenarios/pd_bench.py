@@ -7,7 +7,7 @@ config with dummy bf16 weights. Two setups, one after the other:
   NCCL), behind `tokenspeed router --pd`.
 Prints one table: output throughput, median and p99 TTFT, median and p99 ITL, and for pd the
 KV transfers as the decode server's /metrics count them over the run (`kv_transfer_seconds`,
-`kv_transfer_received_bytes_total`): transfers, time per transfer (one per request: mean, and
+`kv_transfer_arrived_bytes_total`): transfers, time per transfer (one per request: mean, and
 p50 / p99 interpolated in the histogram's buckets), MB per transfer and GB/s on the wire (the
 first TP rank's share). The JSON also keeps the prefill server's last "KV transfer sent" log
 line.
@@ -133,7 +133,7 @@ def last_transfer_line(log: Path) -> str:
 
 
 KV_SECONDS = "tokenspeed:kv_transfer_seconds"
-KV_BYTES = "tokenspeed:kv_transfer_received_bytes_total"
+KV_BYTES = "tokenspeed:kv_transfer_arrived_bytes_total"
 
 
 def read_metrics(url: str) -> dict[Any, float]:

@@ -118,12 +118,12 @@ fn a_pd_pair_gives_the_tokens_of_one_server() {
             );
             assert_eq!((got.sent_requests, got.sent_pages), (0, 0));
             // The worker's measure of what arrived: one transfer, its bytes and time.
-            let arrived = (got.arrived_transfers, got.arrived_bytes, got.arrived_us);
+            let arrived = (got.arrived_requests, got.arrived_bytes, got.arrived_us);
             let per = |unit: usize| (pages as usize * unit) as u64;
             let want = (requests, per(KV_BYTES_PER_PAGE), per(KV_US_PER_PAGE));
             assert_eq!(arrived, want);
             assert_eq!(
-                sent.arrived_transfers, 0,
+                sent.arrived_requests, 0,
                 "the prefill side receives nothing"
             );
         }

@@ -49,7 +49,7 @@ impl Scheduler {
     pub(super) fn note_kv(&mut self, result: &StepResult) -> Vec<RequestOutput> {
         for arrival in &result.kv_arrived {
             let t = &mut self.transfers;
-            t.arrived_transfers += 1;
+            t.arrived_requests += 1;
             t.arrived_bytes += arrival.bytes.max(0) as u64;
             t.arrived_us += u64::from(arrival.transfer_us);
             let room = arrival.room as u64;

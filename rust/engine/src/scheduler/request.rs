@@ -309,14 +309,15 @@ pub enum KvTransfer {
 /// sent after their prompt's forward (prefill server), and received at admission (decode
 /// server). A failed transfer ends its request with an error; it is counted here all the same.
 /// The `arrived_*` totals are the decode worker's own measure of what reached it
-/// (`StepResult::kv_arrived`): transfers, bytes (its first rank's share) and time on the wire.
+/// (`StepResult::kv_arrived`): transfers (one per request), bytes (its first rank's share) and
+/// time on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct KvTransferStats {
     pub sent_requests: u64,
     pub sent_pages: u64,
     pub received_requests: u64,
     pub received_pages: u64,
-    pub arrived_transfers: u64,
+    pub arrived_requests: u64,
     pub arrived_bytes: u64,
     pub arrived_us: u64,
 }
@@ -329,7 +330,7 @@ impl KvTransferStats {
             sent_pages: self.sent_pages + o.sent_pages,
             received_requests: self.received_requests + o.received_requests,
             received_pages: self.received_pages + o.received_pages,
-            arrived_transfers: self.arrived_transfers + o.arrived_transfers,
+            arrived_requests: self.arrived_requests + o.arrived_requests,
             arrived_bytes: self.arrived_bytes + o.arrived_bytes,
             arrived_us: self.arrived_us + o.arrived_us,
         }

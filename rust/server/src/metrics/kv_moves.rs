@@ -32,8 +32,8 @@ pub(super) struct KvMoveSeries {
     kv_transfer_sent_pages: IntCounter,
     kv_transfer_received_requests: IntCounter,
     kv_transfer_received_pages: IntCounter,
-    kv_transfer_arrived: IntCounter,
-    kv_transfer_received_bytes: IntCounter,
+    kv_transfer_arrived_requests: IntCounter,
+    kv_transfer_arrived_bytes: IntCounter,
     kv_transfer_seconds: Histogram,
 }
 
@@ -91,12 +91,12 @@ impl KvMoveSeries {
                 "kv_transfer_received_pages_total",
                 "KV pages this decode server received from its prefill server",
             ),
-            kv_transfer_arrived: b.counter(
-                "kv_transfer_arrived_total",
-                "KV transfers that arrived at this decode server's worker (its first rank)",
+            kv_transfer_arrived_requests: b.counter(
+                "kv_transfer_arrived_requests_total",
+                "Requests whose KV transfer arrived at this decode server's worker",
             ),
-            kv_transfer_received_bytes: b.counter(
-                "kv_transfer_received_bytes_total",
+            kv_transfer_arrived_bytes: b.counter(
+                "kv_transfer_arrived_bytes_total",
                 "Bytes of the KV transfers that arrived (the first rank's share: its TP heads)",
             ),
             kv_transfer_seconds: b.histogram(
@@ -134,8 +134,8 @@ impl KvMoveSeries {
             (&self.kv_transfer_sent_pages, pd.sent_pages),
             (&self.kv_transfer_received_requests, pd.received_requests),
             (&self.kv_transfer_received_pages, pd.received_pages),
-            (&self.kv_transfer_arrived, pd.arrived_transfers),
-            (&self.kv_transfer_received_bytes, pd.arrived_bytes),
+            (&self.kv_transfer_arrived_requests, pd.arrived_requests),
+            (&self.kv_transfer_arrived_bytes, pd.arrived_bytes),
         ] {
             counter.inc_by(total.saturating_sub(counter.get()));
         }
@@ -158,7 +158,7 @@ mod tests {
         };
         m.observe_kv_arrivals(&[arrival(1, 2_000), arrival(2, 500_000)]);
         let kv_transfer = KvTransferStats {
-            arrived_transfers: 2,
+            arrived_requests: 2,
             arrived_bytes: 6 << 20,
             arrived_us: 502_000,
             ..Default::default()
@@ -173,8 +173,8 @@ mod tests {
             format!("tokenspeed:kv_transfer_seconds_count{label} 2"),
             format!("tokenspeed:kv_transfer_seconds_sum{label} 0.502"),
             "tokenspeed:kv_transfer_seconds_bucket{model_name=\"m\",le=\"0.0025\"} 1".into(),
-            format!("tokenspeed:kv_transfer_arrived_total{label} 2"),
-            format!("tokenspeed:kv_transfer_received_bytes_total{label} 6291456"),
+            format!("tokenspeed:kv_transfer_arrived_requests_total{label} 2"),
+            format!("tokenspeed:kv_transfer_arrived_bytes_total{label} 6291456"),
         ] {
             assert!(text.contains(&line), "{line} in\n{text}");
         }
