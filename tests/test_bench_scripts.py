@@ -338,19 +338,6 @@ def test_scoreboard_runs_only_what_is_missing_and_records(sb: ModuleType, tmp_pa
     assert "fp8-both" not in recorded["S1"]
 
 
-def test_trace_bench_reports_each_metric_off_on_and_its_change() -> None:
-    """scenarios/trace_bench.py's table (the servers and the sink run on the GPU machine)."""
-    tb = _load("scenarios/trace_bench")
-    off = {"tracing": False, "metrics": {"S3 median TTFT ms": 20.0, "S2r8 p99 ITL ms": None}, "exports": 0}
-    on = {"tracing": True, "metrics": {"S3 median TTFT ms": 21.0, "S2r8 p99 ITL ms": 9.0}, "exports": 7,
-          "command": "--enable-trace --otlp-traces-endpoint 127.0.0.1:1"}
-    table = tb.report([off, on], "title")
-    assert "| S3 median TTFT ms | 20.00 | 21.00 | +5.0% |" in table
-    assert "| S2r8 p99 ITL ms | None | 9.00 | - |" in table
-    assert "exports received: off 0, on 7" in table
-    assert tb.report([off, {"tracing": True, "error": "server failed"}], "t").endswith("server failed")
-
-
 def test_pd_bench_reads_the_kv_transfers_of_a_run_from_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     pd = _load("scenarios/pd_bench")
     lab = 'model_name="m"'
@@ -377,3 +364,16 @@ def test_pd_bench_reads_the_kv_transfers_of_a_run_from_metrics(monkeypatch: pyte
     assert 10.0 < kv["p99_ms"] <= 100.0
     assert "100 x 1.00 MB" in pd.fmt_kv(kv)
     assert pd.kv_transfer({}, {}) == {"transfers": None}  # a server without the series
+
+
+def test_trace_bench_reports_each_metric_off_on_and_its_change() -> None:
+    """scenarios/trace_bench.py's table (the servers and the sink run on the GPU machine)."""
+    tb = _load("scenarios/trace_bench")
+    off = {"tracing": False, "metrics": {"S3 median TTFT ms": 20.0, "S2r8 p99 ITL ms": None}, "exports": 0}
+    on = {"tracing": True, "metrics": {"S3 median TTFT ms": 21.0, "S2r8 p99 ITL ms": 9.0}, "exports": 7,
+          "command": "--enable-trace --otlp-traces-endpoint 127.0.0.1:1"}
+    table = tb.report([off, on], "title")
+    assert "| S3 median TTFT ms | 20.00 | 21.00 | +5.0% |" in table
+    assert "| S2r8 p99 ITL ms | None | 9.00 | - |" in table
+    assert "exports received: off 0, on 7" in table
+    assert tb.report([off, {"tracing": True, "error": "server failed"}], "t").endswith("server failed")
