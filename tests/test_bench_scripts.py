@@ -338,6 +338,34 @@ def test_scoreboard_runs_only_what_is_missing_and_records(sb: ModuleType, tmp_pa
     assert "fp8-both" not in recorded["S1"]
 
 
+def test_pd_bench_reads_the_kv_transfers_of_a_run_from_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    pd = _load("scenarios/pd_bench")
+    lab = 'model_name="m"'
+
+    def scrape(count: int, bounds: list[float], total_s: float, nbytes: int) -> str:
+        lines = ["# TYPE tokenspeed:kv_transfer_seconds histogram"]
+        for le, c in zip(["0.001", "0.01", "0.1", "+Inf"], [*bounds, count]):
+            lines.append(f'tokenspeed:kv_transfer_seconds_bucket{{{lab},le="{le}"}} {c}')
+        lines += [f"tokenspeed:kv_transfer_seconds_sum{{{lab}}} {total_s}",
+                  f"tokenspeed:kv_transfer_seconds_count{{{lab}}} {count}",
+                  f"tokenspeed:kv_transfer_arrived_bytes_total{{{lab}}} {nbytes}"]
+        return "\n".join(lines)
+
+    pages = iter([scrape(2, [1, 2, 2], 0.0015, 2_000_000),  # before the run: 2 transfers
+                  scrape(102, [1, 52, 101], 0.5015, 102_000_000)])
+    monkeypatch.setattr(pd.gpu_bench, "http_get", lambda url, timeout=5.0: (200, next(pages)))
+    kv = pd.kv_transfer(pd.read_metrics("u"), pd.read_metrics("u"))
+    # 100 transfers of 1 MB in 0.5 s: 5 ms each, 0.2 GB/s; 50 under 10 ms, 49 under 100 ms.
+    assert kv["transfers"] == 100
+    assert kv["mean_ms"] == pytest.approx(5.0)
+    assert kv["mb_per_transfer"] == pytest.approx(1.0)
+    assert kv["gb_s"] == pytest.approx(0.2)
+    assert kv["p50_ms"] == pytest.approx(10.0)  # the 50th is the last under 10 ms
+    assert 10.0 < kv["p99_ms"] <= 100.0
+    assert "100 x 1.00 MB" in pd.fmt_kv(kv)
+    assert pd.kv_transfer({}, {}) == {"transfers": None}  # a server without the series
+
+
 def test_trace_bench_reports_each_metric_off_on_and_its_change() -> None:
     """scenarios/trace_bench.py's table (the servers and the sink run on the GPU machine)."""
     tb = _load("scenarios/trace_bench")

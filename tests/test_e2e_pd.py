@@ -116,13 +116,24 @@ def _chat(client: openai.OpenAI, stream: bool, max_tokens: int = 16) -> tuple[st
     return text, usage
 
 
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^tokenspeed:{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    assert m, name
+    return float(m.group(1))
+
+
 def _transfers(server: Server) -> dict[str, int]:
-    """/get_server_info's `kv_transfer`, checked against the same totals in /metrics."""
+    """/get_server_info's `kv_transfer`, checked against the same totals in /metrics (the
+    microseconds of the arrived transfers: the sum of the `kv_transfer_seconds` histogram)."""
     info = httpx.get(f"{server.url}/get_server_info", timeout=10).json()["kv_transfer"]
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     for key, value in info.items():
-        m = re.search(rf"^tokenspeed:kv_transfer_{key}_total{{[^}}]*}} (\S+)$", text, re.MULTILINE)
-        assert m and float(m.group(1)) == value, (key, value, m and m.group(0))
+        if key == "arrived_us":
+            got = _metric(text, "kv_transfer_seconds_sum")
+            assert got == pytest.approx(value / 1e6, abs=1e-6), (key, value, got)
+            assert _metric(text, "kv_transfer_seconds_count") == info["arrived_requests"]
+        else:
+            assert _metric(text, f"kv_transfer_{key}_total") == value, (key, value)
     return info
 
 
@@ -156,10 +167,17 @@ def test_a_pd_pair_gives_the_tokens_of_one_server(pair: Pair) -> None:
     sent, got_kv = ({k: v - was[k] for k, v in _transfers(s).items()}
                     for s, was in zip((pair.prefill, pair.decode), before, strict=True))
     assert crossed > 0
+    nothing = {"arrived_requests": 0, "arrived_bytes": 0, "arrived_us": 0}
     assert sent == {"sent_requests": 2, "sent_pages": crossed, "received_requests": 0,
-                    "received_pages": 0}, sent
+                    "received_pages": 0, **nothing}, sent
+    # The decode worker measured each transfer: one per request, its pages' bytes, some time.
+    measured = {k: got_kv.pop(k) for k in nothing}
     assert got_kv == {"sent_requests": 0, "sent_pages": 0, "received_requests": 2,
                       "received_pages": crossed}, got_kv
+    assert measured["arrived_requests"] == 2, measured
+    per_page = measured["arrived_bytes"] / crossed  # K and V of every layer, one page's tokens
+    assert per_page > 0 and per_page == int(per_page) and per_page % PAGE == 0, measured
+    assert measured["arrived_us"] > 0, measured
 
 
 def test_bootstrap_room_is_refused_by_a_combined_server_and_with_n(pair: Pair) -> None:

@@ -6,8 +6,11 @@ config with dummy bf16 weights. Two setups, one after the other:
 - pd:  a `--disaggregation-mode prefill` server on GPU 0 and a `decode` one on GPU 1 (KV over
   NCCL), behind `tokenspeed router --pd`.
 Prints one table: output throughput, median and p99 TTFT, median and p99 ITL, and for pd the
-KV transfers (the prefill server's last "KV transfer sent" log line: MB and ms per transfer,
-GB/s on the wire).
+KV transfers as the decode server's /metrics count them over the run (`kv_transfer_seconds`,
+`kv_transfer_arrived_bytes_total`): transfers, time per transfer (one per request: mean, and
+p50 / p99 interpolated in the histogram's buckets), MB per transfer and GB/s on the wire (the
+first TP rank's share). The JSON also keeps the prefill server's last "KV transfer sent" log
+line.
 
 Run on a machine with 2 GPUs from the repo root, with `tokenspeed._core` importable:
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -101,10 +105,12 @@ def run_pd(ctx: gpu_bench.Ctx, model: Path, a: argparse.Namespace, rates: list[s
             time.sleep(0.5)
         rows = []
         for r in rates:
+            before = read_metrics(decode[1])
             row = measure(ctx, url, model, scenario(a, r, "pd"))
             time.sleep(1.5)  # the sender logs its totals once its queue has run dry
             rows.append({"setup": "pd", "rate": r, "command": " ".join(pd), **row,
-                         "kv_transfer": last_transfer_line(ctx.out / "server_pd_prefill.log")})
+                         "kv_transfer": kv_transfer(before, read_metrics(decode[1])),
+                         "kv_transfer_log": last_transfer_line(ctx.out / "server_pd_prefill.log")})
         return rows
     finally:
         gpu_bench.stop_server(router)
@@ -124,6 +130,67 @@ def last_transfer_line(log: Path) -> str:
     """The prefill server's transfer totals so far (cumulative over the rates run)."""
     lines = re.findall(r"KV transfer sent: .*", log.read_text(errors="replace")) if log.exists() else []
     return lines[-1] if lines else "none logged"
+
+
+KV_SECONDS = "tokenspeed:kv_transfer_seconds"
+KV_BYTES = "tokenspeed:kv_transfer_arrived_bytes_total"
+
+
+def read_metrics(url: str) -> dict[Any, float]:
+    """A server's /metrics, summed over label sets: series name -> value, and for a histogram's
+    buckets (name, upper bound) -> cumulative count. Empty when it cannot be read."""
+    status, text = gpu_bench.http_get(f"{url}/metrics")
+    out: dict[Any, float] = {}
+    for line in text.splitlines() if status == 200 else []:
+        if line.startswith("#") or " " not in line:
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        key: Any = name
+        if name.endswith("_bucket") and 'le="' in series:
+            le = series.split('le="', 1)[1].split('"', 1)[0]
+            key = (name, math.inf if le == "+Inf" else float(le))
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def kv_transfer(before: dict[Any, float], after: dict[Any, float]) -> dict[str, Any]:
+    """The KV transfers that arrived between two reads of the decode server's /metrics."""
+    if f"{KV_SECONDS}_count" not in after:
+        return {"transfers": None}
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    n = d[f"{KV_SECONDS}_count"]
+    if n <= 0:
+        return {"transfers": 0}
+    seconds, nbytes = d[f"{KV_SECONDS}_sum"], d.get(KV_BYTES, 0.0)
+    buckets = sorted((k[1], c) for k, c in d.items()
+                     if isinstance(k, tuple) and k[0] == f"{KV_SECONDS}_bucket")
+    return {"transfers": int(n), "mean_ms": 1e3 * seconds / n,
+            "p50_ms": 1e3 * quantile(buckets, 0.5), "p99_ms": 1e3 * quantile(buckets, 0.99),
+            "mb_per_transfer": nbytes / n / 1e6, "gb_s": nbytes / max(seconds, 1e-9) / 1e9}
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus's histogram_quantile: linear within the bucket that holds the q-th share of
+    the observations (cumulative counts by upper bound); the last finite bound in +Inf's."""
+    total = buckets[-1][1] if buckets else 0.0
+    lo, below = 0.0, 0.0
+    for le, cum in buckets:
+        if cum >= q * total and cum > below:
+            if math.isinf(le):
+                return lo
+            return lo + (le - lo) * (q * total - below) / (cum - below)
+        lo, below = (lo if math.isinf(le) else le), cum
+    return lo
+
+
+def fmt_kv(kv: Any) -> str:
+    if not isinstance(kv, dict):
+        return "-"
+    if not kv.get("transfers"):
+        return f"{kv.get('transfers')} transfers"
+    return (f"{kv['transfers']} x {kv['mb_per_transfer']:.2f} MB: {kv['mean_ms']:.2f} / "
+            f"{kv['p50_ms']:.2f} / {kv['p99_ms']:.2f} ms, {kv['gb_s']:.2f} GB/s")
 
 
 def fmt(v: Any) -> str:
@@ -151,7 +218,7 @@ def main() -> int:
     title = (f"PD bench: Llama-3.1-8B config ({layers} layers{', narrow, CPU smoke' if a.cpu_smoke else ''}), "
              f"dummy weights; total {time.monotonic() - t0:.0f} s")
     header = ("| setup | req/s | output tok/s | TTFT median / p99 ms | ITL median / p99 ms | "
-              "KV transfer (prefill log) |")
+              "KV transfer per request: mean / p50 / p99 ms, GB/s |")
     lines = [title, "", header, "|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
@@ -159,7 +226,7 @@ def main() -> int:
             continue
         lines.append(f"| {r['setup']} | {r['rate']} | {fmt(r['output_tok_s'])} | "
                      f"{fmt(r['ttft_median_ms'])} / {fmt(r['ttft_p99_ms'])} | "
-                     f"{fmt(r['itl_median_ms'])} / {fmt(r['itl_p99_ms'])} | {r.get('kv_transfer', '-')} |")
+                     f"{fmt(r['itl_median_ms'])} / {fmt(r['itl_p99_ms'])} | {fmt_kv(r.get('kv_transfer'))} |")
     table = "\n".join(lines)
     (out / "pd_bench.md").write_text(table + "\n")
     (out / "pd_bench.json").write_text(json.dumps(results, default=str, indent=1))

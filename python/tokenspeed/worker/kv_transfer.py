@@ -47,6 +47,7 @@ MAX_DOWN_TEXT = 1024  # bytes of why the pair is down, in a result (Rust's bound
 EXPIRE_S = 300.0  # a received transfer no request took is dropped after this
 PG_TIMEOUT_S = 120.0  # a transfer whose header arrived but whose pages do not
 STATS_EVERY_S = 10.0  # the sender logs its totals this often while it sends
+U32_MAX = 2**32 - 1  # a transfer's reported microseconds saturate here (`KvArrival`)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ class KVTransfer:
         self._sends: list[tuple[int, np.ndarray]] = []  # this step's, run after the forward
         self._queue: queue.Queue[tuple[int, torch.Tensor, Any, float]] = queue.Queue()
         self._arrived: dict[int, tuple[torch.Tensor, float]] = {}
-        self._unreported: list[int] = []  # rooms arrived since the last result said so
+        # (room, bytes, microseconds on the wire) of each arrival the results have not reported
+        self._unreported: list[tuple[int, int, int]] = []
         self._cond = threading.Condition()
         self.stats = SendStats()
         target = self._send_loop if settings.mode == "prefill" else self._recv_loop
@@ -244,6 +246,7 @@ class KVTransfer:
         seq = 0
         while True:
             room, pages = (int(x) for x in store.get(f"hdr/{seq}").decode().split())
+            start = time.monotonic()  # the sender set the header just before it sends
             store.delete_key(f"hdr/{seq}")
             seq += 1
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -256,17 +259,21 @@ class KVTransfer:
                 for old in [r for r, (_, t) in self._arrived.items() if now - t > EXPIRE_S]:
                     del self._arrived[old]
                 self._arrived[room] = (buf, now)
-                self._unreported.append(room)
+                nbytes = buf.numel() * buf.element_size()
+                self._unreported.append((room, nbytes, min(int((now - start) * 1e6), U32_MAX)))
                 self._cond.notify_all()
 
     def reports(self, limit: int) -> dict[str, bytes]:
-        """A result's transfer reports: up to `limit` rooms that arrived since the last
-        (`StepResult::kv_arrived`; the rest go in the next), and why the pair is down
-        (`kv_down`, in every result while it is)."""
+        """A result's transfer reports: up to `limit` transfers that arrived since the last,
+        each with its bytes and time on the wire (`StepResult::kv_arrived`; the rest go in the
+        next), and why the pair is down (`kv_down`, in every result while it is)."""
         with self._cond:
-            rooms, self._unreported = self._unreported[:limit], self._unreported[limit:]
+            got, self._unreported = self._unreported[:limit], self._unreported[limit:]
             failed = self.failed
-        out = {"kv_arrived_room": np.asarray(rooms, np.int64).tobytes()}
+        rooms, nbytes, micros = zip(*got) if got else ((), (), ())
+        out = {"kv_arrived_room": np.asarray(rooms, np.int64).tobytes(),
+               "kv_arrived_bytes": np.asarray(nbytes, np.int64).tobytes(),
+               "kv_arrived_transfer_us": np.asarray(micros, np.uint32).tobytes()}
         if failed is not None:
             why = failed.encode()[:MAX_DOWN_TEXT]
             out |= {"kv_down_message_len": np.asarray([len(why)], np.uint32).tobytes(),

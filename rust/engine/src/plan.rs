@@ -524,6 +524,10 @@ section! {
     pub struct KvArrival("kv_arrived") {
         /// The transfer's room (`KvTransfer::Recv`), spelt as `CopyOp::key`.
         pub room: i64,
+        /// Bytes received (this rank's share: its TP heads), and microseconds from its header
+        /// to its last byte (saturates at u32::MAX); 0 from a sender that measures nothing.
+        pub bytes: i64,
+        pub transfer_us: u32,
     }
     lists {}
 }

@@ -50,10 +50,13 @@ fn pair(page_size: u32, p: &[u32], overlap: bool) -> (Harness, Harness) {
     );
 
     let mut decode = Harness::with_overlap(config(64, page_size), overlap);
-    decode
-        .worker
-        .kv_inbox
-        .insert(ROOM as i64, sent.into_iter().collect());
+    if !sent.is_empty() {
+        // Like the worker: a transfer of no pages is never sent, so nothing arrives.
+        decode
+            .worker
+            .kv_inbox
+            .insert(ROOM as i64, sent.into_iter().collect());
+    }
     decode.submit(transfer(2, p.to_vec(), 6, KvTransfer::Recv { room: ROOM }));
     decode.run(100);
     assert_eq!(
@@ -114,6 +117,15 @@ fn a_pd_pair_gives_the_tokens_of_one_server() {
                 (requests, pages)
             );
             assert_eq!((got.sent_requests, got.sent_pages), (0, 0));
+            // The worker's measure of what arrived: one transfer, its bytes and time.
+            let arrived = (got.arrived_requests, got.arrived_bytes, got.arrived_us);
+            let per = |unit: usize| (pages as usize * unit) as u64;
+            let want = (requests, per(KV_BYTES_PER_PAGE), per(KV_US_PER_PAGE));
+            assert_eq!(arrived, want);
+            assert_eq!(
+                sent.arrived_requests, 0,
+                "the prefill side receives nothing"
+            );
         }
     }
 }

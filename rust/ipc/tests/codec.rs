@@ -184,7 +184,7 @@ fn result() -> impl Strategy<Value = StepResult> {
         prop::option::of((any::<u32>(), any::<u32>())),
         prop::option::of((any::<bool>(), prop::collection::vec(any::<u8>(), 0..40))),
         (
-            prop::collection::vec(any::<i64>(), 0..4),
+            prop::collection::vec((any::<i64>(), any::<i64>(), any::<u32>()), 0..4),
             prop::option::of(prop::collection::vec(any::<u8>(), 0..40)),
         ),
     )
@@ -202,7 +202,14 @@ fn result() -> impl Strategy<Value = StepResult> {
                 .map(|(ok, message)| OpOutcome { ok, message })
                 .into_iter()
                 .collect(),
-            kv_arrived: rooms.into_iter().map(|room| KvArrival { room }).collect(),
+            kv_arrived: rooms
+                .into_iter()
+                .map(|(room, bytes, transfer_us)| KvArrival {
+                    room,
+                    bytes,
+                    transfer_us,
+                })
+                .collect(),
             kv_down: down
                 .map(|message| KvPairDown { message })
                 .into_iter()
@@ -547,7 +554,13 @@ fn a_pd_results_transfer_reports_fit_the_bound_and_arrive_by_name() {
         max_drafts: 0,
     };
     let full = StepResult {
-        kv_arrived: (0..3).map(|room| KvArrival { room: room << 40 }).collect(),
+        kv_arrived: (0..3)
+            .map(|room| KvArrival {
+                room: room << 40,
+                bytes: i64::MAX,
+                transfer_us: u32::MAX,
+            })
+            .collect(),
         kv_down: vec![KvPairDown {
             message: vec![b'x'; tokenspeed_engine::MAX_OP_TEXT],
         }],
@@ -558,16 +571,20 @@ fn a_pd_results_transfer_reports_fit_the_bound_and_arrive_by_name() {
         kv_transfer: false,
         ..limits
     };
-    let room_for_them = 3 * 8 + tokenspeed_engine::MAX_OP_TEXT;
+    let room_for_them = 3 * (8 + 8 + 4) + tokenspeed_engine::MAX_OP_TEXT;
     assert!(
         StepResult::max_encoded_len(&limits) - StepResult::max_encoded_len(&plain) >= room_for_them,
         "a PD server's slot has room for them besides the rest"
     );
     // What the Python worker sends: the arrays by name.
     let rooms = le_i64(&[7, 1 << 62]);
+    let bytes = le_i64(&[1 << 33, 4096]);
+    let micros: Vec<u8> = [1500u32, 7].iter().flat_map(|x| x.to_le_bytes()).collect();
     let (why_len, why) = (4u32.to_le_bytes().to_vec(), b"gone".to_vec());
     let arrays: Vec<(&str, &[u8])> = vec![
         ("kv_arrived_room", &rooms),
+        ("kv_arrived_bytes", &bytes),
+        ("kv_arrived_transfer_us", &micros),
         ("kv_down_message_len", &why_len),
         ("kv_down_message", &why),
     ];
@@ -575,8 +592,12 @@ fn a_pd_results_transfer_reports_fit_the_bound_and_arrive_by_name() {
     let mut buf = vec![0u8; 4096];
     encode_arrays::<StepResult>(3, get, &mut buf).unwrap();
     let r = decode::<StepResult>(&buf).unwrap();
-    let got: Vec<i64> = r.kv_arrived.iter().map(|a| a.room).collect();
-    assert_eq!(got, vec![7, 1 << 62]);
+    let got: Vec<_> = r
+        .kv_arrived
+        .iter()
+        .map(|a| (a.room, a.bytes, a.transfer_us))
+        .collect();
+    assert_eq!(got, vec![(7, 1 << 33, 1500), (1 << 62, 4096, 7)]);
     assert_eq!(r.kv_down[0].message, b"gone".to_vec());
     assert!(r.events.is_empty());
 }

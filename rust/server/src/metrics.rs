@@ -231,6 +231,11 @@ impl Metrics {
         }
     }
 
+    /// PD decode server: the KV transfers a step result reports arrived.
+    pub fn observe_kv_arrivals(&self, arrivals: &[tokenspeed_engine::KvArrival]) {
+        self.kv_moves.observe_arrivals(arrivals);
+    }
+
     /// A request's first token: its latency, and how much of its prompt the prefix cache held.
     pub fn observe_first_token(&self, latency: Duration, prompt_tokens: u32, cached_tokens: u32) {
         self.histograms

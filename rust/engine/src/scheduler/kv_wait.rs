@@ -44,9 +44,14 @@ impl Scheduler {
     }
 
     /// Applies a result's transfer reports: arrived rooms release their parked requests into
-    /// the queue (in arrival order), and a pair that is down fails every parked request.
+    /// the queue (in arrival order) and count in the stats (`KvTransferStats::arrived_*`), and
+    /// a pair that is down fails every parked request.
     pub(super) fn note_kv(&mut self, result: &StepResult) -> Vec<RequestOutput> {
         for arrival in &result.kv_arrived {
+            let t = &mut self.transfers;
+            t.arrived_requests += 1;
+            t.arrived_bytes += arrival.bytes.max(0) as u64;
+            t.arrived_us += u64::from(arrival.transfer_us);
             let room = arrival.room as u64;
             let kv = &mut self.kv_wait;
             match kv.parked.iter().position(|&(r, _)| r == room) {

@@ -308,12 +308,18 @@ pub enum KvTransfer {
 /// What crossed between a PD pair so far, as this scheduler planned it: requests and pages
 /// sent after their prompt's forward (prefill server), and received at admission (decode
 /// server). A failed transfer ends its request with an error; it is counted here all the same.
+/// The `arrived_*` totals are the decode worker's own measure of what reached it
+/// (`StepResult::kv_arrived`): transfers (one per request), bytes (its first rank's share) and
+/// time on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct KvTransferStats {
     pub sent_requests: u64,
     pub sent_pages: u64,
     pub received_requests: u64,
     pub received_pages: u64,
+    pub arrived_requests: u64,
+    pub arrived_bytes: u64,
+    pub arrived_us: u64,
 }
 
 impl KvTransferStats {
@@ -324,6 +330,9 @@ impl KvTransferStats {
             sent_pages: self.sent_pages + o.sent_pages,
             received_requests: self.received_requests + o.received_requests,
             received_pages: self.received_pages + o.received_pages,
+            arrived_requests: self.arrived_requests + o.arrived_requests,
+            arrived_bytes: self.arrived_bytes + o.arrived_bytes,
+            arrived_us: self.arrived_us + o.arrived_us,
         }
     }
 }

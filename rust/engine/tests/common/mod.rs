@@ -17,6 +17,10 @@ use tokenspeed_engine::{
     RequestOutput, Scheduler, SchedulerConfig, SchedulerStats, StepResult, LAST_SAMPLED,
 };
 
+/// What the fake worker reports a received transfer measured, per page (`KvArrival`).
+pub const KV_BYTES_PER_PAGE: usize = 1 << 20;
+pub const KV_US_PER_PAGE: usize = 250;
+
 /// A small engine's settings; tests override what they exercise.
 pub fn base_config() -> SchedulerConfig {
     SchedulerConfig {
@@ -365,10 +369,19 @@ impl FakeWorker {
         let mut arrived: Vec<i64> = self.kv_inbox.keys().copied().collect();
         arrived.retain(|&room| self.kv_reported.insert(room));
         arrived.sort_unstable(); // a HashMap's order would change from run to run
+                                 // Each arrival's measure: `KV_BYTES_PER_PAGE` and `KV_US_PER_PAGE` a page.
+        let arrival = |room: i64| {
+            let pages = self.kv_inbox[&room].len();
+            KvArrival {
+                room,
+                bytes: (pages * KV_BYTES_PER_PAGE) as i64,
+                transfer_us: (pages * KV_US_PER_PAGE) as u32,
+            }
+        };
         StepResult {
             step_id: plan.step_id,
             events,
-            kv_arrived: arrived.into_iter().map(|room| KvArrival { room }).collect(),
+            kv_arrived: arrived.into_iter().map(arrival).collect(),
             kv_down: self
                 .kv_down
                 .iter()

@@ -352,6 +352,7 @@ impl EngineLoop {
         if let Some(run) = result.gpu_busy() {
             self.scheduler.observe_run_time(plan.step_id, run);
         }
+        self.metrics.observe_kv_arrivals(&result.kv_arrived);
         let mut outputs = self.scheduler.advance(&result);
         if !plan.ops.is_empty() {
             self.finish_op(plan, &result);

@@ -342,24 +342,30 @@ pub fn check_extra_fields(
     crate::validate::unsupported_fields(extra)?;
     static WARNED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     let warned = WARNED.get_or_init(Default::default);
-    static KNOWN: OnceLock<Mutex<HashMap<String, HashSet<String>>>> = OnceLock::new();
-    let unknown: Vec<&String> = match KNOWN.get_or_init(Default::default).lock() {
-        Ok(mut known) => {
-            let known = known
-                .entry(schema.to_string())
-                .or_insert_with(|| documented_fields(schema));
-            extra.keys().filter(|k| !known.contains(*k)).collect()
-        }
-        Err(_) => Vec::new(),
-    };
     if let Ok(mut warned) = warned.lock() {
-        for key in unknown {
+        for key in unknown_fields(schema, extra) {
             if warned.insert(key.clone()) {
                 tracing::warn!(endpoint, field = %key, "ignoring a request field no API defines");
             }
         }
     }
     Ok(())
+}
+
+/// The fields of `extra` that the document does not define for `schema`, less the known ones
+/// `unsupported_fields` let through at their neutral value, and nulls (they ask for nothing).
+fn unknown_fields<'a>(schema: &str, extra: &'a Map<String, Value>) -> Vec<&'a String> {
+    static KNOWN: OnceLock<Mutex<HashMap<String, HashSet<String>>>> = OnceLock::new();
+    let Ok(mut known) = KNOWN.get_or_init(Default::default).lock() else {
+        return Vec::new();
+    };
+    let known = known
+        .entry(schema.to_string())
+        .or_insert_with(|| documented_fields(schema));
+    let unknown = |(k, v): &(&String, &Value)| {
+        !known.contains(*k) && !crate::validate::is_unbuilt_field(k) && !v.is_null()
+    };
+    extra.iter().filter(unknown).map(|(k, _)| k).collect()
 }
 
 #[cfg(test)]
@@ -379,6 +385,45 @@ mod tests {
             let extra = extra.as_object().expect("object");
             let err = check_extra_fields("/v1/completions", "CompletionRequest", extra);
             assert!(err.is_err(), "{asks}");
+        }
+    }
+
+    #[test]
+    fn sglang_routers_spelled_out_defaults_pass_silently() {
+        // What SGLang's router (sglang-router 0.3.2, PD mode) adds to each request.
+        let generate = json!({"background": false, "log_metrics": true, "model": null,
+            "no_logs": false, "return_bytes": false, "return_entropy": false,
+            "return_hidden_states": false, "bogus": 1});
+        let chat = json!({"no_stop_trim": false, "separate_reasoning": true,
+            "stream_reasoning": true, "return_hidden_states": false});
+        for (schema, body) in [
+            ("GenerateRequest", generate),
+            ("ChatCompletionRequest", chat),
+        ] {
+            let extra = body.as_object().expect("object");
+            assert!(check_extra_fields("/x", schema, extra).is_ok(), "{schema}");
+            let unknown: Vec<&String> = unknown_fields(schema, extra);
+            let want: &[&str] = if schema == "GenerateRequest" {
+                &["bogus"]
+            } else {
+                &[]
+            };
+            assert_eq!(unknown, want, "{schema}");
+        }
+        // Each asks for what TokenSpeed does not build at its other value: a 400 naming it.
+        for (field, asks) in [
+            ("no_stop_trim", json!(true)),
+            ("separate_reasoning", json!(false)),
+            ("stream_reasoning", json!(false)),
+            ("log_metrics", json!(false)),
+            ("no_logs", json!(true)),
+            ("background", json!(true)),
+            ("return_entropy", json!(true)),
+        ] {
+            let extra = json!({ field: asks });
+            let err = check_extra_fields("/x", "ChatCompletionRequest", extra.as_object().unwrap())
+                .expect_err(field);
+            assert!(format!("{err:?}").contains(field), "{field}: {err:?}");
         }
     }
 

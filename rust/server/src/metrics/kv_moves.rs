@@ -3,12 +3,19 @@
 //! pages loaded / written back), its storage tier (`--hicache-storage-backend`: pages, pages in
 //! use, hit tokens, pages stored / fetched), and PD disaggregation's transfers
 //! (`--disaggregation-mode`: requests and pages sent by a prefill server, received by a decode
-//! server). All zero when the feature is off.
+//! server, and the decode worker's own measure of each transfer that arrived: its time on the
+//! wire and bytes). All zero when the feature is off.
 
-use prometheus::{IntCounter, IntGauge};
+use prometheus::{Histogram, IntCounter, IntGauge};
 use tokenspeed_engine::scheduler::SchedulerStats;
+use tokenspeed_engine::KvArrival;
 
 use super::Builder;
+
+/// Seconds of one transfer on the wire: from 100 µs (a few pages over NVLink) to 10 s.
+const KV_TRANSFER_BUCKETS: &[f64] = &[
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 pub(super) struct KvMoveSeries {
     host_kv_pages: IntGauge,
@@ -25,6 +32,9 @@ pub(super) struct KvMoveSeries {
     kv_transfer_sent_pages: IntCounter,
     kv_transfer_received_requests: IntCounter,
     kv_transfer_received_pages: IntCounter,
+    kv_transfer_arrived_requests: IntCounter,
+    kv_transfer_arrived_bytes: IntCounter,
+    kv_transfer_seconds: Histogram,
 }
 
 impl KvMoveSeries {
@@ -81,6 +91,28 @@ impl KvMoveSeries {
                 "kv_transfer_received_pages_total",
                 "KV pages this decode server received from its prefill server",
             ),
+            kv_transfer_arrived_requests: b.counter(
+                "kv_transfer_arrived_requests_total",
+                "Requests whose KV transfer arrived at this decode server's worker",
+            ),
+            kv_transfer_arrived_bytes: b.counter(
+                "kv_transfer_arrived_bytes_total",
+                "Bytes of the KV transfers that arrived (the first rank's share: its TP heads)",
+            ),
+            kv_transfer_seconds: b.histogram(
+                "kv_transfer_seconds",
+                "Time of one arrived KV transfer on the wire (first rank: header to last byte)",
+                KV_TRANSFER_BUCKETS.to_vec(),
+            ),
+        }
+    }
+
+    /// Each transfer a step result reports arrived: its time on the wire (the counters follow
+    /// the scheduler's totals, `observe`).
+    pub(super) fn observe_arrivals(&self, arrivals: &[KvArrival]) {
+        for a in arrivals {
+            let seconds = f64::from(a.transfer_us) / 1e6;
+            self.kv_transfer_seconds.observe(seconds);
         }
     }
 
@@ -102,8 +134,49 @@ impl KvMoveSeries {
             (&self.kv_transfer_sent_pages, pd.sent_pages),
             (&self.kv_transfer_received_requests, pd.received_requests),
             (&self.kv_transfer_received_pages, pd.received_pages),
+            (&self.kv_transfer_arrived_requests, pd.arrived_requests),
+            (&self.kv_transfer_arrived_bytes, pd.arrived_bytes),
         ] {
             counter.inc_by(total.saturating_sub(counter.get()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Metrics;
+    use tokenspeed_engine::scheduler::SchedulerStats;
+    use tokenspeed_engine::{KvArrival, KvTransferStats};
+
+    #[test]
+    fn arrived_transfers_show_their_time_bytes_and_count() {
+        let m = Metrics::new("m", 64);
+        let arrival = |room, transfer_us| KvArrival {
+            room,
+            bytes: 3 << 20,
+            transfer_us,
+        };
+        m.observe_kv_arrivals(&[arrival(1, 2_000), arrival(2, 500_000)]);
+        let kv_transfer = KvTransferStats {
+            arrived_requests: 2,
+            arrived_bytes: 6 << 20,
+            arrived_us: 502_000,
+            ..Default::default()
+        };
+        m.observe_pool(&SchedulerStats {
+            kv_transfer,
+            ..Default::default()
+        });
+        let text = m.render();
+        let label = "{model_name=\"m\"}";
+        for line in [
+            format!("tokenspeed:kv_transfer_seconds_count{label} 2"),
+            format!("tokenspeed:kv_transfer_seconds_sum{label} 0.502"),
+            "tokenspeed:kv_transfer_seconds_bucket{model_name=\"m\",le=\"0.0025\"} 1".into(),
+            format!("tokenspeed:kv_transfer_arrived_requests_total{label} 2"),
+            format!("tokenspeed:kv_transfer_arrived_bytes_total{label} 6291456"),
+        ] {
+            assert!(text.contains(&line), "{line} in\n{text}");
         }
     }
 }

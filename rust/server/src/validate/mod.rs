@@ -38,7 +38,9 @@ pub use stop::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS};
 
 /// Fields other servers define whose feature TokenSpeed does not have: refused with a 400
 /// naming them (accepting them would silently change what the client asked for), unless
-/// given at their neutral value (null, false, empty).
+/// given at their neutral value (null, false, empty; `NEUTRAL_TRUE`: null or true), which is
+/// accepted silently. SGLang's router re-serializes each request with its own fields spelled
+/// out at their defaults (`no_stop_trim` ... `return_entropy` below).
 const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     (
         "guided_decoding_backend",
@@ -59,11 +61,31 @@ const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     ("use_beam_search", "beam search"),
     ("logprob_token_ids", "logprobs of chosen token ids"),
     ("kv_transfer_params", "disaggregated prefill (KV transfer)"),
+    (
+        "no_stop_trim",
+        "SGLang's spelling of include_stop_str_in_output",
+    ),
+    ("separate_reasoning", "leaving the reasoning in the content"),
+    ("stream_reasoning", "holding streamed reasoning back"),
+    ("log_metrics", "leaving a request out of the metrics"),
+    ("no_logs", "leaving a request out of the logs"),
+    ("background", "background requests"),
+    ("return_bytes", "image bytes output"),
+    ("return_entropy", "entropy output"),
 ];
+
+/// Fields of `NOT_IMPLEMENTED` whose neutral value is `true` (SGLang's default): `false` asks.
+const NEUTRAL_TRUE: &[&str] = &["separate_reasoning", "stream_reasoning", "log_metrics"];
+
+/// Whether `name` is a field of `NOT_IMPLEMENTED`: known, so never warned about as unknown.
+pub fn is_unbuilt_field(name: &str) -> bool {
+    NOT_IMPLEMENTED.iter().any(|(n, _)| *n == name)
+}
 
 /// Refuses a field of `NOT_IMPLEMENTED` set to anything but its neutral value.
 pub fn unsupported_fields(extra: &Map<String, Value>) -> Result<(), RequestError> {
-    let neutral = |v: &Value| match v {
+    let neutral = |name: &str, v: &Value| match v {
+        Value::Bool(b) if NEUTRAL_TRUE.contains(&name) => *b,
         Value::Null | Value::Bool(false) => true,
         Value::String(s) => s.is_empty(),
         Value::Array(a) => a.is_empty(),
@@ -71,7 +93,7 @@ pub fn unsupported_fields(extra: &Map<String, Value>) -> Result<(), RequestError
         Value::Bool(true) | Value::Number(_) => false,
     };
     for (name, feature) in NOT_IMPLEMENTED {
-        if extra.get(*name).is_some_and(|v| !neutral(v)) {
+        if extra.get(*name).is_some_and(|v| !neutral(name, v)) {
             return Err(RequestError::bad_param(
                 name,
                 format!(
