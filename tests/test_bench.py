@@ -28,7 +28,8 @@ from tokenspeed.bench.datasets import (
     sharegpt_dataset,
 )
 from tokenspeed.bench.metrics import RequestResult, arrival_offsets, compute_metrics, verify_lengths
-from tokenspeed.bench.serve import LoopLag, engine_itl, parse_itl_buckets
+from tokenspeed.bench.sender import LoopLag
+from tokenspeed.bench.serve import engine_itl, parse_itl_buckets
 
 
 class WordTokenizer:
@@ -507,16 +508,16 @@ def test_request_tasks_start_all_at_once_unless_staggered(
     first request goes out while it is the only one."""
     import asyncio
 
-    from tokenspeed.bench import serve
+    from tokenspeed.bench import sender
 
     seen: list[int] = []  # request tasks alive at each send
-    real_send = serve.send
+    real_send = sender.send
 
     async def counting_send(*a: object, **kw: object) -> RequestResult:
-        seen.append(sum("_send_all.<locals>.one" in t.get_coro().__qualname__ for t in asyncio.all_tasks()))
+        seen.append(sum("send_all.<locals>.one" in t.get_coro().__qualname__ for t in asyncio.all_tasks()))
         return await real_send(*a, **kw)
 
-    monkeypatch.setattr(serve, "send", counting_send)
+    monkeypatch.setattr(sender, "send", counting_send)
     out = tmp_path / "runs.jsonl"
     n = 12
     args = ["serve", "--base-url", fake_server, "--tokenizer", _write_word_tokenizer(tmp_path),

@@ -172,7 +172,7 @@ def format_metrics(m: dict, header: dict[str, object]) -> str:
         lines.append(_line("Engine ITL gaps over 300 ms:", itl["over_300ms"]))
         lines.append(_line("Engine max ITL at most (ms):", itl["max_le_ms"]))
     lag = m.get("client_loop_lag")
-    if isinstance(lag, dict):  # serve.LoopLag: gaps this client's own event loop made
+    if isinstance(lag, dict):  # sender.LoopLag: gaps this client's own event loop made
         lines.append(_line("Client event loop max lateness (ms):", lag["max_ms"]))
         lines.append(_line("Client event loop lateness p99 (ms):", lag["p99_ms"]))
     lines.append("=" * 51)

@@ -1,7 +1,7 @@
 """`bench serve --num-client-processes N`: the measured requests sent from N processes.
 
 One Python process with one event loop cannot read S1's ~50k SSE events a second in time: on an
-H100 its loop woke up to 1.8 s late (serve.LoopLag) while the engine's own inter-token gaps stayed
+H100 its loop woke up to 1.8 s late (sender.LoopLag) while the engine's own inter-token gaps stayed
 under 300 ms, so the client's max ITL was the client's. Here the request list (built once, in the
 parent, with its seeds) is dealt round-robin to N spawned workers, request i to worker i % N, each
 with its own event loop and httpx clients. They start at one shared instant, each request at its
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from tokenspeed.bench.datasets import BenchRequest
 from tokenspeed.bench.metrics import RequestResult
+from tokenspeed.bench.sender import LoopLag, open_clients, payload_fn, send_all
 
 MAX_AUTO = 8
 START_MARGIN_S = 0.05  # from the parent's "go" to the shared start: the pipes' latency, with room
@@ -131,7 +132,7 @@ class ClientProcesses:
 
     def run(self) -> tuple[list[RequestResult], list[float]]:
         """Every worker sends its requests from one shared start; returns the results in request
-        order and the event-loop lateness samples of all workers (serve.LoopLag)."""
+        order and the event-loop lateness samples of all workers (sender.LoopLag)."""
         start = time.perf_counter() + START_MARGIN_S
         for conn in self.conns:
             conn.send(("go", start))
@@ -171,20 +172,18 @@ async def _worker_run(conn: Connection, args: argparse.Namespace, reqs: list[Ben
     start, send every request at start + its offset, return the results and the loop's lateness."""
     import contextlib
 
-    from tokenspeed.bench import serve
-
     args.disable_tqdm = True  # N bars on one terminal; the parent prints the totals
-    clients = serve._open_clients(args, len(reqs))
+    clients = open_clients(args, len(reqs))
     async with contextlib.AsyncExitStack() as stack:
         for c in clients:
             await stack.enter_async_context(c)
         conn.send(("ready", time.perf_counter()))
         _, start = await asyncio.to_thread(conn.recv)
-        lag = serve.LoopLag()
+        lag = LoopLag()
         await asyncio.sleep(max(0.0, start - time.perf_counter()))
         probe = asyncio.ensure_future(lag.run())
         try:
-            results = await serve._send_all(args, reqs, clients, serve.payload_fn(args, model, ignore_eos),
+            results = await send_all(args, reqs, clients, payload_fn(args, model, ignore_eos),
                                             offsets=offsets, start=start)
         finally:
             probe.cancel()

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -54,9 +54,6 @@ from tokenspeed.layers.kv_cache import PagedKVCache
 from tokenspeed.worker.draft_rows import ChainLayout, HeadRows, chain_layout, scratch_pages, step_rows
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import StepOutput, StepPlan
-
-if TYPE_CHECKING:
-    from tokenspeed.worker.draft_graph import DraftGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +126,13 @@ def load_drafter(runner: Any, spec: DraftSpec | None, model_path: str, load_form
     return drafter
 
 
+class DraftGraphs(Protocol):
+    """What the drafter asks of its CUDA graphs (worker/draft_graph.py `DraftGraphRunner`)."""
+
+    def holds(self, rows: HeadRows, chain: ChainLayout, aux: torch.Tensor) -> bool: ...
+    def run(self, rows: HeadRows, chain: ChainLayout) -> np.ndarray: ...
+
+
 class ChainDrafter:
     """A draft head, its KV beside the target's pool, and the drafting after each step."""
 
@@ -145,8 +149,9 @@ class ChainDrafter:
         self.pool: PagedKVCache | None = None  # the target's (its page table)
         self.cache: PagedKVCache | None = None  # the head's, and its attention backend
         self.backend: Any = None
-        # Its CUDA graphs after pure verify steps (worker/draft_graph.py); None: eager only.
-        self.graphs: DraftGraphRunner | None = None
+        # Its CUDA graphs after pure verify steps (worker/draft_graph.py's DraftGraphRunner,
+        # which imports this module: so a Protocol here); None: eager only.
+        self.graphs: DraftGraphs | None = None
         # Per slot: the position of a prompt chunk's last token (-1: none) whose next token is
         # the next chunk's first, and (`carry_aux`, on the device) its target hidden state.
         self.carry_pos = np.zeros(0, np.int64)
