@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from tokenspeed.layers.linear import ColumnLinear, RowLinear
 from tokenspeed.layers.moe import FusedMoE
-from tokenspeed.layers.quantization.fp8 import FP8, fp8_linear, reference_block_linear
+from tokenspeed.layers.quantization.fp8 import FP8, fp8_linear, quantize_blocks, reference_block_linear
 from tokenspeed.layers.quantization.methods import QuantizationError, resolve_quantization
 from tokenspeed.worker.model_runner import ModelRunner
 from tokenspeed.worker.offline_scheduler import OfflineScheduler
@@ -36,14 +36,18 @@ CONFIG = DeepseekV3Config(
 PROMPT = [(7 * j) % 250 + 3 for j in range(13)]
 
 
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/128), ceil(K/128)]), each tile's amax at 448."""
-    n, k = w.shape
-    rows, cols = -(-n // 128), -(-k // 128)
-    padded = torch.nn.functional.pad(w.float(), (0, cols * 128 - k, 0, rows * 128 - n))
-    scale = padded.view(rows, 128, cols, 128).abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    return (w.float() / full).clamp(-448, 448).to(FP8), scale
+def tiles(n: int, k: int, grid: torch.Tensor) -> torch.Tensor:
+    """A [ceil(N/128), ceil(K/128)] grid spread over its [N, K] tiles."""
+    return grid.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+
+
+def quantize_tiled(t: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(fp8, scale_inv, dequantised) of `t` with each 128x128 tile first scaled by its own
+    power of two (1/8 ... 8), so that a scale read for the wrong tile shows in the output."""
+    n, k = t.shape
+    grid = 2.0 ** torch.randint(-3, 4, (-(-n // 128), -(-k // 128)), generator=gen).float()
+    q, s = quantize_blocks(t * tiles(n, k, grid))
+    return q, s, q.float() * tiles(n, k, s)
 
 
 def _quantised(name: str) -> bool:
@@ -67,11 +71,8 @@ def v3_fp8(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, torch.nn.Modu
         if not _quantised(name):
             out[name] = t
             continue
-        n, k = t.shape
-        tile = 2.0 ** torch.randint(-3, 4, (-(-n // 128), -(-k // 128)), generator=gen).float()
-        q, s = quantize_blocks(t * tile.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k])
+        q, s, deq[name] = quantize_tiled(t, gen)
         out[name], out[name + "_scale_inv"] = q, s
-        deq[name] = q.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         fp8_elems += q.numel()
     dst = tmp_path_factory.mktemp("v3_fp8")
     save_file(out, str(dst / "model.safetensors"))

@@ -17,7 +17,7 @@ import torch
 from deepseek_mtp_model import MtpModel, hf_greedy, make_mtp_model, reference_drafts
 from safetensors.torch import load_file, save_file
 from spec_checks import drafts_follow_the_reference
-from test_fp8_block_weights import V3_QUANT, quantize_blocks
+from test_fp8_block_weights import V3_QUANT, quantize_tiled
 from transformers import AutoModelForCausalLM
 
 from tokenspeed.layers.quantization.fp8 import FP8
@@ -38,10 +38,6 @@ def _quantised(name: str) -> bool:
     not the MTP layer's own eh_proj / shared_head, the router, norms, embeddings, head."""
     return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_with_mqa.weight")) \
         and ".eh_proj." not in name
-
-
-def _tiles(n: int, k: int, tile: torch.Tensor) -> torch.Tensor:
-    return tile.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
 
 
 def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,11 +69,8 @@ def fp8_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, MtpModel]:
         if not _quantised(name):
             out[name] = t
             continue
-        n, k = t.shape
-        tile = 2.0 ** torch.randint(-3, 4, (-(-n // 128), -(-k // 128)), generator=gen).float()
-        q, s = quantize_blocks(t * _tiles(n, k, tile))
+        q, s, deq[name] = quantize_tiled(t, gen)
         out[name], out[name + "_scale_inv"] = q, s
-        deq[name] = q.float() * _tiles(n, k, s)
     dst = tmp_path_factory.mktemp("mtp_fp8")
     save_file(out, str(dst / file.name), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
