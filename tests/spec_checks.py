@@ -4,6 +4,7 @@ and a server's greedy answers against plain decoding's."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -110,16 +111,23 @@ class BatchDrafting:
 
 def assert_drafts_reported(server: Server, algorithm: str, chain: int) -> dict:
     """After some answers: the server verified drafts of `algorithm` (a chain of `chain`), and
-    /get_server_info and /metrics count them alike. Returns the server info."""
-    info = server.info()
+    /get_server_info and /metrics count them alike once the engine is idle (a request just
+    ended by a stop string may still finish a step between the two reads: read both again
+    until they agree, for at most 10 s). Returns the server info."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        info = server.info()
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        drafted = [float(ln.split()[-1]) for ln in metrics.splitlines()
+                   if ln.startswith("tokenspeed:spec_decode_num_draft_tokens_total")]
+        if drafted == [info["engine"]["spec_draft_tokens"]] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert info["speculative_algorithm"] == algorithm
     assert info["speculative_num_draft_tokens"] == chain
     assert info["disable_overlap_schedule"] is True
     engine = info["engine"]
     assert engine["spec_draft_tokens"] > 0 and engine["spec_verify_steps"] > 0
     assert 0 <= engine["spec_accepted_tokens"] <= engine["spec_draft_tokens"]
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    drafted = [ln for ln in metrics.splitlines()
-               if ln.startswith("tokenspeed:spec_decode_num_draft_tokens_total")]
-    assert drafted and float(drafted[0].split()[-1]) == engine["spec_draft_tokens"]
+    assert drafted == [engine["spec_draft_tokens"]], (drafted, engine["spec_draft_tokens"])
     return info
