@@ -9,7 +9,7 @@ weights, benches/scenarios/gpu_bench.py's server) runs, in this order:
   S2  online:   1024 in / 256 out at 8 req/s (Poisson, seed 0), 600 prompts (random-ids; --s2-prompts)
   S1  offline:  1024 in / 1024 out, 2000 prompts (dataset `random`: TEXT prompts, re-tokenized to
                 1024 tokens), all sent at t=0 with no staggering (`bench serve`'s default; --s1-prompts),
-                from 4 client processes (`--num-client-processes 4`, S1_CLIENT_ARGS: one Python event
+                from 4 client processes (`--num-client-processes 4`, --s1-client-processes: one Python event
                 loop cannot read S1's ~50k SSE events/s in time and its lateness showed up as max ITL)
 Metrics: S1 output tok/s (higher is better) and max ITL ms; S2 median TTFT ms and p99 ITL ms; S3
 median TPOT ms (ms/token) and median TTFT ms (lower is better). One markdown table:
@@ -92,7 +92,7 @@ SCENARIOS = ("S3", "S2", "S1")  # the order on each server: the short ones first
 STANDARD_PROMPTS = {"S1": 2000, "S2": 600, "S3": 10}
 # S1's ~2,000 streams at once are more than one client event loop reads in time (issue 29: its
 # loop woke up to 1.8 s late while the engine's gaps stayed <= 300 ms): 4 processes send them.
-S1_CLIENT_ARGS = ["--num-client-processes", "4"]
+S1_CLIENT_PROCESSES = 4
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,13 @@ class Workload:
     standard: bool  # BENCHMARKS.md's size (only those are comparable with the baseline)
 
 
-def workloads(quick: bool = False, s1_prompts: int = 2000, s2_prompts: int = 600) -> dict[str, Workload]:
+def workloads(quick: bool = False, s1_prompts: int = 2000, s2_prompts: int = 600,
+              s1_processes: int = S1_CLIENT_PROCESSES) -> dict[str, Workload]:
     def ds(name: str, inp: int, out: int, n: int) -> list[str]:
         return ["--dataset-name", name, "--random-input-len", str(inp), "--random-output-len", str(out),
                 "--num-prompts", str(n)]
 
+    s1_client = ["--num-client-processes", str(s1_processes)]
     if quick:
         return {
             "S3": Workload("S3", "quick: 32 in / 32 out, conc 1, 3 prompts",
@@ -136,7 +138,7 @@ def workloads(quick: bool = False, s1_prompts: int = 2000, s2_prompts: int = 600
                            ds("random-ids", 64, 16, 16) + ["--request-rate", "8", "--seed", "0"], 16, 20,
                            120, False),
             "S1": Workload("S1", "quick: 64 in / 64 out, 32 text prompts, all at once",
-                           ds("random", 64, 64, 32) + S1_CLIENT_ARGS, 32, 20, 180, False),
+                           ds("random", 64, 64, 32) + s1_client, 32, 20, 180, False),
         }
     s2_s = s2_prompts / 8.0
     s1_s = s1_prompts * 1024 / 7000.0  # ~7,300 output tok/s on an H100 in bf16
@@ -147,7 +149,7 @@ def workloads(quick: bool = False, s1_prompts: int = 2000, s2_prompts: int = 600
                        ds("random-ids", 1024, 256, s2_prompts) + ["--request-rate", "8", "--seed", "0"],
                        s2_prompts, s2_s + 30, s2_s * 1.5 + 120, s2_prompts == STANDARD_PROMPTS["S2"]),
         "S1": Workload("S1", f"1024 in / 1024 out, {s1_prompts} text prompts, all at once",
-                       ds("random", 1024, 1024, s1_prompts) + S1_CLIENT_ARGS, s1_prompts, s1_s + 30, s1_s * 1.6 + 90,
+                       ds("random", 1024, 1024, s1_prompts) + s1_client, s1_prompts, s1_s + 30, s1_s * 1.6 + 90,
                        s1_prompts == STANDARD_PROMPTS["S1"]),
     }
 
@@ -444,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only-precision", default=None, help="comma-separated precisions (bf16,fp8-kv,fp8-both)")
     p.add_argument("--s1-prompts", type=int, default=STANDARD_PROMPTS["S1"],
                    help="S1's prompts (default 2000; fewer is not comparable with the baseline)")
+    p.add_argument("--s1-client-processes", type=int, default=S1_CLIENT_PROCESSES,
+                   help="client processes sending S1 (default 4; 1 is how S1 was measured before session 26)")
     p.add_argument("--s2-prompts", type=int, default=STANDARD_PROMPTS["S2"],
                    help="S2's prompts (default 600; fewer is not comparable with the baseline)")
     p.add_argument("--rerun", action="store_true", help="run again what --out already holds")
@@ -467,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     precisions = pick(a.only_precision, PRECISIONS, "precision")
     scenarios = pick(a.only, SCENARIOS, "scenario")
-    wl = workloads(a.quick, a.s1_prompts, a.s2_prompts)
+    wl = workloads(a.quick, a.s1_prompts, a.s2_prompts, a.s1_client_processes)
     if a.report_only:
         results = [e for e in load_results(out) if bool(e.get("quick")) == a.quick]
         gpu = a.gpu or (results[-1]["gpu"] if results else "unknown")
