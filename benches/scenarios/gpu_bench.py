@@ -117,7 +117,12 @@ def start_server(ctx: Ctx, model_dir: Path, tag: str, extra: list[str],
     log = open(ctx.out / f"server_{tag}.log", "w")  # noqa: SIM115  (the server writes it)
     print(f"$ {' '.join(cmd)}", flush=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # An A/B of another commit's server with this checkout's client: TOKENSPEED_SERVER_PYTHONPATH
+    # names where that commit's wheel is installed (the client stays on PYTHONPATH).
+    env = dict(os.environ)
+    if os.environ.get("TOKENSPEED_SERVER_PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["TOKENSPEED_SERVER_PYTHONPATH"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
