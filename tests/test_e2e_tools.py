@@ -183,6 +183,11 @@ def test_reasoning_split_follows_enable_thinking(reasoning_server: Server, rclie
     r = create(rclient, **off)
     assert whole_message(r) == {"content": raw, "reasoning_content": None, "tool_calls": []}
     assert stream_message(rclient, **off)[0] == whole_message(r)
+    # SGLang's separate_reasoning: false leaves the reasoning in the content.
+    kept = {"max_tokens": 16, "extra_body": {"separate_reasoning": False}}
+    r = create(rclient, **kept)
+    assert whole_message(r) == {"content": raw, "reasoning_content": None, "tool_calls": []}
+    assert stream_message(rclient, **kept)[0] == whole_message(r)
 
 
 def test_grammar_after_reasoning(rclient: openai.OpenAI) -> None:

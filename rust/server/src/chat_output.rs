@@ -131,6 +131,9 @@ pub struct OutputStage {
     /// The model writes GPT-OSS's harmony (either parser flag named it): one parser reads the
     /// whole output, the request's tools or not.
     pub harmony: bool,
+    /// SGLang's `separate_reasoning` (default true); false leaves the reasoning in the content.
+    /// The grammar still starts after it (`starts_in_reasoning`): only the output changes.
+    pub separate_reasoning: bool,
 }
 
 /// A whole answer, split. Empty strings are the API layer's to map to null.
@@ -158,7 +161,12 @@ impl MessageDelta {
 impl OutputStage {
     /// Text goes through untouched (content only).
     pub fn is_passthrough(&self) -> bool {
-        self.reasoning.is_none() && self.tools == ToolMode::Off && !self.harmony
+        self.split_reasoning().is_none() && self.tools == ToolMode::Off && !self.harmony
+    }
+
+    /// The reasoning format the output is split by (none when the request keeps it in the content).
+    fn split_reasoning(&self) -> Option<ReasoningFormat> {
+        self.reasoning.filter(|_| self.separate_reasoning)
     }
 
     /// Whether output begins inside the reasoning (a grammar then starts after it). Harmony's
@@ -197,7 +205,7 @@ impl OutputStage {
             }
             return drop_blank_content(out);
         }
-        let answer = match self.reasoning {
+        let answer = match self.split_reasoning() {
             Some(r) => {
                 let split = r.parse(text, self.enable_thinking);
                 out.reasoning_content = split.reasoning_content;
@@ -228,7 +236,7 @@ impl OutputStage {
         let harmony = self.harmony;
         OutputStream {
             reasoning: self
-                .reasoning
+                .split_reasoning()
                 .filter(|_| !harmony)
                 .map(|r| r.stream(self.enable_thinking)),
             tools: match &self.tools {

@@ -15,6 +15,7 @@ fn stage(reasoning: Option<&str>, thinking: Option<bool>, tools: ToolMode) -> Ou
         enable_thinking: thinking,
         tools,
         harmony,
+        separate_reasoning: true,
     }
 }
 
@@ -98,6 +99,24 @@ fn reasoning_then_hermes_calls() {
         serde_json::from_str(&m.tool_calls[0].arguments).expect("json arguments");
     assert_eq!(args["unit"], "°C");
     assert_eq!(m.tool_calls[1].arguments, "{}");
+}
+
+#[test]
+fn separate_reasoning_false_keeps_the_reasoning_in_the_content() {
+    let text = "<think>Paris is in France.</think>\n\nIt is sunny in Paris.";
+    let split = check_splits(&stage(Some("qwen3"), None, ToolMode::Off), text);
+    assert_eq!(split.reasoning_content, "Paris is in France.");
+    let kept = OutputStage {
+        separate_reasoning: false,
+        ..stage(Some("qwen3"), None, ToolMode::Off)
+    };
+    // The grammar still starts after the reasoning; only the output is left whole.
+    assert!(kept.starts_in_reasoning() && kept.is_passthrough());
+    let m = check_splits(&kept, text);
+    assert_eq!(
+        (m.reasoning_content.as_str(), m.content.as_str()),
+        ("", text)
+    );
 }
 
 #[test]

@@ -167,6 +167,9 @@ pub struct ChatCompletionRequest {
     pub echo: Option<bool>,
     /// vLLM's and SGLang's admission priority (`validate::priority`).
     pub priority: Option<i64>,
+    /// SGLang's: false leaves the reasoning in `content` (default true: with
+    /// `--reasoning-parser`, it goes to `reasoning_content`).
+    pub separate_reasoning: Option<bool>,
     /// SGLang's PD router's KV transfer id, and where it says the pair meets
     /// (`validate::bootstrap`).
     pub bootstrap_room: Option<u64>,
@@ -413,7 +416,6 @@ mod tests {
         // Each asks for what TokenSpeed does not build at its other value: a 400 naming it.
         for (field, asks) in [
             ("no_stop_trim", json!(true)),
-            ("separate_reasoning", json!(false)),
             ("stream_reasoning", json!(false)),
             ("log_metrics", json!(false)),
             ("no_logs", json!(true)),

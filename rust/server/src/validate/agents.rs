@@ -58,6 +58,8 @@ pub fn agent_chat(
         echo: None,
         // Admission priority: the default (a non-zero `priority` is refused as unbuilt).
         priority: None,
+        // SGLang's chat field; these routes have no such field: the reasoning is split.
+        separate_reasoning: None,
         bootstrap_room: None,
         bootstrap_host: None,
         bootstrap_port: None,

@@ -297,11 +297,20 @@ pub fn output_stage(
         .as_ref()
         .and_then(|k| k.get(thinking_kwarg))
         .and_then(Value::as_bool);
+    let separate_reasoning = req.separate_reasoning.unwrap_or(true);
+    if !separate_reasoning && parsers.harmony() {
+        return Err(RequestError::bad_param(
+            "separate_reasoning",
+            "GPT-OSS's harmony output is read by one parser that always takes its analysis \
+             channel apart: 'separate_reasoning: false' is not supported with it",
+        ));
+    }
     let stage = OutputStage {
         reasoning: parsers.reasoning,
         enable_thinking,
         tools,
         harmony: parsers.harmony(),
+        separate_reasoning,
     };
     let model_markup = matches!(stage.tools, ToolMode::Parse { format, .. } if format != ToolCallFormat::JsonArray);
     if (model_markup || stage.harmony) && req.sampling.skip_special_tokens.is_none() {

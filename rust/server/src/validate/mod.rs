@@ -65,7 +65,6 @@ const NOT_IMPLEMENTED: &[(&str, &str)] = &[
         "no_stop_trim",
         "SGLang's spelling of include_stop_str_in_output",
     ),
-    ("separate_reasoning", "leaving the reasoning in the content"),
     ("stream_reasoning", "holding streamed reasoning back"),
     ("log_metrics", "leaving a request out of the metrics"),
     ("no_logs", "leaving a request out of the logs"),
@@ -75,7 +74,7 @@ const NOT_IMPLEMENTED: &[(&str, &str)] = &[
 ];
 
 /// Fields of `NOT_IMPLEMENTED` whose neutral value is `true` (SGLang's default): `false` asks.
-const NEUTRAL_TRUE: &[&str] = &["separate_reasoning", "stream_reasoning", "log_metrics"];
+const NEUTRAL_TRUE: &[&str] = &["stream_reasoning", "log_metrics"];
 
 /// Whether `name` is a field of `NOT_IMPLEMENTED`: known, so never warned about as unknown.
 pub fn is_unbuilt_field(name: &str) -> bool {
