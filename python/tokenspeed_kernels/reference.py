@@ -16,6 +16,17 @@ def _gather_kv(
     return cache[pages].reshape(-1, cache.shape[2], cache.shape[3])[:length].to(dtype)
 
 
+def softmax_with_sinks(s: torch.Tensor, sinks: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+    """Softmax over the last axis of scores s (fp32); with sinks (one logit per head, axis
+    `head_dim` of s), one more score per row that joins the denominator and carries no value."""
+    if sinks is None:
+        return torch.softmax(s.float(), dim=-1)
+    shape = [1] * s.dim()
+    shape[head_dim] = -1
+    sink = sinks.float().view(shape).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s.float(), sink], dim=-1), dim=-1)[..., :-1]
+
+
 def ref_paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -25,9 +36,10 @@ def ref_paged_decode_attention(
     scale: float,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention of q [B, Hq, D] over the paged cache (window: its last `window` keys);
-    returns [B, Hq, D] in `dtype`."""
+    """Decode attention of q [B, Hq, D] over the paged cache (window: its last `window` keys;
+    sinks: [Hq] sink logits); returns [B, Hq, D] in `dtype`."""
     batch, hq, _ = q.shape
     group = hq // k_cache.shape[2]
     lens = seq_lens.tolist()
@@ -39,7 +51,7 @@ def ref_paged_decode_attention(
         s = torch.einsum("hd,thd->ht", q[b].to(dtype), k) * scale
         if window:
             s[:, : max(0, length - window)] = float("-inf")
-        p = torch.softmax(s.float(), dim=-1).to(dtype)
+        p = softmax_with_sinks(s, sinks, 0).to(dtype)
         out[b] = torch.einsum("ht,thd->hd", p, v)
     return out
 
@@ -87,9 +99,10 @@ def ref_paged_extend_attention(
     scale: float,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Extend attention (causal over new tokens, full over the cached prefix; window: only keys
-    within `window` positions of each query); returns [T, Hq, D]."""
+    within `window` positions of each query; sinks: [Hq] sink logits); returns [T, Hq, D]."""
     hq = q.shape[1]
     group = hq // k_cache.shape[2]
     starts = q_start_loc.tolist()
@@ -108,7 +121,7 @@ def ref_paged_extend_attention(
         s = s.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
         if window:
             s = s.masked_fill(kpos[None, None, :] <= qpos[None, :, None] - window, float("-inf"))
-        p = torch.softmax(s, dim=-1).to(dtype)
+        p = softmax_with_sinks(s, sinks, 0).to(dtype)
         out[s0:s1] = torch.einsum("hqt,thd->qhd", p, v)
     return out
 
