@@ -220,11 +220,23 @@ def ref_moe_route(router_logits: torch.Tensor, top_k: int,
     return weights, ids
 
 
+def ref_swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU (HF GptOssExperts): gate <= limit, |up| <= limit, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None,
+                  swiglu_oai: tuple[float, float] | None = None) -> torch.Tensor:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts e = ids[t, j] held
-    here ([expert_start, expert_start + w13.shape[0])), computed in `dtype`; returns [T, H] in `dtype`."""
+    here ([expert_start, expert_start + w13.shape[0])), computed in `dtype`; returns [T, H] in `dtype`.
+    b13 [E, 2I] / b2 [E, H]: expert biases; swiglu_oai: (alpha, limit) of GPT-OSS's activation
+    in place of SiLU."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=dtype, device=x.device)
     for e in range(w13.shape[0]):
@@ -232,8 +244,16 @@ def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         if tok.numel() == 0:
             continue
         h = x[tok].to(dtype) @ w13[e].to(dtype).T
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        out.index_add_(0, tok, (h @ w2[e].to(dtype).T) * topk_weights[tok, slot, None].to(dtype))
+        if b13 is not None:
+            h = h + b13[e].to(dtype)
+        if swiglu_oai is None:
+            h = F.silu(h[:, :inter]) * h[:, inter:]
+        else:
+            h = ref_swiglu_oai(h[:, :inter], h[:, inter:], *swiglu_oai)
+        d = h @ w2[e].to(dtype).T
+        if b2 is not None:
+            d = d + b2[e].to(dtype)
+        out.index_add_(0, tok, d * topk_weights[tok, slot, None].to(dtype))
     return out
 
 

@@ -25,7 +25,9 @@ triton: fused_moe with the scales).
 
 Backends: `torch_native` (CPU and reference: a loop over the experts that receive tokens, which
 reads the per-expert counts on the host, so it cannot run inside a CUDA graph) and `triton`
-(tokenspeed_kernels.fused_moe: no host syncs, the default on CUDA, used in decode graphs).
+(tokenspeed_kernels.fused_moe: no host syncs, the default on CUDA, used in decode graphs). Both
+take expert biases and GPT-OSS's clamped SwiGLU (`ExpertActivation`; triton: fused into its
+grouped GEMMs' epilogues).
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ class SingleRank:
 class ExpertActivation:
     """The experts' gated activation: SiLU(gate) * up (`silu`), or GPT-OSS's clamped SwiGLU
     (`swiglu_oai`): gate clamped above at `limit`, up to [-limit, limit], then
-    (up + 1) * gate * sigmoid(alpha * gate)."""
+    (up + 1) * gate * sigmoid(alpha * gate). The triton backend's is
+    tokenspeed_kernels.activation.gated_act (the same kinds by name)."""
 
     kind: str = "silu"
     alpha: float = 1.702
@@ -180,10 +183,6 @@ class FusedMoE(nn.Module):
                  renormalize: bool, options: MoeOptions = MoeOptions(), bias: bool = False,
                  activation: ExpertActivation = ExpertActivation()) -> None:
         super().__init__()
-        if options.backend == "triton" and (bias or activation.kind != "silu"):
-            raise NotImplementedError(
-                f"--moe-backend triton has no expert biases or {activation.kind!r} activation "
-                "(GPT-OSS) yet; use --moe-backend torch_native")
         p = options.parallel
         if num_experts % p.ep_size or intermediate_size % p.tp_size:
             raise ValueError(f"{num_experts} experts x {intermediate_size} intermediate do not "
@@ -331,9 +330,12 @@ class FusedMoE(nn.Module):
 
         weights, ids = routing if isinstance(routing, Routing) else self.route(routing)
         if self.backend == "triton":
+            a = self.activation
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_start,
                              w13_scale=self.gate_up_proj_scale, w2_scale=self.down_proj_scale,
-                             block=self.block or (128, 128))
+                             block=self.block or (128, 128), w13_bias=self.gate_up_proj_bias,
+                             w2_bias=self.down_proj_bias, activation=a.kind, alpha=a.alpha,
+                             limit=a.limit)
         return moe_torch_native(x, self.gate_up_proj, self.down_proj, weights, ids,
                                 self.expert_start, self.gate_up_proj_bias, self.down_proj_bias,
                                 self.activation, self.gate_up_proj_scale, self.down_proj_scale)
