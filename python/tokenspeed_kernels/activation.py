@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 ACTIVATIONS = ("silu", "swiglu_oai")  # gated_act's ACT values, by index
 
 

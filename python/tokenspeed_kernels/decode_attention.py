@@ -312,8 +312,9 @@ def decode_semaphores(device: torch.device, count: int) -> torch.Tensor:
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
-                  v_scale: float) -> None:
+                  v_scale: float, sinks: torch.Tensor | None) -> None:
     assert q.shape[1] % k_cache.shape[2] == 0, "Hq must be a multiple of Hkv"
+    assert sinks is None or (sinks.shape == q.shape[1:2] and sinks.is_contiguous()), "sinks: [Hq]"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert v_cache.dtype == k_cache.dtype
     assert is_fp8(k_cache.dtype) or (k_scale == 1.0 and v_scale == 1.0), "scales need an fp8 cache"
@@ -354,8 +355,7 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     fp8_f16_dots: bool = True,
     prefetch: bool | None = None,
-    window: int | None = None,
-    sinks: torch.Tensor | None = None,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged KV cache (window: only the last
     `window` keys, sliding-window attention; sinks: [Hq] per-head sink logits (GPT-OSS), one
@@ -373,8 +373,7 @@ def paged_decode_attention(
     """
     batch, hq, head_dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
-    _check_inputs(q, k_cache, v_cache, k_scale, v_scale)
-    assert sinks is None or (sinks.shape == (hq,) and sinks.is_contiguous()), "sinks: [Hq]"
+    _check_inputs(q, k_cache, v_cache, k_scale, v_scale, sinks)
     group = hq // hkv
     # fp8 (or any other cache dtype than q's): converted to q's dtype in registers.
     kv_cast = k_cache.dtype != q.dtype
@@ -407,8 +406,7 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), KV_CAST=kv_cast,
         Q_F16=fp8_f16_dots and kv_cast and q.dtype in (torch.float16, torch.bfloat16),
         FUSED_REDUCE=fused_reduce, BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s,
-        BLOCK_CS=block_cs, PREFETCH=prefetch, HAS_SINKS=sinks is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_CS=block_cs, PREFETCH=prefetch, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if fused_reduce:
         return out

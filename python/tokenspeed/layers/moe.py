@@ -44,11 +44,10 @@ MOE_BACKENDS = ("triton", "torch_native")
 GRAPH_SAFE_MOE_BACKENDS = ("triton",)
 
 
-def resolve_moe_backend(name: str | None, device: torch.device, native_only: bool = False) -> str:
-    """None/"auto": triton on CUDA, torch_native elsewhere or for a model only torch_native
-    implements (`native_only`)."""
+def resolve_moe_backend(name: str | None, device: torch.device) -> str:
+    """None/"auto": triton on CUDA, torch_native elsewhere."""
     if name in (None, "", "auto"):
-        return "triton" if device.type == "cuda" and not native_only else "torch_native"
+        return "triton" if device.type == "cuda" else "torch_native"
     if name not in MOE_BACKENDS:
         raise ValueError(f"--moe-backend {name!r} is not one of {', '.join(MOE_BACKENDS)}")
     if name == "triton" and device.type != "cuda":
