@@ -93,13 +93,15 @@ NEW_TOKENS = 16
 @dataclass(frozen=True)
 class Case:
     """A config served with `max_context_len` on `prompts`, `new_tokens` each, by the
-    `backend` attention backend (triton: under the Triton interpreter on the CPU)."""
+    `backend` attention backend and the `moe_backend` MoE backend (triton: under the Triton
+    interpreter on the CPU)."""
 
     config: str
     max_context_len: int = 128
     prompts: tuple[tuple[int, ...], ...] = tuple(map(tuple, PROMPTS))
     new_tokens: int = NEW_TOKENS
     backend: str = "torch_native"
+    moe_backend: str = "auto"
 
 
 CASES: dict[str, Case] = {
@@ -113,6 +115,10 @@ CASES: dict[str, Case] = {
     "gemma3_triton": Case("gemma3", prompts=tuple(map(tuple, _prompts([19, 11]))), new_tokens=4,
                           backend="triton"),
     "gpt_oss": Case("gpt_oss"),
+    # Sinks in the triton decode / extend kernels, with and without the sliding window (layer by
+    # layer), experts through fused_moe (biases, clamped SwiGLU): prefill chunks past the window.
+    "gpt_oss_triton": Case("gpt_oss", prompts=tuple(map(tuple, _prompts([19, 11]))), new_tokens=4,
+                           backend="triton", moe_backend="triton"),
     "deepseek_v3": Case("deepseek_v3"),
     "deepseek_v2": Case("deepseek_v2"),
     # MLA through tokenspeed_kernels: prefill chunks (mla_extend_attention) and decode.
@@ -161,8 +167,10 @@ def test_family_greedy_matches_hf(family_models: Callable[[str], tuple], case: s
     prompts = [list(p) for p in c.prompts]
     ref_tokens, ref_logits = hf_one_by_one(model, prompts, c.new_tokens)
     runner = ModelRunner(path, page_size=4, max_slots=8, max_context_len=c.max_context_len, seed=0,
-                         attention_backend=c.backend)
+                         attention_backend=c.backend, moe_backend=c.moe_backend)
     assert runner.config.architecture == type(model).__name__
+    assert runner.attention_backend == c.backend
+    assert c.moe_backend == "auto" or runner.moe_backend == c.moe_backend
     assert_matches_hf(runner, prompts, ref_tokens, ref_logits, chunk_size=8)
 
 
@@ -187,8 +195,10 @@ def test_family_on_gpu_gives_the_cpu_runs_tokens(family_models: Callable[[str], 
     res = {}
     for device in ("cpu", "cuda"):
         # A fixed pool (not 85% of the GPU): the module's earlier runners may still hold theirs.
+        # (the CPU run's MoE: torch_native, as "auto" gives it; triton needs the interpreter there)
         runner = ModelRunner(path, device=device, page_size=4, num_pages=256, max_slots=8,
-                             max_context_len=c.max_context_len, seed=0, attention_backend=c.backend)
+                             max_context_len=c.max_context_len, seed=0, attention_backend=c.backend,
+                             moe_backend=c.moe_backend if device == "cuda" else "auto")
         res[device] = OfflineScheduler(runner).generate(prompts, c.new_tokens, chunk_size=8,
                                                         keep_logits=True)
     worst = max((a - b).abs().max().item() for ours, ref in zip(res["cuda"].logits, res["cpu"].logits)
@@ -382,25 +392,25 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path: Path) -> None:
     assert_matches_hf(runner, prompts, ref_tokens, ref_logits, chunk_size=8)
 
 
-def test_gpt_oss_gets_torch_native_backends_by_default() -> None:
-    """On a GPU "auto" means triton, which has no sinks or biased experts: GPT-OSS gets
-    torch_native instead of a start-up error (found by the GPU run of the family test)."""
+def test_gpt_oss_gets_the_triton_backends_by_default() -> None:
+    """On a GPU "auto" means triton for every model: its kernels have GPT-OSS's sinks and
+    biased, clamped-SwiGLU experts (gpt_oss_triton above), so GPT-OSS runs graph-captured."""
     from tokenspeed.layers.attention import resolve_backend_name
-    from tokenspeed.layers.moe import resolve_moe_backend
-    from tokenspeed.models.registry import TORCH_NATIVE_ONLY
+    from tokenspeed.layers.moe import GRAPH_SAFE_MOE_BACKENDS, resolve_moe_backend
 
     gpu = torch.device("cuda")
-    assert "GptOssForCausalLM" in TORCH_NATIVE_ONLY and "LlamaForCausalLM" not in TORCH_NATIVE_ONLY
-    for resolve in (resolve_backend_name, resolve_moe_backend):
-        assert resolve("auto", gpu, True) == "torch_native"
-        assert resolve(None, gpu, False) == "triton"
+    assert resolve_backend_name("auto", gpu) == resolve_moe_backend(None, gpu) == "triton"
+    assert "triton" in GRAPH_SAFE_MOE_BACKENDS
 
 
 def test_gpt_oss_refuses_backends_without_sinks(family_models: Callable[[str], tuple]) -> None:
+    """FlashInfer has no attention sinks: a GPT-OSS model on it fails at start-up, naming them
+    and the backends that have them (flashinfer itself is not needed to check the layers)."""
+    from tokenspeed.layers.attention import check_layers
+    from tokenspeed.layers.flashinfer_attention import FlashInferBackend
+
     path, _ = family_models("gpt_oss")
-    with pytest.raises(ValueError, match="attention sinks"):
-        ModelRunner(path, page_size=4, max_slots=4, max_context_len=128, seed=0,
-                    attention_backend="triton")
-    with pytest.raises(NotImplementedError, match="torch_native"):
-        ModelRunner(path, page_size=4, max_slots=4, max_context_len=128, seed=0,
-                    moe_backend="triton")
+    runner = ModelRunner(path, page_size=4, max_slots=4, max_context_len=128, seed=0)
+    with pytest.raises(ValueError, match="'flashinfer' has no attention sinks.*triton or torch_native"):
+        check_layers(object.__new__(FlashInferBackend), runner.model)
+    check_layers(runner.backend, runner.model)  # torch_native (the CPU's "auto") has them

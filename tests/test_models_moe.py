@@ -194,6 +194,39 @@ def test_moe_layer_rank_partials_sum_to_one_rank(backend: str) -> None:
     assert all(not torch.allclose(p, whole, atol=1e-3) for p in parts)  # each rank really is partial
 
 
+def test_gpt_oss_experts_triton_matches_torch_native() -> None:
+    """GPT-OSS's experts (biases on both projections, the clamped SwiGLU with a limit that bites)
+    on the triton backend (fused_moe) against torch_native, whole and as EP=2 x moe-TP=2 slices
+    (the down bias on moe-TP rank 0 only)."""
+    from tokenspeed.layers.moe import ExpertActivation
+
+    experts, top_k, hidden, inter, tokens = 8, 4, 32, 24, 13
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter),
+              "gate_bias": (inter,), "up_bias": (inter,), "down_bias": (hidden,)}
+    hf = {(e, s): torch.randn(shape, generator=gen) * (0.5 if s.endswith("bias") else 0.3)
+          for e in range(experts) for s, shape in shapes.items()}
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    act = ExpertActivation("swiglu_oai", 1.702, 0.8)
+
+    def layer(backend: str, parallel: MoeParallel) -> FusedMoE:
+        moe = FusedMoE(experts, top_k, hidden, inter, True, MoeOptions(backend, parallel), bias=True,
+                       activation=act)
+        for e in range(experts):
+            for s in shapes:
+                moe.load_expert(e, s, hf[e, s])
+        return moe
+
+    for parallel in [MoeParallel(), *GRID]:
+        ref = layer("torch_native", parallel)(x, logits)
+        got = layer("triton", parallel)(x, logits)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    silu = FusedMoE(experts, top_k, hidden, inter, True, MoeOptions("torch_native"), bias=True)
+    silu.load_state_dict(layer("torch_native", MoeParallel()).state_dict())
+    assert not torch.allclose(silu(x, logits), layer("triton", MoeParallel())(x, logits), atol=1e-3)
+
+
 class ThreadAllReduce:
     """A MoeCommunication for ranks that are threads of one process: combine = sum over ranks,
     in rank order (so every rank gets bitwise the same result, as NCCL's all-reduce gives)."""

@@ -63,9 +63,32 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """GPT-OSS: attention sinks (large, so they take much of the softmax), sliding (window 8) and
+    full layers, 8 experts top-2 with biases and the clamped SwiGLU (a limit that bites)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=200, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                       num_local_experts=8, num_experts_per_tok=2, swiglu_limit=0.5,
+                       max_position_embeddings=256, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "_bias")):
+                p.copy_(torch.randn(p.shape) * (2.0 if name.endswith("sinks") else 0.3))
+    path = tmp_path_factory.mktemp("tiny_gpt_oss_triton")
+    model.save_pretrained(path)
+    return str(path)
+
+
 def runner_for(path: str, backend: str, page_size: int = 4) -> ModelRunner:
+    """backend: the attention backend, and the MoE backend of an MoE model (triton: fused_moe)."""
     return ModelRunner(path, page_size=page_size, max_slots=8, max_context_len=128, device=DEVICE,
-                       dtype="float32", attention_backend=backend, disable_cuda_graph=True)
+                       dtype="float32", attention_backend=backend, moe_backend=backend,
+                       disable_cuda_graph=True)
 
 
 def new_requests(slots: list[int], temperature: float = 0.0, seed: int = -1,
@@ -253,6 +276,28 @@ def test_extend_graph_body_matches_torch_native(tiny_llama: str,
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
     assert ran and set(ran) <= {16, 32}, ran
     assert eager_steps, "4 requests decoding together exceed the graph's 3 rows: eager"
+
+
+def test_gpt_oss_sinks_and_experts_through_every_path(tiny_gpt_oss: str) -> None:
+    """GPT-OSS on the triton attention (sinks, sliding and full layers) and MoE (biases, clamped
+    SwiGLU) backends: eager chunked prefill and batched decode, then the same through the extend
+    graph's body (tiled extend + decode kernel), give torch_native's tokens and logits."""
+    if _needs_subprocess():
+        _rerun_in_subprocess("test_gpt_oss_sinks_and_experts_through_every_path")
+        return
+    ref = OfflineScheduler(runner_for(tiny_gpt_oss, "torch_native")).generate(
+        PROMPTS, 6, chunk_size=6, keep_logits=True)
+    eager = runner_for(tiny_gpt_oss, "triton")
+    assert eager.moe_backend == "triton" and eager.model.model.layers[0].self_attn.attn.has_sinks
+    graphed = runner_for(tiny_gpt_oss, "triton")
+    ran = with_extend_graphs(graphed, [16, 32], max_requests=4)
+    for runner in (eager, graphed):
+        got = OfflineScheduler(runner).generate(PROMPTS, 6, chunk_size=6, keep_logits=True)
+        assert got.tokens == ref.tokens
+        for req_a, req_b in zip(got.logits, ref.logits):
+            for a, b in zip(req_a, req_b):
+                torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    assert ran, "the graph body ran"
 
 
 def test_prefix_sharing_through_the_extend_graph_body(tiny_llama: str) -> None:

@@ -60,8 +60,8 @@ MODELS: dict[str, tuple[dict[str, Any], str]] = {
                                 ("deepseek-v2-lite", DEEPSEEK_V2_LITE, "DeepSeek-V2-Lite"),
                                 ("deepseek-v3", DEEPSEEK_V3, "DeepSeek-V3 (block FP8)")]},
 }
-# Flags a model needs beyond the scenario's (none now: GPT-OSS's torch_native backends are what
-# "auto" picks for it, models/registry.TORCH_NATIVE_ONLY).
+# Flags a model needs beyond the scenario's (none now: "auto" gives every model, GPT-OSS too,
+# the triton attention and MoE backends on a GPU).
 MODEL_SERVE_ARGS: dict[str, list[str]] = {}
 
 

@@ -6,6 +6,7 @@ whether its prompt is attended whole, in chunks, or token by token (decode)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tokenspeed_kernels.batch_invariant import attention, attention_blocks, matmul
@@ -33,11 +34,14 @@ def _paged(k: torch.Tensor, page_size: int, perm: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_attention_matches_and_is_invariant_to_chunking(device: str) -> None:
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_attention_matches_and_is_invariant_to_chunking(with_sinks: bool, device: str) -> None:
+    """with_sinks: per-head sink logits (GPT-OSS) in the softmax's denominator."""
     g = torch.Generator(device="cpu").manual_seed(1)
     length, hk, grp, d, page = 80, 2, 3, 32, 4
     q = torch.randn(length, hk * grp, d, generator=g)
     k, v = torch.randn(length, hk, d, generator=g), torch.randn(length, hk, d, generator=g)
+    sinks = 2.0 + 1.5 * torch.randn(hk * grp, generator=g) if with_sinks else None
     perm = torch.randperm(length // page, generator=g)
     kc, vc = (_paged(x, page, perm).to(device) for x in (k, v))
     table = perm.to(torch.int32)[None].to(device)
@@ -48,12 +52,14 @@ def test_attention_matches_and_is_invariant_to_chunking(device: str) -> None:
         out = torch.empty(n, hk * grp, d, device=device)
         blocks = attention_blocks(np.asarray([n]), np.asarray([start]), np.asarray([0]), grp)
         return attention(q[start:end].to(device), kc, vc, table,
-                         torch.from_numpy(blocks).to(device), scale, out).cpu()
+                         torch.from_numpy(blocks).to(device), scale, out,
+                         sinks=None if sinks is None else sinks.to(device)).cpu()
 
     from tokenspeed.layers.batch_invariant import attend
 
     whole = run(0, length)
-    ref = attend(q.view(length, hk, grp, d), k, v, scale).view(length, hk * grp, d)
+    ref = attend(q.view(length, hk, grp, d), k, v, scale,
+                 sinks=None if sinks is None else sinks.view(hk, grp)).view(length, hk * grp, d)
     torch.testing.assert_close(whole, ref, rtol=1e-4, atol=1e-4)
     for chunk in (64, 7):
         for start in range(0, length, chunk):

@@ -26,16 +26,19 @@ def _run(
     fused_reduce: bool = True,
     prefetch: bool | None = None,
     window: int | None = None,
+    sinks: bool = False,
 ) -> None:
+    """sinks: random per-head sink logits (GPT-OSS), large enough to take much of the softmax."""
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, page_table = make_paged_cache(seq_lens, page_size, hkv, head_dim, dtype, device, gen)
     q = torch.randn(len(seq_lens), hkv * group, head_dim, generator=gen).to(dtype=dtype, device=device)
+    sink = (2.0 + 1.5 * torch.randn(hkv * group, generator=gen)).to(dtype=dtype, device=device) if sinks else None
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale, out=out, num_splits=num_splits,
-                           fused_reduce=fused_reduce, prefetch=prefetch, window=window)  # fmt: skip
-    ref = ref_paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale, window=window)
+                           fused_reduce=fused_reduce, prefetch=prefetch, window=window, sinks=sink)  # fmt: skip
+    ref = ref_paged_decode_attention(q, k_cache, v_cache, page_table, lens, scale, window=window, sinks=sink)
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"rel err {err:.2e}"
     if fused_reduce:  # the counters are left zeroed for the next launch (CUDA-graph replays)
@@ -74,6 +77,16 @@ def test_decode_sliding_window(num_splits: int, fused_reduce: bool, device: str)
     equal to and longer than the window, split or not."""
     _run([5, 24, 90], 2, 2, 64, 16, torch.float32, device, num_splits, seed=11,
          fused_reduce=fused_reduce, window=24)  # fmt: skip
+
+
+@FUSED
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_sinks(num_splits: int, window: int | None, fused_reduce: bool, device: str) -> None:
+    """Attention sinks (GPT-OSS): one sink score per head in the denominator, counted once over
+    the splits (empty ones among them: 8 splits of 5 tokens), alone or with a sliding window."""
+    _run([1, 5, 24, 90], 2, 4, 64, 16, torch.float32, device, num_splits, seed=21 + num_splits,
+         fused_reduce=fused_reduce, window=window, sinks=True)  # fmt: skip
 
 
 @FUSED
@@ -120,6 +133,19 @@ def test_decode_gpu_big(dtype: torch.dtype, group: int, fused_reduce: bool, devi
     seq_lens = torch.randint(1, 5000, (37,), generator=gen).tolist() + [8192, 1]
     _run(seq_lens, 8, group, 128, 16, dtype, device, None, seed=group, fused_reduce=fused_reduce)
     _run(seq_lens[:5], 8, group, 128, 1, dtype, device, 16, seed=group + 1, fused_reduce=fused_reduce)
+
+
+@pytest.mark.gpu
+@FUSED
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_sinks_gpu_gpt_oss(dtype: torch.dtype, window: int | None, fused_reduce: bool,
+                                  device: str) -> None:
+    """GPT-OSS-20B's heads (8 KV heads x 8, D=64) with sinks, full and sliding (128) layers."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = torch.randint(1, 3000, (29,), generator=gen).tolist() + [4096, 1, 128, 129]
+    _run(seq_lens, 8, 8, 64, 16, dtype, device, None, seed=3, fused_reduce=fused_reduce, window=window,
+         sinks=True)  # fmt: skip
 
 
 @pytest.mark.gpu

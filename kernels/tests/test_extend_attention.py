@@ -22,9 +22,11 @@ def _run(
     seed: int,
     pad_requests: int = 0,
     window: int | None = None,
+    sinks: bool = False,
 ) -> None:
     """pad_requests: run the tiled launch a CUDA graph makes instead, with that many absent
-    requests (no new tokens) after the real ones and a tile table sized for the worst case."""
+    requests (no new tokens) after the real ones and a tile table sized for the worst case.
+    sinks: random per-head sink logits (GPT-OSS)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
     k_cache, v_cache, page_table = make_paged_cache(seq_lens, page_size, hkv, head_dim, dtype, device, gen)
@@ -32,12 +34,13 @@ def _run(
     for n in new_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], hkv * group, head_dim, generator=gen).to(dtype=dtype, device=device)
+    sink = (2.0 + 1.5 * torch.randn(hkv * group, generator=gen)).to(dtype=dtype, device=device) if sinks else None
 
     def i32(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int32, device=device)
 
     args = (page_table, i32(starts), i32(prefix_lens), i32(seq_lens), head_dim**-0.5)
-    ref = ref_paged_extend_attention(q, k_cache, v_cache, *args, window=window)
+    ref = ref_paged_extend_attention(q, k_cache, v_cache, *args, window=window, sinks=sink)
     out = torch.full_like(q, float("nan"))
     if pad_requests:
         pad = [0] * pad_requests
@@ -47,9 +50,9 @@ def _run(
         block_m = extend_config(dtype, head_dim, k_cache.dtype, q.device)[0]
         requests = len(new_lens) + pad_requests
         tiles = extend_tiles(args[1], min(requests, starts[-1]) + starts[-1] // block_m, block_m)
-        paged_extend_attention(q, k_cache, v_cache, *args, out=out, tiles=tiles, window=window)
+        paged_extend_attention(q, k_cache, v_cache, *args, out=out, tiles=tiles, window=window, sinks=sink)
     else:
-        paged_extend_attention(q, k_cache, v_cache, *args, out=out, window=window)
+        paged_extend_attention(q, k_cache, v_cache, *args, out=out, window=window, sinks=sink)
     tol = 3e-4 if dtype == torch.float32 else TOL[dtype]
     err = rel_err(out, ref)
     assert err < tol, f"rel err {err:.2e}"
@@ -74,6 +77,25 @@ def test_extend_sliding_window(pad_requests: int, device: str) -> None:
     after a prefix longer than it, one token after a long prefix."""
     _run([0, 40, 100], [70, 33, 1], 2, 2, 64, 16, torch.float32, device, seed=5,
          pad_requests=pad_requests, window=24)
+
+
+@pytest.mark.parametrize(("window", "pad_requests"), [(None, 0), (24, 0), (24, 2)])
+def test_extend_sinks(window: int | None, pad_requests: int, device: str) -> None:
+    """Attention sinks (GPT-OSS), alone or with a sliding window, eager or tiled: short and long
+    prompts, chunks after a prefix, one token after a long prefix."""
+    _run([0, 40, 100, 0], [70, 33, 1, 3], 2, 4, 64, 16, torch.float32, device, seed=8,
+         pad_requests=pad_requests, window=window, sinks=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_extend_sinks_gpu_gpt_oss(dtype: torch.dtype, window: int | None, device: str) -> None:
+    """GPT-OSS-20B's heads (8 KV heads x 8, D=64) with sinks, full and sliding (128) layers."""
+    _run([0, 1000, 4095, 300], [1500, 777, 1, 2048], 8, 8, 64, 16, dtype, device, seed=2,
+         window=window, sinks=True)
+    _run([0, 31], [300, 129], 8, 8, 64, 16, dtype, device, seed=3, pad_requests=3, window=window,
+         sinks=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

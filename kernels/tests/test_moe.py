@@ -84,6 +84,41 @@ def test_expert_parallel_slices_sum_to_the_whole(device: str) -> None:
     assert rel_err(sum(parts), full) < TOL[torch.float32]
 
 
+def _biases(w13: torch.Tensor, w2: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    b13 = 0.5 * torch.randn(w13.shape[:2], generator=gen)
+    b2 = 0.5 * torch.randn(w2.shape[:2], generator=gen)
+    return b13.to(w13.device, w13.dtype), b2.to(w2.device, w2.dtype)
+
+
+# (tokens, hidden, inter, experts, top_k, expert_start, local experts): GPT-OSS-like (top-k of
+# many, renormalised), intermediate sizes off the tiles, an expert-parallel slice.
+GPT_OSS_SHAPES = [(1, 32, 16, 8, 2, 0, 8), (17, 64, 48, 8, 4, 0, 8), (40, 32, 16, 32, 4, 8, 8)]
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "inter", "experts", "top_k", "start", "local"),
+                         GPT_OSS_SHAPES)
+@pytest.mark.parametrize("limit", [0.7, 7.0])
+def test_gpt_oss_experts_match_reference(tokens: int, hidden: int, inter: int, experts: int,
+                                         top_k: int, start: int, local: int, limit: float,
+                                         device: str) -> None:
+    """Expert biases on both GEMMs and GPT-OSS's clamped SwiGLU (alpha 1.702; a limit low enough
+    that the clamps bite on most entries, and the shipped 7.0)."""
+    x, w13, w2, logits = _case(tokens, hidden, inter, experts, top_k, torch.float32, device,
+                               seed=tokens + experts)
+    b13, b2 = _biases(w13, w2, seed=tokens)
+    weights, ids = moe_route(logits, top_k, renormalize=True)
+    mine = slice(start, start + local)
+    out = fused_moe(x, w13[mine], w2[mine], weights, ids, start, w13_bias=b13[mine],
+                    w2_bias=b2[mine], activation="swiglu_oai", alpha=1.702, limit=limit)
+    ref = ref_fused_moe(x, w13[mine], w2[mine], weights, ids, start, dtype=torch.float64,
+                        b13=b13[mine], b2=b2[mine], swiglu_oai=(1.702, limit))
+    assert rel_err(out, ref) < TOL[torch.float32]
+    silu = ref_fused_moe(x, w13[mine], w2[mine], weights, ids, start, dtype=torch.float64,
+                         b13=b13[mine], b2=b2[mine])
+    assert rel_err(out, silu) > 10 * TOL[torch.float32]  # the activation is not SiLU's
+
+
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m", "start", "local"),
                          [(1, 8, 2, 16, 0, 8), (50, 8, 2, 16, 0, 8), (7, 128, 8, 16, 0, 128),
                           (30, 64, 2, 32, 16, 16), (3, 8, 1, 16, 4, 4)])
@@ -125,6 +160,22 @@ def test_fused_moe_gpu_shapes(tokens: int, experts: int, top_k: int, dtype: torc
     weights, ids = moe_route(logits, top_k, renormalize=True)
     out = fused_moe(x, w13, w2, weights, ids)
     ref = ref_fused_moe(x, w13, w2, weights, ids, dtype=torch.float32)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpt_oss_experts_gpu(tokens: int, dtype: torch.dtype) -> None:
+    """GPT-OSS-20B's experts (hidden 2880, intermediate 2880, 32 experts, top-4): biases and the
+    clamped SwiGLU (alpha 1.702, limit 7.0)."""
+    x, w13, w2, logits = _case(tokens, 2880, 2880, 32, 4, dtype, "cuda", seed=tokens)
+    b13, b2 = _biases(w13, w2, seed=tokens)
+    weights, ids = moe_route(logits, 4, renormalize=True)
+    out = fused_moe(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2, activation="swiglu_oai",
+                    alpha=1.702, limit=7.0)
+    ref = ref_fused_moe(x, w13, w2, weights, ids, dtype=torch.float32, b13=b13, b2=b2,
+                        swiglu_oai=(1.702, 7.0))
     assert rel_err(out, ref) < TOL[dtype]
 
 

@@ -9,27 +9,38 @@ import torch.nn.functional as F
 
 from helpers import TOL, rel_err
 from tokenspeed_kernels import prefill_attention, prefill_layout_ok, prefill_supported
+from tokenspeed_kernels.reference import softmax_with_sinks
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     out, start, group = torch.empty_like(q, dtype=torch.float32), 0, q.shape[1] // k.shape[1]
     for n in lens:
         qi, ki, vi = (t[start:start + n].float().transpose(0, 1) for t in (q, k, v))
         ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
-        out[start:start + n] = F.scaled_dot_product_attention(
-            qi, ki, vi, is_causal=True, scale=q.shape[-1] ** -0.5).transpose(0, 1)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=q.shape[-1] ** -0.5)
+        else:
+            s = (qi @ ki.transpose(1, 2)) * q.shape[-1] ** -0.5
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            o = softmax_with_sinks(s, sinks, 0) @ vi
+        out[start:start + n] = o.transpose(0, 1)
         start += n
     return out
 
 
-@pytest.mark.parametrize(("lens", "group", "head_dim"), [
-    ([70, 33, 130], 2, 64),  # lengths off the tiles; each request's tiles read into the next
-    ([1, 5, 200], 4, 128),   # a one-token prompt; the last request's tiles read past the end
-    ([257], 1, 64),
-    ([90, 7], 2, 256),       # Gemma 3's wide heads (the default tiles' shared memory)
+@pytest.mark.parametrize(("lens", "group", "head_dim", "sinks"), [
+    ([70, 33, 130], 2, 64, False),  # lengths off the tiles; each request's tiles read into the next
+    ([1, 5, 200], 4, 128, False),   # a one-token prompt; the last request's tiles read past the end
+    ([257], 1, 64, False),
+    ([90, 7], 2, 256, False),       # Gemma 3's wide heads (the default tiles' shared memory)
+    ([70, 1, 130], 4, 64, True),    # GPT-OSS: per-head attention sinks
+    ([3000, 1500, 17], 8, 64, True),  # GPT-OSS-20B's heads (8 x 8, D=64), long prompts
 ])
-def test_prefill_matches_causal_attention(lens: list[int], group: int, head_dim: int,
+def test_prefill_matches_causal_attention(lens: list[int], group: int, head_dim: int, sinks: bool,
                                           device: str) -> None:
+    if device != "cuda" and sum(lens) > 1000:
+        pytest.skip("long prompts: GPU only")
     gen = torch.Generator().manual_seed(len(lens) * 100 + group)
     hkv, total = 2, sum(lens)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -37,12 +48,13 @@ def test_prefill_matches_causal_attention(lens: list[int], group: int, head_dim:
     qkv = torch.randn(total, (hkv * group + 2 * hkv) * head_dim, generator=gen).to(device, dtype)
     q, k, v = (t.view(total, -1, head_dim)
                for t in qkv.split([hkv * group * head_dim, hkv * head_dim, hkv * head_dim], 1))
+    sink = (2.0 + 1.5 * torch.randn(hkv * group, generator=gen)).to(device, dtype) if sinks else None
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                           device=device)
     # Small tiles on the CPU (the interpreter is slow); the default ones on a GPU.
     config = None if device == "cuda" else (32, 16, 4, 2)
-    out = prefill_attention(q, k, v, starts, head_dim ** -0.5, max(lens), config=config)
-    err = rel_err(out, _reference(q, k, v, lens))
+    out = prefill_attention(q, k, v, starts, head_dim ** -0.5, max(lens), config=config, sinks=sink)
+    err = rel_err(out, _reference(q, k, v, lens, sink))
     assert err < (3e-4 if dtype == torch.float32 else TOL[dtype]), f"rel err {err:.2e}"
 
 

@@ -1,10 +1,25 @@
-"""SiLU-and-mul (SwiGLU gate) Triton kernel: out = silu(x[:, :I]) * x[:, I:]."""
+"""Gated activations: `gated_act` (a jit function, also the fused MoE GEMM's epilogue) and the
+SiLU-and-mul (SwiGLU gate) Triton kernel: out = silu(x[:, :I]) * x[:, I:]."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+ACTIVATIONS = ("silu", "swiglu_oai")  # gated_act's ACT values, by index
+
+
+@triton.jit
+def gated_act(g, u, ACT: tl.constexpr, alpha, limit):
+    """fp32 gate g and up u -> ACT 0 (silu): silu(g) * u; ACT 1 (swiglu_oai, GPT-OSS): g clamped
+    above at `limit`, u to [-limit, limit], then (u + 1) * g * sigmoid(alpha * g)."""
+    if ACT == 1:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
@@ -22,7 +37,7 @@ def _silu_and_mul_kernel(
     mask = offs < inter
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    y = gated_act(g, u, 0, 1.0, 0.0)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -70,12 +70,12 @@ def tokens_per_block(group: int) -> int:
 
 @triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, blk_row_ptr, blk_tok_ptr,
-                      blk_len_ptr, blk_pos_ptr, scale, k_scale, v_scale, window, stride_qt,
+                      blk_len_ptr, blk_pos_ptr, sinks_ptr, scale, k_scale, v_scale, window, stride_qt,
                       stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh, stride_vp,
                       stride_vs, stride_vh, stride_pt, PAGE_SIZE: tl.constexpr,
                       BM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
-                      PRECISION: tl.constexpr):  # fmt: skip
+                      PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)  # up to BM consecutive query tokens of one request ...
     h = tl.program_id(1)  # ... and one KV head with its GROUP query heads
     row = tl.load(blk_row_ptr + b)
@@ -93,6 +93,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, blk_row_ptr,
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     m = tl.full((BM * GROUP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((BM * GROUP_PAD,), tl.float32)
+    if HAS_SINKS:  # each query head's sink logit starts its softmax: max = sink, sum = 1
+        m = tl.load(sinks_ptr + h * GROUP + gi, mask=gi < GROUP, other=float("-inf")).to(tl.float32)
+        l = tl.where(m > float("-inf"), 1.0, 0.0)
     acc = tl.zeros((BM * GROUP_PAD, D_PAD), tl.float32)
     offs = tl.arange(0, TILE)
     last = pos0 + count - 1
@@ -145,7 +148,7 @@ def attention_blocks(num_tokens: np.ndarray, start_pos: np.ndarray, query_start:
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               page_table: torch.Tensor, blocks: torch.Tensor, scale: float, out: torch.Tensor,
               k_scale: float = 1.0, v_scale: float = 1.0,
-              window: int | None = None) -> torch.Tensor:
+              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant paged attention: every query token (decode or prefill row alike) attends
     to its request's keys 0..its position in KV_TILE tiles from position 0, with an fp32 online
     softmax, so its result depends on its own keys only, not on the step's other tokens or on
@@ -154,7 +157,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q, out: [T, Hq, D]; k_cache/v_cache: [num_pages, page_size, Hkv, D] (the step's K/V already
     written); page_table: [R, W] int32; blocks: `attention_blocks` (same group) on the device.
     One program per (block of tokens, KV head), K/V tiles shared by the block's tokens; dots in
-    the model dtype (exact fp32 for fp32) with fp32 accumulation."""
+    the model dtype (exact fp32 for fp32) with fp32 accumulation. sinks: [Hq] per-head sink
+    logits (GPT-OSS), one more score per query in the softmax's denominator, with no value."""
     hq, d = q.shape[1:]
     hk = k_cache.shape[2]
     group = hq // hk
@@ -163,12 +167,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     row, tok, count, pos = blocks
     group_pad = triton.next_power_of_2(group)
     _attention_kernel[(blocks.shape[1], hk)](
-        q, k_cache, v_cache, out, page_table, row, tok, count, pos, scale, float(k_scale),
+        q, k_cache, v_cache, out, page_table, row, tok, count, pos, q if sinks is None else sinks, scale, float(k_scale),
         float(v_scale), int(window or 0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), page_table.stride(0), PAGE_SIZE=k_cache.shape[1],
         BM=tokens_per_block(group), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d,
         D_PAD=max(16, triton.next_power_of_2(d)), TILE=KV_TILE,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
+        num_warps=4,
         num_stages=2)  # fmt: skip
     return out

@@ -87,16 +87,16 @@ def _tile_pages(pt_row, pos, end, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _decode_tiles(q, k_ptr, v_ptr, pt_row, start, end, kvh, qk_scale, stride_kp, stride_ks, stride_kh,
-                  stride_vp, stride_vs, stride_vh, mask_d, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr,
-                  UPCAST: tl.constexpr, KV_CAST: tl.constexpr, PREFETCH: tl.constexpr):
+def _decode_tiles(q, m_i, l_i, k_ptr, v_ptr, pt_row, start, end, kvh, qk_scale, stride_kp, stride_ks,
+                  stride_kh, stride_vp, stride_vs, stride_vh, mask_d, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_CAST: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     """Online softmax of q [BLOCK_H, BLOCK_D] over context positions [start, end), in BLOCK_N
-    tiles: (running max m_i, sum l_i, unnormalised output acc), log2 units."""
+    tiles, from the running max m_i and sum l_i given [BLOCK_H] (-inf and 0, or a sink's):
+    (m_i, l_i, unnormalised output acc), log2 units."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     if PREFETCH:  # the first tile's pages; each iteration then looks up the next tile's
         page_next = _tile_pages(pt_row, start + offs_n, end, PAGE_SIZE)
@@ -166,14 +166,14 @@ def _store_partial(out, lse, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr, b, kv
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr,
-    qk_scale, v_scale,
+    sinks_ptr, qk_scale, v_scale,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
     num_splits, group, window,
     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_CAST: tl.constexpr,
     Q_F16: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_CS: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_CS: tl.constexpr, PREFETCH: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program = one (request, kv head, split): all `group` q heads share each K/V tile.
 
@@ -186,6 +186,8 @@ def _decode_split_kernel(
     PREFETCH: the next tile's page-table entries are looked up one iteration ahead, so the K/V
     loads' addresses do not wait on a load of their own iteration (Triton then double-buffers
     the K/V copies; see paged_decode_attention's `prefetch`).
+    HAS_SINKS: each q head's sink logit (sinks_ptr [Hq], natural-log units) starts split 0's
+    online softmax (max = the sink, sum = 1, no value), so it joins the denominator once.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -213,7 +215,14 @@ def _decode_split_kernel(
         q = q.to(tl.float16)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i, l_i, acc = _decode_tiles(q, k_ptr, v_ptr, page_table_ptr + b * stride_pt, start, end, kvh, qk_scale,
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_SINKS:  # split 0 is never empty (seq_len - lo >= 1): it always carries the sink
+        sink = tl.load(sinks_ptr + heads, mask=mask_h, other=float("-inf")).to(tl.float32)
+        m_i = tl.where(split == 0, sink * 1.4426950408889634, m_i)  # log2 units (LOG2E)
+        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
+    m_i, l_i, acc = _decode_tiles(q, m_i, l_i, k_ptr, v_ptr, page_table_ptr + b * stride_pt, start, end, kvh,
+                                  qk_scale,
                                   stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, mask_d,
                                   BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PREC, UPCAST, KV_CAST, PREFETCH)
 
@@ -303,8 +312,9 @@ def decode_semaphores(device: torch.device, count: int) -> torch.Tensor:
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
-                  v_scale: float) -> None:
+                  v_scale: float, sinks: torch.Tensor | None) -> None:
     assert q.shape[1] % k_cache.shape[2] == 0, "Hq must be a multiple of Hkv"
+    assert sinks is None or (sinks.shape == q.shape[1:2] and sinks.is_contiguous()), "sinks: [Hq]"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert v_cache.dtype == k_cache.dtype
     assert is_fp8(k_cache.dtype) or (k_scale == 1.0 and v_scale == 1.0), "scales need an fp8 cache"
@@ -345,10 +355,11 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     fp8_f16_dots: bool = True,
     prefetch: bool | None = None,
-    window: int | None = None,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged KV cache (window: only the last
-    `window` keys, sliding-window attention).
+    `window` keys, sliding-window attention; sinks: [Hq] per-head sink logits (GPT-OSS), one
+    more score per query in the softmax's denominator, with no value).
 
     q: [B, Hq, D]; k_cache/v_cache: [num_pages, page_size, Hkv, D]; page_table: [B, max_pages] int32;
     seq_lens: [B] int32 (tokens in cache, including the new one, >= 1). Returns out [B, Hq, D] in
@@ -362,7 +373,7 @@ def paged_decode_attention(
     """
     batch, hq, head_dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
-    _check_inputs(q, k_cache, v_cache, k_scale, v_scale)
+    _check_inputs(q, k_cache, v_cache, k_scale, v_scale, sinks)
     group = hq // hkv
     # fp8 (or any other cache dtype than q's): converted to q's dtype in registers.
     kv_cast = k_cache.dtype != q.dtype
@@ -387,7 +398,7 @@ def paged_decode_attention(
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
         semaphores if fused_reduce else part_lse,  # (unused without the fused reduce)
-        scale * LOG2E * k_scale, v_scale,
+        q if sinks is None else sinks, scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0),
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
         num_splits, group, window or 0,
@@ -395,7 +406,7 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), KV_CAST=kv_cast,
         Q_F16=fp8_f16_dots and kv_cast and q.dtype in (torch.float16, torch.bfloat16),
         FUSED_REDUCE=fused_reduce, BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s,
-        BLOCK_CS=block_cs, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_CS=block_cs, PREFETCH=prefetch, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if fused_reduce:
         return out

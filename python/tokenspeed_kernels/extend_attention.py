@@ -85,15 +85,20 @@ def _attn_tile(
 
 
 @triton.jit
-def _extend_keys(q, k_ptr, v_ptr, pt_row, kvh, qpos, prefix, seq_len, mblk, window, qk_scale, stride_kp,
-                 stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, offs_n, offs_d, mask_d,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+def _extend_keys(q, k_ptr, v_ptr, pt_row, kvh, qpos, prefix, seq_len, mblk, window, qk_scale, sink,
+                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, offs_n, offs_d,
+                 mask_d, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                 KV_CAST: tl.constexpr, SLIDING: tl.constexpr):
+                 KV_CAST: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Online softmax of the tile's q rows (positions qpos) over every key they see: (acc, m_i,
-    l_i), unnormalised, log2 units."""
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i), unnormalised, log2 units. HAS_SINKS: it starts from the head's sink logit `sink`
+    (log2 units: max = sink, sum = 1, no value)."""
+    if HAS_SINKS:
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + sink
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diag_end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
     if SLIDING:
@@ -127,16 +132,17 @@ def _extend_keys(q, k_ptr, v_ptr, pt_row, kvh, qpos, prefix, seq_len, mblk, wind
 @triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, q_start_loc_ptr, prefix_lens_ptr, seq_lens_ptr,
-    tiles_ptr, num_tiles, qk_scale, v_scale,
+    tiles_ptr, sinks_ptr, num_tiles, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_pt, group, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_CAST: tl.constexpr,
-    TILED: tl.constexpr, SLIDING: tl.constexpr,
+    TILED: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program = one (request, q head, BLOCK_M new tokens). KV_CAST: the K scale is in
     qk_scale, v_scale multiplies the output. TILED: the grid is (q head, tile) and the tile
-    table (`extend_tiles`) names each tile's request and block (-1: no work)."""
+    table (`extend_tiles`) names each tile's request and block (-1: no work). HAS_SINKS:
+    sinks_ptr [Hq] holds each head's sink logit (natural-log units)."""
     if TILED:
         h = tl.program_id(0)
         t = tl.program_id(1)
@@ -170,10 +176,13 @@ def _extend_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634  # log2 units (LOG2E)
     acc, _, l_i = _extend_keys(q, k_ptr, v_ptr, page_table_ptr + b * stride_pt, kvh, qpos, prefix, seq_len,
-                               mblk, window, qk_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                               mblk, window, qk_scale, sink, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                                stride_vh, offs_n, offs_d, mask_d, BLOCK_M, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                               DOT_PREC, UPCAST, KV_CAST, SLIDING)
+                               DOT_PREC, UPCAST, KV_CAST, SLIDING, HAS_SINKS)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_CAST:
@@ -257,9 +266,11 @@ def paged_extend_attention(
     v_scale: float = 1.0,
     tiles: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their request's paged cache (their own K/V already written);
-    window: each query sees only the keys within `window` positions (sliding window).
+    window: each query sees only the keys within `window` positions (sliding window); sinks:
+    [Hq] per-head sink logits (GPT-OSS), one more score per query in the softmax's denominator.
 
     q: [T, Hq, D], requests' new tokens concatenated; q_start_loc: [B+1] int32 cumulative offsets;
     prefix_lens: [B] int32 cached tokens before the new ones; seq_lens: [B] int32 = prefix + new.
@@ -276,6 +287,7 @@ def paged_extend_attention(
     _, page_size, hkv, _ = k_cache.shape
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert sinks is None or (sinks.shape == (hq,) and sinks.is_contiguous()), "sinks: [Hq]"
     batch = seq_lens.shape[0]
     # fp8 (or any other cache dtype than q's): converted to q's dtype in registers.
     kv_cast = k_cache.dtype != q.dtype
@@ -296,11 +308,13 @@ def paged_extend_attention(
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, q_start_loc, prefix_lens, seq_lens,
         tiles if tiles is not None else q_start_loc,  # unread unless TILED
+        q if sinks is None else sinks,  # unread unless HAS_SINKS
         tiles.shape[1] if tiles is not None else 0, scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0),
         out.stride(1), page_table.stride(0), hq // hkv, window or 0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), KV_CAST=kv_cast,
-        TILED=tiles is not None, SLIDING=bool(window), num_warps=warps, num_stages=stages,
+        TILED=tiles is not None, SLIDING=bool(window), HAS_SINKS=sinks is not None,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -3,7 +3,8 @@
     weights, ids = moe_route(router_logits, top_k, renormalize)      softmax, top-k (, renormalise)
     align        = moe_align(ids, num_local_experts, expert_start, BLOCK_M)
     inter[a]     = silu(x[a // k] @ gate[e]^T) * (x[a // k] @ up[e]^T)   one grouped GEMM, SiLU fused
-    down[a]      = inter[a] @ down[e]^T                                  a second grouped GEMM
+                   (or GPT-OSS's clamped SwiGLU, activation.gated_act; + expert biases if any)
+    down[a]      = inter[a] @ down[e]^T (+ b2[e])                        a second grouped GEMM
     out[t]       = sum_j weights[t, j] * down[t * k + j]                  combine, fp32
 
 FP8 experts with block scales (DeepSeek-V3's checkpoints): w13 / w2 fp8 with one fp32 scale per
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed_kernels._utils import dot_precision, interpreting, upcast_dot
+from tokenspeed_kernels.activation import ACTIVATIONS, gated_act
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int,
@@ -115,37 +117,19 @@ def _scaled_dot(a, w, acc, as_ptrs, ws_ptrs, kb, mask_m, mask_n, SCALED: tl.cons
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr,
-    w_ptr,
-    out_ptr,
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    as_ptr,
-    ws_ptr,
-    num_assignments,
-    n_out,
-    k_in,
-    a_row_div,
-    stride_am,
-    stride_we,
-    stride_wn,
-    stride_om,
-    stride_asm,
-    stride_wse,
-    stride_wsn,
-    GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    SCALED: tl.constexpr,
-    SCALE_N: tl.constexpr,
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, as_ptr, ws_ptr, bias_ptr,
+    num_assignments, n_out, k_in, a_row_div,
+    stride_am, stride_we, stride_wn, stride_om, stride_asm, stride_wse, stride_wsn, stride_be,
+    alpha, limit,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr, SCALE_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
 ):
     """out[a, n] for BLOCK_M assignments a of one expert e and BLOCK_N outputs n:
-    GATED: silu(A[a // div] . W[e, n]) * (A[a // div] . W[e, n_out + n])  (W = [gate; up])
+    GATED: act(A[a // div] . W[e, n], A[a // div] . W[e, n_out + n])  (W = [gate; up]; act:
+    gated_act's ACT with alpha / limit)
     else : A[a // div] . W[e, n].
+    HAS_BIAS: bias [E, N] (N = 2 * n_out gated: gate then up) added before the activation.
     SCALED: fp8 A and W with block scales (A: [rows, K / BLOCK_K], W: [E, N / SCALE_N,
     K / BLOCK_K]), applied per K-block (_scaled_dot)."""
     pid = tl.program_id(0)
@@ -187,8 +171,13 @@ def _moe_gemm_kernel(
                                  k0 // BLOCK_K, mask_m, mask_n, SCALED, DOT_PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert * stride_be + offs_n
+        acc += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptrs + n_out, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = gated_act(acc, acc_up, ACT, alpha, limit)
     out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -256,7 +245,9 @@ class BlockScales:
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment, a_row_div: int,
-          gated: bool, cfg: MoeGemmConfig, scales: BlockScales | None = None) -> None:
+          gated: bool, cfg: MoeGemmConfig, scales: BlockScales | None = None,
+          bias: torch.Tensor | None = None, act: tuple[str, float, float] = ("silu", 0.0, 0.0)) -> None:
+    """One grouped GEMM; act: (kind, alpha, limit) of the gated activation (`gated_act`)."""
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_in = w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1 and a.shape[1] == k_in
@@ -264,13 +255,17 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignme
     if scales is not None:
         (scale_n, block_k), a_s, w_s = scales.block, scales.a, scales.w
         assert a_s.stride(1) == 1 and w_s.stride(2) == 1 and not (gated and n_out % scale_n)
+    assert bias is None or (bias.shape == w.shape[:2] and bias.stride(1) == 1), "bias: [E, N]"
     blocks = align.sorted_ids.numel() // cfg.block_m
     grid = (blocks * triton.cdiv(n_out, cfg.block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, align.sorted_ids, align.block_expert, align.num_padded, a_s, w_s,
+        w if bias is None else bias,  # (unread without HAS_BIAS)
         align.num_assignments, n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1),
         out.stride(0), a_s.stride(0), w_s.stride(0), w_s.stride(1) if w_s.dim() > 1 else 0,
-        GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        0 if bias is None else bias.stride(0), act[1], act[2],
+        GATED=gated, HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(act[0]),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         DOT_PREC=dot_precision(a.dtype), SCALED=scales is not None, SCALE_N=scale_n,
         UPCAST=upcast_dot(a.dtype) or (scales is not None and interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -279,14 +274,22 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignme
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_start: int = 0,
               config: MoeGemmConfig | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (128, 128),
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """Experts' weighted output for every token.
 
     x [T, H]; w13 [E_local, 2 * I, H] (gate rows then up rows, as HF's fused gate_up_proj);
     w2 [E_local, H, I]; topk_weights [T, k] (float32), topk_ids [T, k] global expert ids.
     Experts outside [expert_start, expert_start + E_local) contribute nothing. Returns [T, H]
     in x.dtype; intermediates are x.dtype, accumulation fp32. w13_scale [E, 2I / bn, H / bk] and
-    w2_scale [E, H / bn, I / bk]: fp8 w13 / w2 with `block` scales (W8A8, see the docstring)."""
+    w2_scale [E, H / bn, I / bk]: fp8 w13 / w2 with `block` scales (W8A8, see the docstring).
+    w13_bias [E_local, 2 * I] / w2_bias [E_local, H]: per-expert biases (GPT-OSS; not with fp8),
+    added in fp32 before the activation / to each expert's output before its routing weight;
+    activation: the gate's, one of ACTIVATIONS: "silu", or "swiglu_oai" (GPT-OSS's clamped
+    SwiGLU with `alpha` and `limit`, see activation.gated_act)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation {activation!r} is not one of {ACTIVATIONS}")
     tokens, hidden = x.shape
     num_local, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -299,9 +302,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     inter = torch.empty((n, two_inter // 2), dtype=x.dtype, device=x.device)
     down = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     if w13_scale is None or w2_scale is None:
-        _gemm(x, w13, inter, align, top_k, True, cfg)
-        _gemm(inter, w2, down, align, 1, False, cfg)
+        _gemm(x, w13, inter, align, top_k, True, cfg, bias=w13_bias, act=(activation, alpha, limit))
+        _gemm(inter, w2, down, align, 1, False, cfg, bias=w2_bias)
     else:
+        assert w13_bias is None and w2_bias is None and activation == "silu", "fp8 experts: SiLU, no biases"
         from tokenspeed_kernels.fp8_block import per_token_group_quant_fp8
 
         xq, xs = per_token_group_quant_fp8(x.contiguous(), block[1])

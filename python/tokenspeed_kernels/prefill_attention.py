@@ -36,10 +36,12 @@ def _prefill_tile(q, acc, m_i, l_i, k_desc, v_desc, row0, kv_col, n0, offs_m, of
 
 
 @triton.jit
-def _prefill_kernel(q_desc, k_desc, v_desc, out_ptr, q_start_loc_ptr, qk_scale, stride_ot,
+def _prefill_kernel(q_desc, k_desc, v_desc, out_ptr, q_start_loc_ptr, sinks_ptr, qk_scale, stride_ot,
                     stride_oh, group, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """One program = one (request, q head, BLOCK_M new tokens); the last blocks launch first."""
+                    BLOCK_N: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """One program = one (request, q head, BLOCK_M new tokens); the last blocks launch first.
+    HAS_SINKS: the online softmax starts from the head's sink logit (sinks_ptr [Hq], natural-log
+    units): max = the sink, sum = 1, no value."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -54,8 +56,13 @@ def _prefill_kernel(q_desc, k_desc, v_desc, out_ptr, q_start_loc_ptr, qk_scale, 
     # Rows past the request (the next request's, or zeros past the last) are computed, not stored;
     # every row sees key 0, so no row's maximum stays -inf.
     q = q_desc.load([row0 + m0, h * HEAD_DIM])
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634  # log2 units (LOG2E)
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + sink
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     full_end = m0 // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
@@ -98,8 +105,10 @@ def prefill_config(head_dim: int, device: torch.device | None = None) -> tuple[i
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start_loc: torch.Tensor,
                       scale: float, max_new_tokens: int, out: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Causal attention of each request's tokens over its own earlier tokens.
+                      config: tuple[int, int, int, int] | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each request's tokens over its own earlier tokens (sinks: [Hq]
+    per-head sink logits, GPT-OSS: one more score per query in the softmax's denominator).
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (rotated k), requests' tokens concatenated, each possibly a
     strided view of a fused QKV output (a token's heads adjacent); q_start_loc: [B+1] int32
@@ -111,6 +120,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
     hkv = k.shape[1]
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
     assert prefill_layout_ok(q, k, v), "heads must be adjacent in a row, rows 16-byte aligned"
+    assert sinks is None or (sinks.shape == (hq,) and sinks.is_contiguous()), "sinks: [Hq]"
     if out is None:
         out = torch.empty_like(q)
     batch = q_start_loc.shape[0] - 1
@@ -124,6 +134,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start
     grid = (batch, hq, triton.cdiv(max_new_tokens, block_m))
     _prefill_kernel[grid](
         desc(q, hq, block_m), desc(k, hkv, block_n), desc(v, hkv, block_n), out, q_start_loc,
-        scale * LOG2E, out.stride(0), out.stride(1), hq // hkv,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        q if sinks is None else sinks, scale * LOG2E, out.stride(0), out.stride(1), hq // hkv,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=sinks is not None,
+        num_warps=warps, num_stages=stages)
     return out

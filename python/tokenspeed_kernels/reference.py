@@ -16,6 +16,17 @@ def _gather_kv(
     return cache[pages].reshape(-1, cache.shape[2], cache.shape[3])[:length].to(dtype)
 
 
+def softmax_with_sinks(s: torch.Tensor, sinks: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+    """Softmax over the last axis of scores s (fp32); with sinks (one logit per head, axis
+    `head_dim` of s), one more score per row that joins the denominator and carries no value."""
+    if sinks is None:
+        return torch.softmax(s.float(), dim=-1)
+    shape = [1] * s.dim()
+    shape[head_dim] = -1
+    sink = sinks.float().view(shape).expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s.float(), sink], dim=-1), dim=-1)[..., :-1]
+
+
 def ref_paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -25,9 +36,10 @@ def ref_paged_decode_attention(
     scale: float,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention of q [B, Hq, D] over the paged cache (window: its last `window` keys);
-    returns [B, Hq, D] in `dtype`."""
+    """Decode attention of q [B, Hq, D] over the paged cache (window: its last `window` keys;
+    sinks: [Hq] sink logits); returns [B, Hq, D] in `dtype`."""
     batch, hq, _ = q.shape
     group = hq // k_cache.shape[2]
     lens = seq_lens.tolist()
@@ -39,7 +51,7 @@ def ref_paged_decode_attention(
         s = torch.einsum("hd,thd->ht", q[b].to(dtype), k) * scale
         if window:
             s[:, : max(0, length - window)] = float("-inf")
-        p = torch.softmax(s.float(), dim=-1).to(dtype)
+        p = softmax_with_sinks(s, sinks, 0).to(dtype)
         out[b] = torch.einsum("ht,thd->hd", p, v)
     return out
 
@@ -87,9 +99,10 @@ def ref_paged_extend_attention(
     scale: float,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Extend attention (causal over new tokens, full over the cached prefix; window: only keys
-    within `window` positions of each query); returns [T, Hq, D]."""
+    within `window` positions of each query; sinks: [Hq] sink logits); returns [T, Hq, D]."""
     hq = q.shape[1]
     group = hq // k_cache.shape[2]
     starts = q_start_loc.tolist()
@@ -108,7 +121,7 @@ def ref_paged_extend_attention(
         s = s.masked_fill(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
         if window:
             s = s.masked_fill(kpos[None, None, :] <= qpos[None, :, None] - window, float("-inf"))
-        p = torch.softmax(s, dim=-1).to(dtype)
+        p = softmax_with_sinks(s, sinks, 0).to(dtype)
         out[s0:s1] = torch.einsum("hqt,thd->qhd", p, v)
     return out
 
@@ -207,11 +220,23 @@ def ref_moe_route(router_logits: torch.Tensor, top_k: int,
     return weights, ids
 
 
+def ref_swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU (HF GptOssExperts): gate <= limit, |up| <= limit, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None,
+                  swiglu_oai: tuple[float, float] | None = None) -> torch.Tensor:
     """sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) over the experts e = ids[t, j] held
-    here ([expert_start, expert_start + w13.shape[0])), computed in `dtype`; returns [T, H] in `dtype`."""
+    here ([expert_start, expert_start + w13.shape[0])), computed in `dtype`; returns [T, H] in `dtype`.
+    b13 [E, 2I] / b2 [E, H]: expert biases; swiglu_oai: (alpha, limit) of GPT-OSS's activation
+    in place of SiLU."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=dtype, device=x.device)
     for e in range(w13.shape[0]):
@@ -219,8 +244,16 @@ def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         if tok.numel() == 0:
             continue
         h = x[tok].to(dtype) @ w13[e].to(dtype).T
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        out.index_add_(0, tok, (h @ w2[e].to(dtype).T) * topk_weights[tok, slot, None].to(dtype))
+        if b13 is not None:
+            h = h + b13[e].to(dtype)
+        if swiglu_oai is None:
+            h = F.silu(h[:, :inter]) * h[:, inter:]
+        else:
+            h = ref_swiglu_oai(h[:, :inter], h[:, inter:], *swiglu_oai)
+        d = h @ w2[e].to(dtype).T
+        if b2 is not None:
+            d = d + b2[e].to(dtype)
+        out.index_add_(0, tok, d * topk_weights[tok, slot, None].to(dtype))
     return out
 
 

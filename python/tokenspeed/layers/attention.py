@@ -137,7 +137,7 @@ def check_layers(backend: AttentionBackend, model: nn.Module) -> None:
     if not backend.supports_sinks and any(isinstance(m, Attention) and m.has_sinks
                                           for m in model.modules()):
         raise ValueError(f"attention backend {backend.name!r} has no attention sinks (GPT-OSS) "
-                         "yet; use --attention-backend torch_native")
+                         "yet; use --attention-backend triton or torch_native")
     if not any(isinstance(m, Attention) and m.latent for m in model.modules()):
         return
     if not backend.supports_mla:
@@ -154,11 +154,10 @@ BACKENDS = ("torch_native", "triton", "flashinfer")
 GRAPH_BACKENDS = ("triton", "flashinfer")  # backends whose decode steps CUDA graphs can capture
 
 
-def resolve_backend_name(name: str | None, device: torch.device, native_only: bool = False) -> str:
-    """"auto"/None: triton on CUDA, torch_native elsewhere or for a model only torch_native
-    implements (`native_only`)."""
+def resolve_backend_name(name: str | None, device: torch.device) -> str:
+    """"auto"/None: triton on CUDA, torch_native elsewhere."""
     if name in (None, "", "auto"):
-        return "triton" if device.type == "cuda" and not native_only else "torch_native"
+        return "triton" if device.type == "cuda" else "torch_native"
     return name
 
 

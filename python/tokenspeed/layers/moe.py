@@ -25,7 +25,9 @@ triton: fused_moe with the scales).
 
 Backends: `torch_native` (CPU and reference: a loop over the experts that receive tokens, which
 reads the per-expert counts on the host, so it cannot run inside a CUDA graph) and `triton`
-(tokenspeed_kernels.fused_moe: no host syncs, the default on CUDA, used in decode graphs).
+(tokenspeed_kernels.fused_moe: no host syncs, the default on CUDA, used in decode graphs). Both
+take expert biases and GPT-OSS's clamped SwiGLU (`ExpertActivation`; triton: fused into its
+grouped GEMMs' epilogues).
 """
 
 from __future__ import annotations
@@ -42,11 +44,10 @@ MOE_BACKENDS = ("triton", "torch_native")
 GRAPH_SAFE_MOE_BACKENDS = ("triton",)
 
 
-def resolve_moe_backend(name: str | None, device: torch.device, native_only: bool = False) -> str:
-    """None/"auto": triton on CUDA, torch_native elsewhere or for a model only torch_native
-    implements (`native_only`)."""
+def resolve_moe_backend(name: str | None, device: torch.device) -> str:
+    """None/"auto": triton on CUDA, torch_native elsewhere."""
     if name in (None, "", "auto"):
-        return "triton" if device.type == "cuda" and not native_only else "torch_native"
+        return "triton" if device.type == "cuda" else "torch_native"
     if name not in MOE_BACKENDS:
         raise ValueError(f"--moe-backend {name!r} is not one of {', '.join(MOE_BACKENDS)}")
     if name == "triton" and device.type != "cuda":
@@ -126,7 +127,8 @@ class SingleRank:
 class ExpertActivation:
     """The experts' gated activation: SiLU(gate) * up (`silu`), or GPT-OSS's clamped SwiGLU
     (`swiglu_oai`): gate clamped above at `limit`, up to [-limit, limit], then
-    (up + 1) * gate * sigmoid(alpha * gate)."""
+    (up + 1) * gate * sigmoid(alpha * gate). The triton backend's is
+    tokenspeed_kernels.activation.gated_act (the same kinds by name)."""
 
     kind: str = "silu"
     alpha: float = 1.702
@@ -180,10 +182,6 @@ class FusedMoE(nn.Module):
                  renormalize: bool, options: MoeOptions = MoeOptions(), bias: bool = False,
                  activation: ExpertActivation = ExpertActivation()) -> None:
         super().__init__()
-        if options.backend == "triton" and (bias or activation.kind != "silu"):
-            raise NotImplementedError(
-                f"--moe-backend triton has no expert biases or {activation.kind!r} activation "
-                "(GPT-OSS) yet; use --moe-backend torch_native")
         p = options.parallel
         if num_experts % p.ep_size or intermediate_size % p.tp_size:
             raise ValueError(f"{num_experts} experts x {intermediate_size} intermediate do not "
@@ -331,9 +329,12 @@ class FusedMoE(nn.Module):
 
         weights, ids = routing if isinstance(routing, Routing) else self.route(routing)
         if self.backend == "triton":
+            a = self.activation
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_start,
                              w13_scale=self.gate_up_proj_scale, w2_scale=self.down_proj_scale,
-                             block=self.block or (128, 128))
+                             block=self.block or (128, 128), w13_bias=self.gate_up_proj_bias,
+                             w2_bias=self.down_proj_bias, activation=a.kind, alpha=a.alpha,
+                             limit=a.limit)
         return moe_torch_native(x, self.gate_up_proj, self.down_proj, weights, ids,
                                 self.expert_start, self.gate_up_proj_bias, self.down_proj_bias,
                                 self.activation, self.gate_up_proj_scale, self.down_proj_scale)

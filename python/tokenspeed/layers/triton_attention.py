@@ -63,6 +63,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     fuses_rope = True  # rotary_embedding_write_kv: RoPE and the KV write in one kernel
+    supports_sinks = True  # GPT-OSS: every kernel starts its online softmax from the sink
     supports_mla = True  # tokenspeed_kernels.mla_attention (decode graphs; extend eager)
 
     def __init__(self, kv_cache: PagedKVCache, max_context_len: int,
@@ -177,10 +178,12 @@ class TritonBackend(AttentionBackend):
             singles=(singles, q_rows))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
+                batch: ForwardBatch, rope: Rope | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """rope: rotate q (in place) and k on their way into the cache, one kernel for both. k
         itself stays unrotated (the paged kernels read every key from the cache) unless the
-        step's prompts are all fresh: `prefill_attention` then reads the rotated k in place."""
+        step's prompts are all fresh: `prefill_attention` then reads the rotated k in place.
+        sinks: [Hq] per-head sink logits (GPT-OSS), passed to every kernel."""
         from tokenspeed_kernels import (
             paged_decode_attention,
             paged_extend_attention,
@@ -192,7 +195,7 @@ class TritonBackend(AttentionBackend):
         if layer.latent:
             return self._forward_mla(q, k, layer, batch)
         if isinstance(batch.metadata, InvariantMetadata):
-            return self._forward_invariant(q, k, v, layer, batch, rope)
+            return self._forward_invariant(q, k, v, layer, batch, rope, sinks)
         m: TritonMetadata = batch.metadata
         window = layer.sliding_window  # per layer (Gemma 3, GPT-OSS interleave)
         fresh = (m.fresh and window is None and prefill_supported(q.device, q.dtype, q.shape[-1])
@@ -200,9 +203,10 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = store_kv(self.kv_cache, layer.layer_id, q, k, v, batch.out_cache_loc,
                                     rope, rotate_k=fresh)
         # fp8 cache: K/V dequantised in the kernels' registers with the layer's scales (1.0 else);
-        # the layer's sliding window (None: full attention).
+        # the layer's sliding window (None: full attention) and sinks (None: none).
         kw: dict[str, Any] = {"k_scale": self.kv_cache.k_scale[layer.layer_id],
-                              "v_scale": self.kv_cache.v_scale[layer.layer_id], "window": window}
+                              "v_scale": self.kv_cache.v_scale[layer.layer_id], "window": window,
+                              "sinks": sinks}
         if m.singles is not None:
             return self._forward_graph_step(q, k_cache, v_cache, m, layer.scaling, kw)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -218,7 +222,7 @@ class TritonBackend(AttentionBackend):
                                    layer.scaling, out=out[:d], num_splits=lead.num_splits, **kw)
         if fresh:
             prefill_attention(q[d:], k[d:], v[d:], m.q_start_loc, layer.scaling,
-                              m.max_new_tokens, out=out[d:])
+                              m.max_new_tokens, out=out[d:], sinks=sinks)
         else:
             paged_extend_attention(q[d:], k_cache, v_cache, m.page_table, m.q_start_loc,
                                    m.prefix_lens, m.seq_lens, layer.scaling, out=out[d:],
@@ -260,8 +264,8 @@ class TritonBackend(AttentionBackend):
         return out.flatten(1)
 
     def _forward_invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           layer: Attention, batch: ForwardBatch,
-                           rope: Rope | None) -> torch.Tensor:
+                           layer: Attention, batch: ForwardBatch, rope: Rope | None,
+                           sinks: torch.Tensor | None) -> torch.Tensor:
         """--enable-deterministic-inference: one kernel for every row (layers/batch_invariant.py)."""
         from tokenspeed_kernels.batch_invariant import attention, attention_blocks
 
@@ -275,7 +279,7 @@ class TritonBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         attention(q, k_cache, v_cache, m.page_table, m.blocks, layer.scaling,
                   out, self.kv_cache.k_scale[layer.layer_id],
-                  self.kv_cache.v_scale[layer.layer_id], layer.sliding_window)
+                  self.kv_cache.v_scale[layer.layer_id], layer.sliding_window, sinks)
         return out.flatten(1)
 
     @staticmethod

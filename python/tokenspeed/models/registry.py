@@ -42,11 +42,6 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
-# Architectures whose layers only the torch_native attention and MoE backends implement, which
-# "auto" then picks on a GPU too (GPT-OSS: attention sinks, experts with biases and the clamped
-# SwiGLU; an explicit triton still refuses, naming what is missing).
-TORCH_NATIVE_ONLY = {"GptOssForCausalLM"}
-
 
 # `--is-embedding`: encoders that pool (their own classes) ...
 ENCODER_REGISTRY: dict[str, type[BertModel | BertForSequenceClassification]] = {

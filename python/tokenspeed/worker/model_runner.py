@@ -47,7 +47,6 @@ from tokenspeed.layers.quantization.kv_cache import (
 )
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
-from tokenspeed.models.registry import TORCH_NATIVE_ONLY
 from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
 from tokenspeed.worker.cuda_graph import DecodeGraphRunner, ExtendGraphRunner, decode_only
 from tokenspeed.worker.draft_chain import ChainDrafter, DraftSpec, load_drafter
@@ -128,10 +127,9 @@ class ModelRunner:
         # This rank's heads (tensor parallelism: the KV cache holds only these).
         self.num_heads, self.num_kv_heads = local_heads(self.config, state().attn_tp.size)
         self.dtype = resolve_dtype(dtype, self.device, ckpt.config)
-        native = self.config.architecture in TORCH_NATIVE_ONLY  # what "auto" resolves to
-        self.attention_backend = resolve_backend_name(attention_backend, self.device, native)
+        self.attention_backend = resolve_backend_name(attention_backend, self.device)
         check_backend(self.attention_backend, self.device)
-        self.moe_backend = resolve_moe_backend(moe_backend, self.device, native)
+        self.moe_backend = resolve_moe_backend(moe_backend, self.device)
         # This rank's expert slice; the parallel runtime also sets each SparseMoeBlock.comm.
         moe_parallel = moe_parallel or distributed_moe_parallel()  # from the TP/EP groups
         check_expert_parallel(self.config, moe_parallel.ep_size, moe_parallel.tp_size)
