@@ -229,7 +229,7 @@ impl Scheduler {
         };
         let have = a.num_pages() * ps - a.computed;
         let spare = self.pool.free_count() + self.cache.evictable_pages();
-        want.min(have + spare * ps)
+        want.min(have + spare * ps).min(self.swa_fit(a))
     }
 
     /// Makes `n` pages free, evicting cached ones if needed, and takes them.
@@ -299,6 +299,15 @@ impl Scheduler {
         }) else {
             return;
         };
+        let (window, end) = (
+            self.config.swa_window as usize,
+            a.computed + n + drafts.len(),
+        );
+        if self.config.num_swa_pages > 0
+            && !super::swa::swa_advance(&self.swa_pool, window, ps, a, end, step)
+        {
+            return; // `fit_tokens` counted the sliding pages as free; nothing to do but skip
+        }
         if let Some(table) = a.pending_table.take() {
             step.add_pages(a.slot, 0, &table);
         }
