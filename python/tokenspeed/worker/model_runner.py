@@ -45,6 +45,7 @@ from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
 from tokenspeed.models.registry import TORCH_NATIVE_ONLY
 from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
+from tokenspeed.worker import swa_layout
 from tokenspeed.worker.cuda_graph import DecodeGraphRunner, ExtendGraphRunner, decode_only
 from tokenspeed.worker.draft_chain import ChainDrafter, DraftSpec, load_drafter
 from tokenspeed.worker.draft_graph import capture_spec_graphs
@@ -58,7 +59,6 @@ from tokenspeed.worker.pooling_step import pool_step
 from tokenspeed.worker.prompt_logprobs import PromptScorer
 from tokenspeed.worker.sampler import Sampler, TokenMasks, token_masks
 from tokenspeed.worker.spec_verify import Drafts
-from tokenspeed.worker.swa_layout import SwaLayout, apply_page_tables, full_layers, sliding_layers, split_pages
 from tokenspeed.worker.verify_graph import VerifyGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -146,10 +146,10 @@ class ModelRunner:
             max_tokens=max(chunked_prefill_size or DEFAULT_CHUNKED_PREFILL, 2048) + self.max_slots,
             dtype=self.dtype, device=self.device)
         use_graphs = self._plan_graphs(disable_cuda_graph, cuda_graph_max_bs, extend_graph_sizes)
-        self.swa_layers = sliding_layers(self, swa_full_tokens_ratio, disable_hybrid_swa_memory)
+        self.swa_layers = swa_layout.sliding_layers(self, swa_full_tokens_ratio, disable_hybrid_swa_memory)
         self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
                            use_graphs)
-        split_pages(self, swa_full_tokens_ratio, profiled=num_pages is None)
+        swa_layout.split_pages(self, swa_full_tokens_ratio, profiled=num_pages is None)
         self._allocate_step_state(seed)
         # --enable-hierarchical-cache: the radix cache's host tier (layers/host_kv_cache.py).
         self.host_kv = None if hicache is None else HostKVPool(self.kv_cache, host_pages(
@@ -233,9 +233,9 @@ class ModelRunner:
             num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
             device=self.device, max_slots=self.max_slots, max_context_len=self.max_context_len,
             k_scale=self.kv_scales[0], v_scale=self.kv_scales[1], v_from_k=c.mla_v_dim,
-            layers=full_layers(self))
+            layers=swa_layout.full_layers(self))
         self.backend = self._make_backend(self.kv_cache)
-        self.swa = SwaLayout.build(self)
+        self.swa = swa_layout.SwaLayout.build(self)
         self.sampler = Sampler(self.device, seed, capacity=self.max_slots)
         self.sampler.warm_up(c.vocab_size, self.dtype)
         # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
@@ -537,7 +537,7 @@ class ModelRunner:
                 raise ValueError(f"slot {slot}: a LoRA adapter without --enable-lora")
             self.sampler.add(slot, params, **lists)
             self.prompt_scorer.drop(slot)
-        apply_page_tables(self, plan)
+        swa_layout.apply_page_tables(self, plan)
         if not len(plan.copy_src):
             return
         src, dst, kind, key = plan.copy_src, plan.copy_dst, plan.copy_kind, plan.copy_key

@@ -139,8 +139,7 @@ impl Scheduler {
                 .match_prefix_in(ns, &seq.tokens[..matchable_len(seq)]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
-            let growth = self.expected_growth(seq);
-            let uncached = seq.tokens.len() - m.len;
+            let (growth, uncached) = (self.expected_growth(seq), seq.tokens.len() - m.len);
             if !self.fits_beside_running(uncached + growth, reserved) || !self.swa_fits(seq) {
                 self.cache.unlock(m.node);
                 break;

@@ -299,13 +299,7 @@ impl Scheduler {
         }) else {
             return;
         };
-        let (window, end) = (
-            self.config.swa_window as usize,
-            a.computed + n + drafts.len(),
-        );
-        if self.config.num_swa_pages > 0
-            && !super::swa::swa_advance(&self.swa_pool, window, ps, a, end, step)
-        {
+        if !super::swa::swa_advance(&self.config, &self.swa_pool, a, n + drafts.len(), step) {
             return; // `fit_tokens` counted the sliding pages as free; nothing to do but skip
         }
         if let Some(table) = a.pending_table.take() {

@@ -9,7 +9,7 @@
 //! what each running request may still take (`swa_fits`), so a running request never waits for
 //! sliding pages.
 
-use super::{Active, Scheduler, Sequence, StepBuilder};
+use super::{Active, Scheduler, SchedulerConfig, Sequence, StepBuilder};
 use crate::pages::PagePool;
 use crate::plan::PageTableUpdate;
 
@@ -21,17 +21,20 @@ fn dead_pages(start: usize, window: usize, ps: usize) -> usize {
     start.saturating_sub(window) / ps
 }
 
-/// Before a step of tokens `[a.computed, end)`: gives `a`'s dead sliding pages back, then takes
-/// pages for the step's new positions and plans their page-table rows. False (and nothing
-/// taken) when the pool has too few free pages.
+/// Before a step of `n` tokens from `a.computed`: gives `a`'s dead sliding pages back, then
+/// takes pages for the step's new positions and plans their page-table rows. False (and
+/// nothing taken) when the pool has too few free pages; true at once with the single layout.
 pub(super) fn swa_advance(
+    c: &SchedulerConfig,
     pool: &PagePool,
-    window: usize,
-    ps: usize,
     a: &mut Active,
-    end: usize,
+    n: usize,
     step: &mut StepBuilder,
 ) -> bool {
+    if c.num_swa_pages == 0 {
+        return true;
+    }
+    let (window, ps, end) = (c.swa_window as usize, c.page_size as usize, a.computed + n);
     let dead = dead_pages(a.computed, window, ps);
     let held_end = a.swa_released + a.swa.len();
     if dead > a.swa_released {
