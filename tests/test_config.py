@@ -426,7 +426,7 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--chunked-prefill-size", "--max-prefill-tokens", "--max-mixed-prefill-tokens",
         "--max-total-tokens", "--schedule-policy", "--schedule-lead-ms", "--max-mixed-step-ms",
         "--disable-radix-cache", "--disable-overlap-schedule", "--mem-fraction-static", "--device",
-        "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
+        "--swa-full-tokens-ratio", "--disable-hybrid-swa-memory", "--dtype", "--load-format", "--random-seed", "--log-level", "--log-requests", "--trust-remote-code", "--attention-backend",
         "--disable-cuda-graph", "--cuda-graph-max-bs", "--disable-piecewise-cuda-graph",
         "--enable-piecewise-cuda-graph", "--piecewise-cuda-graph-tokens",
         "--piecewise-cuda-graph-max-tokens", "--tp-size", "--skip-server-warmup",

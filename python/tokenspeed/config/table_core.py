@@ -272,10 +272,16 @@ MEMORY_FLAGS: list[Flag] = [
       G_MEMORY, 16, aliases=("--block-size",), minimum=1, readers=("scheduler", "worker"), implemented=True),
     f("--hybrid-kvcache-ratio", "Split between uniform and hybrid KV buffers for models mixing "
       "sliding-window and full attention, from 0 to 1.", G_MEMORY, minimum=0.0, maximum=1.0),
-    f("--swa-full-tokens-ratio", "KV tokens kept per sliding-window layer relative to a full "
-      "attention layer.", G_MEMORY, 0.8, minimum=0.0, min_exclusive=True, maximum=1.0),
-    b("--disable-hybrid-swa-memory", "Use one KV layout for sliding-window and full layers.",
-      G_MEMORY),
+    f("--swa-full-tokens-ratio", "KV tokens of the sliding-window layers' own pool relative to "
+      "the full layers' pool (SGLang's meaning), for models mixing both (Gemma 3, GPT-OSS): "
+      "given, it turns the hybrid layout on, in which requests give back the sliding pages "
+      "that left their window; unset, every layer keeps full-context pages (SGLang's default "
+      "is 0.8 and on). The hybrid layout turns prefix caching off and needs "
+      "--disable-cuda-graph on a GPU (docs/models.md).", G_MEMORY, minimum=0.0,
+      min_exclusive=True, maximum=1.0, implemented=True, readers=("worker",)),
+    b("--disable-hybrid-swa-memory", "Use one KV layout for sliding-window and full layers "
+      "(the default unless --swa-full-tokens-ratio is given).", G_MEMORY, implemented=True,
+      readers=("worker",)),
     b("--disable-radix-cache", "Turn off prefix caching, the reuse of KV cache between "
       "requests that share a prompt prefix. vLLM's --no-enable-prefix-caching does the same; "
       "--enable-prefix-caching keeps it on.", G_MEMORY, aliases=("--no-enable-prefix-caching",),

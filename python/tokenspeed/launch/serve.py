@@ -446,6 +446,9 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
             # pages (0: no --hicache-storage-backend): each rank has them.
             "num_host_pages": min(int(c.get("num_host_pages", 0)) for c in capacities),
             "num_storage_pages": min(int(c.get("num_storage_pages", 0)) for c in capacities),
+            # The hybrid layout's sliding-window pool (0: one pool for every layer).
+            "num_swa_pages": min(int(c.get("num_swa_pages", 0)) for c in capacities),
+            "swa_window": max(int(c.get("swa_window", 0)) for c in capacities),
             # Token counts every rank replays an extend graph at: mixed steps fill their padding.
             "extend_graph_tokens": sorted(set.intersection(
                 *(set(c.get("extend_graph_tokens", ())) for c in capacities)))},
@@ -467,6 +470,7 @@ def server_config(cfg: Any, layout: Layout, vocab_size: int, capacities: list[di
                          "all2all_backend": sizes.all2all_backend,
                          "nnodes": sizes.nnodes},
             "num_pages_per_rank": [int(c["num_pages"]) for c in capacities],
+            "num_swa_pages_per_rank": [int(c.get("num_swa_pages", 0)) for c in capacities],
             # Decode batches up to this replay a CUDA graph (0: none; this node's ranks).
             "cuda_graph_max_bs": min(int(c["cuda_graph_max_bs"]) for c in capacities),
             "model_dir": str(model_dir),

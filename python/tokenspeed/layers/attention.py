@@ -37,6 +37,9 @@ class ForwardBatch:
     # Device copies (int64) of slots, seq_lens, query_start and start_pos: the model runner
     # stages them with the token inputs in one transfer; `device_arrays` makes them otherwise.
     request_arrays: tuple[torch.Tensor, ...] | None = None
+    # Hybrid KV layout: the batch as sliding-window layers see it (their pool, table and
+    # backend; worker/swa_layout.py); None: every layer reads this one.
+    swa: ForwardBatch | None = None
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -122,6 +125,8 @@ class Attention(nn.Module):
                 rope: Rope | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """rope: RoPE still to apply to q and k (after any q/k norm): fused into the backend's
         KV write where it can, else applied here first. sinks: [num_heads] sink logits."""
+        if batch.swa is not None and self.sliding_window is not None:
+            batch = batch.swa
         backend = batch.backend
         extra = {} if sinks is None else {"sinks": sinks}
         if rope is None:

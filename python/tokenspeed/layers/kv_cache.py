@@ -29,7 +29,10 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, max_slots: int,
                  max_context_len: int, k_scale: list[float] | None = None,
-                 v_scale: list[float] | None = None, v_from_k: int | None = None) -> None:
+                 v_scale: list[float] | None = None, v_from_k: int | None = None,
+                 layers: set[int] | None = None) -> None:
+        """layers: the layers whose K/V this pool holds (None: all); the others get empty
+        tensors (the hybrid layout's two pools, worker/swa_layout.py)."""
         self.dtype = dtype
         self.v_from_k = v_from_k
         self.k_scale = list(k_scale) if k_scale is not None else [1.0] * num_layers
@@ -44,10 +47,11 @@ class PagedKVCache:
         self.page_size = page_size
         self.max_slots = max_slots
         self.max_pages_per_slot = -(-max_context_len // page_size)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shapes = [(num_pages if layers is None or i in layers else 0, page_size, num_kv_heads,
+                   head_dim) for i in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.v = [k[..., :v_from_k] for k in self.k] if v_from_k else \
-            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.page_table_host = np.zeros((max_slots, self.max_pages_per_slot), dtype=np.int32)
         # Caches of other layers over the same page ids (a draft head's, worker/draft_chain.py):
         # a page copy copies their pages too.

@@ -113,6 +113,9 @@ def run_worker(spec: WorkerSpec, ready: Connection) -> None:
         ready.send({"ok": True, "num_pages": int(runner.num_pages), "device": str(runner.device),
                     "num_host_pages": int(runner.num_host_pages),
                     "num_storage_pages": int(runner.num_storage_pages),
+                    # Hybrid layout (worker/swa_layout.py): the sliding pool and window; 0: none.
+                    "num_swa_pages": int(runner.num_swa_pages),
+                    "swa_window": int(runner.swa.window) if runner.swa is not None else 0,
                     "max_running_requests": int(runner.max_slots),
                     "cuda_graph_max_bs": int(runner.cuda_graph_max_bs),
                     "extend_graph_tokens": [int(t) for t in runner.extend_graph_sizes]})
@@ -186,7 +189,12 @@ def load_runner(spec: WorkerSpec) -> ModelRunner:
         draft=DraftSpec(s["speculative_algorithm"], s["speculative_draft_model_path"],
                         int(s["speculative_num_steps"]))
         if s["speculative_algorithm"] in DRAFT_HEADS else None,
+        swa_full_tokens_ratio=s["swa_full_tokens_ratio"],
+        disable_hybrid_swa_memory=bool(s["disable_hybrid_swa_memory"]),
     )
+    if runner.num_swa_pages and (runner.kv_transfer is not None or runner.host_kv is not None):
+        raise ValueError("--swa-full-tokens-ratio (hybrid sliding-window KV pool) does not support "
+                         "--disaggregation-mode or --enable-hierarchical-cache yet")
     if deterministic:
         from tokenspeed.config.deterministic import check_model, deterministic_note
 

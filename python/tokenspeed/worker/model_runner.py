@@ -40,14 +40,11 @@ from tokenspeed.layers.moe import (
     resolve_moe_backend,
 )
 from tokenspeed.layers.moe_exchange import moe_parallel as distributed_moe_parallel
-from tokenspeed.layers.quantization.kv_cache import (
-    KVScales,
-    resolve_kv_cache_dtype,
-    resolve_kv_scales,
-)
+from tokenspeed.layers.quantization.kv_cache import KVScales, resolve_kv_cache_dtype, resolve_kv_scales
 from tokenspeed.layers.quantization.methods import resolve_quantization
 from tokenspeed.models.config import ModelConfig, check_expert_parallel, local_heads
 from tokenspeed.models.weights import Checkpoint, load_model, open_checkpoint
+from tokenspeed.worker import swa_layout
 from tokenspeed.worker.cuda_graph import DecodeGraphRunner, ExtendGraphRunner, decode_only
 from tokenspeed.worker.draft_chain import ChainDrafter, DraftSpec, load_drafter
 from tokenspeed.worker.draft_graph import capture_spec_graphs
@@ -65,9 +62,8 @@ from tokenspeed.worker.verify_graph import VerifyGraphRunner
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
 def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -106,7 +102,8 @@ class ModelRunner:
                  quantization: str | None = None, lm_head_quantization: str = "auto",
                  lora: dict[str, Any] | None = None, pooling: bool = False,
                  hicache: HostTierSize | None = None, pd: PdSettings | None = None,
-                 config_overrides: dict[str, Any] | None = None, draft: DraftSpec | None = None) -> None:
+                 config_overrides: dict[str, Any] | None = None, draft: DraftSpec | None = None,
+                 swa_full_tokens_ratio: float | None = None, disable_hybrid_swa_memory: bool = False) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -147,8 +144,10 @@ class ModelRunner:
             max_tokens=max(chunked_prefill_size or DEFAULT_CHUNKED_PREFILL, 2048) + self.max_slots,
             dtype=self.dtype, device=self.device)
         use_graphs = self._plan_graphs(disable_cuda_graph, cuda_graph_max_bs, extend_graph_sizes)
+        self.swa_layers = swa_layout.sliding_layers(self, swa_full_tokens_ratio, disable_hybrid_swa_memory)
         self._size_kv_pool(num_pages, max_slots, mem_fraction_static, chunked_prefill_size,
                            use_graphs)
+        swa_layout.split_pages(self, swa_full_tokens_ratio, profiled=num_pages is None)
         self._allocate_step_state(seed)
         # --enable-hierarchical-cache: the radix cache's host tier (layers/host_kv_cache.py).
         self.host_kv = None if hicache is None else HostKVPool(self.kv_cache, host_pages(
@@ -231,8 +230,10 @@ class ModelRunner:
             num_layers=c.num_hidden_layers, num_pages=self.num_pages, page_size=self.page_size,
             num_kv_heads=self.num_kv_heads, head_dim=c.head_dim, dtype=self.kv_dtype,
             device=self.device, max_slots=self.max_slots, max_context_len=self.max_context_len,
-            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1], v_from_k=c.mla_v_dim)
+            k_scale=self.kv_scales[0], v_scale=self.kv_scales[1], v_from_k=c.mla_v_dim,
+            layers=swa_layout.full_layers(self))
         self.backend = self._make_backend(self.kv_cache)
+        self.swa = swa_layout.SwaLayout.build(self)
         self.sampler = Sampler(self.device, seed, capacity=self.max_slots)
         self.sampler.warm_up(c.vocab_size, self.dtype)
         # Each slot's last sampled token, where LAST_SAMPLED inputs read it (on the device, so
@@ -534,8 +535,7 @@ class ModelRunner:
                 raise ValueError(f"slot {slot}: a LoRA adapter without --enable-lora")
             self.sampler.add(slot, params, **lists)
             self.prompt_scorer.drop(slot)
-        self.kv_cache.update_page_table(plan.pt_slot, plan.pt_first, plan.pt_pages_len,
-                                        plan.pt_pages)
+        swa_layout.apply_page_tables(self, plan)
         if not len(plan.copy_src):
             return
         src, dst, kind, key = plan.copy_src, plan.copy_dst, plan.copy_kind, plan.copy_key
@@ -587,9 +587,11 @@ class ModelRunner:
                              start_pos, holes, hole_slots], self.device))
         if len(holes):
             ids_d[holes_d] = self.last_tokens[hole_slots_d]
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=ids_d, positions=pos_d, out_cache_loc=loc_d, slots=slots,
             num_tokens=num_tokens, start_pos=start_pos, query_start=query_start,
             kv_cache=self.kv_cache, backend=self.backend,
             request_arrays=(slots_d, seq_lens_d, qs_d, sp_d))
+        batch.swa = None if self.swa is None else self.swa.view(batch, positions)
+        return batch
 

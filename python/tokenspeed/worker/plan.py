@@ -90,7 +90,7 @@ class StepPlan:
               scheduled: Iterable[tuple[Any, ...]] = ()) -> StepPlan:
         """A plan from rows, for tests and offline drivers: `new` rows are dicts of sampling
         fields (unset ones are neutral, `slot` required); `page_tables` rows are
-        (slot, first, pages); `copies` rows are (src, dst) or (src, dst, kind) (kind 0: device
+        (slot, first, pages) or (slot, first, pages, pool); `copies` rows are (src, dst) or (src, dst, kind) (kind 0: device
         to device); `scheduled` rows are (slot, start_pos, tokens, sample) or
         (slot, start_pos, tokens, sample, num_draft_tokens)."""
         a: dict[str, np.ndarray] = {n: np.zeros(0, dt) for n, dt in PLAN_DTYPES.items()}
@@ -107,6 +107,8 @@ class StepPlan:
         a["pt_slot"] = np.asarray([p[0] for p in pts], PLAN_DTYPES["pt_slot"])
         a["pt_first"] = np.asarray([p[1] for p in pts], PLAN_DTYPES["pt_first"])
         a["pt_pages_len"], a["pt_pages"] = _lists((p[2] for p in pts), PLAN_DTYPES["pt_pages"])
+        # An optional fourth element: the page table (1: the sliding-window layers').
+        a["pt_pool"] = np.asarray([p[3] if len(p) > 3 else 0 for p in pts], PLAN_DTYPES["pt_pool"])
         cps = list(copies)
         a["copy_src"] = np.asarray([c[0] for c in cps], PLAN_DTYPES["copy_src"])
         a["copy_dst"] = np.asarray([c[1] for c in cps], PLAN_DTYPES["copy_dst"])

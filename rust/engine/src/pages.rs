@@ -129,6 +129,13 @@ impl Pages {
         }
     }
 
+    /// Returns the first `n` pages (clamped to `len`) to the pool and keeps the rest: a
+    /// sliding-window layer's pages that fell out of the window (`scheduler/swa.rs`).
+    pub fn release_front(&mut self, n: usize) {
+        let rest = self.split_off(n);
+        drop(std::mem::replace(self, rest));
+    }
+
     /// Moves `other`'s pages to the end of this handle.
     ///
     /// # Panics
@@ -206,6 +213,18 @@ mod tests {
         assert_eq!(pool.free_count(), 1);
         drop(acc);
         assert_eq!(pool.free_count(), 6, "every page came back exactly once");
+    }
+
+    #[test]
+    fn release_front_frees_the_oldest_pages_only() {
+        let pool = PagePool::new(5);
+        let mut a = pool.alloc(4).expect("free");
+        a.release_front(3);
+        assert_eq!(a.ids(), &[3]);
+        assert_eq!(pool.free_count(), 4);
+        a.release_front(9);
+        assert!(a.is_empty());
+        assert_eq!(pool.free_count(), 5, "clamped: every page back once");
     }
 
     #[test]

@@ -123,6 +123,8 @@ section! {
     pub struct PageTableUpdate("pt") {
         pub slot: u32,
         pub first: u32,
+        /// Page table: 0 full layers' (all in one layout), 1 sliding-window layers' (`swa.rs`).
+        pub pool: u8,
     }
     lists {
         pub pages: Vec<u32>,
@@ -391,7 +393,7 @@ impl Plan {
             r * MAX_LOGIT_BIAS, // their logit bias ids and values
             r * MAX_LORA_PATH,  // their LoRA adapter paths
             2 * r,
-            2 * r * pages, // page-table updates: a rewrite of a shared prefix plus new pages
+            2 * r * pages, // page-table updates: prefix rewrite + new pages (hybrid: full + sliding)
             // Copies. Host tier: loads (at most every admitted request's prefix), writebacks of
             // the nodes cached since the last plan (write-through) and of the pages evicted
             // for this step (what it allocates, plus one node's overshoot).

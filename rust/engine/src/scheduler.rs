@@ -32,6 +32,7 @@ mod reconcile;
 mod request;
 mod step;
 mod step_cost;
+mod swa;
 
 pub use request::{
     kv_transfer_len, ConfigError, FinishReason, Finished, KvTransfer, KvTransferStats, Request,
@@ -95,6 +96,10 @@ struct Active {
     pending_table: Option<Vec<u32>>,
     /// The radix-cache namespace of its KV: its LoRA adapter (0: the base model).
     ns: u32,
+    /// Hybrid layout: its sliding-window pages, logical pages `swa_released..` (`swa.rs`).
+    swa: Pages,
+    /// Leading logical sliding-window pages given back (out of the window).
+    swa_released: usize,
 }
 
 impl Active {
@@ -237,6 +242,7 @@ impl StepBuilder {
             self.plan.page_tables.push(PageTableUpdate {
                 slot,
                 first: first as u32,
+                pool: 0,
                 pages: pages.to_vec(),
             });
         }
@@ -253,6 +259,8 @@ struct SpecCounts {
 pub struct Scheduler {
     config: SchedulerConfig,
     pool: PagePool,
+    /// The sliding-window layers' pool (hybrid layout, `swa.rs`); empty with the single one.
+    swa_pool: PagePool,
     cache: RadixCache,
     requests: HashMap<RequestId, Sequence>,
     /// Ids not admitted yet, in arrival order (retracted ones pushed to the front).
@@ -307,13 +315,12 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         let pool = PagePool::new(config.num_pages);
-        let mut cache = RadixCache::new(
-            pool.clone(),
-            config.page_size as usize,
-            !config.disable_radix_cache,
-        )
-        .with_policy(config.radix_eviction_policy);
-        if config.num_host_pages > 0 && !config.disable_radix_cache {
+        // Hybrid layout: no prefix reuse (a match would need its window's sliding pages,
+        // which the tree does not keep; docs/models.md).
+        let caching = !config.disable_radix_cache && config.num_swa_pages == 0;
+        let mut cache = RadixCache::new(pool.clone(), config.page_size as usize, caching)
+            .with_policy(config.radix_eviction_policy);
+        if config.num_host_pages > 0 && caching {
             let host = PagePool::new(config.num_host_pages);
             cache = cache
                 .with_host(host, config.hicache_write_policy)
@@ -321,6 +328,7 @@ impl Scheduler {
         }
         Ok(Scheduler {
             free_slots: (0..config.max_running_requests).collect(),
+            swa_pool: PagePool::new(config.num_swa_pages),
             config,
             pool,
             cache,
@@ -405,6 +413,19 @@ impl Scheduler {
         }
         // The last sampled token is never fed back, so it needs no KV.
         let pages = (total - 1).div_ceil(u64::from(self.config.page_size));
+        let swa_pages = if self.hybrid() {
+            self.swa_peak_for((total - 1) as usize) as u64
+        } else {
+            0
+        };
+        if swa_pages > u64::from(self.config.num_swa_pages) {
+            return Err(SubmitError::ExceedsKvPool {
+                id,
+                tokens: total - 1,
+                pages_needed: swa_pages,
+                total_pages: self.config.num_swa_pages,
+            });
+        }
         if pages > u64::from(self.config.num_pages) {
             return Err(SubmitError::ExceedsKvPool {
                 id,

@@ -114,6 +114,8 @@ fn workload() -> impl Strategy<Value = Workload> {
                     } else {
                         Vec::new()
                     },
+                    num_swa_pages: 0,
+                    swa_window: 0,
                 };
                 // Prompts drawn from a few stems so that prefixes are shared.
                 let one = (

@@ -28,6 +28,7 @@ fn plan(i: u64) -> Plan {
         page_tables: vec![PageTableUpdate {
             slot: n,
             first: i as u32,
+            pool: 0,
             pages: vec![i as u32; 3],
         }],
         scheduled: (0..n)

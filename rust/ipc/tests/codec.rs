@@ -61,8 +61,13 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
 }
 
 fn plan() -> impl Strategy<Value = Plan> {
-    let pt = (any::<u32>(), any::<u32>(), ids(9))
-        .prop_map(|(slot, first, pages)| PageTableUpdate { slot, first, pages });
+    let pt =
+        (any::<u32>(), any::<u32>(), ids(9)).prop_map(|(slot, first, pages)| PageTableUpdate {
+            slot,
+            first,
+            pool: (slot % 2) as u8,
+            pages,
+        });
     let sched = (
         any::<u32>(),
         any::<u32>(),

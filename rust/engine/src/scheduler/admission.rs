@@ -139,9 +139,8 @@ impl Scheduler {
                 .match_prefix_in(ns, &seq.tokens[..matchable_len(seq)]);
             self.cache.lock(m.node);
             let spare = self.pool.free_count() + self.cache.evictable_pages();
-            let growth = self.expected_growth(seq);
-            let uncached = seq.tokens.len() - m.len;
-            if !self.fits_beside_running(uncached + growth, reserved) {
+            let (growth, uncached) = (self.expected_growth(seq), seq.tokens.len() - m.len);
+            if !self.fits_beside_running(uncached + growth, reserved) || !self.swa_fits(seq) {
                 self.cache.unlock(m.node);
                 break;
             }
@@ -182,6 +181,8 @@ impl Scheduler {
                 drafting: false,
                 pending_table: None,
                 ns,
+                swa: self.swa_pool.empty(),
+                swa_released: 0,
             });
             self.next_epoch += 1;
             self.waiting.retain(|&w| w != id);
@@ -236,7 +237,7 @@ impl Scheduler {
             .cache
             .peek_prefix_len_in(seq.req.sampling.lora_id, &seq.tokens[..matchable_len(seq)]);
         let tokens = seq.tokens.len() - cached + self.expected_growth(seq);
-        self.fits_beside_running(tokens, self.reserved_pages())
+        self.fits_beside_running(tokens, self.reserved_pages()) && self.swa_fits(seq)
     }
 
     pub(super) fn admission_order(&self) -> Vec<RequestId> {

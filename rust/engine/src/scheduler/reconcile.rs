@@ -150,7 +150,7 @@ impl Scheduler {
     /// so requests arriving meanwhile with the same prefix (a shared system prompt) hit the cache
     /// without waiting for this one to finish. The request then holds them through a lock.
     fn cache_prompt(&mut self, id: RequestId) {
-        if self.config.disable_radix_cache {
+        if self.config.disable_radix_cache || self.hybrid() {
             return;
         }
         let ps = self.config.page_size as usize;

@@ -97,6 +97,11 @@ pub struct SchedulerConfig {
     /// the workers at start). A step is padded to the next of them, so a mixed step's prompt
     /// budget is raised to fill that padding with prompt tokens (`step.rs`).
     pub extend_graph_tokens: Vec<u32>,
+    /// Pages of the sliding-window layers' own pool, as the workers allocated it (0: one pool
+    /// for every layer, the single layout; `--swa-full-tokens-ratio`, `scheduler/swa.rs`).
+    pub num_swa_pages: u32,
+    /// The largest sliding window of the model's layers, in tokens (0 with the single layout).
+    pub swa_window: u32,
 }
 
 impl SchedulerConfig {
@@ -140,6 +145,8 @@ impl SchedulerConfig {
             hicache_write_policy: WritePolicy::default(),
             num_storage_pages: 0,
             extend_graph_tokens: Vec::new(),
+            num_swa_pages: 0,
+            swa_window: 0,
         }
     }
 
@@ -178,6 +185,17 @@ impl SchedulerConfig {
             return Err(ConfigError::Invalid {
                 field: "max_mixed_step_ms",
                 rule: "a finite number >= 0",
+            });
+        }
+        if self.num_swa_pages > 0
+            && (self.swa_window == 0
+                || self.speculative_algorithm.is_some()
+                || self.num_host_pages > 0)
+        {
+            return Err(ConfigError::Invalid {
+                field: "num_swa_pages",
+                rule: "0 or, for a hybrid sliding-window layout, given with swa_window and \
+                       without speculative decoding or a host tier",
             });
         }
         if self.extend_graph_tokens.windows(2).any(|w| w[0] >= w[1]) {

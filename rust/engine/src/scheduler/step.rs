@@ -229,7 +229,7 @@ impl Scheduler {
         };
         let have = a.num_pages() * ps - a.computed;
         let spare = self.pool.free_count() + self.cache.evictable_pages();
-        want.min(have + spare * ps)
+        want.min(have + spare * ps).min(self.swa_fit(a))
     }
 
     /// Makes `n` pages free, evicting cached ones if needed, and takes them.
@@ -299,6 +299,9 @@ impl Scheduler {
         }) else {
             return;
         };
+        if !super::swa::swa_advance(&self.config, &self.swa_pool, a, n + drafts.len(), step) {
+            return; // `fit_tokens` counted the sliding pages as free; nothing to do but skip
+        }
         if let Some(table) = a.pending_table.take() {
             step.add_pages(a.slot, 0, &table);
         }

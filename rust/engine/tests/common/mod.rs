@@ -80,6 +80,8 @@ struct SlotState {
     prev_sampled: bool,
     /// The request asked for prompt logprobs.
     prompt_logprobs: bool,
+    /// Hybrid layout: the sliding-window page table (logical page → page; `pool` 1 rows).
+    swa_table: HashMap<usize, u32>,
 }
 
 /// Mirrors what the Python worker keeps across steps, and checks each plan against it.
@@ -93,6 +95,9 @@ pub struct FakeWorker {
     kv: Vec<Option<u32>>,
     /// The host tier's slots, laid out like `kv` (`--enable-hierarchical-cache`).
     host_kv: Vec<Option<u32>>,
+    /// Hybrid layout: the sliding-window pool, laid out like `kv`, and the window.
+    swa_kv: Vec<Option<u32>>,
+    swa_window: usize,
     /// The storage tier's pages by key (`--hicache-storage-backend`).
     store: HashMap<i64, Vec<Option<u32>>>,
     last_step: Option<u64>,
@@ -124,6 +129,8 @@ impl FakeWorker {
             slots: HashMap::new(),
             kv: vec![None; (config.num_pages * config.page_size) as usize],
             host_kv: vec![None; (config.num_host_pages * config.page_size) as usize],
+            swa_kv: vec![None; (config.num_swa_pages * config.page_size) as usize],
+            swa_window: config.swa_window as usize,
             store: HashMap::new(),
             last_step: None,
             accept: HashMap::new(),
@@ -177,6 +184,16 @@ impl FakeWorker {
             );
         }
         for u in &plan.page_tables {
+            if u.pool == 1 {
+                let slot = self
+                    .slots
+                    .get_mut(&u.slot)
+                    .expect("page update for a live slot");
+                for (i, &p) in u.pages.iter().enumerate() {
+                    slot.swa_table.insert(u.first as usize + i, p);
+                }
+                continue;
+            }
             let table = &mut self
                 .slots
                 .get_mut(&u.slot)
@@ -272,6 +289,25 @@ impl FakeWorker {
                 };
                 let pos = r.start_pos as usize + i;
                 self.kv[slot.table[pos / ps] as usize * ps + pos % ps] = Some(tok);
+                if self.swa_window > 0 {
+                    let page = slot.swa_table.get(&(pos / ps));
+                    let page = *page.expect("sliding pages cover every position written");
+                    self.swa_kv[page as usize * ps + pos % ps] = Some(tok);
+                }
+            }
+            // Hybrid layout: every key a query of this step sees in its window is still in
+            // the sliding pool (not given back, not overwritten by another request).
+            for pos in (r.start_pos as usize).saturating_sub(self.swa_window)..end {
+                if self.swa_window == 0 {
+                    break;
+                }
+                let full = self.kv[slot.table[pos / ps] as usize * ps + pos % ps];
+                let page = slot.swa_table.get(&(pos / ps)).expect("window page held");
+                assert_eq!(
+                    self.swa_kv[*page as usize * ps + pos % ps],
+                    full,
+                    "sliding KV of position {pos} intact"
+                );
             }
             // Fake prompt logprobs: minus the position of each scored token (position 0 has none).
             let prompt_logprobs: Vec<f32> = if slot.prompt_logprobs {
@@ -559,5 +595,6 @@ impl Harness {
         );
         assert_eq!((stats.used_pages, stats.cached_pages), (0, 0));
         assert_eq!(stats.host.used_pages, 0, "all host slots free: {stats:?}");
+        assert_eq!(self.sched.swa_pool_usage().0, 0, "all sliding pages free");
     }
 }
