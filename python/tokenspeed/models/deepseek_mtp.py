@@ -180,8 +180,6 @@ def load_mtp_head(target: nn.Module, path: str, *, dtype: torch.dtype, device: t
     if not isinstance(target, DeepseekV2ForCausalLM) or not mtp_layers(target.config.raw):
         raise ValueError("not supported yet: --speculative-algorithm NEXTN for a model without "
                          "an MTP layer (DeepSeek-V3's num_nextn_predict_layers)")
-    if target.parallel.world.size > 1:
-        raise ValueError("not supported yet: --speculative-algorithm NEXTN on more than one rank")
     quant = _checkpoint_fp8(fp8)
     prefix, tensors = f"model.layers.{target.config.num_hidden_layers}.", {}
     if not dummy:
