@@ -5,8 +5,6 @@ what one rank drafts, step after step (each chain step's drafts are rank 0's on 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from deepseek_mtp_model import make_mtp_model
 from tp_ranks import eagle3_drafts_on_rank, run_ranks
