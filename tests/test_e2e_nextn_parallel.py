@@ -10,15 +10,19 @@ heads only ever pick among the same 8 words (rows r, -r, ...: one of each pair's
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from deepseek_mtp_model import make_mtp_model
 from safetensors.torch import load_file, save_file
-from test_e2e_eagle3_parallel import assert_exact_and_accepted, greedy
+from test_e2e_eagle3_parallel import FLAGS, PROMPTS, assert_exact_and_accepted, greedy
 from test_models_numerics import smollm2_dir
 from tokenizers import Tokenizer
+
+from server_harness import start_server, stop_server
 
 NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
 WORDS = " the cat sat on a mat by dog"
@@ -70,3 +74,26 @@ def test_one_rank_accepts_drafts_too(served: tuple[Path, list[str]],
     # The baseline of the two above: one rank with NEXTN, the same tokens, drafts accepted.
     model_dir, ref = served
     assert_exact_and_accepted(greedy(model_dir, tmp_path, *NEXTN), ref)
+
+
+def test_both_attention_groups_draft_at_once(served: tuple[Path, list[str]],
+                                             tmp_path: Path) -> None:
+    """All prompts at once under data-parallel attention: both groups draft in the same lockstep
+    passes, with unequal row counts (each group's own batch)."""
+    model_dir, ref = served
+    srv = start_server(str(tmp_path), str(model_dir), *FLAGS, *NEXTN, "--tp", "2", "--dp", "2",
+                       "--enable-dp-attention", "--ep-size", "2")
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        name = c.models.list().data[0].id
+
+        def one(prompt: str) -> str:
+            return c.completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(one, PROMPTS))
+        engine = srv.info()["engine"]
+    finally:
+        stop_server(srv)
+    assert_exact_and_accepted((texts, engine), ref)
