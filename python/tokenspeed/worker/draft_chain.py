@@ -57,6 +57,7 @@ from tokenspeed.layers.attention import ForwardBatch, check_layers, padding_batc
 from tokenspeed.layers.attention_backends import backend_memory_bytes, create_backend
 from tokenspeed.layers.host_copy import to_device_int64
 from tokenspeed.layers.kv_cache import PagedKVCache
+from tokenspeed.layers.moe import FusedMoE
 from tokenspeed.worker.draft_rows import ChainLayout, HeadRows, chain_layout, scratch_pages, step_rows
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import StepOutput, StepPlan
@@ -162,7 +163,7 @@ class ChainDrafter:
         # the next chunk's first, and (`carry_aux`, on the device) its target hidden state.
         self.carry_pos = np.zeros(0, np.int64)
         self.carry_aux = torch.zeros(0, device=device)
-        # Data-parallel attention with MoE layers (the target's and the MTP layer's): every
+        # Data-parallel attention with MoE layers (the target's and the head's): every
         # rank runs every draft pass together (`lockstep_passes`); `idle`: a one-page cache and
         # backend for a group's padding pass when it has no rows of its own.
         self.lockstep = False
@@ -176,7 +177,9 @@ class ChainDrafter:
         its attention backend (`backend`, the target's kind); `lockstep`: the runner's (every
         rank runs every forward pass, draft passes included)."""
         kv, ps = self.head.kv_layout, kv_cache.page_size
-        self.lockstep, self.backend_kind = lockstep, backend
+        # Only a head with MoE layers (NEXTN's) meets the other attention groups.
+        moe = any(isinstance(m, FusedMoE) for m in self.head.modules())  # type: ignore[attr-defined]
+        self.lockstep, self.backend_kind = lockstep and moe, backend
         per = scratch_pages(self.num_steps, ps)
         dtype = kv_cache.dtype if kv_cache.k[0].element_size() > 1 else self.head.dtype
         self.pool = kv_cache
@@ -216,11 +219,11 @@ class ChainDrafter:
         self.carry_pos[plan.finished_slot.astype(np.int64)] = -1
         rows = step_rows(plan, out, self.carry_pos, pool.page_table_host, pool.page_size)
         none = np.zeros(0, np.int64)
-        chain = chain_layout(rows, self.num_steps, pool.page_size, pool.num_pages,
-                             pool.page_table_host)
-        counts = self.lockstep_passes(len(rows.positions), len(chain.rows))
+        counts = self.lockstep_passes(len(rows.positions), int(np.count_nonzero(rows.drafts)))
         if not len(rows.positions) and not len(rows.new_carry_slots):
             return [none] * len(out.slots)
+        chain = chain_layout(rows, self.num_steps, pool.page_size, pool.num_pages,
+                             pool.page_table_host)
         if self.graphs is not None and len(rows.positions) and self.graphs.holds(rows, chain, aux):
             return self._by_event(self.graphs.run(rows, chain), chain, out)
         d = self._upload(rows, chain)
