@@ -123,14 +123,23 @@ def test_nextn_takes_a_separate_mtp_checkpoint() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
       "--speculative-eagle-topk", "2"], "speculative-eagle-topk"),
-    (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--tp-size", "2"],
-     "NEXTN with --tp-size 2"),
-    (["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 2}',
-      "--ep-size", "2"], "NEXTN with --ep-size 2"),
+    (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--tp-size", "2",
+      "--nnodes", "2"], "NEXTN with --nnodes 2"),
 ])
 def test_nextn_refuses_what_it_cannot_do(argv: list[str], message: str) -> None:
     with pytest.raises(NotSupportedError, match=message):
         parse_serve_args(argv)
+
+
+@pytest.mark.parametrize("parallel", [["--tp-size", "2"], ["--tp-size", "2", "--ep-size", "2"],
+                                      ["--tp", "2", "--dp", "2", "--enable-dp-attention",
+                                       "--ep-size", "2"]])
+def test_nextn_runs_on_several_ranks_of_one_node(parallel: list[str]) -> None:
+    # The MTP layer is sharded as the target's layers (tests/test_nextn_parallel.py,
+    # tests/test_e2e_nextn_parallel.py).
+    cfg = parse_serve_args(["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+                            *parallel])
+    assert cfg.speculative_algorithm == "NEXTN"
 
 
 def test_nextn_needs_a_chain_length() -> None:

@@ -306,15 +306,17 @@ def world_min_on_rank(rank: int) -> int:
     return world_min(7 - rank)
 
 
-def eagle3_drafts_on_rank(rank: int, target: str, head: str, prompt: list[int], steps: int) -> tuple:
-    """EAGLE-3 drafting through ModelRunner: a prompt, then three verify steps of the head's own
-    drafts. Returns (tokens, drafts) per step and the head's weight shapes (whole on each rank)."""
+def eagle3_drafts_on_rank(rank: int, target: str, head: str | None, prompt: list[int],
+                          steps: int, algorithm: str = "EAGLE3") -> tuple:
+    """EAGLE-3 (or NEXTN: `head` None, the target's MTP layer) drafting through ModelRunner: a
+    prompt, then three verify steps of the head's own drafts. Returns (tokens, drafts) per step
+    and the head's weight shapes (EAGLE-3's whole on each rank, NEXTN's decoder layer sharded)."""
     from tokenspeed.worker.draft_chain import DraftSpec
     from tokenspeed.worker.model_runner import ModelRunner
     from tokenspeed.worker.plan import StepPlan
 
     runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
-                         draft=DraftSpec("EAGLE3", head, steps))
+                         draft=DraftSpec(algorithm, head, steps))
     plan = StepPlan.build(new=[{"slot": 0, "temperature": 0.0}],
                           page_tables=[(0, 0, list(range(1, 17)))], scheduled=[(0, 0, prompt, True)])
     seq, trace = list(prompt), []

@@ -82,14 +82,16 @@ def _chain(cfg: Any) -> Any:
 
 
 def _check_nextn_parallel(cfg: Any) -> None:
-    """NEXTN's MTP layer is loaded and run on one rank (models/deepseek_mtp.py refuses more):
-    the draft chain has no sharded MLA / MoE path, though the target's layers have."""
-    for flag in ("tp_size", "world_size", "pp_size", "ep_size", "nnodes"):
+    """NEXTN runs on the ranks of one node: its MTP layer is sharded as the target's layers
+    (tensor / expert parallelism, data-parallel attention in lockstep). Not on several nodes
+    (untested) nor with pipeline stages (the layer would need the last stage's hidden states)."""
+    for flag in ("pp_size", "nnodes"):
         value = getattr(cfg, flag, None)
         if value is not None and int(value) > 1:
             raise NotSupportedError([(f"not supported yet: --speculative-algorithm NEXTN with "
                                       f"--{flag.replace('_', '-')} {value} (the MTP draft "
-                                      "layer runs on one rank)")])
+                                      "layer runs on the ranks of one node, without pipeline "
+                                      "stages)")])
 
 
 def speculative_note(cfg: Any) -> str | None:

@@ -119,7 +119,8 @@ SPEC_FLAGS: list[Flag] = [
       "over the request's own tokens (no draft weights); EAGLE3 drafts with an EAGLE-3 head "
       "(--speculative-draft-model-path) over the target's hidden states; NEXTN with the "
       "model's own multi-token prediction layer (DeepSeek-V3's MTP, read from the model's "
-      "checkpoint unless --speculative-draft-model-path names another; one rank) "
+      "checkpoint unless --speculative-draft-model-path names another; sharded as the "
+      "target's layers on several ranks) "
       "(docs/speculative.md). EAGLE and STANDALONE are not built yet.", G_SPEC,
       ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"), supported=("NGRAM", "EAGLE3", "NEXTN"),
       readers=("scheduler", "worker"), implemented=True),

@@ -464,6 +464,19 @@ def lockstep_tick(has_plan: bool, tokens: int, stop: bool, decode: bool = False)
                 decode=[all(r[3] for r in g if r[0]) for g in groups])
 
 
+def group_counts(*values: int) -> list[list[int]]:
+    """Data-parallel attention: every attention group's `values` (the largest of its ranks';
+    they agree), gathered over the world on the CPU, per value: [value][group]. Every rank calls
+    it at the same point (a lockstep step's draft passes, worker/draft_chain.py)."""
+    st = _STATE
+    assert st.world_cpu is not None, "group_counts outside data-parallel attention"
+    mine = torch.tensor(values, dtype=torch.int64)
+    rows = st.world_cpu.all_gather(mine, dim=0).view(-1, len(values)).tolist()
+    tp = st.sizes.attn_tp
+    return [[max(r[i] for r in rows[g * tp:(g + 1) * tp]) for g in range(st.sizes.attn_dp)]
+            for i in range(len(values))]
+
+
 def lockstep_forward(tick: Tick, graph_sizes: list[int]) -> AbstractContextManager[None]:
     """The context of a lockstep step's forward passes (`dp_token_counts`): every group padded
     to `tick.graph_batch` rows for a decode graph replay, else each group's own count."""

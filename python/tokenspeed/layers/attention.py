@@ -54,6 +54,20 @@ class ForwardBatch:
         return self.request_arrays
 
 
+def padding_batch(kv_cache: PagedKVCache, backend: AttentionBackend,
+                  device: torch.device) -> ForwardBatch:
+    """One padding token (id 0, position 0, its K/V at flat index 0 of `kv_cache`, a one-page
+    scratch cache), prepared: a data-parallel attention group's share of a lockstep forward
+    pass it has no rows for."""
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    batch = ForwardBatch(
+        input_ids=zero, positions=zero, out_cache_loc=zero, slots=np.zeros(1, np.int64),
+        num_tokens=np.ones(1, np.int64), start_pos=np.zeros(1, np.int64),
+        query_start=np.asarray([0, 1], np.int64), kv_cache=kv_cache, backend=backend)
+    backend.prepare(batch)
+    return batch
+
+
 class AttentionBackend(ABC):
     """Writes the new K/V into the paged cache and attends causally over each request's context.
 

@@ -17,6 +17,11 @@ of the head's own one-layer cache). `shared_head.head` and `embed_tokens` that e
 target's are shared with it, not copied (V3's are copies: about 1.8 GB each in bf16). A
 separate MTP export (its layer under another index) is found by its `eh_proj` tensor.
 
+On several ranks the decoder layer is sharded as the target's layers (built with the target's
+parallel layout, loaded through its loader: MLA heads over the attention TP ranks, experts over
+EP / MoE TP; about 11.5B parameters for V3, too many to replicate); the layer's own tensors are
+whole on every rank (docs/speculative.md, "NEXTN on several ranks").
+
 An FP8 checkpoint (DeepSeek-V3/R1's block-FP8 release) quantises the MTP layer's decoder layer
 as the target's layers: it gets the same preparation (layers/quantization/fp8_model.py, the
 checkpoint's ignore list read under the layer's own names) and its `weight` + `weight_scale_inv`
@@ -180,8 +185,6 @@ def load_mtp_head(target: nn.Module, path: str, *, dtype: torch.dtype, device: t
     if not isinstance(target, DeepseekV2ForCausalLM) or not mtp_layers(target.config.raw):
         raise ValueError("not supported yet: --speculative-algorithm NEXTN for a model without "
                          "an MTP layer (DeepSeek-V3's num_nextn_predict_layers)")
-    if target.parallel.world.size > 1:
-        raise ValueError("not supported yet: --speculative-algorithm NEXTN on more than one rank")
     quant = _checkpoint_fp8(fp8)
     prefix, tensors = f"model.layers.{target.config.num_hidden_layers}.", {}
     if not dummy:

@@ -47,10 +47,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from tokenspeed.layers.attention import ForwardBatch, check_layers
+from tokenspeed.distributed.groups import (
+    dp_token_counts,
+    group_counts,
+    state,
+    sync_sampled_tokens,
+)
+from tokenspeed.layers.attention import ForwardBatch, check_layers, padding_batch
 from tokenspeed.layers.attention_backends import backend_memory_bytes, create_backend
 from tokenspeed.layers.host_copy import to_device_int64
 from tokenspeed.layers.kv_cache import PagedKVCache
+from tokenspeed.layers.moe import FusedMoE
 from tokenspeed.worker.draft_rows import ChainLayout, HeadRows, chain_layout, scratch_pages, step_rows
 from tokenspeed.worker.pending_step import PendingStep
 from tokenspeed.worker.plan import StepOutput, StepPlan
@@ -156,13 +163,23 @@ class ChainDrafter:
         # the next chunk's first, and (`carry_aux`, on the device) its target hidden state.
         self.carry_pos = np.zeros(0, np.int64)
         self.carry_aux = torch.zeros(0, device=device)
+        # Data-parallel attention with MoE layers (the target's and the head's): every
+        # rank runs every draft pass together (`lockstep_passes`); `idle`: a one-page cache and
+        # backend for a group's padding pass when it has no rows of its own.
+        self.lockstep = False
+        self.idle: tuple[PagedKVCache, Any] | None = None
+        self.backend_kind = ""
         logger.info("draft head: %s; %d draft tokens per step (chain), target layers captured "
                     "%s", head.describe(), num_steps, layers)
 
-    def attach(self, kv_cache: PagedKVCache, backend: str) -> None:
+    def attach(self, kv_cache: PagedKVCache, backend: str, lockstep: bool = False) -> None:
         """The head's KV (one layer: the pool's pages, then the chain's scratch pages) and
-        its attention backend (`backend`, the target's kind)."""
+        its attention backend (`backend`, the target's kind); `lockstep`: the runner's (every
+        rank runs every forward pass, draft passes included)."""
         kv, ps = self.head.kv_layout, kv_cache.page_size
+        # Only a head with MoE layers (NEXTN's) meets the other attention groups.
+        moe = any(isinstance(m, FusedMoE) for m in self.head.modules())  # type: ignore[attr-defined]
+        self.lockstep, self.backend_kind = lockstep and moe, backend
         per = scratch_pages(self.num_steps, ps)
         dtype = kv_cache.dtype if kv_cache.k[0].element_size() > 1 else self.head.dtype
         self.pool = kv_cache
@@ -202,6 +219,7 @@ class ChainDrafter:
         self.carry_pos[plan.finished_slot.astype(np.int64)] = -1
         rows = step_rows(plan, out, self.carry_pos, pool.page_table_host, pool.page_size)
         none = np.zeros(0, np.int64)
+        counts = self.lockstep_passes(len(rows.positions), int(np.count_nonzero(rows.drafts)))
         if not len(rows.positions) and not len(rows.new_carry_slots):
             return [none] * len(out.slots)
         chain = chain_layout(rows, self.num_steps, pool.page_size, pool.num_pages,
@@ -211,14 +229,56 @@ class ChainDrafter:
         d = self._upload(rows, chain)
         drafts = None
         if len(rows.positions):
-            outs = self._verified(rows, d, aux)
+            with dp_token_counts(counts[0]):
+                outs = self._verified(rows, d, aux)
             if len(chain.rows):
-                drafts = self._chain(chain, d, outs[d["last_row"]]).cpu().numpy()
+                with dp_token_counts(counts[1]):
+                    drafts = self._chain(chain, d, outs[d["last_row"]]).cpu().numpy()
         if len(rows.new_carry_slots):  # after the rows above read the slots' previous carry
             self.carry_aux[d["new_carry_slots"]] = aux[d["new_carry_rows"]].to(self.carry_aux.dtype)
         if drafts is None:
             return [none] * len(out.slots)
         return self._by_event(drafts, chain, out)
+
+    def lockstep_passes(self, verified: int, chained: int) -> tuple[list[int] | None, ...]:
+        """Data-parallel attention with MoE layers (`lockstep`): the MTP layer's MoE exchange
+        spans the attention groups, so every rank runs each draft pass (the verified rows, then
+        each chain step) when any group has rows for it: the groups' row counts are gathered
+        here, and a group without rows runs the pass on one padding row (`_idle_pass`) while
+        the others run theirs (which the caller does in each pass's returned counts). Returns
+        the `dp_token_counts` of the verified pass and of the chain's (None: no lockstep)."""
+        if not self.lockstep:
+            return None, None
+        chained = chained if self.num_steps > 1 else 0
+        v, c = group_counts(verified, chained)
+        mine = state().attn_group
+        counts = ([max(n, 1) for n in v] if any(v) else None,
+                  [max(n, 1) for n in c] if any(c) else None)
+        if counts[0] is not None and not v[mine]:
+            with dp_token_counts(counts[0]):
+                self._idle_pass()
+        if counts[1] is not None and not c[mine]:
+            with dp_token_counts(counts[1]):
+                for _ in range(1, self.num_steps):
+                    self._idle_pass()
+        return counts
+
+    def _idle_pass(self) -> None:
+        """The head's layer on one padding row over a one-page scratch cache (nothing kept):
+        this rank's part of a lockstep draft pass its group has no rows for."""
+        if self.idle is None:
+            kv, cache = self.head.kv_layout, self._caches()[1]
+            scratch = PagedKVCache(
+                num_layers=1, num_pages=1, page_size=cache.page_size,
+                num_kv_heads=kv["num_kv_heads"], head_dim=kv["head_dim"], dtype=cache.dtype,
+                device=self.device, max_slots=1, max_context_len=cache.page_size,
+                v_from_k=kv["v_from_k"])
+            self.idle = (scratch, create_backend(self.backend_kind, scratch,
+                                                 num_heads=kv["num_heads"],
+                                                 head_dim=kv["head_dim"], q_dtype=self.head.dtype))
+        batch = padding_batch(*self.idle, self.device)
+        hidden = torch.zeros(1, self.head.capture_width, dtype=self.head.dtype, device=self.device)
+        self.head.layer(batch.input_ids, self.head.from_target(hidden), batch.positions, batch)
 
     def _by_event(self, drafts: np.ndarray, chain: ChainLayout, out: StepOutput) -> list[np.ndarray]:
         """The chain rows' drafts [C, k] per event of `out` (none for a request that drew none)."""
@@ -285,7 +345,9 @@ class ChainDrafter:
         step, their K/V in the scratch pages (see the module doc)."""
         _, cache = self._caches()
         head, c = self.head, len(chain.rows)
-        tokens = [head.draft_ids(outs)]
+        # Every rank of the attention group keeps rank 0's drafts: the next chain step's
+        # (vocab-parallel) embedding and sharded layer must see the same ids on every rank.
+        tokens = [sync_sampled_tokens(head.draft_ids(outs))]
         if self.num_steps > 1:
             self._rows_of(chain.slots, d["chain_slots"], chain.width)
             cache.page_table_host[chain.table_rows, chain.table_cols] = chain.table_pages
@@ -305,5 +367,5 @@ class ChainDrafter:
                 request_arrays=(d["c_rows"], d["c_seq_lens"][at], d["c_query_start"], pos))
             self.backend.prepare(batch)
             outs = head.layer(tokens[-1], outs, pos, batch)
-            tokens.append(head.draft_ids(outs))
+            tokens.append(sync_sampled_tokens(head.draft_ids(outs)))
         return torch.stack(tokens, dim=1)

@@ -25,6 +25,7 @@ from tokenspeed.layers.attention import (
     ForwardBatch,
     check_backend,
     check_layers,
+    padding_batch,
     resolve_backend_name,
 )
 from tokenspeed.layers.attention_backends import create_backend
@@ -241,7 +242,7 @@ class ModelRunner:
         self.last_tokens = torch.zeros(self.max_slots, dtype=torch.int64, device=self.device)
         self.prompt_scorer = PromptScorer(self.device)
         if self.drafter is not None:  # its KV beside the target's pages
-            self.drafter.attach(self.kv_cache, self.attention_backend)
+            self.drafter.attach(self.kv_cache, self.attention_backend, self.lockstep)
         self.graphs: DecodeGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
         self.verify_graphs: VerifyGraphRunner | None = None  # with a draft head, in place of both
@@ -312,15 +313,20 @@ class ModelRunner:
     def idle_forward(self) -> None:
         """Data-parallel attention: a forward pass of one padding token for a step in which this
         rank's attention group has no work but another has, so that this rank joins the MoE
-        layers' collectives. Its K/V land in a one-page scratch cache (not the KV pool), nothing
-        is sampled and nothing is returned. In a padded decode step (`dp_graph_batch`) it
+        layers' collectives (a draft head's passes too). Its K/V land in a one-page scratch
+        cache, nothing is sampled or returned. In a padded decode step (`dp_graph_batch`) it
         replays that step's decode graph on padding rows instead, as every other rank does."""
         graph_bs = dp_graph_batch()
         if graph_bs is not None and self.graphs is not None:
             self.idle_clock.begin()
             self.graphs.run_padding(graph_bs)
             self.idle_clock.end()
-            return
+        else:
+            self._idle_eager()
+        if self.drafter is not None and self.lockstep:
+            self.drafter.lockstep_passes(0, 0)
+
+    def _idle_eager(self) -> None:
         if self._idle is None:
             c = self.config
             scratch = PagedKVCache(
@@ -331,13 +337,7 @@ class ModelRunner:
             self._idle = (scratch, self._make_backend(scratch))
         scratch, backend = self._idle
         self.idle_clock.begin()  # GPU work of its own: no idle gap for the step after it
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        one = np.ones(1, np.int64)
-        batch = ForwardBatch(
-            input_ids=zero, positions=zero, out_cache_loc=zero, slots=np.zeros(1, np.int64),
-            num_tokens=one, start_pos=np.zeros(1, np.int64),
-            query_start=np.asarray([0, 1], np.int64), kv_cache=scratch, backend=backend)
-        backend.prepare(batch)
+        batch = padding_batch(scratch, backend, self.device)
         self.model(batch.input_ids, batch.positions, batch)
         self.idle_clock.end()
 
