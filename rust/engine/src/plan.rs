@@ -186,6 +186,10 @@ section! {
         /// rejected positions is overwritten by later steps (the scheduler rewinds to the
         /// accepted length). 0: a plain step.
         pub num_draft_tokens: u32,
+        /// Speculation is paused (`scheduler/spec_gate.rs`): a worker-side draft head writes
+        /// its KV for this row's new tokens but chains no drafts after the step. False without
+        /// speculation.
+        pub pause_drafts: bool,
     }
     lists {
         /// Input token ids (`LAST_SAMPLED` for a one-step-ahead decode).
