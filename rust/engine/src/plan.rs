@@ -186,9 +186,8 @@ section! {
         /// rejected positions is overwritten by later steps (the scheduler rewinds to the
         /// accepted length). 0: a plain step.
         pub num_draft_tokens: u32,
-        /// Speculation is paused (`scheduler/spec_gate.rs`): a worker-side draft head writes
-        /// its KV for this row's new tokens but chains no drafts after the step. False without
-        /// speculation.
+        /// Speculation paused (`scheduler/spec_gate.rs`): a worker's draft head writes its KV
+        /// for the row's new tokens but drafts nothing after the step. False without it.
         pub pause_drafts: bool,
     }
     lists {
