@@ -80,7 +80,7 @@ def test_speculation_flips_off_and_on_with_the_batch_exactly(server: Server,
     assert engine["spec_off_steps"] > 0 and engine["spec_verify_steps"] > 0, engine
     assert engine["spec_enabled"] is True, engine  # the last request ran alone
     metrics = httpx.get(f"{gated_server.url}/metrics", timeout=10).text
-    value = {ln.split()[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
+    value = {ln.split("{")[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
              if ln.startswith("tokenspeed:spec_decode_")}
     assert value["tokenspeed:spec_decode_off_steps_total"] == engine["spec_off_steps"]
     assert value["tokenspeed:spec_decode_enabled"] == 1
