@@ -73,6 +73,23 @@ def assert_same_answers(want: list, got: list) -> None:
             assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=2e-3)
 
 
+def drafting_resumes_after_pauses(b: BatchDrafting) -> None:
+    """Slots 0 and 1 (`b`, admitted by the caller's first plan): a paused prompt's last chunk
+    beside a drafting one, verify steps, then plain steps with drafting paused (the head only
+    writes its KV), mixed and whole; after each resumption the drafts are the reference's for
+    the whole sequence, so the KV of the paused positions is the head's own."""
+    prompts = b.prompts
+    b.step(StepPlan.build(**b.admission(), scheduled=[(0, 0, prompts[0], True),
+                                                     (1, 0, prompts[1], True, 0, True)]),
+           {0, 1}, paused={1})
+    b.step(StepPlan.build(scheduled=[b.verify(0), b.plain(1, paused=False)]), {0, 1})
+    b.step(StepPlan.build(scheduled=[b.plain(0), b.verify(1)]), {0, 1}, paused={0})
+    for _ in range(3):
+        b.step(StepPlan.build(scheduled=[b.plain(0), b.plain(1)]), {0, 1}, paused={0, 1})
+    b.step(StepPlan.build(scheduled=[b.plain(1, paused=False), b.plain(0, paused=False)]), {0, 1})
+    b.step(StepPlan.build(scheduled=[b.verify(0), b.verify(1)]), {0, 1})
+
+
 class BatchDrafting:
     """Requests in slots 0, 1, ... (`prompts`), stepped together by plans a test writes: after
     each step, every request that sampled has the drafts `reference(its tokens so far)`, as it
@@ -89,8 +106,9 @@ class BatchDrafting:
         return {"new": [{"slot": s, "temperature": 0.0} for s in self.prompts],
                 "page_tables": [(s, 0, list(range(1 + 16 * s, 17 + 16 * s))) for s in self.prompts]}
 
-    def step(self, plan: StepPlan, want: set[int]) -> None:
-        """Runs `plan`; the slots in `want` sampled, and their drafts are the reference's."""
+    def step(self, plan: StepPlan, want: set[int], paused: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """Runs `plan`; the slots in `want` sampled, and their drafts are the reference's (none
+        for the `paused` ones: the plan paused their drafting)."""
         out = self.runner.launch(plan).wait()
         assert out.draft_tokens is not None
         ends = np.cumsum(out.counts)
@@ -100,8 +118,17 @@ class BatchDrafting:
             got[slot] = out.draft_tokens[i].tolist()
         assert set(got) == want
         for slot, d in got.items():
+            if slot in paused:
+                assert d == [], slot
+                continue
             assert d == self.reference(self.seqs[slot]), slot
             self.drafts[slot] = d
+
+    def plain(self, slot: int, paused: bool = True) -> tuple:
+        """A plain decode row of the slot's last token, its drafting `paused` (the scheduler's
+        speculation gate) or not."""
+        s = self.seqs[slot]
+        return (slot, len(s) - 1, [s[-1]], True, 0, paused)
 
     def verify(self, slot: int, guess: list[int] | None = None) -> tuple:
         """A scheduled row verifying the slot's last drafts (or `guess`)."""

@@ -443,6 +443,8 @@ def test_exactly_these_flags_are_implemented() -> None:
         "--speculative-algorithm", "--speculative-config", "--speculative-num-draft-tokens",
         "--speculative-ngram-min-match-window-size", "--speculative-ngram-max-match-window-size",
         "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
+        "--speculative-disable-by-batch-size", "--speculative-break-even-accept-length",
+        "--speculative-break-even-per-request", "--speculative-probe-interval",
         "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--lora-paths",
         "--max-loras-per-batch", "--max-loaded-loras", "--lora-eviction-policy",
         "--enable-priority-scheduling", "--schedule-low-priority-values-first", "--weight-version",
@@ -475,6 +477,9 @@ def test_each_component_reads_the_section_its_flags_name() -> None:
                               "speculative_algorithm", "speculative_num_draft_tokens",
                               "speculative_ngram_min_match_window_size",
                               "speculative_ngram_max_match_window_size",
+                              "speculative_disable_by_batch_size",
+                              "speculative_break_even_accept_length",
+                              "speculative_break_even_per_request", "speculative_probe_interval",
                               "enable_priority_scheduling", "schedule_low_priority_values_first",
                               "radix_eviction_policy", "hicache_write_policy",
                               "priority_scheduling_preemption_threshold"}

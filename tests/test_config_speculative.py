@@ -159,3 +159,36 @@ def test_a_model_without_an_mtp_layer_is_refused_at_start(tmp_path) -> None:
     assert checkpoint_refusal(parse_serve_args([]), tmp_path) is None
     (tmp_path / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 1}))
     assert checkpoint_refusal(nextn, tmp_path) is None
+
+
+def test_the_speculation_gate_settings_reach_the_scheduler() -> None:
+    ngram = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "3"]
+    sched = parse_serve_args(ngram).section("scheduler")
+    assert (sched["speculative_disable_by_batch_size"], sched["speculative_break_even_accept_length"],
+            sched["speculative_break_even_per_request"], sched["speculative_probe_interval"]) == \
+        (32, 1.7, 0.04, 64)
+    sched = parse_serve_args([*ngram, "--speculative-disable-by-batch-size", "0",
+                              "--speculative-break-even-accept-length", "0",
+                              "--speculative-probe-interval", "5"]).section("scheduler")
+    assert (sched["speculative_disable_by_batch_size"], sched["speculative_break_even_accept_length"],
+            sched["speculative_probe_interval"]) == (0, 0.0, 5)
+    # vLLM's spelling.
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}'
+    cfg = parse_serve_args(["--speculative-config", spec])
+    assert cfg.section("scheduler")["speculative_disable_by_batch_size"] == 4
+
+
+_NGRAM3 = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": '
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--speculative-config", _NGRAM3 + "0}"], "disable_by_batch_size must be a positive integer"),
+    (["--speculative-config", _NGRAM3 + "true}"], "disable_by_batch_size must be a positive integer"),
+    (["--speculative-break-even-accept-length", "-1"], "speculative-break-even-accept-length"),
+    (["--speculative-break-even-per-request", "-0.5"], "speculative-break-even-per-request"),
+    (["--speculative-probe-interval", "0"], "speculative-probe-interval"),
+    (["--speculative-disable-by-batch-size", "-2"], "speculative-disable-by-batch-size"),
+])
+def test_bad_speculation_gate_settings_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_serve_args(argv)

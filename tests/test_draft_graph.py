@@ -2,7 +2,7 @@
 inputs' padding, and the graph's body (run eagerly, no capture here; its attention through the
 Triton interpreter) giving, step by step, exactly the drafts of the eager drafter over the same
 rows (and the reference's, tests/test_eagle3.py), at batch 1 and 3 in a graph of 4 requests,
-with drafts rejected and all accepted. The captured graphs are checked on a GPU by
+with drafts rejected and all accepted, and with drafting paused (the pass alone) and resumed. The captured graphs are checked on a GPU by
 tests/test_gpu_spec.py."""
 
 from __future__ import annotations
@@ -80,10 +80,14 @@ def test_the_draft_graph_body_drafts_as_the_eager_drafter(target_and_head: tuple
     runner, graphs = _runner(head, target)
     drafter, ran = runner.drafter, []
     body, run = graphs._run, graphs.run
-    graphs._run = lambda bs: (ran.append(bs), body(bs))[1]  # type: ignore[method-assign]
+    graphs._run = lambda bs, chain=True: (  # type: ignore[method-assign]
+        ran.append(bs if chain else -bs), body(bs, chain))[1]
 
     def run_and_compare(rows, chain):  # type: ignore[no-untyped-def]
         got = run(rows, chain)
+        if not len(chain.rows):  # drafting paused: the pass alone, no drafts
+            assert got.shape == (0, STEPS)
+            return got
         d = drafter._upload(rows, chain)  # the eager drafter over the same rows
         outs = drafter._verified(rows, d, graphs.aux)
         want = drafter._chain(chain, d, outs[d["last_row"]]).cpu().numpy()
@@ -102,6 +106,13 @@ def test_the_draft_graph_body_drafts_as_the_eager_drafter(target_and_head: tuple
     b.step(StepPlan.build(scheduled=[b.verify(2), b.verify(1, right[:STEPS]), b.verify(0)]), {0, 1, 2})
     assert b.seqs[1][-(STEPS + 1):] == right  # all accepted
     assert ran == [1, 4]
+    # Speculation paused (plain steps, the pass alone: graphs of -4 here), then resumed.
+    for _ in range(2):
+        b.step(StepPlan.build(scheduled=[b.plain(s) for s in (1, 0, 2)]), {0, 1, 2}, paused={0, 1, 2})
+    assert ran == [1, 4, -4, -4]
+    b.step(StepPlan.build(scheduled=[b.plain(s, paused=False) for s in (2, 0, 1)]), {0, 1, 2})
+    b.step(StepPlan.build(scheduled=[b.verify(s) for s in (0, 1, 2)]), {0, 1, 2})
+    assert ran == [1, 4, -4, -4, 4, 4]
     for slot, seq in b.seqs.items():  # greedy tokens: the target's own
         p = prompts[slot]
         assert seq[len(p):] == hf_greedy(target, p, len(seq) - len(p)), slot

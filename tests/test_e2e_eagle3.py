@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from eagle3_head import make_head
 from spec_checks import answers, assert_drafts_reported, assert_same_answers
@@ -49,3 +50,37 @@ def test_drafts_are_verified_and_reported(eagle_server: Server) -> None:
     info = assert_drafts_reported(eagle_server, "EAGLE3", 3)  # the chain's length
     assert 1.0 <= info["avg_spec_accept_length"] <= 4.0
     assert "EAGLE-3 head" in eagle_server.log()
+
+
+@pytest.fixture(scope="module")
+def gated_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Speculation off while 2 or more requests run (the acceptance rule off, so only the batch
+    decides)."""
+    tmp = tmp_path_factory.mktemp("eagle3_gated")
+    target = json.loads((Path(os.environ["TOKENSPEED_TEST_ASSETS"]) / "smollm2" / "config.json")
+                        .read_text())
+    head = make_head(tmp / "head", target, draft_vocab=8192, seed=1)
+    srv = start_server(str(tmp), *FLAGS, "--enable-metrics", "--speculative-config",
+                       json.dumps({"method": "eagle3", "model": str(head),
+                                   "num_speculative_tokens": 3, "disable_by_batch_size": 2}),
+                       "--speculative-break-even-accept-length", "0")
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def test_speculation_flips_off_and_on_with_the_batch_exactly(server: Server,
+                                                             gated_server: Server) -> None:
+    # Three requests of different lengths at once: plain steps while two or more run, drafting
+    # resumed (the head's KV kept up meanwhile) for the longest one alone; greedy answers equal.
+    bodies = [{**REQUESTS[i], "max_tokens": n} for i, n in ((4, 6), (0, 12), (5, 30))]
+    assert_same_answers(answers(server, bodies), answers(gated_server, bodies))
+    engine = gated_server.info()["engine"]
+    assert engine["spec_off_steps"] > 0 and engine["spec_verify_steps"] > 0, engine
+    assert engine["spec_enabled"] is True, engine  # the last request ran alone
+    metrics = httpx.get(f"{gated_server.url}/metrics", timeout=10).text
+    value = {ln.split("{")[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
+             if ln.startswith("tokenspeed:spec_decode_")}
+    assert value["tokenspeed:spec_decode_off_steps_total"] == engine["spec_off_steps"]
+    assert value["tokenspeed:spec_decode_enabled"] == 1

@@ -53,8 +53,11 @@ def served(cfg: object, tmp: Path, seed: int) -> tuple[Path, list[str], list[str
     target = json.loads((model_dir / "config.json").read_text())
     head = make_head(tmp / "head", target, draft_vocab=3, seed=1,
                      hot=[i for i, _ in counts.most_common(3)])
+    # The acceptance rule off: a random head would pause speculation within a few steps, and
+    # these runs check drafts accepted under each parallel layout.
     return model_dir, ref, ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
-                            str(head), "--speculative-num-steps", "3"]
+                            str(head), "--speculative-num-steps", "3",
+                            "--speculative-break-even-accept-length", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from eagle3_head import make_head, reference_drafts
-from spec_checks import BatchDrafting, drafts_follow_the_reference
+from spec_checks import BatchDrafting, drafting_resumes_after_pauses, drafts_follow_the_reference
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tokenspeed.models.eagle3 import Eagle3Config
@@ -124,6 +124,19 @@ def test_a_batch_drafts_as_each_request_alone(target_and_head: tuple[str, Path],
         (2, 10, prompts[2][10:], True)]), {0, 1, 2, 3})
     assert b.seqs[1][-(STEPS + 1):] == right
     b.step(StepPlan.build(scheduled=[b.verify(s) for s in (3, 2, 1, 0)]), {0, 1, 2, 3})
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_drafting_resumes_exactly_after_paused_steps(target_and_head: tuple[str, Path],
+                                                    sharp_head: Path, backend: str) -> None:
+    # Speculation turned off by the scheduler (`pause_drafts`) and back on, per request and
+    # for the whole batch: the head's KV kept up, its drafts the reference's on resumption.
+    target, head = target_and_head[0], sharp_head
+    runner = ModelRunner(target, page_size=4, max_slots=2, max_context_len=64,
+                         attention_backend=backend, draft=DraftSpec("EAGLE3", str(head), STEPS))
+    prompts = {0: [(29 * i) % 290 + 3 for i in range(6)], 1: [(13 * i + 5) % 290 + 3 for i in range(9)]}
+    drafting_resumes_after_pauses(BatchDrafting(runner, prompts, STEPS,
+                                                lambda seq: hf_reference(target, head, seq)))
 
 
 def test_a_copied_page_brings_the_heads_kv(target_and_head: tuple[str, Path], sharp_head: Path) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from deepseek_mtp_model import MtpModel, hf_greedy, make_mtp_model, reference_drafts
-from spec_checks import BatchDrafting, drafts_follow_the_reference
+from spec_checks import BatchDrafting, drafting_resumes_after_pauses, drafts_follow_the_reference
 from test_models_families import family_models  # noqa: F401  (the fixture)
 
 from tokenspeed.worker.draft_chain import DraftSpec
@@ -73,6 +73,15 @@ def test_a_batch_drafts_as_each_request_alone(mtp_model: MtpModel, backend: str)
         b.verify(1, right[:STEPS]), b.verify(0), (2, 6, prompts[2][6:], True)]), {0, 1, 2})
     assert b.seqs[1][-(STEPS + 1):] == right
     b.step(StepPlan.build(scheduled=[b.verify(s) for s in (2, 1, 0)]), {0, 1, 2})
+
+
+def test_drafting_resumes_exactly_after_paused_steps(mtp_model: MtpModel) -> None:
+    # Speculation turned off by the scheduler (`pause_drafts`) and back on: the MTP layer's
+    # latent KV kept up, its drafts the reference's on resumption.
+    m = mtp_model
+    prompts = {0: [(29 * i) % 250 + 3 for i in range(6)], 1: [(13 * i + 5) % 250 + 3 for i in range(9)]}
+    drafting_resumes_after_pauses(BatchDrafting(runner_for(m, slots=2), prompts, STEPS,
+                                                lambda seq: reference_drafts(m, seq, STEPS)))
 
 
 def test_a_model_without_an_mtp_layer_is_refused(family_models, tmp_path: Path) -> None:  # noqa: F811

@@ -15,6 +15,7 @@ _VLLM_KEYS = {
     "prompt_lookup_min": "speculative_ngram_min_match_window_size",
     "prompt_lookup_max": "speculative_ngram_max_match_window_size",
     "model": "speculative_draft_model_path",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
 }
 # vLLM's `method` values → `--speculative-algorithm`; None: named, but not built yet.
 _METHODS: dict[str, str | None] = {

@@ -128,7 +128,8 @@ SPEC_FLAGS: list[Flag] = [
       '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, '
       '"prompt_lookup_max": b} sets the NGRAM flags; {"method": "eagle3", "model": PATH, '
       '"num_speculative_tokens": k} the EAGLE3 ones; {"method": "deepseek_mtp" (or "mtp"), '
-      '"num_speculative_tokens": k} the NEXTN ones.',
+      '"num_speculative_tokens": k} the NEXTN ones; "disable_by_batch_size": n, with any '
+      'method, sets --speculative-disable-by-batch-size.',
       G_SPEC, readers=("launch",), implemented=True),
     s("--speculative-draft-model-path", "Draft model for speculative decoding: the directory of "
       "an EAGLE-3 head in its public layout (config.json and safetensors or pytorch_model.bin; "
@@ -147,6 +148,24 @@ SPEC_FLAGS: list[Flag] = [
     i("--speculative-num-draft-tokens", "Draft tokens verified per request per step (needed "
       "with --speculative-algorithm).", G_SPEC, minimum=1, readers=("scheduler", "worker"),
       implemented=True),
+    i("--speculative-disable-by-batch-size", "Steps with this many running requests or more "
+      "run without speculation: plain decode steps, no drafts verified (0: never; vLLM's "
+      "--speculative-config disable_by_batch_size). 32: above it a step verifying drafts "
+      "costs more than even a good acceptance (3.5) returns on an H200 (docs/speculative.md); "
+      "below it the acceptance rule (--speculative-break-even-accept-length) decides.",
+      G_SPEC, 32, minimum=0, readers=("scheduler",), implemented=True),
+    f("--speculative-break-even-accept-length", "Speculation pauses while the running average "
+      "of tokens per verifying request-step (accepted drafts + 1) is below this plus "
+      "--speculative-break-even-per-request times the running requests, and is retried every "
+      "--speculative-probe-interval plain steps (0: never pauses). Defaults fit an EAGLE-3 "
+      "chain of 3 over Llama-3.1-8B on an H200 (docs/speculative.md).", G_SPEC, 1.7,
+      minimum=0.0, readers=("scheduler",), implemented=True),
+    f("--speculative-break-even-per-request", "How much the break-even acceptance length "
+      "grows per running request (see --speculative-break-even-accept-length).", G_SPEC, 0.04,
+      minimum=0.0, readers=("scheduler",), implemented=True),
+    i("--speculative-probe-interval", "Plain steps between two tries of paused speculation "
+      "(each try runs 2 speculative steps; see --speculative-break-even-accept-length).",
+      G_SPEC, 64, minimum=1, readers=("scheduler",), implemented=True),
     f("--speculative-accept-threshold-single", "Probability above which one draft token is "
       "accepted.", G_SPEC, 1.0, minimum=0.0, maximum=1.0, readers=("worker",)),
     f("--speculative-accept-threshold-acc", "Accumulated probability threshold for accepting "

@@ -36,6 +36,11 @@ once per step, after the step's tokens reach the host, with no overlap (the laun
 overlap off): after a pure verify step whose target forward replayed a verify graph
 (worker/verify_graph.py), as CUDA graphs of the whole drafting (worker/draft_graph.py);
 after any other step (prompt chunks, mixed steps, no graphs, MLA heads), eagerly.
+
+While the scheduler has speculation turned off (`ScheduledRequest::pause_drafts`, its
+spec_gate.rs), a row draws no chain: the head's pass over its verified positions still runs (a
+"chain-less head pass", in the draft graphs' pass-alone graph where they hold), so its KV covers
+every position when drafting resumes.
 """
 
 from __future__ import annotations

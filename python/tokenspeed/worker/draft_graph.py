@@ -20,7 +20,8 @@ packed at fixed offsets into one int64 buffer, one host → device transfer fill
 device → host copy returns the drafts. Padding requests (b < B) read slot 0's pages and their
 own scratch pages and write nothing. A step takes the graph when its target forward replayed a
 verify graph (its `aux` is that graph's buffer, so the step was pure verify), every request
-drafts, none has a carried chunk row, and each has at most k + 1 verified rows (always, in a
+drafts or none does (speculation paused by the scheduler: a second graph per size, `passes`,
+runs the verified pass alone, so the head's KV keeps up), none has a carried chunk row, and each has at most k + 1 verified rows (always, in a
 pure verify step); otherwise the drafter runs eagerly. Not for latent (MLA) heads: the extend
 graphs do not run MLA, and neither do the verify graphs they would follow.
 """
@@ -102,6 +103,7 @@ class DraftGraphRunner:
         self.inputs = torch.zeros(int(self.offsets[-1]), dtype=torch.int64, device=drafter.device)
         self.drafts = torch.zeros((b, self.steps), dtype=torch.int64, device=drafter.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.passes: dict[int, torch.cuda.CUDAGraph] = {}  # the pass alone (drafting paused)
         self.replays = 0
 
     def _view(self, name: str) -> torch.Tensor:
@@ -114,7 +116,7 @@ class DraftGraphRunner:
         b = len(rows.slots)
         return (0 < b <= self.max_bs and aux.data_ptr() == self.aux.data_ptr()
                 and not len(rows.carried_at) and not len(rows.new_carry_slots)
-                and len(chain.rows) == b and int(rows.num_tokens.max()) <= self.steps + 1)
+                and len(chain.rows) in (0, b) and int(rows.num_tokens.max()) <= self.steps + 1)
 
     def pack(self, bs: int, rows: HeadRows | None, chain: ChainLayout | None) -> np.ndarray:
         """The static inputs (the whole buffer) for a step in the graph of `bs` requests; no
@@ -140,7 +142,7 @@ class DraftGraphRunner:
         host["tokens"][:, :t] = tokens
         host["requests"][:5, :bs + 1] = requests
         host["requests"][5, :b] = rows.slots
-        if s:
+        if s and len(chain.rows):  # else a chain-less pass (drafting paused): no chain
             ch[0, :, :b] = chain.positions.reshape(s, b)
             ch[1, :, :b] = chain.locs.reshape(s, b)
             n = b * per
@@ -155,8 +157,9 @@ class DraftGraphRunner:
             flat[self.offsets[i]:self.offsets[i] + a.size] = a.reshape(-1)
         return flat
 
-    def _run(self, bs: int) -> None:
-        """The graph's body for `bs` requests: the verified pass, the picks and the chain."""
+    def _run(self, bs: int, chain: bool = True) -> None:
+        """The graph's body for `bs` requests: the verified pass, the picks and the chain (not
+        `chain`: the pass alone, writing the head's KV while drafting is paused)."""
         head, cache, backend = self.drafter.head, self.cache, self.backend
         t = bs * (self.steps + 1)
         ids, positions, locs, aux_rows = self._view("tokens")[:, :t]
@@ -167,6 +170,8 @@ class DraftGraphRunner:
         meta = backend.extend_graph_metadata(rows[:bs], q_start, prefix[:bs], seq_lens[:bs], t,
                                              head.dtype, head.kv_layout["head_dim"])
         outs = head.layer(ids, hidden, positions, self._batch(ids, positions, locs, meta))
+        if not chain:
+            return
         outs = outs.index_select(0, last[:bs])
         tokens = [head.draft_ids(outs)]
         if self.steps > 1:
@@ -198,21 +203,26 @@ class DraftGraphRunner:
         self.inputs.copy_(torch.from_numpy(self.pack(self.max_bs, None, None)))
         self.graphs, pool = capture_graphs("draft head", self.sizes, self._run,
                                            self.drafter.device, pool)
+        self.passes, pool = capture_graphs("draft head pass (drafting paused)", self.sizes,
+                                           lambda bs: self._run(bs, chain=False),
+                                           self.drafter.device, pool)
         return pool
 
     def run(self, rows: HeadRows, chain: ChainLayout) -> np.ndarray:
         """The drafts [b, k] of the step's b requests (plan order; `holds` said yes): its
         inputs in one transfer, the replay (uncaptured: the body), one copy back."""
-        b = len(rows.slots)
+        b, drafting = len(rows.slots), len(chain.rows) > 0
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         (dev,) = to_device_int64([self.pack(bs, rows, chain)], self.drafter.device)
         self.inputs.copy_(dev)
-        graph = self.graphs.get(bs)
+        graph = (self.graphs if drafting else self.passes).get(bs)
         if graph is None:
-            self._run(bs)
+            self._run(bs, chain=drafting)
         else:
             graph.replay()
             self.replays += 1
+        if not drafting:  # paused: the head's KV is written, nothing to bring back
+            return np.zeros((0, self.steps), np.int64)
         return self.drafts[:b].cpu().numpy().copy()  # the buffer is the next step's
 
 

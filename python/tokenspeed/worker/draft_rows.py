@@ -19,7 +19,7 @@ class HeadRows:
     slots: np.ndarray  # [B]
     start_pos: np.ndarray  # [B] the request's first row's position
     num_tokens: np.ndarray  # [B] its rows
-    drafts: np.ndarray  # [B] bool: it sampled, so it drafts from its last row
+    drafts: np.ndarray  # [B] bool: it sampled (and drafting is not paused): it drafts from its last row
     positions: np.ndarray  # [R]
     next_ids: np.ndarray  # [R] the token at position + 1 (the row's embedding)
     locs: np.ndarray  # [R] flat KV index, through the request's page table
@@ -61,6 +61,8 @@ def step_rows(plan: StepPlan, out: StepOutput, carry_pos: np.ndarray, page_table
     s = plan.sched_start_pos.astype(np.int64)
     d = plan.sched_num_draft_tokens.astype(np.int64)
     sampled = plan.sched_sample.astype(bool)
+    # Speculation paused by the scheduler (spec_gate.rs): the head's KV only, no chain.
+    drafting = sampled & ~plan.sched_pause_drafts.astype(bool)
     ids = plan.sched_tokens.astype(np.int64)
     b = len(slot)
     q0 = np.cumsum(n) - n
@@ -92,7 +94,7 @@ def step_rows(plan: StepPlan, out: StepOutput, carry_pos: np.ndarray, page_table
     pages = page_table[slot[ri], positions // page_size].astype(np.int64)
     at = np.flatnonzero(u < 0)
     return HeadRows(
-        slots=slot[req], start_pos=first[req], num_tokens=cnt, drafts=sampled[req],
+        slots=slot[req], start_pos=first[req], num_tokens=cnt, drafts=drafting[req],
         positions=positions, next_ids=pool[src], locs=pages * page_size + positions % page_size,
         aux_rows=np.maximum(q0[ri] + u, 0), carried_at=at, carried_slots=slot[ri[at]],
         new_carry_slots=slot[chunk], new_carry_rows=(q0 + n - 1)[chunk])

@@ -92,7 +92,7 @@ class StepPlan:
         fields (unset ones are neutral, `slot` required); `page_tables` rows are
         (slot, first, pages) or (slot, first, pages, pool); `copies` rows are (src, dst) or (src, dst, kind) (kind 0: device
         to device); `scheduled` rows are (slot, start_pos, tokens, sample) or
-        (slot, start_pos, tokens, sample, num_draft_tokens)."""
+        (slot, start_pos, tokens, sample, num_draft_tokens[, pause_drafts])."""
         a: dict[str, np.ndarray] = {n: np.zeros(0, dt) for n, dt in PLAN_DTYPES.items()}
         a["finished_slot"] = np.asarray(list(finished), PLAN_DTYPES["finished_slot"])
         new = [{**NEUTRAL_SAMPLING, **row} for row in new]
@@ -121,6 +121,9 @@ class StepPlan:
         # An optional fifth element: the row's draft tokens (the last ones of its tokens).
         a["sched_num_draft_tokens"] = np.asarray([r[4] if len(r) > 4 else 0 for r in sch],
                                                  PLAN_DTYPES["sched_num_draft_tokens"])
+        # An optional sixth: speculation paused (a draft head drafts nothing after the step).
+        a["sched_pause_drafts"] = np.asarray([bool(r[5]) if len(r) > 5 else False for r in sch],
+                                             PLAN_DTYPES["sched_pause_drafts"])
         a["sched_tokens_len"], a["sched_tokens"] = _lists(
             (r[2] for r in sch), PLAN_DTYPES["sched_tokens"])
         return cls({"step_id": step_id, **a})

@@ -182,12 +182,13 @@ section! {
         /// (false for a prefill chunk that is not the prompt's last).
         pub sample: bool,
         /// Speculative decoding: the last `num_draft_tokens` of `tokens` are draft tokens (a
-        /// chain) that follow the sequence's last known token. The worker computes their KV
-        /// like any input, verifies them against the model's own choices and reports the
-        /// accepted ones plus one token of its own (`RequestEvent::tokens`); the KV of
-        /// rejected positions is overwritten by later steps (the scheduler rewinds to the
-        /// accepted length). 0: a plain step.
+        /// chain) that follow the sequence's last known token. The worker computes their KV like
+        /// any input, verifies them against the model's own choices and reports the accepted
+        /// ones plus one token of its own (`RequestEvent::tokens`); the KV of rejected positions
+        /// is overwritten by later steps (the scheduler rewinds to the accepted length). 0: plain.
         pub num_draft_tokens: u32,
+        /// Speculation paused (`spec_gate.rs`): a draft head writes its KV, drafts nothing after.
+        pub pause_drafts: bool,
     }
     lists {
         /// Input token ids (`LAST_SAMPLED` for a one-step-ahead decode).

@@ -30,6 +30,7 @@ mod ops;
 mod preemption;
 mod reconcile;
 mod request;
+mod spec_gate;
 mod step;
 mod step_cost;
 mod swa;
@@ -283,6 +284,9 @@ pub struct Scheduler {
     retractions: u64,
     /// Speculative decoding counts (`SchedulerStats::spec_*`).
     spec: SpecCounts,
+    /// Whether speculation pays now (`spec_gate.rs`), and what the step being built does.
+    gate: spec_gate::SpecGate,
+    spec_mode: spec_gate::SpecMode,
     /// PD transfers planned so far (`SchedulerStats::kv_transfer`).
     transfers: KvTransferStats,
     /// PD decode server: requests parked until their KV arrives (`kv_wait.rs`).
@@ -326,6 +330,7 @@ impl Scheduler {
                 .with_host(host, config.hicache_write_policy)
                 .with_storage(config.num_storage_pages as usize);
         }
+        let gate = spec_gate::SpecGate::new(&config);
         Ok(Scheduler {
             free_slots: (0..config.max_running_requests).collect(),
             swa_pool: PagePool::new(config.num_swa_pages),
@@ -344,6 +349,8 @@ impl Scheduler {
             admitted: Vec::new(),
             retractions: 0,
             spec: SpecCounts::default(),
+            gate,
+            spec_mode: spec_gate::SpecMode::ON,
             transfers: KvTransferStats::default(),
             kv_wait: kv_wait::KvWait::default(),
             step_cost: step_cost::StepCost::default(),
@@ -503,6 +510,8 @@ impl Scheduler {
             spec_draft_tokens: self.spec.drafted,
             spec_accepted_tokens: self.spec.accepted,
             spec_verify_steps: self.spec.steps,
+            spec_enabled: self.config.speculative_algorithm.is_some() && self.gate.is_on(),
+            spec_off_steps: self.gate.off_steps(),
             host: self.cache.host_stats(),
             storage: self.cache.storage_stats(),
             kv_transfer: self.transfers,

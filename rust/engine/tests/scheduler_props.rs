@@ -96,6 +96,10 @@ fn workload() -> impl Strategy<Value = Workload> {
                     speculative_num_draft_tokens: None,
                     speculative_ngram_min_match_window_size: 1,
                     speculative_ngram_max_match_window_size: 12,
+                    speculative_disable_by_batch_size: 0,
+                    speculative_break_even_accept_length: 0.0,
+                    speculative_break_even_per_request: 0.0,
+                    speculative_probe_interval: 64,
                     context_length: 1024,
                     radix_eviction_policy: if lfu {
                         EvictionPolicy::Lfu

@@ -214,6 +214,90 @@ fn worker_drafts_are_verified_for(algorithm: &str) {
     assert!(plans[1] >= 40, "{plans:?}");
 }
 
+/// The speculation gate in the scheduler (`spec_gate.rs`): with `disable_by_batch_size` 2 and
+/// three requests of different lengths, steps of two or more decodes verify nothing and ask
+/// the worker for no drafts; once one request is left speculation comes back; the tokens are
+/// plain decoding's throughout, for NGRAM and a worker-side drafter.
+#[test]
+fn batch_rule_turns_speculation_off_and_back_on_exactly() {
+    for algorithm in ["NGRAM", "EAGLE3"] {
+        let cfg = SchedulerConfig {
+            speculative_algorithm: Some(algorithm.into()),
+            speculative_disable_by_batch_size: 2,
+            ..spec_config(3, 4)
+        };
+        let mut h = harness(cfg, false);
+        if algorithm == "EAGLE3" {
+            h.worker.drafter = Some((copy_model, 3));
+        }
+        let lens = [10u32, 14, 60];
+        for (id, n) in (1..=3u64).zip(lens) {
+            h.submit(request(id, prompt(id as u32), n));
+        }
+        h.run(400);
+        for (id, n) in (1..=3u64).zip(lens) {
+            assert_eq!(
+                h.tokens(id),
+                reference(&prompt(id as u32), n, None),
+                "{algorithm}"
+            );
+        }
+        let mut saw = (false, false);
+        for p in &h.plans {
+            let decodes: Vec<_> = p.scheduled.iter().filter(|r| r.sample).collect();
+            if decodes.len() >= 2 {
+                // A prompt's last chunk in the first step, before any request ran, may still
+                // ask for drafts (the gate decides on the running batch).
+                let plain = |r: &&_| {
+                    let r: &tokenspeed_engine::plan::ScheduledRequest = r;
+                    r.num_draft_tokens == 0 && (r.pause_drafts || r.tokens.len() > 1)
+                };
+                assert!(decodes.iter().all(plain), "{algorithm}: step {}", p.step_id);
+                saw.0 = true;
+            } else if decodes.len() == 1 && decodes[0].num_draft_tokens > 0 {
+                assert!(!decodes[0].pause_drafts);
+                saw.1 = true;
+            }
+        }
+        assert_eq!(
+            saw,
+            (true, true),
+            "{algorithm}: off while batched, back on alone"
+        );
+        let s = h.sched.stats();
+        assert!(s.spec_off_steps > 0 && s.spec_enabled, "{s:?}");
+        assert!(s.spec_accepted_tokens > 0, "{s:?}");
+        h.assert_no_leak();
+    }
+}
+
+/// The acceptance rule: a drafter that is always wrong pauses speculation after a few verify
+/// steps; it is retried every `speculative_probe_interval` plain steps; the tokens are exact.
+#[test]
+fn low_acceptance_pauses_speculation_and_probes_it() {
+    fn wrong(_: &[u32]) -> u32 {
+        7
+    }
+    let cfg = SchedulerConfig {
+        speculative_algorithm: Some("EAGLE3".into()),
+        speculative_break_even_accept_length: 1.7,
+        speculative_break_even_per_request: 0.04,
+        speculative_probe_interval: 8,
+        ..spec_config(3, 4)
+    };
+    let mut h = harness(cfg, false);
+    h.worker.drafter = Some((wrong, 3));
+    h.submit(request(1, prompt(1), 80));
+    h.run(400);
+    assert_eq!(h.tokens(1), reference(&prompt(1), 80, None));
+    let s = h.sched.stats();
+    // 4 verify steps before the pause, then a probe (draft, verify) per 7 plain steps.
+    assert!(s.spec_verify_steps < 16, "{s:?}");
+    assert!(s.spec_off_steps > 50, "{s:?}");
+    assert!(!s.spec_enabled, "{s:?}");
+    h.assert_no_leak();
+}
+
 /// Only NGRAM is drafted by the scheduler; an algorithm none of the three is refused when the
 /// scheduler is built (the launcher refuses it first).
 #[test]

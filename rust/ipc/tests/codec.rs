@@ -73,14 +73,16 @@ fn plan() -> impl Strategy<Value = Plan> {
         any::<u32>(),
         any::<bool>(),
         any::<u32>(),
+        any::<bool>(),
         ids(12),
     )
         .prop_map(
-            |(slot, start_pos, sample, num_draft_tokens, tokens)| ScheduledRequest {
+            |(slot, start_pos, sample, num_draft_tokens, pause_drafts, tokens)| ScheduledRequest {
                 slot,
                 start_pos,
                 sample,
                 num_draft_tokens,
+                pause_drafts,
                 tokens,
             },
         );

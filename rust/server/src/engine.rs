@@ -135,6 +135,10 @@ pub struct EngineStats {
     pub spec_draft_tokens: u64,
     pub spec_accepted_tokens: u64,
     pub spec_verify_steps: u64,
+    /// Whether speculation is on now (`SchedulerStats::spec_enabled`; with data parallelism,
+    /// on in any replica) and the decoding steps that ran with it turned off.
+    pub spec_enabled: bool,
+    pub spec_off_steps: u64,
     /// The radix cache's host tier (`--enable-hierarchical-cache`; zeros when off).
     pub host: tokenspeed_engine::HostStats,
     /// Its storage tier (`--hicache-storage-backend`; zeros when off).
@@ -168,6 +172,8 @@ impl EngineStats {
                 spec_draft_tokens: t.spec_draft_tokens + s.spec_draft_tokens,
                 spec_accepted_tokens: t.spec_accepted_tokens + s.spec_accepted_tokens,
                 spec_verify_steps: t.spec_verify_steps + s.spec_verify_steps,
+                spec_enabled: t.spec_enabled || s.spec_enabled,
+                spec_off_steps: t.spec_off_steps + s.spec_off_steps,
                 host: tokenspeed_engine::HostStats {
                     total_pages: t.host.total_pages + s.host.total_pages,
                     used_pages: t.host.used_pages + s.host.used_pages,
@@ -194,6 +200,8 @@ impl EngineStats {
             spec_draft_tokens: self.spec_draft_tokens,
             spec_accepted_tokens: self.spec_accepted_tokens,
             spec_verify_steps: self.spec_verify_steps,
+            spec_enabled: self.spec_enabled,
+            spec_off_steps: self.spec_off_steps,
             host: self.host,
             storage: self.storage,
             kv_transfer: self.kv_transfer,

@@ -72,6 +72,9 @@ struct EngineSeries {
     /// Speculative decoding, as vLLM names them: draft tokens verified and accepted.
     spec_decode_num_draft_tokens: IntCounter,
     spec_decode_num_accepted_tokens: IntCounter,
+    /// Decoding steps run with speculation turned off (`spec_gate.rs`), and whether it is on.
+    spec_decode_off_steps: IntCounter,
+    spec_decode_enabled: IntGauge,
     free_kv_pages: IntGauge,
     cached_kv_pages: IntGauge,
 }
@@ -220,6 +223,13 @@ impl Metrics {
         self.engine
             .spec_decode_num_accepted_tokens
             .inc_by(accepted.saturating_sub(self.engine.spec_decode_num_accepted_tokens.get()));
+        let off = s.spec_off_steps;
+        self.engine
+            .spec_decode_off_steps
+            .inc_by(off.saturating_sub(self.engine.spec_decode_off_steps.get()));
+        self.engine
+            .spec_decode_enabled
+            .set(i64::from(s.spec_enabled));
         self.kv_moves.observe(s);
         if s.total_pages > 0 {
             let busy = s
@@ -448,6 +458,15 @@ impl EngineSeries {
             spec_decode_num_accepted_tokens: b.counter(
                 "spec_decode_num_accepted_tokens_total",
                 "Speculative draft tokens the model accepted",
+            ),
+            spec_decode_off_steps: b.counter(
+                "spec_decode_off_steps_total",
+                "Decoding steps run without speculation while it is configured (turned off by \
+                 the batch size or the acceptance rate)",
+            ),
+            spec_decode_enabled: b.gauge(
+                "spec_decode_enabled",
+                "1 while speculative decoding is configured and on, else 0",
             ),
             free_kv_pages: b.gauge("free_kv_pages", "Free KV pages"),
             cached_kv_pages: b.gauge("cached_kv_pages", "KV pages held by the radix cache"),

@@ -25,13 +25,27 @@ impl Scheduler {
             } else {
                 HashMap::new()
             };
+            let before = self.spec;
             for e in &expected {
                 if let Some(out) = self.apply(e, events.get(&e.slot).copied()) {
                     outputs.push(out);
                 }
             }
+            self.observe_acceptance(before, &expected);
         }
         outputs
+    }
+
+    /// Feeds the step's acceptance (tokens per verifying request-step) to the speculation gate.
+    fn observe_acceptance(&mut self, before: super::SpecCounts, expected: &[Expected]) {
+        let steps = self.spec.steps - before.steps;
+        if steps == 0 {
+            return;
+        }
+        let accepted = self.spec.accepted - before.accepted;
+        let batch = expected.iter().filter(|e| e.sample).count();
+        self.gate
+            .observe((accepted + steps) as f64 / steps as f64, batch);
     }
 
     /// Applies one expected result; returns the output if the request got tokens or failed.

@@ -83,6 +83,16 @@ pub struct SchedulerConfig {
     /// Shortest and longest suffix of the request's tokens that NGRAM looks up.
     pub speculative_ngram_min_match_window_size: u32,
     pub speculative_ngram_max_match_window_size: u32,
+    /// Steps of this many decoding requests or more run without speculation (0: never;
+    /// `spec_gate.rs`).
+    pub speculative_disable_by_batch_size: u32,
+    /// Speculation pauses while the running average of tokens per verifying request-step is
+    /// below `speculative_break_even_accept_length + speculative_break_even_per_request *
+    /// batch` (a base of 0: never), and is tried again every `speculative_probe_interval`
+    /// plain steps (`spec_gate.rs`).
+    pub speculative_break_even_accept_length: f64,
+    pub speculative_break_even_per_request: f64,
+    pub speculative_probe_interval: u32,
     /// Which unlocked cached prefix is evicted first.
     pub radix_eviction_policy: EvictionPolicy,
     /// Host slots of the radix cache's host tier, as the workers allocated them (0: no host
@@ -139,6 +149,10 @@ impl SchedulerConfig {
             speculative_num_draft_tokens: None,
             speculative_ngram_min_match_window_size: 1,
             speculative_ngram_max_match_window_size: 12,
+            speculative_disable_by_batch_size: 0,
+            speculative_break_even_accept_length: 0.0,
+            speculative_break_even_per_request: 0.0,
+            speculative_probe_interval: 64,
             context_length,
             radix_eviction_policy: EvictionPolicy::default(),
             num_host_pages: 0,
@@ -179,6 +193,21 @@ impl SchedulerConfig {
             return Err(ConfigError::Invalid {
                 field: "speculative_ngram_min_match_window_size",
                 rule: "at least 1 and at most speculative_ngram_max_match_window_size",
+            });
+        }
+        let (base, slope) = (
+            self.speculative_break_even_accept_length,
+            self.speculative_break_even_per_request,
+        );
+        if !(base.is_finite() && base >= 0.0 && slope.is_finite() && slope >= 0.0) {
+            return Err(ConfigError::Invalid {
+                field: "speculative_break_even_accept_length",
+                rule: "finite and >= 0, as speculative_break_even_per_request",
+            });
+        }
+        if self.speculative_probe_interval == 0 {
+            return Err(ConfigError::Zero {
+                field: "speculative_probe_interval",
             });
         }
         if !(self.max_mixed_step_ms.is_finite() && self.max_mixed_step_ms >= 0.0) {
@@ -470,6 +499,10 @@ pub struct SchedulerStats {
     pub spec_draft_tokens: u64,
     pub spec_accepted_tokens: u64,
     pub spec_verify_steps: u64,
+    /// Whether speculation is on (configured, and the latest decoding step ran with it), and
+    /// the decoding steps that ran without it while configured (`spec_gate.rs`).
+    pub spec_enabled: bool,
+    pub spec_off_steps: u64,
     /// The radix cache's host tier (zeros without one).
     pub host: HostStats,
     /// Its storage tier (zeros without one).

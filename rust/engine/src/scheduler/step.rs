@@ -27,6 +27,7 @@ impl Scheduler {
         // Before anything is put in the step: a victim must not be both planned and retracted.
         self.preempt_for_waiting();
         let mut step = StepBuilder::default();
+        self.decide_speculation();
         let full_budget = self.prompt_budget();
         let mut budget = full_budget;
         let mut scheduled = StepShape::default();
@@ -39,6 +40,14 @@ impl Scheduler {
         }
         scheduled.prompt_tokens = full_budget - budget;
         self.seal(step, scheduled)
+    }
+
+    /// Whether this step speculates (`spec_gate.rs`), from the running batch (the requests
+    /// holding a slot; those still in their prompt decode next).
+    fn decide_speculation(&mut self) {
+        if self.config.speculative_algorithm.is_some() {
+            self.spec_mode = self.gate.decide(self.running.len());
+        }
     }
 
     /// Prompt tokens this step may carry. Decodes always run (one token is the least progress
@@ -250,7 +259,10 @@ impl Scheduler {
         let (Some(k), Some(seq)) = (c.speculative_num_draft_tokens, self.requests.get(id)) else {
             return Vec::new();
         };
-        if !seq.drafts_allowed || !matches!(seq.work(), super::Work::Known(1)) {
+        if !self.spec_mode.verify
+            || !seq.drafts_allowed
+            || !matches!(seq.work(), super::Work::Known(1))
+        {
             return Vec::new();
         }
         // The decode yields one token whatever happens; each accepted draft one more.
@@ -334,6 +346,7 @@ impl Scheduler {
             start_pos: a.computed as u32,
             sample,
             num_draft_tokens: drafts.len() as u32,
+            pause_drafts: !self.spec_mode.draft_after,
             tokens: input,
         });
         step.expected.push(Expected {

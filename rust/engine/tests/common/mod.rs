@@ -144,9 +144,9 @@ impl FakeWorker {
         }
     }
 
-    /// The drafter's chain after `seq` (empty without one).
-    fn propose(&self, mut seq: Vec<u32>) -> Vec<u32> {
-        let Some((draft, k)) = self.drafter else {
+    /// The drafter's chain after `seq` (empty without one, or when the plan paused drafting).
+    fn propose(&self, mut seq: Vec<u32>, paused: bool) -> Vec<u32> {
+        let Some((draft, k)) = self.drafter.filter(|_| !paused) else {
             return Vec::new();
         };
         (0..k)
@@ -369,7 +369,7 @@ impl FakeWorker {
                     logprobs: vec![-0.5; tokens.len()],
                     tokens,
                     prompt_logprobs,
-                    draft_tokens: self.propose(seq),
+                    draft_tokens: self.propose(seq, r.pause_drafts),
                     ..RequestEvent::default()
                 });
             } else if r.sample {
@@ -391,7 +391,7 @@ impl FakeWorker {
                     logprobs: vec![-0.5; tokens.len()],
                     tokens,
                     prompt_logprobs,
-                    draft_tokens: self.propose(seq),
+                    draft_tokens: self.propose(seq, r.pause_drafts),
                     ..RequestEvent::default()
                 });
             }

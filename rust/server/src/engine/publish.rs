@@ -45,6 +45,8 @@ impl EngineLoop {
                 spec_draft_tokens: s.spec_draft_tokens,
                 spec_accepted_tokens: s.spec_accepted_tokens,
                 spec_verify_steps: s.spec_verify_steps,
+                spec_enabled: s.spec_enabled,
+                spec_off_steps: s.spec_off_steps,
                 host: s.host,
                 storage: s.storage,
                 kv_transfer: s.kv_transfer,
