@@ -24,7 +24,10 @@ from tokenizers import Tokenizer
 
 from server_harness import start_server, stop_server
 
-NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3")
+# The acceptance rule off (as in test_e2e_eagle3_parallel): a random MTP layer would pause
+# speculation within a few steps, and these runs check drafts accepted under each layout.
+NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+         "--speculative-break-even-accept-length", "0")
 WORDS = " the cat sat on a mat by dog"
 
 
