@@ -59,6 +59,9 @@ def test_algorithms_with_draft_weights_refuse(algorithm: str) -> None:
     (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
       "--speculative-num-steps", "3"], "are for --speculative-algorithm EAGLE3 or NEXTN"),
     (["--speculative-draft-model-path", "h"], "needs --speculative-algorithm"),
+    # The gate's tuning away from its defaults asks for speculation too (at them: neutral).
+    (["--speculative-disable-by-batch-size", "8"], "disable-by-batch-size needs --speculative-algorithm"),
+    (["--speculative-break-even-accept-length", "0"], "accept-length needs --speculative-algorithm"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
       "--speculative-num-draft-tokens", "4"], "but the flag says 4"),
     (["--speculative-config", "[1]"], "must be a JSON object"),
@@ -192,3 +195,9 @@ _NGRAM3 = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_si
 def test_bad_speculation_gate_settings_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_serve_args(argv)
+
+
+def test_the_gates_defaults_spelled_out_pass_without_speculation() -> None:
+    cfg = parse_serve_args(["--speculative-disable-by-batch-size", "32",
+                            "--speculative-probe-interval", "64"])
+    assert cfg.speculative_algorithm is None

@@ -22,6 +22,9 @@ _METHODS: dict[str, str | None] = {
     "ngram": "NGRAM", "eagle": None, "eagle3": "EAGLE3", "mtp": "NEXTN", "deepseek_mtp": "NEXTN",
     "draft_model": None, "medusa": None, "mlp_speculator": None,
 }
+# The speculation gate's tuning (rust/engine scheduler/spec_gate.rs), by flag dest suffix.
+_GATE_FLAGS = ("disable_by_batch_size", "break_even_accept_length", "break_even_per_request",
+               "probe_interval")
 # Algorithms whose drafts a head in the worker chains after each step (worker/draft_chain.py;
 # the scheduler's side: rust/engine SchedulerConfig::worker_drafts).
 DRAFT_HEADS = ("EAGLE3", "NEXTN")
@@ -32,8 +35,12 @@ def resolve_speculative(cfg: Any) -> Any:
     if cfg.speculative_config:
         cfg = _apply_vllm_config(cfg, cfg.speculative_config)
     if cfg.speculative_algorithm is None:
-        given = [f for f in ("num_draft_tokens", "num_steps", "draft_model_path", "eagle_topk")
-                 if getattr(cfg, f"speculative_{f}") is not None]
+        # A flag away from its default (the flag table's, through the config's fields) asks for
+        # speculation that is not configured.
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        given = [f for f in ("num_draft_tokens", "num_steps", "draft_model_path", "eagle_topk",
+                             *_GATE_FLAGS)
+                 if getattr(cfg, f"speculative_{f}") != defaults[f"speculative_{f}"]]
         if given:
             raise ConfigError(f"--speculative-{given[0].replace('_', '-')} needs "
                               "--speculative-algorithm (NGRAM, EAGLE3 or NEXTN)")
