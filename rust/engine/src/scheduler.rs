@@ -425,21 +425,19 @@ impl Scheduler {
         } else {
             0
         };
-        if swa_pages > u64::from(self.config.num_swa_pages) {
-            return Err(SubmitError::ExceedsKvPool {
-                id,
-                tokens: total - 1,
-                pages_needed: swa_pages,
-                total_pages: self.config.num_swa_pages,
-            });
-        }
-        if pages > u64::from(self.config.num_pages) {
-            return Err(SubmitError::ExceedsKvPool {
-                id,
-                tokens: total - 1,
-                pages_needed: pages,
-                total_pages: self.config.num_pages,
-            });
+        // The sliding-window pool's bound first, then the full pool's (one error, either pool).
+        for (pages_needed, total_pages) in [
+            (swa_pages, self.config.num_swa_pages),
+            (pages, self.config.num_pages),
+        ] {
+            if pages_needed > u64::from(total_pages) {
+                return Err(SubmitError::ExceedsKvPool {
+                    id,
+                    tokens: total - 1,
+                    pages_needed,
+                    total_pages,
+                });
+            }
         }
         let tokens = req.prompt.clone();
         let drafts_allowed = self.config.speculative_algorithm.is_some()
