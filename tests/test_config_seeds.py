@@ -119,7 +119,12 @@ PARTNERS = {"--speculative-num-draft-tokens": ["--speculative-algorithm", "NGRAM
             "--speculative-draft-model-path": ["--speculative-algorithm", "EAGLE3",
                                                "--speculative-num-steps", "3"],
             "--speculative-num-steps": ["--speculative-algorithm", "EAGLE3",
-                                        "--speculative-draft-model-path", "head"]}
+                                        "--speculative-draft-model-path", "head"],
+            # The speculation gate's tuning needs speculation configured.
+            **{gate: ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "2"]
+               for gate in ("--speculative-disable-by-batch-size",
+                            "--speculative-break-even-accept-length",
+                            "--speculative-break-even-per-request", "--speculative-probe-interval")}}
 JSON_SAMPLES = {"--speculative-config": '{"method": "ngram", "num_speculative_tokens": 2}',
                 "--kv-events-config": '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'}
 
