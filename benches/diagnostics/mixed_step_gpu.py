@@ -5,7 +5,7 @@ step fills an extend-graph size exactly (no padded tokens). Llama-3.1-8B config,
 bf16 (or the served fp8 weights / KV cache), extend graphs as `tokenspeed serve` captures them.
 
     python3 benches/diagnostics/mixed_step_gpu.py [--decodes 20] [--prompt 1024] [--context 1024]
-        [--reps 5] [--profile 12] [--quantization fp8] [--kv-cache-dtype fp8]
+        [--reps 5] [--profile 12] [--quantization fp8] [--kv-cache-dtype fp8] [--eager]
 
 --profile N: after the timings, one more step of each case under torch.profiler, and its N
 costliest GPU kernels (ms, launches) with the sum of all kernel time and the GPU's idle gaps
@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="top N kernels per case")
     ap.add_argument("--quantization", default=None, help="fp8: the served fp8 weights' path")
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: the fp8 KV cache")
+    ap.add_argument("--eager", action="store_true", help="no extend graphs: every step with more "
+                    "requests than the decode graphs hold runs eagerly (graph-or-eager A/B)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
 
@@ -60,8 +62,10 @@ def main() -> None:
     runner = ModelRunner(path, dtype="bfloat16" if cuda else "float32", device=args.device,
                          load_format="dummy", page_size=PAGE, num_pages=slots * ctx // PAGE + 8,
                          max_slots=slots, max_context_len=ctx,
-                         extend_graph_sizes=sizes if cuda else None, cuda_graph_max_bs=256 if cuda else None,
+                         extend_graph_sizes=sizes if cuda and not args.eager else None, cuda_graph_max_bs=256 if cuda else None,
                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    if runner.extend_graphs is not None:  # always replay: the graph side of the A/B
+        runner.extend_graphs.choice = None
     rng = np.random.default_rng(0)
     plan = PlanBuilder(ctx, PAGE).plan
     free_slots = list(range(args.decodes, slots))
