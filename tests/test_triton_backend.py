@@ -278,47 +278,6 @@ def test_extend_graph_body_matches_torch_native(tiny_llama: str,
     assert eager_steps, "4 requests decoding together exceed the graph's 3 rows: eager"
 
 
-def test_wide_graph_steps_replay_or_run_eagerly_by_measure(tiny_llama: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps only a wide graph holds (here more than 2 rows) ask the measured choice, which
-    times both ways and then keeps the faster (eager, on this clock); narrow steps always
-    replay; either way the tokens are torch_native's."""
-    if _needs_subprocess():
-        _rerun_in_subprocess("test_wide_graph_steps_replay_or_run_eagerly_by_measure")
-        return
-    from tokenspeed.worker import cuda_graph
-    from tokenspeed.worker.graph_choice import GraphChoice
-
-    monkeypatch.setattr(cuda_graph, "NARROW_ROWS", 2)
-    monkeypatch.setattr(cuda_graph, "WIDE_MIN_TOKENS", 16)
-    ref = OfflineScheduler(runner_for(tiny_llama, "torch_native")).generate(PROMPTS, 12, chunk_size=6)
-    runner = runner_for(tiny_llama, "triton")
-    ran = with_extend_graphs(runner, [16, 32], max_requests=4)
-    decided: list[tuple[tuple[int, int], bool]] = []
-    clock = iter(float(t) for t in range(10**6))  # every mark a second later: a tie
-
-    class Measured(GraphChoice):
-        def begin(self, shape: tuple[int, int]) -> bool:
-            replay = super().begin(shape)
-            decided.append((shape, replay))
-            return replay
-
-        def end(self) -> None:  # an eager step takes 1 s, a replay 3 s
-            if self._open is not None and self._open[1]:
-                next(clock), next(clock)
-            super().end()
-
-    runner.extend_graphs.choice = Measured(now=lambda: next(clock))  # type: ignore[union-attr]
-    got = OfflineScheduler(runner).generate(PROMPTS, 12, chunk_size=6)
-    assert got.tokens == ref.tokens
-    assert decided and all(rows > 2 for (_, rows), _ in decided), decided
-    shapes = [shape for shape, _ in decided]
-    most = max(set(shapes), key=shapes.count)  # the decode steps' (16, 4)
-    ways = [replay for shape, replay in decided if shape == most]
-    assert ways[:6] == [True, False] * 3 and not any(ways[6:]) and len(ways) > 6, decided
-    assert ran, "narrow steps replayed"
-
-
 def test_gpt_oss_sinks_and_experts_through_every_path(tiny_gpt_oss: str) -> None:
     """GPT-OSS on the triton attention (sinks, sliding and full layers) and MoE (biases, clamped
     SwiGLU) backends: eager chunked prefill and batched decode, then the same through the extend

@@ -64,8 +64,6 @@ def main() -> None:
                          max_slots=slots, max_context_len=ctx,
                          extend_graph_sizes=sizes if cuda and not args.eager else None, cuda_graph_max_bs=256 if cuda else None,
                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-    if runner.extend_graphs is not None:  # always replay: the graph side of the A/B
-        runner.extend_graphs.choice = None
     rng = np.random.default_rng(0)
     plan = PlanBuilder(ctx, PAGE).plan
     free_slots = list(range(args.decodes, slots))

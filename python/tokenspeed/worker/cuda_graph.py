@@ -29,8 +29,7 @@ head once for all its query heads (TritonBackend.extend_graph_metadata); the gra
 each request row's last hidden state, and the LM head runs after the replay on the present
 requests only (eagerly: one launch, and no [rows, vocab] logits buffer in the graphs' pool).
 Whole steps are captured (attention inside), unlike SGLang's and vLLM's piecewise graphs: the
-Triton kernels need no host values. A step only a wide graph holds replays it or runs eagerly by
-measure, on a single rank (graph_choice.py): which is faster depends on the host.
+Triton kernels need no host values.
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ from tokenspeed.distributed.groups import dp_token_counts, state
 from tokenspeed.layers.attention import GRAPH_BACKENDS, AttentionBackend, ForwardBatch
 from tokenspeed.layers.host_copy import to_device_int64
 from tokenspeed.layers.kv_cache import PagedKVCache
-from tokenspeed.worker.graph_choice import GraphChoice
 from tokenspeed.worker.plan import LAST_SAMPLED
 
 if TYPE_CHECKING:
@@ -278,9 +276,6 @@ class ExtendGraphRunner:
         self.last_hidden = torch.zeros((r, hidden_size), dtype=dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.replays = 0
-        # Wide graphs replay or not by measure (graph_choice.py), on a single rank only.
-        self.choice = (GraphChoice.for_device(device)
-                       if device.type == "cuda" and state().sizes.world_size == 1 else None)
 
     def shape_for(self, num_tokens: int, num_requests: int) -> tuple[int, int] | None:
         """The smallest graph (tokens, rows) that holds the step; None: none does."""
@@ -314,19 +309,6 @@ class ExtendGraphRunner:
     def can_run(self, num_tokens: int, num_requests: int) -> bool:
         return num_tokens > 0 and self.shape_for(num_tokens, num_requests) is not None
 
-    def takes(self, num_tokens: int, num_requests: int) -> bool:
-        """Whether the step replays a graph: one holds it and, if only a wide one does, the
-        measured choice says so (which then times the step until `step_done`)."""
-        shape = self.shape_for(num_tokens, num_requests) if num_tokens > 0 else None
-        if shape is None:
-            return False
-        return self.choice is None or shape[1] <= NARROW_ROWS or self.choice.begin(shape)
-
-    def step_done(self) -> None:
-        """After the step's forward, replayed or eager: ends the timing `takes` opened, if any."""
-        if self.choice is not None:
-            self.choice.end()
-
     def run(self, input_ids: np.ndarray, positions: np.ndarray, out_cache_loc: np.ndarray,
             slots: np.ndarray, start_pos: np.ndarray,
             query_start: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +317,6 @@ class ExtendGraphRunner:
         each request's last token and the slots [B] on the device. Before capture (CPU tests)
         the same body runs eagerly."""
         self._replay(input_ids, positions, out_cache_loc, slots, start_pos, query_start)
-        self.step_done()
         b = len(slots)
         logits = self.model.compute_logits(self.last_hidden[:b])  # type: ignore[operator]
         return logits, self.requests[0, :b]

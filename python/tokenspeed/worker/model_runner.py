@@ -423,8 +423,6 @@ class ModelRunner:
             if self.lora is not None:  # eager: the adapter segments
                 self.lora.prepare(plan, per_token=False)
             hidden = self.model(batch.input_ids, batch.positions, batch)
-            if self.extend_graphs is not None:  # ends the timing of an eager wide-graph step
-                self.extend_graphs.step_done()
             if self.drafter is not None:
                 self.drafter.aux = self.model.model.captured  # type: ignore[union-attr]
         if wanted:
@@ -451,7 +449,7 @@ class ModelRunner:
         if (self.graphs is not None and num_tokens == num_requests
                 and self.graphs.can_run(num_requests)):
             return self.graphs.run(ids, positions, out_loc, plan.sched_slot)
-        if self.extend_graphs is not None and self.extend_graphs.takes(num_tokens, num_requests):
+        if self.extend_graphs is not None and self.extend_graphs.can_run(num_tokens, num_requests):
             return self.extend_graphs.run(ids, positions, out_loc, plan.sched_slot.astype(np.int64),
                                           plan.sched_start_pos.astype(np.int64), query_start)
         return None
