@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="top N kernels per case")
     ap.add_argument("--quantization", default=None, help="fp8: the served fp8 weights' path")
     ap.add_argument("--kv-cache-dtype", default="auto", help="fp8: the fp8 KV cache")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                    help="decode graphs up to this batch (the server's default: up to 1024)")
     ap.add_argument("--eager", action="store_true", help="no extend graphs: every step with more "
                     "requests than the decode graphs hold runs eagerly (graph-or-eager A/B)")
     args = ap.parse_args()
@@ -62,7 +64,8 @@ def main() -> None:
     runner = ModelRunner(path, dtype="bfloat16" if cuda else "float32", device=args.device,
                          load_format="dummy", page_size=PAGE, num_pages=slots * ctx // PAGE + 8,
                          max_slots=slots, max_context_len=ctx,
-                         extend_graph_sizes=sizes if cuda and not args.eager else None, cuda_graph_max_bs=256 if cuda else None,
+                         extend_graph_sizes=sizes if cuda and not args.eager else None,
+                         cuda_graph_max_bs=args.cuda_graph_max_bs if cuda else None,
                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     rng = np.random.default_rng(0)
     plan = PlanBuilder(ctx, PAGE).plan
