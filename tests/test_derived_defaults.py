@@ -64,8 +64,7 @@ def test_cuda_graphs_cover_the_running_requests_up_to_512() -> None:
     assert default_cuda_graph_max_bs(64) == 64
     assert default_cuda_graph_max_bs(256) == 256
     assert default_cuda_graph_max_bs(512) == 512
-    assert default_cuda_graph_max_bs(1024) == MAX_DEFAULT_CUDA_GRAPH_BS == 1024
-    assert default_cuda_graph_max_bs(1536) == 1024
+    assert default_cuda_graph_max_bs(1024) == MAX_DEFAULT_CUDA_GRAPH_BS == 512
 
 
 def test_the_flag_help_states_the_rule() -> None:
@@ -73,5 +72,5 @@ def test_the_flag_help_states_the_rule() -> None:
     for number in ("1536", "64", "1024", "fp8"):
         assert number in running, running
     assert BY_DEST["max_running_requests"].default is None
-    assert "1024" in BY_DEST["cuda_graph_max_bs"].help
+    assert "512" in BY_DEST["cuda_graph_max_bs"].help
     assert BY_DEST["cuda_graph_max_bs"].default is None

@@ -31,12 +31,11 @@ def default_max_running_requests(pool_tokens: int, context_len: int) -> int:
     running = pool_tokens // per_request // RUNNING_REQUESTS_STEP * RUNNING_REQUESTS_STEP
     return max(MIN_DEFAULT_RUNNING_REQUESTS, min(MAX_DEFAULT_RUNNING_REQUESTS, running))
 
-# --cuda-graph-max-bs when not given: the max running requests, at most this. Past the decode
-# graphs a decode step is not eager but replays the wide extend graph of its token count, which
-# pads it to that graph's size and launches the tiled extend kernel for nothing: at S1's 820
-# decodes on an H200 (fp8 KV) that step took 55.4 ms against 46 ms of kernels in a decode
-# graph's order (benches/RESULTS.md, session 28). Graphs past 512 come every 16 rows.
-MAX_DEFAULT_CUDA_GRAPH_BS = 1024
+# --cuda-graph-max-bs when not given: the max running requests, at most this. It covers the
+# fp8 default above on an H100 (512); a decode step of more requests is long enough (tens of ms
+# on an 8B model) that an eager launch hides behind the GPU, so larger graphs would buy
+# capture time and memory for little. vLLM's default capture limit is also 512.
+MAX_DEFAULT_CUDA_GRAPH_BS = 512
 
 
 def default_cuda_graph_max_bs(max_running: int) -> int:

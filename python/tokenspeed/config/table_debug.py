@@ -29,7 +29,8 @@ OPT_FLAGS: list[Flag] = [
       readers=("worker",), implemented=True),
     i("--cuda-graph-max-bs", "Largest batch size captured as a CUDA graph; bigger batches run "
       "eagerly. Default: --max-running-requests (given or derived from the KV pool), at most "
-      f"{MAX_DEFAULT_CUDA_GRAPH_BS} (past 512, every 16th size). vLLM's "
+      f"{MAX_DEFAULT_CUDA_GRAPH_BS}: beyond that a decode step is long enough to hide its "
+      "launches. vLLM's "
       "--max-cudagraph-capture-size is the same setting.", G_OPT, aliases=("--max-cudagraph-capture-size",), minimum=1,
       readers=("worker",), implemented=True),
     lst("--cuda-graph-bs", "Exact list of batch sizes to capture as CUDA graphs.", G_OPT,

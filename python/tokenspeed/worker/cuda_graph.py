@@ -61,10 +61,8 @@ WIDE_MIN_TOKENS = 256
 
 
 def capture_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 from 16 to 512 and of 16 past it (padding a batch
-    that large by < 16 rows costs < 3%), up to and including max_bs."""
-    sizes = ([s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, min(max_bs, 512) + 1, 8))
-             + list(range(528, max_bs + 1, 16)))
+    """1, 2, 4, 8, then every multiple of 8 from 16, up to and including max_bs."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_bs] + list(range(16, max_bs + 1, 8))
     if sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
