@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_models_numerics import assert_matches_hf, hf_greedy, randomize
+from test_models_numerics import assert_matches_hf, hf_greedy, hf_model_from_config, randomize
 from tp_ranks import generate_on_rank, lockstep_generate_on_rank, run_ranks
 from transformers import (
-    AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
     Gemma3TextConfig,
@@ -25,6 +24,7 @@ from transformers import (
 from tokenspeed.distributed.groups import ParallelSizes
 from tokenspeed.worker.model_runner import ModelRunner
 from tokenspeed.worker.offline_scheduler import OfflineScheduler
+from tokenspeed_kernels._utils import interpreting
 
 _BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
@@ -135,7 +135,7 @@ def family_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], t
     def get(name: str) -> tuple:
         if name not in cache:
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(FAMILY_CONFIGS[name]).eval()
+            model = hf_model_from_config(FAMILY_CONFIGS[name])
             randomize(model, seed=1)
             for module in model.modules():  # DeepSeek-V3's routing bias is a buffer
                 bias = getattr(module, "e_score_correction_bias", None)
@@ -163,6 +163,10 @@ def hf_one_by_one(model: torch.nn.Module, prompts: list[list[int]], n: int) -> t
 @pytest.mark.parametrize("case", list(CASES))
 def test_family_greedy_matches_hf(family_models: Callable[[str], tuple], case: str) -> None:
     c = CASES[case]
+    if "triton" in (c.backend, c.moe_backend) and not interpreting():
+        # conftest.py sets TRITON_INTERPRET=1 only without CUDA
+        pytest.skip("the triton kernels on the CPU need TRITON_INTERPRET=1 (set only without "
+                    "CUDA); on a GPU test_family_on_gpu_gives_the_cpu_runs_tokens runs them")
     path, model = family_models(c.config)
     prompts = [list(p) for p in c.prompts]
     ref_tokens, ref_logits = hf_one_by_one(model, prompts, c.new_tokens)
@@ -179,14 +183,44 @@ def test_family_greedy_matches_hf(family_models: Callable[[str], tuple], case: s
 GPU_LOGIT_ATOL = 2e-2
 
 
+def gpu_check_runner(path: str, c: Case, device: str) -> ModelRunner:
+    """The GPU check's runner: the case's backends on CUDA; on the CPU (the reference) torch_native
+    attention and MoE, "auto" there: with CUDA present conftest.py leaves TRITON_INTERPRET unset,
+    and compiled Triton kernels cannot read CPU tensors."""
+    backends = (c.backend, c.moe_backend) if device == "cuda" else ("auto", "auto")
+    # A fixed pool (not 85% of the GPU): the module's earlier runners may still hold theirs.
+    return ModelRunner(path, device=device, page_size=4, num_pages=256, max_slots=8,
+                       max_context_len=c.max_context_len, seed=0, attention_backend=backends[0],
+                       moe_backend=backends[1])
+
+
+TRITON_CASES = [k for k, c in CASES.items() if "triton" in (c.backend, c.moe_backend)]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_gpu_checks_cpu_reference_needs_no_interpreter(family_models: Callable[[str], tuple],
+                                                       case: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the GPU machine (TRITON_INTERPRET unset): the triton backends on the CPU fail at
+    start-up, naming the interpreter (not at the first step: "cpu tensor?"), and the GPU check's
+    CPU reference asks for neither."""
+    c = CASES[case]
+    path, _ = family_models(c.config)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device.*TRITON_INTERPRET=1"):
+        ModelRunner(path, page_size=4, max_slots=4, max_context_len=c.max_context_len, seed=0,
+                    attention_backend=c.backend, moe_backend=c.moe_backend)
+    runner = gpu_check_runner(path, c, "cpu")
+    assert (runner.attention_backend, runner.moe_backend) == ("torch_native", "torch_native")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
 def test_family_on_gpu_gives_the_cpu_runs_tokens(family_models: Callable[[str], tuple],
                                                 case: str) -> None:
-    """The CUDA run against the CPU run of the same runner, which the test above ties to HF
-    here: HF itself is not the reference on the GPU machine, whose transformers may be older
-    (its 5.17 gives GPT-OSS other logits than 5.24 on the CPU, while our CPU and CUDA runs agree
-    module by module within 4e-7: session 25)."""
+    """The CUDA run (the case's backends) against a torch_native CPU run of the same checkpoint,
+    which the test above ties to HF: the GPU machine's transformers may be older than this one
+    (GPT-OSS on 5.17 needs hf_model_from_config's fix to be a reference at all)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     c = CASES[case]
@@ -194,11 +228,7 @@ def test_family_on_gpu_gives_the_cpu_runs_tokens(family_models: Callable[[str], 
     prompts = [list(p) for p in c.prompts]
     res = {}
     for device in ("cpu", "cuda"):
-        # A fixed pool (not 85% of the GPU): the module's earlier runners may still hold theirs.
-        # (the CPU run's MoE: torch_native, as "auto" gives it; triton needs the interpreter there)
-        runner = ModelRunner(path, device=device, page_size=4, num_pages=256, max_slots=8,
-                             max_context_len=c.max_context_len, seed=0, attention_backend=c.backend,
-                             moe_backend=c.moe_backend if device == "cuda" else "auto")
+        runner = gpu_check_runner(path, c, device)
         res[device] = OfflineScheduler(runner).generate(prompts, c.new_tokens, chunk_size=8,
                                                         keep_logits=True)
     worst = max((a - b).abs().max().item() for ours, ref in zip(res["cuda"].logits, res["cpu"].logits)
@@ -370,7 +400,7 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GPT_OSS).eval()
+    model = hf_model_from_config(GPT_OSS)
     randomize(model, seed=2)
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():

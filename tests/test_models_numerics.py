@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -60,13 +62,32 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.08 * noise)
 
 
+# transformers < 5.19 builds GPT-OSS's experts with OpenAI's constants whatever the config says
+# (GptOssExperts.__init__: `self.alpha = 1.702`, `self.limit = 7.0`); 5.19 reads
+# config.swiglu_alpha / swiglu_limit there, as OpenAI's reference (MLPBlock: config.swiglu_limit)
+# and transformers' own MXFP4 experts (`getattr(config, "swiglu_limit", 7.0)`) always did. The
+# published checkpoints say 7.0, so both agree on them; the tests' limit (0.5, so the clamp bites)
+# needs the config's value put into the older versions' reference model.
+HF_GPT_OSS_IGNORES_SWIGLU_CONFIG = Version(transformers.__version__) < Version("5.19")
+
+
+def hf_model_from_config(cfg: PretrainedConfig) -> torch.nn.Module:
+    """HF's causal LM of `cfg` (eval mode) as transformers >= 5.19 builds it."""
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if HF_GPT_OSS_IGNORES_SWIGLU_CONFIG:
+        for module in model.modules():
+            if type(module).__name__ == "GptOssExperts":
+                assert hasattr(module, "limit") and hasattr(module, "alpha"), type(module)
+                module.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
+                module.limit = float(cfg.swiglu_limit)
+    return model
+
+
 def save_tiny_checkpoint(cfg: object, path: Path, seed: int) -> torch.nn.Module:
     """A randomized HF model of `cfg` saved at `path` with SmolLM2's tokenizer (servable by
     `tokenspeed serve`); returns the model (eval mode) for reference runs."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = hf_model_from_config(cfg)
     randomize(model, seed=seed)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -182,6 +182,13 @@ def resolve_backend_name(name: str | None, device: torch.device) -> str:
 
 def check_backend(name: str, device: torch.device | None = None) -> None:
     """Fail early (before any weight is loaded) on a backend that cannot be built here."""
+    if name == "triton" and device is not None and device.type != "cuda":
+        from tokenspeed_kernels._utils import interpreting
+
+        if not interpreting():  # compiled kernels given CPU tensors fail at the first step
+            raise ValueError(f"attention_backend 'triton' needs a CUDA device (device is "
+                             f"{device.type}; use torch_native, or TRITON_INTERPRET=1 for a slow "
+                             "CPU run)")
     if name in ("torch_native", "triton"):
         return
     if name == "flashinfer":
