@@ -110,6 +110,8 @@ class LoraPool:
             subs = layer.output_sizes if isinstance(layer, ColumnLinear) else [layer.weight.shape[0]]
             layer.lora = LoraWeights(self.batch, in_features, subs, max_rank, pool_slots, dtype,
                                      device)
+            # One GEMM for the base output and every slot's x A^T in per-token steps.
+            layer.lora.stack_base(layer.weight, layer.bias, layer.weight_scale is not None)
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id → weights, LRU first
         self.paths: dict[int, str] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id → pool slot, evicted first first
