@@ -1,0 +1,66 @@
+"""LoRA's per-token path (the one CUDA graphs capture) through ModelRunner on CPU: every step
+forced onto it, the Triton kernels in the interpreter. Each adapted projection is one stacked
+GEMM ([W; A_0; A_1], the base weight a view of it) and one merge kernel; a batch mixing two
+adapters and the base model still gives HF PEFT's logits at every token.
+
+TRITON_INTERPRET=1 is set here before tokenspeed_kernels is first imported; if another test
+module imported it earlier in this process without the interpreter, the check re-runs in a
+subprocess (as tests/test_triton_backend.py does).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+_PREIMPORTED = "tokenspeed_kernels" in sys.modules
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from test_lora_runner import _peft_logits, _run, tiny  # noqa: F401 (a fixture)
+
+from tokenspeed.layers.lora import LoraWeights
+from tokenspeed.worker.lora import LoraPool
+
+
+def _needs_subprocess() -> bool:
+    return (_PREIMPORTED and not torch.cuda.is_available()
+            and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def test_per_token_stacked_path_matches_peft(tiny: tuple[str, dict[str, str]],  # noqa: F811
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if _needs_subprocess():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              __file__], check=False, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+        return
+    prepare, merge = LoraPool.prepare, LoraWeights.merge
+    merges: list[int] = []
+
+    def per_token(self: LoraPool, plan, per_token: bool) -> None:  # noqa: ANN001
+        assert all(layer.lora is not None and layer.lora.stacked is not None
+                   for layer in self.layers.values()), "every tiny-Llama projection stacks"
+        self.batch.kernels = True
+        prepare(self, plan, per_token=True)
+
+    def counted(self: LoraWeights, out: torch.Tensor) -> torch.Tensor:
+        merges.append(out.shape[0])
+        return merge(self, out)
+
+    monkeypatch.setattr(LoraPool, "prepare", per_token)
+    monkeypatch.setattr(LoraWeights, "merge", counted)
+    path, adapters = tiny
+    runs = ["all", None, "qv"]
+    tokens, logits = _run(path, adapters, runs)
+    assert merges, "the stacked GEMM + merge ran"
+    want = _peft_logits(path, adapters, runs, tokens)
+    for got, ref, name in zip(logits, want, runs):
+        assert (got - ref).abs().max().item() < 1e-3, name
+        assert got.argmax(-1).tolist() == ref.argmax(-1).tolist(), name
