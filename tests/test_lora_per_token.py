@@ -44,7 +44,7 @@ def test_per_token_stacked_path_matches_peft(tiny: tuple[str, dict[str, str]],  
     prepare, merge = LoraPool.prepare, LoraWeights.merge
     merges: list[int] = []
 
-    def per_token(self: LoraPool, plan, per_token: bool) -> None:  # noqa: ANN001
+    def per_token(self: LoraPool, plan, per_token: bool) -> None:
         assert all(layer.lora is not None and layer.lora.stacked is not None
                    for layer in self.layers.values()), "every tiny-Llama projection stacks"
         self.batch.kernels = True

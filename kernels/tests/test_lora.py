@@ -11,8 +11,7 @@ import torch
 
 from tokenspeed.layers.linear import ColumnLinear, RowLinear
 from tokenspeed.layers.lora import LoraBatch, LoraWeights, lora_reference, token_segments
-from tokenspeed_kernels.lora import (bgmv_expand, bgmv_merge, bgmv_shrink, sgmv_expand,
-                                     sgmv_shrink)
+from tokenspeed_kernels.lora import bgmv_expand, bgmv_merge, bgmv_shrink, sgmv_expand, sgmv_shrink
 
 # (in features, sub-projection output sizes, rank): a fused qkv with GQA, a gate_up, an o_proj
 # whose sizes are no multiple of any block; a long K that the per-token shrink splits in slices
