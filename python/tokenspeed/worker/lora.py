@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,7 @@ class LoraPool:
         self.free = list(range(pool_slots - 1, -1, -1))
         self.slot_adapter = np.zeros(max_slots, np.int64)  # request slot → adapter id (0: base)
         self._slots_clear = False  # whether batch.token_slot holds only -1
+        self.adapter_rows = False  # the last prepared step has a row on an adapter
         self.failed: set[int] = set()  # request slots whose adapter could not be read
 
     def admit(self, slot: int, adapter_id: int, path: str) -> None:
@@ -150,6 +153,7 @@ class LoraPool:
                 pool_slot[i] = self._resident(aid, keep)
         token_slot = np.repeat(pool_slot, plan.sched_tokens_len)
         batch = self.batch
+        self.adapter_rows = bool(wanted)
         if per_token:
             self._write_token_slots(token_slot if wanted else None)
             batch.active, batch.per_token = True, True
@@ -161,6 +165,18 @@ class LoraPool:
         all -1 now; a replay reads what `prepare` wrote)."""
         self._write_token_slots(None)
         self.batch.active, self.batch.per_token = True, True
+
+    @contextmanager
+    def plain(self) -> Iterator[None]:
+        """Inside: the layers run without LoRA (capturing the decode graphs that steps with
+        no adapter row replay: they skip the LoRA kernels and the stacked GEMM's A rows)."""
+        batch = self.batch
+        state = batch.active, batch.per_token
+        batch.active = batch.per_token = False
+        try:
+            yield
+        finally:
+            batch.active, batch.per_token = state
 
     def _write_token_slots(self, token_slot: np.ndarray | None) -> None:
         """The whole fixed-size buffer: this step's slots, -1 past them (graph padding rows).
