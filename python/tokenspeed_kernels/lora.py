@@ -14,6 +14,11 @@ Two launch shapes of each:
   shrink's N (nsub * rank) is tiny, so a decode batch would be only T programs each streaming
   a whole [N, K] slab; the K slices (split-K) give the GPU T * slices programs, and the expand
   sums the slices' fp32 partials in a fixed order (deterministic, no atomics, no extra kernel).
+* Merge (per token, after a *stacked* GEMM): when the layer keeps the pool's A under its base
+  weight ([W; A_0; ..; A_{S-1}], layers/lora.py), one GEMM yields the base output and every
+  slot's x A_s^T, and `bgmv_merge` adds each row's xa B^T while copying the base columns out
+  contiguously: one launch per projection instead of shrink + expand (what the per-token
+  path, i.e. the CUDA graphs, runs for such layers).
 * SGMV (per segment): tokens of one request are contiguous and share an adapter, so one
   program multiplies a [BLOCK_M, K] tile of a segment by the adapter's weights with tl.dot:
   each weight tile is read once per BLOCK_M tokens instead of once per token (prefill). The

@@ -148,9 +148,8 @@ class LoraPool:
         pool_slot = np.full(len(ids), -1, np.int32)
         wanted = set(ids[ids > 0].tolist())
         keep = wanted | set(plan.lora_pin_adapter.tolist())
-        for i, aid in enumerate(ids.tolist()):
-            if aid:
-                pool_slot[i] = self._resident(aid, keep)
+        for aid in dict.fromkeys(ids[ids > 0].tolist()):  # once per adapter, not per request
+            pool_slot[ids == aid] = self._resident(aid, keep)
         token_slot = np.repeat(pool_slot, plan.sched_tokens_len)
         batch = self.batch
         self.adapter_rows = bool(wanted)
