@@ -114,6 +114,8 @@ class LoraPool:
                                      device)
             # One GEMM for the base output and every slot's x A^T in per-token steps.
             layer.lora.stack_base(layer.weight, layer.bias, layer.weight_scale is not None)
+        if device.type == "cuda":  # the unstacked weights' blocks, before memory is measured
+            torch.cuda.empty_cache()
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id → weights, LRU first
         self.paths: dict[int, str] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id → pool slot, evicted first first
