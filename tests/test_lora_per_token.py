@@ -64,3 +64,26 @@ def test_per_token_stacked_path_matches_peft(tiny: tuple[str, dict[str, str]],  
     for got, ref, name in zip(logits, want, runs):
         assert (got - ref).abs().max().item() < 1e-3, name
         assert got.argmax(-1).tolist() == ref.argmax(-1).tolist(), name
+
+
+def test_adapter_rows_and_plain_mode(tiny: tuple[str, dict[str, str]]) -> None:  # noqa: F811
+    """What picks the decode graphs without LoRA: `adapter_rows` after prepare (a step with
+    only base-model rows has none), and `plain()` turns LoRA off inside, back on after."""
+    from tokenspeed.worker.model_runner import ModelRunner
+    from tokenspeed.worker.plan import StepPlan
+
+    path, adapters = tiny
+    lora = {"targets": ["q_proj", "v_proj"], "max_rank": 8, "pool_slots": 2, "max_loaded": None,
+            "eviction": "lru"}
+    pool = ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, lora=lora).lora
+    assert pool is not None
+    pool.admit(0, 0, "")
+    pool.admit(1, 1, adapters["qv"])
+    pool.prepare(StepPlan.of(sched_slot=[0], sched_tokens_len=[1]), per_token=True)
+    assert not pool.adapter_rows and pool.batch.active
+    assert (pool.batch.token_slot == -1).all()
+    pool.prepare(StepPlan.of(sched_slot=[0, 1], sched_tokens_len=[1, 1]), per_token=True)
+    assert pool.adapter_rows and pool.batch.token_slot[:2].tolist() == [-1, 0]
+    with pool.plain():
+        assert not pool.batch.active and not pool.batch.per_token
+    assert pool.batch.active and pool.batch.per_token
