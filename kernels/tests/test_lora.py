@@ -163,11 +163,19 @@ def test_stacked_layer_matches_unstacked(which, device):
     assert not torch.allclose(got[~base], plain[~base], atol=1e-3)
 
 
-def test_stacking_is_refused_where_it_does_not_pay():
-    """FP8 (quantized) weights and pools whose A would outgrow half the base rows stay apart."""
+def test_stacking_is_refused_where_it_does_not_pay(monkeypatch):
+    """FP8 (quantized) weights, pools whose A would outgrow half the base rows, or
+    STACK_MAX_BYTES, stay apart."""
+    from tokenspeed.layers import lora as lora_layer
+
     batch = LoraBatch(torch.full((4,), -1, dtype=torch.int32))
     layer = ColumnLinear(32, [16])
     lora = LoraWeights(batch, 32, [16], 4, 3, torch.float32, torch.device("cpu"))
     assert not lora.stack_base(layer.weight, None, quantized=True)
     assert not lora.stack_base(layer.weight, None, quantized=False)  # 12 A rows > 8
     assert lora.stacked is None and layer.weight.shape == (16, 32)
+    small = LoraWeights(batch, 32, [16], 2, 2, torch.float32, torch.device("cpu"))  # 4 rows
+    monkeypatch.setattr(lora_layer, "STACK_MAX_BYTES", 4 * 32 * 4 - 1)
+    assert not small.stack_base(layer.weight, None, quantized=False)
+    monkeypatch.setattr(lora_layer, "STACK_MAX_BYTES", 4 * 32 * 4)
+    assert small.stack_base(layer.weight, None, quantized=False)

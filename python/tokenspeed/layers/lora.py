@@ -10,7 +10,7 @@ row-parallel one its columns of A and all of B, so the delta is sharded as the b
 is (a row-parallel delta is a partial sum, added before the all-reduce).
 
 Where the base weight allows it (same dtype as the adapters, not FP8, and the pool's A rows
-at most STACK_MAX_FRACTION of the base rows), A lives *under* the base weight in one stacked
+at most STACK_MAX_FRACTION of the base rows and STACK_MAX_BYTES), A lives *under* the base weight in one stacked
 tensor [W; A_0; ..; A_{S-1}] (the base weight parameter is a view of its first rows): the
 per-token path (CUDA graphs) then runs one GEMM for the base output and every slot's x A^T and
 one merge kernel per layer (`bgmv_merge`) instead of a shrink and an expand launch. Loading
@@ -62,8 +62,13 @@ class LoraBatch:
 
 
 # The stacked GEMM is used when the pool's A rows (slots x nsub x rank) add at most this
-# fraction of the base weight's rows (Llama-3.1-8B, 8 slots of rank 16: 6% on qkv_proj).
+# fraction of the base weight's rows (Llama-3.1-8B, 8 slots of rank 16: 6% on qkv_proj), which
+# bounds the extra work of compute-bound (extend graph) steps, and at most STACK_MAX_BYTES:
+# a batch-1 decode reads every slot's A, used or not, and the launch plus shrink it saves are
+# worth a few us of weight streaming (~16 MiB at 4 TB/s; Llama-3.1-8B, 8 slots of rank 64:
+# 15 MiB on down_proj). Estimates: kernels/bench/bench_lora.py --rank/--slots measures both.
 STACK_MAX_FRACTION = 0.5
+STACK_MAX_BYTES = 16 << 20
 
 
 class LoraWeights:
@@ -89,7 +94,8 @@ class LoraWeights:
         slots, n, k = self.a.shape
         out = weight.shape[0]
         if (quantized or weight.dtype != self.a.dtype or weight.device != self.a.device
-                or tuple(weight.shape) != (out, k) or slots * n > STACK_MAX_FRACTION * out):
+                or tuple(weight.shape) != (out, k) or slots * n > STACK_MAX_FRACTION * out
+                or slots * n * k * weight.element_size() > STACK_MAX_BYTES):
             return False
         stacked = torch.empty(out + slots * n, k, dtype=weight.dtype, device=weight.device)
         stacked[:out].copy_(weight.data)
