@@ -9,12 +9,12 @@ Under tensor parallelism a column-parallel layer holds all of A and its rows of 
 row-parallel one its columns of A and all of B, so the delta is sharded as the base output
 is (a row-parallel delta is a partial sum, added before the all-reduce).
 
-Where the base weight allows it (same dtype as the adapters, not FP8, and the pool's A rows
-at most STACK_MAX_FRACTION of the base rows and STACK_MAX_BYTES), A lives *under* the base weight in one stacked
-tensor [W; A_0; ..; A_{S-1}] (the base weight parameter is a view of its first rows): the
-per-token path (CUDA graphs) then runs one GEMM for the base output and every slot's x A^T and
-one merge kernel per layer (`bgmv_merge`) instead of a shrink and an expand launch. Loading
-an adapter writes its A into those rows as before (`self.a` is a view of them).
+Where the base weight allows it (same dtype as the adapters, not FP8, the pool's A rows at
+most STACK_MAX_FRACTION of the base rows and STACK_MAX_BYTES), A lives *under* the base
+weight in one stacked tensor [W; A_0; ..; A_{S-1}] (the base weight parameter is a view of its
+first rows): the per-token path (CUDA graphs) then runs one GEMM for the base output and every
+slot's x A^T, and one merge kernel per layer (`bgmv_merge`) instead of a shrink and an expand
+launch. Loading an adapter writes its A into those rows as before (`self.a` is a view of them).
 
 All layers share one `LoraBatch`, which the model runner fills before each forward: the
 per-token slots (a fixed-size device buffer, so CUDA graphs replay it) and, for eager steps,

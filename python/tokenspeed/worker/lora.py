@@ -125,6 +125,14 @@ class LoraPool:
         self.adapter_rows = False  # the last prepared step has a row on an adapter
         self.failed: set[int] = set()  # request slots whose adapter could not be read
 
+    def stacked_bytes(self, tokens: int) -> int:
+        """Activation bytes the stacked path adds to a per-token step of `tokens` tokens (the
+        stacked GEMM's output [tokens, OUT + A rows] beside the merge's, at the widest layer):
+        the CUDA graphs' pool holds it; the profile forward (eager, no LoRA) does not see it."""
+        rows = [layer.lora.stacked.shape[0] for layer in self.layers.values()
+                if layer.lora is not None and layer.lora.stacked is not None]
+        return tokens * max(rows, default=0) * self.dtype.itemsize
+
     def admit(self, slot: int, adapter_id: int, path: str) -> None:
         """A new request in worker slot `slot` runs adapter `adapter_id` (0: the base model).
         An adapter that cannot be read (gone since the server checked it) fails the request,
