@@ -77,6 +77,8 @@ def test_adapter_rows_and_plain_mode(tiny: tuple[str, dict[str, str]]) -> None: 
             "eviction": "lru"}
     pool = ModelRunner(path, page_size=4, max_slots=4, max_context_len=64, lora=lora).lora
     assert pool is not None
+    # The graphs' extra activation: qkv_proj, the one adapted layer: 128 rows + 2 slots x 3 x 8.
+    assert pool.stacked_bytes(4) == 4 * (128 + 48) * 4
     pool.admit(0, 0, "")
     pool.admit(1, 1, adapters["qv"])
     pool.prepare(StepPlan.of(sched_slot=[0], sched_tokens_len=[1]), per_token=True)
