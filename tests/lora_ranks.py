@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tokenspeed.distributed.groups import state, tp_all_gather
+from tokenspeed.layers import lora as lora_layer
 from tokenspeed.layers.linear import GateUpLinear, QKVLinear, RowLinear
 from tokenspeed.worker.lora import LoraPool
 from tokenspeed.worker.plan import StepPlan
@@ -41,17 +42,23 @@ def _block(tp_rank: int, tp_size: int, g: torch.Generator) -> tuple[nn.Module, d
     return root, w
 
 
-def lora_layers_on_rank(rank: int, adapter_dir: str, scale: float) -> str:
+def lora_layers_on_rank(rank: int, adapter_dir: str, scale: float, stacked: bool = False) -> str:
+    """`stacked`: every layer keeps the pool's A under its weight shard and runs the per-token
+    path (stacked GEMM + merge kernel, Triton's interpreter: TRITON_INTERPRET=1)."""
     tp = state().attn_tp
     g = torch.Generator().manual_seed(0)
     root, w = _block(tp.rank, tp.size, g)
+    if stacked:  # these tiny layers are narrower than the pool's A: stack them all the same
+        lora_layer.STACK_MAX_FRACTION = float("inf")
     pool = LoraPool(root, eviction="lru", targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                    "down_proj"], max_rank=8, pool_slots=2, max_loaded=None,
                     max_slots=4, max_tokens=16, dtype=torch.float32, device=torch.device("cpu"))
     # Requests in slots 0 (base model) and 1 (the adapter), 3 tokens each.
     pool.admit(0, 0, "")
     pool.admit(1, 5, adapter_dir)
-    pool.prepare(StepPlan.of(sched_slot=[0, 1], sched_tokens_len=[3, 3]), per_token=False)
+    pool.batch.kernels = stacked
+    assert all((layer.lora.stacked is not None) == stacked for layer in pool.layers.values())
+    pool.prepare(StepPlan.of(sched_slot=[0, 1], sched_tokens_len=[3, 3]), per_token=stacked)
     ab = {k.split(".")[-3]: v for k, v in load_file(f"{adapter_dir}/adapter_model.safetensors").items()
           if ".lora_A." in k}
     bb = {k.split(".")[-3]: v for k, v in load_file(f"{adapter_dir}/adapter_model.safetensors").items()

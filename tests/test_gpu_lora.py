@@ -1,8 +1,10 @@
 """LoRA on the GPU (run on the device machine): a batch mixing two adapters and the base model
 gives the CPU path's logits (the torch reference, itself checked against HF PEFT in
 test_lora_runner.py) through the eager segment kernels (SGMV) and through the decode and
-extend CUDA graphs (per-token BGMV kernels reading the slot buffer written before each
-replay). fp32, so the kernels must agree to rounding."""
+extend CUDA graphs (per-token kernels reading the slot buffer written before each replay: one
+GEMM over the stacked [W; A_0; A_1] and the merge kernel per projection). Decode steps with no
+adapter row replay the graphs captured without LoRA. fp32, so the kernels must agree to
+rounding."""
 
 from __future__ import annotations
 
@@ -82,7 +84,23 @@ def test_kernels_in_eager_steps_and_cuda_graphs_match_the_reference(tmp_path: Pa
         tokens, logits, runner = _run(path, adapters, runs, "cuda", teacher=ref_tokens, **kw)
         if "extend_graph_sizes" in kw:
             assert runner.graphs is not None and runner.extend_graphs is not None
+            assert runner.graphs.replays > 0 and runner.graphs.plain_replays == 0
+            assert all(layer.lora.stacked is not None for layer in runner.lora.layers.values())
         for i, (got, want) in enumerate(zip(logits, ref_logits)):
             err = (got - want).abs().max().item()
             assert err < 2e-3, (kw, i, err)
         assert tokens == ref_tokens, kw
+
+
+def test_base_only_decode_replays_the_graphs_without_lora(tmp_path: Path) -> None:
+    """A LoRA server's steps without an adapter row: the plain decode graphs, base logits."""
+    path = _tiny(tmp_path)
+    adapters = [_adapter(tmp_path, "a", 1, 16, ALL)]
+    runs = [0, 0, 0, 0]
+    ref_tokens, ref_logits, _ = _run(path, adapters, runs, "cpu")
+    tokens, logits, runner = _run(path, adapters, runs, "cuda", teacher=ref_tokens,
+                                  extend_graph_sizes=[16, 32, 64])
+    assert runner.graphs is not None and runner.graphs.plain_replays == runner.graphs.replays > 0
+    for i, (got, want) in enumerate(zip(logits, ref_logits)):
+        assert (got - want).abs().max().item() < 2e-3, i
+    assert tokens == ref_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from lora_ranks import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, lora_layers_on_rank
 from safetensors.torch import save_file
@@ -30,6 +31,12 @@ def _adapter(path: Path, rank: int, alpha: int) -> None:
         {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(shapes)}))
 
 
-def test_adapters_shard_like_their_base_layers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stacked", [False, True])
+def test_adapters_shard_like_their_base_layers(tmp_path: Path, stacked: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """stacked: A under each weight shard, the per-token merge kernel (the CPU ranks interpret
+    it: they inherit TRITON_INTERPRET=1)."""
+    if stacked:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     _adapter(tmp_path / "a", rank=4, alpha=8)
-    assert run_ranks(lora_layers_on_rank, 2, str(tmp_path / "a"), 2.0) == ["ok", "ok"]
+    assert run_ranks(lora_layers_on_rank, 2, str(tmp_path / "a"), 2.0, stacked) == ["ok", "ok"]

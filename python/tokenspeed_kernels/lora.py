@@ -14,6 +14,11 @@ Two launch shapes of each:
   shrink's N (nsub * rank) is tiny, so a decode batch would be only T programs each streaming
   a whole [N, K] slab; the K slices (split-K) give the GPU T * slices programs, and the expand
   sums the slices' fp32 partials in a fixed order (deterministic, no atomics, no extra kernel).
+* Merge (per token, after a *stacked* GEMM): when the layer keeps the pool's A under its base
+  weight ([W; A_0; ..; A_{S-1}], layers/lora.py), one GEMM yields the base output and every
+  slot's x A_s^T, and `bgmv_merge` adds each row's xa B^T while copying the base columns out
+  contiguously: one launch per projection instead of shrink + expand (what the per-token
+  path, i.e. the CUDA graphs, runs for such layers).
 * SGMV (per segment): tokens of one request are contiguous and share an adapter, so one
   program multiplies a [BLOCK_M, K] tile of a segment by the adapter's weights with tl.dot:
   each weight tile is read once per BLOCK_M tokens instead of once per token (prefill). The
@@ -78,6 +83,32 @@ def _bgmv_expand_kernel(xa_ptr, b_ptr, y_ptr, slot_ptr, R, OUT, off1, off2, SLIC
     y_ptrs = y_ptr + t * stride_yt + offs_n
     y = tl.load(y_ptrs, mask=n_ok, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _bgmv_merge_kernel(out_ptr, b_ptr, y_ptr, slot_ptr, R, N, OUT, off1, off2, stride_ot,
+                       stride_bs, stride_bn, stride_yt, NSUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < OUT
+    row = out_ptr + t * stride_ot
+    y = tl.load(row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    s = tl.load(slot_ptr + t).to(tl.int64)
+    if s >= 0:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        # Column n belongs to sub-projection (n >= off1) + (n >= off2) and reads rank block sub
+        # of this slot's x A^T, which the stacked GEMM wrote after the OUT base columns.
+        sub = (offs_n >= off1).to(tl.int32) + (offs_n >= off2).to(tl.int32)
+        xa = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
+        for i in tl.static_range(NSUB):
+            xi = tl.load(row + OUT + s * N + i * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+            xa = tl.where((sub == i)[:, None], xi[None, :], xa)
+        b = tl.load(b_ptr + s * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
+                    mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        y += tl.sum(xa * b.to(tl.float32), axis=1)
+    tl.store(y_ptr + t * stride_yt + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -183,6 +214,28 @@ def bgmv_expand(xa: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor, y: 
     _bgmv_expand_kernel[grid](xa, b, y, token_slot, rank, out_cols, offs[0], offs[1],
                               xa.shape[0], xa.stride(0), xa.stride(1), b.stride(0), b.stride(1),
                               y.stride(0), BLOCK_N=block_n, BLOCK_R=_pow2(rank))
+    return y
+
+
+def bgmv_merge(out: torch.Tensor, b: torch.Tensor, token_slot: torch.Tensor,
+               sub_offsets: tuple[int, ...], rank: int, y: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """The expand of a *stacked* GEMM: `out` [T, OUT + S*N] = x @ [W; A_0; ..; A_{S-1}]^T holds
+    the base output (its first OUT columns) and every pool slot's x A_s^T (N = nsub*rank
+    columns each, slot s at OUT + s*N). Returns y [T, OUT] (contiguous, new unless given):
+    y[t] = out[t, :OUT] + xa_{slot}[t, rank block i] @ b[slot, cols of sub i]^T; rows with
+    slot -1 are the base output copied. One launch per projection, no shrink launch."""
+    t = out.shape[0]
+    out_cols = b.shape[1]
+    n = (out.shape[1] - out_cols) // b.shape[0]
+    if y is None:
+        y = torch.empty(t, out_cols, dtype=out.dtype, device=out.device)
+    offs = (*sub_offsets, out_cols, out_cols)[:2]
+    block_n = 128
+    grid = (t, triton.cdiv(out_cols, block_n))
+    _bgmv_merge_kernel[grid](out, b, y, token_slot, rank, n, out_cols, offs[0], offs[1],
+                             out.stride(0), b.stride(0), b.stride(1), y.stride(0),
+                             NSUB=len(sub_offsets) + 1, BLOCK_N=block_n, BLOCK_R=_pow2(rank))
     return y
 
 

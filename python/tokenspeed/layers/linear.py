@@ -83,6 +83,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return nn.functional.linear(x, weight, bias)
 
 
+def lora_linear(lora: LoraWeights, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, weight_scale: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) plus this step's LoRA delta: one stacked GEMM and a merge kernel when the
+    pool's A sits under W (layers/lora.py), else the base GEMM and the delta kernels."""
+    if lora.stacked_step(x):
+        assert lora.stacked is not None
+        return lora.merge(linear(x, lora.stacked, None if bias is None else lora.stacked_bias))
+    return lora.add_to(x, linear(x, weight, bias, weight_scale))
+
+
 def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != "
@@ -124,8 +134,9 @@ class ColumnLinear(nn.Module):
         _copy(param.data.narrow(0, offset, size), local.to(param.dtype), f"shard {shard}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.weight_scale)
-        return y if self.lora is None else self.lora.add_to(x, y)
+        if self.lora is not None:
+            return lora_linear(self.lora, x, self.weight, self.bias, self.weight_scale)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class QKVLinear(ColumnLinear):
@@ -183,10 +194,12 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            y = linear(x, self.weight, self.bias, self.weight_scale)
-            return y if self.lora is None else self.lora.add_to(x, y)
-        partial = linear(x, self.weight, None, self.weight_scale)
+            if self.lora is not None:
+                return lora_linear(self.lora, x, self.weight, self.bias, self.weight_scale)
+            return linear(x, self.weight, self.bias, self.weight_scale)
         if self.lora is not None:  # x A^T is a partial sum too: the all-reduce completes both
-            partial = self.lora.add_to(x, partial)
+            partial = lora_linear(self.lora, x, self.weight, None, self.weight_scale)
+        else:
+            partial = linear(x, self.weight, None, self.weight_scale)
         y = tp_all_reduce(partial, self.group)
         return y if self.bias is None else y + self.bias

@@ -152,8 +152,13 @@ class DecodeGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, backend: AttentionBackend,
                  max_bs: int, vocab_size: int, device: torch.device,
-                 last_tokens: torch.Tensor) -> None:
+                 last_tokens: torch.Tensor, lora: Any = None) -> None:
+        """`lora`: the LoRA pool (worker/lora.py), whose decode steps without an adapter row
+        replay a second set of graphs captured without LoRA (`LoraPool.plain`)."""
         self.model = model
+        self.lora = lora
+        self.plain_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.plain_replays = 0
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -200,17 +205,27 @@ class DecodeGraphRunner:
                 self._run(bs)
 
         self.graphs, pool = capture_graphs("decode", self.sizes, body, self.device, pool)
+        if self.lora is not None:  # same collectives, in the same order: ranks may mix them
+
+            def plain_body(bs: int) -> None:
+                with self.lora.plain():
+                    body(bs)
+
+            self.plain_graphs, pool = capture_graphs("decode (no LoRA)", self.sizes, plain_body,
+                                                     self.device, pool)
         return pool
 
     def can_run(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.max_bs
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, out_cache_loc: np.ndarray,
-            slots: np.ndarray, bs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            slots: np.ndarray, bs: int | None = None,
+            plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for one decode token per request, padded to the smallest captured size (or to
         `bs`, a captured size, however few the requests). Returns float32 logits [B, vocab] (a
         view of the static buffer, valid until the next replay) and the slots [B] on the
-        device. A size not captured (CPU tests) runs the same body eagerly."""
+        device. A size not captured (CPU tests) runs the same body eagerly. The graph without
+        LoRA runs when `plain` or the LoRA pool's step has no adapter row."""
         b = len(input_ids)
         if bs is None:
             bs = self.sizes[bisect.bisect_left(self.sizes, b)]
@@ -223,7 +238,10 @@ class DecodeGraphRunner:
         packed[2, b:] = -1  # padding rows write no K/V
         (dev,) = to_device_int64([packed.reshape(-1)], self.device)
         self.inputs[:, :bs].copy_(dev.view(4, bs))
-        graph = self.graphs.get(bs)
+        plain = plain or (self.lora is not None and not self.lora.adapter_rows)
+        graph = self.plain_graphs.get(bs) if plain else None
+        self.plain_replays += graph is not None
+        graph = graph or self.graphs.get(bs)
         if graph is not None or self.graph_backend:  # the eager body reads the same buffers
             if b:
                 self.backend.prepare_replay(bs, slots, positions, self.inputs[3, :bs])
@@ -242,7 +260,7 @@ class DecodeGraphRunner:
         """Replay the graph of size `bs` on padding rows only: an idle attention group's part in
         a lockstep decode step (its K/V written nowhere, its logits unread)."""
         empty = np.zeros(0, dtype=np.int64)
-        self.run(empty, empty, empty, empty, bs)
+        self.run(empty, empty, empty, empty, bs, plain=True)
 
 
 class ExtendGraphRunner:

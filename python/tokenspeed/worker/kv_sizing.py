@@ -64,6 +64,11 @@ def profile_num_pages(runner: Any, mem_fraction_static: float | None,
         graphs += activations * runner.extend_graph_sizes[-1] // tokens
     if drafter is not None and runner.cuda_graph_max_bs:  # verify graphs, the head's
         graphs += spec_graph_bytes(runner, activations, tokens)
+    lora = getattr(runner, "lora", None)
+    if lora is not None:  # LoRA's stacked GEMM in the graphs (worker/lora.py)
+        graph_tokens = max(runner.extend_graph_sizes[-1] if runner.extend_graph_sizes else 0,
+                           runner.cuda_graph_max_bs or 0)
+        graphs += lora.stacked_bytes(graph_tokens)
     reserve = activations + sampler + graphs + PROFILE_SAFETY_BYTES
     fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
     free, total = torch.cuda.mem_get_info(runner.device)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,13 +112,26 @@ class LoraPool:
             subs = layer.output_sizes if isinstance(layer, ColumnLinear) else [layer.weight.shape[0]]
             layer.lora = LoraWeights(self.batch, in_features, subs, max_rank, pool_slots, dtype,
                                      device)
+            # One GEMM for the base output and every slot's x A^T in per-token steps.
+            layer.lora.stack_base(layer.weight, layer.bias, layer.weight_scale is not None)
+        if device.type == "cuda":  # the unstacked weights' blocks, before memory is measured
+            torch.cuda.empty_cache()
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id → weights, LRU first
         self.paths: dict[int, str] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id → pool slot, evicted first first
         self.free = list(range(pool_slots - 1, -1, -1))
         self.slot_adapter = np.zeros(max_slots, np.int64)  # request slot → adapter id (0: base)
         self._slots_clear = False  # whether batch.token_slot holds only -1
+        self.adapter_rows = False  # the last prepared step has a row on an adapter
         self.failed: set[int] = set()  # request slots whose adapter could not be read
+
+    def stacked_bytes(self, tokens: int) -> int:
+        """Activation bytes the stacked path adds to a per-token step of `tokens` tokens (the
+        stacked GEMM's output [tokens, OUT + A rows] beside the merge's, at the widest layer):
+        the CUDA graphs' pool holds it; the profile forward (eager, no LoRA) does not see it."""
+        rows = [layer.lora.stacked.shape[0] for layer in self.layers.values()
+                if layer.lora is not None and layer.lora.stacked is not None]
+        return tokens * max(rows, default=0) * self.dtype.itemsize
 
     def admit(self, slot: int, adapter_id: int, path: str) -> None:
         """A new request in worker slot `slot` runs adapter `adapter_id` (0: the base model).
@@ -143,11 +158,11 @@ class LoraPool:
         pool_slot = np.full(len(ids), -1, np.int32)
         wanted = set(ids[ids > 0].tolist())
         keep = wanted | set(plan.lora_pin_adapter.tolist())
-        for i, aid in enumerate(ids.tolist()):
-            if aid:
-                pool_slot[i] = self._resident(aid, keep)
+        for aid in dict.fromkeys(ids[ids > 0].tolist()):  # once per adapter, not per request
+            pool_slot[ids == aid] = self._resident(aid, keep)
         token_slot = np.repeat(pool_slot, plan.sched_tokens_len)
         batch = self.batch
+        self.adapter_rows = bool(wanted)
         if per_token:
             self._write_token_slots(token_slot if wanted else None)
             batch.active, batch.per_token = True, True
@@ -159,6 +174,18 @@ class LoraPool:
         all -1 now; a replay reads what `prepare` wrote)."""
         self._write_token_slots(None)
         self.batch.active, self.batch.per_token = True, True
+
+    @contextmanager
+    def plain(self) -> Iterator[None]:
+        """Inside: the layers run without LoRA (capturing the decode graphs that steps with
+        no adapter row replay: they skip the LoRA kernels and the stacked GEMM's A rows)."""
+        batch = self.batch
+        state = batch.active, batch.per_token
+        batch.active = batch.per_token = False
+        try:
+            yield
+        finally:
+            batch.active, batch.per_token = state
 
     def _write_token_slots(self, token_slot: np.ndarray | None) -> None:
         """The whole fixed-size buffer: this step's slots, -1 past them (graph padding rows).

@@ -268,7 +268,7 @@ class ModelRunner:
         elif self.cuda_graph_max_bs:
             self.graphs = DecodeGraphRunner(self.model, self.kv_cache, self.backend,
                                             self.cuda_graph_max_bs, c.vocab_size, self.device,
-                                            self.last_tokens)
+                                            self.last_tokens, self.lora)
             self.graphs.capture(pool)
             if self.lockstep:  # a GPU check greps for it
                 logger.info("decode CUDA graphs under data-parallel attention: %d groups, one "
