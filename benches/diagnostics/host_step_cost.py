@@ -1,17 +1,23 @@
-"""Host (CPU) time of an eager model step at a large batch (issue 29): a tiny Llama (32 layers
-like Llama-3.1-8B, hidden 64, so the arithmetic is small and the time is mostly the worker's
-Python and torch dispatch), N requests decoding, then the median wall time of decode-only steps
-(N decodes) and mixed steps (N decodes + one prompt chunk), and with --profile the cProfile top
-list of each kind. Eager only: no CUDA graphs.
+"""Host (CPU) time of an eager model step at a large batch (issue 29): N requests decoding in a
+Llama (by default tiny: 32 layers like Llama-3.1-8B but hidden 64, so the arithmetic is small
+and the time is mostly the worker's Python and torch dispatch), then per kind of step
+(decode-only: N decodes; mixed: N decodes + one prompt chunk) the median of: the launch's wall
+and CPU ms (the host's work to queue the step), the whole step's wall ms, the GPU's ms between
+events around it (CUDA), ms per step with one step in flight as the worker loop runs them
+(worker/loop.py: the GPU's step time when the host keeps ahead, the host's when it does not),
+and the result's encoding (StepOutput.arrays). Eager only: no CUDA graphs.
 
     python3 benches/diagnostics/host_step_cost.py [--requests 820] [--prompt 1024] [--reps 10]
-        [--layers 32] [--profile 25] [--device cpu|cuda] [--placeholders]
+        [--layers 32] [--profile 25] [--ops] [--device cpu|cuda] [--placeholders]
+        [--full --kv-cache-dtype fp8 --context 1024]  (CUDA: the served S1 shape)
 
-On the CPU every torch op runs synchronously, so a step's time is host work plus the (small)
-arithmetic; compare the cProfile lists by function and call count to tell Python from compute.
-On CUDA (bf16, the triton backend) it times `launch` (the host's work to queue the step: what
-must stay below the GPU's step time for the GPU never to wait) and the whole step with
-torch.cuda.synchronize around it; --sync-debug warns on every op that waits for the GPU.
+On the CPU the served path runs, the triton backend, with every Triton launch a no-op (outputs
+stay unwritten): the backend's and the kernel wrappers' host code runs, their arithmetic and the
+launch itself do not. Every torch op runs synchronously there, so a step's time is host work
+plus the (small) arithmetic of the GEMMs and norms; --ops counts the aten ops (noise-free) and
+the cProfile lists compare by function and call count (--dump, then --compare A B).
+On CUDA (bf16) torch.cuda.synchronize brackets each timed step; --sync-debug warns on every op
+that waits for the GPU (a launch that syncs has launch ms close to step ms).
 
 Runs against 9577187's package too (PYTHONPATH=/tmp/old957, the wheel in .carry/old): APIs
 missing there are skipped (hasattr), so the two lists compare like for like.
@@ -39,7 +45,7 @@ from tokenspeed.bench.model_configs import LLAMA31_8B
 from tokenspeed.worker.model_runner import ModelRunner
 
 PAGE = 16
-PROFILED = 3  # steps per profile
+PROFILED = 10  # steps per profile
 
 
 def tiny_llama_dir(layers: int, vocab: int) -> str:
@@ -73,12 +79,9 @@ def main() -> None:
                     help="decodes read their input from the last sampled token (LAST_SAMPLED), "
                          "as the server's one-step-ahead plans do")
     ap.add_argument("--sync-debug", action="store_true", help="CUDA: warn on ops that sync")
-    ap.add_argument("--attention-backend", default=None, help="default: triton on CUDA, "
-                    "torch_native on the CPU (triton there needs --stub-triton)")
-    ap.add_argument("--stub-triton", action="store_true",
-                    help="CPU: every Triton launch returns at once (outputs stay unwritten), so "
-                         "the triton backend's and kernel wrappers' host code runs on the CPU "
-                         "without their arithmetic (the launch's own cost is not counted)")
+    ap.add_argument("--attention-backend", default="triton",
+                    help="triton (served; on the CPU its launches are stubbed, see below) or "
+                         "torch_native (the CPU reference: its own host loops and arithmetic)")
     ap.add_argument("--ops", action="store_true",
                     help="count the torch (aten) ops of one step of each kind: every one is a "
                          "dispatch, on CUDA most are a kernel launch (noise-free, unlike ms)")
@@ -89,7 +92,7 @@ def main() -> None:
         print(_compare(*args.compare, args.profile or 40))
         return
     torch.set_num_threads(args.threads)
-    if args.stub_triton:
+    if args.device == "cpu" and args.attention_backend == "triton":
         _stub_triton_launches()
     runner, plan, cases = _setup(args)
     cuda = args.device == "cuda"
@@ -104,22 +107,22 @@ def main() -> None:
     print(f"{what}, {runner.config.num_hidden_layers} layers, {args.device}, "
           f"{torch.get_num_threads()} torch thread(s), attention {runner.attention_backend}, "
           f"KV {runner.kv_dtype}; medians of {args.reps} steps (min)\n"
-          "| step | launch ms | launch CPU ms | step ms | GPU ms | pipelined ms/step |\n"
-          "|---|---|---|---|---|---|")
+          "| step | launch ms | launch CPU ms | step ms | GPU ms | pipelined ms/step | result ms |\n"
+          "|---|---|---|---|---|---|---|")
     profiles = {}
     for name, make in cases.items():
         runs = [_timed(runner, plan(make()), sync) for _ in range(args.reps + 1)][1:]  # 1st: warm-up
-        cols = [[r[i] for r in runs] for i in range(4)]
+        cols = [[r[i] for r in runs] for i in range(5)]
         gpu = f"{statistics.median(cols[3]):.2f}" if cuda else "-"
         pipe = _pipelined(runner, [plan(make()) for _ in range(args.reps)], sync)
         print(f"| {name} | {statistics.median(cols[0]):.2f} (min {min(cols[0]):.2f}) | "
               f"{statistics.median(cols[1]):.2f} (min {min(cols[1]):.2f}) | "
-              f"{statistics.median(cols[2]):.2f} (min {min(cols[2]):.2f}) | {gpu} | {pipe:.2f} |",
+              f"{statistics.median(cols[2]):.2f} (min {min(cols[2]):.2f}) | {gpu} | {pipe:.2f} | {statistics.median(cols[4]):.2f} |",
               flush=True)
         if args.ops:
             counts = _op_counts(runner, plan(make()))
             print(f"|   aten ops per step: {sum(counts.values())} ("
-                  + ", ".join(f"{k} {v}" for k, v in counts.most_common(12)) + ") | | | | | |")
+                  + ", ".join(f"{k} {v}" for k, v in counts.most_common(12)) + ") | | | | | | |")
         if args.profile:
             dump = f"{args.dump}-{name.split()[0]}.pstats" if args.dump else None
             profiles[name] = _profiled(runner, [plan(make()) for _ in range(PROFILED)], sync,
@@ -168,7 +171,8 @@ def _setup(args: argparse.Namespace) -> tuple[ModelRunner, Callable, dict[str, C
 
 def _timed(runner: ModelRunner, p: Any, sync: Callable[[], None]) -> tuple[float, ...]:
     """(launch wall ms, launch CPU ms of this thread, step wall ms, GPU ms between events around
-    the step (CUDA; 0 elsewhere)) of one step, alone: nothing queued before it."""
+    the step (CUDA; 0 elsewhere), result-encoding ms) of one step, alone: nothing queued before
+    it."""
     cuda = runner.device.type == "cuda"
     sync()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
@@ -179,11 +183,13 @@ def _timed(runner: ModelRunner, p: Any, sync: Callable[[], None]) -> tuple[float
     if events:
         events[1].record()
     t1, c1 = time.perf_counter(), time.thread_time()
-    pending.wait()
+    out = pending.wait()
     sync()
     t2 = time.perf_counter()
+    out.arrays()  # the worker loop's encoding of the result for the scheduler
+    t3 = time.perf_counter()
     gpu = events[0].elapsed_time(events[1]) if events else 0.0
-    return 1e3 * (t1 - t0), 1e3 * (c1 - c0), 1e3 * (t2 - t0), gpu
+    return 1e3 * (t1 - t0), 1e3 * (c1 - c0), 1e3 * (t2 - t0), gpu, 1e3 * (t3 - t2)
 
 
 def _pipelined(runner: ModelRunner, plans: list, sync: Callable[[], None]) -> float:
@@ -221,7 +227,7 @@ def _op_counts(runner: ModelRunner, p) -> Counter:
 
 
 def _stub_triton_launches() -> None:
-    """Every `kernel[grid](...)` returns without running (see --stub-triton)."""
+    """Every `kernel[grid](...)` returns without running (CPU, the triton backend)."""
     from triton.runtime.jit import JITFunction
 
     def run(self, *args, grid, warmup, **kwargs):
