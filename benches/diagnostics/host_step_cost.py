@@ -19,8 +19,9 @@ the cProfile lists compare by function and call count (--dump, then --compare A 
 On CUDA (bf16) torch.cuda.synchronize brackets each timed step; --sync-debug warns on every op
 that waits for the GPU (a launch that syncs has launch ms close to step ms).
 
-Runs against 9577187's package too (PYTHONPATH=/tmp/old957, the wheel in .carry/old): APIs
-missing there are skipped (hasattr), so the two lists compare like for like.
+Runs against 9577187's package too (PYTHONPATH=/tmp/old957, the wheel in .carry/old): every API
+it calls exists there (LAST_SAMPLED is looked up with a fallback), so the two compare like for
+like; --compare A B lines up two --dump files by function, without line numbers.
 """
 
 from __future__ import annotations
