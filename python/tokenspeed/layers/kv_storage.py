@@ -6,10 +6,11 @@ host tier runs them in plan order (host_kv_cache.py): a page the host tier lets 
 from its host slot, a prefix hit in storage is fetched into a host slot and loaded to the device
 from there. A backend only moves one page's bytes (every layer's K and V) by key.
 
-Backends: `file` (LocalFileStorage), one file per page. The radix cache's index of the tier
-starts empty and lives as long as the server, so each rank of each server run writes a
-directory of its own (under one per model and KV layout), removed when the worker exits: no
-server ever reads or deletes another's pages.
+Backends: `file` (LocalFileStorage), one raw file per page, written by background threads and
+read straight into the host slots. The radix cache's index of the tier starts empty and lives
+as long as the server, so each rank of each server run writes a directory of its own (under one
+per model and KV layout), removed when the worker exits: no server ever reads or deletes
+another's pages.
 """
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ class LocalFileStorage:
     Stores leave the caller's thread: `put` copies the page into a staging buffer and one of
     `threads` writer threads writes it (to a temporary name, then renamed into place: a reader
     never sees half a page; a key's puts and deletes all go to one thread, in order). At most
-    `queue_pages` pages wait; one more `put` waits for a buffer, so a disk
-    slower than the stores slows them down rather than filling memory. A `get` of a page still
-    waiting is served from its buffer; others are read straight into `outs` (`preadv`), on
-    `threads` threads when several are asked at once. `put`, `get` and `delete` are called
-    from one thread (the worker's)."""
+    `queue_pages` pages wait (default: STAGING_BYTES of them); one more `put` waits for a
+    buffer, so a disk slower than the stores slows them down rather than filling memory. A
+    `get` of a page still waiting is served from its buffer; others are read straight into
+    `outs` (`preadv`, no staging copy), on `threads` threads when several are asked at once.
+    `put`, `get` and `delete` are called from one thread (the worker's)."""
 
     def __init__(self, directory: Path, page_bytes: int, remove_at_exit: bool = False, *,
                  queue_pages: int | None = None, threads: int = 4) -> None:
@@ -137,8 +138,8 @@ class LocalFileStorage:
         self._writer.flush()
 
     def close(self) -> None:
-        """Writes what waits, stops the threads (and removes the directory if it was made to
-        be removed at exit)."""
+        """Writes what waits and stops the threads; a directory made to be removed at exit is
+        removed instead of written (its pages are discarded)."""
         self._close()
 
     def _read(self, key: int, out: Sequence[np.ndarray]) -> bool:
