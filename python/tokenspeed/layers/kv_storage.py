@@ -109,7 +109,8 @@ class LocalFileStorage:
                  queue_pages: int | None = None, threads: int | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         # Default: up to 4 readers and 4 writers, leaving half the cores to the worker's step.
-        threads = threads or min(4, max(1, len(os.sched_getaffinity(0)) // 2))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = threads or min(4, max(1, (cores or 2) // 2))
         self.dir = directory
         self.page_bytes = page_bytes
         depth = queue_pages or max(2, min(64, STAGING_BYTES // max(page_bytes, 1)))
