@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -117,8 +118,12 @@ def test_what_the_host_tier_drops_comes_back_from_local_files(storage: Server, p
     stored = storage.info()["storage_kv_pages"]
     # Device and host hold 32 pages of the 63 the prompts need: the rest went to storage.
     assert stored["store_pages"] > 0 and stored["used_pages"] > 0, stored
-    files = list(storage_dir.rglob("*.kv"))
-    assert len(files) == stored["used_pages"], (len(files), stored)
+    # Stores and drops are written by the backend's threads, off the step: wait for them.
+    deadline = time.monotonic() + 30
+    while (files := len(list(storage_dir.rglob("*.kv")))) != stored["used_pages"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert files == stored["used_pages"], (files, stored)
     second = _round(storage)
     stored = storage.info()["storage_kv_pages"]
     assert stored["hit_tokens"] >= 4 * 24 and stored["fetch_pages"] * 4 == stored["hit_tokens"], stored

@@ -110,9 +110,11 @@ def test_pages_stored_and_fetched_back_through_local_files_keep_their_kv(tmp_pat
     pool.run(src, dst, kinds, np.asarray(key))
     for layer, (k, v) in enumerate(before):
         assert torch.equal(cache.k[layer][6:8], k) and torch.equal(cache.v[layer][6:8], v)
+    store.flush()  # stores and drops are written by the backend's thread
     assert sorted(p.name for p in (tmp_path / "pages").iterdir()) == [
         f"{keys[1]:016x}.kv", f"{keys[0]:016x}.kv"]
     pool.run(np.asarray([0]), np.asarray([0]), np.asarray([DROP]), np.asarray([wire[1]]))
+    store.flush()
     assert [p.name for p in (tmp_path / "pages").iterdir()] == [f"{keys[0]:016x}.kv"]
     with pytest.raises(RuntimeError, match="missing"):
         pool.run(np.asarray([0]), np.asarray([3]), np.asarray([FETCH]), np.asarray([wire[1]]))

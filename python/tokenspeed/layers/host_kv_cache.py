@@ -14,7 +14,9 @@ waits for: correct first; the copies do not overlap the step that needs them yet
 With a storage tier (--hicache-storage-backend, kv_storage.py) the list also holds its stores
 (host slot -> storage, by key), fetches (storage -> host slot) and drops. They are host I/O,
 run in order after the side stream has finished what came before (a stored slot must hold its
-writeback; a fetched slot must no longer be read by an earlier load).
+writeback; a fetched slot must no longer be read by an earlier load). A store hands the slot's
+bytes to the backend, which copies them and writes them off the step's path; a plan's fetches
+read their files straight into the slots, several at a time.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ class HostKVPool:
         self.device_cache = device_cache
         self.stream = torch.cuda.Stream(dev) if pin else None
         self.storage = storage
+        # Byte views of each layer's K and V pools, a row per slot (numpy indexing is cheap
+        # where a torch view costs microseconds): what the storage tier reads and writes.
+        row = int(np.prod(page)) * self.k[0].element_size()
+        self._bytes = [t.view(torch.uint8).numpy().reshape(num_pages, row)
+                       for pair in zip(self.k, self.v) for t in pair]
 
     def run(self, src: np.ndarray, dst: np.ndarray, kind: np.ndarray,
             key: np.ndarray | None = None) -> None:
@@ -99,34 +106,32 @@ class HostKVPool:
             self._copy(kind, src, dst)
             return
         assert self.storage is not None  # _check refused storage copies without a tier
-        for s, d, k in zip(src.tolist(), dst.tolist(), key.tolist()):
-            if kind == STORE:
-                self.storage.put(k, self._page_bytes(s))
-            elif kind == FETCH:
-                self._fetch(k, d)
-            else:
+        if kind == STORE:  # the backend copies the slot before it returns (then writes it)
+            for s, k in zip(src.tolist(), key.tolist()):
+                self.storage.put(k, self._slot_bytes(s))
+        elif kind == FETCH:
+            self._fetch(key.tolist(), dst.tolist())
+        else:
+            for k in key.tolist():
                 self.storage.delete(k)
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [t for pair in zip(self.k, self.v) for t in pair]
+    def _slot_bytes(self, slot: int) -> list[np.ndarray]:
+        """Every layer's K and V of host slot `slot`: the page's bytes, in order, as views."""
+        return [t[slot] for t in self._bytes]
 
-    def _page_bytes(self, slot: int) -> np.ndarray:
-        """Every layer's K and V of host slot `slot`, as one byte string."""
-        return np.concatenate([t[slot].contiguous().view(torch.uint8).numpy().reshape(-1)
-                               for t in self._tensors()])
-
-    def _fetch(self, key: int, slot: int) -> None:
-        tensors = self._tensors()
-        buf = np.empty(sum(t[0].numel() * t.element_size() for t in tensors), np.uint8)
+    def _fetch(self, keys: list[int], slots: list[int]) -> None:
+        """Reads pages `keys` into host slots `slots`, in order (at once where no slot is
+        written twice)."""
         assert self.storage is not None
-        if not self.storage.get(key, buf):
-            raise RuntimeError(f"storage page {key & (2**64 - 1):#018x} is missing: the storage "
-                               "tier's files were removed while the server ran")
-        at = 0
-        for t in tensors:
-            page = t[slot].view(torch.uint8)
-            page.copy_(torch.from_numpy(buf[at:at + page.numel()]).reshape(page.shape))
-            at += page.numel()
+        batches = [list(range(len(keys)))] if len(set(slots)) == len(slots) else \
+            [[i] for i in range(len(keys))]
+        for batch in batches:
+            found = self.storage.get([keys[i] for i in batch],
+                                     [self._slot_bytes(slots[i]) for i in batch])
+            if not all(found):
+                k = keys[batch[found.index(False)]]
+                raise RuntimeError(f"storage page {k & (2**64 - 1):#018x} is missing: the storage "
+                                   "tier's files were removed while the server ran")
 
     def _check(self, src: np.ndarray, dst: np.ndarray, kind: np.ndarray) -> None:
         if not len(src) == len(dst) == len(kind):
