@@ -52,7 +52,8 @@ def decode_case(kv: str, prefetch: bool, stages: int) -> tuple:
     fp8 = kv != "bf16"
     constexprs = {"BLOCK_H": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16,
                   "DOT_PREC": "tf32", "UPCAST": False, "KV_CAST": fp8, "Q_F16": fp8,
-                  "FUSED_REDUCE": True, "BLOCK_G": 4, "BLOCK_S": 1, "BLOCK_CS": 1, "PREFETCH": prefetch}
+                  "FUSED_REDUCE": True, "BLOCK_G": 4, "BLOCK_S": 1, "BLOCK_CS": 1, "PREFETCH": prefetch,
+                  "HAS_SINKS": False, "SLIDING": False}
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in names if n.endswith("_ptr") or n in DECODE_DIV16}
     return (f"decode_split {kv} prefetch={prefetch}", _decode_split_kernel, sig, constexprs,

@@ -16,6 +16,22 @@ Triton then double-buffers the K/V copies (tile i+1's async copies in flight whi
 computes; with the page lookup in the same iteration it keeps one buffer and waits for each
 tile) and the fp8 kernel needs 119 registers instead of 162 (4 programs per SM, not 3): on
 the H100 at S1 sizes 2,435-2,484 GB/s against 2,209; a bf16 cache is ~2% slower with it.
+
+_decode_split_kernel's constexprs:
+FUSED_REDUCE: the last program of the (request, kv head) also writes out [B, Hq, D] (strides
+stride_fb/stride_fh) from all splits' partials; sem_ptr: [B * Hkv] int32 zeros (left zero).
+KV_CAST: the cache's dtype is not q's (fp8): converted to q's dtype in registers (exact for
+fp8); the K scale is in qk_scale and v_scale multiplies each split's output.
+Q_F16: q is converted to fp16 and the cache with it (e4m3/e5m2 -> fp16 is one conversion;
+-> bf16 goes through fp16 or fp32), so both dots run in fp16.
+PREFETCH: the next tile's page-table entries are looked up one iteration ahead, so the K/V
+loads' addresses do not wait on a load of their own iteration (see `prefetch` above).
+HAS_SINKS: each q head's sink logit (sinks_ptr [Hq], natural-log units) starts split 0's
+online softmax (max = the sink, sum = 1, no value), so it joins the denominator once.
+SLIDING: only the last `window` (> 0) keys. Without it the first key is the constant 0 and the
+compiler sees every split start at a multiple of BLOCK_N: with a runtime `window` of 0 instead
+(main until issue 29) the page lookups lost that alignment, +4% SASS at S1's decode step and
+~2.8% more kernel time on an H200. kernels/tests/sass_diff.py checks the plain launch's SASS.
 """
 
 from __future__ import annotations
@@ -87,60 +103,38 @@ def _tile_pages(pt_row, pos, end, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _decode_tiles(q, m_i, l_i, k_ptr, v_ptr, pt_row, start, end, kvh, qk_scale, stride_kp, stride_ks,
-                  stride_kh, stride_vp, stride_vs, stride_vh, mask_d, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_CAST: tl.constexpr,
-                  PREFETCH: tl.constexpr):
-    """Online softmax of q [BLOCK_H, BLOCK_D] over context positions [start, end), in BLOCK_N
-    tiles, from the running max m_i and sum l_i given [BLOCK_H] (-inf and 0, or a sink's):
-    (m_i, l_i, unnormalised output acc), log2 units."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    if PREFETCH:  # the first tile's pages; each iteration then looks up the next tile's
-        page_next = _tile_pages(pt_row, start + offs_n, end, PAGE_SIZE)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        mask_n = pos < end
-        if PREFETCH:
-            page = page_next
-            page_next = _tile_pages(pt_row, pos + BLOCK_N, end, PAGE_SIZE)
-        else:
-            page = _tile_pages(pt_row, pos, end, PAGE_SIZE)
-        in_page = pos % PAGE_SIZE
-        k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
-        v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_CAST:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-    return m_i, l_i, acc
+def _sink_start(sinks_ptr, heads, mask_h, split, BLOCK_H: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The online softmax's running max and sum [BLOCK_H] before the first tile: -inf and 0, or
+    with HAS_SINKS on split 0 each q head's sink (sinks_ptr [Hq], natural log) and 1."""
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_SINKS:  # split 0 is never empty (seq_len - lo >= 1): it always carries the sink
+        sink = tl.load(sinks_ptr + heads, mask=mask_h, other=float("-inf")).to(tl.float32)
+        m_i = tl.where(split == 0, sink * 1.4426950408889634, m_i)  # log2 units (LOG2E)
+        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
+    return m_i, l_i
 
 
 @triton.jit
-def _store_partial(out, lse, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr, b, kvh, split, heads,
-                   mask_h, mask_d, seq_len, lo, per_split, num_splits, group, stride_ob, stride_oh,
-                   stride_os, stride_lb, stride_lh, stride_fb, stride_fh, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_CS: tl.constexpr):
-    """A split's partial output and lse; with FUSED_REDUCE the last split of the (request, kv
-    head) to arrive combines them all into out."""
+def _store_split(acc, m_i, l_i, v_scale, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr, b, kvh, split,
+                 heads, mask_h, mask_d, seq_len, lo, per_split, num_splits, group, stride_ob, stride_oh,
+                 stride_os, stride_lb, stride_lh, stride_fb, stride_fh, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, KV_CAST: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_CS: tl.constexpr):
+    """A split's output (acc / l_i) and lse; with FUSED_REDUCE out itself where there is one
+    split, else the last split of the (request, kv head) to arrive combines them all into out."""
     offs_d = tl.arange(0, BLOCK_D)
+    # Empty splits (start >= end) store lse = -inf and zeros; the reduce gives them weight 0.
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_CAST:
+        out = out * v_scale
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    if FUSED_REDUCE:  # noqa: SIM102  (constexpr test kept apart from the runtime one)
+        if num_splits == 1:  # the reduce of one split is the identity
+            f_ptrs = out_ptr + b * stride_fb + heads[:, None] * stride_fh + offs_d[None, :]
+            tl.store(f_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+            return
     o_ptrs = part_out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, out, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
@@ -166,35 +160,25 @@ def _store_partial(out, lse, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr, b, kv
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr,
-    sinks_ptr, qk_scale, v_scale,
+    qk_scale, v_scale,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-    num_splits, group, window,
+    num_splits, group, sinks_ptr, window,  # the sinks' and window's last: the others' params as before
     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_CAST: tl.constexpr,
     Q_F16: tl.constexpr, FUSED_REDUCE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_CS: tl.constexpr, PREFETCH: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_CS: tl.constexpr, PREFETCH: tl.constexpr, HAS_SINKS: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """One program = one (request, kv head, split): all `group` q heads share each K/V tile.
-
-    FUSED_REDUCE: the last program of the (request, kv head) also writes out [B, Hq, D] (strides
-    stride_fb/stride_fh) from all splits' partials; sem_ptr: [B * Hkv] int32 zeros (left zero).
-    KV_CAST: the cache's dtype is not q's (fp8): converted to q's dtype in registers (exact for
-    fp8); the K scale is in qk_scale and v_scale multiplies each split's output.
-    Q_F16: q is converted to fp16 and the cache with it (e4m3/e5m2 -> fp16 is one conversion;
-    -> bf16 goes through fp16 or fp32), so both dots run in fp16.
-    PREFETCH: the next tile's page-table entries are looked up one iteration ahead, so the K/V
-    loads' addresses do not wait on a load of their own iteration (Triton then double-buffers
-    the K/V copies; see paged_decode_attention's `prefetch`).
-    HAS_SINKS: each q head's sink logit (sinks_ptr [Hq], natural-log units) starts split 0's
-    online softmax (max = the sink, sum = 1, no value), so it joins the denominator once.
-    """
+    Its constexprs: the module docstring. The tile loop is written here, not in a helper: an
+    inlined helper's debug-info ranges change ptxas's schedule (fp8: 156 registers, not 150)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    # Sliding window (window > 0): only the last `window` keys; the splits share those.
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    lo = 0  # the first key; with a sliding window the splits share the last `window` keys
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
     # Split length is a multiple of BLOCK_N so every split but the last runs full tiles.
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
@@ -202,45 +186,55 @@ def _decode_split_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     mask_h = offs_h < group
     mask_d = offs_d < HEAD_DIM
     heads = kvh * group + offs_h
 
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     if Q_F16:
         q = q.to(tl.float16)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if HAS_SINKS:  # split 0 is never empty (seq_len - lo >= 1): it always carries the sink
-        sink = tl.load(sinks_ptr + heads, mask=mask_h, other=float("-inf")).to(tl.float32)
-        m_i = tl.where(split == 0, sink * 1.4426950408889634, m_i)  # log2 units (LOG2E)
-        l_i = tl.where(m_i > float("-inf"), 1.0, 0.0)
-    m_i, l_i, acc = _decode_tiles(q, m_i, l_i, k_ptr, v_ptr, page_table_ptr + b * stride_pt, start, end, kvh,
-                                  qk_scale,
-                                  stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, mask_d,
-                                  BLOCK_H, BLOCK_D, BLOCK_N, PAGE_SIZE, DOT_PREC, UPCAST, KV_CAST, PREFETCH)
+    m_i, l_i = _sink_start(sinks_ptr, heads, mask_h, split, BLOCK_H, HAS_SINKS)
+    pt_row = page_table_ptr + b * stride_pt
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if PREFETCH:  # the first tile's pages; each iteration then looks up the next tile's
+        page_next = _tile_pages(pt_row, start + offs_n, end, PAGE_SIZE)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < end
+        if PREFETCH:
+            page = page_next
+            page_next = _tile_pages(pt_row, pos + BLOCK_N, end, PAGE_SIZE)
+        else:
+            page = _tile_pages(pt_row, pos, end, PAGE_SIZE)
+        in_page = pos % PAGE_SIZE
+        k_off = page * stride_kp + in_page * stride_ks + kvh * stride_kh
+        v_off = page * stride_vp + in_page * stride_vs + kvh * stride_vh
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_CAST:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
 
-    # Empty splits (start >= end) store lse = -inf and zeros; the reduce gives them weight 0.
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if KV_CAST:
-        out = out * v_scale
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    if FUSED_REDUCE:  # noqa: SIM102  (constexpr test kept apart from the runtime one)
-        if num_splits == 1:  # the reduce of one split is the identity
-            f_ptrs = out_ptr + b * stride_fb + heads[:, None] * stride_fh + offs_d[None, :]
-            tl.store(f_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-            return
-    _store_partial(out, lse, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr, b, kvh, split, heads, mask_h,
-                   mask_d, seq_len, lo, per_split, num_splits, group, stride_ob, stride_oh, stride_os,
-                   stride_lb, stride_lh, stride_fb, stride_fh, HEAD_DIM, BLOCK_D, FUSED_REDUCE, BLOCK_G,
-                   BLOCK_S, BLOCK_CS)
+    _store_split(acc, m_i, l_i, v_scale, part_out_ptr, part_lse_ptr, out_ptr, sem_ptr, b, kvh, split, heads,
+                 mask_h, mask_d, seq_len, lo, per_split, num_splits, group, stride_ob, stride_oh, stride_os,
+                 stride_lb, stride_lh, stride_fb, stride_fh, HEAD_DIM, BLOCK_D, KV_CAST, FUSED_REDUCE, BLOCK_G,
+                 BLOCK_S, BLOCK_CS)  # fmt: skip
 
 
 @triton.jit
@@ -398,16 +392,16 @@ def paged_decode_attention(
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
         semaphores if fused_reduce else part_lse,  # (unused without the fused reduce)
-        q if sinks is None else sinks, scale * LOG2E * k_scale, v_scale,
+        scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], page_table.stride(0),
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-        num_splits, group, window or 0,
+        num_splits, group, q if sinks is None else sinks, window or 0,
         BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=page_size,
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(q.dtype), KV_CAST=kv_cast,
         Q_F16=fp8_f16_dots and kv_cast and q.dtype in (torch.float16, torch.bfloat16),
-        FUSED_REDUCE=fused_reduce, BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s,
-        BLOCK_CS=block_cs, PREFETCH=prefetch, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        FUSED_REDUCE=fused_reduce, BLOCK_G=triton.next_power_of_2(group), BLOCK_S=block_s, BLOCK_CS=block_cs,
+        PREFETCH=prefetch, HAS_SINKS=sinks is not None, SLIDING=(window or 0) > 0, num_warps=num_warps,
+        num_stages=num_stages)  # fmt: skip
     if fused_reduce:
         return out
     _decode_reduce_kernel[(batch, hq)](
