@@ -15,7 +15,7 @@ import pytest
 
 from server_harness import Server
 from tokenspeed.worker.model_runner import ModelRunner
-from tokenspeed.worker.plan import StepPlan
+from tokenspeed.worker.plan import LAST_SAMPLED, StepPlan
 
 
 def drafts_follow_the_reference(runner: ModelRunner, prompt: list[int], steps: int,
@@ -84,8 +84,11 @@ def drafting_resumes_after_pauses(b: BatchDrafting) -> None:
            {0, 1}, paused={1})
     b.step(StepPlan.build(scheduled=[b.verify(0), b.plain(1, paused=False)]), {0, 1})
     b.step(StepPlan.build(scheduled=[b.plain(0), b.verify(1)]), {0, 1}, paused={0})
-    for _ in range(3):
-        b.step(StepPlan.build(scheduled=[b.plain(0), b.plain(1)]), {0, 1}, paused={0, 1})
+    # Paused steps planned one step ahead (overlap): `LAST_SAMPLED` inputs, never right after
+    # a verify step (slot 1's first), as the scheduler plans them.
+    for i in range(3):
+        b.step(StepPlan.build(scheduled=[b.plain(0, ahead=True), b.plain(1, ahead=i > 0)]),
+               {0, 1}, paused={0, 1})
     b.step(StepPlan.build(scheduled=[b.plain(1, paused=False), b.plain(0, paused=False)]), {0, 1})
     b.step(StepPlan.build(scheduled=[b.verify(0), b.verify(1)]), {0, 1})
 
@@ -124,11 +127,11 @@ class BatchDrafting:
             assert d == self.reference(self.seqs[slot]), slot
             self.drafts[slot] = d
 
-    def plain(self, slot: int, paused: bool = True) -> tuple:
+    def plain(self, slot: int, paused: bool = True, ahead: bool = False) -> tuple:
         """A plain decode row of the slot's last token, its drafting `paused` (the scheduler's
-        speculation gate) or not."""
+        speculation gate) or not; `ahead`: planned one step ahead, the token a placeholder."""
         s = self.seqs[slot]
-        return (slot, len(s) - 1, [s[-1]], True, 0, paused)
+        return (slot, len(s) - 1, [LAST_SAMPLED if ahead else s[-1]], True, 0, paused)
 
     def verify(self, slot: int, guess: list[int] | None = None) -> tuple:
         """A scheduled row verifying the slot's last drafts (or `guess`)."""
@@ -152,7 +155,7 @@ def assert_drafts_reported(server: Server, algorithm: str, chain: int) -> dict:
         time.sleep(0.1)
     assert info["speculative_algorithm"] == algorithm
     assert info["speculative_num_draft_tokens"] == chain
-    assert info["disable_overlap_schedule"] is True
+    assert info["disable_overlap_schedule"] is False  # overlap while speculation is paused
     engine = info["engine"]
     assert engine["spec_draft_tokens"] > 0 and engine["spec_verify_steps"] > 0
     assert 0 <= engine["spec_accepted_tokens"] <= engine["spec_draft_tokens"]

@@ -1,7 +1,7 @@
 """Speculative decoding settings: NGRAM, EAGLE3 and NEXTN are on, vLLM's --speculative-config
 maps onto the same flags, the other algorithms (and EAGLE tree drafting, NEXTN past one rank or
-on a model without an MTP layer) refuse clearly, and speculation turns the overlap scheduler
-off."""
+on a model without an MTP layer) refuse clearly, and the overlap scheduler stays as configured
+(the engine overlaps only while speculation is paused)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from tokenspeed.config import ConfigError, NotSupportedError, parse_serve_args
 
 
-def test_ngram_flags_reach_the_scheduler_and_turn_overlap_off() -> None:
+def test_ngram_flags_reach_the_scheduler_and_keep_overlap() -> None:
     cfg = parse_serve_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
                             "5", "--speculative-ngram-max-match-window-size", "6"])
     sched = cfg.section("scheduler")
@@ -19,7 +19,10 @@ def test_ngram_flags_reach_the_scheduler_and_turn_overlap_off() -> None:
     assert sched["speculative_ngram_min_match_window_size"] == 1
     assert sched["speculative_ngram_max_match_window_size"] == 6
     assert cfg.worker_dict()["speculative_num_draft_tokens"] == 5
-    assert cfg.disable_overlap_schedule is True
+    assert cfg.disable_overlap_schedule is False
+    off = parse_serve_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                            "5", "--disable-overlap-schedule"])
+    assert off.disable_overlap_schedule is True  # the user's choice stays
     plain = parse_serve_args([])
     assert plain.speculative_algorithm is None and plain.disable_overlap_schedule is False
 
@@ -30,7 +33,7 @@ def test_vllm_speculative_config_maps_onto_the_flags() -> None:
     assert (cfg.speculative_algorithm, cfg.speculative_num_draft_tokens) == ("NGRAM", 3)
     assert cfg.speculative_ngram_min_match_window_size == 2
     assert cfg.speculative_ngram_max_match_window_size == 5
-    assert cfg.disable_overlap_schedule is True
+    assert cfg.disable_overlap_schedule is False
     assert "speculative_config" not in cfg.server_dict()  # read by the launcher alone
 
 
@@ -91,7 +94,7 @@ def test_eagle3_settings_reach_the_scheduler_and_worker(argv: list[str]) -> None
     sched, worker = cfg.section("scheduler"), cfg.worker_dict()
     assert (sched["speculative_algorithm"], sched["speculative_num_draft_tokens"]) == ("EAGLE3", 3)
     assert (worker["speculative_draft_model_path"], worker["speculative_num_steps"]) == ("/h", 3)
-    assert cfg.disable_overlap_schedule is True
+    assert cfg.disable_overlap_schedule is False
 
 
 def test_eagle_tree_drafting_refuses() -> None:
@@ -114,7 +117,7 @@ def test_nextn_settings_reach_the_scheduler_and_worker(argv: list[str]) -> None:
     sched, worker = cfg.section("scheduler"), cfg.worker_dict()
     assert (sched["speculative_algorithm"], sched["speculative_num_draft_tokens"]) == ("NEXTN", 3)
     assert (worker["speculative_draft_model_path"], worker["speculative_num_steps"]) == (None, 3)
-    assert cfg.disable_overlap_schedule is True
+    assert cfg.disable_overlap_schedule is False
 
 
 def test_nextn_takes_a_separate_mtp_checkpoint() -> None:

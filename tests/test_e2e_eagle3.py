@@ -84,3 +84,34 @@ def test_speculation_flips_off_and_on_with_the_batch_exactly(server: Server,
              if ln.startswith("tokenspeed:spec_decode_")}
     assert value["tokenspeed:spec_decode_off_steps_total"] == engine["spec_off_steps"]
     assert value["tokenspeed:spec_decode_enabled"] == 1
+
+
+@pytest.fixture(scope="module")
+def paused_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The acceptance rule on (default break-even): the random head's drafts are rarely right,
+    so speculation pauses after a few verify steps and is probed every 6 plain steps; the
+    overlap scheduler is on (the default) and runs while it is paused."""
+    tmp = tmp_path_factory.mktemp("eagle3_paused")
+    target = json.loads((Path(os.environ["TOKENSPEED_TEST_ASSETS"]) / "smollm2" / "config.json")
+                        .read_text())
+    head = make_head(tmp / "head", target, draft_vocab=8192, seed=1)
+    srv = start_server(str(tmp), *FLAGS, "--speculative-algorithm", "EAGLE3",
+                       "--speculative-draft-model-path", str(head), "--speculative-num-steps", "3",
+                       "--speculative-probe-interval", "6")
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def test_paused_speculation_overlaps_exactly(server: Server, paused_server: Server) -> None:
+    # Two requests at once: paused steps planned one step ahead (placeholders), probes drained
+    # first and verified; greedy answers equal plain decoding's.
+    bodies = [{**REQUESTS[i], "max_tokens": n} for i, n in ((0, 24), (5, 40))]
+    assert_same_answers(answers(server, bodies), answers(paused_server, bodies))
+    info = paused_server.info()
+    engine = info["engine"]
+    assert info["disable_overlap_schedule"] is False
+    assert engine["spec_verify_steps"] > 0 and engine["spec_off_steps"] > 10, engine
+    assert engine["spec_ahead_steps"] > 5, engine  # placeholders were used while paused
+    assert "overlap scheduler runs while the speculation gate" in paused_server.log()

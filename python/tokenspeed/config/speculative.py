@@ -58,10 +58,8 @@ def resolve_speculative(cfg: Any) -> Any:
     if lo > hi:
         raise ConfigError(f"--speculative-ngram-min-match-window-size ({lo}) is larger than "
                           f"--speculative-ngram-max-match-window-size ({hi})")
-    if not cfg.disable_overlap_schedule:
-        # Drafts are built from the request's known tokens, which a one-step-ahead plan does
-        # not have yet (its last token is still being sampled). `launch` logs it.
-        cfg = dataclasses.replace(cfg, disable_overlap_schedule=True)
+    # The overlap scheduler stays as configured: the engine plans one step ahead only while the
+    # speculation gate has drafting paused (a drafting step needs the known tokens).
     return cfg
 
 
@@ -107,8 +105,9 @@ def speculative_note(cfg: Any) -> str | None:
     if cfg.speculative_algorithm is None:
         return None
     return (f"speculative decoding: {cfg.speculative_algorithm}, up to "
-            f"{cfg.speculative_num_draft_tokens} draft tokens per step; the overlap scheduler is "
-            "turned off (the two do not combine yet); "
+            f"{cfg.speculative_num_draft_tokens} draft tokens per step; "
+            + ("the overlap scheduler runs while the speculation gate has drafting paused; "
+               if not cfg.disable_overlap_schedule else "")
             + ("pure verify steps and the draft head's drafting after them replay CUDA graphs "
                "(triton attention, not MLA); prompt and mixed steps and the drafting after them "
                "run eagerly"

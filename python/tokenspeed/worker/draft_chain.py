@@ -32,15 +32,18 @@ Both passes (the step's verified rows, then each chain step over all drafting re
 run the head's attention as one batched call of the configured attention backend, over that
 cache, as the target's layers do. Host work is numpy over the whole step; one host → device
 transfer carries every index array and one device → host copy brings the drafts back. It runs
-once per step, after the step's tokens reach the host, with no overlap (the launcher turns
-overlap off): after a pure verify step whose target forward replayed a verify graph
+once per step, after the step's tokens reach the host (the next plan, if the engine sent it
+one step ahead, waits meanwhile; it does so only while speculation is paused): after a pure
+verify step whose target forward replayed a verify graph
 (worker/verify_graph.py), as CUDA graphs of the whole drafting (worker/draft_graph.py);
 after any other step (prompt chunks, mixed steps, no graphs, MLA heads), eagerly.
 
 While the scheduler has speculation turned off (`ScheduledRequest::pause_drafts`, its
 spec_gate.rs), a row draws no chain: the head's pass over its verified positions still runs (a
 "chain-less head pass", in the draft graphs' pass-alone graph where they hold), so its KV covers
-every position when drafting resumes.
+every position when drafting resumes. Those paused steps may be planned one step ahead (the
+overlap scheduler): a request's input is then `LAST_SAMPLED`, which the target's forward
+resolves on the device; its head row reads only the token the step sampled.
 """
 
 from __future__ import annotations

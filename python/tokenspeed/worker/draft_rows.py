@@ -68,9 +68,12 @@ def step_rows(plan: StepPlan, out: StepOutput, carry_pos: np.ndarray, page_table
     q0 = np.cumsum(n) - n
     acc_n, acc_at = _accepted(out, len(carry_pos))
     acc_n, acc_at = acc_n[slot], acc_at[slot]
-    # Overlap scheduling's placeholder inputs (never with a draft head): such a request is skipped.
+    # Overlap scheduling's placeholder inputs (`LAST_SAMPLED`, resolved on the device by the
+    # target's forward): only while speculation is paused, as a one-token decode, whose row's
+    # next token is the one it sampled (out.tokens), never the placeholder. It draws no chain.
     placeholder = np.bincount(np.repeat(np.arange(b), n)[ids == LAST_SAMPLED], minlength=b) > 0
-    keep = ~placeholder & (~sampled | (acc_n >= 0))
+    drafting &= ~placeholder
+    keep = ~sampled | (acc_n >= 0)
     known = n - d - 1  # this step's tokens whose next token is an input of the step
     own = known + np.where(sampled, acc_n, 0)  # plus the accepted ones (the bonus's is not)
     carried = (carry_pos[slot] >= 0) & (carry_pos[slot] == s - 1) & keep

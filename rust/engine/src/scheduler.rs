@@ -510,6 +510,7 @@ impl Scheduler {
             spec_verify_steps: self.spec.steps,
             spec_enabled: self.config.speculative_algorithm.is_some() && self.gate.is_on(),
             spec_off_steps: self.gate.off_steps(),
+            spec_ahead_steps: self.gate.ahead_steps(),
             host: self.cache.host_stats(),
             storage: self.cache.storage_stats(),
             kv_transfer: self.transfers,

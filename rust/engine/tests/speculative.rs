@@ -7,7 +7,9 @@
 mod common;
 
 use common::{config, request, Harness};
-use tokenspeed_engine::{FinishReason, Request, SamplingParams, Scheduler, SchedulerConfig};
+use tokenspeed_engine::{
+    FinishReason, Request, SamplingParams, Scheduler, SchedulerConfig, LAST_SAMPLED,
+};
 
 /// Copies the token 5 back, except at every 7th position (a deviation drafts cannot predict).
 fn copy_model(seq: &[u32]) -> u32 {
@@ -68,15 +70,10 @@ fn same_tokens_as_plain_decoding_and_drafts_accepted() {
             );
             assert_eq!(h.finish_reason(id), Some(FinishReason::Length));
         }
+        // With overlap too: while speculating nothing is planned behind a step in flight
+        // (`Scheduler::spec_paused`), so requests draft from known tokens as without it.
         let s = h.sched.stats();
-        if overlap {
-            // One step ahead a request's last token is always in flight (a placeholder), so
-            // there is nothing known to draft from: exact, but no drafts. Hence the launcher
-            // turns overlap off with speculative decoding.
-            assert_eq!(s.spec_draft_tokens, 0, "{s:?}");
-            h.assert_no_leak();
-            continue;
-        }
+        assert_eq!(s.spec_ahead_steps, 0, "never paused: {s:?}");
         assert!(
             s.spec_draft_tokens > 0 && s.spec_accepted_tokens > 0,
             "{s:?}"
@@ -296,6 +293,86 @@ fn low_acceptance_pauses_speculation_and_probes_it() {
     assert!(s.spec_off_steps > 50, "{s:?}");
     assert!(!s.spec_enabled, "{s:?}");
     h.assert_no_leak();
+}
+
+/// Overlap scheduling while the gate has speculation paused: with a step in flight the
+/// scheduler plans the next one ahead (`LAST_SAMPLED` decodes, no drafts, the worker told not
+/// to draft) only while `spec_paused()`; a step that speculates (a probe, or speculation on)
+/// is never planned behind a step in flight: `schedule()` gives nothing until the engine has
+/// received it. Tokens are plain decoding's, for NGRAM and a worker-side drafter.
+#[test]
+fn paused_speculation_overlaps_and_drains_before_speculating() {
+    fn wrong(_: &[u32]) -> u32 {
+        7
+    }
+    for algorithm in ["EAGLE3", "NGRAM"] {
+        let cfg = SchedulerConfig {
+            speculative_algorithm: Some(algorithm.into()),
+            speculative_break_even_accept_length: if algorithm == "NGRAM" { 3.9 } else { 1.7 },
+            speculative_break_even_per_request: 0.04,
+            speculative_probe_interval: 6,
+            ..spec_config(3, 4)
+        };
+        let mut h = harness(cfg, true);
+        h.worker.drafter = (algorithm == "EAGLE3").then_some((wrong as fn(&[u32]) -> u32, 3));
+        for id in 1..=2u64 {
+            h.submit(request(id, prompt(id as u32), 70 + 10 * id as u32));
+        }
+        let (mut ahead, mut refused) = (0, 0);
+        for _ in 0..1000 {
+            if h.sched.is_idle() && h.in_flight.is_empty() {
+                break;
+            }
+            let in_flight = !h.in_flight.is_empty();
+            let paused = h.sched.spec_paused();
+            let plan = h.sched.schedule();
+            if let Some(plan) = plan {
+                if in_flight {
+                    assert!(paused, "{algorithm}: planned ahead while speculating");
+                    for r in &plan.scheduled {
+                        assert!(
+                            r.pause_drafts && r.num_draft_tokens == 0,
+                            "{algorithm}: {r:?}"
+                        );
+                    }
+                    ahead += plan
+                        .scheduled
+                        .iter()
+                        .filter(|r| r.tokens == [LAST_SAMPLED])
+                        .count();
+                }
+                let result = h.worker.execute(&plan);
+                h.in_flight.push_back(result);
+                h.plans.push(plan);
+                if h.in_flight.len() < 2 {
+                    continue;
+                }
+            } else if in_flight {
+                refused += usize::from(!paused);
+            }
+            h.advance_oldest();
+        }
+        assert!(h.sched.is_idle(), "{algorithm}: not done");
+        for id in 1..=2u64 {
+            let n = 70 + 10 * id as u32;
+            assert_eq!(
+                h.tokens(id),
+                reference(&prompt(id as u32), n, None),
+                "{algorithm}"
+            );
+        }
+        let s = h.sched.stats();
+        // Mostly paused and overlapped; probes (and the first steps) drained the pipeline.
+        assert!(
+            ahead > 40 && refused > 3,
+            "{algorithm}: {ahead} {refused} {s:?}"
+        );
+        assert!(
+            s.spec_ahead_steps > 20 && s.spec_verify_steps > 0,
+            "{algorithm}: {s:?}"
+        );
+        h.assert_no_leak();
+    }
 }
 
 /// Only NGRAM is drafted by the scheduler; an algorithm none of the three is refused when the

@@ -503,6 +503,8 @@ pub struct SchedulerStats {
     /// the decoding steps that ran without it while configured (`spec_gate.rs`).
     pub spec_enabled: bool,
     pub spec_off_steps: u64,
+    /// Steps planned one step ahead (behind a step in flight) while speculation was paused.
+    pub spec_ahead_steps: u64,
     /// The radix cache's host tier (zeros without one).
     pub host: HostStats,
     /// Its storage tier (zeros without one).

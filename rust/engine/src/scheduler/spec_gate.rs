@@ -69,6 +69,11 @@ pub struct SpecGate {
     /// Decoding steps that ran without speculation, and whether the latest one ran with it.
     off_steps: u64,
     on: bool,
+    /// The latest step planned with speculation (verifying or drafting after it): no step may
+    /// be planned behind it while it is in flight (`Scheduler::spec_paused`).
+    on_step: Option<u64>,
+    /// Steps planned one step ahead (behind a step in flight) while speculation was paused.
+    ahead_steps: u64,
 }
 
 impl SpecGate {
@@ -86,6 +91,8 @@ impl SpecGate {
             fresh: false,
             off_steps: 0,
             on: true,
+            on_step: None,
+            ahead_steps: 0,
         }
     }
 
@@ -106,6 +113,42 @@ impl SpecGate {
             self.off_steps += 1;
         }
         mode
+    }
+
+    /// The mode `decide(batch)` would return now, deciding nothing (the state is unchanged).
+    pub fn peek(&self, batch: usize) -> SpecMode {
+        let cap = self.disable_by_batch_size as usize;
+        let on = if batch == 0 {
+            self.on
+        } else if cap > 0 && batch >= cap {
+            false
+        } else {
+            !self.paused || self.probing > 0 || self.waited + 1 >= self.probe_interval
+        };
+        if on {
+            SpecMode::ON
+        } else {
+            SpecMode::OFF
+        }
+    }
+
+    /// Step `step_id` was planned in `mode`; `ahead`: behind a step still in flight.
+    pub fn planned(&mut self, step_id: u64, mode: SpecMode, ahead: bool) {
+        if mode != SpecMode::OFF {
+            self.on_step = Some(step_id);
+        } else if ahead {
+            self.ahead_steps += 1;
+        }
+    }
+
+    /// The latest step planned with speculation.
+    pub fn on_step(&self) -> Option<u64> {
+        self.on_step
+    }
+
+    /// Steps planned one step ahead while speculation was paused.
+    pub fn ahead_steps(&self) -> u64 {
+        self.ahead_steps
     }
 
     fn mode(&mut self, batch: usize) -> SpecMode {

@@ -109,3 +109,22 @@ fn the_batch_rule_overrides_a_probe_and_a_paying_acceptance() {
     }
     assert_eq!(g.decide(7), SpecMode::ON);
 }
+
+/// `peek` (the engine's depth, `Scheduler::spec_paused`) says what the next `decide` does,
+/// through pauses, probes, resumption and the batch rule, and changes nothing.
+#[test]
+fn peek_foretells_decide() {
+    let mut g = gate(6, 1.7, 0.04, 3);
+    for i in 0..200u32 {
+        let batch = [1, 2, 0, 7, 3][i as usize % 5];
+        let seen = g.peek(batch);
+        assert_eq!(g.peek(batch), seen, "peeking twice changes nothing");
+        let mode = g.decide(batch);
+        assert_eq!(seen, mode, "step {i}, batch {batch}");
+        if mode.verify {
+            // Mostly below the break-even, now and then well above it.
+            g.observe(if i % 37 < 4 { 3.5 } else { 1.0 }, batch);
+        }
+    }
+    assert!(g.off_steps() > 50, "{}", g.off_steps());
+}

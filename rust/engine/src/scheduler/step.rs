@@ -26,6 +26,10 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Option<Plan> {
         // Before anything is put in the step: a victim must not be both planned and retracted.
         self.preempt_for_waiting();
+        if self.spec_waits_for_in_flight() {
+            return None;
+        }
+        let ahead = !self.in_flight.is_empty();
         let mut step = StepBuilder::default();
         self.decide_speculation();
         let full_budget = self.prompt_budget();
@@ -39,7 +43,36 @@ impl Scheduler {
             self.admit(&mut budget, &mut step);
         }
         scheduled.prompt_tokens = full_budget - budget;
-        self.seal(step, scheduled)
+        let plan = self.seal(step, scheduled)?;
+        if self.config.speculative_algorithm.is_some() {
+            self.gate.planned(plan.step_id, self.spec_mode, ahead);
+        }
+        Some(plan)
+    }
+
+    /// Whether speculation is configured and paused: the next step would neither verify
+    /// drafts nor draft after itself, and no step that does is in flight. Only then may a step
+    /// be planned one step ahead (every paused step yields exactly one token per request, what
+    /// a `LAST_SAMPLED` placeholder assumes): the engine overlaps while this holds
+    /// (`--disable-overlap-schedule` aside) and drains its steps in flight before the next
+    /// speculating one (a probe, or the gate turning speculation back on).
+    pub fn spec_paused(&self) -> bool {
+        let on_step_in_flight = self
+            .gate
+            .on_step()
+            .is_some_and(|s| self.in_flight.iter().any(|(id, _)| *id == s));
+        self.config.speculative_algorithm.is_some()
+            && self.gate.peek(self.running.len()) == super::spec_gate::SpecMode::OFF
+            && !on_step_in_flight
+    }
+
+    /// With speculation configured and a step in flight, nothing is planned unless speculation
+    /// is paused (`spec_paused`): drafts, or a step the worker drafts after, never go behind a
+    /// step whose accepted tokens are not known yet.
+    fn spec_waits_for_in_flight(&self) -> bool {
+        self.config.speculative_algorithm.is_some()
+            && !self.in_flight.is_empty()
+            && !self.spec_paused()
     }
 
     /// Whether this step speculates (`spec_gate.rs`), from the running batch (the requests

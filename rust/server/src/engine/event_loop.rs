@@ -104,8 +104,8 @@ impl EngineLoop {
     }
 
     pub(super) fn run(&mut self) {
-        let depth = if self.options.overlap { 2 } else { 1 };
         loop {
+            let depth = self.depth();
             // Before any wait: what the last step, result or command did to the cache.
             self.publish_kv_events();
             // Block only when there is nothing to schedule nor to receive (nor an op to send).
@@ -148,6 +148,20 @@ impl EngineLoop {
             } else if !sent && !self.wait_idle() {
                 return;
             }
+        }
+    }
+
+    /// Plans in flight at most: two with overlap on (one step ahead), except under speculative
+    /// decoding while it speculates; while the gate has it paused every step yields one token
+    /// per request, so overlap runs then, and the loop drains (depth 1) before the next step
+    /// that speculates (the scheduler plans nothing behind a step in flight until then).
+    fn depth(&self) -> usize {
+        let speculating = self.scheduler.config().speculative_algorithm.is_some()
+            && !self.scheduler.spec_paused();
+        if self.options.overlap && !speculating {
+            2
+        } else {
+            1
         }
     }
 
