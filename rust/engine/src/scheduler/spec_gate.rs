@@ -152,25 +152,22 @@ impl SpecGate {
     }
 
     fn mode(&mut self, batch: usize) -> SpecMode {
-        let cap = self.disable_by_batch_size as usize;
-        if cap > 0 && batch >= cap {
-            return SpecMode::OFF;
+        // The rule is `peek`'s; here only its counters advance.
+        let mode = self.peek(batch);
+        let capped = self.disable_by_batch_size > 0 && batch >= self.disable_by_batch_size as usize;
+        if self.paused && !capped {
+            if self.probing > 0 {
+                self.probing -= 1;
+            } else {
+                self.waited += 1;
+                if self.waited >= self.probe_interval {
+                    self.waited = 0;
+                    self.probing = PROBE_STEPS - 1;
+                    self.fresh = true;
+                }
+            }
         }
-        if !self.paused {
-            return SpecMode::ON;
-        }
-        if self.probing > 0 {
-            self.probing -= 1;
-            return SpecMode::ON;
-        }
-        self.waited += 1;
-        if self.waited >= self.probe_interval {
-            self.waited = 0;
-            self.probing = PROBE_STEPS - 1;
-            self.fresh = true;
-            return SpecMode::ON;
-        }
-        SpecMode::OFF
+        mode
     }
 
     /// A step's verifying request-steps produced `accept_len` tokens each on average (accepted
